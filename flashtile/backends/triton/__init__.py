@@ -1,0 +1,1 @@
+"""Triton backend: FlashAttention-2 kernels (``kernels/``), their launchers (``launch.py``) and tile configs."""

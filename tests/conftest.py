@@ -1,0 +1,61 @@
+"""Test setup: the device, the backends to run on it, per-test random generators, poisoned outputs.
+
+Without CUDA the Triton kernels run on CPU tensors through Triton's interpreter, which reads
+``TRITON_INTERPRET`` when triton is imported: it is set here, before anything imports flashtile.
+"""
+import os
+import pathlib
+import sys
+import zlib
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+# Every buffer a kernel must fill starts as NaN (flashtile/alloc.py): an element left unwritten fails.
+os.environ["FLASHTILE_POISON"] = "1"
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+import pytest  # noqa: E402
+
+from flashtile.dispatch import force_backend  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+# On CPU both backends run (Triton through the interpreter); on CUDA the Triton kernels are the product.
+BACKENDS = ("triton",) if HAS_CUDA else ("torch", "triton")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU; skipped on CPU")
+    # Triton's interpreter (not flashtile) trips a numpy deprecation on every scalar load.
+    config.addinivalue_line("filterwarnings", "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("cuda") and not HAS_CUDA:
+        pytest.skip("needs a CUDA GPU")
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    # Triton's interpreter computes bfloat16 wrongly (numpy has no bf16), so bf16 runs only on GPU or the torch backend.
+    if params.get("dtype") is torch.bfloat16 and params.get("backend") == "triton" and not HAS_CUDA:
+        pytest.skip("bfloat16 is not supported by Triton's interpreter")
+
+
+@pytest.fixture
+def device():
+    """``"cuda"`` when a GPU is present, else ``"cpu"``."""
+    return DEVICE
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    """Runs the test body with every flashtile call forced onto one backend; yields its name."""
+    with force_backend(request.param):
+        yield request.param
+
+
+@pytest.fixture
+def rng(request):
+    """A CPU generator seeded from the test id: fresh inputs per test, the same on every rerun."""
+    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))

@@ -1,0 +1,111 @@
+"""flashtile.stats() / reset_stats(): which backend served each call, and fallbacks by reason."""
+import pytest
+import torch
+
+import flashtile
+from flashtile import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+from flashtile.dispatch import force_backend
+from flashtile.testing import make_qkv
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(autouse=True)
+def clean_stats():
+    flashtile.reset_stats()
+    yield
+    flashtile.reset_stats()
+
+
+def small_inputs(device, rng, requires_grad=False):
+    return make_qkv(1, 3, 5, 2, 1, 8, torch.float16 if device == "cuda" else torch.float32, device, requires_grad=requires_grad, generator=rng)
+
+
+def test_reset_clears_everything(device, rng):
+    with force_backend("torch"):
+        flash_attn_func(*small_inputs(device, rng))
+    assert flashtile.stats()["calls"] == {"torch": 1}
+    flashtile.reset_stats()
+    assert flashtile.stats() == {"calls": {}, "fallbacks": {}}
+
+
+@pytest.mark.parametrize("name", ["torch", "triton"])
+def test_forced_backend_is_counted(name, device, rng):
+    q, k, v = small_inputs(device, rng, requires_grad=True)
+    with force_backend(name):
+        for _ in range(3):
+            out = flash_attn_func(q, k, v, causal=True)
+        out.sum().backward()  # the backward is part of a call, not a call of its own
+    assert flashtile.stats() == {"calls": {name: 3}, "fallbacks": {}}
+
+
+def test_every_public_function_is_counted(device, rng):
+    q, k, v = small_inputs(device, rng)
+    qkv = make_qkv(1, 4, 4, 2, 2, 8, q.dtype, device, packed="qkv", requires_grad=False, generator=rng)
+    with force_backend("torch"):
+        flash_attn_func(q, k, v)
+        flash_attn_qkvpacked_func(qkv)
+        flash_attn_kvpacked_func(q, torch.stack([k, v], dim=2))
+    assert flashtile.stats()["calls"] == {"torch": 3}
+
+
+def test_stats_returns_a_snapshot(device, rng):
+    with force_backend("torch"):
+        flash_attn_func(*small_inputs(device, rng))
+    snapshot = flashtile.stats()
+    snapshot["calls"]["torch"] = 100
+    snapshot["fallbacks"]["made up"] = 1
+    assert flashtile.stats() == {"calls": {"torch": 1}, "fallbacks": {}}
+
+
+def test_nested_force_backend_uses_innermost(device, rng):
+    q, k, v = small_inputs(device, rng)
+    with force_backend("triton"):
+        with force_backend("torch"):
+            flash_attn_func(q, k, v)
+        flash_attn_func(q, k, v)
+    assert flashtile.stats()["calls"] == {"torch": 1, "triton": 1}
+
+
+def test_force_backend_rejects_unknown_name():
+    with pytest.raises(ValueError, match=r"backend must be one of.*'cudnn'"):
+        with force_backend("cudnn"):
+            pass
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="CPU dispatch rules")
+def test_cpu_under_interpreter_goes_to_triton(rng, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    flash_attn_func(*small_inputs("cpu", rng))
+    assert flashtile.stats() == {"calls": {"triton": 1}, "fallbacks": {}}
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="CPU dispatch rules")
+@pytest.mark.parametrize("value", ["0", ""])
+def test_cpu_without_interpreter_goes_to_torch(value, rng, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    q, k, v = small_inputs("cpu", rng, requires_grad=True)
+    flash_attn_func(q, k, v).sum().backward()
+    flash_attn_qkvpacked_func(make_qkv(1, 4, 4, 2, 2, 8, torch.float32, "cpu", packed="qkv", generator=rng))
+    # CPU tensors belong to the torch backend: this is not a fallback.
+    assert flashtile.stats() == {"calls": {"torch": 2}, "fallbacks": {}}
+
+
+@pytest.mark.cuda
+def test_cuda_goes_to_triton(rng):
+    flash_attn_func(*small_inputs("cuda", rng))
+    assert flashtile.stats() == {"calls": {"triton": 1}, "fallbacks": {}}
+
+
+@pytest.mark.cuda
+def test_cpu_tensors_on_a_cuda_machine_go_to_torch(rng, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    flash_attn_func(*small_inputs("cpu", rng))
+    assert flashtile.stats() == {"calls": {"torch": 1}, "fallbacks": {}}
+
+
+def test_failed_validation_is_not_counted(device, rng):
+    q, k, v = small_inputs(device, rng)
+    with pytest.raises(ValueError):
+        flash_attn_func(q, k[:, :, :, :4].contiguous(), v)
+    assert flashtile.stats()["calls"] == {}

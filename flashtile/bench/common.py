@@ -113,7 +113,8 @@ def git_commit(path: Path | None = None) -> dict:
     try:
         commit = git("rev-parse", "HEAD")
     except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": None}
+        # A copy of the tree without .git (e.g. on a remote GPU box): the caller may name the commit.
+        return {"commit": os.environ.get("FLASHTILE_GIT_COMMIT"), "dirty": None}
     try:
         dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
     except (OSError, subprocess.SubprocessError):

@@ -5,8 +5,6 @@ for a backend and runs the matching autograd Function.
 """
 from __future__ import annotations
 
-import torch
-
 from . import validation
 from .autograd import FlashAttnFunc, FlashAttnKVPackedFunc, FlashAttnQKVPackedFunc
 from .dispatch import select_backend
@@ -54,9 +52,7 @@ def flash_attn_func(
     """
     validation.check_not_yet_supported(dropout_p, window_size, softcap, alibi_slopes)
     validation.check_qkv(q, k, v)
-    scale = validation.check_softmax_scale(softmax_scale, q.shape[-1])
-    out, lse = FlashAttnFunc.apply(q, k, v, scale, bool(causal), bool(deterministic), select_backend(q))
-    return (out, lse, None) if return_attn_probs else out
+    return _attention(FlashAttnFunc, (q, k, v), q, softmax_scale, causal, deterministic, return_attn_probs)
 
 
 def flash_attn_qkvpacked_func(
@@ -76,13 +72,9 @@ def flash_attn_qkvpacked_func(
     packed tensor of ``qkv``'s shape. Other arguments as in :func:`flash_attn_func`.
     """
     validation.check_not_yet_supported(dropout_p, window_size, softcap, alibi_slopes)
-    validation.check_tensor("qkv", qkv, 5, "(batch, seqlen, 3, nheads, headdim)")
-    if qkv.shape[2] != 3:
-        raise ValueError(f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got dim 2 of size {qkv.shape[2]} (shape={tuple(qkv.shape)})")
-    validation.check_qkv(*qkv.unbind(2))
-    scale = validation.check_softmax_scale(softmax_scale, qkv.shape[-1])
-    out, lse = FlashAttnQKVPackedFunc.apply(qkv, scale, bool(causal), bool(deterministic), select_backend(qkv))
-    return (out, lse, None) if return_attn_probs else out
+    q, k, v = validation.check_packed("qkv", qkv, 3, "(batch, seqlen, 3, nheads, headdim)")
+    validation.check_qkv(q, k, v)
+    return _attention(FlashAttnQKVPackedFunc, (qkv,), q, softmax_scale, causal, deterministic, return_attn_probs)
 
 
 def flash_attn_kvpacked_func(
@@ -103,10 +95,13 @@ def flash_attn_kvpacked_func(
     Other arguments as in :func:`flash_attn_func`.
     """
     validation.check_not_yet_supported(dropout_p, window_size, softcap, alibi_slopes)
-    validation.check_tensor("kv", kv, 5, "(batch, seqlen_k, 2, nheads_kv, headdim)")
-    if kv.shape[2] != 2:
-        raise ValueError(f"kv must have shape (batch, seqlen_k, 2, nheads_kv, headdim), got dim 2 of size {kv.shape[2]} (shape={tuple(kv.shape)})")
-    validation.check_qkv(q, *kv.unbind(2))
+    k, v = validation.check_packed("kv", kv, 2, "(batch, seqlen_k, 2, nheads_kv, headdim)")
+    validation.check_qkv(q, k, v)
+    return _attention(FlashAttnKVPackedFunc, (q, kv), q, softmax_scale, causal, deterministic, return_attn_probs)
+
+
+def _attention(function, inputs, q, softmax_scale, causal, deterministic, return_attn_probs):
+    """Fill the scale, pick the backend for q's device, run the autograd Function."""
     scale = validation.check_softmax_scale(softmax_scale, q.shape[-1])
-    out, lse = FlashAttnKVPackedFunc.apply(q, kv, scale, bool(causal), bool(deterministic), select_backend(q))
+    out, lse = function.apply(*inputs, scale, bool(causal), bool(deterministic), select_backend(q))
     return (out, lse, None) if return_attn_probs else out

@@ -30,6 +30,14 @@ def check_tensor(name: str, t, ndim: int, layout: str) -> None:
         )
 
 
+def check_packed(name: str, t, parts: int, layout: str) -> tuple:
+    """``t`` packs ``parts`` tensors along dim 2; returns them as views (no copy)."""
+    check_tensor(name, t, 5, layout)
+    if t.shape[2] != parts:
+        raise ValueError(f"{name} must have shape {layout}, got dim 2 of size {t.shape[2]} (shape={tuple(t.shape)})")
+    return t.unbind(2)
+
+
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Validate q, k, v in the ``(batch, seqlen, nheads, headdim)`` layout."""
     layout = "(batch, seqlen, nheads, headdim)"

@@ -10,7 +10,7 @@ With ``dS = P * (dP - delta)``: ``dV = P^T dO``, ``dK = scale * dS^T Q``, ``dQ =
 import triton
 import triton.language as tl
 
-from .common import int64, kv_block_range, load_tile, q_block_range, store_tile, visible
+from .common import int64, kv_block_range, load_tile, q_block_range, query_program, store_tile, tile_ptrs, visible
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -24,15 +24,12 @@ def bwd_preprocess(O, DO, LSE, DELTA, LSE2,
     # Offsets of long sequences can pass 2**31 elements: do the index math in int64.
     stride_ob, stride_om, stride_oh = int64(stride_ob, stride_om, stride_oh)
     stride_dob, stride_dom, stride_doh = int64(stride_dob, stride_dom, stride_doh)
-    start_m = tl.program_id(0)
-    off_h = tl.program_id(1)
-    off_b = tl.program_id(2).to(tl.int64)
-    off_bh = off_b * nheads + off_h
+    start_m, off_b, off_h, _, off_bh = query_program(nheads, 1, False)
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    o = load_tile(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
+    o = load_tile(tile_ptrs(O, off_b, off_h, stride_ob, stride_oh, offs_m, stride_om, offs_d),
                   offs_m, seqlen_q, offs_d, HEAD_DIM_ACTUAL, HEAD_DIM, True)
-    do = load_tile(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :],
+    do = load_tile(tile_ptrs(DO, off_b, off_h, stride_dob, stride_doh, offs_m, stride_dom, offs_d),
                    offs_m, seqlen_q, offs_d, HEAD_DIM_ACTUAL, HEAD_DIM, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     row = off_bh * seqlen_q + offs_m
@@ -103,9 +100,9 @@ def bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, softmax_scale,
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    k = load_tile(K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :],
+    k = load_tile(tile_ptrs(K, off_b, off_hk, stride_kb, stride_kh, offs_n, stride_kn, offs_d),
                   offs_n, seqlen_k, offs_d, HEAD_DIM_ACTUAL, HEAD_DIM, True)
-    v = load_tile(V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :],
+    v = load_tile(tile_ptrs(V, off_b, off_hk, stride_vb, stride_vh, offs_n, stride_vn, offs_d),
                   offs_n, seqlen_k, offs_d, HEAD_DIM_ACTUAL, HEAD_DIM, True)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
@@ -115,8 +112,8 @@ def bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, softmax_scale,
     # Sum over the query heads that share this KV head (GQA), in a fixed order.
     for g in range(group):
         off_h = off_hk * group + g
-        q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :]
-        do_ptrs = DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :]
+        q_ptrs = tile_ptrs(Q, off_b, off_h, stride_qb, stride_qh, offs_m, stride_qm, offs_d)
+        do_ptrs = tile_ptrs(DO, off_b, off_h, stride_dob, stride_doh, offs_m, stride_dom, offs_d)
         row = (off_b * nheads + off_h) * seqlen_q
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE2 + row, DELTA + row, stride_qm, stride_dom,
                                  offs_n, offs_d, m_start, m_full, seqlen_q, seqlen_k, qk_scale,
@@ -126,9 +123,9 @@ def bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, softmax_scale,
                                  BLOCK_M, HEAD_DIM_ACTUAL, HEAD_DIM, IS_CAUSAL, False, EVEN_M, INPUT_PRECISION)
 
     dk *= softmax_scale
-    store_tile(DK + off_b * stride_dkb + off_hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
+    store_tile(tile_ptrs(DK, off_b, off_hk, stride_dkb, stride_dkh, offs_n, stride_dkn, offs_d),
                dk.to(DK.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM_ACTUAL)
-    store_tile(DV + off_b * stride_dvb + off_hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :],
+    store_tile(tile_ptrs(DV, off_b, off_hk, stride_dvb, stride_dvh, offs_n, stride_dvn, offs_d),
                dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM_ACTUAL)
 
 
@@ -174,26 +171,20 @@ def bwd_dq(Q, K, V, DO, DQ, LSE2, DELTA, softmax_scale,
     stride_vb, stride_vn, stride_vh = int64(stride_vb, stride_vn, stride_vh)
     stride_dob, stride_dom, stride_doh = int64(stride_dob, stride_dom, stride_doh)
     stride_dqb, stride_dqm, stride_dqh = int64(stride_dqb, stride_dqm, stride_dqh)
-    start_m = tl.program_id(0)
-    if IS_CAUSAL:
-        start_m = tl.num_programs(0) - 1 - start_m
-    off_h = tl.program_id(1)
-    off_b = tl.program_id(2).to(tl.int64)
-    off_bh = off_b * nheads + off_h
-    off_hk = off_h // group
+    start_m, off_b, off_h, off_hk, off_bh = query_program(nheads, group, IS_CAUSAL)
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = load_tile(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
+    q = load_tile(tile_ptrs(Q, off_b, off_h, stride_qb, stride_qh, offs_m, stride_qm, offs_d),
                   offs_m, seqlen_q, offs_d, HEAD_DIM_ACTUAL, HEAD_DIM, not EVEN_M)
-    do = load_tile(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :],
+    do = load_tile(tile_ptrs(DO, off_b, off_h, stride_dob, stride_doh, offs_m, stride_dom, offs_d),
                    offs_m, seqlen_q, offs_d, HEAD_DIM_ACTUAL, HEAD_DIM, not EVEN_M)
     row = off_bh * seqlen_q + offs_m
     lse2 = tl.load(LSE2 + row, mask=offs_m < seqlen_q, other=float("inf"))
     delta = tl.load(DELTA + row, mask=offs_m < seqlen_q, other=0.0)
-    k_ptrs = K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
-    v_ptrs = V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
+    k_ptrs = tile_ptrs(K, off_b, off_hk, stride_kb, stride_kh, offs_n, stride_kn, offs_d)
+    v_ptrs = tile_ptrs(V, off_b, off_hk, stride_vb, stride_vh, offs_n, stride_vn, offs_d)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     qk_scale = softmax_scale * LOG2E
 
@@ -205,5 +196,5 @@ def bwd_dq(Q, K, V, DO, DQ, LSE2, DELTA, softmax_scale,
                        n_full, n_end, seqlen_q, seqlen_k, qk_scale,
                        BLOCK_N, HEAD_DIM_ACTUAL, HEAD_DIM, IS_CAUSAL, True, INPUT_PRECISION)
     dq *= softmax_scale
-    store_tile(DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :],
+    store_tile(tile_ptrs(DQ, off_b, off_h, stride_dqb, stride_dqh, offs_m, stride_dqm, offs_d),
                dq.to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM_ACTUAL)

@@ -16,6 +16,24 @@ def int64(stride_b, stride_m, stride_h):
 
 
 @triton.jit
+def query_program(nheads, group, IS_CAUSAL: tl.constexpr):
+    """This program's query block, batch, query head, KV head, and ``batch * nheads + head``."""
+    start_m = tl.program_id(0)
+    if IS_CAUSAL:
+        # Causal rows near the end visit the most keys: launch them first for a shorter tail.
+        start_m = tl.num_programs(0) - 1 - start_m
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2).to(tl.int64)
+    return start_m, off_b, off_h, off_h // group, off_b * nheads + off_h
+
+
+@triton.jit
+def tile_ptrs(base, off_b, off_h, stride_b, stride_h, offs_rows, stride_rows, offs_d):
+    """Pointers to rows ``offs_rows`` x columns ``offs_d`` of head ``off_h`` in batch ``off_b``."""
+    return base + off_b * stride_b + off_h * stride_h + offs_rows[:, None] * stride_rows + offs_d[None, :]
+
+
+@triton.jit
 def visible(offs_q, offs_k, seqlen_q, seqlen_k, IS_CAUSAL: tl.constexpr):
     """Which (query, key) pairs attend. ``offs_q`` and ``offs_k`` broadcast against each other."""
     mask = offs_k < seqlen_k

@@ -6,7 +6,7 @@ Scores live in the exp2 domain with the softmax scale folded in
 import triton
 import triton.language as tl
 
-from .common import int64, kv_block_range, load_tile, store_tile, visible
+from .common import int64, kv_block_range, load_tile, query_program, store_tile, tile_ptrs, visible
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -63,21 +63,14 @@ def attn_fwd(Q, K, V, O, LSE, softmax_scale,
     stride_kb, stride_kn, stride_kh = int64(stride_kb, stride_kn, stride_kh)
     stride_vb, stride_vn, stride_vh = int64(stride_vb, stride_vn, stride_vh)
     stride_ob, stride_om, stride_oh = int64(stride_ob, stride_om, stride_oh)
-    start_m = tl.program_id(0)
-    if IS_CAUSAL:
-        # Causal rows near the end visit the most keys: launch them first for a shorter tail.
-        start_m = tl.num_programs(0) - 1 - start_m
-    off_h = tl.program_id(1)
-    off_b = tl.program_id(2).to(tl.int64)
-    off_bh = off_b * nheads + off_h
-    off_hk = off_h // group
+    start_m, off_b, off_h, off_hk, off_bh = query_program(nheads, group, IS_CAUSAL)
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :]
-    k_ptrs = K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
-    v_ptrs = V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
+    q_ptrs = tile_ptrs(Q, off_b, off_h, stride_qb, stride_qh, offs_m, stride_qm, offs_d)
+    k_ptrs = tile_ptrs(K, off_b, off_hk, stride_kb, stride_kh, offs_n, stride_kn, offs_d)
+    v_ptrs = tile_ptrs(V, off_b, off_hk, stride_vb, stride_vh, offs_n, stride_vn, offs_d)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -97,6 +90,6 @@ def attn_fwd(Q, K, V, O, LSE, softmax_scale,
     seen = l_i > 0.0
     acc = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
-    o_ptrs = O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
+    o_ptrs = tile_ptrs(O, off_b, off_h, stride_ob, stride_oh, offs_m, stride_om, offs_d)
     store_tile(o_ptrs, acc.to(O.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM_ACTUAL)
     tl.store(LSE + off_bh * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)

@@ -21,7 +21,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from flashtile.backends.triton import launch  # noqa: E402
-from flashtile.backends.triton.configs import BwdConfig, TileConfig, bwd_config, fwd_config  # noqa: E402
+from flashtile.backends.triton.configs import BwdConfig, TileConfig, bwd_config  # noqa: E402
 
 T = TileConfig
 FWD_CANDIDATES = [T(128, 64, 4, 3), T(128, 128, 4, 3), T(128, 64, 8, 3), T(128, 128, 8, 3), T(128, 128, 8, 2),
@@ -69,12 +69,11 @@ def check_headdims(rows):
                 qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
                 ref = ref_attention(qr, kr, vr, causal, scale)
                 rgrads = torch.autograd.grad(ref, (qr, kr, vr), do.float())
-                lo = ref_attention(q.detach(), k.detach(), v.detach(), causal, scale)  # bf16 inputs, fp32 math here
                 row["out_err"] = (out.float() - ref).abs().max().item()
                 for name, g, rg in zip(("dq", "dk", "dv"), grads, rgrads):
                     row[name + "_err"] = (g.float() - rg).abs().max().item()
+                # A coarse compile-and-sanity gate; the test suite applies the real tolerance rule.
                 row["ok"] = all(math.isfinite(x) and x < 0.05 for k_, x in row.items() if k_.endswith("_err"))
-                del lo
             except Exception as e:  # noqa: BLE001 - a failing head dim is a row, not a crash
                 row["error"] = repr(e)[:300]
                 row["ok"] = False
@@ -107,8 +106,7 @@ def sweep(rows, deadline):
                     rows.append({"phase": "peer", "prov": name, **shape, "error": repr(e)[:200]})
                 print(rows[-1], flush=True)
             ref_out, ref_lse = launch.forward(q, k, v, scale, causal)
-            cands = FWD_CANDIDATES if not causal else FWD_CANDIDATES
-            for cfg in cands:
+            for cfg in FWD_CANDIDATES:
                 if time.time() > deadline:
                     return
                 row = {"phase": "fwd", **shape, "cfg": cfg.__dict__}

@@ -1,4 +1,6 @@
 """flashtile.stats() / reset_stats(): which backend served each call, and fallbacks by reason."""
+import warnings
+
 import pytest
 import torch
 
@@ -109,3 +111,20 @@ def test_failed_validation_is_not_counted(device, rng):
     with pytest.raises(ValueError):
         flash_attn_func(q, k[:, :, :, :4].contiguous(), v)
     assert flashtile.stats()["calls"] == {}
+
+
+def test_fallback_is_counted_warned_once_and_logged(monkeypatch, caplog):
+    """A CUDA call that the Triton backend cannot take runs on torch, and says so."""
+    from flashtile import dispatch
+
+    reason = "GPU compute capability 7.5 is below 8.0 (Ampere), which the Triton kernels need"
+    monkeypatch.setattr(dispatch, "_triton_unavailable_reason", lambda device: reason)
+    monkeypatch.setattr(dispatch, "_warned", set())
+    call_on_cuda = type("FakeCudaTensor", (), {"device": torch.device("cuda", 0)})()
+    with caplog.at_level("INFO", logger="flashtile"), pytest.warns(RuntimeWarning, match="compute capability 7.5"):
+        assert dispatch.select_backend(call_on_cuda) == "torch"
+    assert reason in caplog.text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second warning for the same reason would raise here
+        assert dispatch.select_backend(call_on_cuda) == "torch"
+    assert flashtile.stats() == {"calls": {"torch": 2}, "fallbacks": {reason: 2}}

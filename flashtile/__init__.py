@@ -1,14 +1,19 @@
 """flashtile: exact, IO-aware FlashAttention in Triton behind a PyTorch API."""
-from .dispatch import reset_stats, stats
+from .dispatch import FallbackError, reset_stats, set_strict, stats
+from .explain import Explanation, explain
 from .interface import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
 
 __version__ = "0.1.0"
 
 __all__ = [
     "__version__",
+    "Explanation",
+    "FallbackError",
+    "explain",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
     "reset_stats",
+    "set_strict",
     "stats",
 ]

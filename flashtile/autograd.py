@@ -3,23 +3,25 @@
 Backends share one contract (see ``flashtile/backends/__init__.py``): ``forward`` returns
 ``(out, lse)`` and ``backward`` writes ``dq, dk, dv`` into tensors it is handed, so the
 packed variants can hand it views of one packed gradient instead of stacking copies.
+Each runs inside ``torch.profiler.record_function`` under its kernel's name, so a trace
+shows which path ran.
 """
 from __future__ import annotations
 
 import torch
 
 from .alloc import empty_like
-from .dispatch import get_backend
+from .dispatch import get_backend, record_kernel
 
 
 class FlashAttnFunc(torch.autograd.Function):
     """Attention on separate q, k, v in the ``(batch, seqlen, nheads, headdim)`` layout."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, deterministic, backend):
-        out, lse = get_backend(backend).forward(q, k, v, softmax_scale, causal)
+    def forward(ctx, q, k, v, softmax_scale, causal, deterministic, plan):
+        out, lse = _forward(plan, q, k, v, softmax_scale, causal)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (softmax_scale, causal, deterministic, backend)
+        ctx.args = (softmax_scale, causal, deterministic, plan)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -35,11 +37,10 @@ class FlashAttnQKVPackedFunc(torch.autograd.Function):
     """Attention on ``qkv`` of shape ``(batch, seqlen, 3, nheads, headdim)``; gradients land in one packed tensor."""
 
     @staticmethod
-    def forward(ctx, qkv, softmax_scale, causal, deterministic, backend):
-        q, k, v = qkv.unbind(2)
-        out, lse = get_backend(backend).forward(q, k, v, softmax_scale, causal)
+    def forward(ctx, qkv, softmax_scale, causal, deterministic, plan):
+        out, lse = _forward(plan, *qkv.unbind(2), softmax_scale, causal)
         ctx.save_for_backward(qkv, out, lse)
-        ctx.args = (softmax_scale, causal, deterministic, backend)
+        ctx.args = (softmax_scale, causal, deterministic, plan)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -55,11 +56,10 @@ class FlashAttnKVPackedFunc(torch.autograd.Function):
     """Attention on ``q`` and ``kv`` of shape ``(batch, seqlen_k, 2, nheads_kv, headdim)``."""
 
     @staticmethod
-    def forward(ctx, q, kv, softmax_scale, causal, deterministic, backend):
-        k, v = kv.unbind(2)
-        out, lse = get_backend(backend).forward(q, k, v, softmax_scale, causal)
+    def forward(ctx, q, kv, softmax_scale, causal, deterministic, plan):
+        out, lse = _forward(plan, q, *kv.unbind(2), softmax_scale, causal)
         ctx.save_for_backward(q, kv, out, lse)
-        ctx.args = (softmax_scale, causal, deterministic, backend)
+        ctx.args = (softmax_scale, causal, deterministic, plan)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -71,8 +71,13 @@ class FlashAttnKVPackedFunc(torch.autograd.Function):
         return dq, dkv, None, None, None, None
 
 
+def _forward(plan, q, k, v, softmax_scale, causal):
+    with torch.profiler.record_function(plan.fwd_name):
+        return get_backend(plan.backend).forward(q, k, v, softmax_scale, causal)
+
+
 def _backward(ctx, dout, q, k, v, out, lse, dq, dk, dv) -> None:
-    softmax_scale, causal, deterministic, backend = ctx.args
-    get_backend(backend).backward(
-        dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dq, dk, dv
-    )
+    softmax_scale, causal, deterministic, plan = ctx.args
+    record_kernel(plan.bwd_name)
+    with torch.profiler.record_function(plan.bwd_name):
+        get_backend(plan.backend).backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dq, dk, dv)

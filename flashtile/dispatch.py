@@ -1,73 +1,96 @@
 """Which backend runs a call, why, and the record of it.
 
-CUDA tensors go to the Triton backend; CPU tensors go to the pure-PyTorch tiled
-backend, except under ``TRITON_INTERPRET=1`` where the Triton kernels run on CPU
-tensors through Triton's interpreter. A call that cannot take its device's
-preferred backend is a *fallback*: it is counted in :func:`stats` by reason and
-warned about once per reason. Nothing changes path in silence.
+Backends are tried in the order of :data:`BACKENDS`; each says through its ``supports(call)``
+whether it can run a call and, if not, why. The first that can runs it. Every device has a
+*preferred* backend: Triton for CUDA tensors and for CPU tensors under ``TRITON_INTERPRET=1``
+(how CI tests the kernels), the pure-PyTorch tiled backend for other CPU tensors. A call that
+the preferred backend cannot run is a *fallback*: it is counted in :func:`stats` by reason,
+warned about once per reason and logged at INFO on the ``flashtile`` logger, or, in strict
+mode (:func:`set_strict` or ``FLASHTILE_STRICT=1``), refused with :class:`FallbackError`.
 """
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import threading
 import warnings
 from collections import Counter
+from dataclasses import dataclass, field
 
-import torch
+from .backends import AttentionCall, missing_features
 
 logger = logging.getLogger("flashtile")
 
 TRITON = "triton"
 TORCH = "torch"
+# Dispatch order: the first backend that can run a call runs it.
 BACKENDS = (TRITON, TORCH)
+_LIGHT_MODULES = {TRITON: "flashtile.backends.triton", TORCH: "flashtile.backends.torch_tiled"}
+_KERNEL_MODULES = {TRITON: "flashtile.backends.triton.launch", TORCH: "flashtile.backends.torch_tiled"}
 
 _lock = threading.Lock()
 _calls: Counter = Counter()
+_kernels: Counter = Counter()
 _fallbacks: Counter = Counter()
 _warned: set = set()
 _forced: list = []
+_disabled: list = []
+_strict = [False]
+
+
+class FallbackError(RuntimeError):
+    """Raised in strict mode when a call cannot run on its device's preferred backend."""
+
+
+@dataclass
+class Plan:
+    """The dispatch decision for one call: what runs, under which names, and why not the others."""
+
+    call: AttentionCall
+    preferred: str
+    backend: str | None
+    rejected: dict = field(default_factory=dict)
+    fwd_name: str = ""
+    bwd_name: str = ""
+    config: dict = field(default_factory=dict)
+    error: Exception | None = None
+
+    @property
+    def fallback_reason(self) -> str | None:
+        if self.backend is None or self.backend == self.preferred:
+            return None
+        return self.rejected.get(self.preferred)
 
 
 def stats() -> dict:
-    """``{"calls": {backend: count}, "fallbacks": {reason: count}}`` since the last reset."""
+    """``{"calls": {backend: n}, "kernels": {profiler name: n}, "fallbacks": {reason: n}}`` since the last reset."""
     with _lock:
-        return {"calls": dict(_calls), "fallbacks": dict(_fallbacks)}
+        return {"calls": dict(_calls), "kernels": dict(_kernels), "fallbacks": dict(_fallbacks)}
 
 
 def reset_stats() -> None:
-    """Clear the call and fallback counters (fallback warnings are not repeated)."""
+    """Clear the counters (a fallback reason already warned about is not warned again)."""
     with _lock:
         _calls.clear()
+        _kernels.clear()
         _fallbacks.clear()
 
 
-def interpreter_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+def set_strict(strict: bool = True) -> None:
+    """In strict mode a fallback raises :class:`FallbackError` instead of warning."""
+    _strict[0] = bool(strict)
 
 
-def _triton_unavailable_reason(device: torch.device) -> str | None:
-    """Why the Triton backend cannot serve tensors on ``device``, or None when it can."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "triton is not installed"
-    if device.type == "cpu":
-        return None if interpreter_enabled() else "CPU tensors run on the torch backend unless TRITON_INTERPRET=1"
-    if device.type != "cuda":
-        return f"device type {device.type!r} has no Triton backend"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major < 8:
-        return f"GPU compute capability {major}.{minor} is below 8.0 (Ampere), which the Triton kernels need"
-    return None
+def strict_enabled() -> bool:
+    return _strict[0] or os.environ.get("FLASHTILE_STRICT", "0") not in ("", "0")
 
 
 @contextlib.contextmanager
 def force_backend(name: str):
-    """Run calls inside the block on backend ``name`` (for tests and benchmarks)."""
-    if name not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    """Run calls inside the block on backend ``name`` (for tests and benchmarks); never a fallback."""
+    _check_name(name)
     _forced.append(name)
     try:
         yield
@@ -75,44 +98,106 @@ def force_backend(name: str):
         _forced.pop()
 
 
-def select_backend(q: torch.Tensor) -> str:
-    """Pick the backend for a call on ``q``'s device and record the choice."""
-    if _forced:
-        backend = _forced[-1]
-        _record(backend, None)
-        return backend
-    reason = _triton_unavailable_reason(q.device)
-    if reason is None:
-        backend = TRITON
-    else:
-        backend = TORCH
-        # CPU tensors belong to the torch backend: only a CUDA tensor that misses Triton is a fallback.
-        if q.device.type == "cpu":
-            reason = None
-    _record(backend, reason)
-    return backend
+@contextlib.contextmanager
+def disable_backends(*names: str):
+    """Treat the named backends as unable to run anything inside the block.
+
+    ``FLASHTILE_DISABLE_BACKENDS=triton,torch`` does the same for the whole process.
+    """
+    for name in names:
+        _check_name(name)
+    _disabled.append(names)
+    try:
+        yield
+    finally:
+        _disabled.pop()
 
 
-def _record(backend: str, fallback_reason: str | None) -> None:
-    with _lock:
-        _calls[backend] += 1
-        if fallback_reason is None:
-            return
-        _fallbacks[fallback_reason] += 1
-        first = fallback_reason not in _warned
-        _warned.add(fallback_reason)
-    if first:
-        message = f"flashtile fell back to the {backend} backend: {fallback_reason}"
-        logger.info(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
+def _check_name(name: str) -> None:
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+
+
+def _is_disabled(name: str) -> bool:
+    from_env = os.environ.get("FLASHTILE_DISABLE_BACKENDS", "").replace(" ", "").split(",")
+    return name in from_env or any(name in names for names in _disabled)
+
+
+def preferred_backend(device) -> str:
+    """Triton for CUDA tensors (and CPU tensors under the interpreter), else the torch backend."""
+    if device.type == "cuda":
+        return TRITON
+    if device.type == "cpu" and _light(TRITON).interpreter_enabled():
+        return TRITON
+    return TORCH
+
+
+def _light(name: str):
+    return importlib.import_module(_LIGHT_MODULES[name])
 
 
 def get_backend(name: str):
-    """The backend module: it offers ``forward(...)`` and ``backward(...)``."""
-    if name == TRITON:
-        from .backends.triton import launch
+    """The module that runs ``name``'s kernels: it offers ``forward(...)`` and ``backward(...)``."""
+    return importlib.import_module(_KERNEL_MODULES[name])
 
-        return launch
-    from .backends import torch_tiled
 
-    return torch_tiled
+def _reason(name: str, call: AttentionCall) -> str | None:
+    if _is_disabled(name):
+        return "disabled (by disable_backends() or FLASHTILE_DISABLE_BACKENDS)"
+    return _light(name).supports(call)
+
+
+def plan(call: AttentionCall) -> Plan:
+    """Decide, without running or recording anything, which backend would run ``call``."""
+    result = Plan(call, preferred_backend(call.device), None)
+    candidates = (_forced[-1],) if _forced else BACKENDS
+    for name in BACKENDS:
+        reason = _reason(name, call)
+        if reason is not None:
+            result.rejected[name] = reason
+        elif result.backend is None and name in candidates:
+            result.backend = name
+    if _forced and result.backend is None:
+        result.error = RuntimeError(f"forced backend {_forced[-1]!r} cannot run this call: {result.rejected[_forced[-1]]}")
+    elif result.backend is None:
+        implemented = frozenset().union(*(_light(name).FEATURES for name in BACKENDS))
+        missing = missing_features(call, implemented)
+        if missing:
+            result.error = NotImplementedError(f"{missing} is not implemented yet in flashtile (no backend supports it)")
+        else:
+            reasons = "; ".join(f"{name}: {why}" for name, why in result.rejected.items())
+            result.error = RuntimeError(f"no flashtile backend can run this call ({reasons})")
+    else:
+        result.fwd_name, result.bwd_name, result.config = _light(result.backend).describe(call)
+        if _forced:
+            result.preferred = result.backend
+    return result
+
+
+def dispatch(call: AttentionCall) -> Plan:
+    """:func:`plan` the call, enforce the fallback policy, and record the choice."""
+    result = plan(call)
+    if result.error is not None:
+        raise result.error
+    reason = result.fallback_reason
+    if reason is not None and strict_enabled():
+        raise FallbackError(f"flashtile strict mode: the {result.preferred} backend cannot run this call: {reason}")
+    with _lock:
+        _calls[result.backend] += 1
+        _kernels[result.fwd_name] += 1
+        if reason is None:
+            return result
+        _fallbacks[reason] += 1
+        first = reason not in _warned
+        _warned.add(reason)
+    if first:
+        message = f"flashtile fell back from the {result.preferred} to the {result.backend} backend: {reason}"
+        logger.info(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+    return result
+
+
+def record_kernel(name: str) -> None:
+    """Count a kernel that runs outside the forward call (the backward)."""
+    with _lock:
+        _kernels[name] += 1

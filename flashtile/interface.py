@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from . import validation
 from .autograd import FlashAttnFunc, FlashAttnKVPackedFunc, FlashAttnQKVPackedFunc
-from .dispatch import select_backend
+from .backends import AttentionCall
+from .dispatch import dispatch
 
 
 def flash_attn_func(
@@ -46,13 +47,16 @@ def flash_attn_func(
         dropout_p, window_size, softcap, alibi_slopes: not implemented yet; a non-default
             value raises ``NotImplementedError`` naming the feature.
 
+    Which backend runs the call, and why, is in :func:`flashtile.explain`; every call is
+    counted in :func:`flashtile.stats`.
+
     Returns:
         ``out`` ``(batch, seqlen_q, nheads, headdim)`` in q's dtype, or
         ``(out, softmax_lse, None)`` when ``return_attn_probs``.
     """
-    validation.check_not_yet_supported(dropout_p, window_size, softcap, alibi_slopes)
     validation.check_qkv(q, k, v)
-    return _attention(FlashAttnFunc, (q, k, v), q, softmax_scale, causal, deterministic, return_attn_probs)
+    call = AttentionCall.of(q, k, causal, dropout_p, window_size, softcap, alibi_slopes)
+    return _attention(FlashAttnFunc, (q, k, v), call, softmax_scale, deterministic, return_attn_probs)
 
 
 def flash_attn_qkvpacked_func(
@@ -71,10 +75,10 @@ def flash_attn_qkvpacked_func(
     q, k and v are read as strided views of ``qkv`` (no copy), and the gradient is one
     packed tensor of ``qkv``'s shape. Other arguments as in :func:`flash_attn_func`.
     """
-    validation.check_not_yet_supported(dropout_p, window_size, softcap, alibi_slopes)
     q, k, v = validation.check_packed("qkv", qkv, 3, "(batch, seqlen, 3, nheads, headdim)")
     validation.check_qkv(q, k, v)
-    return _attention(FlashAttnQKVPackedFunc, (qkv,), q, softmax_scale, causal, deterministic, return_attn_probs)
+    call = AttentionCall.of(q, k, causal, dropout_p, window_size, softcap, alibi_slopes)
+    return _attention(FlashAttnQKVPackedFunc, (qkv,), call, softmax_scale, deterministic, return_attn_probs)
 
 
 def flash_attn_kvpacked_func(
@@ -94,14 +98,14 @@ def flash_attn_kvpacked_func(
 
     Other arguments as in :func:`flash_attn_func`.
     """
-    validation.check_not_yet_supported(dropout_p, window_size, softcap, alibi_slopes)
     k, v = validation.check_packed("kv", kv, 2, "(batch, seqlen_k, 2, nheads_kv, headdim)")
     validation.check_qkv(q, k, v)
-    return _attention(FlashAttnKVPackedFunc, (q, kv), q, softmax_scale, causal, deterministic, return_attn_probs)
+    call = AttentionCall.of(q, k, causal, dropout_p, window_size, softcap, alibi_slopes)
+    return _attention(FlashAttnKVPackedFunc, (q, kv), call, softmax_scale, deterministic, return_attn_probs)
 
 
-def _attention(function, inputs, q, softmax_scale, causal, deterministic, return_attn_probs):
-    """Fill the scale, pick the backend for q's device, run the autograd Function."""
-    scale = validation.check_softmax_scale(softmax_scale, q.shape[-1])
-    out, lse = function.apply(*inputs, scale, bool(causal), bool(deterministic), select_backend(q))
+def _attention(function, inputs, call, softmax_scale, deterministic, return_attn_probs):
+    """Fill the scale, dispatch the call to a backend, run the autograd Function."""
+    scale = validation.check_softmax_scale(softmax_scale, call.headdim)
+    out, lse = function.apply(*inputs, scale, call.causal, bool(deterministic), dispatch(call))
     return (out, lse, None) if return_attn_probs else out

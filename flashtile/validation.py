@@ -79,18 +79,3 @@ def check_softmax_scale(softmax_scale, headdim: int) -> float:
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"softmax_scale must be a finite positive float, got {scale}")
     return scale
-
-
-def check_not_yet_supported(dropout_p=0.0, window_size=(-1, -1), softcap=0.0, alibi_slopes=None) -> None:
-    """Features that a later release implements: refuse them loudly, never ignore them."""
-    if dropout_p != 0.0:
-        raise NotImplementedError(f"dropout_p={dropout_p}: dropout is not implemented yet in flashtile (use dropout_p=0.0)")
-    if tuple(window_size) != (-1, -1):
-        raise NotImplementedError(
-            f"window_size={tuple(window_size)}: sliding-window attention is not implemented yet in flashtile "
-            "(use window_size=(-1, -1))"
-        )
-    if softcap != 0.0:
-        raise NotImplementedError(f"softcap={softcap}: softcapping is not implemented yet in flashtile (use softcap=0.0)")
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes: ALiBi is not implemented yet in flashtile (use alibi_slopes=None)")

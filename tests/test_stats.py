@@ -19,6 +19,12 @@ def clean_stats():
     flashtile.reset_stats()
 
 
+def counts():
+    """stats() without the per-kernel names (tests/test_dispatch.py checks those)."""
+    snapshot = flashtile.stats()
+    return {"calls": snapshot["calls"], "fallbacks": snapshot["fallbacks"]}
+
+
 def small_inputs(device, rng, requires_grad=False):
     return make_qkv(1, 3, 5, 2, 1, 8, torch.float16 if device == "cuda" else torch.float32, device, requires_grad=requires_grad, generator=rng)
 
@@ -28,7 +34,7 @@ def test_reset_clears_everything(device, rng):
         flash_attn_func(*small_inputs(device, rng))
     assert flashtile.stats()["calls"] == {"torch": 1}
     flashtile.reset_stats()
-    assert flashtile.stats() == {"calls": {}, "fallbacks": {}}
+    assert flashtile.stats() == {"calls": {}, "kernels": {}, "fallbacks": {}}
 
 
 @pytest.mark.parametrize("name", ["torch", "triton"])
@@ -38,7 +44,7 @@ def test_forced_backend_is_counted(name, device, rng):
         for _ in range(3):
             out = flash_attn_func(q, k, v, causal=True)
         out.sum().backward()  # the backward is part of a call, not a call of its own
-    assert flashtile.stats() == {"calls": {name: 3}, "fallbacks": {}}
+    assert counts() == {"calls": {name: 3}, "fallbacks": {}}
 
 
 def test_every_public_function_is_counted(device, rng):
@@ -57,7 +63,7 @@ def test_stats_returns_a_snapshot(device, rng):
     snapshot = flashtile.stats()
     snapshot["calls"]["torch"] = 100
     snapshot["fallbacks"]["made up"] = 1
-    assert flashtile.stats() == {"calls": {"torch": 1}, "fallbacks": {}}
+    assert counts() == {"calls": {"torch": 1}, "fallbacks": {}}
 
 
 def test_nested_force_backend_uses_innermost(device, rng):
@@ -79,7 +85,7 @@ def test_force_backend_rejects_unknown_name():
 def test_cpu_under_interpreter_goes_to_triton(rng, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     flash_attn_func(*small_inputs("cpu", rng))
-    assert flashtile.stats() == {"calls": {"triton": 1}, "fallbacks": {}}
+    assert counts() == {"calls": {"triton": 1}, "fallbacks": {}}
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="CPU dispatch rules")
@@ -90,20 +96,20 @@ def test_cpu_without_interpreter_goes_to_torch(value, rng, monkeypatch):
     flash_attn_func(q, k, v).sum().backward()
     flash_attn_qkvpacked_func(make_qkv(1, 4, 4, 2, 2, 8, torch.float32, "cpu", packed="qkv", generator=rng))
     # CPU tensors belong to the torch backend: this is not a fallback.
-    assert flashtile.stats() == {"calls": {"torch": 2}, "fallbacks": {}}
+    assert counts() == {"calls": {"torch": 2}, "fallbacks": {}}
 
 
 @pytest.mark.cuda
 def test_cuda_goes_to_triton(rng):
     flash_attn_func(*small_inputs("cuda", rng))
-    assert flashtile.stats() == {"calls": {"triton": 1}, "fallbacks": {}}
+    assert counts() == {"calls": {"triton": 1}, "fallbacks": {}}
 
 
 @pytest.mark.cuda
 def test_cpu_tensors_on_a_cuda_machine_go_to_torch(rng, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     flash_attn_func(*small_inputs("cpu", rng))
-    assert flashtile.stats() == {"calls": {"torch": 1}, "fallbacks": {}}
+    assert counts() == {"calls": {"torch": 1}, "fallbacks": {}}
 
 
 def test_failed_validation_is_not_counted(device, rng):
@@ -116,15 +122,17 @@ def test_failed_validation_is_not_counted(device, rng):
 def test_fallback_is_counted_warned_once_and_logged(monkeypatch, caplog):
     """A CUDA call that the Triton backend cannot take runs on torch, and says so."""
     from flashtile import dispatch
+    from flashtile.backends import AttentionCall
+    from flashtile.backends import triton as triton_backend
 
     reason = "GPU compute capability 7.5 is below 8.0 (Ampere), which the Triton kernels need"
-    monkeypatch.setattr(dispatch, "_triton_unavailable_reason", lambda device: reason)
+    monkeypatch.setattr(triton_backend, "supports", lambda call: reason)
     monkeypatch.setattr(dispatch, "_warned", set())
-    call_on_cuda = type("FakeCudaTensor", (), {"device": torch.device("cuda", 0)})()
+    call_on_cuda = AttentionCall(torch.device("cuda", 0), torch.float16, 1, 3, 5, 2, 1, 64, False)
     with caplog.at_level("INFO", logger="flashtile"), pytest.warns(RuntimeWarning, match="compute capability 7.5"):
-        assert dispatch.select_backend(call_on_cuda) == "torch"
+        assert dispatch.dispatch(call_on_cuda).backend == "torch"
     assert reason in caplog.text
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a second warning for the same reason would raise here
-        assert dispatch.select_backend(call_on_cuda) == "torch"
-    assert flashtile.stats() == {"calls": {"torch": 2}, "fallbacks": {reason: 2}}
+        assert dispatch.dispatch(call_on_cuda).backend == "torch"
+    assert counts() == {"calls": {"torch": 2}, "fallbacks": {reason: 2}}

@@ -17,6 +17,8 @@ import math
 
 import torch
 
+from . import AttentionCall, missing_features
+
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
@@ -27,6 +29,23 @@ LN2 = math.log(2.0)
 # 512x512 1.11 / 1.06, 256x512 1.15 / 1.21, 512x256 1.14 / 1.17, 1024x512 1.65 / -.
 BLOCK_ROWS = 512
 KEY_CHUNK = 512
+
+
+FEATURES = frozenset()
+
+
+def supports(call: AttentionCall) -> str | None:
+    """Plain tensor ops run on any device; only unimplemented features are refused."""
+    missing = missing_features(call, FEATURES)
+    return f"{missing} is not implemented in the torch backend" if missing else None
+
+
+def describe(call: AttentionCall):
+    """Profiler names of the forward and backward, and the tile sizes."""
+    mask = "causal" if call.causal else "full"
+    tiles = f"rows={BLOCK_ROWS} keys={KEY_CHUNK}"
+    config = {"BLOCK_ROWS": BLOCK_ROWS, "KEY_CHUNK": KEY_CHUNK}
+    return f"flashtile.fwd[torch d={call.headdim} {mask} {tiles}]", f"flashtile.bwd[torch d={call.headdim} {mask} {tiles}]", config
 
 
 def _fold_rows(x: torch.Tensor, q0: int, q1: int, nheads_kv: int) -> torch.Tensor:

@@ -1,1 +1,51 @@
-"""Triton backend: FlashAttention-2 kernels (``kernels/``), their launchers (``launch.py``) and tile configs."""
+"""Triton backend: FlashAttention-2 kernels (``kernels/``), their launchers (``launch.py``) and tile
+configs (``configs.py``). This module says what the backend can run without importing Triton."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from .. import AttentionCall, missing_features
+from .configs import bwd_config, fwd_config
+
+FEATURES = frozenset()
+
+
+def interpreter_enabled() -> bool:
+    """``TRITON_INTERPRET=1``: the kernels run on CPU tensors through Triton's interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def supports(call: AttentionCall) -> str | None:
+    """Why the Triton kernels cannot run ``call``, or None when they can."""
+    missing = missing_features(call, FEATURES)
+    if missing:
+        return f"{missing} is not implemented in the Triton kernels"
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    if call.device.type == "cpu":
+        if not interpreter_enabled():
+            return "CPU tensors run the Triton kernels only under TRITON_INTERPRET=1"
+        if call.dtype == torch.bfloat16:
+            return "Triton's interpreter computes bfloat16 wrongly (numpy has no bfloat16)"
+        return None
+    if call.device.type != "cuda":
+        return f"device type {call.device.type!r} has no Triton backend"
+    major, minor = torch.cuda.get_device_capability(call.device)
+    if major < 8:
+        return f"GPU compute capability {major}.{minor} is below 8.0 (Ampere), which the Triton kernels need"
+    return None
+
+
+def describe(call: AttentionCall):
+    """Profiler names of the forward and backward kernels, and their tile configs."""
+    fwd = fwd_config(call.headdim, call.dtype, call.device, call.causal)
+    bwd = bwd_config(call.headdim, call.dtype, call.device)
+    mask = "causal" if call.causal else "full"
+    fwd_name = f"flashtile.fwd[triton d={call.headdim} {mask} BM={fwd.BLOCK_M} BN={fwd.BLOCK_N}]"
+    bwd_name = (f"flashtile.bwd[triton d={call.headdim} {mask} dkdv=BM{bwd.dkdv.BLOCK_M}xBN{bwd.dkdv.BLOCK_N} "
+                f"dq=BM{bwd.dq.BLOCK_M}xBN{bwd.dq.BLOCK_N}]")
+    config = {"fwd": vars(fwd), "bwd_dkdv": vars(bwd.dkdv), "bwd_dq": vars(bwd.dq)}
+    return fwd_name, bwd_name, config

@@ -1,0 +1,152 @@
+"""The backend registry: explain() reports, strict mode, disabled backends, profiler names and
+per-kernel counts. CPU-only rules are skipped on a GPU machine and the other way round."""
+import warnings
+
+import pytest
+import torch
+
+import flashtile
+from flashtile import dispatch
+from flashtile.dispatch import disable_backends, force_backend
+from flashtile.testing import make_qkv
+
+HAS_CUDA = torch.cuda.is_available()
+cpu_only = pytest.mark.skipif(HAS_CUDA, reason="CPU dispatch rules (Triton runs CPU tensors under the interpreter)")
+
+
+@pytest.fixture(autouse=True)
+def clean_state(monkeypatch):
+    flashtile.reset_stats()
+    monkeypatch.setattr(dispatch, "_warned", set())
+    monkeypatch.delenv("FLASHTILE_STRICT", raising=False)
+    monkeypatch.delenv("FLASHTILE_DISABLE_BACKENDS", raising=False)
+    yield
+    flashtile.set_strict(False)
+    flashtile.reset_stats()
+
+
+def inputs(rng, dtype=torch.float16, headdim=64, requires_grad=False):
+    device = "cuda" if HAS_CUDA else "cpu"
+    return make_qkv(1, 37, 37, 4, 2, headdim, dtype, device, requires_grad=requires_grad, generator=rng)
+
+
+def test_explain_names_backend_kernel_and_config(rng):
+    report = flashtile.explain(*inputs(rng), causal=True)
+    assert report.backend == "triton" and report.preferred == "triton" and not report.fallback
+    assert report.kernel.startswith("flashtile.fwd[triton d=64 causal BM=")
+    assert report.backward_kernel.startswith("flashtile.bwd[triton d=64 causal dkdv=")
+    assert set(report.config) == {"fwd", "bwd_dkdv", "bwd_dq"}
+    assert {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"} <= set(report.config["fwd"])
+    text = str(report)
+    assert "triton" in text and report.kernel in text and "preferred backend" in text
+    assert report.to_dict()["backend"] == "triton"
+
+
+def test_explain_runs_nothing_and_records_nothing(rng):
+    flashtile.explain(*inputs(rng))
+    assert flashtile.stats() == {"calls": {}, "kernels": {}, "fallbacks": {}}
+
+
+def test_explain_unsupported_feature_names_it_for_every_backend(rng):
+    report = flashtile.explain(*inputs(rng), softcap=30.0)
+    assert report.backend is None
+    assert "softcap=30.0" in report.error and "not implemented" in report.error
+    assert set(report.rejected) == {"triton", "torch"}
+    assert all("softcap=30.0" in why for why in report.rejected.values())
+    assert "cannot run this call" in str(report)
+
+
+def test_explain_invalid_call_reports_the_validation_error(rng):
+    q, k, v = inputs(rng)
+    report = flashtile.explain(q, k, v[..., :32])
+    assert report.backend is None and "k and v must have the same shape" in report.error
+
+
+@cpu_only
+def test_explain_bf16_under_the_interpreter_is_a_fallback_naming_the_reason(rng):
+    q, k, v = inputs(rng, dtype=torch.bfloat16)
+    report = flashtile.explain(q, k, v)
+    assert report.backend == "torch" and report.fallback
+    assert "bfloat16" in report.fallback_reason and "FALLBACK" in str(report)
+
+
+@cpu_only
+def test_bf16_call_under_the_interpreter_runs_on_torch_and_is_recorded(rng):
+    with pytest.warns(RuntimeWarning, match="bfloat16"):
+        flashtile.flash_attn_func(*inputs(rng, dtype=torch.bfloat16))
+    snapshot = flashtile.stats()
+    assert snapshot["calls"] == {"torch": 1}
+    assert list(snapshot["fallbacks"]) == ["Triton's interpreter computes bfloat16 wrongly (numpy has no bfloat16)"]
+
+
+def test_disabled_preferred_backend_is_a_fallback(rng):
+    with disable_backends("triton"):
+        report = flashtile.explain(*inputs(rng))
+        assert report.backend == "torch" and "disabled" in report.fallback_reason
+        with pytest.warns(RuntimeWarning, match="disabled"):
+            flashtile.flash_attn_func(*inputs(rng))
+    assert flashtile.stats()["calls"] == {"torch": 1}
+
+
+def test_disable_backends_from_the_environment(rng, monkeypatch):
+    monkeypatch.setenv("FLASHTILE_DISABLE_BACKENDS", "triton")
+    assert flashtile.explain(*inputs(rng)).backend == "torch"
+
+
+def test_every_backend_disabled_is_an_error_naming_each(rng):
+    with disable_backends("triton", "torch"), pytest.raises(RuntimeError, match=r"no flashtile backend.*triton: disabled.*torch: disabled"):
+        flashtile.flash_attn_func(*inputs(rng))
+
+
+def test_strict_mode_raises_with_the_reason(rng):
+    flashtile.set_strict(True)
+    with disable_backends("triton"), pytest.raises(flashtile.FallbackError, match="strict mode.*disabled"):
+        flashtile.flash_attn_func(*inputs(rng))
+    assert flashtile.stats()["calls"] == {}
+    flashtile.set_strict(False)
+    with disable_backends("triton"), pytest.warns(RuntimeWarning):
+        flashtile.flash_attn_func(*inputs(rng))
+
+
+def test_strict_mode_from_the_environment(rng, monkeypatch):
+    monkeypatch.setenv("FLASHTILE_STRICT", "1")
+    with disable_backends("triton"), pytest.raises(flashtile.FallbackError):
+        flashtile.flash_attn_func(*inputs(rng))
+
+
+def test_strict_mode_lets_preferred_calls_through(rng):
+    flashtile.set_strict(True)
+    flashtile.flash_attn_func(*inputs(rng))
+    assert flashtile.stats()["calls"] == {"triton": 1}
+
+
+def test_each_fallback_reason_warns_once(rng):
+    with disable_backends("triton"):
+        with pytest.warns(RuntimeWarning):
+            flashtile.flash_attn_func(*inputs(rng))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            flashtile.flash_attn_func(*inputs(rng))
+    assert list(flashtile.stats()["fallbacks"].values()) == [2]
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_kernels_are_counted_forward_and_backward(rng, backend):
+    q, k, v = inputs(rng, requires_grad=True)
+    with force_backend(backend):
+        report = flashtile.explain(q, k, v, causal=True)
+        flashtile.flash_attn_func(q, k, v, causal=True).sum().backward()
+        flashtile.flash_attn_func(q, k, v, causal=True)
+    assert flashtile.stats()["kernels"] == {report.kernel: 2, report.backward_kernel: 1}
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_profiler_trace_names_the_kernels_that_ran(rng, backend):
+    q, k, v = inputs(rng, requires_grad=True)
+    with force_backend(backend):
+        report = flashtile.explain(q, k, v, causal=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as trace:
+            flashtile.flash_attn_func(q, k, v, causal=True).sum().backward()
+    names = {event.name for event in trace.events()}
+    assert report.kernel in names and report.backward_kernel in names
+    assert f"flashtile.fwd[{backend} d=64 causal" in report.kernel

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-COMMANDS = ("flashtile.bench",)
+COMMANDS = ("flashtile.bench", "flashtile.tools.info", "flashtile.tools.memory", "flashtile.tools.qualify")
 
 
 def build_parser() -> argparse.ArgumentParser:

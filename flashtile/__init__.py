@@ -2,6 +2,8 @@
 from .dispatch import FallbackError, reset_stats, set_strict, stats
 from .explain import Explanation, explain
 from .interface import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+from .sdpa import patch_sdpa, scaled_dot_product_attention
+from . import nn
 
 __version__ = "0.1.0"
 
@@ -13,7 +15,10 @@ __all__ = [
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
+    "nn",
+    "patch_sdpa",
     "reset_stats",
+    "scaled_dot_product_attention",
     "set_strict",
     "stats",
 ]

@@ -147,6 +147,14 @@ def _reason(name: str, call: AttentionCall) -> str | None:
     return _light(name).supports(call)
 
 
+def check_features(call: AttentionCall) -> None:
+    """Raise ``NotImplementedError`` naming the first feature of ``call`` that no backend implements."""
+    implemented = frozenset().union(*(_light(name).FEATURES for name in BACKENDS))
+    missing = missing_features(call, implemented)
+    if missing:
+        raise NotImplementedError(f"{missing} is not implemented yet in flashtile (no backend supports it)")
+
+
 def plan(call: AttentionCall) -> Plan:
     """Decide, without running or recording anything, which backend would run ``call``."""
     result = Plan(call, preferred_backend(call.device), None)
@@ -160,10 +168,10 @@ def plan(call: AttentionCall) -> Plan:
     if _forced and result.backend is None:
         result.error = RuntimeError(f"forced backend {_forced[-1]!r} cannot run this call: {result.rejected[_forced[-1]]}")
     elif result.backend is None:
-        implemented = frozenset().union(*(_light(name).FEATURES for name in BACKENDS))
-        missing = missing_features(call, implemented)
-        if missing:
-            result.error = NotImplementedError(f"{missing} is not implemented yet in flashtile (no backend supports it)")
+        try:
+            check_features(call)
+        except NotImplementedError as error:
+            result.error = error
         else:
             reasons = "; ".join(f"{name}: {why}" for name, why in result.rejected.items())
             result.error = RuntimeError(f"no flashtile backend can run this call ({reasons})")
@@ -180,21 +188,36 @@ def dispatch(call: AttentionCall) -> Plan:
     if result.error is not None:
         raise result.error
     reason = result.fallback_reason
-    if reason is not None and strict_enabled():
-        raise FallbackError(f"flashtile strict mode: the {result.preferred} backend cannot run this call: {reason}")
+    if reason is None:
+        with _lock:
+            _calls[result.backend] += 1
+    else:
+        # stacklevel 4: the user's line that called flash_attn_func (dispatch <- _attention <- flash_attn_func).
+        record_fallback(reason, result.backend, preferred=result.preferred, stacklevel=4)
+    record_kernel(result.fwd_name)
+    return result
+
+
+def record_fallback(reason: str, backend: str, *, preferred: str = "preferred", stacklevel: int = 2) -> None:
+    """Record a call that runs on ``backend`` because the ``preferred`` backend cannot run it.
+
+    Counts the call under ``stats()["calls"][backend]`` and the reason under
+    ``stats()["fallbacks"][reason]``, logs at INFO and warns once per reason; in strict mode it
+    raises :class:`FallbackError` instead and counts nothing. ``backend`` may lie outside
+    :data:`BACKENDS` (e.g. ``"torch_sdpa"``, torch's own kernel). ``stacklevel`` is that of
+    :func:`warnings.warn` as seen from the caller.
+    """
+    if strict_enabled():
+        raise FallbackError(f"flashtile strict mode: the {preferred} backend cannot run this call: {reason}")
     with _lock:
-        _calls[result.backend] += 1
-        _kernels[result.fwd_name] += 1
-        if reason is None:
-            return result
+        _calls[backend] += 1
         _fallbacks[reason] += 1
         first = reason not in _warned
         _warned.add(reason)
     if first:
-        message = f"flashtile fell back from the {result.preferred} to the {result.backend} backend: {reason}"
+        message = f"flashtile fell back from the {preferred} to the {backend} backend: {reason}"
         logger.info(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
-    return result
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
 
 
 def record_kernel(name: str) -> None:

@@ -5,7 +5,9 @@ for a backend and runs the matching autograd Function.
 """
 from __future__ import annotations
 
-from . import validation
+import torch
+
+from . import ops, validation
 from .autograd import FlashAttnFunc, FlashAttnKVPackedFunc, FlashAttnQKVPackedFunc
 from .backends import AttentionCall
 from .dispatch import dispatch
@@ -55,8 +57,8 @@ def flash_attn_func(
         ``(out, softmax_lse, None)`` when ``return_attn_probs``.
     """
     validation.check_qkv(q, k, v)
-    call = AttentionCall.of(q, k, causal, dropout_p, window_size, softcap, alibi_slopes)
-    return _attention(FlashAttnFunc, (q, k, v), call, softmax_scale, deterministic, return_attn_probs)
+    features = dict(dropout_p=dropout_p, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+    return _attention(FlashAttnFunc, (q, k, v), (q, k, v), softmax_scale, causal, features, deterministic, return_attn_probs)
 
 
 def flash_attn_qkvpacked_func(
@@ -77,8 +79,8 @@ def flash_attn_qkvpacked_func(
     """
     q, k, v = validation.check_packed("qkv", qkv, 3, "(batch, seqlen, 3, nheads, headdim)")
     validation.check_qkv(q, k, v)
-    call = AttentionCall.of(q, k, causal, dropout_p, window_size, softcap, alibi_slopes)
-    return _attention(FlashAttnQKVPackedFunc, (qkv,), call, softmax_scale, deterministic, return_attn_probs)
+    features = dict(dropout_p=dropout_p, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+    return _attention(FlashAttnQKVPackedFunc, (qkv,), (q, k, v), softmax_scale, causal, features, deterministic, return_attn_probs)
 
 
 def flash_attn_kvpacked_func(
@@ -100,12 +102,18 @@ def flash_attn_kvpacked_func(
     """
     k, v = validation.check_packed("kv", kv, 2, "(batch, seqlen_k, 2, nheads_kv, headdim)")
     validation.check_qkv(q, k, v)
-    call = AttentionCall.of(q, k, causal, dropout_p, window_size, softcap, alibi_slopes)
-    return _attention(FlashAttnKVPackedFunc, (q, kv), call, softmax_scale, deterministic, return_attn_probs)
+    features = dict(dropout_p=dropout_p, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+    return _attention(FlashAttnKVPackedFunc, (q, kv), (q, k, v), softmax_scale, causal, features, deterministic, return_attn_probs)
 
 
-def _attention(function, inputs, call, softmax_scale, deterministic, return_attn_probs):
-    """Fill the scale, dispatch the call to a backend, run the autograd Function."""
-    scale = validation.check_softmax_scale(softmax_scale, call.headdim)
-    out, lse = function.apply(*inputs, scale, call.causal, bool(deterministic), dispatch(call))
+def _attention(function, inputs, qkv, softmax_scale, causal, features, deterministic, return_attn_probs):
+    """Fill the scale, dispatch the call to a backend and run it: through the autograd Function
+    in eager mode, through the custom op (:mod:`flashtile.ops`) while torch.compile traces."""
+    q, k, v = qkv
+    scale = validation.check_softmax_scale(softmax_scale, q.shape[-1])
+    if torch.compiler.is_compiling():
+        out, lse = ops.attention(q, k, v, scale, causal, **features)
+    else:
+        chosen = dispatch(AttentionCall.of(q, k, causal, **features))
+        out, lse = function.apply(*inputs, scale, bool(causal), bool(deterministic), chosen)
     return (out, lse, None) if return_attn_probs else out

@@ -1,0 +1,109 @@
+"""torch.compile(fullgraph=True) of models that call flashtile: no graph break, the same values and
+gradients as eager, one graph for many sequence lengths, and dispatch still recorded at run time."""
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import flashtile
+from flashtile import flash_attn_func, flash_attn_qkvpacked_func
+from flashtile.dispatch import disable_backends
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+DTYPE = torch.bfloat16 if HAS_CUDA else torch.float32
+
+
+class Block(torch.nn.Module):
+    """Pre-norm causal self-attention with GQA, as in a decoder layer."""
+
+    def __init__(self, width=64, nheads=4, nheads_kv=2):
+        super().__init__()
+        self.nheads, self.nheads_kv, self.headdim = nheads, nheads_kv, width // nheads
+        self.norm = torch.nn.LayerNorm(width)
+        self.qkv = torch.nn.Linear(width, (nheads + 2 * nheads_kv) * self.headdim)
+        self.out = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        batch, seqlen, _ = x.shape
+        q, k, v = self.qkv(self.norm(x)).split(
+            [self.nheads * self.headdim, self.nheads_kv * self.headdim, self.nheads_kv * self.headdim], dim=-1)
+        q = q.view(batch, seqlen, self.nheads, self.headdim)
+        k = k.view(batch, seqlen, self.nheads_kv, self.headdim)
+        v = v.view(batch, seqlen, self.nheads_kv, self.headdim)
+        return x + self.out(flash_attn_func(q, k, v, causal=True).reshape(batch, seqlen, -1))
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    flashtile.reset_stats()
+    yield
+    torch._dynamo.reset()
+
+
+def run(model, x):
+    out = model(x)
+    out.float().square().mean().backward()
+    return out, [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])
+def test_block_compiles_fullgraph_and_matches_eager(backend, compile_backend):
+    torch.manual_seed(0)
+    model = Block().to(DEVICE, DTYPE)
+    x = torch.randn(2, 45, 64, device=DEVICE, dtype=DTYPE)
+    eager_out, eager_grads = run(model, x)
+    model.zero_grad()
+    compiled = torch.compile(model, fullgraph=True, backend=compile_backend)
+    out, grads = run(compiled, x)
+    assert counters["graph_break"] == {}
+    tol = dict(atol=2e-2, rtol=2e-2) if DTYPE == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out, eager_out, **tol)
+    for grad, eager_grad in zip(grads, eager_grads):
+        torch.testing.assert_close(grad, eager_grad, **tol)
+    # Dispatch ran inside the op at run time: eager + compiled calls, each with its backward.
+    assert flashtile.stats()["calls"] == {backend: 2}
+    assert sum(flashtile.stats()["kernels"].values()) == 4
+
+
+def test_dynamo_explain_sees_no_graph_break(backend):
+    model = Block().to(DEVICE, DTYPE)
+    explanation = torch._dynamo.explain(model)(torch.randn(1, 20, 64, device=DEVICE, dtype=DTYPE))
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+
+
+def test_new_sequence_lengths_do_not_recompile(backend):
+    model = Block().to(DEVICE, DTYPE)
+    compiled = torch.compile(model, fullgraph=True, dynamic=True, backend="aot_eager")
+    for seqlen in (17, 33, 64, 100):
+        compiled(torch.randn(2, seqlen, 64, device=DEVICE, dtype=DTYPE)).sum().backward()
+    assert counters["stats"]["unique_graphs"] == 1
+    assert flashtile.stats()["calls"] == {backend: 4}
+
+
+def test_packed_qkv_compiles(backend):
+    qkv = torch.randn(2, 31, 3, 4, 16, device=DEVICE, dtype=DTYPE, requires_grad=True)
+    eager = flash_attn_qkvpacked_func(qkv, causal=True)
+    (grad,) = torch.autograd.grad(eager.sum(), qkv)
+    compiled = torch.compile(lambda t: flash_attn_qkvpacked_func(t, causal=True), fullgraph=True, backend="aot_eager")
+    out = compiled(qkv)
+    (compiled_grad,) = torch.autograd.grad(out.sum(), qkv)
+    torch.testing.assert_close(out, eager)
+    torch.testing.assert_close(compiled_grad, grad)
+
+
+def test_fallback_is_recorded_when_compiled():
+    model = Block().to(DEVICE, DTYPE)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with disable_backends("triton"), pytest.warns(RuntimeWarning, match="disabled"):
+        compiled(torch.randn(1, 9, 64, device=DEVICE, dtype=DTYPE))
+    snapshot = flashtile.stats()
+    assert snapshot["calls"] == {"torch": 1} and len(snapshot["fallbacks"]) == 1
+
+
+def test_unimplemented_feature_is_refused_when_tracing():
+    q = torch.randn(1, 8, 2, 16, device=DEVICE, dtype=DTYPE)
+    compiled = torch.compile(lambda t: flash_attn_func(t, t, t, softcap=30.0), fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match=r"softcap=30.0.*not implemented"):
+        compiled(q)

@@ -16,6 +16,7 @@ import math
 import torch
 
 __all__ = [
+    "ATOL",
     "attention_ref",
     "reference_dtype",
     "causal_lower_right_mask",
@@ -24,6 +25,14 @@ __all__ = [
     "max_abs_error",
     "assert_close_to_ref",
 ]
+
+
+# Absolute slack of the tolerance rule: (out and lse, gradients), by input dtype.
+ATOL = {
+    torch.float16: (1e-3, 2e-3),
+    torch.bfloat16: (1e-2, 2e-2),
+    torch.float32: (1e-5, 1e-4),
+}
 
 
 def reference_dtype(device) -> torch.dtype:

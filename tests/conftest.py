@@ -59,3 +59,18 @@ def backend(request):
 def rng(request):
     """A CPU generator seeded from the test id: fresh inputs per test, the same on every rerun."""
     return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def clean_dispatch_state(monkeypatch):
+    """Fresh stats, warn-once memory, no strict mode and no disabled backends, before and after."""
+    import flashtile
+    from flashtile import dispatch
+
+    flashtile.reset_stats()
+    monkeypatch.setattr(dispatch, "_warned", set())
+    monkeypatch.delenv("FLASHTILE_STRICT", raising=False)
+    monkeypatch.delenv("FLASHTILE_DISABLE_BACKENDS", raising=False)
+    yield
+    flashtile.set_strict(False)
+    flashtile.reset_stats()

@@ -17,16 +17,10 @@ import pytest
 import torch
 
 from flashtile import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
-from flashtile.testing import assert_close_to_ref, attention_ref, causal_lower_right_mask, make_qkv, random_like
+from flashtile.testing import ATOL, assert_close_to_ref, attention_ref, causal_lower_right_mask, make_qkv, random_like
 
 HAS_CUDA = torch.cuda.is_available()
 
-# (out/lse atol, gradient atol) on top of twice the error of the input-dtype reference.
-ATOL = {
-    torch.float16: (1e-3, 2e-3),
-    torch.bfloat16: (1e-2, 2e-2),
-    torch.float32: (1e-5, 1e-4),
-}
 
 # (64, 75) and (96, 80): seqlen_q a multiple of every query tile while seqlen_k is not a multiple of
 # the key tile, so a causal key block's query range runs past seqlen_q on the "even" (unmasked-rows) path.

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import flashtile
-from flashtile import dispatch
 from flashtile.dispatch import disable_backends, force_backend
 from flashtile.testing import make_qkv
 
@@ -14,15 +13,7 @@ HAS_CUDA = torch.cuda.is_available()
 cpu_only = pytest.mark.skipif(HAS_CUDA, reason="CPU dispatch rules (Triton runs CPU tensors under the interpreter)")
 
 
-@pytest.fixture(autouse=True)
-def clean_state(monkeypatch):
-    flashtile.reset_stats()
-    monkeypatch.setattr(dispatch, "_warned", set())
-    monkeypatch.delenv("FLASHTILE_STRICT", raising=False)
-    monkeypatch.delenv("FLASHTILE_DISABLE_BACKENDS", raising=False)
-    yield
-    flashtile.set_strict(False)
-    flashtile.reset_stats()
+pytestmark = pytest.mark.usefixtures("clean_dispatch_state")
 
 
 def inputs(rng, dtype=torch.float16, headdim=64, requires_grad=False):

@@ -15,20 +15,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashtile
 from flashtile import dispatch
-from flashtile.testing import assert_close_to_ref, random_like
+from flashtile.testing import ATOL, assert_close_to_ref, random_like
 
-ATOL = {torch.float16: (1e-3, 2e-3), torch.float32: (1e-5, 1e-4)}
 EMBED, HEADS, BATCH, SEQLEN_Q, SEQLEN_K = 32, 2, 2, 5, 7
 
 
-@pytest.fixture(autouse=True)
-def clean_state(monkeypatch):
-    flashtile.reset_stats()
-    monkeypatch.setattr(dispatch, "_warned", set())
-    monkeypatch.delenv("FLASHTILE_STRICT", raising=False)
-    yield
-    flashtile.set_strict(False)
-    flashtile.reset_stats()
+pytestmark = pytest.mark.usefixtures("clean_dispatch_state")
 
 
 def torch_module(rng, device, **kwargs):

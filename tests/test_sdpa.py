@@ -14,21 +14,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashtile
 from flashtile import dispatch, sdpa
-from flashtile.testing import assert_close_to_ref, random_like
+from flashtile.testing import ATOL, assert_close_to_ref, random_like
 
 HAS_CUDA = torch.cuda.is_available()
-ATOL = {torch.float16: (1e-3, 2e-3), torch.bfloat16: (1e-2, 2e-2), torch.float32: (1e-5, 1e-4)}
 SEQLENS = [(1, 1), (3, 3), (5, 17), (17, 5), (1, 9), (9, 1)]
 
 
 @pytest.fixture(autouse=True)
-def clean_state(monkeypatch):
-    flashtile.reset_stats()
-    monkeypatch.setattr(dispatch, "_warned", set())
-    monkeypatch.delenv("FLASHTILE_STRICT", raising=False)
+def clean_state(clean_dispatch_state):
     yield
-    flashtile.set_strict(False)
-    flashtile.reset_stats()
     assert not sdpa.is_patched(), "a test left torch.nn.functional.scaled_dot_product_attention patched"
 
 

@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass
 from . import ToolError, flatten, int_list, model_config, print_json, readable_errors
 
 # (out/lse atol, gradient atol) on top of twice the input-dtype reference's error; as tests/test_attention.py.
-ATOL = {"float16": (1e-3, 2e-3), "bfloat16": (1e-2, 2e-2), "float32": (1e-5, 1e-4)}
 DEFAULT_PREFILL = {"cuda": [128, 512, 2048], "cpu": [64, 257]}
 DEFAULT_DECODE = {"cuda": [1000, 4096], "cpu": [100, 300]}
 DEFAULT_BATCH = {"cuda": 2, "cpu": 1}
@@ -165,9 +164,11 @@ def _reference(q, k, v, dout, kwargs: dict, hi: bool) -> dict:
 
 def _check(ours: dict, ref_hi: dict, ref_lo: dict, dtype_name: str) -> tuple[dict, list[str]]:
     """Max error of each tensor and the tolerance failures (messages of assert_close_to_ref)."""
-    from ..testing import assert_close_to_ref, max_abs_error
+    import torch
 
-    atol_out, atol_grad = ATOL[dtype_name]
+    from ..testing import ATOL, assert_close_to_ref, max_abs_error
+
+    atol_out, atol_grad = ATOL[getattr(torch, dtype_name)]
     errors, failures = {}, []
     for name, value in ours.items():
         errors[name] = max_abs_error(value, ref_hi[name])

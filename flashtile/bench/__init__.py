@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..tools import flatten, int_list
+
 EXAMPLES = """\
 examples:
   python -m flashtile bench                    # GPU: full sweep vs SDPA flash/cudnn/efficient + flex
@@ -25,16 +27,8 @@ GPU rows: batch = 16384 // seqlen, nheads = 2048 // headdim; TFLOP/s fwd = 4*B*H
 """
 
 
-def _int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
 def _word_list(text: str) -> list[str]:
     return [x for x in text.split(",") if x]
-
-
-def _flatten(values):
-    return [x for group in values for x in group] if values else None
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -50,8 +44,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--quick", action="store_true", help="fewer seqlens (GPU: 1024 4096 16384; CPU: 1024 4096)")
-    parser.add_argument("--seqlens", nargs="+", type=_int_list, metavar="N", help="seqlens to run (overrides --quick)")
-    parser.add_argument("--headdims", nargs="+", type=_int_list, metavar="D", help="head dims (GPU default: 64 128; CPU: 64)")
+    parser.add_argument("--seqlens", nargs="+", type=int_list, metavar="N", help="seqlens to run (overrides --quick)")
+    parser.add_argument("--headdims", nargs="+", type=int_list, metavar="D", help="head dims (GPU default: 64 128; CPU: 64)")
     parser.add_argument(
         "--providers", nargs="+", type=_word_list, metavar="NAME",
         help="GPU: flashtile flash cudnn efficient flex (default all); CPU: flashtile naive sdpa (default all)",
@@ -73,7 +67,7 @@ def run(args) -> int:
     from . import common
 
     for name in ("seqlens", "headdims", "providers"):
-        setattr(args, name, _flatten(getattr(args, name)))
+        setattr(args, name, flatten(getattr(args, name)))
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"

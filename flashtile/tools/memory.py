@@ -54,40 +54,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", metavar="PATH|NAME", help="config.json, checkpoint directory, or bundled name")
-    parser.add_argument("--layers", type=int, metavar="L", help="number of layers (num_hidden_layers)")
-    parser.add_argument("--heads", type=int, metavar="H", help="query heads (num_attention_heads)")
-    parser.add_argument("--kv-heads", type=int, metavar="HKV", help="KV heads (num_key_value_heads; default: --heads)")
-    parser.add_argument("--head-dim", type=int, metavar="D", help="head dim")
-    parser.add_argument("--dtype", help="bf16, fp16 or fp32 (default: the config's torch_dtype, else bf16)")
-    parser.add_argument("--sliding-window", type=int, metavar="W", help="every layer keeps only W tokens (Mistral-style)")
+    model_config.add_shape_arguments(parser, layers=True, dtype_default="the config's torch_dtype, else bf16")
     parser.add_argument("--seqlen", type=int, default=4096, metavar="N", help="tokens per sequence (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=1, metavar="B", help="sequences (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
     parser.set_defaults(func=run, parser=parser)
     return parser
-
-
-def shape_from_args(args, command: str = "memory") -> model_config.ModelShape:
-    """The model shape of ``--config`` and/or the explicit shape flags (shared with qualify)."""
-    for flag in ("layers", "heads", "kv_heads", "head_dim", "sliding_window"):
-        value = getattr(args, flag, None)
-        if value is not None and value <= 0:
-            args.parser.error(f"--{flag.replace('_', '-')} must be positive, got {value}")
-    overrides = dict(
-        num_layers=getattr(args, "layers", None), num_heads=args.heads, num_kv_heads=args.kv_heads,
-        head_dim=args.head_dim, dtype=args.dtype, sliding_window=args.sliding_window,
-    )
-    if args.config:
-        return model_config.with_overrides(model_config.load(args.config), **overrides)
-    needed = ["--heads", "--head-dim"] + (["--layers"] if command == "memory" else [])
-    missing = [flag for flag in needed if getattr(args, flag[2:].replace("-", "_")) is None]
-    if missing:
-        args.parser.error(f"give --config PATH|NAME, or the shape: {' '.join(missing)} missing")
-    return model_config.from_args(
-        args.heads, args.kv_heads, args.head_dim, layers=getattr(args, "layers", None) or 1,
-        dtype=args.dtype or "bfloat16", sliding_window=args.sliding_window,
-    )
 
 
 def compute(shape: model_config.ModelShape, seqlen: int, batch: int) -> dict:
@@ -177,7 +149,7 @@ def table(shape: model_config.ModelShape, result: dict) -> str:
 def run(args) -> int:
     if args.seqlen <= 0 or args.batch <= 0:
         args.parser.error(f"--seqlen and --batch must be positive, got --seqlen {args.seqlen} --batch {args.batch}")
-    shape = shape_from_args(args)
+    shape = model_config.shape_from_args(args)
     result = compute(shape, args.seqlen, args.batch)
     if args.json:
         print_json(result)

@@ -268,3 +268,37 @@ def with_overrides(shape: ModelShape, **values) -> ModelShape:
         given = ", ".join(sorted(k for k in values if values[k] is not None))
         changes["notes"] = shape.notes + (f"overridden on the command line: {given}",)
     return replace(shape, **changes)
+
+
+def add_shape_arguments(parser, layers: bool, dtype_default: str) -> None:
+    """``--config`` and the explicit shape flags that override it (``--layers`` only when ``layers``)."""
+    parser.add_argument("--config", metavar="PATH|NAME", help="config.json, checkpoint directory, or bundled name")
+    if layers:
+        parser.add_argument("--layers", type=int, metavar="L", help="number of layers (num_hidden_layers)")
+    parser.add_argument("--heads", type=int, metavar="H", help="query heads (num_attention_heads; with --head-dim, instead of or over --config)")
+    parser.add_argument("--kv-heads", type=int, metavar="HKV", help="KV heads (num_key_value_heads; default: --heads)")
+    parser.add_argument("--head-dim", type=int, metavar="D", help="head dim")
+    parser.add_argument("--dtype", help=f"bf16, fp16 or fp32 (default: {dtype_default})")
+    parser.add_argument("--sliding-window", type=int, metavar="W", help="every layer attends to its last W keys (Mistral-style)")
+
+
+def shape_from_args(args) -> ModelShape:
+    """The model shape of ``--config`` and/or the flags of :func:`add_shape_arguments`."""
+    for flag in ("layers", "heads", "kv_heads", "head_dim", "sliding_window"):
+        value = getattr(args, flag, None)
+        if value is not None and value <= 0:
+            args.parser.error(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    overrides = dict(
+        num_layers=getattr(args, "layers", None), num_heads=args.heads, num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim, dtype=args.dtype, sliding_window=args.sliding_window,
+    )
+    if args.config:
+        return with_overrides(load(args.config), **overrides)
+    needed = ["--heads", "--head-dim"] + (["--layers"] if hasattr(args, "layers") else [])
+    missing = [flag for flag in needed if getattr(args, flag[2:].replace("-", "_")) is None]
+    if missing:
+        args.parser.error(f"give --config PATH|NAME, or the shape: {' '.join(missing)} missing")
+    return from_args(
+        args.heads, args.kv_heads, args.head_dim, layers=getattr(args, "layers", None) or 1,
+        dtype=args.dtype or "bfloat16", sliding_window=args.sliding_window,
+    )

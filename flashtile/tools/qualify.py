@@ -67,13 +67,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", metavar="PATH|NAME", help="config.json, checkpoint directory, or bundled name")
-    parser.add_argument("--heads", type=int, metavar="H", help="query heads (with --head-dim, instead of or over --config)")
-    parser.add_argument("--kv-heads", type=int, metavar="HKV", help="KV heads (default: --heads)")
-    parser.add_argument("--head-dim", type=int, metavar="D", help="head dim")
-    parser.add_argument("--sliding-window", type=int, metavar="W", help="every layer attends to its last W keys")
+    model_config.add_shape_arguments(parser, layers=False, dtype_default="see below")
     parser.add_argument("--softcap", type=float, metavar="X", help="attention logit softcap (Gemma-2: 50)")
-    parser.add_argument("--dtype", help="bf16, fp16 or fp32 (default: see below)")
     parser.add_argument("--batch", type=int, metavar="B", help="sequences per call (GPU default 2, CPU 1)")
     parser.add_argument("--prefill", nargs="+", type=int_list, metavar="N", help="prefill lengths, e.g. 128 512 2048")
     parser.add_argument("--decode", nargs="+", type=int_list, metavar="N", help="decode cache lengths, e.g. 1000 4096")
@@ -403,7 +398,6 @@ def _default_dtype(shape: model_config.ModelShape, device: str) -> str:
 @readable_errors("qualify")
 def run(args) -> int:
     from ..bench.common import base_env, log, write_json
-    from .memory import shape_from_args
 
     args.prefill, args.decode = flatten(args.prefill), flatten(args.decode)
     for flag in ("batch", "runs"):
@@ -415,8 +409,7 @@ def run(args) -> int:
         args.parser.error(f"--prefill/--decode lengths must be positive, got {bad}")
     if args.softcap is not None and args.softcap < 0:
         args.parser.error(f"--softcap must be >= 0, got {args.softcap}")
-    args.layers = None
-    shape = shape_from_args(args, command="qualify")
+    shape = model_config.shape_from_args(args)
     if args.softcap is not None:
         shape = model_config.with_overrides(shape, softcap=args.softcap)
     device = _resolve_device(args)

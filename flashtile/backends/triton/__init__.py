@@ -2,6 +2,7 @@
 configs (``configs.py``). This module says what the backend can run without importing Triton."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -11,6 +12,12 @@ from .. import AttentionCall, missing_features
 from .configs import bwd_config, fwd_config
 
 FEATURES = frozenset()
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_installed() -> bool:
+    # Asked on every call: look the package up once, not on each dispatch.
+    return importlib.util.find_spec("triton") is not None
 
 
 def interpreter_enabled() -> bool:
@@ -23,7 +30,7 @@ def supports(call: AttentionCall) -> str | None:
     missing = missing_features(call, FEATURES)
     if missing:
         return f"{missing} is not implemented in the Triton kernels"
-    if importlib.util.find_spec("triton") is None:
+    if not _triton_installed():
         return "triton is not installed"
     if call.device.type == "cpu":
         if not interpreter_enabled():

@@ -20,6 +20,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from flashtile.backends import AttnArgs  # noqa: E402
 from flashtile.backends.triton import launch  # noqa: E402
 from flashtile.backends.triton.configs import BwdConfig, TileConfig, bwd_config  # noqa: E402
 
@@ -105,15 +106,16 @@ def sweep(rows, deadline):
                 except Exception as e:  # noqa: BLE001
                     rows.append({"phase": "peer", "prov": name, **shape, "error": repr(e)[:200]})
                 print(rows[-1], flush=True)
-            ref_out, ref_lse = launch.forward(q, k, v, scale, causal)
+            args = AttnArgs(softmax_scale=scale, causal=causal, window_right=0 if causal else -1)
+            ref_out, ref_lse = launch.forward(q, k, v, args)
             for cfg in FWD_CANDIDATES:
                 if time.time() > deadline:
                     return
                 row = {"phase": "fwd", **shape, "cfg": cfg.__dict__}
                 try:
-                    out, _ = launch.forward(q, k, v, scale, causal, config=cfg)
+                    out, _ = launch.forward(q, k, v, args, config=cfg)
                     row["err_vs_default"] = (out.float() - ref_out.float()).abs().max().item()
-                    ms = bench(lambda: launch.forward(q, k, v, scale, causal, config=cfg))
+                    ms = bench(lambda: launch.forward(q, k, v, args, config=cfg))
                     row["tflops"] = tflops(ms, b, h, n, d, causal)
                 except Exception as e:  # noqa: BLE001
                     row["error"] = repr(e)[:200]
@@ -121,7 +123,7 @@ def sweep(rows, deadline):
                 print(row, flush=True)
             do = torch.randn_like(q)
             dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
-            launch.backward(do, q, k, v, ref_out, ref_lse, scale, causal, False, dq, dk, dv)
+            launch.backward(do, q, k, v, ref_out, ref_lse, args, dq, dk, dv)
             ref_grads = [t.clone() for t in (dq, dk, dv)]
             default = bwd_config(d, q.dtype, q.device)
             for which, cands in (("dkdv", DKDV_CANDIDATES), ("dq", DQ_CANDIDATES)):
@@ -131,9 +133,9 @@ def sweep(rows, deadline):
                     full = BwdConfig(cfg, default.dq) if which == "dkdv" else BwdConfig(default.dkdv, cfg)
                     row = {"phase": which, **shape, "cfg": cfg.__dict__}
                     try:
-                        launch.backward(do, q, k, v, ref_out, ref_lse, scale, causal, False, dq, dk, dv, config=full)
+                        launch.backward(do, q, k, v, ref_out, ref_lse, args, dq, dk, dv, config=full)
                         row["err_vs_default"] = max((a.float() - r.float()).abs().max().item() for a, r in zip((dq, dk, dv), ref_grads))
-                        ms = bench(lambda: launch.backward(do, q, k, v, ref_out, ref_lse, scale, causal, False, dq, dk, dv, config=full))
+                        ms = bench(lambda: launch.backward(do, q, k, v, ref_out, ref_lse, args, dq, dk, dv, config=full))
                         row["bwd_ms"] = ms
                         row["bwd_tflops"] = tflops(ms, b, h, n, d, causal, 2.5)
                     except Exception as e:  # noqa: BLE001

@@ -1,7 +1,15 @@
 """flashtile: exact, IO-aware FlashAttention in Triton behind a PyTorch API."""
 from .dispatch import FallbackError, reset_stats, set_strict, stats
 from .explain import Explanation, explain
-from .interface import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+from .interface import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+)
+from .padding import pad_input, unpad_input
 from .sdpa import patch_sdpa, scaled_dot_product_attention
 from . import nn
 
@@ -15,10 +23,15 @@ __all__ = [
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
     "nn",
+    "pad_input",
     "patch_sdpa",
     "reset_stats",
     "scaled_dot_product_attention",
     "set_strict",
     "stats",
+    "unpad_input",
 ]

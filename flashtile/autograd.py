@@ -1,83 +1,124 @@
 """Autograd glue: forward saves (q, k, v, out, lse); backward asks the same backend for gradients.
 
-Backends share one contract (see ``flashtile/backends/__init__.py``): ``forward`` returns
-``(out, lse)`` and ``backward`` writes ``dq, dk, dv`` into tensors it is handed, so the
-packed variants can hand it views of one packed gradient instead of stacking copies.
-Each runs inside ``torch.profiler.record_function`` under its kernel's name, so a trace
-shows which path ran.
+Backends share one contract (see ``flashtile/backends/__init__.py``): ``forward(q, k, v, args)``
+returns ``(out, lse)`` and ``backward`` writes ``dq, dk, dv`` (and ``dsink``, ``dbias`` when asked)
+into tensors it is handed, so the packed variants can hand it views of one packed gradient instead
+of stacking copies. The same Functions serve dense and varlen calls (``args.varlen``).
+
+``sink`` and ``attn_bias`` are inputs of ``.apply`` (not only fields of ``args``) so that autograd
+returns their gradients: ``dsink`` arrives float32 ``(nheads,)`` and is cast to the sink's dtype;
+``dbias`` arrives float32 ``(batch, nheads, seqlen_q, seqlen_k)`` and is summed down to the bias's
+broadcast shape and cast to its dtype. Each is allocated only when its input requires grad.
+
+Dropout counters are drawn here, once per forward (:func:`flashtile.rng.draw_seed_offset`), and
+the backward reuses them. Each kernel runs inside ``torch.profiler.record_function`` under its
+name, so a trace shows which path ran.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from .alloc import empty_like
+from .alloc import empty, empty_like
 from .dispatch import get_backend, record_kernel
 
 
 class FlashAttnFunc(torch.autograd.Function):
-    """Attention on separate q, k, v in the ``(batch, seqlen, nheads, headdim)`` layout."""
+    """Attention on separate q, k, v: dense ``(batch, seqlen, nheads, headdim)`` or varlen
+    ``(total_tokens, nheads, headdim)``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, deterministic, plan):
-        out, lse = _forward(plan, q, k, v, softmax_scale, causal)
+    def forward(ctx, q, k, v, sink, attn_bias, args, plan):
+        out, lse = _forward(ctx, plan, q, k, v, args, sink, attn_bias)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (softmax_scale, causal, deterministic, plan)
-        ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
-        _backward(ctx, dout, q, k, v, out, lse, dq, dk, dv)
-        return dq, dk, dv, None, None, None, None
+        dsink, dbias = _backward(ctx, dout, q, k, v, out, lse, dq, dk, dv, sink_index=3, bias_index=4)
+        return dq, dk, dv, dsink, dbias, None, None
 
 
 class FlashAttnQKVPackedFunc(torch.autograd.Function):
-    """Attention on ``qkv`` of shape ``(batch, seqlen, 3, nheads, headdim)``; gradients land in one packed tensor."""
+    """Attention on ``qkv`` ``(batch, seqlen, 3, nheads, headdim)`` or varlen ``(total_tokens, 3, nheads, headdim)``;
+    the gradient lands in one packed tensor."""
 
     @staticmethod
-    def forward(ctx, qkv, softmax_scale, causal, deterministic, plan):
-        out, lse = _forward(plan, *qkv.unbind(2), softmax_scale, causal)
+    def forward(ctx, qkv, sink, attn_bias, args, plan):
+        out, lse = _forward(ctx, plan, *_unpack(qkv), args, sink, attn_bias)
         ctx.save_for_backward(qkv, out, lse)
-        ctx.args = (softmax_scale, causal, deterministic, plan)
-        ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         qkv, out, lse = ctx.saved_tensors
         dqkv = empty_like(qkv)
-        _backward(ctx, dout, *qkv.unbind(2), out, lse, *dqkv.unbind(2))
-        return dqkv, None, None, None, None
+        dsink, dbias = _backward(ctx, dout, *_unpack(qkv), out, lse, *_unpack(dqkv), sink_index=1, bias_index=2)
+        return dqkv, dsink, dbias, None, None
 
 
 class FlashAttnKVPackedFunc(torch.autograd.Function):
-    """Attention on ``q`` and ``kv`` of shape ``(batch, seqlen_k, 2, nheads_kv, headdim)``."""
+    """Attention on ``q`` and ``kv`` ``(batch, seqlen_k, 2, nheads_kv, headdim)`` or varlen
+    ``(total_k, 2, nheads_kv, headdim)``; dK and dV land in one packed tensor."""
 
     @staticmethod
-    def forward(ctx, q, kv, softmax_scale, causal, deterministic, plan):
-        out, lse = _forward(plan, q, *kv.unbind(2), softmax_scale, causal)
+    def forward(ctx, q, kv, sink, attn_bias, args, plan):
+        out, lse = _forward(ctx, plan, q, *_unpack(kv), args, sink, attn_bias)
         ctx.save_for_backward(q, kv, out, lse)
-        ctx.args = (softmax_scale, causal, deterministic, plan)
-        ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, kv, out, lse = ctx.saved_tensors
         dq, dkv = empty_like(q), empty_like(kv)
-        _backward(ctx, dout, q, *kv.unbind(2), out, lse, dq, *dkv.unbind(2))
-        return dq, dkv, None, None, None, None
+        dsink, dbias = _backward(ctx, dout, q, *_unpack(kv), out, lse, dq, *_unpack(dkv), sink_index=2, bias_index=3)
+        return dq, dkv, dsink, dbias, None, None
 
 
-def _forward(plan, q, k, v, softmax_scale, causal):
+def _unpack(packed: torch.Tensor) -> tuple:
+    """Views of a packed tensor's parts: its packing dim is the third from last (dense or varlen)."""
+    return packed.unbind(packed.dim() - 3)
+
+
+def draw_dropout_counters(args):
+    """``args`` with fresh dropout counters when it has dropout (else unchanged)."""
+    if args.dropout_p == 0:
+        return args
+    from . import rng
+
+    seed, offset = rng.draw_seed_offset()
+    return replace(args, seed=seed, offset=offset)
+
+
+def _forward(ctx, plan, q, k, v, args, sink, attn_bias):
+    args = draw_dropout_counters(args)
+    ctx.args, ctx.plan = args, plan
+    # What the gradients of sink and attn_bias are reduced and cast to.
+    ctx.sink_dtype = None if sink is None else sink.dtype
+    ctx.bias_shape = None if attn_bias is None else attn_bias.shape
+    ctx.bias_dtype = None if attn_bias is None else attn_bias.dtype
     with torch.profiler.record_function(plan.fwd_name):
-        return get_backend(plan.backend).forward(q, k, v, softmax_scale, causal)
+        out, lse = get_backend(plan.backend).forward(q, k, v, args)
+    ctx.mark_non_differentiable(lse)
+    return out, lse
 
 
-def _backward(ctx, dout, q, k, v, out, lse, dq, dk, dv) -> None:
-    softmax_scale, causal, deterministic, plan = ctx.args
+def _backward(ctx, dout, q, k, v, out, lse, dq, dk, dv, sink_index: int, bias_index: int):
+    """Run the backend's backward into dq, dk, dv; returns ``(dsink, dbias)`` for autograd (None when not needed)."""
+    args, plan = ctx.args, ctx.plan
+    dsink = dbias = None
+    if ctx.needs_input_grad[sink_index]:
+        dsink = empty((args.sink.shape[0],), torch.float32, q.device)
+    if ctx.needs_input_grad[bias_index]:
+        dbias = empty(tuple(args.attn_bias.shape), torch.float32, q.device)  # contiguous, as the contract asks
     record_kernel(plan.bwd_name)
     with torch.profiler.record_function(plan.bwd_name):
-        get_backend(plan.backend).backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dq, dk, dv)
+        get_backend(plan.backend).backward(dout, q, k, v, out, lse, args, dq, dk, dv, dsink, dbias)
+    if dsink is not None:
+        dsink = dsink.to(ctx.sink_dtype)
+    if dbias is not None:
+        dbias = dbias.sum_to_size(ctx.bias_shape).to(ctx.bias_dtype)
+    return dsink, dbias

@@ -47,17 +47,28 @@ class Explanation:
 
 
 def explain(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-            alibi_slopes=None, deterministic=False, return_attn_probs=False) -> Explanation:
+            alibi_slopes=None, deterministic=False, return_attn_probs=False, attn_bias=None, sink=None, *,
+            cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None) -> Explanation:
     """Explain the call ``flash_attn_func(q, k, v, ...)`` with the same arguments would make.
 
-    Returns an :class:`Explanation`; an invalid call is reported in its ``error`` field, not raised.
+    With ``cu_seqlens_q`` (and ``cu_seqlens_k``, ``max_seqlen_q``, ``max_seqlen_k``, optionally
+    ``seqused_k``) it explains ``flash_attn_varlen_func(q, k, v, cu_seqlens_q, ...)`` on packed
+    ``(total_tokens, nheads, headdim)`` tensors instead.
+
+    Returns an :class:`Explanation`; an invalid or unsupported call is reported in its ``error``
+    field, not raised.
     """
+    varlen = cu_seqlens_q is not None
     try:
-        validation.check_qkv(q, k, v)
-        validation.check_softmax_scale(softmax_scale, q.shape[-1])
-    except (TypeError, ValueError) as error:
+        validation.check_qkv(q, k, v, varlen=varlen)
+        args = validation.attn_args(
+            q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+            alibi_slopes=alibi_slopes, sink=sink, attn_bias=attn_bias, dropout_p=dropout_p, varlen=varlen,
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, seqused_k=seqused_k)
+    except (TypeError, ValueError, NotImplementedError) as error:
         return Explanation(None, "", "", {}, None, None, {name: "invalid call" for name in BACKENDS}, str(error))
-    result = plan(AttentionCall.of(q, k, causal, dropout_p, window_size, softcap, alibi_slopes))
+    result = plan(AttentionCall.of(q, k, v, args))
     return Explanation(
         backend=result.backend, kernel=result.fwd_name, backward_kernel=result.bwd_name, config=result.config,
         preferred=result.preferred, fallback_reason=result.fallback_reason, rejected=result.rejected,

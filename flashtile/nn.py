@@ -1,8 +1,8 @@
 """``nn.Module`` wrappers around flashtile's attention.
 
 :class:`MultiheadAttention` is a drop-in for ``torch.nn.MultiheadAttention`` (a subclass with the
-same parameters, so a state_dict loads into either). It computes attention with
-:func:`flashtile.scaled_dot_product_attention`; what flashtile cannot compute yet (masks, the
+same parameters, so a state_dict loads into either). It computes attention, masks and dropout
+included, with :func:`flashtile.scaled_dot_product_attention`; what flashtile cannot compute (the
 attention weights) runs through torch and is recorded as a fallback, never silently.
 
 :class:`Attention` is a minimal self-attention block in flashtile's own layout (fused qkv
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from .dispatch import preferred_backend, record_fallback
 from .interface import flash_attn_func
-from .sdpa import TORCH_SDPA, TORCH_SDPA_BACKEND, scaled_dot_product_attention
+from .sdpa import scaled_dot_product_attention
 
 __all__ = ["Attention", "MultiheadAttention"]
 
@@ -38,9 +38,11 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
     - ``need_weights`` defaults to ``False``: flashtile never materializes the
       ``(seqlen_q, seqlen_k)`` weights. ``need_weights=True`` runs torch's forward and is
       recorded as a fallback (backend ``"torch_mha"``).
-    - ``key_padding_mask`` or ``attn_mask`` (without the ``is_causal`` hint) runs torch's SDPA on
-      flashtile's projections, recorded as a fallback (backend ``"torch_sdpa"``), until flashtile
-      has masks.
+    - ``key_padding_mask`` and ``attn_mask`` are merged as torch merges them and passed to
+      flashtile as one mask (bool when both are bool, else additive float); its gradient flows
+      back to a float mask that requires grad. A query row whose keys are all masked outputs 0.
+    - dropout uses flashtile's RNG (:mod:`flashtile.rng`): reproducible with ``torch.manual_seed``,
+      but a different mask from torch's.
     - ``add_bias_kv`` and ``add_zero_attn`` raise ``NotImplementedError``.
 
     As in torch, ``is_causal=True`` is a hint that ``attn_mask`` is the causal mask and needs
@@ -99,12 +101,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         if key_padding_mask is None and (attn_mask is None or is_causal):
             attn = scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal)
         else:
-            given = " and ".join(name for name, mask in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask))
-                                 if mask is not None)
-            record_fallback(f"MultiheadAttention {given} given: flashtile has no attention masks yet",
-                            TORCH_SDPA_BACKEND, preferred=preferred_backend(query.device), stacklevel=_FORWARD_STACKLEVEL)
             mask = self._merge_masks(attn_mask, key_padding_mask, q, k)
-            attn = TORCH_SDPA(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+            attn = scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
         batch, _, seqlen_q, _ = attn.shape
         if batch_first:
             attn = attn.transpose(1, 2).reshape(batch, seqlen_q, self.embed_dim)
@@ -148,12 +146,16 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         return q, F.linear(key, w_k, b_k).unflatten(-1, heads), F.linear(value, w_v, b_v).unflatten(-1, heads)
 
     def _merge_masks(self, attn_mask, key_padding_mask, q, k):
-        """One additive float mask broadcastable to ``(batch, num_heads, L, S)``, as torch merges them."""
+        """One mask broadcastable to ``(batch, num_heads, L, S)`` in SDPA's convention, merged as torch
+        merges them: bool (True = may attend) when every given mask is bool, else additive float in
+        q's dtype (a bool mask contributing ``-inf`` where it is True)."""
         batch, _, seqlen_q, _ = q.shape
         seqlen_k = k.shape[2]
+        masks = [m for m in (attn_mask, key_padding_mask) if m is not None]
+        as_bool = all(m.dtype == torch.bool for m in masks)
         merged = None
         if attn_mask is not None:
-            attn_mask = _additive("attn_mask", attn_mask, q.dtype)
+            attn_mask = ~attn_mask if as_bool else _additive("attn_mask", attn_mask, q.dtype)
             if attn_mask.shape == (seqlen_q, seqlen_k):
                 merged = attn_mask.view(1, 1, seqlen_q, seqlen_k)
             elif attn_mask.shape == (batch * self.num_heads, seqlen_q, seqlen_k):
@@ -167,18 +169,19 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             if tuple(key_padding_mask.shape) != (batch, seqlen_k):
                 raise RuntimeError(f"flashtile.nn.MultiheadAttention: key_padding_mask must be (N, S) = {(batch, seqlen_k)}, "
                                    f"got {tuple(key_padding_mask.shape)}")
-            padding = _additive("key_padding_mask", key_padding_mask, q.dtype).view(batch, 1, 1, seqlen_k)
-            merged = padding if merged is None else merged + padding
+            padding = ~key_padding_mask if as_bool else _additive("key_padding_mask", key_padding_mask, q.dtype)
+            padding = padding.view(batch, 1, 1, seqlen_k)
+            merged = padding if merged is None else (merged & padding if as_bool else merged + padding)
         return merged
 
 
 def _additive(name, mask, dtype):
-    """A bool mask (True = masked out) as an additive float mask; a float mask as it is."""
+    """A bool mask (True = masked out) as an additive float mask; a float mask in ``dtype``."""
     if mask.dtype == torch.bool:
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
     if not torch.is_floating_point(mask):
         raise TypeError(f"flashtile.nn.MultiheadAttention: {name} must be bool or floating point, got {mask.dtype}")
-    return mask
+    return mask.to(dtype)
 
 
 class Attention(torch.nn.Module):
@@ -193,8 +196,9 @@ class Attention(torch.nn.Module):
         causal: query ``i`` sees keys ``0..i`` (for self-attention the corners agree).
         rotary: rotary position embeddings on q and k (GPT-NeoX/Llama "rotate half" layout,
             base ``rope_theta``), positions ``0..seqlen-1``.
-        window_size: ``(left, right)`` sliding window as in :func:`flashtile.flash_attn_func`;
-            ``(-1, -1)`` (no window) until the kernels implement windows.
+        window_size: ``(left, right)`` sliding window as in :func:`flashtile.flash_attn_func`
+            (e.g. ``(4095, 0)`` with ``causal``: each query sees itself and the 4095 keys before it);
+            ``(-1, -1)``: no window.
 
     Parameters: ``qkv_proj`` (``embed_dim -> (num_heads + 2 * num_kv_heads) * head_dim``, rows in
     the order q, k, v) and ``out_proj`` (``num_heads * head_dim -> embed_dim``). Incremental

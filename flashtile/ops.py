@@ -5,7 +5,15 @@ The public functions route here only while compiling; eager calls keep the autog
 :mod:`flashtile.autograd` (whose packed variants write one packed gradient without a copy). The
 ops' real implementations dispatch at run time, so stats, strict mode and fallbacks behave as in
 eager; their fake implementations only describe shapes (any sequence length: no recompile per
-length) and refuse, at trace time, features no backend implements.
+length; ``headdim_v`` and the varlen ``(nheads, total_q)`` lse included) and refuse, at trace time,
+features no backend implements.
+
+The schema carries everything of :class:`~flashtile.backends.AttnArgs` as plain arguments. The
+forward op draws the dropout counters when it runs and returns them as a small int64 tensor
+``[seed, offset]`` that the backward op reads back. ``sink`` and ``attn_bias`` go in as the
+caller's tensors, so autograd returns their gradients: the backward op gives float32 ``dsink``
+``(nheads,)`` and ``dbias`` ``(batch, nheads, seqlen_q, seqlen_k)`` (empty when not needed), and
+the traced autograd formula casts them and sums ``dbias`` down to the bias's shape.
 """
 from __future__ import annotations
 
@@ -14,67 +22,130 @@ from typing import Optional
 import torch
 from torch.library import custom_op
 
-from .alloc import empty_like
-from .backends import AttentionCall
+from .alloc import empty, empty_like
+from .autograd import draw_dropout_counters
+from .backends import AttentionCall, AttnArgs
 from .dispatch import check_features, dispatch, get_backend, plan, record_kernel
 
+Tensor = torch.Tensor
 
-def _call(q, k, causal, dropout_p, window_left, window_right, softcap, alibi_slopes) -> AttentionCall:
-    return AttentionCall.of(q, k, causal, dropout_p, (window_left, window_right), softcap, alibi_slopes)
+
+def _args(q, k, sink, attn_bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+          softmax_scale, causal, window_left, window_right, softcap, dropout_p, seed=0, offset=0) -> AttnArgs:
+    """The AttnArgs of an op call (its arguments were validated by the public function)."""
+    nheads = q.shape[-2]
+    if cu_seqlens_q is not None:
+        batch, shape = cu_seqlens_q.shape[0] - 1, None
+    else:
+        batch, shape = q.shape[0], (q.shape[0], nheads, q.shape[1], k.shape[1])
+    return AttnArgs(
+        softmax_scale=softmax_scale, causal=causal, window_left=window_left, window_right=window_right,
+        softcap=softcap, alibi_slopes=None if alibi_slopes is None else alibi_slopes.expand(batch, nheads),
+        sink=None if sink is None else sink.to(torch.float32).contiguous(),
+        attn_bias=None if attn_bias is None else attn_bias.expand(shape),
+        dropout_p=dropout_p, seed=seed, offset=offset, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k,
+    )
 
 
 @custom_op("flashtile::attention_fwd", mutates_args=())
-def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool,
-                  dropout_p: float, window_left: int, window_right: int, softcap: float,
-                  alibi_slopes: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of ``flash_attn_func``; the backend is chosen (and recorded) when it runs."""
-    chosen = dispatch(_call(q, k, causal, dropout_p, window_left, window_right, softcap, alibi_slopes))
+def attention_fwd(q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], attn_bias: Optional[Tensor],
+                  alibi_slopes: Optional[Tensor], cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+                  seqused_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
+                  causal: bool, window_left: int, window_right: int, softcap: float,
+                  dropout_p: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``(out, lse, rng_state)`` of the call; the backend is chosen (and recorded) when it runs.
+    ``rng_state`` is int64 ``[seed, offset]`` of the dropout RNG (zeros without dropout)."""
+    args = draw_dropout_counters(_args(q, k, sink, attn_bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                       max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
+                                       softcap, dropout_p))
+    chosen = dispatch(AttentionCall.of(q, k, v, args))
     with torch.profiler.record_function(chosen.fwd_name):
-        return get_backend(chosen.backend).forward(q, k, v, softmax_scale, causal)
+        out, lse = get_backend(chosen.backend).forward(q, k, v, args)
+    return out, lse, torch.tensor([args.seed, args.offset], dtype=torch.int64)
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, softmax_scale, causal, dropout_p, window_left, window_right, softcap, alibi_slopes):
-    check_features(_call(q, k, causal, dropout_p, window_left, window_right, softcap, alibi_slopes))
-    batch, seqlen_q, nheads, headdim = q.shape
-    return q.new_empty(q.shape), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+def _attention_fwd_fake(q, k, v, sink, attn_bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                        max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p):
+    args = _args(q, k, sink, attn_bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                 max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p)
+    check_features(AttentionCall.of(q, k, v, args))
+    out = q.new_empty(q.shape[:-1] + v.shape[-1:])
+    if args.varlen:
+        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)  # (nheads, total_q)
+    else:
+        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+    return out, lse, torch.empty(2, dtype=torch.int64)
 
 
 @custom_op("flashtile::attention_bwd", mutates_args=())
-def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor, softmax_scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)``, on the backend the forward's dispatch rules pick for the same call."""
-    chosen = plan(AttentionCall.of(q, k, causal))
+def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, rng_state: Tensor,
+                  sink: Optional[Tensor], attn_bias: Optional[Tensor], alibi_slopes: Optional[Tensor],
+                  cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], seqused_k: Optional[Tensor],
+                  max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
+                  window_right: int, softcap: float, dropout_p: float, need_dsink: bool,
+                  need_dbias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv, dsink, dbias)`` on the backend the forward's dispatch rules pick for the same
+    call; ``dsink`` / ``dbias`` are float32, and empty unless asked for."""
+    seed, offset = rng_state.tolist()
+    args = _args(q, k, sink, attn_bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                 max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p, seed, offset)
+    chosen = plan(AttentionCall.of(q, k, v, args))
     record_kernel(chosen.bwd_name)
     dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
+    dsink = empty((q.shape[-2],), torch.float32, q.device) if need_dsink else None
+    dbias = empty(tuple(args.attn_bias.shape), torch.float32, q.device) if need_dbias else None
     with torch.profiler.record_function(chosen.bwd_name):
-        # Every backend's backward is deterministic (no atomics), so there is no flag to pass on.
-        get_backend(chosen.backend).backward(dout, q, k, v, out, lse, softmax_scale, causal, True, dq, dk, dv)
-    return dq, dk, dv
+        get_backend(chosen.backend).backward(dout, q, k, v, out, lse, args, dq, dk, dv, dsink, dbias)
+    # Outputs may not alias each other: a fresh empty tensor for each gradient not asked for.
+    return (dq, dk, dv, q.new_empty((0,), dtype=torch.float32) if dsink is None else dsink,
+            q.new_empty((0,), dtype=torch.float32) if dbias is None else dbias)
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _attention_bwd_fake(dout, q, k, v, out, lse, rng_state, sink, attn_bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                        seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
+                        softcap, dropout_p, need_dsink, need_dbias):
+    dsink = q.new_empty((q.shape[-2] if need_dsink else 0,), dtype=torch.float32)
+    if need_dbias:
+        dbias = q.new_empty((q.shape[0], q.shape[2], q.shape[1], k.shape[1]), dtype=torch.float32)
+    else:
+        dbias = q.new_empty((0,), dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink, dbias
+
+
+_TENSOR_INPUTS = 9  # q, k, v, sink, attn_bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal = inputs[:5]
-    ctx.save_for_backward(q, k, v, *output)
-    ctx.args = (softmax_scale, causal)
+    out, lse, rng_state = output
+    ctx.save_for_backward(*inputs[:_TENSOR_INPUTS], out, lse, rng_state)
+    ctx.scalars = inputs[_TENSOR_INPUTS:]
 
 
-def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = attention_bwd(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None
+def _backward(ctx, dout, _dlse, _drng_state):
+    q, k, v, sink, attn_bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, out, lse, rng_state = ctx.saved_tensors
+    need_dsink, need_dbias = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+    dq, dk, dv, dsink, dbias = attention_bwd(
+        dout.contiguous(), q, k, v, out, lse, rng_state, sink, attn_bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+        seqused_k, *ctx.scalars, need_dsink, need_dbias)
+    dsink = dsink.to(sink.dtype) if need_dsink else None
+    dbias = dbias.sum_to_size(attn_bias.shape).to(attn_bias.dtype) if need_dbias else None
+    return (dq, dk, dv, dsink, dbias) + (None,) * (len(ctx.scalars) + _TENSOR_INPUTS - 5)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def attention(q, k, v, softmax_scale, causal, dropout_p=0.0, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
-    """``(out, lse)`` through the custom op (the compiled path of the public functions)."""
-    window_left, window_right = window_size
-    return attention_fwd(q, k, v, float(softmax_scale), bool(causal), float(dropout_p), int(window_left),
-                         int(window_right), float(softcap), alibi_slopes)
+def attention(q, k, v, args: AttnArgs, sink=None, attn_bias=None):
+    """``(out, lse)`` through the custom op (the compiled path of the public functions).
+
+    ``args`` comes from :func:`flashtile.validation.attn_args`; ``sink`` and ``attn_bias`` are the
+    caller's tensors (the ones gradients flow to), not the normalised copies in ``args``.
+    """
+    out, lse, _ = attention_fwd(
+        q, k, v, sink, attn_bias, args.alibi_slopes, args.cu_seqlens_q, args.cu_seqlens_k, args.seqused_k,
+        args.max_seqlen_q, args.max_seqlen_k, args.softmax_scale, args.causal, args.window_left, args.window_right,
+        args.softcap, args.dropout_p)
+    return out, lse

@@ -3,9 +3,11 @@
 :func:`scaled_dot_product_attention` takes torch's layout ``(batch, nheads, seqlen, headdim)``
 and torch's semantics (top-left causal mask, ``enable_gqa``) and runs flashtile's
 :func:`~flashtile.flash_attn_func` on ``(batch, seqlen, nheads, headdim)`` views of the same
-memory. A call flashtile cannot serve (an ``attn_mask``, dropout, float64, ...) runs torch's own
-kernel instead and is recorded as a fallback (:func:`flashtile.stats`, warned once per reason,
-:class:`~flashtile.FallbackError` in strict mode): never silently.
+memory; ``attn_mask`` becomes its ``attn_bias`` (a broadcast view, never expanded in memory) and
+``dropout_p`` its dropout. A call flashtile cannot serve (float64, a head dim that is not a
+multiple of 8, ...) runs torch's own kernel instead and is recorded as a fallback
+(:func:`flashtile.stats`, warned once per reason, :class:`~flashtile.FallbackError` in strict
+mode): never silently.
 """
 from __future__ import annotations
 
@@ -35,13 +37,18 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Args:
         query: ``(batch, nheads, seqlen_q, headdim)``; also ``(nheads, seqlen_q, headdim)``
             (unbatched) or more leading batch dims ``(..., nheads, seqlen_q, headdim)``.
-        key, value: ``(batch, nheads_kv, seqlen_k, headdim)`` with the same leading dims.
+        key: ``(batch, nheads_kv, seqlen_k, headdim)`` with the same leading dims;
+            value: ``(batch, nheads_kv, seqlen_k, headdim_v)`` (``headdim_v`` may differ).
             ``nheads_kv == nheads``, or ``nheads_kv == 1`` (broadcast), or with
             ``enable_gqa=True`` any divisor of ``nheads``: query head ``h`` reads KV head
             ``h // (nheads // nheads_kv)`` as in torch, without repeating K and V in memory.
-        attn_mask, dropout_p: not served by flashtile yet: a mask or ``dropout_p > 0`` runs
-            torch's own kernel (a recorded fallback). Like torch, dropout applies whenever
-            ``dropout_p > 0``, whatever the module's training flag.
+        attn_mask: broadcastable to ``(batch, nheads, seqlen_q, seqlen_k)``: bool (True = may
+            attend) or float in query's dtype (added to the scaled scores; its gradient is
+            computed when it requires grad). With ``is_causal`` too, both apply (as torch does on
+            CPU). A float mask in another dtype raises ``RuntimeError``, as torch does.
+        dropout_p: dropout on the attention weights with flashtile's RNG (:mod:`flashtile.rng`;
+            ``torch.manual_seed`` reproduces it, but the mask differs from torch's). Like torch,
+            dropout applies whenever ``dropout_p > 0``, whatever the module's training flag.
         is_causal: torch's causal mask, aligned to the TOP-LEFT corner: query ``i`` sees key
             ``j`` iff ``j <= i``. :func:`flashtile.flash_attn_func` aligns it to the
             bottom-right instead; the two agree only when ``seqlen_q == seqlen_k``::
@@ -58,17 +65,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         scale: softmax scale, default ``1 / sqrt(headdim)``.
         enable_gqa: allow ``nheads_kv < nheads`` (grouped-query attention).
 
-    flashtile serves float16, bfloat16 and float32 inputs on CPU and CUDA with ``headdim`` a
-    multiple of 8 up to 256, the same for query, key and value. Anything else runs torch's own
+    flashtile serves float16, bfloat16 and float32 inputs on CPU and CUDA with head dims that
+    are multiples of 8 up to 256 (value's may differ from query's). Anything else runs torch's own
     kernel and is recorded as a fallback with the reason (``flashtile.stats()["fallbacks"]``,
     under the backend name ``"torch_sdpa"``); in strict mode it raises
     :class:`~flashtile.FallbackError`. Invalid arguments raise ``RuntimeError``, as torch does.
 
     Returns:
-        ``(batch, nheads, seqlen_q, headdim)`` in query's dtype (the same leading dims as
-        query): a transposed view of a ``(batch, seqlen_q, nheads, headdim)`` buffer, as
-        torch's flash backend returns. A causal call with ``seqlen_q > seqlen_k`` runs two
-        flashtile calls (the causal square, then the rows that see every key).
+        ``(batch, nheads, seqlen_q, headdim_v)`` in query's dtype (the same leading dims as
+        query): a transposed view of a ``(batch, seqlen_q, nheads, headdim_v)`` buffer, as
+        torch's flash backend returns.
     """
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         if not isinstance(tensor, torch.Tensor):
@@ -90,17 +96,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         return TORCH_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                           scale=scale, enable_gqa=enable_gqa)
     q, k, v = (_as_flash_layout(x) for x in (query, key, value))
-    out = _top_left_causal(q, k, v, scale) if is_causal else flash_attn_func(q, k, v, softmax_scale=scale)
+    options = dict(softmax_scale=scale, dropout_p=dropout_p, attn_bias=_as_flash_bias(attn_mask, query, key))
+    out = _top_left_causal(q, k, v, **options) if is_causal else flash_attn_func(q, k, v, **options)
     # (B, S, H, D) -> (B, H, S, D) and back to query's leading dims: views, no copy.
     return out.transpose(1, 2).reshape(query.shape[:-1] + value.shape[-1:])
 
 
 def _unsupported(query, key, value, attn_mask, dropout_p, scale, enable_gqa) -> str | None:
     """Why flashtile cannot serve this call (torch's kernel will), or None; raises where torch would."""
-    if attn_mask is not None:
-        return "attn_mask is given: flashtile has no attention masks yet"
-    if dropout_p > 0.0:
-        return "dropout_p > 0: flashtile has no dropout yet"
     if query.dtype not in SUPPORTED_DTYPES:
         return f"dtype {query.dtype}: flashtile runs float16, bfloat16 and float32"
     if query.device.type not in _DEVICE_TYPES:
@@ -124,10 +127,14 @@ def _unsupported(query, key, value, attn_mask, dropout_p, scale, enable_gqa) -> 
             f"scaled_dot_product_attention: key and value must have the same seqlen, got key "
             f"{tuple(key.shape)} and value {tuple(value.shape)}"
         )
-    if value.shape[-1] != headdim:
-        return "value head dim differs from the query/key head dim: flashtile needs them equal"
-    if headdim % 8 != 0 or not 8 <= headdim <= MAX_HEADDIM:
-        return f"head dim {headdim}: flashtile needs a multiple of 8 between 8 and {MAX_HEADDIM}"
+    for name, dim in (("head dim", headdim), ("value head dim", value.shape[-1])):
+        if dim % 8 != 0 or not 8 <= dim <= MAX_HEADDIM:
+            return f"{name} {dim}: flashtile needs a multiple of 8 between 8 and {MAX_HEADDIM}"
+    reason = _unsupported_mask(attn_mask, query, key)
+    if reason is not None:
+        return reason
+    if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
+        return f"dropout_p={dropout_p!r}: flashtile takes a float in [0, 1)"
     if query.dim() == 2:
         return None  # (seqlen, headdim): one head everywhere
     nheads, nheads_kv = query.shape[-3], key.shape[-3]
@@ -148,6 +155,42 @@ def _unsupported(query, key, value, attn_mask, dropout_p, scale, enable_gqa) -> 
     return None
 
 
+def _unsupported_mask(attn_mask, query, key) -> str | None:
+    """Why flashtile cannot take ``attn_mask`` as its attn_bias, or None; raises where torch would."""
+    if attn_mask is None:
+        return None
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"scaled_dot_product_attention: attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+    if attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype:
+        raise RuntimeError(
+            f"scaled_dot_product_attention: attn_mask must be bool or have query's dtype {query.dtype}, got "
+            f"{attn_mask.dtype} (attn_mask {tuple(attn_mask.shape)})"
+        )
+    if attn_mask.device != query.device or attn_mask.is_nested:
+        return "attn_mask on another device or nested: flashtile takes a dense mask on query's device"
+    scores = tuple(query.shape[:-1]) + (key.shape[-2],)
+    try:
+        broadcast = torch.broadcast_shapes(attn_mask.shape, scores)
+    except RuntimeError:
+        broadcast = None
+    if broadcast != scores:
+        raise RuntimeError(
+            f"scaled_dot_product_attention: attn_mask of shape {tuple(attn_mask.shape)} is not broadcastable to the "
+            f"attention scores' shape {scores} (query {tuple(query.shape)}, key {tuple(key.shape)})"
+        )
+    return None
+
+
+def _as_flash_bias(attn_mask, query, key):
+    """``attn_mask`` (broadcastable to ``(..., nheads, seqlen_q, seqlen_k)``) as flashtile's attn_bias:
+    broadcastable to ``(batch, nheads, seqlen_q, seqlen_k)`` with the leading dims merged into batch."""
+    if attn_mask is None or query.dim() <= 4 or attn_mask.dim() <= 3:
+        return attn_mask  # already right-aligned with the flash layout's (batch, nheads, seqlen_q, seqlen_k)
+    # Several leading dims: merge them as _as_flash_layout does (a copy only if the mask's strides forbid a view).
+    scores = tuple(query.shape[:-1]) + (key.shape[-2],)
+    return attn_mask.expand(scores).reshape(-1, *scores[-3:])
+
+
 def _as_flash_layout(x: torch.Tensor) -> torch.Tensor:
     """``(..., nheads, seqlen, headdim)`` as a ``(batch, seqlen, nheads, headdim)`` view."""
     if x.dim() < 4:
@@ -157,21 +200,19 @@ def _as_flash_layout(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)
 
 
-def _top_left_causal(q, k, v, scale):
-    """Top-left causal attention from bottom-right causal calls, on ``(B, S, H, D)`` tensors.
+def _top_left_causal(q, k, v, attn_bias=None, **options):
+    """Top-left causal attention (query ``i`` sees keys ``0..i``) on ``(B, S, H, D)`` tensors, from
+    flash_attn_func's bottom-right alignment.
 
-    Query ``i`` sees keys ``0..i``. With ``seqlen_q <= seqlen_k`` that is the bottom-right causal
-    mask over the first ``seqlen_q`` keys. With ``seqlen_q > seqlen_k`` the first ``seqlen_k``
-    rows are a causal square and the rest see every key.
+    With ``seqlen_q <= seqlen_k`` it is the bottom-right causal mask over the first ``seqlen_q``
+    keys (the others are never seen). With ``seqlen_q > seqlen_k`` it is the window
+    ``(-1, seqlen_q - seqlen_k)``: ``j <= i + (seqlen_k - seqlen_q) + (seqlen_q - seqlen_k) = i``.
     """
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     if seqlen_q <= seqlen_k:
-        return flash_attn_func(q, k[:, :seqlen_q], v[:, :seqlen_q], softmax_scale=scale, causal=True)
-    rest = flash_attn_func(q[:, seqlen_k:], k, v, softmax_scale=scale)
-    if seqlen_k == 0:
-        return rest
-    square = flash_attn_func(q[:, :seqlen_k], k, v, softmax_scale=scale, causal=True)
-    return torch.cat([square, rest], dim=1)
+        bias = None if attn_bias is None else attn_bias[..., :seqlen_q]  # a size-1 key dim stays as it is
+        return flash_attn_func(q, k[:, :seqlen_q], v[:, :seqlen_q], causal=True, attn_bias=bias, **options)
+    return flash_attn_func(q, k, v, window_size=(-1, seqlen_q - seqlen_k), attn_bias=attn_bias, **options)
 
 
 _patch_lock = threading.Lock()

@@ -24,6 +24,10 @@ __all__ = [
     "random_like",
     "max_abs_error",
     "assert_close_to_ref",
+    "attention_varlen_ref",
+    "cu_seqlens_of",
+    "reference_results",
+    "assert_results_close",
 ]
 
 
@@ -51,23 +55,36 @@ def causal_lower_right_mask(seqlen_q: int, seqlen_k: int, device=None) -> torch.
     return cols <= rows + (seqlen_k - seqlen_q)
 
 
-def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True):
-    """Plain softmax attention, written for clarity rather than speed.
+def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True, window_size=(-1, -1), softcap=0.0,
+                  alibi_slopes=None, sink=None, attn_bias=None, dropout_p=0.0, dropout_mask=None):
+    """Plain softmax attention with every variant, written for clarity rather than speed.
+
+    The math is the one stated in ``flashtile/backends/__init__.py``.
 
     Args:
         q: ``(batch, seqlen_q, nheads, headdim)``.
-        k, v: ``(batch, seqlen_k, nheads_kv, headdim)``; ``nheads % nheads_kv == 0``. K and V are
-            repeated over the query-head group here (the reference only; the kernels never copy).
-        causal: bottom-right aligned mask (see :func:`causal_lower_right_mask`).
+        k: ``(batch, seqlen_k, nheads_kv, headdim)``, v: ``(batch, seqlen_k, nheads_kv, headdim_v)``;
+            ``nheads % nheads_kv == 0``. K and V are repeated over the query-head group here (the
+            reference only; the kernels never copy).
+        causal: bottom-right aligned mask (see :func:`causal_lower_right_mask`); with a window,
+            the window's right side becomes 0.
         softmax_scale: defaults to ``1 / sqrt(headdim)``.
         upcast: compute in float64 on CPU / float32 on CUDA (the "hi" reference) when True, in
             the input dtype (the "lo" reference of the tolerance rule) when False.
+        window_size: ``(left, right)``, -1 = unbounded.
+        softcap: ``> 0`` caps the scaled scores with ``softcap * tanh(s / softcap)``.
+        alibi_slopes: ``(nheads,)`` or ``(batch, nheads)``.
+        sink: ``(nheads,)`` logits that join each row's denominator.
+        attn_bias: broadcastable to ``(batch, nheads, seqlen_q, seqlen_k)``; float adds, bool keeps.
+        dropout_p, dropout_mask: the output uses ``p * dropout_mask / (1 - dropout_p)``;
+            ``dropout_mask`` ``(batch, nheads, seqlen_q, seqlen_k)`` bool (True = keep).
 
     Returns:
-        ``(out, lse)``: ``out`` ``(batch, seqlen_q, nheads, headdim)`` and ``lse``
+        ``(out, lse)``: ``out`` ``(batch, seqlen_q, nheads, headdim_v)`` and ``lse``
         ``(batch, nheads, seqlen_q)`` (natural log), both in the computed dtype; the caller casts.
-        A row that sees no key has ``out`` 0 and ``lse`` ``-inf``, and its gradients are 0, never NaN.
-        Differentiable with respect to q, k and v through ``out``.
+        A row that sees no key (and has no sink) has ``out`` 0 and ``lse`` ``-inf``, and its
+        gradients are 0, never NaN. Differentiable with respect to q, k, v, sink and a float
+        attn_bias through ``out``.
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be 4-d (batch, seqlen, nheads, headdim), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -84,17 +101,138 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True):
         k = k.repeat_interleave(group, dim=2)  # query head h reads kv head h // group
         v = v.repeat_interleave(group, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q * softmax_scale, k)
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
+    rows = torch.arange(seqlen_q, device=q.device).unsqueeze(1)
+    cols = torch.arange(seqlen_k, device=q.device).unsqueeze(0)
+    distance = rows + (seqlen_k - seqlen_q) - cols  # i + diag - j
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(compute_dtype).expand(batch, nheads)
+        scores = scores - slopes[:, :, None, None] * distance.abs().to(compute_dtype)
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
+    left, right = window_size
     if causal:
-        visible = causal_lower_right_mask(seqlen_q, seqlen_k, device=q.device)
-    else:
-        visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
+        right = 0
+    if left >= 0:
+        visible &= distance <= left
+    if right >= 0:
+        visible &= distance >= -right
+    visible = visible.expand(batch, nheads, seqlen_q, seqlen_k)
+    if attn_bias is not None:
+        if attn_bias.dtype == torch.bool:
+            visible = visible & attn_bias
+        else:
+            scores = scores + attn_bias.to(compute_dtype)
     scores = scores.masked_fill(~visible, float("-inf"))
-    row_empty = ~visible.any(dim=-1, keepdim=True)  # (seqlen_q, 1)
+    if sink is not None:
+        # The sink is one more logit per row with no value vector: append it, softmax, drop it.
+        sink_col = sink.to(compute_dtype)[None, :, None, None].expand(batch, nheads, seqlen_q, 1)
+        scores = torch.cat([scores, sink_col], dim=-1)
+    row_empty = ~torch.isfinite(scores).any(dim=-1, keepdim=True)
     lse = torch.logsumexp(scores.detach(), dim=-1)  # -inf on empty rows
     # An all -inf row would make softmax NaN (and its backward NaN): give it finite scores, then zero it.
     probs = torch.softmax(scores.masked_fill(row_empty, 0.0), dim=-1).masked_fill(row_empty, 0.0)
+    if sink is not None:
+        probs = probs[..., :-1]
+    if dropout_mask is not None:
+        probs = probs * dropout_mask.to(compute_dtype) / (1.0 - dropout_p)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
     return out, lse
+
+
+def cu_seqlens_of(lengths, device=None) -> torch.Tensor:
+    """int32 ``(len(lengths) + 1,)`` offsets ``[0, l0, l0 + l1, ...]`` of packed sequences."""
+    lengths = torch.as_tensor(list(lengths), dtype=torch.int64)
+    return torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(device=device, dtype=torch.int32)
+
+
+def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, alibi_slopes=None, dropout_p=0.0,
+                         dropout_seed_offset=None, **kwargs):
+    """:func:`attention_ref` of every packed sequence on its own, packed again.
+
+    Args:
+        q: ``(total_q, nheads, headdim)``; k: ``(total_k, nheads_kv, headdim)``; v: ``(total_k, nheads_kv, headdim_v)``.
+        cu_seqlens_q, cu_seqlens_k: ``(batch + 1,)`` offsets; seqused_k: optional ``(batch,)`` keys used per sequence.
+        alibi_slopes: ``(nheads,)`` or ``(batch, nheads)``.
+        dropout_p, dropout_seed_offset: with ``dropout_p > 0``, the ``(seed, offset)`` of the call; sequence
+            ``b`` uses the mask :mod:`flashtile.rng` draws for it (batch index ``b``, positions local to it).
+        kwargs: the other arguments of :func:`attention_ref` (no ``attn_bias``).
+
+    Returns:
+        ``(out, lse)``: ``out`` ``(total_q, nheads, headdim_v)`` and ``lse`` ``(nheads, total_q)``
+        in the computed dtype; rows past ``cu_seqlens_q[-1]`` have ``out`` 0 and ``lse`` ``-inf``
+        (and so gradients 0). Differentiable like :func:`attention_ref`.
+    """
+    from . import rng
+
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    batch, nheads = len(starts_q) - 1, q.shape[1]
+    used = None if seqused_k is None else seqused_k.tolist()
+    outs, lses = [], []
+    for b in range(batch):
+        q_b = q[starts_q[b] : starts_q[b + 1]]
+        keys = starts_k[b + 1] - starts_k[b] if used is None else used[b]
+        k_b, v_b = (t[starts_k[b] : starts_k[b] + keys] for t in (k, v))
+        slopes = None if alibi_slopes is None else alibi_slopes.expand(batch, nheads)[b : b + 1]
+        mask = None
+        if dropout_p > 0:
+            seed, offset = dropout_seed_offset
+            mask = rng.dropout_mask(seed, offset, b + 1, nheads, q_b.shape[0], keys, dropout_p, device=q.device)[b : b + 1]
+        out, lse = attention_ref(q_b[None], k_b[None], v_b[None], alibi_slopes=slopes, dropout_p=dropout_p,
+                                 dropout_mask=mask, **kwargs)
+        outs.append(out[0])
+        lses.append(lse[0])
+    rest = q.shape[0] - starts_q[-1]  # rows that belong to no sequence
+    dtype = reference_dtype(q.device) if kwargs.get("upcast", True) else q.dtype
+    outs.append(torch.zeros(rest, nheads, v.shape[-1], dtype=dtype, device=q.device))
+    lses.append(torch.full((nheads, rest), float("-inf"), dtype=dtype, device=q.device))
+    return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
+
+
+def reference_results(q, k, v, dout, hi=True, sink=None, attn_bias=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                      **kwargs) -> dict:
+    """The reference's ``out``, ``lse`` and gradients for upstream gradient ``dout``, the two sides of
+    the tolerance rule: ``hi`` computes in float64 (float32 on CUDA for 16-bit inputs), else everything
+    (q, k, v, sink, a float attn_bias) is cast to q's dtype first.
+
+    Gradients: ``dq``, ``dk``, ``dv`` always, ``dsink`` when ``sink`` requires grad, ``dbias`` when a
+    float ``attn_bias`` requires grad. With ``cu_seqlens_q`` / ``cu_seqlens_k`` it runs
+    :func:`attention_varlen_ref` on packed tensors; other ``kwargs`` go to the reference as they are.
+    """
+    dtype = q.dtype
+    if hi:
+        dtype = torch.float64 if (q.device.type == "cpu" or q.dtype == torch.float32) else torch.float32
+    names = ["q", "k", "v"]
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    if sink is not None:
+        sink = sink.detach().to(dtype).requires_grad_(sink.requires_grad)
+        if sink.requires_grad:
+            names.append("sink")
+            leaves.append(sink)
+    if attn_bias is not None and attn_bias.dtype != torch.bool:
+        attn_bias = attn_bias.detach().to(dtype).requires_grad_(attn_bias.requires_grad)
+        if attn_bias.requires_grad:
+            names.append("bias")
+            leaves.append(attn_bias)
+    with torch.enable_grad():
+        if cu_seqlens_q is not None:
+            out, lse = attention_varlen_ref(*leaves[:3], cu_seqlens_q, cu_seqlens_k, sink=sink, upcast=False, **kwargs)
+        else:
+            out, lse = attention_ref(*leaves[:3], sink=sink, attn_bias=attn_bias, upcast=False, **kwargs)
+        grads = torch.autograd.grad(out, leaves, dout.to(dtype))
+    results = {"out": out, "lse": lse}
+    results.update((f"d{name}", grad) for name, grad in zip(names, grads))
+    return results
+
+
+def assert_results_close(ours: dict, ref_hi: dict, ref_lo: dict, dtype) -> None:
+    """:func:`assert_close_to_ref` on every entry of ``ref_hi`` (``out``, ``lse``, gradients), with the
+    :data:`ATOL` of input dtype ``dtype``; ``ours`` must have the same keys."""
+    if set(ours) != set(ref_hi):
+        raise AssertionError(f"results {sorted(ours)} differ from the reference's {sorted(ref_hi)}")
+    atol_out, atol_grad = ATOL[dtype]
+    for name in ref_hi:
+        assert_close_to_ref(name, ours[name], ref_hi[name], ref_lo[name], atol_out if name in ("out", "lse") else atol_grad)
 
 
 def make_qkv(

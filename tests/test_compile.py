@@ -102,8 +102,71 @@ def test_fallback_is_recorded_when_compiled():
     assert snapshot["calls"] == {"torch": 1} and len(snapshot["fallbacks"]) == 1
 
 
-def test_unimplemented_feature_is_refused_when_tracing():
+def test_unimplemented_feature_is_refused_when_tracing(monkeypatch):
+    """A feature no backend declares is refused while tracing, naming it (here: softcap, taken away)."""
+    from flashtile.backends import torch_tiled
+    from flashtile.backends import triton as triton_backend
+
+    for module in (torch_tiled, triton_backend):
+        monkeypatch.setattr(module, "FEATURES", module.FEATURES - {"softcap"})
     q = torch.randn(1, 8, 2, 16, device=DEVICE, dtype=DTYPE)
     compiled = torch.compile(lambda t: flash_attn_func(t, t, t, softcap=30.0), fullgraph=True, backend="aot_eager")
     with pytest.raises(Exception, match=r"softcap=30.0.*not implemented"):
         compiled(q)
+
+
+def variant_inputs(seed=0):
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw(*shape, dtype=DTYPE):
+        return torch.randn(*shape, generator=generator).to(DEVICE, dtype).requires_grad_()
+
+    q, k, v = draw(2, 37, 4, 16), draw(2, 45, 2, 16), draw(2, 45, 2, 32)  # GQA, headdim_v = 32
+    return q, k, v, draw(4, dtype=torch.float32), draw(2, 1, 37, 45)
+
+
+def variant_call(q, k, v, sink, bias, dropout_p=0.0):
+    return flash_attn_func(q, k, v, causal=True, window_size=(10, -1), softcap=5.0, sink=sink, attn_bias=bias,
+                           alibi_slopes=torch.full((4,), 0.1, device=DEVICE), dropout_p=dropout_p)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2], ids=["no-dropout", "dropout"])
+def test_variants_compile_and_match_eager(backend, dropout_p):
+    """Window, softcap, ALiBi, a learnable sink, a learnable broadcast bias, headdim_v and dropout through
+    the custom op: no graph break; out and every gradient (dsink, dbias included) equal eager's under
+    the same torch.manual_seed (dropout's counters are drawn when the op runs)."""
+    inputs = variant_inputs()
+    torch.manual_seed(5)
+    eager = variant_call(*inputs, dropout_p=dropout_p)
+    eager_grads = torch.autograd.grad(eager.float().square().sum(), inputs)
+    compiled = torch.compile(variant_call, fullgraph=True, backend="aot_eager")
+    torch.manual_seed(5)
+    out = compiled(*inputs, dropout_p=dropout_p)
+    grads = torch.autograd.grad(out.float().square().sum(), inputs)
+    assert counters["graph_break"] == {}
+    assert out.shape == (2, 37, 4, 32)
+    tol = dict(atol=2e-2, rtol=2e-2) if DTYPE == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, eager, **tol)
+    for name, grad, eager_grad in zip(("dq", "dk", "dv", "dsink", "dbias"), grads, eager_grads):
+        assert grad.shape == eager_grad.shape and grad.dtype == eager_grad.dtype, name
+        torch.testing.assert_close(grad, eager_grad, **tol, msg=name)
+
+
+def test_varlen_compiles(backend):
+    from flashtile import flash_attn_varlen_func
+    from flashtile.testing import cu_seqlens_of
+
+    generator = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(40, 2, 16, generator=generator).to(DEVICE, DTYPE).requires_grad_() for _ in range(3))
+    cu = cu_seqlens_of([11, 0, 25], DEVICE)  # 4 rows past the end
+
+    def call(q, k, v):
+        return flash_attn_varlen_func(q, k, v, cu, cu, 25, 25, causal=True)
+
+    eager = call(q, k, v)
+    (eager_dq,) = torch.autograd.grad(eager[:36].sum(), q)
+    out = torch.compile(call, fullgraph=True, backend="aot_eager")(q, k, v)
+    (dq,) = torch.autograd.grad(out[:36].sum(), q)
+    assert counters["graph_break"] == {}
+    torch.testing.assert_close(out[:36], eager[:36])
+    torch.testing.assert_close(dq, eager_dq)

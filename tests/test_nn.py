@@ -146,30 +146,26 @@ def bool_mask(rng, *shape):
     return mask
 
 
-# name: (masks drawn from rng, words of the reason)
+# name: masks drawn from rng
 MASKS = {
-    "key_padding_mask": (lambda rng: {"key_padding_mask": bool_mask(rng, BATCH, SEQLEN_K)}, "key_padding_mask given"),
-    "bool-attn_mask": (lambda rng: {"attn_mask": bool_mask(rng, SEQLEN_Q, SEQLEN_K)}, "attn_mask given"),
-    "float-attn_mask-3d": (lambda rng: {"attn_mask": torch.randn(BATCH * HEADS, SEQLEN_Q, SEQLEN_K, generator=rng)},
-                           "attn_mask given"),
-    "both": (lambda rng: {"key_padding_mask": torch.randn(BATCH, SEQLEN_K, generator=rng),
-                          "attn_mask": torch.randn(SEQLEN_Q, SEQLEN_K, generator=rng)},
-             "key_padding_mask and attn_mask given"),
+    "key_padding_mask": lambda rng: {"key_padding_mask": bool_mask(rng, BATCH, SEQLEN_K)},
+    "bool-attn_mask": lambda rng: {"attn_mask": bool_mask(rng, SEQLEN_Q, SEQLEN_K)},
+    "float-attn_mask-3d": lambda rng: {"attn_mask": torch.randn(BATCH * HEADS, SEQLEN_Q, SEQLEN_K, generator=rng)},
+    "both-bool": lambda rng: {"key_padding_mask": bool_mask(rng, BATCH, SEQLEN_K), "attn_mask": bool_mask(rng, SEQLEN_Q, SEQLEN_K)},
+    "both": lambda rng: {"key_padding_mask": torch.randn(BATCH, SEQLEN_K, generator=rng),
+                         "attn_mask": torch.randn(SEQLEN_Q, SEQLEN_K, generator=rng)},
 }
 
 
 @pytest.mark.parametrize("case", MASKS)
-def test_masks_run_torch_sdpa_and_are_recorded(device, rng, case):
-    make_masks, words = MASKS[case]
-    masks = {name: m.to(device) for name, m in make_masks(rng).items()}
+def test_masks_run_on_flashtile(backend, device, rng, case):
+    """key_padding_mask and attn_mask are merged as torch merges them and run by flashtile: no fallback."""
+    masks = {name: m.to(device) for name, m in MASKS[case](rng).items()}
     module = torch_module(rng, device)
-    with pytest.warns(RuntimeWarning, match="torch_sdpa backend") as record:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
         check_against_torch(rng, module, inputs(rng, device, "cross", False), masks=masks)
-    assert [w.filename for w in record if "torch_sdpa" in str(w.message)] == [__file__]  # it points at the caller
-    snapshot = flashtile.stats()
-    assert snapshot["calls"] == {"torch_sdpa": 1}
-    [(reason, count)] = snapshot["fallbacks"].items()
-    assert reason.startswith("MultiheadAttention " + words) and count == 1
+    assert flashtile.stats()["calls"] == {backend: 1} and flashtile.stats()["fallbacks"] == {}
 
 
 def test_causal_hint_with_padding_mask_uses_the_mask(device, rng):
@@ -177,16 +173,16 @@ def test_causal_hint_with_padding_mask_uses_the_mask(device, rng):
     module = torch_module(rng, device)
     masks = {"attn_mask": torch.ones(SEQLEN_Q, SEQLEN_Q, dtype=torch.bool, device=device).triu(1),  # True = masked
              "key_padding_mask": torch.tensor([[False] * (SEQLEN_Q - 1) + [True], [False] * SEQLEN_Q], device=device)}
-    with pytest.warns(RuntimeWarning, match="key_padding_mask and attn_mask given"):
-        check_against_torch(rng, module, inputs(rng, device, "self", False), masks=masks, is_causal=True)
+    check_against_torch(rng, module, inputs(rng, device, "self", False), masks=masks, is_causal=True)
+    assert flashtile.stats()["fallbacks"] == {}
 
 
-def test_strict_mode_refuses_masks(device, rng):
+def test_strict_mode_refuses_need_weights_but_not_masks(device, rng):
     module = flashtile_copy(torch_module(rng, device))
     query, key, value = inputs(rng, device, "self", False)
     flashtile.set_strict(True)
-    with pytest.raises(flashtile.FallbackError, match="key_padding_mask given"):
-        module(query, key, value, key_padding_mask=torch.zeros(BATCH, SEQLEN_Q, dtype=torch.bool, device=device))
+    module(query, key, value, key_padding_mask=torch.zeros(BATCH, SEQLEN_Q, dtype=torch.bool, device=device))
+    flashtile.reset_stats()
     with pytest.raises(flashtile.FallbackError, match="need_weights=True"):
         module(query, key, value, need_weights=True)
     assert flashtile.stats()["calls"] == {}
@@ -207,17 +203,18 @@ def test_need_weights_runs_torch_and_is_recorded(device, rng):
     assert reason == "MultiheadAttention need_weights=True: flashtile never materializes attention weights"
 
 
-def test_dropout_in_training_falls_back_and_not_in_eval(device, rng):
+def test_dropout_in_training_only_runs_on_flashtile(device, rng):
     ours = flashtile_copy(torch_module(rng, device, dropout=0.5))
     query, key, value = inputs(rng, device, "self", False)
-    with pytest.warns(RuntimeWarning, match="dropout_p > 0"):
-        ours(query, key, value)
-    assert flashtile.stats()["calls"] == {"torch_sdpa": 1}
-    ours.eval()
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        ours(query, key, value)
-    assert flash_calls() == 1
+        torch.manual_seed(0)
+        dropped = ours(query, key, value)[0]
+        torch.manual_seed(0)
+        assert torch.equal(dropped, ours(query, key, value)[0])  # flashtile's RNG follows torch.manual_seed
+        ours.eval()
+        assert not torch.equal(dropped, ours(query, key, value)[0])
+    assert flash_calls() == 3 and flashtile.stats()["fallbacks"] == {}
 
 
 def test_unsupported_options_raise(device):

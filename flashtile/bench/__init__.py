@@ -1,8 +1,10 @@
-"""``python -m flashtile bench``: the GPU sweep against the peers, or the CPU comparison.
+"""``python -m flashtile bench``: the GPU sweep against the peers, or the CPU comparison;
+``--suite variants``: the attention variants (window, varlen, softcap, ALiBi, sink, bias) against
+their plain counterparts and the peers, with the issue's criteria.
 
 The GPU sweep lives in :mod:`flashtile.bench.gpu`, the CPU comparison in
-:mod:`flashtile.bench.cpu`; both are imported only when they run, so CUDA-only and
-compile-time modules never load on the other path.
+:mod:`flashtile.bench.cpu`, the variants in :mod:`flashtile.bench.variants`; each is imported only
+when it runs, so CUDA-only and compile-time modules never load on the other path.
 """
 from __future__ import annotations
 
@@ -20,11 +22,21 @@ examples:
   python -m flashtile bench --seqlens 8192 --dtype fp16 --out /tmp/results
   python -m flashtile bench --quick --json > result.json
   bash scripts/bench.sh --quick                # the same, set up in the project's virtualenv
+  python -m flashtile bench --suite variants --out /tmp/results
+                                               # GPU: window, varlen, softcap/ALiBi/sink, attn_bias vs
+                                               # plain flashtile and the peers, criteria verdicts last
+  python -m flashtile bench --suite variants --groups window mods --providers flashtile flash
+  python -m flashtile bench --suite variants --device cpu   # smoke run: tiny shapes, torch backend
 
 GPU rows: batch = 16384 // seqlen, nheads = 2048 // headdim; TFLOP/s fwd = 4*B*H*S*S*D
 (halved when causal), bwd = 2.5x that over the time of backward alone. Results are written to
 <out>/<gpu>-<date>.json (GPU) or <out>/cpu-<date>.json (CPU); the table is printed last.
+--suite variants writes <out>/<gpu>-variants-<date>.json (see flashtile/bench/variants.py for its
+shapes and FLOP model); of the options above it takes --quick, --providers, --dtype, --device,
+--no-check, --out and --json.
 """
+
+SWEEP_ONLY = ("seqlens", "headdims", "causal")
 
 
 def _word_list(text: str) -> list[str]:
@@ -43,6 +55,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--suite", choices=("sweep", "variants"), default="sweep",
+                        help="sweep (default): dense attention vs the peers; variants: window, varlen, "
+                             "softcap/ALiBi/sink, attn_bias against plain flashtile and the peers")
+    parser.add_argument("--groups", nargs="+", type=_word_list, metavar="GROUP",
+                        help="--suite variants only: window varlen_equal varlen_mixed mods bias (default all)")
     parser.add_argument("--quick", action="store_true", help="fewer seqlens (GPU: 1024 4096 16384; CPU: 1024 4096)")
     parser.add_argument("--seqlens", nargs="+", type=int_list, metavar="N", help="seqlens to run (overrides --quick)")
     parser.add_argument("--headdims", nargs="+", type=int_list, metavar="D", help="head dims (GPU default: 64 128; CPU: 64)")
@@ -66,8 +83,12 @@ def run(args) -> int:
 
     from . import common
 
-    for name in ("seqlens", "headdims", "providers"):
+    for name in ("seqlens", "headdims", "providers", "groups"):
         setattr(args, name, flatten(getattr(args, name)))
+    if args.suite == "variants":
+        return _run_variants(args)
+    if args.groups:
+        args.parser.error("--groups: only with --suite variants")
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -95,3 +116,21 @@ def run(args) -> int:
     if flashtile_rows and all(r.get("fwd_err") or r.get("err") for r in flashtile_rows):
         return 1
     return 0
+
+
+def _run_variants(args) -> int:
+    import torch
+
+    from . import variants
+
+    given = [f"--{name}" for name in SWEEP_ONLY if getattr(args, name)]
+    if given:
+        args.parser.error(f"{' '.join(given)}: not used by --suite variants (its shapes are fixed; see --groups, --quick)")
+    for option, chosen, known in (("--providers", args.providers, variants.PROVIDERS),
+                                  ("--groups", args.groups, variants.GROUP_NAMES)):
+        unknown = sorted(set(chosen or ()) - set(known))
+        if unknown:
+            args.parser.error(f"{option} {' '.join(unknown)}: choose from {' '.join(known)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        args.parser.error("--device cuda: torch sees no CUDA GPU (torch.cuda.is_available() is False)")
+    return variants.main_with_args(args)

@@ -2,9 +2,9 @@
 
 From a Hugging Face ``config.json`` (or explicit shapes) it derives the calls the model makes:
 per distinct layer type (global, sliding window) with its softcap and sinks, a causal prefill
-at several lengths (forward and backward) and a decode step (one query, forward) against several
-cache lengths. For each call it asks :func:`flashtile.explain` which backend and kernel would
-run, runs it on random inputs, checks out/lse (and dq/dk/dv for prefill) against
+at several lengths (forward and backward), a decode step (one query, forward) against several
+cache lengths, and a varlen call (packed sequences of different lengths, forward and backward). For each call it asks :func:`flashtile.explain` which backend and kernel would
+run, runs it on random inputs, checks out/lse (and dq/dk/dv, dsink with sinks, for prefill and varlen) against
 :func:`flashtile.testing.attention_ref` with the tolerance rule of
 :func:`flashtile.testing.assert_close_to_ref`, and times it. Any call that falls back, misses
 tolerance or cannot run makes the exit status 1, so the command can gate a deployment.
@@ -12,7 +12,6 @@ tolerance or cannot run makes the exit status 1, so the command can gate a deplo
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import re
 import statistics
@@ -29,7 +28,6 @@ DEFAULT_DECODE = {"cuda": [1000, 4096], "cpu": [100, 300]}
 DEFAULT_BATCH = {"cuda": 2, "cpu": 1}
 OK, SKIPPED, FALLBACK, TOLERANCE, UNSUPPORTED, ERROR = "ok", "skipped", "fallback", "tolerance", "unsupported", "error"
 PASSING = (OK, SKIPPED)
-VARLEN_REASON = "varlen (flash_attn_varlen_func, packed sequences) is not implemented yet (issue 3)"
 
 EXAMPLES = """\
 examples:
@@ -43,10 +41,11 @@ examples:
 --config takes a config.json, a checkpoint directory holding one, or a bundled name (llama,
 mistral, gemma2, gpt-oss); only the local file is read. Calls per distinct layer type: causal
 prefill at --prefill lengths (forward + backward), decode (1 query) at --decode cache lengths
-(forward); a sliding layer of window W calls window_size=(W-1, 0); varlen is listed as skipped
-until flashtile has it (issue 3). Defaults: GPU prefill 128 512 2048, decode 1000 4096, batch 2, the config's dtype;
+(forward), varlen: the first prefill length and shorter ones packed into one
+flash_attn_varlen_func call (forward + backward); a sliding layer of window W calls
+window_size=(W-1, 0); sinks are a random learnable (nheads,) float32 tensor. Defaults: GPU prefill 128 512 2048, decode 1000 4096, batch 2, the config's dtype;
 CPU prefill 64 257, decode 100 300, batch 1, float16 under TRITON_INTERPRET=1 (bfloat16 is broken
-in Triton's interpreter) else float32. Errors: max|ours - ref| over out, lse, dq, dk, dv, where ref
+in Triton's interpreter) else float32. Errors: max|ours - ref| over out, lse, dq, dk, dv (dsink), where ref
 is attention_ref in float64 (CPU) / float32 (GPU); a call passes when every tensor is within
 2 x max|ref in the input dtype - ref| + atol. Times: triton.testing.do_bench median (GPU),
 median of --runs wall-clock runs (CPU). Writes <out>/qualify-<model>-<device>.md and .json.
@@ -100,6 +99,8 @@ class Call:
     sinks: bool = False
     softmax_scale: float | None = None
     causal: bool = True
+    # varlen: the length of each packed sequence (queries and keys alike); batch = len(seqlens).
+    seqlens: tuple = ()
 
     def kwargs(self) -> dict:
         """The keyword arguments of ``flash_attn_func`` / ``explain`` (sinks aside)."""
@@ -114,6 +115,8 @@ class Call:
             parts.append(f"softcap {self.softcap:g}")
         if self.sinks:
             parts.append("sinks")
+        if self.seqlens:
+            parts.append(f"{len(self.seqlens)} packed sequences")
         return ", ".join(parts) or "-"
 
 
@@ -130,30 +133,38 @@ def derive_calls(shape: model_config.ModelShape, batch: int, prefill: list[int],
         calls += [Call(phase="decode", seqlen_q=1, seqlen_k=n, **common) for n in decode]
     first = calls[0] if calls else None
     if first is not None:
-        calls.append(Call(**{**asdict(first), "layer": "all", "layers": shape.num_layers, "phase": "varlen"}))
+        # The first layer type at the first prefill length, packed with two shorter sequences.
+        n = first.seqlen_q
+        seqlens = (n, max(1, n // 2), max(1, n // 3))
+        calls.append(Call(**{**asdict(first), "layer": "all", "layers": shape.num_layers, "phase": "varlen",
+                             "batch": len(seqlens), "seqlens": seqlens}))
     return calls
 
 
-def _accepts(function, name: str) -> bool:
-    return name in inspect.signature(function).parameters
-
-
-def _reference(q, k, v, dout, kwargs: dict, hi: bool) -> dict:
-    """attention_ref's out, lse (and gradients when ``dout`` is given): ``hi`` in float64 on CPU /
-    float32 on GPU, else in the input dtype (the "lo" reference of the tolerance rule)."""
+def _reference(q, k, v, dout, kwargs: dict, hi: bool, sink=None, varlen: dict | None = None) -> dict:
+    """attention_ref's out, lse (and gradients, dsink included, when ``dout`` is given): ``hi`` in
+    float64 on CPU / float32 on GPU, else in the input dtype (the "lo" reference of the tolerance rule).
+    ``varlen`` holds ``cu_seqlens_q`` / ``cu_seqlens_k`` for a packed call."""
     import torch
 
-    from ..testing import attention_ref
+    from ..testing import attention_ref, attention_varlen_ref
 
     dtype = q.dtype
     if hi:
         dtype = torch.float64 if (q.device.type == "cpu" or q.dtype == torch.float32) else torch.float32
-    leaves = [t.detach().to(dtype).requires_grad_(dout is not None) for t in (q, k, v)]
-    with torch.set_grad_enabled(dout is not None):
-        out, lse = attention_ref(*leaves, upcast=False, **kwargs)
+    grad = dout is not None
+    leaves = [t.detach().to(dtype).requires_grad_(grad) for t in (q, k, v)]
+    if sink is not None:
+        leaves.append(sink.detach().to(dtype).requires_grad_(grad))
+    sink = leaves[3] if sink is not None else None
+    with torch.set_grad_enabled(grad):
+        if varlen:
+            out, lse = attention_varlen_ref(*leaves[:3], sink=sink, upcast=False, **varlen, **kwargs)
+        else:
+            out, lse = attention_ref(*leaves[:3], sink=sink, upcast=False, **kwargs)
         result = {"out": out, "lse": lse}
-        if dout is not None:
-            result.update(zip(("dq", "dk", "dv"), torch.autograd.grad(out, leaves, dout.to(dtype))))
+        if grad:
+            result.update(zip(("dq", "dk", "dv", "dsink"), torch.autograd.grad(out, leaves, dout.to(dtype))))
     return result
 
 
@@ -197,20 +208,45 @@ def _new_row(call: Call, dtype_name: str) -> dict:
             "explain": None, "errors": {}, "fwd_ms": None, "fwd_bwd_ms": None, "status": None, "reasons": []}
 
 
-def _run_once(q, k, v, kwargs: dict, grad: bool, generator) -> tuple[dict, object]:
-    """flashtile's out and lse (and dq, dk, dv for a random upstream gradient when ``grad``), and that gradient."""
+def _attention(q, k, v, kwargs: dict, varlen: dict | None, **extra):
+    """``flash_attn_func`` or, for a packed call, ``flash_attn_varlen_func``."""
+    import flashtile
+
+    if varlen:
+        return flashtile.flash_attn_varlen_func(q, k, v, varlen["cu_seqlens_q"], varlen["cu_seqlens_k"],
+                                                varlen["max_seqlen"], varlen["max_seqlen"], **kwargs, **extra)
+    return flashtile.flash_attn_func(q, k, v, **kwargs, **extra)
+
+
+def _run_once(q, k, v, kwargs: dict, grad: bool, generator, varlen: dict | None = None) -> tuple[dict, object]:
+    """flashtile's out and lse (and dq, dk, dv, dsink for a random upstream gradient when ``grad``), and that gradient."""
     import torch
 
-    import flashtile
     from ..testing import random_like
 
     with torch.set_grad_enabled(grad):
-        out, lse, _ = flashtile.flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)
+        out, lse, _ = _attention(q, k, v, kwargs, varlen, return_attn_probs=True)
         ours = {"out": out, "lse": lse}
         dout = random_like(out, generator) if grad else None
         if grad:
-            ours.update(zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), dout)))
+            leaves = [q, k, v] + ([kwargs["sink"]] if "sink" in kwargs else [])
+            ours.update(zip(("dq", "dk", "dv", "dsink"), torch.autograd.grad(out, leaves, dout)))
     return ours, dout
+
+
+def _inputs(call: Call, device: str, dtype, grad: bool, generator):
+    """Random q, k, v of the call (packed for varlen) and, for varlen, the offsets."""
+    from ..testing import cu_seqlens_of, make_qkv
+
+    if not call.seqlens:
+        return make_qkv(call.batch, call.seqlen_q, call.seqlen_k, call.nheads, call.nheads_kv, call.headdim, dtype,
+                        device, requires_grad=grad, generator=generator), None
+    total = sum(call.seqlens)
+    q, k, v = (t[0] for t in make_qkv(1, total, total, call.nheads, call.nheads_kv, call.headdim, dtype, device,
+                                      requires_grad=False, generator=generator))
+    cu = cu_seqlens_of(call.seqlens, device)
+    varlen = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen": max(call.seqlens)}
+    return tuple(t.requires_grad_(grad) for t in (q, k, v)), varlen
 
 
 def qualify_call(call: Call, device: str, dtype_name: str, runs: int, seed: int) -> dict:
@@ -219,49 +255,33 @@ def qualify_call(call: Call, device: str, dtype_name: str, runs: int, seed: int)
 
     import flashtile
     from ..bench.common import describe_error
-    from ..testing import attention_ref, make_qkv
 
     row = _new_row(call, dtype_name)
-    if call.phase == "varlen":
-        row.update(status=SKIPPED, features="packed sequences", reasons=[VARLEN_REASON])
-        return row
     generator = torch.Generator().manual_seed(seed)
-    grad = call.phase == "prefill"
-    q, k, v = make_qkv(call.batch, call.seqlen_q, call.seqlen_k, call.nheads, call.nheads_kv, call.headdim,
-                       getattr(torch, dtype_name), device, requires_grad=grad, generator=generator)
+    grad = call.phase in ("prefill", "varlen")
+    (q, k, v), varlen = _inputs(call, device, getattr(torch, dtype_name), grad, generator)
     kwargs = call.kwargs()
-    # The reference gets only the features the call uses, so a reference without them still checks plain calls.
-    ref_kwargs = {"causal": call.causal, "softmax_scale": call.softmax_scale}
-    if tuple(call.window_size) != (-1, -1):
-        ref_kwargs["window_size"] = tuple(call.window_size)
-    if call.softcap:
-        ref_kwargs["softcap"] = call.softcap
-    problems = []
+    ref_kwargs = dict(kwargs)
+    sink = None
     if call.sinks:
-        if _accepts(flashtile.flash_attn_func, "sinks"):
-            kwargs["sinks"] = ref_kwargs["sinks"] = torch.randn(call.nheads, generator=generator).to(device)
-        else:
-            problems.append("attention sinks are not implemented yet in flashtile (flash_attn_func has no sinks argument)")
+        sink = torch.randn(call.nheads, generator=generator).to(device).requires_grad_(grad)
+        kwargs["sink"] = sink
 
-    explanation = flashtile.explain(q, k, v, **{key: value for key, value in kwargs.items()
-                                                if _accepts(flashtile.explain, key)}).to_dict()
+    explain_varlen = {}
+    if varlen:
+        explain_varlen = dict(cu_seqlens_q=varlen["cu_seqlens_q"], cu_seqlens_k=varlen["cu_seqlens_k"],
+                              max_seqlen_q=varlen["max_seqlen"], max_seqlen_k=varlen["max_seqlen"])
+    explanation = flashtile.explain(q, k, v, **kwargs, **explain_varlen).to_dict()
     row.update(preferred=explanation.get("preferred"), rejected=explanation.get("rejected") or {}, explain=explanation)
     if explanation.get("error"):
-        problems.append(explanation["error"])
-    if problems:
-        row.update(status=UNSUPPORTED, reasons=problems)
+        row.update(status=UNSUPPORTED, reasons=[explanation["error"]])
         return row
     row.update(backend=explanation.get("backend"), kernel=explanation.get("kernel") or None,
                fallback=bool(explanation.get("fallback")), config=explanation.get("config") or {})
-    unchecked = [key for key in ref_kwargs if not _accepts(attention_ref, key)]
-    if unchecked:
-        row.update(status=ERROR, reasons=[f"flashtile.testing.attention_ref has no {', '.join(unchecked)} argument: "
-                                          "the call cannot be checked"])
-        return row
 
     before = flashtile.stats()
     try:
-        ours, dout = _run_once(q, k, v, kwargs, grad, generator)
+        ours, dout = _run_once(q, k, v, kwargs, grad, generator, varlen)
     except flashtile.FallbackError as error:
         row.update(status=FALLBACK, fallback=True, reasons=[f"strict mode refused the call: {error}"])
         return row
@@ -282,21 +302,23 @@ def qualify_call(call: Call, device: str, dtype_name: str, runs: int, seed: int)
         why = explanation.get("fallback_reason") or ", ".join(fell_back)
         reasons.append(f"fell back from {row['preferred']} to {row['backend']}: {why}")
 
-    ref_hi = _reference(q, k, v, dout, ref_kwargs, hi=True)
-    ref_lo = _reference(q, k, v, dout, ref_kwargs, hi=False)
+    ref_varlen = None if varlen is None else {"cu_seqlens_q": varlen["cu_seqlens_q"], "cu_seqlens_k": varlen["cu_seqlens_k"]}
+    ref_hi = _reference(q, k, v, dout, ref_kwargs, hi=True, sink=sink, varlen=ref_varlen)
+    ref_lo = _reference(q, k, v, dout, ref_kwargs, hi=False, sink=sink, varlen=ref_varlen)
     row["errors"], failures = _check(ours, ref_hi, ref_lo, dtype_name)
     reasons += failures
 
     def forward():
         with torch.no_grad():
-            flashtile.flash_attn_func(q, k, v, **kwargs)
+            _attention(q, k, v, kwargs, varlen)
 
     def forward_backward():
-        flashtile.flash_attn_func(q, k, v, **kwargs).backward(dout)
+        _attention(q, k, v, kwargs, varlen).backward(dout)
 
     row["fwd_ms"] = _time_ms(forward, device, runs)
     if grad:
-        row["fwd_bwd_ms"] = _time_ms(forward_backward, device, runs, grad_to_none=[q, k, v])
+        leaves = [q, k, v] + ([sink] if sink is not None else [])
+        row["fwd_bwd_ms"] = _time_ms(forward_backward, device, runs, grad_to_none=leaves)
     status = ERROR if mispredicted else TOLERANCE if failures else FALLBACK if row["fallback"] else OK
     row.update(status=status, reasons=reasons)
     return row
@@ -314,7 +336,7 @@ def table(rows: list[dict]) -> str:
         err = max(r["errors"].values()) if r["errors"] else None
         layers = f"{r['layer']} x{r['layers']}"
         body.append([
-            str(i), layers, r["phase"], f"{r['seqlen_q']}x{r['seqlen_k']}", f"{r['nheads']}/{r['nheads_kv']}",
+            str(i), layers, r["phase"], "+".join(map(str, r["seqlens"])) if r.get("seqlens") else f"{r['seqlen_q']}x{r['seqlen_k']}", f"{r['nheads']}/{r['nheads_kv']}",
             str(r["headdim"]), r["dtype"], r["features"],
             r["backend"] or "-", r["kernel"] or "-", "-" if err is None else f"{err:.2e}",
             _fmt_ms(r["fwd_ms"]), _fmt_ms(r["fwd_bwd_ms"]), r["status"],

@@ -11,7 +11,7 @@ import torch
 from .. import AttentionCall, missing_features
 from .configs import bwd_config, fwd_config
 
-FEATURES = frozenset()
+FEATURES = frozenset({"dropout", "window", "softcap", "alibi", "sink", "bias", "varlen", "headdim_v"})
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,11 +48,15 @@ def supports(call: AttentionCall) -> str | None:
 
 def describe(call: AttentionCall):
     """Profiler names of the forward and backward kernels, and their tile configs."""
-    fwd = fwd_config(call.headdim, call.dtype, call.device, call.causal)
-    bwd = bwd_config(call.headdim, call.dtype, call.device)
+    headdim = max(call.headdim, call.headdim_v)
+    features = {name for name, _ in call.features}
+    fwd = fwd_config(headdim, call.dtype, call.device, call.causal, score_mods=bool(features & {"softcap", "alibi"}))
+    bwd = bwd_config(headdim, call.dtype, call.device)
     mask = "causal" if call.causal else "full"
-    fwd_name = f"flashtile.fwd[triton d={call.headdim} {mask} BM={fwd.BLOCK_M} BN={fwd.BLOCK_N}]"
-    bwd_name = (f"flashtile.bwd[triton d={call.headdim} {mask} dkdv=BM{bwd.dkdv.BLOCK_M}xBN{bwd.dkdv.BLOCK_N} "
+    # Features change the kernel that runs (each is a compile-time switch): name them.
+    extras = "".join(f" {name}" for name, _ in call.features)
+    fwd_name = f"flashtile.fwd[triton d={call.headdim} {mask}{extras} BM={fwd.BLOCK_M} BN={fwd.BLOCK_N}]"
+    bwd_name = (f"flashtile.bwd[triton d={call.headdim} {mask}{extras} dkdv=BM{bwd.dkdv.BLOCK_M}xBN{bwd.dkdv.BLOCK_N} "
                 f"dq=BM{bwd.dq.BLOCK_M}xBN{bwd.dq.BLOCK_N}]")
     config = {"fwd": vars(fwd), "bwd_dkdv": vars(bwd.dkdv), "bwd_dq": vars(bwd.dq)}
     return fwd_name, bwd_name, config

@@ -4,35 +4,38 @@ Three kernels, no atomics (so gradients are bit-identical run to run):
   * ``bwd_preprocess``: ``delta = rowsum(dO * O)`` and the LSE moved to the exp2 domain;
   * ``bwd_dkdv``: one program per key block; it walks the query blocks of every query
     head in its GQA group, so dK/dV are the group sums without atomics;
-  * ``bwd_dq``: one program per query block, walking the key blocks like the forward.
+  * ``bwd_dq``: one program per query block, walking the key blocks like the forward; it
+    also writes dS for the bias gradient, each element exactly once.
 With ``dS = P * (dP - delta)``: ``dV = P^T dO``, ``dK = scale * dS^T Q``, ``dQ = scale * dS K``.
+Softcap multiplies dS by ``1 - tanh^2`` on its way to dQ and dK; dropout scales dP and P by
+the kept mask over ``1 - p`` (regenerated from the same counters as the forward).
 """
 import triton
 import triton.language as tl
 
-from .common import int64, kv_block_range, load_tile, q_block_range, query_program, store_tile, tile_ptrs, visible
-
-LOG2E = tl.constexpr(1.4426950408889634)
+from .common import (LOG2E, dropout_keep, head_base, int64, kv_block_range, load_tile, program_block,
+                     q_block_range, scores, sequence, store_tile, tile_ptrs)
 
 
 @triton.jit
 def bwd_preprocess(O, DO, LSE, DELTA, LSE2,
                    stride_ob, stride_om, stride_oh,
                    stride_dob, stride_dom, stride_doh,
-                   nheads, seqlen_q,
+                   stride_lse_b, stride_lse_h, seqlen_q,
                    HEAD_DIM_ACTUAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Runs over the rows of (batch, seqlen_q) or, for varlen, of all packed tokens (batch 1)."""
     # Offsets of long sequences can pass 2**31 elements: do the index math in int64.
     stride_ob, stride_om, stride_oh = int64(stride_ob, stride_om, stride_oh)
     stride_dob, stride_dom, stride_doh = int64(stride_dob, stride_dom, stride_doh)
-    start_m, off_b, off_h, _, off_bh = query_program(nheads, 1, False)
+    start_m, off_b, off_h = program_block(False)
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    o = load_tile(tile_ptrs(O, off_b, off_h, stride_ob, stride_oh, offs_m, stride_om, offs_d),
+    o = load_tile(tile_ptrs(head_base(O, off_b, off_h, 0, stride_ob, stride_om, stride_oh), offs_m, stride_om, offs_d),
                   offs_m, seqlen_q, offs_d, HEAD_DIM_ACTUAL, HEAD_DIM, True)
-    do = load_tile(tile_ptrs(DO, off_b, off_h, stride_dob, stride_doh, offs_m, stride_dom, offs_d),
-                   offs_m, seqlen_q, offs_d, HEAD_DIM_ACTUAL, HEAD_DIM, True)
+    do = load_tile(tile_ptrs(head_base(DO, off_b, off_h, 0, stride_dob, stride_dom, stride_doh), offs_m, stride_dom,
+                             offs_d), offs_m, seqlen_q, offs_d, HEAD_DIM_ACTUAL, HEAD_DIM, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    row = off_bh * seqlen_q + offs_m
+    row = off_b * stride_lse_b + off_h * stride_lse_h + offs_m
     lse = tl.load(LSE + row, mask=offs_m < seqlen_q, other=0.0)
     # A row that saw no key has lse = -inf; +inf makes every recomputed P of it exactly 0.
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
@@ -42,15 +45,19 @@ def bwd_preprocess(O, DO, LSE, DELTA, LSE2,
 
 @triton.jit
 def _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptr, delta_ptr, stride_qm, stride_dom,
-                    offs_n, offs_d, lo, hi, seqlen_q, seqlen_k, qk_scale,
-                    BLOCK_M: tl.constexpr, HEAD_DIM_ACTUAL: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    IS_CAUSAL: tl.constexpr, MASK: tl.constexpr, EVEN_M: tl.constexpr,
-                    INPUT_PRECISION: tl.constexpr):
+                    start_n, offs_n, offs_dk, offs_dv, lo, hi, seqlen_q, seqlen_k, qk_scale, softcap2, slope2,
+                    bias_base, stride_bm, stride_bn, window_left, window_right,
+                    seed, offset, bh, threshold, dropout_scale,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_QK_ACTUAL: tl.constexpr,
+                    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V_ACTUAL: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                    MASK: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+                    SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ALIBI: tl.constexpr, BIAS: tl.constexpr,
+                    DROPOUT: tl.constexpr, EVEN_M: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     offs_m = lo + tl.arange(0, BLOCK_M)
     q_ptrs += lo * stride_qm
     do_ptrs += lo * stride_dom
     for _ in range(lo, hi, BLOCK_M):
-        q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM_ACTUAL, HEAD_DIM, not EVEN_M)
+        q = load_tile(q_ptrs, offs_m, seqlen_q, offs_dk, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, not EVEN_M)
         # Rows past seqlen_q read lse = +inf, so their P is 0 and they add nothing.
         if EVEN_M:
             lse2 = tl.load(lse2_ptr + offs_m)
@@ -60,13 +67,23 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptr, delta_ptr, stride_q
             delta = tl.load(delta_ptr + offs_m, mask=offs_m < seqlen_q, other=0.0)
         # Work on the transposed tile (keys x queries) so dK and dV accumulate row-wise.
         qk_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)
-        p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])
-        if MASK:
-            p_t = tl.where(visible(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, IS_CAUSAL), p_t, 0.0)
-        do = load_tile(do_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM_ACTUAL, HEAD_DIM, not EVEN_M)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
+        s_t, t_t = scores(qk_t, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, qk_scale, softcap2, slope2,
+                          bias_base, stride_bm, stride_bn, window_left, window_right,
+                          MASK, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, BIAS)
+        p_t = tl.math.exp2(s_t - lse2[None, :])
+        do = load_tile(do_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V_ACTUAL, HEAD_DIM_V, not EVEN_M)
         dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
+        if DROPOUT:
+            # The output saw P * keep / (1 - p): dV and dP see the same mask and scale.
+            keep = tl.trans(dropout_keep(seed, offset, bh, offs_m, start_n, threshold, BLOCK_N))
+            dv = tl.dot(tl.where(keep, p_t * dropout_scale, 0.0).to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
+            dp_t = tl.where(keep, dp_t * dropout_scale, 0.0)
+        else:
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP:
+            # d(c * tanh(x / c)) / dx = 1 - tanh^2.
+            ds_t = ds_t * (1.0 - t_t * t_t)
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
         offs_m += BLOCK_M
         q_ptrs += BLOCK_M * stride_qm
@@ -75,78 +92,128 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptr, delta_ptr, stride_q
 
 
 @triton.jit
-def bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, softmax_scale,
+def bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, softmax_scale, softcap, window_left, window_right,
+             ALIBI_SLOPES, BIAS_PTR, seed, offset, threshold, dropout_scale,
+             CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
              stride_qb, stride_qm, stride_qh,
              stride_kb, stride_kn, stride_kh,
              stride_vb, stride_vn, stride_vh,
              stride_dob, stride_dom, stride_doh,
              stride_dkb, stride_dkn, stride_dkh,
              stride_dvb, stride_dvn, stride_dvh,
-             nheads, nheads_kv, seqlen_q, seqlen_k,
-             group, HEAD_DIM_ACTUAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+             stride_lse_b, stride_lse_h, stride_alibi_b,
+             stride_bb, stride_bh, stride_bm, stride_bn,
+             nheads, seqlen_q, seqlen_k, group,
+             HEAD_DIM_QK_ACTUAL: tl.constexpr, HEAD_DIM_QK: tl.constexpr,
+             HEAD_DIM_V_ACTUAL: tl.constexpr, HEAD_DIM_V: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+             MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
+             ALIBI: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr,
+             IS_VARLEN: tl.constexpr, HAS_SEQUSED: tl.constexpr,
+             EVEN_M: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     # Offsets of long sequences can pass 2**31 elements: do the index math in int64.
     stride_qb, stride_qm, stride_qh = int64(stride_qb, stride_qm, stride_qh)
     stride_kb, stride_kn, stride_kh = int64(stride_kb, stride_kn, stride_kh)
     stride_vb, stride_vn, stride_vh = int64(stride_vb, stride_vn, stride_vh)
+    stride_bb, stride_bh, stride_bm = int64(stride_bb, stride_bh, stride_bm)
     stride_dob, stride_dom, stride_doh = int64(stride_dob, stride_dom, stride_doh)
     stride_dkb, stride_dkn, stride_dkh = int64(stride_dkb, stride_dkn, stride_dkh)
     stride_dvb, stride_dvn, stride_dvh = int64(stride_dvb, stride_dvn, stride_dvh)
-    start_n = tl.program_id(0)
-    off_hk = tl.program_id(1)
-    off_b = tl.program_id(2).to(tl.int64)
+    start_n, off_b, off_hk = program_block(False)
+    q_start, seqlen_q, k_start, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
+                                                    IS_VARLEN, HAS_SEQUSED)
+    # Varlen grids are sized for the longest sequence (the zero-filled gradients of absent keys stay 0).
+    if start_n * BLOCK_N >= seqlen_k:
+        return
 
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    k = load_tile(tile_ptrs(K, off_b, off_hk, stride_kb, stride_kh, offs_n, stride_kn, offs_d),
-                  offs_n, seqlen_k, offs_d, HEAD_DIM_ACTUAL, HEAD_DIM, True)
-    v = load_tile(tile_ptrs(V, off_b, off_hk, stride_vb, stride_vh, offs_n, stride_vn, offs_d),
-                  offs_n, seqlen_k, offs_d, HEAD_DIM_ACTUAL, HEAD_DIM, True)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    qk_scale = softmax_scale * LOG2E
-    m_start, m_full = q_block_range(start_n, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    offs_dk = tl.arange(0, HEAD_DIM_QK)
+    offs_dv = tl.arange(0, HEAD_DIM_V)
+    k = load_tile(tile_ptrs(head_base(K, off_b, off_hk, k_start, stride_kb, stride_kn, stride_kh), offs_n, stride_kn,
+                            offs_dk), offs_n, seqlen_k, offs_dk, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, True)
+    v = load_tile(tile_ptrs(head_base(V, off_b, off_hk, k_start, stride_vb, stride_vn, stride_vh), offs_n, stride_vn,
+                            offs_dv), offs_n, seqlen_k, offs_dv, HEAD_DIM_V_ACTUAL, HEAD_DIM_V, True)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM_QK], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_V], dtype=tl.float32)
+    if SOFTCAP:
+        qk_scale = softmax_scale / softcap
+    else:
+        qk_scale = softmax_scale * LOG2E
+    lo, full_lo, full_hi, hi = q_block_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
+                                             BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
 
     # Sum over the query heads that share this KV head (GQA), in a fixed order.
     for g in range(group):
         off_h = off_hk * group + g
-        q_ptrs = tile_ptrs(Q, off_b, off_h, stride_qb, stride_qh, offs_m, stride_qm, offs_d)
-        do_ptrs = tile_ptrs(DO, off_b, off_h, stride_dob, stride_doh, offs_m, stride_dom, offs_d)
-        row = (off_b * nheads + off_h) * seqlen_q
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE2 + row, DELTA + row, stride_qm, stride_dom,
-                                 offs_n, offs_d, m_start, m_full, seqlen_q, seqlen_k, qk_scale,
-                                 BLOCK_M, HEAD_DIM_ACTUAL, HEAD_DIM, IS_CAUSAL, True, EVEN_M, INPUT_PRECISION)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE2 + row, DELTA + row, stride_qm, stride_dom,
-                                 offs_n, offs_d, m_full, seqlen_q, seqlen_q, seqlen_k, qk_scale,
-                                 BLOCK_M, HEAD_DIM_ACTUAL, HEAD_DIM, IS_CAUSAL, False, EVEN_M, INPUT_PRECISION)
+        q_ptrs = tile_ptrs(head_base(Q, off_b, off_h, q_start, stride_qb, stride_qm, stride_qh), offs_m, stride_qm,
+                           offs_dk)
+        do_ptrs = tile_ptrs(head_base(DO, off_b, off_h, q_start, stride_dob, stride_dom, stride_doh), offs_m,
+                            stride_dom, offs_dv)
+        row = off_b * stride_lse_b + off_h * stride_lse_h + q_start
+        slope2 = 0.0
+        if ALIBI:
+            slope2 = tl.load(ALIBI_SLOPES + off_b * stride_alibi_b + off_h) * LOG2E
+        bias_base = BIAS_PTR + off_b * stride_bb + off_h * stride_bh
+        bh = (off_b * nheads + off_h).to(tl.int32)
+        for run in tl.static_range(3):
+            # Runs 0 and 2 straddle the window's edges; run 1 needs no mask.
+            if run == 0:
+                run_lo, run_hi = lo, full_lo
+            elif run == 1:
+                run_lo, run_hi = full_lo, full_hi
+            else:
+                run_lo, run_hi = full_hi, hi
+            # Run 0 is empty without a right edge (causal), run 2 without a left edge: leave them out.
+            if (run != 0 or MASK_RIGHT) and (run != 2 or MASK_LEFT):
+                dk, dv = _bwd_dkdv_inner(
+                    dk, dv, k, v, q_ptrs, do_ptrs, LSE2 + row, DELTA + row, stride_qm, stride_dom,
+                    start_n * BLOCK_N, offs_n, offs_dk, offs_dv, run_lo, run_hi, seqlen_q, seqlen_k, qk_scale, softcap * LOG2E, slope2,
+                    bias_base, stride_bm, stride_bn, window_left, window_right,
+                    seed, offset, bh, threshold, dropout_scale,
+                    BLOCK_M, BLOCK_N, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, HEAD_DIM_V_ACTUAL, HEAD_DIM_V,
+                    run != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, BIAS, DROPOUT, EVEN_M, INPUT_PRECISION)
 
     dk *= softmax_scale
-    store_tile(tile_ptrs(DK, off_b, off_hk, stride_dkb, stride_dkh, offs_n, stride_dkn, offs_d),
-               dk.to(DK.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM_ACTUAL)
-    store_tile(tile_ptrs(DV, off_b, off_hk, stride_dvb, stride_dvh, offs_n, stride_dvn, offs_d),
-               dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM_ACTUAL)
+    store_tile(tile_ptrs(head_base(DK, off_b, off_hk, k_start, stride_dkb, stride_dkn, stride_dkh), offs_n, stride_dkn,
+                         offs_dk), dk.to(DK.dtype.element_ty), offs_n, seqlen_k, offs_dk, HEAD_DIM_QK_ACTUAL)
+    store_tile(tile_ptrs(head_base(DV, off_b, off_hk, k_start, stride_dvb, stride_dvn, stride_dvh), offs_n, stride_dvn,
+                         offs_dv), dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_dv, HEAD_DIM_V_ACTUAL)
 
 
 @triton.jit
-def _bwd_dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_d,
-                  lo, hi, seqlen_q, seqlen_k, qk_scale,
-                  BLOCK_N: tl.constexpr, HEAD_DIM_ACTUAL: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  IS_CAUSAL: tl.constexpr, MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+def _bwd_dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_dk, offs_dv,
+                  lo, hi, seqlen_q, seqlen_k, qk_scale, softcap2, slope2, bias_base, dbias_base,
+                  stride_bm, stride_bn, window_left, window_right,
+                  seed, offset, bh, threshold, dropout_scale,
+                  BLOCK_N: tl.constexpr, HEAD_DIM_QK_ACTUAL: tl.constexpr, HEAD_DIM_QK: tl.constexpr,
+                  HEAD_DIM_V_ACTUAL: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                  MASK: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+                  SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ALIBI: tl.constexpr, BIAS: tl.constexpr,
+                  DROPOUT: tl.constexpr, WRITE_DBIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     offs_n = lo + tl.arange(0, BLOCK_N)
     k_ptrs += lo * stride_kn
     v_ptrs += lo * stride_vn
-    for _ in range(lo, hi, BLOCK_N):
-        k = load_tile(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM_ACTUAL, HEAD_DIM, MASK)
-        v = load_tile(v_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM_ACTUAL, HEAD_DIM, MASK)
+    for start_n in range(lo, hi, BLOCK_N):
+        k = load_tile(k_ptrs, offs_n, seqlen_k, offs_dk, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, MASK)
+        v = load_tile(v_ptrs, offs_n, seqlen_k, offs_dv, HEAD_DIM_V_ACTUAL, HEAD_DIM_V, MASK)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
-        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
-        if MASK:
-            # Keys past seqlen_k were read as zeros: they must not add to dQ.
-            p = tl.where(visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, IS_CAUSAL), p, 0.0)
+        # Keys past seqlen_k were read as zeros: the mask gives them P = 0 so they add nothing to dQ.
+        s, t = scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, qk_scale, softcap2, slope2,
+                      bias_base, stride_bm, stride_bn, window_left, window_right,
+                      MASK, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, BIAS)
+        p = tl.math.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
+        if DROPOUT:
+            keep = dropout_keep(seed, offset, bh, offs_m, start_n, threshold, BLOCK_N)
+            dp = tl.where(keep, dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
+        if WRITE_DBIAS:
+            # dL/d(bias) is dS itself; this program owns these (query, key) pairs of its head.
+            tl.store(dbias_base + offs_m[:, None].to(tl.int64) * seqlen_k + offs_n[None, :], ds,
+                     mask=(offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k))
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
         offs_n += BLOCK_N
         k_ptrs += BLOCK_N * stride_kn
@@ -155,46 +222,83 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, 
 
 
 @triton.jit
-def bwd_dq(Q, K, V, DO, DQ, LSE2, DELTA, softmax_scale,
+def bwd_dq(Q, K, V, DO, DQ, LSE2, DELTA, DBIAS, softmax_scale, softcap, window_left, window_right,
+           ALIBI_SLOPES, BIAS_PTR, seed, offset, threshold, dropout_scale,
+           CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
            stride_qb, stride_qm, stride_qh,
            stride_kb, stride_kn, stride_kh,
            stride_vb, stride_vn, stride_vh,
            stride_dob, stride_dom, stride_doh,
            stride_dqb, stride_dqm, stride_dqh,
-           nheads, seqlen_q, seqlen_k,
-           group, HEAD_DIM_ACTUAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+           stride_lse_b, stride_lse_h, stride_alibi_b,
+           stride_bb, stride_bh, stride_bm, stride_bn,
+           nheads, seqlen_q, seqlen_k, group,
+           HEAD_DIM_QK_ACTUAL: tl.constexpr, HEAD_DIM_QK: tl.constexpr,
+           HEAD_DIM_V_ACTUAL: tl.constexpr, HEAD_DIM_V: tl.constexpr,
            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-           IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+           MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
+           ALIBI: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr, WRITE_DBIAS: tl.constexpr,
+           IS_VARLEN: tl.constexpr, HAS_SEQUSED: tl.constexpr,
+           EVEN_M: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     # Offsets of long sequences can pass 2**31 elements: do the index math in int64.
     stride_qb, stride_qm, stride_qh = int64(stride_qb, stride_qm, stride_qh)
     stride_kb, stride_kn, stride_kh = int64(stride_kb, stride_kn, stride_kh)
     stride_vb, stride_vn, stride_vh = int64(stride_vb, stride_vn, stride_vh)
+    stride_bb, stride_bh, stride_bm = int64(stride_bb, stride_bh, stride_bm)
     stride_dob, stride_dom, stride_doh = int64(stride_dob, stride_dom, stride_doh)
     stride_dqb, stride_dqm, stride_dqh = int64(stride_dqb, stride_dqm, stride_dqh)
-    start_m, off_b, off_h, off_hk, off_bh = query_program(nheads, group, IS_CAUSAL)
+    start_m, off_b, off_h = program_block(MASK_RIGHT and not MASK_LEFT)
+    q_start, seqlen_q, k_start, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
+                                                    IS_VARLEN, HAS_SEQUSED)
+    if start_m * BLOCK_M >= seqlen_q:
+        return
+    off_hk = off_h // group
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = load_tile(tile_ptrs(Q, off_b, off_h, stride_qb, stride_qh, offs_m, stride_qm, offs_d),
-                  offs_m, seqlen_q, offs_d, HEAD_DIM_ACTUAL, HEAD_DIM, not EVEN_M)
-    do = load_tile(tile_ptrs(DO, off_b, off_h, stride_dob, stride_doh, offs_m, stride_dom, offs_d),
-                   offs_m, seqlen_q, offs_d, HEAD_DIM_ACTUAL, HEAD_DIM, not EVEN_M)
-    row = off_bh * seqlen_q + offs_m
+    offs_dk = tl.arange(0, HEAD_DIM_QK)
+    offs_dv = tl.arange(0, HEAD_DIM_V)
+    q = load_tile(tile_ptrs(head_base(Q, off_b, off_h, q_start, stride_qb, stride_qm, stride_qh), offs_m, stride_qm,
+                            offs_dk), offs_m, seqlen_q, offs_dk, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, not EVEN_M)
+    do = load_tile(tile_ptrs(head_base(DO, off_b, off_h, q_start, stride_dob, stride_dom, stride_doh), offs_m,
+                             stride_dom, offs_dv), offs_m, seqlen_q, offs_dv, HEAD_DIM_V_ACTUAL, HEAD_DIM_V, not EVEN_M)
+    row = off_b * stride_lse_b + off_h * stride_lse_h + q_start + offs_m
     lse2 = tl.load(LSE2 + row, mask=offs_m < seqlen_q, other=float("inf"))
     delta = tl.load(DELTA + row, mask=offs_m < seqlen_q, other=0.0)
-    k_ptrs = tile_ptrs(K, off_b, off_hk, stride_kb, stride_kh, offs_n, stride_kn, offs_d)
-    v_ptrs = tile_ptrs(V, off_b, off_hk, stride_vb, stride_vh, offs_n, stride_vn, offs_d)
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    qk_scale = softmax_scale * LOG2E
+    k_ptrs = tile_ptrs(head_base(K, off_b, off_hk, k_start, stride_kb, stride_kn, stride_kh), offs_n, stride_kn, offs_dk)
+    v_ptrs = tile_ptrs(head_base(V, off_b, off_hk, k_start, stride_vb, stride_vn, stride_vh), offs_n, stride_vn, offs_dv)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM_QK], dtype=tl.float32)
+    if SOFTCAP:
+        qk_scale = softmax_scale / softcap
+    else:
+        qk_scale = softmax_scale * LOG2E
+    slope2 = 0.0
+    if ALIBI:
+        slope2 = tl.load(ALIBI_SLOPES + off_b * stride_alibi_b + off_h) * LOG2E
+    bias_base = BIAS_PTR + off_b * stride_bb + off_h * stride_bh
+    # dS goes to a contiguous (batch, nheads, seqlen_q, seqlen_k) float32 buffer.
+    dbias_base = DBIAS + (off_b * nheads + off_h) * seqlen_q * seqlen_k
+    bh = (off_b * nheads + off_h).to(tl.int32)
 
-    n_full, n_end = kv_block_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_d,
-                       0, n_full, seqlen_q, seqlen_k, qk_scale,
-                       BLOCK_N, HEAD_DIM_ACTUAL, HEAD_DIM, IS_CAUSAL, False, INPUT_PRECISION)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_d,
-                       n_full, n_end, seqlen_q, seqlen_k, qk_scale,
-                       BLOCK_N, HEAD_DIM_ACTUAL, HEAD_DIM, IS_CAUSAL, True, INPUT_PRECISION)
+    lo, full_lo, full_hi, hi = kv_block_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                                              BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    for run in tl.static_range(3):
+        # Runs 0 and 2 straddle the window's edges or the sequence end; run 1 needs no mask.
+        if run == 0:
+            run_lo, run_hi = lo, full_lo
+        elif run == 1:
+            run_lo, run_hi = full_lo, full_hi
+        else:
+            run_lo, run_hi = full_hi, hi
+        # Without a left edge run 0 is empty: leave it out of the compiled kernel.
+        if run != 0 or MASK_LEFT:
+            dq = _bwd_dq_inner(
+                dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_dk, offs_dv,
+                run_lo, run_hi, seqlen_q, seqlen_k, qk_scale, softcap * LOG2E, slope2, bias_base, dbias_base,
+                stride_bm, stride_bn, window_left, window_right,
+                seed, offset, bh, threshold, dropout_scale,
+                BLOCK_N, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, HEAD_DIM_V_ACTUAL, HEAD_DIM_V,
+                run != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, BIAS, DROPOUT, WRITE_DBIAS, INPUT_PRECISION)
     dq *= softmax_scale
-    store_tile(tile_ptrs(DQ, off_b, off_h, stride_dqb, stride_dqh, offs_m, stride_dqm, offs_d),
-               dq.to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM_ACTUAL)
+    store_tile(tile_ptrs(head_base(DQ, off_b, off_h, q_start, stride_dqb, stride_dqm, stride_dqh), offs_m, stride_dqm,
+                         offs_dk), dq.to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_dk, HEAD_DIM_QK_ACTUAL)

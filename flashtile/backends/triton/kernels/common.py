@@ -1,12 +1,19 @@
-"""Index and mask helpers shared by every attention kernel.
+"""Index, mask and score helpers shared by every attention kernel.
 
-Causal attention is aligned bottom-right: query ``i`` sees key ``j`` iff
-``j <= i + seqlen_k - seqlen_q``. Blocks are visited in two kinds of loops: *full*
-blocks where every (query, key) pair is visible and in range (no mask needed), and
-*masked* blocks on the diagonal or the sequence boundary.
+Query ``i`` sees key ``j`` iff ``j < seqlen_k`` and ``j`` lies in the window
+``[i + diag - window_left, i + diag + window_right]`` with ``diag = seqlen_k - seqlen_q``
+(bottom-right alignment; causal is ``window_right = 0``). ``MASK_LEFT`` / ``MASK_RIGHT``
+say whether each side of the window is bounded. Blocks are visited in runs: *full* blocks,
+where every (query, key) pair is visible and in range (no mask needed), and *masked* blocks
+on the window's edges and the sequence boundary.
+
+Scores are kept in log2 units (``qk_scale = softmax_scale * log2(e)``) so the softmax can use
+``exp2``; every additive term (ALiBi slope, bias, sink) is scaled by ``log2(e)`` to match.
 """
 import triton
 import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -16,62 +23,110 @@ def int64(stride_b, stride_m, stride_h):
 
 
 @triton.jit
-def query_program(nheads, group, IS_CAUSAL: tl.constexpr):
-    """This program's query block, batch, query head, KV head, and ``batch * nheads + head``."""
-    start_m = tl.program_id(0)
-    if IS_CAUSAL:
+def program_block(REVERSE: tl.constexpr):
+    """This program's block along the sequence, and its batch and head."""
+    start = tl.program_id(0)
+    if REVERSE:
         # Causal rows near the end visit the most keys: launch them first for a shorter tail.
-        start_m = tl.num_programs(0) - 1 - start_m
-    off_h = tl.program_id(1)
-    off_b = tl.program_id(2).to(tl.int64)
-    return start_m, off_b, off_h, off_h // group, off_b * nheads + off_h
+        start = tl.num_programs(0) - 1 - start
+    return start, tl.program_id(2).to(tl.int64), tl.program_id(1)
 
 
 @triton.jit
-def tile_ptrs(base, off_b, off_h, stride_b, stride_h, offs_rows, stride_rows, offs_d):
-    """Pointers to rows ``offs_rows`` x columns ``offs_d`` of head ``off_h`` in batch ``off_b``."""
-    return base + off_b * stride_b + off_h * stride_h + offs_rows[:, None] * stride_rows + offs_d[None, :]
+def sequence(off_b, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
+             IS_VARLEN: tl.constexpr, HAS_SEQUSED: tl.constexpr):
+    """``(q_start, seqlen_q, k_start, seqlen_k)`` of sequence ``off_b``: where its rows start in
+    the (packed) tensors and how many there are."""
+    if IS_VARLEN:
+        q_start = tl.load(CU_SEQLENS_Q + off_b)
+        seqlen_q = tl.load(CU_SEQLENS_Q + off_b + 1) - q_start
+        k_start = tl.load(CU_SEQLENS_K + off_b)
+        seqlen_k = tl.load(CU_SEQLENS_K + off_b + 1) - k_start
+    else:
+        q_start = 0
+        k_start = 0
+    if HAS_SEQUSED:
+        seqlen_k = tl.load(SEQUSED_K + off_b)
+    return q_start, seqlen_q, k_start, seqlen_k
 
 
 @triton.jit
-def visible(offs_q, offs_k, seqlen_q, seqlen_k, IS_CAUSAL: tl.constexpr):
+def head_base(base, off_b, off_h, start, stride_b, stride_m, stride_h):
+    """Pointer to row ``start`` of head ``off_h`` in batch ``off_b`` (varlen tensors have ``stride_b = 0``)."""
+    return base + off_b * stride_b + tl.cast(start, tl.int64) * stride_m + off_h * stride_h
+
+
+@triton.jit
+def tile_ptrs(base, offs_rows, stride_rows, offs_d):
+    """Pointers to rows ``offs_rows`` x columns ``offs_d`` below ``base``."""
+    return base + offs_rows[:, None] * stride_rows + offs_d[None, :]
+
+
+@triton.jit
+def visible(offs_q, offs_k, seqlen_q, seqlen_k, window_left, window_right,
+            MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
     """Which (query, key) pairs attend. ``offs_q`` and ``offs_k`` broadcast against each other."""
     mask = offs_k < seqlen_k
-    if IS_CAUSAL:
-        mask = mask & (offs_k <= offs_q + (seqlen_k - seqlen_q))
+    if MASK_RIGHT:
+        mask = mask & (offs_k <= offs_q + (seqlen_k - seqlen_q + window_right))
+    if MASK_LEFT:
+        mask = mask & (offs_k >= offs_q + (seqlen_k - seqlen_q - window_left))
     return mask
 
 
 @triton.jit
-def kv_block_range(start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
-    """Keys visited by query block ``start_m``: ``[0, n_full)`` unmasked, then ``[n_full, n_end)`` masked."""
+def kv_block_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
+    """Keys visited by query block ``start_m`` in three runs:
+    ``[lo, full_lo)`` masked, ``[full_lo, full_hi)`` unmasked, ``[full_hi, hi)`` masked."""
+    diag = seqlen_k - seqlen_q
+    first_row = start_m * BLOCK_M
+    last_row = first_row + BLOCK_M - 1
+    lo = 0
+    full_lo = 0
     # Every full key block lies below the sequence end.
-    n_full = seqlen_k // BLOCK_N * BLOCK_N
-    n_end = seqlen_k
-    if IS_CAUSAL:
-        diag = seqlen_k - seqlen_q
-        # The block's first row sees keys j <= start_m * BLOCK_M + diag: blocks wholly below that need no mask.
-        n_full = tl.minimum(n_full, tl.maximum(start_m * BLOCK_M + diag + 1, 0) // BLOCK_N * BLOCK_N)
-        # The block's last row sees nothing past (start_m + 1) * BLOCK_M - 1 + diag: later blocks are skipped.
-        n_end = tl.minimum(seqlen_k, tl.maximum((start_m + 1) * BLOCK_M + diag, 0))
-    return n_full, n_end
+    full_hi = seqlen_k // BLOCK_N * BLOCK_N
+    hi = seqlen_k
+    if MASK_LEFT:
+        # Blocks wholly left of the first row's window are skipped...
+        lo = tl.maximum(first_row + diag - window_left, 0) // BLOCK_N * BLOCK_N
+        # ...and from the last row's first key on, the left edge masks nothing.
+        full_lo = tl.cdiv(tl.maximum(last_row + diag - window_left, 0), BLOCK_N) * BLOCK_N
+    if MASK_RIGHT:
+        # Nothing past the last row's last key is visited; up to the first row's, nothing is masked.
+        hi = tl.minimum(seqlen_k, tl.maximum(last_row + diag + window_right + 1, 0))
+        full_hi = tl.minimum(full_hi, tl.maximum(first_row + diag + window_right + 1, 0) // BLOCK_N * BLOCK_N)
+    # A narrow window can leave no full block: the two masked runs then meet at full_lo.
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), tl.cdiv(hi, BLOCK_N) * BLOCK_N)
+    full_hi = tl.maximum(full_hi, full_lo)
+    return lo, full_lo, full_hi, hi
 
 
 @triton.jit
-def q_block_range(start_n, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
-    """Queries that see key block ``start_n``: ``[m_start, m_full)`` masked, then ``[m_full, seqlen_q)`` unmasked."""
-    m_start = 0
-    m_full = 0
-    if IS_CAUSAL:
-        diag = seqlen_k - seqlen_q
-        # Query i sees key j iff i >= j - diag: earlier query blocks see nothing of this key block.
-        m_start = tl.maximum(start_n * BLOCK_N - diag, 0) // BLOCK_M * BLOCK_M
-        # Queries from the block's last key on see the whole block.
-        m_full = tl.maximum((start_n + 1) * BLOCK_N - 1 - diag, 0)
-        m_full = tl.maximum(m_start, tl.cdiv(m_full, BLOCK_M) * BLOCK_M)
-        # Never walk query blocks past the sequence: their rows would be read unmasked.
-        m_full = tl.minimum(m_full, tl.cdiv(seqlen_q, BLOCK_M) * BLOCK_M)
-    return m_start, m_full
+def q_block_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
+    """Queries that see key block ``start_n``, in three runs:
+    ``[lo, full_lo)`` masked, ``[full_lo, full_hi)`` unmasked, ``[full_hi, hi)`` masked."""
+    diag = seqlen_k - seqlen_q
+    first_key = start_n * BLOCK_N
+    last_key = first_key + BLOCK_N - 1
+    lo = 0
+    full_lo = 0
+    full_hi = seqlen_q
+    hi = seqlen_q
+    if MASK_RIGHT:
+        # Query i sees key j only if i >= j - diag - window_right: earlier query blocks see nothing.
+        lo = tl.maximum(first_key - diag - window_right, 0) // BLOCK_M * BLOCK_M
+        # Queries from the block's last key on see the whole block (as far as the right edge goes).
+        full_lo = tl.cdiv(tl.maximum(last_key - diag - window_right, 0), BLOCK_M) * BLOCK_M
+    if MASK_LEFT:
+        # Query i sees key j only if i <= j - diag + window_left.
+        hi = tl.minimum(seqlen_q, tl.maximum(last_key - diag + window_left + 1, 0))
+        full_hi = tl.minimum(full_hi, tl.maximum(first_key - diag + window_left + 1, 0) // BLOCK_M * BLOCK_M)
+    # Never walk query blocks past the sequence: their rows would be read unmasked.
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), tl.cdiv(hi, BLOCK_M) * BLOCK_M)
+    full_hi = tl.maximum(full_hi, full_lo)
+    return lo, full_lo, full_hi, hi
 
 
 @triton.jit
@@ -95,3 +150,71 @@ def load_tile(ptrs, offs_rows, n_rows, offs_d, HEAD_DIM_ACTUAL: tl.constexpr, HE
 def store_tile(ptrs, tile, offs_rows, n_rows, offs_d, HEAD_DIM_ACTUAL: tl.constexpr):
     """Store a ``[rows, HEAD_DIM]`` tile, skipping rows past ``n_rows`` and padded head-dim columns."""
     tl.store(ptrs, tile, mask=(offs_rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM_ACTUAL))
+
+
+@triton.jit
+def tanh(x, FAST_TANH: tl.constexpr):
+    """tanh, through the GPU's approximate instruction for 16-bit inputs, else exactly via exp2."""
+    if FAST_TANH:
+        y = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        # 1 - 2 / (e^2x + 1): saturates to +-1 without overflow to NaN.
+        y = 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
+    return y
+
+
+@triton.jit
+def bias_ptrs(base, offs_q, offs_k, stride_bm, stride_bn):
+    """Pointers into a ``(seqlen_q, seqlen_k)`` slice of the bias (``offs_q``/``offs_k`` broadcast)."""
+    return base + tl.cast(offs_q, tl.int64) * stride_bm + tl.cast(offs_k, tl.int64) * stride_bn
+
+
+@triton.jit
+def scores(qk, offs_q, offs_k, seqlen_q, seqlen_k, qk_scale, softcap2, slope2, bias_base, stride_bm, stride_bn,
+           window_left, window_right, MASK: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+           SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ALIBI: tl.constexpr, BIAS: tl.constexpr):
+    """One tile's scores in log2 units with every modifier applied, ``-inf`` where not visible.
+
+    ``qk`` is ``q . k``; ``offs_q``/``offs_k`` broadcast to its shape (either orientation).
+    With ``SOFTCAP``, ``qk_scale = softmax_scale / softcap`` and ``softcap2 = softcap * log2(e)``.
+    Also returns ``tanh`` of the capped scores (the backward's chain rule needs it), else ``s``.
+    """
+    if SOFTCAP:
+        t = tanh(qk * qk_scale, FAST_TANH)
+        s = softcap2 * t
+    else:
+        s = qk * qk_scale
+        t = s
+    if ALIBI:
+        # The bias grows with the distance from the (bottom-right aligned) diagonal; positions
+        # in float (exact below 2**24) make it a subtract and an FMA per element.
+        rows = (offs_q + (seqlen_k - seqlen_q)).to(tl.float32)
+        s -= slope2 * tl.abs(rows - offs_k.to(tl.float32))
+    if BIAS != "":
+        in_range = (offs_q < seqlen_q) & (offs_k < seqlen_k)
+        ptrs = bias_ptrs(bias_base, offs_q, offs_k, stride_bm, stride_bn)
+        if BIAS == "add":
+            s += tl.load(ptrs, mask=in_range, other=0.0).to(tl.float32) * LOG2E
+        else:
+            s = tl.where(tl.load(ptrs, mask=in_range, other=0) != 0, s, float("-inf"))
+    if MASK:
+        s = tl.where(visible(offs_q, offs_k, seqlen_q, seqlen_k, window_left, window_right, MASK_LEFT, MASK_RIGHT),
+                     s, float("-inf"))
+    return s, t
+
+
+@triton.jit
+def dropout_keep(seed, offset, bh, offs_m, start_n, threshold, BLOCK_N: tl.constexpr):
+    """Dropout's keep mask for rows ``offs_m`` x keys ``start_n + arange(BLOCK_N)`` (a multiple of 4).
+
+    Philox on counters (key // 4, query, batch x head, call offset) yields four words, one for
+    each of 4 adjacent keys: the same function :mod:`flashtile.rng` computes in torch.
+    """
+    quads = start_n // 4 + tl.arange(0, BLOCK_N // 4)
+    rows = offs_m[:, None] + quads[None, :] * 0
+    cols = quads[None, :] + offs_m[:, None] * 0
+    w0, w1, w2, w3 = tl.philox(seed, cols, rows, rows * 0 + bh, rows * 0 + offset)
+    # Interleave the words so key 4c + w reads word w of counter c.
+    bits = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), [offs_m.shape[0], BLOCK_N])
+    # The top 31 bits as a non-negative int, compared with dropout_p * 2**31.
+    return (bits >> 1).to(tl.int32) >= threshold

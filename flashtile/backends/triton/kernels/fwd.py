@@ -1,36 +1,43 @@
-"""FlashAttention-2 forward: one program per (query block, batch x head).
+"""FlashAttention-2 forward: one program per (query block, head, batch or sequence).
 
 Scores live in the exp2 domain with the softmax scale folded in
-(``qk_scale = softmax_scale * log2(e)``), so each element costs one FMA and one exp2.
+(``qk_scale = softmax_scale * log2(e)``), so a plain element costs one FMA and one exp2.
+Softcap, ALiBi, bias, windows and dropout are compile-time switches: a call without them
+runs the plain loop.
 """
 import triton
 import triton.language as tl
 
-from .common import int64, kv_block_range, load_tile, query_program, store_tile, tile_ptrs, visible
+from .common import (LOG2E, dropout_keep, head_base, int64, kv_block_range, load_tile, program_block, scores,
+                     sequence, store_tile, tile_ptrs)
 
-LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_d,
-                    lo, hi, seqlen_q, seqlen_k, qk_scale,
-                    BLOCK_N: tl.constexpr, HEAD_DIM_ACTUAL: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    IS_CAUSAL: tl.constexpr, MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_dk, offs_dv,
+                    lo, hi, seqlen_q, seqlen_k, qk_scale, softcap2, slope2, bias_base, stride_bm, stride_bn,
+                    window_left, window_right, seed, offset, bh, threshold,
+                    BLOCK_N: tl.constexpr, HEAD_DIM_QK_ACTUAL: tl.constexpr, HEAD_DIM_QK: tl.constexpr,
+                    HEAD_DIM_V_ACTUAL: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                    MASK: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+                    SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ALIBI: tl.constexpr, BIAS: tl.constexpr,
+                    DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     offs_n = lo + tl.arange(0, BLOCK_N)
     k_ptrs += lo * stride_kn
     v_ptrs += lo * stride_vn
-    for _ in range(lo, hi, BLOCK_N):
+    for start_n in range(lo, hi, BLOCK_N):
         # Full blocks are in range by construction: only masked blocks check the key boundary.
-        k = load_tile(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM_ACTUAL, HEAD_DIM, MASK)
+        k = load_tile(k_ptrs, offs_n, seqlen_k, offs_dk, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, MASK)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
-        if MASK:
-            qk = tl.where(visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, IS_CAUSAL),
-                          qk * qk_scale, float("-inf"))
-            m_ij = tl.maximum(m_i, tl.max(qk, 1))
+        if MASK or SOFTCAP or ALIBI or BIAS != "":
+            s, _ = scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, qk_scale, softcap2, slope2,
+                          bias_base, stride_bm, stride_bn, window_left, window_right,
+                          MASK, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, BIAS)
+            m_ij = tl.maximum(m_i, tl.max(s, 1))
             # A row that has seen no key yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN.
             m_ij_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-            p = tl.math.exp2(qk - m_ij_safe[:, None])
+            p = tl.math.exp2(s - m_ij_safe[:, None])
             alpha = tl.math.exp2(m_i - m_ij_safe)
         else:
             m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
@@ -39,7 +46,10 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs
         # Rescale what was accumulated under the old row max, then add this block.
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = load_tile(v_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM_ACTUAL, HEAD_DIM, MASK)
+        if DROPOUT:
+            # The denominator sums every probability; only the kept ones reach the output.
+            p = tl.where(dropout_keep(seed, offset, bh, offs_m, start_n, threshold, BLOCK_N), p, 0.0)
+        v = load_tile(v_ptrs, offs_n, seqlen_k, offs_dv, HEAD_DIM_V_ACTUAL, HEAD_DIM_V, MASK)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
         m_i = m_ij
         offs_n += BLOCK_N
@@ -49,47 +59,88 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs
 
 
 @triton.jit
-def attn_fwd(Q, K, V, O, LSE, softmax_scale,
+def attn_fwd(Q, K, V, O, LSE, softmax_scale, softcap, window_left, window_right,
+             ALIBI_SLOPES, SINK, BIAS_PTR, seed, offset, threshold, dropout_scale,
+             CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
              stride_qb, stride_qm, stride_qh,
              stride_kb, stride_kn, stride_kh,
              stride_vb, stride_vn, stride_vh,
              stride_ob, stride_om, stride_oh,
-             nheads, seqlen_q, seqlen_k,
-             group, HEAD_DIM_ACTUAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+             stride_lse_b, stride_lse_h, stride_alibi_b,
+             stride_bb, stride_bh, stride_bm, stride_bn,
+             nheads, seqlen_q, seqlen_k, group,
+             HEAD_DIM_QK_ACTUAL: tl.constexpr, HEAD_DIM_QK: tl.constexpr,
+             HEAD_DIM_V_ACTUAL: tl.constexpr, HEAD_DIM_V: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+             MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
+             ALIBI: tl.constexpr, HAS_SINK: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr,
+             IS_VARLEN: tl.constexpr, HAS_SEQUSED: tl.constexpr,
+             EVEN_M: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     # Offsets of long sequences can pass 2**31 elements: do the index math in int64.
     stride_qb, stride_qm, stride_qh = int64(stride_qb, stride_qm, stride_qh)
     stride_kb, stride_kn, stride_kh = int64(stride_kb, stride_kn, stride_kh)
     stride_vb, stride_vn, stride_vh = int64(stride_vb, stride_vn, stride_vh)
+    stride_bb, stride_bh, stride_bm = int64(stride_bb, stride_bh, stride_bm)
     stride_ob, stride_om, stride_oh = int64(stride_ob, stride_om, stride_oh)
-    start_m, off_b, off_h, off_hk, off_bh = query_program(nheads, group, IS_CAUSAL)
+    # Causal rows near the end visit the most keys: launch them first for a shorter tail.
+    start_m, off_b, off_h = program_block(MASK_RIGHT and not MASK_LEFT)
+    q_start, seqlen_q, k_start, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
+                                                    IS_VARLEN, HAS_SEQUSED)
+    # Varlen grids are sized for the longest sequence.
+    if start_m * BLOCK_M >= seqlen_q:
+        return
+    off_hk = off_h // group
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q_ptrs = tile_ptrs(Q, off_b, off_h, stride_qb, stride_qh, offs_m, stride_qm, offs_d)
-    k_ptrs = tile_ptrs(K, off_b, off_hk, stride_kb, stride_kh, offs_n, stride_kn, offs_d)
-    v_ptrs = tile_ptrs(V, off_b, off_hk, stride_vb, stride_vh, offs_n, stride_vn, offs_d)
+    offs_dk = tl.arange(0, HEAD_DIM_QK)
+    offs_dv = tl.arange(0, HEAD_DIM_V)
+    q_ptrs = tile_ptrs(head_base(Q, off_b, off_h, q_start, stride_qb, stride_qm, stride_qh), offs_m, stride_qm, offs_dk)
+    k_ptrs = tile_ptrs(head_base(K, off_b, off_hk, k_start, stride_kb, stride_kn, stride_kh), offs_n, stride_kn, offs_dk)
+    v_ptrs = tile_ptrs(head_base(V, off_b, off_hk, k_start, stride_vb, stride_vn, stride_vh), offs_n, stride_vn, offs_dv)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    qk_scale = softmax_scale * LOG2E
-    q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM_ACTUAL, HEAD_DIM, not EVEN_M)
+    if HAS_SINK:
+        # The sink is one more logit in every row's softmax, with no value: start the row there.
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(SINK + off_h) * LOG2E
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
+    if SOFTCAP:
+        qk_scale = softmax_scale / softcap
+    else:
+        qk_scale = softmax_scale * LOG2E
+    slope2 = 0.0
+    if ALIBI:
+        slope2 = tl.load(ALIBI_SLOPES + off_b * stride_alibi_b + off_h) * LOG2E
+    bias_base = BIAS_PTR + off_b * stride_bb + off_h * stride_bh
+    bh = (off_b * nheads + off_h).to(tl.int32)
+    q = load_tile(q_ptrs, offs_m, seqlen_q, offs_dk, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, not EVEN_M)
 
-    n_full, n_end = kv_block_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_d,
-                                    0, n_full, seqlen_q, seqlen_k, qk_scale,
-                                    BLOCK_N, HEAD_DIM_ACTUAL, HEAD_DIM, IS_CAUSAL, False, INPUT_PRECISION)
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_d,
-                                    n_full, n_end, seqlen_q, seqlen_k, qk_scale,
-                                    BLOCK_N, HEAD_DIM_ACTUAL, HEAD_DIM, IS_CAUSAL, True, INPUT_PRECISION)
+    lo, full_lo, full_hi, hi = kv_block_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                                              BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    for run in tl.static_range(3):
+        # Runs 0 and 2 straddle the window's edges or the sequence end; run 1 needs no mask.
+        if run == 0:
+            run_lo, run_hi = lo, full_lo
+        elif run == 1:
+            run_lo, run_hi = full_lo, full_hi
+        else:
+            run_lo, run_hi = full_hi, hi
+        # Without a left edge run 0 is empty: leave it out of the compiled kernel.
+        if run != 0 or MASK_LEFT:
+            acc, l_i, m_i = _attn_fwd_inner(
+                acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_dk, offs_dv,
+                run_lo, run_hi, seqlen_q, seqlen_k, qk_scale, softcap * LOG2E, slope2, bias_base, stride_bm, stride_bn,
+                window_left, window_right, seed, offset, bh, threshold,
+                BLOCK_N, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, HEAD_DIM_V_ACTUAL, HEAD_DIM_V,
+                run != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, BIAS, DROPOUT, INPUT_PRECISION)
 
-    # A row that saw no key has l = 0: its output is 0 and its lse is -inf.
+    # A row that saw no key (and no sink) has l = 0: its output is 0 and its lse is -inf.
     seen = l_i > 0.0
-    acc = acc / tl.where(seen, l_i, 1.0)[:, None]
+    acc = acc * (dropout_scale / tl.where(seen, l_i, 1.0))[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
-    o_ptrs = tile_ptrs(O, off_b, off_h, stride_ob, stride_oh, offs_m, stride_om, offs_d)
-    store_tile(o_ptrs, acc.to(O.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM_ACTUAL)
-    tl.store(LSE + off_bh * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+    o_ptrs = tile_ptrs(head_base(O, off_b, off_h, q_start, stride_ob, stride_om, stride_oh), offs_m, stride_om, offs_dv)
+    store_tile(o_ptrs, acc.to(O.dtype.element_ty), offs_m, seqlen_q, offs_dv, HEAD_DIM_V_ACTUAL)
+    tl.store(LSE + off_b * stride_lse_b + off_h * stride_lse_h + q_start + offs_m, lse, mask=offs_m < seqlen_q)

@@ -43,7 +43,10 @@ def _input_precision(dtype: torch.dtype) -> str:
 
 
 def _on_device(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+    # Switching devices costs host time on every call: only when t is not on the current one.
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
 
 
 def _shape(q, k, v, args: AttnArgs):

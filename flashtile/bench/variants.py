@@ -775,14 +775,7 @@ def _device(args) -> str:
 def _progress(row: dict) -> str:
     if row.get("skipped"):
         return f"skipped: {row['skipped']}"
-    if row.get("fwd_err"):
-        return f"fwd failed: {row['fwd_err']}"
-    text = f"fwd {row['fwd_ms']:.3f} ms"
-    if row.get("max_abs_err") is not None:
-        text += f", err {row['max_abs_err']:.1e}"
-    if row.get("bwd_err"):
-        return text + f"; bwd failed: {row['bwd_err']}"
-    return text + f"; bwd {row['bwd_ms']:.3f} ms"
+    return gpu._progress(row)
 
 
 def main_with_args(args) -> int:

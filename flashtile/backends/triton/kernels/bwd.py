@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .common import (LOG2E, dropout_keep, head_base, int64, kv_block_range, load_tile, program_block,
-                     q_block_range, scores, sequence, store_tile, tile_ptrs)
+                     q_block_range, run_bounds, scores, sequence, store_tile, tile_ptrs)
 
 
 @triton.jit
@@ -158,12 +158,7 @@ def bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, softmax_scale, softcap, window_le
         bh = (off_b * nheads + off_h).to(tl.int32)
         for run in tl.static_range(3):
             # Runs 0 and 2 straddle the window's edges; run 1 needs no mask.
-            if run == 0:
-                run_lo, run_hi = lo, full_lo
-            elif run == 1:
-                run_lo, run_hi = full_lo, full_hi
-            else:
-                run_lo, run_hi = full_hi, hi
+            run_lo, run_hi = run_bounds(run, lo, full_lo, full_hi, hi)
             # Run 0 is empty without a right edge (causal), run 2 without a left edge: leave them out.
             if (run != 0 or MASK_RIGHT) and (run != 2 or MASK_LEFT):
                 dk, dv = _bwd_dkdv_inner(
@@ -284,12 +279,7 @@ def bwd_dq(Q, K, V, DO, DQ, LSE2, DELTA, DBIAS, softmax_scale, softcap, window_l
                                               BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
     for run in tl.static_range(3):
         # Runs 0 and 2 straddle the window's edges or the sequence end; run 1 needs no mask.
-        if run == 0:
-            run_lo, run_hi = lo, full_lo
-        elif run == 1:
-            run_lo, run_hi = full_lo, full_hi
-        else:
-            run_lo, run_hi = full_hi, hi
+        run_lo, run_hi = run_bounds(run, lo, full_lo, full_hi, hi)
         # Without a left edge run 0 is empty: leave it out of the compiled kernel.
         if run != 0 or MASK_LEFT:
             dq = _bwd_dq_inner(

@@ -130,6 +130,20 @@ def q_block_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @triton.jit
+def run_bounds(run: tl.constexpr, lo, full_lo, full_hi, hi):
+    """``[start, end)`` of run 0 (masked), 1 (unmasked) or 2 (masked) of a block range."""
+    start = full_hi
+    end = hi
+    if run == 0:
+        start = lo
+        end = full_lo
+    if run == 1:
+        start = full_lo
+        end = full_hi
+    return start, end
+
+
+@triton.jit
 def load_tile(ptrs, offs_rows, n_rows, offs_d, HEAD_DIM_ACTUAL: tl.constexpr, HEAD_DIM: tl.constexpr,
               CHECK_ROWS: tl.constexpr):
     """Load a ``[rows, HEAD_DIM]`` tile, zero-filling rows past ``n_rows`` and padded head-dim columns."""

@@ -8,8 +8,8 @@ runs the plain loop.
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, dropout_keep, head_base, int64, kv_block_range, load_tile, program_block, scores,
-                     sequence, store_tile, tile_ptrs)
+from .common import (LOG2E, dropout_keep, head_base, int64, kv_block_range, load_tile, program_block, run_bounds,
+                     scores, sequence, store_tile, tile_ptrs)
 
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -122,12 +122,7 @@ def attn_fwd(Q, K, V, O, LSE, softmax_scale, softcap, window_left, window_right,
                                               BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
     for run in tl.static_range(3):
         # Runs 0 and 2 straddle the window's edges or the sequence end; run 1 needs no mask.
-        if run == 0:
-            run_lo, run_hi = lo, full_lo
-        elif run == 1:
-            run_lo, run_hi = full_lo, full_hi
-        else:
-            run_lo, run_hi = full_hi, hi
+        run_lo, run_hi = run_bounds(run, lo, full_lo, full_hi, hi)
         # Without a left edge run 0 is empty: leave it out of the compiled kernel.
         if run != 0 or MASK_LEFT:
             acc, l_i, m_i = _attn_fwd_inner(

@@ -13,8 +13,8 @@ the kept mask over ``1 - p`` (regenerated from the same counters as the forward)
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, dropout_keep, head_base, int64, kv_block_range, load_tile, program_block,
-                     q_block_range, run_bounds, scores, sequence, store_tile, tile_ptrs)
+from .common import (LOG2E, dropout_keep, head_base, head_terms, int64, kv_block_range, load_tile, program_block,
+                     q_block_range, run_bounds, score_scale, scores, sequence, store_tile, tile_ptrs)
 
 
 @triton.jit
@@ -136,10 +136,7 @@ def bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, softmax_scale, softcap, window_le
                             offs_dv), offs_n, seqlen_k, offs_dv, HEAD_DIM_V_ACTUAL, HEAD_DIM_V, True)
     dk = tl.zeros([BLOCK_N, HEAD_DIM_QK], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_V], dtype=tl.float32)
-    if SOFTCAP:
-        qk_scale = softmax_scale / softcap
-    else:
-        qk_scale = softmax_scale * LOG2E
+    qk_scale = score_scale(softmax_scale, softcap, SOFTCAP)
     lo, full_lo, full_hi, hi = q_block_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
                                              BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
 
@@ -151,11 +148,8 @@ def bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, softmax_scale, softcap, window_le
         do_ptrs = tile_ptrs(head_base(DO, off_b, off_h, q_start, stride_dob, stride_dom, stride_doh), offs_m,
                             stride_dom, offs_dv)
         row = off_b * stride_lse_b + off_h * stride_lse_h + q_start
-        slope2 = 0.0
-        if ALIBI:
-            slope2 = tl.load(ALIBI_SLOPES + off_b * stride_alibi_b + off_h) * LOG2E
-        bias_base = BIAS_PTR + off_b * stride_bb + off_h * stride_bh
-        bh = (off_b * nheads + off_h).to(tl.int32)
+        slope2, bias_base, bh = head_terms(off_b, off_h, nheads, ALIBI_SLOPES, stride_alibi_b, BIAS_PTR,
+                                           stride_bb, stride_bh, ALIBI)
         for run in tl.static_range(3):
             # Runs 0 and 2 straddle the window's edges; run 1 needs no mask.
             run_lo, run_hi = run_bounds(run, lo, full_lo, full_hi, hi)
@@ -263,17 +257,11 @@ def bwd_dq(Q, K, V, DO, DQ, LSE2, DELTA, DBIAS, softmax_scale, softcap, window_l
     k_ptrs = tile_ptrs(head_base(K, off_b, off_hk, k_start, stride_kb, stride_kn, stride_kh), offs_n, stride_kn, offs_dk)
     v_ptrs = tile_ptrs(head_base(V, off_b, off_hk, k_start, stride_vb, stride_vn, stride_vh), offs_n, stride_vn, offs_dv)
     dq = tl.zeros([BLOCK_M, HEAD_DIM_QK], dtype=tl.float32)
-    if SOFTCAP:
-        qk_scale = softmax_scale / softcap
-    else:
-        qk_scale = softmax_scale * LOG2E
-    slope2 = 0.0
-    if ALIBI:
-        slope2 = tl.load(ALIBI_SLOPES + off_b * stride_alibi_b + off_h) * LOG2E
-    bias_base = BIAS_PTR + off_b * stride_bb + off_h * stride_bh
+    qk_scale = score_scale(softmax_scale, softcap, SOFTCAP)
+    slope2, bias_base, bh = head_terms(off_b, off_h, nheads, ALIBI_SLOPES, stride_alibi_b, BIAS_PTR,
+                                       stride_bb, stride_bh, ALIBI)
     # dS goes to a contiguous (batch, nheads, seqlen_q, seqlen_k) float32 buffer.
     dbias_base = DBIAS + (off_b * nheads + off_h) * seqlen_q * seqlen_k
-    bh = (off_b * nheads + off_h).to(tl.int32)
 
     lo, full_lo, full_hi, hi = kv_block_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                               BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)

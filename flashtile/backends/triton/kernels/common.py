@@ -178,6 +178,27 @@ def tanh(x, FAST_TANH: tl.constexpr):
 
 
 @triton.jit
+def score_scale(softmax_scale, softcap, SOFTCAP: tl.constexpr):
+    """The factor on ``q . k``: inside the tanh with softcap (``scale / softcap``), else ``scale * log2(e)``."""
+    if SOFTCAP:
+        qk_scale = softmax_scale / softcap
+    else:
+        qk_scale = softmax_scale * LOG2E
+    return qk_scale
+
+
+@triton.jit
+def head_terms(off_b, off_h, nheads, ALIBI_SLOPES, stride_alibi_b, BIAS_PTR, stride_bb, stride_bh,
+               ALIBI: tl.constexpr):
+    """What depends on (batch, query head): the ALiBi slope in log2 units, the start of the bias
+    slice, and the dropout stream ``b * nheads + h``."""
+    slope2 = 0.0
+    if ALIBI:
+        slope2 = tl.load(ALIBI_SLOPES + off_b * stride_alibi_b + off_h) * LOG2E
+    return slope2, BIAS_PTR + off_b * stride_bb + off_h * stride_bh, (off_b * nheads + off_h).to(tl.int32)
+
+
+@triton.jit
 def bias_ptrs(base, offs_q, offs_k, stride_bm, stride_bn):
     """Pointers into a ``(seqlen_q, seqlen_k)`` slice of the bias (``offs_q``/``offs_k`` broadcast)."""
     return base + tl.cast(offs_q, tl.int64) * stride_bm + tl.cast(offs_k, tl.int64) * stride_bn

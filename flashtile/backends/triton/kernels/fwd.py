@@ -8,8 +8,8 @@ runs the plain loop.
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, dropout_keep, head_base, int64, kv_block_range, load_tile, program_block, run_bounds,
-                     scores, sequence, store_tile, tile_ptrs)
+from .common import (LOG2E, dropout_keep, head_base, head_terms, int64, kv_block_range, load_tile, program_block,
+                     run_bounds, score_scale, scores, sequence, store_tile, tile_ptrs)
 
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -107,15 +107,9 @@ def attn_fwd(Q, K, V, O, LSE, softmax_scale, softcap, window_left, window_right,
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
-    if SOFTCAP:
-        qk_scale = softmax_scale / softcap
-    else:
-        qk_scale = softmax_scale * LOG2E
-    slope2 = 0.0
-    if ALIBI:
-        slope2 = tl.load(ALIBI_SLOPES + off_b * stride_alibi_b + off_h) * LOG2E
-    bias_base = BIAS_PTR + off_b * stride_bb + off_h * stride_bh
-    bh = (off_b * nheads + off_h).to(tl.int32)
+    qk_scale = score_scale(softmax_scale, softcap, SOFTCAP)
+    slope2, bias_base, bh = head_terms(off_b, off_h, nheads, ALIBI_SLOPES, stride_alibi_b, BIAS_PTR,
+                                       stride_bb, stride_bh, ALIBI)
     q = load_tile(q_ptrs, offs_m, seqlen_q, offs_dk, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, not EVEN_M)
 
     lo, full_lo, full_hi, hi = kv_block_range(start_m, seqlen_q, seqlen_k, window_left, window_right,

@@ -11,6 +11,8 @@ mode (:func:`set_strict` or ``FLASHTILE_STRICT=1``), refused with :class:`Fallba
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import importlib
 import logging
 import os
@@ -147,6 +149,13 @@ def _reason(name: str, call: AttentionCall) -> str | None:
     return _light(name).supports(call)
 
 
+@functools.lru_cache(maxsize=1024)
+def _describe(name: str, call: AttentionCall):
+    # Names and tiles depend only on the call's properties: work them out once per kind of call,
+    # not on every step of a training loop.
+    return _light(name).describe(call)
+
+
 def check_features(call: AttentionCall) -> None:
     """Raise ``NotImplementedError`` naming the first feature of ``call`` that no backend implements."""
     implemented = frozenset().union(*(_light(name).FEATURES for name in BACKENDS))
@@ -176,7 +185,8 @@ def plan(call: AttentionCall) -> Plan:
             reasons = "; ".join(f"{name}: {why}" for name, why in result.rejected.items())
             result.error = RuntimeError(f"no flashtile backend can run this call ({reasons})")
     else:
-        result.fwd_name, result.bwd_name, result.config = _light(result.backend).describe(call)
+        result.fwd_name, result.bwd_name, config = _describe(result.backend, call)
+        result.config = copy.deepcopy(config)
         if _forced:
             result.preferred = result.backend
     return result

@@ -9,7 +9,7 @@ import os
 import torch
 
 from .. import AttentionCall, missing_features
-from .configs import bwd_config, fwd_config
+from .configs import capability, bwd_config, fwd_config
 
 FEATURES = frozenset({"dropout", "window", "softcap", "alibi", "sink", "bias", "varlen", "headdim_v"})
 
@@ -40,7 +40,7 @@ def supports(call: AttentionCall) -> str | None:
         return None
     if call.device.type != "cuda":
         return f"device type {call.device.type!r} has no Triton backend"
-    major, minor = torch.cuda.get_device_capability(call.device)
+    major, minor = capability(call.device)
     if major < 8:
         return f"GPU compute capability {major}.{minor} is below 8.0 (Ampere), which the Triton kernels need"
     return None

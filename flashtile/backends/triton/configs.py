@@ -5,6 +5,7 @@ Each table row names the measurement that chose it. Keys are the padded head dim
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -83,12 +84,18 @@ _FWD_INTERPRET = TileConfig(32, 32, 4, 1)
 _BWD_INTERPRET = _bwd(16, 32, 4, 1, 32, 16, 4, 1)
 
 
+@functools.lru_cache(maxsize=None)
+def capability(device: torch.device) -> tuple:
+    """The GPU's compute capability, asked of the driver once per device."""
+    return torch.cuda.get_device_capability(device)
+
+
 def padded_head_dim(headdim: int) -> int:
     return max(16, 1 << (headdim - 1).bit_length())
 
 
 def _arch(device: torch.device) -> int:
-    major, _ = torch.cuda.get_device_capability(device)
+    major, _ = capability(device)
     return 90 if major >= 9 else 80
 
 

@@ -1,5 +1,6 @@
 """flashtile: exact, IO-aware FlashAttention in Triton behind a PyTorch API."""
 from .dispatch import FallbackError, reset_stats, set_strict, stats
+from .cache import KVCache, PagedKVCache
 from .explain import Explanation, explain
 from .interface import (
     flash_attn_func,
@@ -8,6 +9,8 @@ from .interface import (
     flash_attn_varlen_func,
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
+    merge_attention_states,
 )
 from .padding import pad_input, unpad_input
 from .sdpa import patch_sdpa, scaled_dot_product_attention
@@ -18,6 +21,8 @@ __version__ = "0.1.0"
 __all__ = [
     "__version__",
     "Explanation",
+    "KVCache",
+    "PagedKVCache",
     "FallbackError",
     "explain",
     "flash_attn_func",
@@ -26,6 +31,8 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
+    "merge_attention_states",
     "nn",
     "pad_input",
     "patch_sdpa",

@@ -21,7 +21,7 @@ from dataclasses import replace
 import torch
 
 from .alloc import empty, empty_like
-from .dispatch import get_backend, record_kernel
+from .dispatch import get_backend, profiled, record_kernel
 
 
 class FlashAttnFunc(torch.autograd.Function):
@@ -100,7 +100,7 @@ def _forward(ctx, plan, q, k, v, args, sink, attn_bias):
     ctx.sink_dtype = None if sink is None else sink.dtype
     ctx.bias_shape = None if attn_bias is None else attn_bias.shape
     ctx.bias_dtype = None if attn_bias is None else attn_bias.dtype
-    with torch.profiler.record_function(plan.fwd_name):
+    with profiled(plan.fwd_name):
         out, lse = get_backend(plan.backend).forward(q, k, v, args)
     ctx.mark_non_differentiable(lse)
     return out, lse
@@ -115,7 +115,7 @@ def _backward(ctx, dout, q, k, v, out, lse, dq, dk, dv, sink_index: int, bias_in
     if ctx.needs_input_grad[bias_index]:
         dbias = empty(tuple(args.attn_bias.shape), torch.float32, q.device)  # contiguous, as the contract asks
     record_kernel(plan.bwd_name)
-    with torch.profiler.record_function(plan.bwd_name):
+    with profiled(plan.bwd_name):
         get_backend(plan.backend).backward(dout, q, k, v, out, lse, args, dq, dk, dv, dsink, dbias)
     if dsink is not None:
         dsink = dsink.to(ctx.sink_dtype)

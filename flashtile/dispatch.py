@@ -21,6 +21,8 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 
+import torch
+
 from .backends import AttentionCall, missing_features
 
 logger = logging.getLogger("flashtile")
@@ -56,8 +58,14 @@ class Plan:
     rejected: dict = field(default_factory=dict)
     fwd_name: str = ""
     bwd_name: str = ""
-    config: dict = field(default_factory=dict)
+    # Shared by every plan of the same kind of call: read it through ``config`` (a copy).
+    tiles: dict = field(default_factory=dict, repr=False)
     error: Exception | None = None
+
+    @property
+    def config(self) -> dict:
+        """The launch configuration of the chosen backend (a copy the caller may change)."""
+        return copy.deepcopy(self.tiles)
 
     @property
     def fallback_reason(self) -> str | None:
@@ -134,13 +142,23 @@ def preferred_backend(device) -> str:
     return TORCH
 
 
+@functools.lru_cache(maxsize=None)
 def _light(name: str):
     return importlib.import_module(_LIGHT_MODULES[name])
 
 
+@functools.lru_cache(maxsize=None)
 def get_backend(name: str):
     """The module that runs ``name``'s kernels: it offers ``forward(...)`` and ``backward(...)``."""
     return importlib.import_module(_KERNEL_MODULES[name])
+
+
+def profiled(name: str):
+    """A ``torch.profiler.record_function(name)`` block while a profiler runs; otherwise nothing,
+    which saves a few microseconds per call."""
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
 
 
 def _reason(name: str, call: AttentionCall) -> str | None:
@@ -185,11 +203,18 @@ def plan(call: AttentionCall) -> Plan:
             reasons = "; ".join(f"{name}: {why}" for name, why in result.rejected.items())
             result.error = RuntimeError(f"no flashtile backend can run this call ({reasons})")
     else:
-        result.fwd_name, result.bwd_name, config = _describe(result.backend, call)
-        result.config = copy.deepcopy(config)
+        result.fwd_name, result.bwd_name, result.tiles = _describe(result.backend, call)
         if _forced:
             result.preferred = result.backend
     return result
+
+
+def merge_call(out) -> AttentionCall:
+    """The call ``merge_attention_states`` makes on partial outputs like ``out`` ``(batch, seqlen, nheads,
+    headdim)``: one feature, ``merge``, which a backend lists in FEATURES when it has ``merge_states``."""
+    batch, seqlen, nheads, headdim = out.shape
+    return AttentionCall(out.device, out.dtype, batch, seqlen, 0, nheads, nheads, headdim, False,
+                         (("merge", "merge_attention_states: merging partial attention results"),))
 
 
 def dispatch(call: AttentionCall) -> Plan:

@@ -4,7 +4,8 @@ or ``(total_tokens, nheads, headdim)`` for the varlen functions).
 Each function validates its arguments (:mod:`flashtile.validation`, which also fills the defaults
 into one :class:`~flashtile.backends.AttnArgs`), asks :mod:`flashtile.dispatch` for a backend and
 runs the matching autograd Function (or, while torch.compile traces, the custom op of
-:mod:`flashtile.ops`).
+:mod:`flashtile.ops`). :func:`flash_attn_with_kvcache` and :func:`merge_attention_states` are
+inference-only: they run the backend directly (no autograd), through a custom op while compiling.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from . import ops, validation
 from .autograd import FlashAttnFunc, FlashAttnKVPackedFunc, FlashAttnQKVPackedFunc
 from .backends import AttentionCall
-from .dispatch import dispatch
+from .dispatch import dispatch, merge_call
 
 
 def flash_attn_func(
@@ -275,3 +276,148 @@ def _attention(function, inputs, qkv, options, sink, attn_bias, return_attn_prob
         chosen = dispatch(AttentionCall.of(q, k, v, args))
         out, lse = function.apply(*inputs, sink, attn_bias, args, chosen)
     return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    sink=None,
+    num_splits=0,
+    return_softmax_lse=False,
+):
+    """Attention of new queries over a KV cache, after appending the new keys and values to it in place
+    (incremental decoding, speculative verification, chunked prefill), as flash-attn's function of
+    the same name.
+
+    When ``k`` and ``v`` are given they are written into ``k_cache`` and ``v_cache`` **in place**:
+    token ``t`` of batch row ``b`` goes to key row ``cache_seqlens[b] + t`` of that row's cache. Then
+    q attends to the key rows ``[cache_leftpad[b], cache_seqlens[b] + seqlen_new)`` of its row: the
+    cached ones and the new ones. The caller keeps the lengths: add ``seqlen_new`` to
+    ``cache_seqlens`` for the next step (:class:`flashtile.KVCache` does that for you).
+
+    ``causal`` and ``window_size`` are aligned bottom-right to each row's key count
+    ``n_b = cache_seqlens[b] + seqlen_new``: query ``i`` sees key row ``j`` iff ``j <= i + n_b - seqlen_q``
+    (causal), so a decoding query sees every key and ``seqlen_q`` new tokens see the cache plus the
+    new tokens up to themselves::
+
+        cache_seqlens[b] = 3, seqlen_q = seqlen_new = 2, causal=True (c = cached key, n = new key)
+                    c c c n n
+            q0      1 1 1 1 0
+            q1      1 1 1 1 1
+
+    Rotary embeddings (``rotary_cos`` and ``rotary_sin``): the new keys are rotated before they are
+    written, new token ``t`` at position ``cache_seqlens[b] + t``; q is rotated at positions
+    ``cache_seqlens[b] + i`` when ``causal`` or windowed, else every query at ``cache_seqlens[b]``
+    (flash-attn's rule). Positions are key rows: ``cache_leftpad`` does not shift them.
+
+    Inference only: no gradient flows to q, k, v or the caches (as in flash-attn); the outputs do not
+    require grad. The call never synchronizes with the host or allocates by tensor values unless the
+    value checks below run, so a decode step can be captured in a CUDA graph and replayed.
+
+    Args:
+        q: ``(batch, seqlen_q, nheads, headdim)``, ``seqlen_q >= 1``; float16, bfloat16 or float32.
+        k_cache, v_cache: the cache, in q's dtype with a contiguous last dim, written in place.
+            Contiguous: ``(batch_cache, seqlen_cache, nheads_kv, headdim)`` (v: ``headdim_v``), batch
+            row ``b`` uses cache row ``cache_batch_idx[b]`` (default ``b``). Paged (with
+            ``block_table``): ``(num_blocks, page_size, nheads_kv, headdim)``, any ``page_size`` >= 1;
+            key row ``r`` of batch row ``b`` is ``k_cache[block_table[b, r // page_size], r % page_size]``.
+            ``nheads`` must be a multiple of ``nheads_kv`` (GQA/MQA: the query heads of a group are
+            computed together; K and V are never repeated).
+        k, v: optional new tokens ``(batch, seqlen_new, nheads_kv, headdim)`` (v: ``headdim_v``).
+        rotary_cos, rotary_sin: optional ``(seqlen_ro, rotary_dim / 2)`` tables (any float dtype),
+            ``rotary_dim <= headdim``; need k and v. They must cover every rotated position.
+        cache_seqlens: int32 ``(batch,)`` on q's device, or an int: the keys already in each row's
+            cache before this call. None means the cache is full (``seqlen_cache`` keys, or
+            ``max_blocks_per_seq * page_size`` paged), as in flash-attn.
+        cache_batch_idx: optional int32 ``(batch,)``: the cache row of each batch row (contiguous cache only).
+        cache_leftpad: optional int32 ``(batch,)``: key rows before it are left padding, never attended
+            to (contiguous cache only); ``cache_leftpad[b] <= cache_seqlens[b]``.
+        block_table: optional int32 ``(batch, max_blocks_per_seq)``: the pages of each sequence. Only
+            the pages a sequence uses (the first ``ceil((cache_seqlens[b] + seqlen_new) / page_size)``)
+            are read; the rest may hold anything.
+        softmax_scale: defaults to ``1 / sqrt(headdim)``.
+        causal, window_size, softcap, alibi_slopes, sink: as in :func:`flash_attn_func`, with
+            ``seqlen_k`` the row's key count ``n_b`` (ALiBi distances ``|i + n_b - seqlen_q - j|``).
+        rotary_interleaved: True rotates the pairs ``(2i, 2i + 1)`` (GPT-J), False the pairs
+            ``(i, i + rotary_dim / 2)`` (GPT-NeoX).
+        num_splits: split each row's keys into this many ranges, computed in parallel and merged
+            (split-KV decoding); 0 lets the backend choose from the shapes alone, 1 never splits.
+        return_softmax_lse: also return the log-sum-exp.
+
+    The value checks (each ``cache_seqlens[b] + seqlen_new`` within the capacity, ``cache_leftpad``,
+    ``cache_batch_idx`` and the pages a sequence uses within the cache, the rotary tables long enough)
+    read the index tensors on the host: always for CPU tensors, for CUDA tensors only with
+    ``FLASHTILE_VALIDATE_VALUES=1``, never while torch.compile traces or a CUDA graph is captured.
+    Unchecked, a new token that would land past the capacity (or on a page past ``num_blocks``) is
+    not written.
+
+    Returns:
+        ``out`` ``(batch, seqlen_q, nheads, headdim_v)`` in q's dtype, or ``(out, softmax_lse)`` when
+        ``return_softmax_lse``, with ``softmax_lse`` float32 ``(batch, nheads, seqlen_q)`` (natural log,
+        ``-inf`` for a query that sees no key).
+    """
+    args = validation.kvcache_args(
+        q, k_cache, v_cache, k, v, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_seqlens=cache_seqlens,
+        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
+        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, sink=sink, num_splits=num_splits)
+    out, lse = _attention_kvcache(q, k_cache, v_cache, k, v, args)
+    return (out, lse) if return_softmax_lse else out
+
+
+def _attention_kvcache(q, k_cache, v_cache, k, v, args):
+    """Dispatch and run a validated KV-cache call, without autograd; through the custom op while compiling."""
+    with torch.no_grad():
+        if torch.compiler.is_compiling():
+            return ops.attention_with_kvcache(q, k_cache, v_cache, k, v, args)
+        chosen = dispatch(AttentionCall.of(q, k_cache, v_cache, args))
+        return ops.run_kvcache(chosen, q, k_cache, v_cache, k, v, args)
+
+
+def merge_attention_states(out_a, lse_a, out_b, lse_b):
+    """Combine the attention results of two disjoint sets of keys into the attention over their union.
+
+    With ``(out_a, lse_a)`` the attention of some queries over keys A and ``(out_b, lse_b)`` over keys B
+    (as returned with ``return_attn_probs`` / ``return_softmax_lse``)::
+
+        lse = log(exp(lse_a) + exp(lse_b))
+        out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b
+
+    computed in float32 without overflow whatever the size of the lses. A side whose lse is ``-inf``
+    (no key) adds nothing; both ``-inf`` give out 0 and lse ``-inf``. Use it for cascade attention (a
+    shared prefix attended once, then each sequence's own suffix), split-KV decoding and context
+    parallelism (each rank's keys). Inference only: no gradient flows.
+
+    Args:
+        out_a, out_b: ``(batch, seqlen, nheads, headdim)``, one dtype (float16, bfloat16 or float32).
+        lse_a, lse_b: float32 ``(batch, nheads, seqlen)`` (natural log), flash-attn's layout.
+
+    Returns:
+        ``(out, lse)``: ``out`` ``(batch, seqlen, nheads, headdim)`` in out_a's dtype, ``lse`` float32
+        ``(batch, nheads, seqlen)``.
+    """
+    validation.check_merge_states(out_a, lse_a, out_b, lse_b)
+    return _merge(out_a, lse_a, out_b, lse_b)
+
+
+def _merge(out_a, lse_a, out_b, lse_b):
+    """Dispatch and run a validated merge; through the custom op while compiling."""
+    with torch.no_grad():
+        if torch.compiler.is_compiling():
+            return ops.merge_states(out_a, lse_a, out_b, lse_b)
+        return ops.run_merge(dispatch(merge_call(out_a)), out_a, lse_a, out_b, lse_b)

@@ -8,6 +8,11 @@ eager; their fake implementations only describe shapes (any sequence length: no 
 length; ``headdim_v`` and the varlen ``(nheads, total_q)`` lse included) and refuse, at trace time,
 features no backend implements.
 
+``flashtile::attention_kvcache`` (``flash_attn_with_kvcache``) writes the new tokens into
+``k_cache`` and ``v_cache`` (declared in ``mutates_args``, so a compiled decode step keeps the
+in-place update) and has no backward; ``flashtile::merge_states`` is ``merge_attention_states``.
+:func:`run_kvcache` and :func:`run_merge` run a dispatched call, eager or inside the ops.
+
 The schema carries everything of :class:`~flashtile.backends.AttnArgs` as plain arguments. The
 forward op draws the dropout counters when it runs and returns them as a small int64 tensor
 ``[seed, offset]`` that the backward op reads back. ``sink`` and ``attn_bias`` go in as the
@@ -24,8 +29,8 @@ from torch.library import custom_op
 
 from .alloc import empty, empty_like
 from .autograd import draw_dropout_counters
-from .backends import AttentionCall, AttnArgs
-from .dispatch import check_features, dispatch, get_backend, plan, record_kernel
+from .backends import AttentionCall, AttnArgs, KVCacheArgs
+from .dispatch import Plan, check_features, dispatch, get_backend, merge_call, plan, profiled, record_kernel
 
 Tensor = torch.Tensor
 
@@ -149,3 +154,86 @@ def attention(q, k, v, args: AttnArgs, sink=None, attn_bias=None):
         args.max_seqlen_q, args.max_seqlen_k, args.softmax_scale, args.causal, args.window_left, args.window_right,
         args.softcap, args.dropout_p)
     return out, lse
+
+
+# ---------------------------------------------------------------- KV cache and merge
+
+
+def run_kvcache(chosen: Plan, q, k_cache, v_cache, k, v, args: KVCacheArgs):
+    """Append the new tokens and attend, on the backend ``chosen`` names; returns ``(out, lse)``."""
+    backend = get_backend(chosen.backend)
+    # A decode step lasts tens of microseconds: record_function only while a profiler runs.
+    with profiled(chosen.fwd_name):
+        q = backend.append_kv(q, k_cache, v_cache, k, v, args)
+        return backend.attention_kv(q, k_cache, v_cache, args)
+
+
+def run_merge(chosen: Plan, out_a, lse_a, out_b, lse_b):
+    """``merge_states`` on the backend ``chosen`` names; returns ``(out, lse)``."""
+    with profiled(chosen.fwd_name):
+        return get_backend(chosen.backend).merge_states(out_a, lse_a, out_b, lse_b)
+
+
+def _kvcache_args(q, k_cache, k, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
+                  alibi_slopes, sink, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
+                  num_splits) -> KVCacheArgs:
+    """The KVCacheArgs of an op call (its arguments were validated by the public function)."""
+    batch, seqlen_q, nheads, _ = q.shape
+    capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+    return KVCacheArgs(
+        softmax_scale=softmax_scale, causal=causal, window_left=window_left, window_right=window_right,
+        softcap=softcap, alibi_slopes=None if alibi_slopes is None else alibi_slopes.expand(batch, nheads), sink=sink,
+        max_seqlen_q=seqlen_q, max_seqlen_k=capacity, cache_seqlens=cache_seqlens,
+        seqlen_new=0 if k is None else k.shape[1], cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+        block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+        num_splits=num_splits,
+    )
+
+
+@custom_op("flashtile::attention_kvcache", mutates_args=("k_cache", "v_cache"))
+def attention_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+                      cache_seqlens: Tensor, rotary_cos: Optional[Tensor], rotary_sin: Optional[Tensor],
+                      cache_batch_idx: Optional[Tensor], cache_leftpad: Optional[Tensor], block_table: Optional[Tensor],
+                      alibi_slopes: Optional[Tensor], sink: Optional[Tensor], softmax_scale: float, causal: bool,
+                      window_left: int, window_right: int, softcap: float, rotary_interleaved: bool,
+                      num_splits: int) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of ``flash_attn_with_kvcache``, k and v appended to the caches in place; the
+    backend is chosen (and recorded) when it runs."""
+    args = _kvcache_args(q, k_cache, k, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad,
+                         block_table, alibi_slopes, sink, softmax_scale, causal, window_left, window_right, softcap,
+                         rotary_interleaved, num_splits)
+    chosen = dispatch(AttentionCall.of(q, k_cache, v_cache, args))
+    return run_kvcache(chosen, q, k_cache, v_cache, k, v, args)
+
+
+@attention_kvcache.register_fake
+def _attention_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
+                            cache_leftpad, block_table, alibi_slopes, sink, softmax_scale, causal, window_left,
+                            window_right, softcap, rotary_interleaved, num_splits):
+    args = _kvcache_args(q, k_cache, k, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad,
+                         block_table, alibi_slopes, sink, softmax_scale, causal, window_left, window_right, softcap,
+                         rotary_interleaved, num_splits)
+    check_features(AttentionCall.of(q, k_cache, v_cache, args))
+    batch, seqlen_q, nheads, _ = q.shape
+    out = q.new_empty((batch, seqlen_q, nheads, v_cache.shape[-1]))
+    return out, q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+
+
+def attention_with_kvcache(q, k_cache, v_cache, k, v, args: KVCacheArgs):
+    """``(out, lse)`` through the custom op (the compiled path of ``flash_attn_with_kvcache``)."""
+    return attention_kvcache(
+        q, k_cache, v_cache, k, v, args.cache_seqlens, args.rotary_cos, args.rotary_sin, args.cache_batch_idx,
+        args.cache_leftpad, args.block_table, args.alibi_slopes, args.sink, args.softmax_scale, args.causal,
+        args.window_left, args.window_right, args.softcap, args.rotary_interleaved, args.num_splits)
+
+
+@custom_op("flashtile::merge_states", mutates_args=())
+def merge_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of ``merge_attention_states``; the backend is chosen (and recorded) when it runs."""
+    return run_merge(dispatch(merge_call(out_a)), out_a, lse_a, out_b, lse_b)
+
+
+@merge_states.register_fake
+def _merge_states_fake(out_a, lse_a, out_b, lse_b):
+    check_features(merge_call(out_a))
+    return torch.empty_like(out_a), torch.empty_like(lse_a)

@@ -3,7 +3,12 @@
 Every check raises ``ValueError`` or ``TypeError`` that names the argument and
 quotes the actual shape, dtype, device or value, and says what was expected.
 :func:`attn_args` runs the checks of everything but q, k and v and returns the
-normalised :class:`~flashtile.backends.AttnArgs` a backend receives.
+normalised :class:`~flashtile.backends.AttnArgs` a backend receives;
+:func:`kvcache_args` does the same for ``flash_attn_with_kvcache`` (a
+:class:`~flashtile.backends.KVCacheArgs`).
+
+Shapes, dtypes and devices are always checked. Checks of the *values* of index tensors
+(varlen offsets, cache lengths, block tables) read them on the host: see :func:`values_checked`.
 """
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ import os
 
 import torch
 
-from .backends import AttnArgs
+from .backends import AttnArgs, KVCacheArgs
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEADDIM = 256
@@ -182,6 +187,28 @@ def check_attn_bias(attn_bias, shape: tuple, device) -> torch.Tensor:
     return attn_bias.detach().expand(shape)
 
 
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "0") not in ("", "0")
+
+
+def values_checked(device) -> bool:
+    """Whether the checks that read index tensors' values on the host run for tensors on ``device``.
+
+    For CPU tensors they always run. For CUDA tensors each would cost a device->host copy that
+    stalls the host until the GPU catches up, so they run only with ``FLASHTILE_VALIDATE_VALUES=1``
+    (debugging; the test suite sets it; the older name ``FLASHTILE_VALIDATE_VARLEN=1`` works too).
+    They never run while torch.compile traces (the values are not known then) or while a CUDA
+    graph is being captured (a copy to the host is not allowed then).
+    """
+    if torch.compiler.is_compiling():
+        return False
+    if device.type == "cpu":
+        return True
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    return _env_flag("FLASHTILE_VALIDATE_VALUES") or _env_flag("FLASHTILE_VALIDATE_VARLEN")
+
+
 def _check_cu_seqlens(name: str, cu, device) -> None:
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor (int32, (batch + 1,)), got {type(cu).__name__}")
@@ -215,11 +242,7 @@ def check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
 
     The checks on the offsets' values (``cu_seqlens[0] == 0``, non-decreasing, ``cu_seqlens[-1]``
     within the tokens given, ``max_seqlen`` at least the longest sequence, ``seqused_k`` within
-    each sequence) read them on the host. For CPU tensors they always run. For CUDA tensors they
-    would cost a device->host copy that stalls the host until the GPU catches up, so they run only
-    with ``FLASHTILE_VALIDATE_VARLEN=1`` (debugging; the test suite sets it); the varlen path
-    otherwise never synchronizes. They are skipped while torch.compile traces (the values are not
-    known then).
+    each sequence) read them on the host, when :func:`values_checked` allows it.
     """
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
     _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
@@ -240,8 +263,7 @@ def check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
             raise ValueError(f"seqused_k must have shape (batch,) = ({batch},), got {tuple(seqused_k.shape)}")
         if seqused_k.device != q.device:
             raise ValueError(f"seqused_k must be on q's device {q.device}, got {seqused_k.device}")
-    on_host = cu_seqlens_q.device.type == "cpu" or os.environ.get("FLASHTILE_VALIDATE_VARLEN", "0") not in ("", "0")
-    if on_host and not torch.compiler.is_compiling():
+    if values_checked(cu_seqlens_q.device):
         _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_q, max_k, seqused_k)
     return max_q, max_k
 
@@ -316,3 +338,350 @@ def attn_args(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
         attn_bias=None if attn_bias is None else check_attn_bias(attn_bias, (batch, nheads, seqlen_q, seqlen_k), q.device),
         dropout_p=dropout_p, **varlen_args,
     )
+
+
+# ---------------------------------------------------------------- flash_attn_with_kvcache
+
+CACHE_LAYOUT = "(batch_cache, seqlen_cache, nheads_kv, headdim)"
+PAGED_LAYOUT = "(num_blocks, page_size, nheads_kv, headdim)"
+NEW_LAYOUT = "(batch, seqlen_new, nheads_kv, headdim)"
+
+
+def _check_head_dim(name: str, t: torch.Tensor) -> None:
+    dim = t.shape[-1]
+    if dim % 8 != 0 or dim < 8 or dim > MAX_HEADDIM:
+        raise ValueError(
+            f"the head dim of {name} must be a multiple of 8 between 8 and {MAX_HEADDIM}, got {dim} "
+            f"({name} {tuple(t.shape)}); pad it to the next multiple of 8"
+        )
+
+
+def check_kvcache(q, k_cache, v_cache, k, v, paged: bool) -> None:
+    """Shapes, dtypes and devices of ``flash_attn_with_kvcache``'s tensors (no values read).
+
+    ``q`` ``(batch, seqlen_q, nheads, headdim)``; ``k_cache``, ``v_cache`` ``(batch_cache,
+    seqlen_cache, nheads_kv, headdim[_v])`` or, ``paged``, ``(num_blocks, page_size, nheads_kv,
+    headdim[_v])``; ``k``, ``v`` None or ``(batch, seqlen_new, nheads_kv, headdim[_v])``.
+    """
+    layout = PAGED_LAYOUT if paged else CACHE_LAYOUT
+    check_tensor("q", q, 4, DENSE_LAYOUT)
+    check_tensor("k_cache", k_cache, 4, layout)
+    check_tensor("v_cache", v_cache, 4, layout)
+    if (k is None) != (v is None):
+        given, missing = ("k", "v") if v is None else ("v", "k")
+        raise ValueError(f"the new tokens k and v must be given together, got {given} but {missing}=None")
+    tensors = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
+    if k is not None:
+        check_tensor("k", k, 4, NEW_LAYOUT)
+        check_tensor("v", v, 4, NEW_LAYOUT)
+        tensors += [("k", k), ("v", v)]
+    if len({t.dtype for _, t in tensors}) > 1:
+        dtypes = ", ".join(f"{name}={t.dtype}" for name, t in tensors)
+        raise TypeError(f"q, k_cache, v_cache (and k, v) must share one dtype, got {dtypes}")
+    if len({t.device for _, t in tensors}) > 1:
+        devices = ", ".join(f"{name}={t.device}" for name, t in tensors)
+        raise ValueError(f"q, k_cache, v_cache (and k, v) must be on one device, got {devices}")
+    batch, seqlen_q, nheads, headdim = q.shape
+    if batch < 1 or seqlen_q < 1:
+        raise ValueError(f"q must have batch >= 1 and seqlen_q >= 1, got q {tuple(q.shape)}")
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        if paged and k_cache.shape[1] != v_cache.shape[1]:
+            raise ValueError(
+                f"k_cache and v_cache must have the same page_size (dim 1 of {PAGED_LAYOUT}), got k_cache "
+                f"{tuple(k_cache.shape)} (page_size {k_cache.shape[1]}) and v_cache {tuple(v_cache.shape)} "
+                f"(page_size {v_cache.shape[1]})"
+            )
+        raise ValueError(
+            f"k_cache and v_cache must agree on every dim of {layout} but the head dim, got k_cache "
+            f"{tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)}"
+        )
+    nheads_kv = k_cache.shape[2]
+    if k_cache.shape[3] != headdim:
+        raise ValueError(
+            f"headdim mismatch: q has headdim {headdim} but k_cache has headdim {k_cache.shape[3]} "
+            f"(q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)})"
+        )
+    if nheads_kv == 0 or nheads % nheads_kv != 0:
+        raise ValueError(
+            f"nheads of q must be a multiple of nheads_kv of k_cache/v_cache, got q nheads={nheads} and "
+            f"k_cache nheads_kv={nheads_kv} (q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)})"
+        )
+    _check_head_dim("q", q)
+    _check_head_dim("v_cache", v_cache)
+    if k_cache.shape[1] < 1:
+        raise ValueError(f"k_cache must hold at least one token per {'page' if paged else 'sequence'}, got {tuple(k_cache.shape)}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        # Written in place: a copy made to fix the strides would be written instead of the caller's cache.
+        if cache.stride(-1) != 1:
+            raise ValueError(
+                f"{name} must have a contiguous last dim (stride(-1) == 1), got strides {cache.stride()} "
+                f"(shape {tuple(cache.shape)}); it is written in place, so it cannot be copied to fix this"
+            )
+    if k is not None:
+        if k.shape[0] != batch:
+            raise ValueError(f"batch mismatch: q has batch {batch} but k has batch {k.shape[0]} (k {tuple(k.shape)})")
+        if k.shape[2:] != k_cache.shape[2:]:
+            raise ValueError(
+                f"k must have the nheads_kv and headdim of k_cache ({k_cache.shape[2]}, {k_cache.shape[3]}), got k "
+                f"{tuple(k.shape)} and k_cache {tuple(k_cache.shape)}"
+            )
+        if v.shape[:3] != k.shape[:3] or v.shape[3] != v_cache.shape[3]:
+            raise ValueError(
+                f"v must have k's batch, seqlen_new and nheads_kv and v_cache's head dim, got v {tuple(v.shape)}, "
+                f"k {tuple(k.shape)}, v_cache {tuple(v_cache.shape)}"
+            )
+
+
+def _check_index_tensor(name: str, t, shape: tuple, layout: str, device) -> None:
+    """An int32 tensor of ``shape`` (described by ``layout``) on ``device``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor (int32, {layout}) or None, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must have dtype torch.int32, got {t.dtype} ({_describe(t)}); use .to(torch.int32)")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {layout} = {tuple(shape)}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on q's device {device}, got {t.device}")
+
+
+def check_block_table(block_table, batch: int, device) -> None:
+    """int32 ``(batch, max_blocks_per_seq)`` on ``device``, at least one page per sequence."""
+    if not isinstance(block_table, torch.Tensor):
+        raise TypeError(f"block_table must be a torch.Tensor (int32, (batch, max_blocks_per_seq)) or None, "
+                        f"got {type(block_table).__name__}")
+    if block_table.dtype != torch.int32:
+        raise TypeError(f"block_table must have dtype torch.int32, got {block_table.dtype} ({_describe(block_table)}); "
+                        "use .to(torch.int32)")
+    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1:
+        raise ValueError(f"block_table must have shape (batch, max_blocks_per_seq) = ({batch}, >= 1), "
+                         f"got {tuple(block_table.shape)}")
+    if block_table.device != device:
+        raise ValueError(f"block_table must be on q's device {device}, got {block_table.device}")
+
+
+def check_rotary(rotary_cos, rotary_sin, headdim: int, device, has_new_tokens: bool) -> None:
+    """``(seqlen_ro, rotary_dim / 2)`` cos and sin tables, ``rotary_dim <= headdim``; only with new tokens."""
+    if rotary_cos is None and rotary_sin is None:
+        return
+    if rotary_cos is None or rotary_sin is None:
+        given, missing = ("rotary_cos", "rotary_sin") if rotary_sin is None else ("rotary_sin", "rotary_cos")
+        raise ValueError(f"rotary_cos and rotary_sin must be given together, got {given} but {missing}=None")
+    if not has_new_tokens:
+        raise ValueError(
+            "rotary_cos/rotary_sin rotate q and the new tokens k at their positions, so they need k and v; got "
+            "k=None (rotate q yourself when nothing is appended)"
+        )
+    for name, table in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        _check_small_tensor(name, table, device, SUPPORTED_DTYPES, "(seqlen_ro, rotary_dim / 2)")
+        if table.dim() != 2:
+            raise ValueError(f"{name} must be 2-d (seqlen_ro, rotary_dim / 2), got {table.dim()} dims ({_describe(table)})")
+    if rotary_cos.shape != rotary_sin.shape or rotary_cos.dtype != rotary_sin.dtype:
+        raise ValueError(f"rotary_cos and rotary_sin must have one shape and dtype, got rotary_cos "
+                         f"({_describe(rotary_cos)}) and rotary_sin ({_describe(rotary_sin)})")
+    seqlen_ro, half = rotary_cos.shape
+    if seqlen_ro < 1 or half < 1 or 2 * half > headdim:
+        raise ValueError(
+            f"rotary_cos must have shape (seqlen_ro, rotary_dim / 2) with seqlen_ro >= 1 and 2 <= rotary_dim <= "
+            f"headdim = {headdim}, got {tuple(rotary_cos.shape)} (rotary_dim = {2 * half})"
+        )
+
+
+def _check_num_splits(num_splits) -> int:
+    if not _is_int(num_splits) or isinstance(num_splits, torch.Tensor):
+        raise TypeError(f"num_splits must be a Python int (0 = chosen from the shapes), got {type(num_splits).__name__}")
+    if num_splits < 0:
+        raise ValueError(f"num_splits must be >= 0 (0 = chosen from the shapes), got {num_splits}")
+    return int(num_splits)
+
+
+# (value, batch, device) -> int32 tensor: a decode loop that passes an int reuses one tensor.
+_SEQLENS_TENSORS: dict = {}
+
+
+def _seqlens_tensor(value: int, batch: int, device) -> torch.Tensor:
+    """``cache_seqlens`` given as an int, as the int32 ``(batch,)`` tensor the backends take; no host sync."""
+    key = (value, batch, device)
+    tensor = _SEQLENS_TENSORS.get(key)
+    if tensor is None:
+        tensor = torch.full((batch,), value, dtype=torch.int32, device=device)
+        # Never keep one made while tracing (a fake tensor) or capturing a graph (filled only on replay).
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if not (torch.compiler.is_compiling() or capturing):
+            if len(_SEQLENS_TENSORS) >= 64:
+                _SEQLENS_TENSORS.clear()
+            _SEQLENS_TENSORS[key] = tensor
+    return tensor
+
+
+def check_cache_seqlens(cache_seqlens, batch: int, capacity: int, seqlen_new: int, where: str, device) -> torch.Tensor:
+    """``cache_seqlens`` (int, int32 ``(batch,)`` tensor or None = full) as an int32 ``(batch,)`` tensor."""
+    if cache_seqlens is None or _is_int(cache_seqlens):
+        value = capacity if cache_seqlens is None else int(cache_seqlens)
+        said = f"cache_seqlens=None (the cache is full: {capacity} tokens)" if cache_seqlens is None else f"cache_seqlens={value}"
+        if value < 0:
+            raise ValueError(f"cache_seqlens must be >= 0, got {value}")
+        if value + seqlen_new > capacity:
+            raise ValueError(
+                f"{said} plus seqlen_new={seqlen_new} new tokens is {value + seqlen_new}, past the cache capacity of "
+                f"{capacity} tokens per sequence ({where}); nothing was written"
+            )
+        return _seqlens_tensor(value, batch, device)
+    _check_index_tensor("cache_seqlens", cache_seqlens, (batch,), "an int or (batch,)", device)
+    return cache_seqlens
+
+
+def kvcache_args(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                 cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
+                 window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, sink=None,
+                 num_splits=0) -> KVCacheArgs:
+    """Validate every argument of ``flash_attn_with_kvcache`` and return the normalised :class:`KVCacheArgs`.
+
+    Normalisation as in :func:`attn_args` (causal folds into ``window_right = 0``, ``alibi_slopes``
+    becomes a ``(batch, nheads)`` view, ``sink`` float32), and ``cache_seqlens`` given as an int or
+    None (the cache is full) becomes an int32 ``(batch,)`` tensor. The checks of the index tensors'
+    values (lengths within the capacity, ``cache_leftpad <= cache_seqlens``, ``cache_batch_idx``
+    rows and the pages a sequence uses inside the cache, rotary tables long enough) run when
+    :func:`values_checked` allows it.
+    """
+    paged = block_table is not None
+    check_kvcache(q, k_cache, v_cache, k, v, paged)
+    batch, seqlen_q, nheads, headdim = q.shape
+    device = q.device
+    seqlen_new = 0 if k is None else k.shape[1]
+    if paged:
+        check_block_table(block_table, batch, device)
+        for name, given in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+            if given is not None:
+                raise NotImplementedError(
+                    f"{name} with a paged KV cache (block_table) is not supported (nor is it in flash-attn); "
+                    f"the block table already says where each sequence's keys are"
+                )
+        capacity = block_table.shape[1] * k_cache.shape[1]
+        where = (f"block_table {tuple(block_table.shape)} gives each sequence {block_table.shape[1]} pages of "
+                 f"page_size={k_cache.shape[1]} tokens")
+    else:
+        capacity = k_cache.shape[1]
+        where = f"seqlen_cache of k_cache {tuple(k_cache.shape)}"
+        if cache_batch_idx is not None:
+            _check_index_tensor("cache_batch_idx", cache_batch_idx, (batch,), "(batch,)", device)
+        elif k_cache.shape[0] < batch:
+            raise ValueError(
+                f"k_cache holds {k_cache.shape[0]} sequences (batch_cache of {tuple(k_cache.shape)}) but q has batch "
+                f"{batch}; pass cache_batch_idx to say which cache row each batch row uses"
+            )
+        if cache_leftpad is not None:
+            _check_index_tensor("cache_leftpad", cache_leftpad, (batch,), "(batch,)", device)
+    if seqlen_new > capacity:
+        raise ValueError(f"k and v hold seqlen_new={seqlen_new} new tokens per sequence, more than the cache capacity of "
+                         f"{capacity} ({where})")
+    cache_seqlens = check_cache_seqlens(cache_seqlens, batch, capacity, seqlen_new, where, device)
+    check_rotary(rotary_cos, rotary_sin, headdim, device, k is not None)
+    num_splits = _check_num_splits(num_splits)
+
+    scale = check_softmax_scale(softmax_scale, headdim)
+    left, right = check_window(window_size)
+    causal = bool(causal) or (left == -1 and right == 0)
+    if causal:
+        right = 0
+    softcap = check_softcap(softcap)
+    if values_checked(device):
+        # flash-attn's rule: q sits at the new tokens' positions when causal or windowed, else all at cache_seqlens.
+        q_per_token = causal or left >= 0 or right >= 0
+        _check_kvcache_values(k_cache, seqlen_q, seqlen_new, capacity, where, cache_seqlens, cache_batch_idx,
+                              cache_leftpad, block_table, rotary_cos, q_per_token)
+    return KVCacheArgs(
+        softmax_scale=scale, causal=causal, window_left=left, window_right=right, softcap=softcap,
+        alibi_slopes=None if alibi_slopes is None else check_alibi_slopes(alibi_slopes, batch, nheads, device),
+        sink=None if sink is None else check_sink(sink, nheads, device),
+        max_seqlen_q=seqlen_q, max_seqlen_k=capacity, cache_seqlens=cache_seqlens, seqlen_new=seqlen_new,
+        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
+        rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=bool(rotary_interleaved), num_splits=num_splits,
+    )
+
+
+def _check_kvcache_values(k_cache, seqlen_q, seqlen_new, capacity, where, cache_seqlens, cache_batch_idx,
+                          cache_leftpad, block_table, rotary_cos, q_per_token) -> None:
+    """The value checks of :func:`kvcache_args`, with one device->host copy for all of them."""
+    batch = cache_seqlens.shape[0]
+    parts = [cache_seqlens]
+    parts += [t for t in (cache_leftpad, cache_batch_idx) if t is not None]
+    if block_table is not None:
+        page_size, num_blocks = k_cache.shape[1], k_cache.shape[0]
+        # Only the pages a sequence uses are read: entries past them may hold anything (e.g. -1).
+        pages_used = (cache_seqlens.long().clamp(min=0) + seqlen_new + page_size - 1) // page_size
+        used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < pages_used[:, None]
+        bad = (used & ((block_table < 0) | (block_table >= num_blocks))).flatten()
+        first = bad.to(torch.int64).argmax()
+        parts += [bad.any().reshape(1), first.reshape(1), block_table.flatten()[first].reshape(1)]
+    values = torch.cat([t.to(torch.int64).flatten() for t in parts]).tolist()
+    seqlens, rest = values[:batch], values[batch:]
+    leftpad = batch_idx = None
+    if cache_leftpad is not None:
+        leftpad, rest = rest[:batch], rest[batch:]
+    if cache_batch_idx is not None:
+        batch_idx, rest = rest[:batch], rest[batch:]
+
+    for b, length in enumerate(seqlens):
+        if length < 0:
+            raise ValueError(f"cache_seqlens[{b}] = {length} is negative")
+        if length + seqlen_new > capacity:
+            total = f"cache_seqlens[{b}] + seqlen_new = {length} + {seqlen_new} = {length + seqlen_new}" if seqlen_new \
+                else f"cache_seqlens[{b}] = {length}"
+            raise ValueError(f"{total} exceeds the cache capacity of {capacity} tokens per sequence ({where}); "
+                             "nothing was written")
+    if leftpad is not None:
+        for b, (pad, length) in enumerate(zip(leftpad, seqlens)):
+            if not 0 <= pad <= length:
+                raise ValueError(f"cache_leftpad[{b}] = {pad} must be between 0 and cache_seqlens[{b}] = {length}")
+    if batch_idx is not None:
+        for b, row in enumerate(batch_idx):
+            if not 0 <= row < k_cache.shape[0]:
+                raise ValueError(f"cache_batch_idx[{b}] = {row} is not a row of k_cache (batch_cache = {k_cache.shape[0]}, "
+                                 f"shape {tuple(k_cache.shape)})")
+    if block_table is not None:
+        any_bad, first, page = rest
+        if any_bad:
+            row, col = divmod(first, block_table.shape[1])
+            raise ValueError(
+                f"block_table[{row}, {col}] = {page} is not a page of k_cache (num_blocks = {k_cache.shape[0]}, shape "
+                f"{tuple(k_cache.shape)}); the first ceil((cache_seqlens[b] + seqlen_new) / page_size) entries of each "
+                f"row must be in [0, num_blocks)"
+            )
+    if rotary_cos is not None:
+        seqlen_ro = rotary_cos.shape[0]
+        for b, length in enumerate(seqlens):
+            last_k = length + seqlen_new - 1
+            last_q = length + (seqlen_q - 1 if q_per_token else 0)
+            if max(last_k, last_q) >= seqlen_ro:
+                which = (f"the new key {seqlen_new - 1} sits at cache_seqlens[{b}] + {seqlen_new - 1} = {last_k}"
+                         if last_k >= last_q else f"query {seqlen_q - 1} sits at cache_seqlens[{b}] + {seqlen_q - 1} = {last_q}")
+                raise ValueError(
+                    f"rotary_cos/rotary_sin have {seqlen_ro} positions (shape {tuple(rotary_cos.shape)}) but batch row {b} "
+                    f"needs position {max(last_k, last_q)} ({which}); give tables of at least {max(last_k, last_q) + 1} rows"
+                )
+
+
+def check_merge_states(out_a, lse_a, out_b, lse_b) -> None:
+    """Two partial attention results: outs ``(batch, seqlen, nheads, headdim)`` of one shape and dtype,
+    lses float32 ``(batch, nheads, seqlen)``, all on one device."""
+    layout = "(batch, seqlen, nheads, headdim)"
+    check_tensor("out_a", out_a, 4, layout)
+    check_tensor("out_b", out_b, 4, layout)
+    batch, seqlen, nheads, _ = out_a.shape
+    expected = (batch, nheads, seqlen)
+    for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if not isinstance(lse, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(lse).__name__}")
+        if lse.dtype != torch.float32:
+            raise TypeError(f"{name} must have dtype torch.float32 (the lse flashtile returns), got {lse.dtype}")
+        if tuple(lse.shape) != expected:
+            raise ValueError(f"{name} must have shape (batch, nheads, seqlen) = {expected} to match out_a "
+                             f"{tuple(out_a.shape)}, got {tuple(lse.shape)}")
+    if out_a.shape != out_b.shape:
+        raise ValueError(f"out_a and out_b must have one shape {layout}, got {tuple(out_a.shape)} and {tuple(out_b.shape)}")
+    if out_a.dtype != out_b.dtype:
+        raise TypeError(f"out_a and out_b must share one dtype, got {out_a.dtype} and {out_b.dtype}")
+    devices = {t.device for t in (out_a, lse_a, out_b, lse_b)}
+    if len(devices) > 1:
+        raise ValueError(f"out_a, lse_a, out_b, lse_b must be on one device, got out_a={out_a.device}, "
+                         f"lse_a={lse_a.device}, out_b={out_b.device}, lse_b={lse_b.device}")

@@ -2,8 +2,8 @@
 # Run the test suite: bash scripts/test.sh [pytest args...]
 #
 # Sets up .venv in the repo root on first use (reused after), with the pinned dev stack:
-# torch==2.13.0, triton==3.6.0, numpy<2.4, pytest, pytest-xdist, and flashtile installed
-# editable. Without a CUDA GPU the Triton kernels run under TRITON_INTERPRET=1.
+# torch==2.13.0, triton==3.6.0, numpy<2.4, pytest, pytest-xdist, transformers==5.17.0 (the H200's version,
+# for tests/test_transformers.py), matplotlib (the bench suite's plots), and flashtile installed editable. Without a CUDA GPU the Triton kernels run under TRITON_INTERPRET=1.
 #
 # Environment:
 #   FLASHTILE_NO_VENV=1  use the current python as it is (e.g. a GPU machine whose python
@@ -64,8 +64,10 @@ flashtile_setup_python() {
 }
 
 flashtile_run_tests() {
-  flashtile_setup_python pytest pytest-xdist
+  flashtile_setup_python pytest pytest-xdist "transformers==5.17.0" matplotlib
   cd "$FLASHTILE_ROOT"
+  # Two xdist workers on two cores: more BLAS threads per worker only add system time.
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
   if ! "$FLASHTILE_PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
     export TRITON_INTERPRET=1  # no CUDA GPU: the Triton kernels run in Triton's interpreter
   fi

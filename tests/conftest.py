@@ -14,8 +14,9 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 # Every buffer a kernel must fill starts as NaN (flashtile/alloc.py): an element left unwritten fails.
 os.environ["FLASHTILE_POISON"] = "1"
-# Check varlen offsets' values on CUDA too (a host sync per call, off by default).
-os.environ["FLASHTILE_VALIDATE_VARLEN"] = "1"
+# Check index tensors' values (varlen offsets, cache lengths, block tables) on CUDA too (a host
+# sync per call, off by default).
+os.environ["FLASHTILE_VALIDATE_VALUES"] = "1"
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 

@@ -13,6 +13,7 @@ from flashtile import (
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
 )
+from flashtile.interface import flash_attn_with_kvcache, merge_attention_states
 
 
 def qkv(batch=2, seqlen_q=5, seqlen_k=7, nheads=4, nheads_kv=2, headdim=16, dtype=torch.float16):
@@ -350,3 +351,174 @@ def test_varlen_packed_bad_shapes():
     with pytest.raises(ValueError, match=r"kv must have shape \(total_k, 2, nheads_kv, headdim\).*dim 1 of size 3"):
         flash_attn_varlen_kvpacked_func(torch.randn(7, 4, 16, dtype=torch.float16), torch.randn(7, 3, 2, 16, dtype=torch.float16),
                                         cu, cu, 4, 4)
+
+
+# ---------------------------------------------------------------- flash_attn_with_kvcache arguments
+
+
+def kv_inputs(batch=2, capacity=64, nheads=4, nheads_kv=2, headdim=32, seqlen_new=3, page_size=None, num_blocks=6):
+    """q, k_cache, v_cache, k, v and the keyword arguments of a valid call (contiguous, or paged)."""
+    q = torch.randn(batch, seqlen_new, nheads, headdim, dtype=torch.float16)
+    k = torch.randn(batch, seqlen_new, nheads_kv, headdim, dtype=torch.float16)
+    v = torch.randn(batch, seqlen_new, nheads_kv, headdim, dtype=torch.float16)
+    kwargs = dict(cache_seqlens=torch.tensor([4, 20], dtype=torch.int32)[:batch])
+    if page_size is None:
+        cache_shape = (batch, capacity, nheads_kv, headdim)
+    else:
+        cache_shape = (num_blocks, page_size, nheads_kv, headdim)
+        kwargs["block_table"] = torch.arange(batch * 2, dtype=torch.int32).view(batch, 2)
+    return q, torch.randn(cache_shape, dtype=torch.float16), torch.randn(cache_shape, dtype=torch.float16), k, v, kwargs
+
+
+def kv_call(change):
+    """A callable running flash_attn_with_kvcache on kv_inputs() after ``change(inputs, kwargs)``."""
+    def call(**inputs_options):
+        q, k_cache, v_cache, k, v, kwargs = kv_inputs(**inputs_options)
+        tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v)
+        change(tensors, kwargs)
+        return flash_attn_with_kvcache(**tensors, **kwargs)
+    return call
+
+
+def _set(**values):
+    return lambda tensors, kwargs: (tensors.update((n, x) for n, x in values.items() if n in tensors),
+                                    kwargs.update((n, x) for n, x in values.items() if n not in tensors))
+
+
+I32 = torch.int32
+PAGED = dict(page_size=16)
+BAD_KVCACHE = {
+    "headdim": (_set(k_cache=torch.randn(2, 64, 2, 64, dtype=torch.float16)), {}, ValueError,
+                r"headdim mismatch: q has headdim 32 but k_cache has headdim 64"),
+    "heads": (_set(k_cache=torch.randn(2, 64, 3, 32, dtype=torch.float16), v_cache=torch.randn(2, 64, 3, 32, dtype=torch.float16)),
+              {}, ValueError, r"nheads of q must be a multiple of nheads_kv of k_cache/v_cache, got q nheads=4 and "
+                              r"k_cache nheads_kv=3"),
+    "dtype": (_set(v_cache=torch.randn(2, 64, 2, 32)), {}, TypeError,
+              r"q, k_cache, v_cache \(and k, v\) must share one dtype, got q=torch.float16, k_cache=torch.float16, "
+              r"v_cache=torch.float32"),
+    "device": (_set(k_cache=torch.randn(2, 64, 2, 32, dtype=torch.float16, device="meta")), {}, ValueError,
+               r"must be on one device, got q=cpu, k_cache=meta"),
+    "cache-rank": (_set(k_cache=torch.randn(2, 64, 64, dtype=torch.float16)), {}, ValueError,
+                   r"k_cache must have 4 dims \(batch_cache, seqlen_cache, nheads_kv, headdim\), got 3 dims"),
+    "cache-not-unit-stride": (_set(k_cache=torch.randn(2, 64, 2, 64, dtype=torch.float16)[..., ::2]), {}, ValueError,
+                              r"k_cache must have a contiguous last dim \(stride\(-1\) == 1\), got strides \(8192, 128, 64, 2\)"),
+    "k-without-v": (_set(v=None), {}, ValueError, r"the new tokens k and v must be given together, got k but v=None"),
+    "k-batch": (_set(k=torch.randn(1, 3, 2, 32, dtype=torch.float16), v=torch.randn(1, 3, 2, 32, dtype=torch.float16)), {},
+                ValueError, r"batch mismatch: q has batch 2 but k has batch 1"),
+    "k-heads": (_set(k=torch.randn(2, 3, 4, 32, dtype=torch.float16)), {}, ValueError,
+                r"k must have the nheads_kv and headdim of k_cache \(2, 32\), got k \(2, 3, 4, 32\)"),
+    "v-seqlen": (_set(v=torch.randn(2, 2, 2, 32, dtype=torch.float16)), {}, ValueError,
+                 r"v must have k's batch, seqlen_new and nheads_kv"),
+    "small-cache-batch": (_set(k_cache=torch.randn(1, 64, 2, 32, dtype=torch.float16), v_cache=torch.randn(1, 64, 2, 32, dtype=torch.float16)),
+                          {}, ValueError, r"k_cache holds 1 sequences \(batch_cache of \(1, 64, 2, 32\)\) but q has batch 2; "
+                                          r"pass cache_batch_idx"),
+    "seqlens-int64": (_set(cache_seqlens=torch.tensor([4, 20])), {}, TypeError,
+                      r"cache_seqlens must have dtype torch.int32, got torch.int64"),
+    "seqlens-shape": (_set(cache_seqlens=torch.tensor([4, 20, 1], dtype=I32)), {}, ValueError,
+                      r"cache_seqlens must have shape an int or \(batch,\) = \(2,\), got \(3,\)"),
+    "seqlens-negative": (_set(cache_seqlens=torch.tensor([4, -2], dtype=I32)), {}, ValueError,
+                         r"cache_seqlens\[1\] = -2 is negative"),
+    "seqlens-past-capacity": (_set(cache_seqlens=torch.tensor([4, 62], dtype=I32)), {}, ValueError,
+                              r"cache_seqlens\[1\] \+ seqlen_new = 62 \+ 3 = 65 exceeds the cache capacity of 64 tokens "
+                              r"per sequence \(seqlen_cache of k_cache \(2, 64, 2, 32\)\); nothing was written"),
+    "seqlens-int-past-capacity": (_set(cache_seqlens=62), {}, ValueError,
+                                  r"cache_seqlens=62 plus seqlen_new=3 new tokens is 65, past the cache capacity of 64"),
+    "seqlens-none-with-new": (_set(cache_seqlens=None), {}, ValueError,
+                              r"cache_seqlens=None \(the cache is full: 64 tokens\) plus seqlen_new=3 new tokens is 67"),
+    "paged-past-capacity": (_set(cache_seqlens=torch.tensor([4, 30], dtype=I32)), PAGED, ValueError,
+                            r"cache_seqlens\[1\] \+ seqlen_new = 30 \+ 3 = 33 exceeds the cache capacity of 32 tokens per "
+                            r"sequence \(block_table \(2, 2\) gives each sequence 2 pages of page_size=16 tokens\)"),
+    "more-new-than-capacity": (_set(k=torch.randn(2, 70, 2, 32, dtype=torch.float16), v=torch.randn(2, 70, 2, 32, dtype=torch.float16)),
+                               {}, ValueError, r"k and v hold seqlen_new=70 new tokens per sequence, more than the cache "
+                                               r"capacity of 64"),
+    "table-int64": (_set(block_table=torch.zeros(2, 2, dtype=torch.int64)), PAGED, TypeError,
+                    r"block_table must have dtype torch.int32, got torch.int64"),
+    "table-shape": (_set(block_table=torch.zeros(3, 2, dtype=I32)), PAGED, ValueError,
+                    r"block_table must have shape \(batch, max_blocks_per_seq\) = \(2, >= 1\), got \(3, 2\)"),
+    "table-past-blocks": (_set(block_table=torch.tensor([[0, 1], [9, 2]], dtype=I32)), PAGED, ValueError,
+                          r"block_table\[1, 0\] = 9 is not a page of k_cache \(num_blocks = 6, shape \(6, 16, 2, 32\)\)"),
+    "table-negative": (_set(block_table=torch.tensor([[0, 1], [2, -1]], dtype=I32)), PAGED, ValueError,
+                       r"block_table\[1, 1\] = -1 is not a page of k_cache"),
+    "page-size-mismatch": (_set(v_cache=torch.randn(6, 8, 2, 32, dtype=torch.float16)), PAGED, ValueError,
+                           r"k_cache and v_cache must have the same page_size \(dim 1 of \(num_blocks, page_size, nheads_kv, "
+                           r"headdim\)\), got k_cache \(6, 16, 2, 32\) \(page_size 16\) and v_cache \(6, 8, 2, 32\) \(page_size 8\)"),
+    "leftpad-paged": (_set(cache_leftpad=torch.zeros(2, dtype=I32)), PAGED, NotImplementedError,
+                      r"cache_leftpad with a paged KV cache \(block_table\) is not supported"),
+    "batch-idx-paged": (_set(cache_batch_idx=torch.zeros(2, dtype=I32)), PAGED, NotImplementedError,
+                        r"cache_batch_idx with a paged KV cache \(block_table\) is not supported"),
+    "batch-idx-range": (_set(cache_batch_idx=torch.tensor([0, 2], dtype=I32)), {}, ValueError,
+                        r"cache_batch_idx\[1\] = 2 is not a row of k_cache \(batch_cache = 2"),
+    "batch-idx-dtype": (_set(cache_batch_idx=torch.tensor([0, 1])), {}, TypeError,
+                        r"cache_batch_idx must have dtype torch.int32, got torch.int64"),
+    "leftpad-past-seqlens": (_set(cache_leftpad=torch.tensor([5, 0], dtype=I32)), {}, ValueError,
+                             r"cache_leftpad\[0\] = 5 must be between 0 and cache_seqlens\[0\] = 4"),
+    "rotary-short": (_set(rotary_cos=torch.ones(20, 8), rotary_sin=torch.zeros(20, 8)), {}, ValueError,
+                     r"rotary_cos/rotary_sin have 20 positions \(shape \(20, 8\)\) but batch row 1 needs position 22 "
+                     r"\(the new key 2 sits at cache_seqlens\[1\] \+ 2 = 22\); give tables of at least 23 rows"),
+    "rotary-short-causal-q": (_set(rotary_cos=torch.ones(22, 8), rotary_sin=torch.zeros(22, 8),
+                                   k=torch.randn(2, 1, 2, 32, dtype=torch.float16),
+                                   v=torch.randn(2, 1, 2, 32, dtype=torch.float16), causal=True), {}, ValueError,
+                              r"needs position 22 \(query 2 sits at cache_seqlens\[1\] \+ 2 = 22\)"),
+    "rotary-without-k": (_set(rotary_cos=torch.ones(80, 8), rotary_sin=torch.zeros(80, 8), k=None, v=None), {}, ValueError,
+                         r"rotary_cos/rotary_sin rotate q and the new tokens k .* need k and v; got k=None"),
+    "rotary-cos-only": (_set(rotary_cos=torch.ones(80, 8)), {}, ValueError,
+                        r"rotary_cos and rotary_sin must be given together, got rotary_cos but rotary_sin=None"),
+    "rotary-too-wide": (_set(rotary_cos=torch.ones(80, 20), rotary_sin=torch.zeros(80, 20)), {}, ValueError,
+                        r"rotary_dim <= headdim = 32, got \(80, 20\) \(rotary_dim = 40\)"),
+    "rotary-shapes-differ": (_set(rotary_cos=torch.ones(80, 8), rotary_sin=torch.zeros(80, 4)), {}, ValueError,
+                             r"rotary_cos and rotary_sin must have one shape and dtype"),
+    "num-splits-negative": (_set(num_splits=-1), {}, ValueError, r"num_splits must be >= 0 \(0 = chosen from the shapes\), got -1"),
+    "num-splits-float": (_set(num_splits=2.0), {}, TypeError, r"num_splits must be a Python int.*got float"),
+    "window": (_set(window_size=(-2, 0)), {}, ValueError, r"window_size entries must be -1"),
+    "sink-shape": (_set(sink=torch.zeros(2)), {}, ValueError, r"sink must have shape \(nheads,\) = \(4,\)"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_KVCACHE)
+def test_bad_kvcache_arguments(case):
+    change, layout, error, match = BAD_KVCACHE[case]
+    with pytest.raises(error, match=match):
+        kv_call(change)(**layout)
+
+
+def test_refused_kvcache_call_writes_nothing():
+    q, k_cache, v_cache, k, v, kwargs = kv_inputs(page_size=16)
+    before = k_cache.clone(), v_cache.clone()
+    kwargs["cache_seqlens"] = torch.tensor([4, 31], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"31 \+ 3 = 34 exceeds the cache capacity of 32"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **kwargs)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
+def test_kvcache_query_shapes():
+    q, k_cache, v_cache, _, _, kwargs = kv_inputs()
+    with pytest.raises(ValueError, match=r"q must have batch >= 1 and seqlen_q >= 1, got q \(2, 0, 4, 32\)"):
+        flash_attn_with_kvcache(q[:, :0], k_cache, v_cache, **kwargs)
+    with pytest.raises(ValueError, match=r"q must have 4 dims"):
+        flash_attn_with_kvcache(q[0], k_cache, v_cache, **kwargs)
+
+
+# ---------------------------------------------------------------- merge_attention_states arguments
+
+BAD_MERGE = {
+    "lse-dtype": (dict(lse_b=torch.zeros(2, 4, 3, dtype=torch.float16)), TypeError,
+                  r"lse_b must have dtype torch.float32 \(the lse flashtile returns\), got torch.float16"),
+    "lse-layout": (dict(lse_a=torch.zeros(2, 3, 4)), ValueError,
+                   r"lse_a must have shape \(batch, nheads, seqlen\) = \(2, 4, 3\) to match out_a \(2, 3, 4, 16\), got \(2, 3, 4\)"),
+    "out-shapes": (dict(out_b=torch.zeros(2, 3, 4, 8, dtype=torch.float16)), ValueError,
+                   r"out_a and out_b must have one shape .* got \(2, 3, 4, 16\) and \(2, 3, 4, 8\)"),
+    "out-dtypes": (dict(out_b=torch.zeros(2, 3, 4, 16)), TypeError, r"out_a and out_b must share one dtype"),
+    "out-rank": (dict(out_a=torch.zeros(3, 4, 16, dtype=torch.float16)), ValueError, r"out_a must have 4 dims"),
+    "lse-list": (dict(lse_a=[0.0]), TypeError, r"lse_a must be a torch.Tensor, got list"),
+    "device": (dict(lse_b=torch.zeros(2, 4, 3, device="meta")), ValueError, r"must be on one device.*lse_b=meta"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_MERGE)
+def test_bad_merge_arguments(case):
+    changes, error, match = BAD_MERGE[case]
+    inputs = dict(out_a=torch.zeros(2, 3, 4, 16, dtype=torch.float16), lse_a=torch.zeros(2, 4, 3),
+                  out_b=torch.zeros(2, 3, 4, 16, dtype=torch.float16), lse_b=torch.zeros(2, 4, 3))
+    inputs.update(changes)
+    with pytest.raises(error, match=match):
+        merge_attention_states(**inputs)

@@ -29,6 +29,30 @@ A backend is two modules: a light one that can always be imported (``supports``,
     ``(batch, nheads, seqlen_q, seqlen_k)`` tensor to fill with dL/d(score) (the autograd layer
     sums it down to the bias's broadcast shape). Every backend is deterministic: no atomics.
 
+KV-cache attention (``flashtile.flash_attn_with_kvcache``), for backends whose FEATURES hold
+``"kvcache"`` (and ``"paged"`` for block tables); ``args`` is a :class:`KVCacheArgs`:
+
+``append_kv(q, k_cache, v_cache, k, v, args) -> q``
+    Writes the new tokens ``k``, ``v`` ``(batch, seqlen_new, nheads_kv, headdim[_v])`` into the
+    caches in place: token ``t`` of batch row ``b`` goes to key row ``cache_seqlens[b] + t`` of that
+    row's cache (see :class:`KVCacheArgs` for how a key row maps to memory). Rows that would land
+    past the cache's capacity (or a block table entry past ``num_blocks``) are not written. With
+    rotary tables ``k`` is rotated before it is written, and the returned q is rotated; without
+    them q is returned unchanged. Nothing here may synchronize with the host.
+
+``attention_kv(q, k_cache, v_cache, args) -> (out, lse)``
+    q ``(batch, seqlen_q, nheads, headdim)`` attends to the keys ``[cache_leftpad[b],
+    cache_seqlens[b] + seqlen_new)`` of its cache row (the appended tokens included); causal and
+    windows are aligned bottom-right to that key count. ``out`` ``(batch, seqlen_q, nheads,
+    headdim_v)`` in q's dtype, ``lse`` float32 ``(batch, nheads, seqlen_q)``. No host
+    synchronization, no allocation whose size depends on tensor values (CUDA-graph capturable).
+
+``merge_states(out_a, lse_a, out_b, lse_b) -> (out, lse)``
+    The attention of the union of two disjoint key sets from the two partial results:
+    ``lse = log(exp(lse_a) + exp(lse_b))``, ``out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b``;
+    outs ``(batch, seqlen, nheads, headdim)`` (out_a's dtype for the result), lses float32
+    ``(batch, nheads, seqlen)``. Both ``-inf``: out 0, lse ``-inf``.
+
 The math every backend computes (``diag = seqlen_k - seqlen_q`` of the row's sequence)::
 
     s_ij = scale * q_i . k_j
@@ -90,6 +114,49 @@ class AttnArgs:
         return self.cu_seqlens_q is not None
 
 
+@dataclass(frozen=True, eq=False)
+class KVCacheArgs(AttnArgs):
+    """A KV-cache call (``flash_attn_with_kvcache``), validated and normalised by the API.
+
+    The fields of :class:`AttnArgs` that apply (scale, causal, window, softcap, alibi_slopes, sink)
+    mean what they mean there; ``max_seqlen_k`` is the capacity of one sequence (``seqlen_cache``,
+    or ``max_blocks_per_seq * page_size`` when paged): an upper bound of its keys that never needs
+    the tensors' values. No dropout, bias or varlen.
+
+    Key row ``r`` of batch row ``b`` lives at:
+        contiguous cache ``(batch_cache, seqlen_cache, nheads_kv, headdim)``:
+            ``k_cache[cache_batch_idx[b] (or b), r]``
+        paged cache ``(num_blocks, page_size, nheads_kv, headdim)``:
+            ``k_cache[block_table[b, r // page_size], r % page_size]``
+    """
+
+    # int32 (batch,): keys already in the cache of each batch row, before this call's new tokens.
+    cache_seqlens: Optional[torch.Tensor] = None
+    # New tokens appended (and attended to) by this call; 0 without k/v.
+    seqlen_new: int = 0
+    # int32 (batch,): which row of a contiguous cache each batch row uses.
+    cache_batch_idx: Optional[torch.Tensor] = None
+    # int32 (batch,): the first valid key row of each batch row (left padding before it).
+    cache_leftpad: Optional[torch.Tensor] = None
+    # int32 (batch, max_blocks_per_seq): pages of a paged cache.
+    block_table: Optional[torch.Tensor] = None
+    # (seqlen_ro, rotary_dim / 2) cos and sin tables; rotary_dim <= headdim, even.
+    rotary_cos: Optional[torch.Tensor] = None
+    rotary_sin: Optional[torch.Tensor] = None
+    # True: pairs (2i, 2i + 1) rotate (GPT-J); False: pairs (i, i + rotary_dim / 2) (GPT-NeoX).
+    rotary_interleaved: bool = True
+    # Key splits per sequence, merged afterwards; 0 = the backend picks from the shapes alone.
+    num_splits: int = 0
+
+    @property
+    def paged(self) -> bool:
+        return self.block_table is not None
+
+    @property
+    def page_size(self) -> int:
+        return self.max_seqlen_k // self.block_table.shape[1] if self.paged else self.max_seqlen_k
+
+
 @dataclass(frozen=True)
 class AttentionCall:
     """The properties of one attention call that decide which backend and kernel can run it.
@@ -108,10 +175,13 @@ class AttentionCall:
     headdim: int
     causal: bool
     # Optional features the call asks for, each as ``(name, "argument=value: what it is")``; names are
-    # those of a backend's FEATURES: dropout, window, softcap, alibi, sink, bias, varlen, headdim_v.
+    # those of a backend's FEATURES: dropout, window, softcap, alibi, sink, bias, varlen, headdim_v,
+    # kvcache, paged. A kvcache call's ``seqlen_k`` is the cache capacity (``KVCacheArgs.max_seqlen_k``).
     features: tuple = ()
     # The head dim of v (and of the output); None means ``headdim``.
     headdim_v: Optional[int] = None
+    # Tokens per page of a paged KV cache; 0 otherwise.
+    page_size: int = 0
 
     def __post_init__(self):
         if self.headdim_v is None:
@@ -120,6 +190,11 @@ class AttentionCall:
     @property
     def feature_names(self) -> frozenset:
         return frozenset(name for name, _ in self.features)
+
+    @property
+    def kvcache(self) -> bool:
+        """Whether the call attends over a KV cache (``flash_attn_with_kvcache``)."""
+        return "kvcache" in self.feature_names
 
     @property
     def varlen(self) -> bool:
@@ -137,9 +212,12 @@ class AttentionCall:
         else:
             batch, seqlen_q, nheads, headdim = q.shape
             seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+            if isinstance(args, KVCacheArgs):
+                seqlen_k = args.max_seqlen_k
         headdim_v = v.shape[-1]
+        page_size = args.page_size if isinstance(args, KVCacheArgs) and args.paged else 0
         return cls(q.device, q.dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, bool(args.causal),
-                   _features(args, headdim, headdim_v), headdim_v)
+                   _features(args, headdim, headdim_v), headdim_v, page_size)
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -165,6 +243,11 @@ def _features(args: AttnArgs, headdim: int, headdim_v: int) -> tuple:
     if args.attn_bias is not None:
         kind = "boolean attention mask" if args.attn_bias.dtype == torch.bool else "additive attention bias"
         features.append(("bias", f"attn_bias={_shape(args.attn_bias)}: {kind}"))
+    if isinstance(args, KVCacheArgs):
+        features.append(("kvcache", "flash_attn_with_kvcache: attention over a KV cache"))
+        if args.paged:
+            features.append(("paged", f"block_table={_shape(args.block_table)}: a paged KV cache "
+                                      f"(page_size={args.page_size})"))
     if args.varlen:
         used = " with seqused_k" if args.seqused_k is not None else ""
         features.append(("varlen", f"cu_seqlens_q={_shape(args.cu_seqlens_q)}{used}: variable-length sequences"))

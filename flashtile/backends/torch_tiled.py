@@ -15,6 +15,9 @@ Every variant of the package contract (``flashtile/backends/__init__.py``) lives
 :class:`_ScoreTiles`, which builds one score tile and knows which key chunks a query block can
 see; the forward and backward loops below are the plain algorithm around it. Varlen calls run
 the dense path once per sequence on slices of the packed tensors.
+
+KV-cache attention (``append_kv``, ``attention_kv``) and ``merge_states`` live in
+:mod:`flashtile.backends.torch_decode` and are re-exported here.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import torch
 
 from .. import rng
 from . import AttentionCall, AttnArgs, missing_features
+from .torch_decode import KEY_CHUNK as KV_KEY_CHUNK, append_kv, attention_kv, merge_states  # noqa: F401 (re-exported)
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -37,7 +41,8 @@ BLOCK_ROWS = 512
 KEY_CHUNK = 512
 
 
-FEATURES = frozenset({"dropout", "window", "softcap", "alibi", "sink", "bias", "varlen", "headdim_v"})
+FEATURES = frozenset({"dropout", "window", "softcap", "alibi", "sink", "bias", "varlen", "headdim_v", "kvcache", "paged",
+                      "merge"})
 
 
 def supports(call: AttentionCall) -> str | None:
@@ -47,7 +52,17 @@ def supports(call: AttentionCall) -> str | None:
 
 
 def describe(call: AttentionCall):
-    """Profiler names of the forward and backward (with the features the call uses), and the tile sizes."""
+    """Profiler names of the forward and backward (with the features the call uses), and the tile sizes.
+
+    A KV-cache call runs as ``flashtile.kvcache[...]`` and a merge of partial results as
+    ``flashtile.merge[...]``; neither has a backward (its name is empty).
+    """
+    if "merge" in call.feature_names:
+        return f"flashtile.merge[torch d={call.headdim_v}]", "", {}
+    if call.kvcache:
+        extras = "".join(f"+{name}" for name, _ in call.features if name != "kvcache")
+        mask = ("causal" if call.causal else "full") + extras
+        return f"flashtile.kvcache[torch d={call.headdim} {mask} keys={KV_KEY_CHUNK}]", "", {"KEY_CHUNK": KV_KEY_CHUNK}
     mask = "+".join(["causal" if call.causal else "full"] + [name for name, _ in call.features])
     tiles = f"rows={BLOCK_ROWS} keys={KEY_CHUNK}"
     config = {"BLOCK_ROWS": BLOCK_ROWS, "KEY_CHUNK": KEY_CHUNK}

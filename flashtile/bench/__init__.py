@@ -1,10 +1,11 @@
-"""``python -m flashtile bench``: the GPU sweep against the peers, or the CPU comparison;
-``--suite variants``: the attention variants (window, varlen, softcap, ALiBi, sink, bias) against
-their plain counterparts and the peers, with the issue's criteria.
+"""``python -m flashtile bench``: the benchmark suite (:mod:`flashtile.bench.suite`): dense attention
+forward / backward / forward+backward against the peers, the variants (window, varlen, softcap),
+decode and end to end on a GPU, the CPU comparison without one; JSON, Markdown and PNG plots.
+``--suite variants``: the variants suite alone, with the issue's criteria
+(:mod:`flashtile.bench.variants`).
 
-The GPU sweep lives in :mod:`flashtile.bench.gpu`, the CPU comparison in
-:mod:`flashtile.bench.cpu`, the variants in :mod:`flashtile.bench.variants`; each is imported only
-when it runs, so CUDA-only and compile-time modules never load on the other path.
+The measuring modules are imported only when they run, so CUDA-only and compile-time modules never
+load on the other path.
 """
 from __future__ import annotations
 
@@ -15,28 +16,32 @@ from ..tools import flatten, int_list
 
 EXAMPLES = """\
 examples:
-  python -m flashtile bench                    # GPU: full sweep vs SDPA flash/cudnn/efficient + flex
-                                               # CPU only: tiled backend vs naive vs torch SDPA
-  python -m flashtile bench --quick            # GPU seqlens 1024 4096 16384; CPU seqlens 1024 4096
-  python -m flashtile bench --headdims 128 --causal true --providers flashtile flash cudnn
-  python -m flashtile bench --seqlens 8192 --dtype fp16 --out /tmp/results
+  python -m flashtile bench                    # the quick suite (about 5 min on an H200): dense fwd/bwd/fwd+bwd
+                                               # vs SDPA flash/cudnn/efficient/math, Flex, flash-attn; window,
+                                               # varlen, softcap; decode; end to end. CPU only: the CPU comparison
+  python -m flashtile bench --full             # every shape (about 20 min on an H200)
+  python -m flashtile bench --only fwd bwd     # stages: fwd bwd fwd_bwd window varlen softcap decode e2e
+                                               # (dense = fwd bwd fwd_bwd, variants = window varlen softcap)
+  python -m flashtile bench --only decode --providers flashtile cudnn flash
+  python -m flashtile bench --full --only dense --headdims 64 96 --out /tmp/results   # a part of --full
+  python -m flashtile bench --headdims 128 192/128 --causal true --dtype fp16 --seqlens 2048 8192
+  python -m flashtile bench --merge a.json b.json --out DIR   # one report from runs made in parts
   python -m flashtile bench --quick --json > result.json
   bash scripts/bench.sh --quick                # the same, set up in the project's virtualenv
   python -m flashtile bench --suite variants --out /tmp/results
-                                               # GPU: window, varlen, softcap/ALiBi/sink, attn_bias vs
-                                               # plain flashtile and the peers, criteria verdicts last
-  python -m flashtile bench --suite variants --groups window mods --providers flashtile flash
+                                               # the variants suite alone: window, varlen, softcap/ALiBi/sink,
+                                               # attn_bias vs plain flashtile and the peers, criteria verdicts
   python -m flashtile bench --suite variants --device cpu   # smoke run: tiny shapes, torch backend
 
-GPU rows: batch = 16384 // seqlen, nheads = 2048 // headdim; TFLOP/s fwd = 4*B*H*S*S*D
-(halved when causal), bwd = 2.5x that over the time of backward alone. Results are written to
-<out>/<gpu>-<date>.json (GPU) or <out>/cpu-<date>.json (CPU); the table is printed last.
---suite variants writes <out>/<gpu>-variants-<date>.json (see flashtile/bench/variants.py for its
-shapes and FLOP model); of the options above it takes --quick, --providers, --dtype, --device,
---no-check, --out and --json.
+Dense shapes: batch = 16384 // seqlen, nheads = 2048 // headdim, plus GQA 32/8 at headdim 128.
+TFLOP/s: fwd = 4*B*H*Sq*Sk*D (halved when causal), bwd = 2.5x, fwd+bwd = 3.5x; GB/s from a modeled
+byte count (stated in the output). Writes <out>/<gpu>-suite-<quick|full>[-<selection>]-<date>.json,
+.md and -*.png (cpu-suite-... without a GPU). Exit status 1 when flashtile measured nothing.
+--suite variants writes <out>/<gpu>-variants-<date>.json; of the options above it takes --quick,
+--providers, --dtype, --device, --no-check, --out and --json.
 """
 
-SWEEP_ONLY = ("seqlens", "headdims", "causal")
+SUITE_ONLY = ("seqlens", "headdims", "causal", "only", "full", "merge", "no_plots")
 
 
 def _word_list(text: str) -> list[str]:
@@ -44,78 +49,87 @@ def _word_list(text: str) -> list[str]:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
+    from . import suite
+
     parser = subparsers.add_parser(
         "bench",
-        help="benchmark flashtile against its peers (GPU) or naive attention (CPU)",
+        help="benchmark suite: flashtile against its peers (GPU) or naive attention (CPU)",
         description=(
-            "Benchmark flashtile. On a CUDA GPU: a sweep against torch SDPA (flash, cuDNN, efficient) and "
-            "FlexAttention, forward and backward. On a CPU-only machine: the tiled CPU backend against naive "
-            "attention and torch's CPU SDPA, forward time and peak memory."
+            "The flashtile benchmark suite. On a CUDA GPU: dense attention forward, backward and forward+backward "
+            "against torch SDPA (flash, cuDNN, efficient, math), FlexAttention, flash-attn and naive attention; "
+            "sliding window, varlen and softcap; decode with contiguous and paged caches; a Llama-3-8B-shaped "
+            "model end to end. Time, TFLOP/s, modeled bandwidth, peak memory, max error and the kernels that ran, "
+            "as JSON, Markdown and plots. On a CPU-only machine: the tiled CPU backend against naive attention and "
+            "torch's CPU SDPA."
         ),
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--suite", choices=("sweep", "variants"), default="sweep",
-                        help="sweep (default): dense attention vs the peers; variants: window, varlen, "
-                             "softcap/ALiBi/sink, attn_bias against plain flashtile and the peers")
-    parser.add_argument("--groups", nargs="+", type=_word_list, metavar="GROUP",
-                        help="--suite variants only: window varlen_equal varlen_mixed mods bias (default all)")
-    parser.add_argument("--quick", action="store_true", help="fewer seqlens (GPU: 1024 4096 16384; CPU: 1024 4096)")
-    parser.add_argument("--seqlens", nargs="+", type=int_list, metavar="N", help="seqlens to run (overrides --quick)")
-    parser.add_argument("--headdims", nargs="+", type=int_list, metavar="D", help="head dims (GPU default: 64 128; CPU: 64)")
+    parser.add_argument("--suite", choices=("suite", "variants"), default="suite",
+                        help="suite (default): everything below; variants: the variants suite alone, with criteria")
+    grid = parser.add_mutually_exclusive_group()
+    grid.add_argument("--quick", action="store_true", help="the quick grid (the default; ~5 min on an H200)")
+    grid.add_argument("--full", action="store_true", help="the full grid (~20 min on an H200)")
+    parser.add_argument("--only", nargs="+", type=_word_list, metavar="STAGE",
+                        help=f"stages to run: {' '.join(suite.STAGES)}, or {' '.join(suite.STAGE_ALIASES)} (default all)")
     parser.add_argument(
         "--providers", nargs="+", type=_word_list, metavar="NAME",
-        help="GPU: flashtile flash cudnn efficient flex (default all); CPU: flashtile naive sdpa (default all)",
+        help=f"providers to run where they apply: {' '.join(suite.ALL_PROVIDERS)} (default: each stage's own; "
+             "sdpa and eager are e2e attention implementations and the CPU comparison's sdpa)",
     )
-    parser.add_argument("--causal", choices=("both", "true", "false"), help="GPU default: both; CPU default: false")
-    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="GPU default: bf16; CPU default: fp32")
+    parser.add_argument("--groups", nargs="+", type=_word_list, metavar="GROUP",
+                        help="--suite variants only: window varlen_equal varlen_mixed mods bias (default all)")
+    parser.add_argument("--seqlens", nargs="+", type=int_list, metavar="N", help="dense (and CPU) seqlens, overriding the grid's")
+    parser.add_argument("--headdims", nargs="+", type=suite.parse_headdim, metavar="D",
+                        help="dense head dims, D or D/DV (e.g. 192/128), overriding the grid's (CPU: D only)")
+    parser.add_argument("--causal", choices=("both", "true", "false"), help="dense and CPU causal settings (grid default)")
+    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="dtype of every stage (GPU default bf16, the "
+                        "full grid adds fp16 at headdim 128; CPU default fp32)")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                        help="auto (default): the GPU sweep when torch sees a CUDA GPU, else the CPU comparison")
+                        help="auto (default): the GPU suite when torch sees a CUDA GPU, else the CPU comparison")
     parser.add_argument("--no-check", action="store_true", help="skip the max-abs-error check against the reference")
-    parser.add_argument("--out", default="benchmarks/results", metavar="DIR", help="where the JSON goes (default: %(default)s)")
-    parser.add_argument("--json", action="store_true", help="print the result JSON on stdout (the table goes to stderr)")
+    parser.add_argument("--no-plots", action="store_true", help="no PNG plots")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="combine suite result files (e.g. --full run in parts) into one JSON, Markdown and plots in --out")
+    parser.add_argument("--out", default="benchmarks/results", metavar="DIR", help="where the files go (default: %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print the result JSON on stdout (the report goes to stderr)")
     parser.set_defaults(func=run, parser=parser)
     return parser
 
 
-def run(args) -> int:
-    import torch
-
+def _emit(args, payload: dict, text: str) -> None:
     from . import common
 
-    for name in ("seqlens", "headdims", "providers", "groups"):
+    if args.json:
+        common.log(text)
+        print(json.dumps(payload, indent=1, default=str))
+    else:
+        print(text)
+
+
+def run(args) -> int:
+    from . import suite
+
+    for name in ("seqlens", "headdims", "providers", "groups", "only"):
         setattr(args, name, flatten(getattr(args, name)))
     if args.suite == "variants":
         return _run_variants(args)
     if args.groups:
         args.parser.error("--groups: only with --suite variants")
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        args.parser.error("--device cuda: torch sees no CUDA GPU (torch.cuda.is_available() is False)")
-    if device == "cuda":
-        from . import gpu as module
-    else:
-        from . import cpu as module
-    unknown = sorted(set(args.providers or ()) - set(module.PROVIDERS))
-    if unknown:
-        args.parser.error(f"--providers {' '.join(unknown)}: not a {device} provider; choose from {' '.join(module.PROVIDERS)}")
-    bad = [n for n in [*(args.seqlens or ()), *(args.headdims or ())] if n <= 0]
-    if bad:
-        args.parser.error(f"--seqlens/--headdims must be positive, got {bad}")
-
-    payload, table = module.run(args)
-    if args.json:
-        common.log(table)
-        print(json.dumps(payload, indent=1, default=str))
-    else:
-        print(table)
-    flashtile_rows = [r for r in payload["attn"] if r["prov"] == "flashtile"]
-    # Nothing of flashtile measured at all is a failure worth an exit code; a few marked cells are not.
-    if flashtile_rows and all(r.get("fwd_err") or r.get("err") for r in flashtile_rows):
-        return 1
-    return 0
+    if args.merge:
+        try:
+            payload, text = suite.merge(args.merge, args.out, plots=not args.no_plots)
+        except suite.UsageError as error:
+            args.parser.error(str(error))
+        _emit(args, payload, text)
+        return 0
+    try:
+        opts = suite.options_from_args(args)
+    except suite.UsageError as error:
+        args.parser.error(str(error))
+    payload, text = suite.run(opts)
+    _emit(args, payload, text)
+    return suite.exit_status(payload)
 
 
 def _run_variants(args) -> int:
@@ -123,7 +137,7 @@ def _run_variants(args) -> int:
 
     from . import variants
 
-    given = [f"--{name}" for name in SWEEP_ONLY if getattr(args, name)]
+    given = [f"--{name.replace('_', '-')}" for name in SUITE_ONLY if getattr(args, name)]
     if given:
         args.parser.error(f"{' '.join(given)}: not used by --suite variants (its shapes are fixed; see --groups, --quick)")
     for option, chosen, known in (("--providers", args.providers, variants.PROVIDERS),

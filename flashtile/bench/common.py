@@ -1,5 +1,6 @@
-"""Pieces shared by the GPU sweep and the CPU comparison: FLOP counts, timing, error cells,
-reference check, environment capture, result files and tables.
+"""Pieces shared by the benchmark stages: FLOP and byte models, timers and their statistics,
+marked cells for failures, the reference check, the kernel-name proof, environment capture,
+result files, tables and the progress line.
 
 Nothing here imports CUDA-only modules, so the CPU path can use all of it.
 """
@@ -21,18 +22,122 @@ import torch
 # Backward does 2.5x the matmul work of forward (5 GEMMs against 2): flash-attn's benchmark
 # convention, which the peer numbers we compare with use too.
 BWD_FLOPS_FACTOR = 2.5
+# FLOPs of each timed stage in units of the forward's.
+STAGE_FLOPS_FACTOR = {"fwd": 1.0, "bwd": BWD_FLOPS_FACTOR, "fwd_bwd": 1.0 + BWD_FLOPS_FACTOR}
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+# The H200's measured device-to-device copy bandwidth (a large bf16 tensor copy, read + write
+# counted; run of 2026-11-21 on the project's H200, the peer reference file's "ceil.copy_TBps" =
+# 4.265). The spec sheet says 4.8 TB/s; no kernel reaches it, so the copy is the honest ceiling.
+H200_COPY_TBPS = 4.265
+BANDWIDTH_CEILING_SOURCE = ("H200 device-to-device copy of a large bf16 tensor, measured 2026-11-21 on the project's "
+                            "H200 (4.265 TB/s; spec sheet 4.8 TB/s)")
+
+FLOP_MODEL = ("fwd FLOPs = 2 * B * H * Sq * Sk * (D + Dv) (= 4 * B * H * Sq * Sk * D when Dv = D), halved when causal; "
+              "bwd = 2.5x fwd; fwd_bwd = 3.5x fwd")
+BYTE_MODEL = ("modeled HBM bytes, each tensor touched once: fwd = elt * (|q| + |k| + |v| + |o|) with |q| = B*Sq*H*D, "
+              "|k| = B*Sk*Hkv*D, |v| = B*Sk*Hkv*Dv, |o| = B*Sq*H*Dv; bwd = elt * 2 * (|q| + |k| + |v| + |o|) (reads q, "
+              "k, v, o, dO; writes dQ, dK, dV); fwd_bwd = their sum; decode = elt * B * L * Hkv * (D + Dv) (the K and V "
+              "read; q and o are negligible). GB/s = bytes / median time.")
+
+
+class Unavailable(Exception):
+    """A provider or feature that is not installed or not implemented here: a cell marked ``n/a``."""
+
+
+class Unsupported(Exception):
+    """A shape or feature a provider does not support: a cell marked ``unsupported``."""
 
 
 def fwd_flops(batch: int, nheads: int, seqlen: int, headdim: int, causal: bool) -> float:
     """``4 * B * H * S * S * D`` (two GEMMs), halved when causal."""
-    flops = 4.0 * batch * nheads * seqlen * seqlen * headdim
+    return attn_flops(batch, nheads, seqlen, seqlen, headdim, causal)
+
+
+def attn_flops(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, headdim: int, causal: bool,
+               headdim_v: int | None = None) -> float:
+    """Forward FLOPs of attention: ``2 * B * H * Sq * Sk * (D + Dv)`` (q k^T, then p v), halved when causal."""
+    flops = 2.0 * batch * nheads * seqlen_q * seqlen_k * (headdim + (headdim_v or headdim))
     return flops / 2 if causal else flops
 
 
 def tflops(flops: float, ms: float | None) -> float | None:
     return None if not ms or ms <= 0 else flops / (ms * 1e-3) / 1e12
+
+
+def attn_bytes(stage: str, batch: int, nheads: int, nheads_kv: int, seqlen_q: int, seqlen_k: int, headdim: int,
+               headdim_v: int, elt: int) -> int:
+    """Modeled HBM bytes of one attention ``stage`` (fwd, bwd, fwd_bwd); see :data:`BYTE_MODEL`."""
+    q = batch * seqlen_q * nheads * headdim
+    k = batch * seqlen_k * nheads_kv * headdim
+    v = batch * seqlen_k * nheads_kv * headdim_v
+    o = batch * seqlen_q * nheads * headdim_v
+    fwd, bwd = q + k + v + o, 2 * (q + k + v + o)
+    return elt * {"fwd": fwd, "bwd": bwd, "fwd_bwd": fwd + bwd}[stage]
+
+
+def decode_bytes(batch: int, cache_len: int, nheads_kv: int, headdim: int, headdim_v: int, elt: int) -> int:
+    """K and V bytes a decode step reads: ``elt * B * L * Hkv * (D + Dv)``."""
+    return elt * batch * cache_len * nheads_kv * (headdim + headdim_v)
+
+
+def gbps(nbytes: float, ms: float | None) -> float | None:
+    return None if not ms or ms <= 0 else nbytes / (ms * 1e-3) / 1e9
+
+
+# ---------------------------------------------------------------- timing
+
+
+def quantile(values, q: float) -> float:
+    """Linear-interpolated quantile ``q`` in [0, 1] of a non-empty sequence."""
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q
+    low = math.floor(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def timing_fields(prefix: str, times_ms) -> dict:
+    """``{prefix}_ms`` (median) and its spread ``{prefix}_p10_ms`` / ``{prefix}_p90_ms`` over ``{prefix}_reps`` runs."""
+    times = [float(t) for t in times_ms]
+    if not times:
+        raise ValueError(f"{prefix}: no timed runs")
+    return {f"{prefix}_ms": quantile(times, 0.5), f"{prefix}_p10_ms": quantile(times, 0.1),
+            f"{prefix}_p90_ms": quantile(times, 0.9), f"{prefix}_reps": len(times)}
+
+
+WARMUP_MS, REP_MS = 25, 100
+
+
+def gpu_timer(warmup_ms: float = WARMUP_MS, rep_ms: float = REP_MS):
+    """``timer(fn, grad_to_none=None) -> [ms, ...]``: CUDA-event times of each run of ``fn`` after warm-up,
+    L2 flushed before each (``triton.testing.do_bench(..., return_mode="all")``)."""
+    from triton.testing import do_bench
+
+    def timer(fn, grad_to_none=None) -> list[float]:
+        return list(do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grad_to_none, return_mode="all"))
+
+    return timer
+
+
+def cpu_timer(runs: int = 2):
+    """The same contract on CPU (smoke runs and tests): wall-clock times of ``runs`` calls, no warm-up."""
+
+    def timer(fn, grad_to_none=None) -> list[float]:
+        def call():
+            for t in grad_to_none or ():
+                t.grad = None
+            fn()
+
+        return time_runs_ms(call, min_runs=runs, max_runs=runs, min_total_s=0.0, warmup=0)
+
+    return timer
+
+
+def synchronize(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
 
 
 def time_runs_ms(fn, min_runs: int = 3, max_runs: int = 10, min_total_s: float = 2.0, warmup: int = 1) -> list[float]:
@@ -60,33 +165,105 @@ def describe_error(exc: BaseException) -> str:
     return f"{name}: {text}"
 
 
+# Messages of peers that refuse a shape or feature (torch SDPA's backends, flash-attn, Flex).
+_UNSUPPORTED = re.compile(r"no available kernel|no viable backend|not supported|unsupported|only supports|"
+                          r"is not implemented for")
+
+
+def error_kind(label: str) -> str:
+    """``oom``, ``n/a`` (not installed / not implemented), ``unsupported`` (the peer refuses the shape)
+    or ``error``, from a :func:`describe_error` label."""
+    kind, _, text = label.partition(":")
+    if kind == "OOM":
+        return "oom"
+    if kind in ("Unavailable", "ModuleNotFoundError", "ImportError"):
+        return "n/a"
+    if kind in ("Unsupported", "NotImplementedError") or _UNSUPPORTED.search(text.lower()):
+        return "unsupported"
+    return "error"
+
+
 def short_error(label: str) -> str:
-    """A table cell for an error label: ``OOM`` or ``ERR(<exception type>)``."""
-    kind = label.split(":", 1)[0]
-    return "OOM" if kind == "OOM" else f"ERR({kind})"
+    """A table cell for an error label: ``OOM``, ``n/a``, ``unsupported`` or ``ERR(<exception type>)``."""
+    kind = error_kind(label)
+    if kind == "error":
+        return f"ERR({label.split(':', 1)[0]})"
+    return "OOM" if kind == "oom" else kind
 
 
 def reference_output(q, k, v, causal: bool, heads: int | None = None, chunk_bytes: float = 2**30):
-    """``attention_ref`` output (fp32 on CUDA, fp64 on CPU) for q, k, v ``(batch, seqlen, nheads, headdim)``
-    with as many KV heads as query heads.
+    """``attention_ref`` output (fp32 on CUDA, fp64 on CPU) of q ``(batch, seqlen_q, nheads, headdim)``,
+    k ``(batch, seqlen_k, nheads_kv, headdim)``, v ``(batch, seqlen_k, nheads_kv, headdim_v)``.
 
-    Computed a few heads at a time so each ``seqlen x seqlen`` score block stays near
-    ``chunk_bytes`` (the whole matrix can exceed memory); ``heads`` keeps only the first heads,
-    a cheap spot check where the reference is slow.
+    Computed a few query heads at a time so each chunk's score block stays near ``chunk_bytes`` (the
+    whole matrix can exceed memory); a chunk is a divisor of a KV group or whole groups, so it always
+    has whole KV heads. ``heads`` keeps only the first query heads, a cheap spot check where the
+    reference is slow.
     """
     from ..testing import attention_ref, reference_dtype
 
-    batch, seqlen_q, nheads, headdim = q.shape
-    nheads = min(nheads, heads) if heads else nheads
+    batch, seqlen_q, nheads, _ = q.shape
+    seqlen_k, nheads_kv, headdim_v = k.shape[1], k.shape[2], v.shape[-1]
+    group = nheads // nheads_kv
+    kept = min(nheads, heads) if heads else nheads
     ref_dtype = reference_dtype(q.device)
-    score_bytes = batch * seqlen_q * k.shape[1] * torch.finfo(ref_dtype).bits // 8
-    step = max(1, int(chunk_bytes // score_bytes))
-    out = torch.empty((batch, seqlen_q, nheads, headdim), dtype=ref_dtype, device=q.device)
+    per_head = batch * seqlen_q * seqlen_k * torch.finfo(ref_dtype).bits // 8
+    fit = max(1, int(chunk_bytes // per_head))  # query heads whose scores fit in a chunk
+    size = fit // group * group if fit >= group else max(d for d in range(1, fit + 1) if group % d == 0)
+    out = torch.empty((batch, seqlen_q, kept, headdim_v), dtype=ref_dtype, device=q.device)
     with torch.no_grad():
-        for h in range(0, nheads, step):
-            sl = slice(h, min(h + step, nheads))
-            out[:, :, sl] = attention_ref(q[:, :, sl], k[:, :, sl], v[:, :, sl], causal=causal)[0]
+        for h0 in range(0, kept, size):
+            h1 = min(h0 + size, nheads)
+            k0, k1 = h0 // group, (h1 - 1) // group + 1
+            ref = attention_ref(q[:, :, h0:h1], k[:, :, k0:k1], v[:, :, k0:k1], causal=causal)[0]
+            top = min(h1, kept)
+            out[:, :, h0:top] = ref[:, :, : top - h0]
     return out
+
+
+def error_fields(row: dict) -> dict:
+    """A row's failure labels: the ``*_err`` keys holding text (``max_abs_err`` is a number, not a failure)."""
+    return {key: value for key, value in row.items() if key.endswith("_err") and isinstance(value, str) and value}
+
+
+def row_status(row: dict) -> str:
+    """One word per result row: ``ok``; ``skipped``; the kind of its main failure (``oom``, ``n/a``,
+    ``unsupported``, ``error``: nothing measured); or ``partial`` (measured, but a later stage failed)."""
+    if row.get("skipped"):
+        return "skipped"
+    main = row.get("fwd_err") or row.get("err")
+    if main:
+        return error_kind(main)
+    if any(key != "check_err" for key in error_fields(row)):
+        return "partial"
+    return "ok"
+
+
+# ---------------------------------------------------------------- proof of the path
+
+KERNEL_NAME_CHARS = 120  # cuDNN/CUTLASS names run to kilobytes of template arguments
+
+
+def kernel_proof(fn, cuda: bool) -> dict:
+    """Run ``fn()`` once under ``torch.profiler``: ``{"kernels": [...], "ranges": [...]}``, the distinct
+    CUDA kernel names that ran (truncated) and flashtile's ``record_function`` ranges
+    (``flashtile.fwd[triton d=128 ...]``), which name the backend and tiles even on CPU."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    kernels, ranges = set(), set()
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA:
+            name = event.name
+            kernels.add(name if len(name) <= KERNEL_NAME_CHARS else name[: KERNEL_NAME_CHARS - 3] + "...")
+        elif event.name.startswith("flashtile."):
+            ranges.add(event.name)
+    return {"kernels": sorted(kernels), "ranges": sorted(ranges)}
 
 
 def max_abs_err(out, reference) -> float:
@@ -101,6 +278,9 @@ def max_abs_err(out, reference) -> float:
 
 def git_commit(path: Path | None = None) -> dict:
     """``{"commit": sha or None, "dirty": bool or None}`` of the checkout holding flashtile."""
+    if os.environ.get("FLASHTILE_GIT_COMMIT"):
+        # A copy of the tree on another machine may carry a stale .git: the caller's name for it wins.
+        return {"commit": os.environ["FLASHTILE_GIT_COMMIT"], "dirty": None}
     here = str(path or Path(__file__).resolve().parents[2])
 
     def git(*args):
@@ -113,8 +293,7 @@ def git_commit(path: Path | None = None) -> dict:
     try:
         commit = git("rev-parse", "HEAD")
     except (OSError, subprocess.SubprocessError):
-        # A copy of the tree without .git (e.g. on a remote GPU box): the caller may name the commit.
-        return {"commit": os.environ.get("FLASHTILE_GIT_COMMIT"), "dirty": None}
+        return {"commit": None, "dirty": None}  # a copy of the tree without .git: name it with FLASHTILE_GIT_COMMIT
     try:
         dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
     except (OSError, subprocess.SubprocessError):
@@ -191,40 +370,6 @@ def result_path(out_dir: str | Path, prefix: str, date: str) -> Path:
     return Path(out_dir) / f"{prefix}-{date}.json"
 
 
-ROW_KEY = ("D", "N", "B", "H", "causal", "prov")
-ROW_LISTS = ("attn", "mem")
-
-
-def load_previous(path: Path, env: dict, same: tuple[str, ...]) -> dict:
-    """Rows of an earlier run in today's file at ``path``, when its ``env`` matches on ``same``
-    (machine, dtype, commit): a sweep run in parts (``--headdims 64``, then ``128``) ends in one file.
-    Otherwise ``{}``, and the file is overwritten."""
-    try:
-        old = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(old, dict) or any(old.get("env", {}).get(k) != env.get(k) for k in same):
-        return {}
-    return {name: old.get(name) or [] for name in ROW_LISTS}
-
-
-def merged(payload: dict, previous: dict) -> dict:
-    """``payload`` plus the ``previous`` rows it did not measure again (same :data:`ROW_KEY`)."""
-    if not any(previous.values()):
-        return payload
-    out = dict(payload)
-    kept = 0
-    for name in ROW_LISTS:
-        if name not in payload:
-            continue
-        fresh = {tuple(r.get(k) for k in ROW_KEY) for r in payload[name]}
-        old = [r for r in previous.get(name, []) if tuple(r.get(k) for k in ROW_KEY) not in fresh]
-        kept += len(old)
-        out[name] = old + payload[name]
-    out["rows_from_earlier_run"] = kept
-    return out
-
-
 # ---------------------------------------------------------------- tables
 
 
@@ -257,3 +402,28 @@ def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
 def log(message: str) -> None:
     """Progress goes to stderr so ``--json`` output on stdout stays clean."""
     print(message, file=sys.stderr, flush=True)
+
+
+def fmt_duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+class Progress:
+    """A progress bar over a sweep, one line per measured cell on stderr (readable in a terminal
+    and in a log file alike): ``[#####.......] 12/48 25% 1m05s eta 3m10s  <cell>: <result>``."""
+
+    def __init__(self, total: int, width: int = 20):
+        self.total, self.done, self.width = max(total, 1), 0, width
+        self.start = time.perf_counter()
+
+    def step(self, label: str, result: str = "") -> None:
+        self.done += 1
+        frac = min(self.done / self.total, 1.0)
+        filled = int(frac * self.width)
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / self.done * max(self.total - self.done, 0)
+        bar = "#" * filled + "." * (self.width - filled)
+        log(f"[{bar}] {self.done}/{self.total} {frac:4.0%} {fmt_duration(elapsed)} eta {fmt_duration(eta)}  "
+            f"{label}{': ' + result if result else ''}")
+

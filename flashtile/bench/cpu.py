@@ -13,7 +13,6 @@ import json
 import os
 import resource
 import signal
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -21,10 +20,11 @@ from pathlib import Path
 import torch
 
 from . import common
+from .providers import naive_attention
 
 PROVIDERS = ("flashtile", "naive", "sdpa")
-SEQLENS = (4096, 16384)
-QUICK_SEQLENS = (1024, 4096)
+SEQLENS = (1024, 4096, 16384)
+QUICK_SEQLENS = (512, 1024, 2048)
 BATCH, NHEADS, HEADDIM = 1, 8, 64
 WORKER_TIMEOUT_S = 3600
 
@@ -36,17 +36,6 @@ NOTE = (
     "torch.nn.functional.scaled_dot_product_attention on (B,H,S,D) contiguous copies. max_abs_err: "
     "|out - attention_ref float64| on head 0."
 )
-
-
-def naive_attention(q, k, v, causal: bool, scale: float):
-    """``softmax(q k^T * scale) v`` materialising the whole score matrix; ``(batch, seqlen, nheads, headdim)``."""
-    from ..testing import causal_lower_right_mask
-
-    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
-    scores = torch.matmul(qh, kh.transpose(-2, -1)).mul_(scale)
-    if causal:
-        scores.masked_fill_(~causal_lower_right_mask(q.shape[1], k.shape[1]), float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), vh).transpose(1, 2)
 
 
 def _forward(provider: str, q, k, v, causal: bool):
@@ -90,7 +79,7 @@ def worker(spec: dict) -> dict:
     with torch.no_grad():
         runs = common.time_runs_ms(fwd)
     result = {
-        "fwd_ms": statistics.median(runs),
+        **common.timing_fields("fwd", runs),
         "fwd_runs_ms": [round(t, 3) for t in runs],
         "peak_extra_GB": (_maxrss_bytes() - base) / 1e9,
         "threads": torch.get_num_threads(),
@@ -191,22 +180,9 @@ def format_table(rows: list[dict]) -> str:
     return common.markdown_table(headers, table)
 
 
-def run(args) -> tuple[dict, str]:
-    """Run the CPU comparison; returns ``(payload, table)`` after writing ``cpu-<date>.json``."""
-    dtype_name = args.dtype or "fp32"
-    seqlens = args.seqlens or (QUICK_SEQLENS if args.quick else SEQLENS)
-    headdims = args.headdims or (HEADDIM,)
-    causals = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal or "false"]
-    providers = args.providers or list(PROVIDERS)
-    gpu_rows = "GPU rows (flashtile Triton vs SDPA flash/cuDNN/efficient and FlexAttention)"
-    skipped = f"--device cpu: {gpu_rows} skipped on request." if torch.cuda.is_available() else f"No CUDA GPU found: {gpu_rows} skipped."
-
-    env = _env()
-    env["dtype"] = dtype_name
-    path = common.result_path(args.out, "cpu", env["date"])
-    payload = {"kind": "cpu", "env": env, "note": NOTE, "gpu_skipped": skipped, "attn": []}
-    previous = common.load_previous(path, env, ("cpu", "dtype", "git_commit", "torch"))
-    common.log(f"{skipped}\nCPU comparison on {env['cpu']} ({env['cpu_count']} cores, {env['torch_threads']} torch threads); results -> {path}")
+def sweep(seqlens, headdims, causals, providers, dtype_name: str, check: bool, on_row=None) -> list[dict]:
+    """Measure every (headdim, causal, seqlen, provider), each in a fresh process; ``on_row(row)`` after each."""
+    rows = []
     for headdim in headdims:
         for causal in causals:
             for seqlen in seqlens:
@@ -218,23 +194,19 @@ def run(args) -> tuple[dict, str]:
                         result = {"err": f"OOM: skipped, needs ~{need / 1e9:.1f} GB, {available / 1e9:.1f} GB available"}
                     else:
                         spec = dict(provider=provider, batch=BATCH, seqlen=seqlen, nheads=NHEADS, headdim=headdim,
-                                    causal=causal, dtype=dtype_name, check=not args.no_check)
+                                    causal=causal, dtype=dtype_name, check=check)
                         result = _run_worker(spec, WORKER_TIMEOUT_S)
                     row.update(result)
                     if "fwd_ms" in row:
-                        row["fwd_gflops"] = common.tflops(common.fwd_flops(BATCH, NHEADS, seqlen, headdim, causal), row["fwd_ms"]) * 1e3
-                        common.log(f"   seqlen {seqlen:>6} causal {causal!s:<5} {provider:<10} {row['fwd_ms']:9.1f} ms  "
-                                   f"peak extra {common.fmt_bytes(row['peak_extra_GB'] * 1e9)}")
-                    else:
-                        common.log(f"   seqlen {seqlen:>6} causal {causal!s:<5} {provider:<10} {row['err']}")
-                    payload["attn"].append(row)
-                    common.write_json(path, common.merged(payload, previous))
-    payload = common.merged(payload, previous)
-    lines = [
-        f"CPU forward, {dtype_name}, batch {BATCH}, {NHEADS} heads; peak extra mem = ru_maxrss growth in a fresh process",
-        format_table(payload["attn"]),
-    ]
-    if payload.get("rows_from_earlier_run"):
-        lines.append(f"{payload['rows_from_earlier_run']} rows above come from an earlier run of this commit today ({path.name})")
-    table = "\n".join(lines + [skipped, f"wrote {path}"])
-    return payload, table
+                        flops = common.fwd_flops(BATCH, NHEADS, seqlen, headdim, causal)
+                        row["fwd_gflops"] = common.tflops(flops, row["fwd_ms"]) * 1e3
+                    rows.append(row)
+                    if on_row:
+                        on_row(row)
+    return rows
+
+
+def progress_text(row: dict) -> str:
+    if row.get("err"):
+        return row["err"]
+    return f"{row['fwd_ms']:.1f} ms, peak extra {common.fmt_bytes(row['peak_extra_GB'] * 1e9)}"

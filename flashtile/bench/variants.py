@@ -23,9 +23,11 @@ Not measured: Flex with a document mask for varlen, and a Flex peer for the sink
 the denominator is not a score_mod). Flex cases stop after ``FLEX_BUDGET_S`` seconds spent in them
 (compiles included); the rest are marked ``skip``.
 
-Measurement is :mod:`flashtile.bench.gpu`'s: its providers for the plain rows, its backward timing,
-its environment. ``--device cpu`` (or no GPU) runs a smoke version: tiny shapes, flashtile on its
-torch backend, wall-clock medians, Flex eager and forward only.
+Measurement is :mod:`flashtile.bench.gpu`'s: the providers of :mod:`flashtile.bench.providers` for
+the plain rows, its timer (median and spread of CUDA-event times), its backward timing, its
+environment. ``--device cpu`` (or no GPU) runs a smoke version: tiny shapes, flashtile on its torch
+backend, wall-clock medians, Flex eager and forward only. The benchmark suite
+(:mod:`flashtile.bench.suite`) runs a subset of these cases through :func:`run_cases`.
 
 Run: ``python -m flashtile bench --suite variants`` or ``python -m flashtile.bench.variants``.
 """
@@ -36,13 +38,12 @@ import contextlib
 import dataclasses
 import json
 import os
-import statistics
 import time
 from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from . import common, gpu
+from . import common, gpu, providers
 
 PROVIDERS = ("flashtile", "flash", "efficient", "cudnn", "flex")
 GROUP_NAMES = ("window", "varlen_equal", "varlen_mixed", "mods", "bias")
@@ -57,7 +58,8 @@ FLOP_MODEL = (
 )
 
 NOTE = (
-    "triton.testing.do_bench(warmup=25, rep=100, return_mode='median'); backward timed as in the sweep "
+    "triton.testing.do_bench(warmup=25, rep=100, return_mode='all'): median (and p10/p90) of CUDA-event "
+    "times; backward timed as in the sweep "
     "(flashtile.bench.gpu: out.backward(dout, retain_graph=True) alone, else fwd+bwd minus fwd; bwd_method). "
     "flex = torch.compile(flex_attention, dynamic=False), torch._dynamo.reset() per case, block mask "
     "built and compile excluded. SDPA rows on (B, H, S, D) contiguous copies under sdpa_kernel(<backend>); "
@@ -215,7 +217,7 @@ def make_block_inputs(case: Case, dtype, device) -> dict:
     ``dout_*``; the padded batch in the varlen groups) plus the packed tensors and the variants' extras."""
     H, D = case.H, case.D
     if case.seqlens is None:
-        inputs = gpu._make_inputs(case.B, case.N, H, D, dtype, device)
+        inputs = providers.make_inputs(case.B, case.N, H, H, D, D, dtype, device)
     else:
         gen = torch.Generator(device=device).manual_seed(0)
         total = sum(case.seqlens)
@@ -329,22 +331,29 @@ def _checker(case: Case, inputs: dict, heads: int, heads_first: bool) -> Optiona
 # ---------------------------------------------------------------- providers
 
 
-def _flashtile(case: Case, inputs: dict) -> gpu.Provider:
+def _dense_shape(case: Case, inputs: dict) -> providers.DenseShape:
+    """The plain dense shape of a case (for the dense providers of :mod:`providers`)."""
+    dtype = next(name for name, d in common.DTYPES.items() if d == inputs["bshd"][0].dtype)
+    return providers.DenseShape(case.B, case.N, case.H, case.H, case.D, case.D, case.causal, dtype)
+
+
+def _flashtile(case: Case, inputs: dict) -> providers.Provider:
     import flashtile
 
     if case.variant in ("causal", "plain", "padded"):
-        return gpu.BUILDERS["flashtile"](inputs, case.causal)
+        return providers.BUILDERS["flashtile"](inputs, _dense_shape(case, inputs))
     if case.variant == "varlen":
         q, k, v = inputs["packed"]
         cu, max_seqlen = inputs["cu_seqlens"], inputs["max_seqlen"]
         varlen_func = flashtile.flash_attn_varlen_func  # AttributeError until it exists: a marked cell
         fwd = lambda: varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=case.causal)  # noqa: E731
-        return gpu.Provider(fwd, (q, k, v), inputs["dout_packed"], contextlib.nullcontext(), heads_first=False)
+        return providers.Provider(fwd, (q, k, v), inputs["dout_packed"], contextlib.nullcontext(), heads_first=False)
     q, k, v = inputs["bshd"]
     kwargs = features(case, inputs)
     grads = tuple(t for t in kwargs.values() if isinstance(t, torch.Tensor) and t.requires_grad)
     fwd = lambda: flashtile.flash_attn_func(q, k, v, **kwargs)  # noqa: E731
-    return gpu.Provider(fwd, (q, k, v, *grads), inputs["dout_bshd"], contextlib.nullcontext(), heads_first=False)
+    return providers.Provider(fwd, (q, k, v, *grads), inputs["dout_bshd"], contextlib.nullcontext(),
+                              heads_first=False)
 
 
 def alibi_mask(slopes, seqlen: int, causal: bool, dtype) -> torch.Tensor:
@@ -359,24 +368,25 @@ def alibi_mask(slopes, seqlen: int, causal: bool, dtype) -> torch.Tensor:
     return mask
 
 
-def _sdpa_masked(case: Case, inputs: dict) -> gpu.Provider:
+def _sdpa_masked(case: Case, inputs: dict) -> providers.Provider:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     if case.variant in ("causal", "padded"):
-        return gpu.BUILDERS[case.prov](inputs, case.causal)
+        return providers.BUILDERS[case.prov](inputs, _dense_shape(case, inputs))
     qt, kt, vt = inputs["bhsd"]
     if case.variant == "alibi":
         mask = alibi_mask(inputs["slopes"], case.N, case.causal, qt.dtype)
     else:
         mask = inputs["bias"] if case.variant == "bias" else inputs["bias_grad"]
-    backend = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION"}[case.prov]
+    backend = providers.SDPA_BACKENDS[case.prov]
     fwd = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)  # noqa: E731
     leaves = (qt, kt, vt, mask) if mask.requires_grad else (qt, kt, vt)
-    return gpu.Provider(fwd, leaves, inputs["dout_bhsd"], sdpa_kernel(getattr(SDPBackend, backend)), heads_first=True)
+    return providers.Provider(fwd, leaves, inputs["dout_bhsd"], sdpa_kernel(getattr(SDPBackend, backend)),
+                              heads_first=True)
 
 
-def _flex(case: Case, inputs: dict) -> gpu.Provider:
-    """FlexAttention as in gpu.py (fresh compile per case, donated buffers off), with the variant's
+def _flex(case: Case, inputs: dict) -> providers.Provider:
+    """FlexAttention as in providers.py (fresh compile per case, donated buffers off), with the variant's
     block mask and score_mod; eager and forward-only on CPU (Flex has no CPU backward)."""
     import torch._functorch.config
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -405,7 +415,7 @@ def _flex(case: Case, inputs: dict) -> gpu.Provider:
         qt, kt, vt = (x.detach() for x in (qt, kt, vt))  # Flex refuses CPU inputs that require grad
     fwd = lambda: attend(qt, kt, vt, score_mod=score_mod, block_mask=block_mask)  # noqa: E731
     scope = torch._functorch.config.patch(donated_buffer=False)
-    return gpu.Provider(fwd, (qt, kt, vt), inputs["dout_bhsd"], scope, heads_first=True)
+    return providers.Provider(fwd, (qt, kt, vt), inputs["dout_bhsd"], scope, heads_first=True)
 
 
 BUILDERS = {"flashtile": _flashtile, "flash": _sdpa_masked, "efficient": _sdpa_masked, "cudnn": _sdpa_masked,
@@ -415,8 +425,9 @@ BUILDERS = {"flashtile": _flashtile, "flash": _sdpa_masked, "efficient": _sdpa_m
 # ---------------------------------------------------------------- measuring
 
 
-def measure(case: Case, inputs: dict, do_bench, ref_heads: Optional[int]) -> dict:
-    """One case: its row, with times, effective TFLOP/s and the reference error; failures become text."""
+def measure(case: Case, inputs: dict, timer, ref_heads: Optional[int], profile: bool = False) -> dict:
+    """One case: its row, with times (median and spread), effective TFLOP/s and the reference error, and
+    with ``profile`` the kernels that ran; failures become text."""
     row = case.key()
     flops = fwd_flops(case)
     try:
@@ -441,14 +452,20 @@ def measure(case: Case, inputs: dict, do_bench, ref_heads: Optional[int]) -> dic
                     row["max_abs_err"] = check(out.detach())
                 except Exception as exc:  # noqa: BLE001 - a failed check must not hide the timing
                     row["check_err"] = common.describe_error(exc)
-            row["fwd_ms"] = do_bench(p.fwd, warmup=gpu.WARMUP_MS, rep=gpu.REP_MS, return_mode="median")
+            row.update(common.timing_fields("fwd", timer(p.fwd)))
             row["fwd_tflops"] = common.tflops(flops, row["fwd_ms"])
         except Exception as exc:  # noqa: BLE001
             row["fwd_err"] = common.describe_error(exc)
         if "fwd_err" not in row:
-            row.update(gpu._time_backward(p, out, do_bench, row["fwd_ms"]))
+            row.update(gpu.time_backward(p, out, timer, row["fwd_ms"]))
             row["bwd_tflops"] = common.tflops(common.BWD_FLOPS_FACTOR * flops, row.get("bwd_ms"))
         out = None  # frees the retained graph
+        gpu._clear_grads(p.leaves)
+        if profile and "fwd_err" not in row:
+            try:
+                row.update(gpu.record_kernels(p, backward="bwd_err" not in row))
+            except Exception as exc:  # noqa: BLE001 - the proof is extra; its failure is noted, not fatal
+                row["profile_err"] = common.describe_error(exc)
     gpu._clear_grads(p.leaves)
     return row
 
@@ -456,17 +473,6 @@ def measure(case: Case, inputs: dict, do_bench, ref_heads: Optional[int]) -> dic
 def _synchronize(out):
     if isinstance(out, torch.Tensor) and out.is_cuda:
         torch.cuda.synchronize()
-
-
-def cpu_bench(fn, warmup=None, rep=None, grad_to_none=None, return_mode="median") -> float:
-    """``do_bench``'s signature on CPU (smoke mode): median wall clock of a few calls, in ms."""
-
-    def call():
-        for t in grad_to_none or ():
-            t.grad = None
-        fn()
-
-    return statistics.median(common.time_runs_ms(call, min_runs=2, max_runs=2, min_total_s=0.0, warmup=0))
 
 
 # ---------------------------------------------------------------- criteria (pure)
@@ -682,15 +688,59 @@ def format_report(rows: list[dict], results: list[dict]) -> str:
 # ---------------------------------------------------------------- the run
 
 
+def run_cases(cases: list[Case], dtype, device, timer, ref_heads: Optional[int], on_row: Callable,
+              flex_budget_s: float = FLEX_BUDGET_S, profile: bool = False) -> list[dict]:
+    """Measure ``cases`` (cases of one block share their inputs); ``on_row(case, row)`` after each row.
+    Flex cases past ``flex_budget_s`` seconds spent in Flex (compiles included) are marked ``skipped``."""
+    import flashtile
+
+    rows: list[dict] = []
+    flex_spent = 0.0
+    blocks: dict = {}
+    for case in cases:
+        blocks.setdefault(case.block(), []).append(case)
+    for block_cases in blocks.values():
+        first = block_cases[0]
+        try:
+            inputs = make_block_inputs(first, dtype, device)
+        except Exception as exc:  # noqa: BLE001
+            label = common.describe_error(exc)
+            for case in block_cases:
+                rows.append({**case.key(), "fwd_err": label})
+                on_row(case, rows[-1])
+            gpu._free_cuda(collect=True)
+            continue
+        for case in block_cases:
+            if case.prov == "flex" and flex_spent > flex_budget_s:
+                row = {**case.key(), "skipped": f"flex time budget ({flex_budget_s:.0f} s) spent"}
+            else:
+                start = time.perf_counter()
+                calls_before = flashtile.stats()["calls"]
+                try:
+                    row = measure(case, inputs, timer, ref_heads, profile=profile)
+                except Exception as exc:  # noqa: BLE001 - e.g. a cleanup after a broken CUDA context
+                    row = {**case.key(), "fwd_err": common.describe_error(exc)}
+                if case.prov == "flashtile":  # which backend really ran
+                    calls = flashtile.stats()["calls"]
+                    row["backend"] = sorted(b for b, n in calls.items() if n > calls_before.get(b, 0))
+                if case.prov == "flex":
+                    flex_spent += time.perf_counter() - start
+                gpu._free_cuda()
+            rows.append(row)
+            on_row(case, row)
+        del inputs
+        gpu._free_cuda(collect=True)
+    return rows
+
+
 def run(args) -> tuple[dict, str]:
-    """Measure every case; returns ``(payload, table)`` after writing the JSON (also after each block)."""
+    """Measure every case; returns ``(payload, table)`` after writing the JSON (also after each row)."""
     smoke = _device(args) == "cpu"
     sizes = SMOKE if smoke else (QUICK if getattr(args, "quick", False) else DEFAULT)
     groups = getattr(args, "groups", None) or list(GROUP_NAMES)
-    providers = getattr(args, "providers", None) or list(PROVIDERS)
+    chosen = getattr(args, "providers", None) or list(PROVIDERS)
     dtype_name = getattr(args, "dtype", None) or "bf16"
-    dtype = common.DTYPES[dtype_name]
-    cases = build_cases(sizes, groups, providers)
+    cases = build_cases(sizes, groups, chosen)
     ref_heads = None if getattr(args, "no_check", False) else sizes.ref_heads
 
     import flashtile
@@ -699,12 +749,10 @@ def run(args) -> tuple[dict, str]:
     if smoke:
         device = torch.device("cpu")
         env = {**common.base_env(), "gpu": None, "device": "cpu (smoke: tiny shapes, torch backend)", "dtype": dtype_name}
-        do_bench, slug, scope = cpu_bench, "cpu", force_backend("torch")
+        timer, slug, scope = common.cpu_timer(), "cpu", force_backend("torch")
     else:
-        from triton.testing import do_bench
-
         device = torch.device("cuda", torch.cuda.current_device())
-        env, scope = gpu._env(dtype_name), contextlib.nullcontext()
+        env, scope, timer = gpu._env(dtype_name), contextlib.nullcontext(), common.gpu_timer()
         slug = common.gpu_slug(env["gpu"])
     suffix = "" if set(groups) == set(GROUP_NAMES) else "-" + "-".join(g for g in GROUP_NAMES if g in groups)
     path = common.result_path(getattr(args, "out", "benchmarks/results"), f"{slug}-variants{suffix}", env["date"])
@@ -715,45 +763,17 @@ def run(args) -> tuple[dict, str]:
     if not smoke and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         common.log("WARNING: TRITON_INTERPRET is set: flashtile's kernels run in Triton's interpreter, not on the GPU")
     flashtile.reset_stats()
-    flex_spent = 0.0
-    blocks: dict = {}
-    for case in cases:
-        blocks.setdefault(case.block(), []).append(case)
+
+    def on_row(case: Case, row: dict) -> None:
+        common.log(f"   {case.group} N={case.N} B={case.B} causal={case.causal} "
+                   f"{PROV_NAMES[case.prov] + ' ' + case.variant:<24} {_progress(row)}")
+        payload["rows"].append(row)
+        payload["flashtile_stats"] = flashtile.stats()
+        payload["criteria"] = evaluate(payload["rows"])  # a run cut short still leaves its verdicts so far
+        common.write_json(path, payload)
+
     with scope:
-        for block_cases in blocks.values():
-            first = block_cases[0]
-            common.log(f"-- {first.group} N={first.N} B={first.B} causal={first.causal}")
-            try:
-                inputs = make_block_inputs(first, dtype, device)
-            except Exception as exc:  # noqa: BLE001
-                label = common.describe_error(exc)
-                common.log(f"   inputs failed: {label}")
-                payload["rows"].extend({**c.key(), "fwd_err": label} for c in block_cases)
-                gpu._free_cuda()
-                continue
-            for case in block_cases:
-                if case.prov == "flex" and flex_spent > FLEX_BUDGET_S:
-                    row = {**case.key(), "skipped": f"flex time budget ({FLEX_BUDGET_S:.0f} s) spent"}
-                else:
-                    start = time.perf_counter()
-                    calls_before = flashtile.stats()["calls"]
-                    try:
-                        row = measure(case, inputs, do_bench, ref_heads)
-                    except Exception as exc:  # noqa: BLE001 - e.g. a cleanup after a broken CUDA context
-                        row = {**case.key(), "fwd_err": common.describe_error(exc)}
-                    if case.prov == "flashtile":  # which backend really ran
-                        calls = flashtile.stats()["calls"]
-                        row["backend"] = sorted(b for b, n in calls.items() if n > calls_before.get(b, 0))
-                    if case.prov == "flex":
-                        flex_spent += time.perf_counter() - start
-                    gpu._free_cuda()
-                payload["rows"].append(row)
-                common.log(f"   {PROV_NAMES[case.prov] + ' ' + case.variant:<24} {_progress(row)}")
-            del inputs
-            gpu._free_cuda()
-            payload["flashtile_stats"] = flashtile.stats()
-            payload["criteria"] = evaluate(payload["rows"])  # a run cut short still leaves its verdicts so far
-            common.write_json(path, payload)
+        run_cases(cases, common.DTYPES[dtype_name], device, timer, ref_heads, on_row)
     payload["criteria"] = evaluate(payload["rows"])
     payload["flashtile_stats"] = flashtile.stats()
     common.write_json(path, payload)

@@ -9,9 +9,10 @@ import os
 import torch
 
 from .. import AttentionCall, missing_features
-from .configs import capability, bwd_config, fwd_config
+from .configs import capability, bwd_config, decode_config, decode_splits, fwd_config
 
-FEATURES = frozenset({"dropout", "window", "softcap", "alibi", "sink", "bias", "varlen", "headdim_v"})
+FEATURES = frozenset({"dropout", "window", "softcap", "alibi", "sink", "bias", "varlen", "headdim_v", "kvcache",
+                      "paged", "merge"})
 
 
 @functools.lru_cache(maxsize=None)
@@ -30,6 +31,10 @@ def supports(call: AttentionCall) -> str | None:
     missing = missing_features(call, FEATURES)
     if missing:
         return f"{missing} is not implemented in the Triton kernels"
+    if call.kvcache:
+        reason = _kvcache_limits(call)
+        if reason:
+            return reason
     if not _triton_installed():
         return "triton is not installed"
     if call.device.type == "cpu":
@@ -46,8 +51,28 @@ def supports(call: AttentionCall) -> str | None:
     return None
 
 
+# The KV-cache kernels' second grid axis is batch x KV heads (append and combine: batch), which CUDA caps.
+_MAX_GRID_Y = 65535
+
+
+def _kvcache_limits(call: AttentionCall) -> str | None:
+    """What the KV-cache kernels (kernels/decode.py) cannot run, or None."""
+    for name, description in call.features:
+        if name in ("dropout", "bias", "varlen"):
+            return f"{description} is not implemented in the Triton KV-cache kernels"
+    if call.batch * call.nheads_kv > _MAX_GRID_Y:
+        return (f"batch x nheads_kv = {call.batch} x {call.nheads_kv} exceeds the {_MAX_GRID_Y} programs the "
+                "Triton KV-cache kernel's grid can hold on that axis")
+    return None
+
+
 def describe(call: AttentionCall):
-    """Profiler names of the forward and backward kernels, and their tile configs."""
+    """Profiler names of the forward and backward kernels, and their tile configs. A KV-cache call
+    and a merge of partial results (``merge_attention_states``) have no backward (its name is empty)."""
+    if "merge" in call.feature_names:
+        return f"flashtile.merge[triton d={call.headdim_v}]", "", {}
+    if call.kvcache:
+        return _describe_kvcache(call)
     headdim = max(call.headdim, call.headdim_v)
     features = {name for name, _ in call.features}
     fwd = fwd_config(headdim, call.dtype, call.device, call.causal, score_mods=bool(features & {"softcap", "alibi"}))
@@ -60,3 +85,21 @@ def describe(call: AttentionCall):
                 f"dq=BM{bwd.dq.BLOCK_M}xBN{bwd.dq.BLOCK_N}]")
     config = {"fwd": vars(fwd), "bwd_dkdv": vars(bwd.dkdv), "bwd_dq": vars(bwd.dq)}
     return fwd_name, bwd_name, config
+
+
+def _describe_kvcache(call: AttentionCall):
+    """The KV-cache attention kernel (no backward): its name carries the head dim, the GQA group, the
+    mask, the features, the split count and the tiles. ``call.seqlen_k`` is the cache capacity."""
+    group = call.nheads // call.nheads_kv
+    rows = call.seqlen_q * group
+    cfg = decode_config(max(call.headdim, call.headdim_v), call.dtype, call.device, rows, call.page_size)
+    programs = -(-rows // cfg.BLOCK_M) * call.batch * call.nheads_kv
+    # The call does not carry num_splits: this is what auto (num_splits=0) picks for these shapes.
+    splits = decode_splits(0, programs, call.seqlen_k, call.device, cfg.BLOCK_N,
+                           call.page_size > 0 and call.page_size % cfg.BLOCK_N != 0)
+    mask = "causal" if call.causal else "full"
+    extras = "".join(f" {name}" for name, _ in call.features if name != "kvcache")
+    name = (f"flashtile.decode[triton d={call.headdim} gqa={group} {mask}{extras} splits=auto "
+            f"BM={cfg.BLOCK_M} BN={cfg.BLOCK_N}]")
+    config = {"decode": vars(cfg), "auto_num_splits": splits}
+    return name, "", config

@@ -121,3 +121,109 @@ def bwd_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> BwdCo
         return _BWD_FP32_D256 if padded_head_dim(head_dim) == 256 else _BWD_FP32
     table = _BWD_SM90 if _arch(device) == 90 else _BWD_SM80
     return table[padded_head_dim(head_dim)]
+
+
+
+# Attention over a KV cache (kernels/decode.py), per padded head dim: (up to 16 packed rows, up to
+# DECODE_PREFILL_ROWS, more). Packed rows are query tokens x the query heads of one KV head: a
+# decode step with GQA group 4 fills 4 rows of a 16-row tile, the smallest tl.dot takes. Decode is
+# bound by reading K and V once, so the key tile and pipeline depth matter and the query tile does
+# not; prefill over a cache takes forward-like tiles. Not measured on a GPU yet: starting points
+# that compile for sm_90 / sm_80 without register spills (ptxas -v, triton 3.6, 2026-11-22):
+#   sm_90 bf16 d=128 16x64 w4 s3: 112 regs (paged: 168), K/V cp.async double-buffered (paged:
+#   single-buffered, the block-table read takes a pipeline stage); 16x128 w4 s3: 168 regs, 136 KB smem.
+#   fp32 (FMA dot): 16x32 w4 spills 660 B at d=128, 16x64 w8 does not (62 regs); d=256 needs 16x32 w8.
+#   bf16 d=256 32 rows: 32x64 w4 spills, 32x32 w4 does not; prefill d=256 64x32 w8: wgmma, 193 regs.
+# Measured on the H200 (bf16, 32/8 heads, d=128, CUDA-graph replay, scratch sweep 2026-11-21), decode
+# rows: batch 16 x 8192 keys 16x128 w4 s3 123.6 us = 1.02x the 4.27 TB/s copy bandwidth (16x64 w4 s3
+# 129.5 with 2 splits, 16x256 w8 s2 131.4, 16x32 w4 s4 129.4); pages of 256 take the same tiles (125.4 us).
+DECODE_SM90 = {
+    16: (TileConfig(16, 64, 4, 3), TileConfig(32, 64, 4, 3), TileConfig(64, 64, 4, 3)),
+    32: (TileConfig(16, 64, 4, 3), TileConfig(32, 64, 4, 3), TileConfig(64, 64, 4, 3)),
+    64: (TileConfig(16, 64, 4, 3), TileConfig(32, 64, 4, 3), TileConfig(64, 64, 4, 3)),
+    128: (TileConfig(16, 128, 4, 3), TileConfig(32, 64, 4, 3), TileConfig(64, 64, 4, 3)),
+    256: (TileConfig(16, 64, 4, 2), TileConfig(32, 32, 4, 2), TileConfig(64, 32, 8, 2)),
+}
+# Decode from pages smaller than a key block: each key row is looked up on its own page, which costs
+# a pipeline stage. Measured on the H200 (bf16, batch 16 x 8192 keys, 32/8 heads, d=128, CUDA graph):
+# 16x64 w4 s4 141.8 us (2 splits), 16x128 w4 s3 165.1 us; contiguous 16x128 w4 s3 123.6 us
+DECODE_SM90_GATHER = {128: TileConfig(16, 64, 4, 4)}
+# ... and with 2 splits instead of 1 (236 us): twice the programs per SM when keys are gathered.
+DECODE_GATHER_PROGRAMS = 2
+# Ampere: shallower pipelines for its 164 KB of shared memory (compiled for sm_80, not measured).
+DECODE_SM80 = {
+    16: (TileConfig(16, 64, 4, 2), TileConfig(32, 64, 4, 2), TileConfig(64, 64, 4, 2)),
+    32: (TileConfig(16, 64, 4, 2), TileConfig(32, 64, 4, 2), TileConfig(64, 64, 4, 2)),
+    64: (TileConfig(16, 64, 4, 2), TileConfig(32, 64, 4, 2), TileConfig(64, 64, 4, 2)),
+    128: (TileConfig(16, 64, 4, 2), TileConfig(32, 64, 4, 2), TileConfig(64, 64, 4, 2)),
+    256: (TileConfig(16, 32, 4, 2), TileConfig(32, 32, 4, 2), TileConfig(32, 32, 4, 2)),
+}
+# float32 inputs, any GPU: the dot runs on FMAs, so wide warps and no deep pipeline.
+_DECODE_FP32 = {
+    16: (TileConfig(16, 64, 8, 2), TileConfig(32, 64, 8, 2), TileConfig(32, 64, 8, 2)),
+    32: (TileConfig(16, 64, 8, 2), TileConfig(32, 64, 8, 2), TileConfig(32, 64, 8, 2)),
+    64: (TileConfig(16, 64, 8, 2), TileConfig(32, 64, 8, 2), TileConfig(32, 64, 8, 2)),
+    128: (TileConfig(16, 64, 8, 2), TileConfig(32, 64, 8, 2), TileConfig(32, 64, 8, 2)),
+    256: (TileConfig(16, 32, 8, 2), TileConfig(32, 32, 8, 2), TileConfig(32, 32, 8, 2)),
+}
+# Packed rows above which a call takes the prefill tiles.
+DECODE_PREFILL_ROWS = 32
+# Interpreter: 16-key tiles, so small test caches still span several blocks, pages and splits.
+_DECODE_INTERPRET = TileConfig(16, 16, 4, 1)
+
+# Split-KV (flash-decoding): with few (batch x KV head x row block) programs the GPU's SMs idle, so
+# each sequence's keys are cut into num_splits shares whose partial results a second kernel merges.
+# Auto picks, from shapes alone (never from cache_seqlens, so CUDA graphs replay any lengths):
+#   splits = DECODE_PROGRAMS_PER_SM * SMs // programs, at most capacity // DECODE_MIN_KEYS_PER_SPLIT
+#   and DECODE_MAX_SPLITS, at least 1.
+# Rounding down keeps every program resident in one wave (no tail). Measured on the H200 (bf16, d=128,
+# 32/8 heads, CUDA graph): batch 1 x 131072 keys: 16 splits 143 us, 32: 165-178, 64: 244; batch 16 x
+# 8192: 1 split 123.6 us, 2: 133.9; so one program per SM (a 16x128 s3 program fills an SM's shared memory).
+DECODE_PROGRAMS_PER_SM = 1
+DECODE_MIN_KEYS_PER_SPLIT = 512
+DECODE_MAX_SPLITS = 128
+# The interpreter has no SMs: pretend 8 and short splits, so auto splitting is exercised cheaply.
+_INTERPRET_SMS = 8
+_INTERPRET_MIN_KEYS_PER_SPLIT = 32
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of the GPU (asked once per device); a fixed small count on CPU."""
+    if device.type != "cuda":
+        return _INTERPRET_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, packed_rows: int,
+                  page_size: int = 0) -> TileConfig:
+    """Tiles of the KV-cache attention kernel; ``packed_rows = seqlen_q * (nheads // nheads_kv)``;
+    ``page_size``: of a paged cache, 0 for a contiguous one."""
+    if device.type != "cuda":
+        return _DECODE_INTERPRET
+    if dtype == torch.float32:
+        table = _DECODE_FP32
+    else:
+        table = DECODE_SM90 if _arch(device) == 90 else DECODE_SM80
+    column = 0 if packed_rows <= 16 else 1 if packed_rows <= DECODE_PREFILL_ROWS else 2
+    cfg = table[padded_head_dim(head_dim)][column]
+    gather = page_size and page_size % cfg.BLOCK_N != 0
+    if gather and table is DECODE_SM90 and column == 0 and padded_head_dim(head_dim) in DECODE_SM90_GATHER:
+        return DECODE_SM90_GATHER[padded_head_dim(head_dim)]
+    return cfg
+
+
+def decode_splits(num_splits: int, programs: int, capacity: int, device: torch.device, block_n: int,
+                  gather: bool = False) -> int:
+    """Key splits per sequence: ``num_splits`` when given (clamped to ``[1, DECODE_MAX_SPLITS]`` and to
+    the key blocks of the capacity), else the auto rule above. ``programs``: row blocks x batch x KV heads;
+    ``gather``: keys are looked up row by row on small pages (twice the programs hide that latency)."""
+    blocks = max(1, -(-capacity // block_n))
+    if num_splits > 0:
+        return max(1, min(num_splits, DECODE_MAX_SPLITS, blocks))
+    interpret = device.type != "cuda"
+    min_keys = _INTERPRET_MIN_KEYS_PER_SPLIT if interpret else DECODE_MIN_KEYS_PER_SPLIT
+    by_length = max(1, capacity // max(min_keys, block_n))
+    per_sm = DECODE_PROGRAMS_PER_SM * (DECODE_GATHER_PROGRAMS if gather else 1)
+    wanted = per_sm * sm_count(device) // max(programs, 1)
+    return max(1, min(wanted, by_length, DECODE_MAX_SPLITS, blocks))

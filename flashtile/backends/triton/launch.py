@@ -11,8 +11,12 @@ from ...alloc import empty
 from ...rng import keep_threshold
 from .. import AttnArgs
 from .configs import bwd_config, fwd_config, padded_head_dim
+# The KV-cache part of the backend contract lives in decode.py; the dispatcher finds it here.
+from .decode import append_kv, attention_kv, merge_states  # noqa: F401
+from .fastlaunch import CachedLaunch
 from .kernels.bwd import bwd_dkdv, bwd_dq, bwd_preprocess
 from .kernels.fwd import attn_fwd
+from .kernels.tail import fill_tail
 
 _PREPROCESS_BLOCK_M = 64
 
@@ -63,27 +67,31 @@ def _lse_strides(lse: torch.Tensor, varlen: bool):
     return (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
 
 
-def _variant_args(q, args: AttnArgs, batch: int, nheads: int) -> dict:
-    """The kernels' arguments for softcap, window, ALiBi, sink, bias, dropout and varlen.
+def _variant_tensors(q, args: AttnArgs) -> dict:
+    """The kernels' per-call arguments for ALiBi, bias, dropout and varlen (tensors and counters).
     Absent tensors are stood in for by ``q`` (never read: their switches are off)."""
     bias = args.attn_bias
-    bias_kind = ""
-    if bias is not None:
-        bias_kind = "keep" if bias.dtype == torch.bool else "add"
-        if bias.dtype == torch.bool:
-            bias = bias.view(torch.uint8)  # same bytes; Triton loads uint8 more portably than bool
-    bias_strides = bias.stride() if bias is not None else (0, 0, 0, 0)
-    alibi = args.alibi_slopes
+    if bias is not None and bias.dtype == torch.bool:
+        bias = bias.view(torch.uint8)  # same bytes; Triton loads uint8 more portably than bool
     varlen = args.varlen
     return dict(
-        softcap=float(args.softcap), window_left=args.window_left, window_right=args.window_right,
-        ALIBI_SLOPES=alibi if alibi is not None else q,
+        softcap=float(args.softcap), seed=args.seed, offset=args.offset,
+        dropout_scale=1.0 / (1.0 - args.dropout_p),
+        ALIBI_SLOPES=args.alibi_slopes if args.alibi_slopes is not None else q,
         BIAS_PTR=bias if bias is not None else q,
-        seed=args.seed, offset=args.offset,
-        threshold=keep_threshold(args.dropout_p), dropout_scale=1.0 / (1.0 - args.dropout_p),
         CU_SEQLENS_Q=args.cu_seqlens_q if varlen else q,
         CU_SEQLENS_K=args.cu_seqlens_k if varlen else q,
         SEQUSED_K=args.seqused_k if args.seqused_k is not None else q,
+    )
+
+
+def _variant_static(q, args: AttnArgs, nheads: int) -> dict:
+    """The kernels' switches and strides for softcap, window, ALiBi, sink, bias, dropout and varlen."""
+    bias = args.attn_bias
+    bias_strides = bias.stride() if bias is not None else (0, 0, 0, 0)
+    alibi = args.alibi_slopes
+    return dict(
+        window_left=args.window_left, window_right=args.window_right, threshold=keep_threshold(args.dropout_p),
         stride_alibi_b=alibi.stride(0) if alibi is not None else 0,
         stride_bb=bias_strides[0], stride_bh=bias_strides[1], stride_bm=bias_strides[2], stride_bn=bias_strides[3],
         nheads=nheads,
@@ -91,10 +99,25 @@ def _variant_args(q, args: AttnArgs, batch: int, nheads: int) -> dict:
         SOFTCAP=args.softcap > 0,
         # The GPU's tanh.approx is within a 16-bit input's rounding; fp32 inputs get the exact formula.
         FAST_TANH=q.is_cuda and q.dtype != torch.float32,
-        ALIBI=alibi is not None, BIAS=bias_kind, DROPOUT=args.dropout_p > 0,
-        IS_VARLEN=varlen, HAS_SEQUSED=args.seqused_k is not None,
+        ALIBI=alibi is not None, BIAS="" if bias is None else ("keep" if bias.dtype == torch.bool else "add"),
+        DROPOUT=args.dropout_p > 0,
+        IS_VARLEN=args.varlen, HAS_SEQUSED=args.seqused_k is not None,
         INPUT_PRECISION=_input_precision(q.dtype),
     )
+
+
+def _args_key(args: AttnArgs) -> tuple:
+    """Everything of ``args`` that the static kernel arguments depend on (see fastlaunch.py)."""
+    bias, alibi = args.attn_bias, args.alibi_slopes
+    return (args.window_left, args.window_right, args.softcap > 0, args.dropout_p,
+            None if alibi is None else alibi.stride(), args.sink is not None,
+            None if bias is None else (bias.dtype, bias.shape, bias.stride()),
+            args.max_seqlen_q, args.max_seqlen_k, args.seqused_k is not None,
+            None if args.cu_seqlens_q is None else args.cu_seqlens_q.shape[0])
+
+
+def _layout_key(*tensors) -> tuple:
+    return tuple((t.shape, t.stride()) for t in tensors)
 
 
 def _head_dims(head_dim: int, head_dim_v: int) -> dict:
@@ -102,34 +125,50 @@ def _head_dims(head_dim: int, head_dim_v: int) -> dict:
                 HEAD_DIM_V_ACTUAL=head_dim_v, HEAD_DIM_V=padded_head_dim(head_dim_v))
 
 
+# The arguments that change between calls of one shape; everything else is worked out once per shape.
+_VARIANT_DYNAMIC = ("softcap", "seed", "offset", "dropout_scale", "ALIBI_SLOPES", "BIAS_PTR",
+                    "CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_K", "softmax_scale")
+_FWD = CachedLaunch(attn_fwd, ("Q", "K", "V", "O", "LSE", "SINK") + _VARIANT_DYNAMIC)
+_PREPROCESS = CachedLaunch(bwd_preprocess, ("O", "DO", "LSE", "DELTA", "LSE2"))
+_DKDV = CachedLaunch(bwd_dkdv, ("Q", "K", "V", "DO", "DK", "DV", "LSE2", "DELTA") + _VARIANT_DYNAMIC)
+_DQ = CachedLaunch(bwd_dq, ("Q", "K", "V", "DO", "DQ", "LSE2", "DELTA", "DBIAS") + _VARIANT_DYNAMIC)
+
+
 def forward(q, k, v, args: AttnArgs, config=None):
     """``config`` overrides the tile table (for tuning sweeps)."""
     q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, head_dim_v = _shape(q, k, v, args)
     if args.varlen:
-        # Rows past the last sequence belong to none: the kernels leave them as 0 / -inf.
-        out = torch.zeros((*q.shape[:2], head_dim_v), dtype=q.dtype, device=q.device)
-        lse = torch.full((nheads, q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+        out = empty((*q.shape[:2], head_dim_v), q.dtype, q.device)
+        lse = empty((nheads, q.shape[0]), torch.float32, q.device)
+        # Rows past the last sequence belong to none: their output is 0 and their lse -inf.
+        _fill_tail(out, args.cu_seqlens_q, 0.0)
+        _fill_tail(lse.t(), args.cu_seqlens_q, float("-inf"))
     else:
         out = empty((batch, seqlen_q, nheads, head_dim_v), q.dtype, q.device)
         lse = empty((batch, nheads, seqlen_q), torch.float32, q.device)
     if seqlen_q == 0 or batch == 0:
+        if args.varlen:
+            out.zero_(), lse.fill_(float("-inf"))
         return out, lse
     cfg = config or fwd_config(max(head_dim, head_dim_v), q.dtype, q.device, args.causal,
                                score_mods=args.softcap > 0 or args.alibi_slopes is not None)
     grid = (triton.cdiv(seqlen_q, cfg.BLOCK_M), nheads, batch)
-    with _on_device(q):
-        attn_fwd[grid](
-            q, k, v, out, lse, args.softmax_scale,
-            SINK=args.sink if args.sink is not None else q,
-            **_strides(args.varlen, q=q, k=k, v=v, o=out),
-            stride_lse_b=_lse_strides(lse, args.varlen)[0], stride_lse_h=_lse_strides(lse, args.varlen)[1],
+
+    def static():
+        stride_lse_b, stride_lse_h = _lse_strides(lse, args.varlen)
+        return dict(
+            **_strides(args.varlen, q=q, k=k, v=v, o=out), stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h,
             seqlen_q=seqlen_q, seqlen_k=seqlen_k, group=nheads // nheads_kv,
             **_head_dims(head_dim, head_dim_v), BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
             HAS_SINK=args.sink is not None, EVEN_M=not args.varlen and seqlen_q % cfg.BLOCK_M == 0,
-            **_variant_args(q, args, batch, nheads),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **_variant_static(q, args, nheads), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+
+    key = (_layout_key(q, k, v), q.device, _args_key(args), cfg)
+    with _on_device(q):
+        _FWD(key, grid, dict(Q=q, K=k, V=v, O=out, LSE=lse, SINK=args.sink if args.sink is not None else q,
+                             softmax_scale=args.softmax_scale, **_variant_tensors(q, args)), static)
     return out, lse
 
 
@@ -140,49 +179,79 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
     if dbias is not None:
         # Pairs outside the window are never visited: their dS is 0.
         dbias.zero_()
-    if args.varlen:
-        # Tokens outside every sequence (and keys past seqused_k) get gradient 0.
-        dq.zero_(), dk.zero_(), dv.zero_()
     if seqlen_q == 0 or seqlen_k == 0 or batch == 0:
         dq.zero_(), dk.zero_(), dv.zero_()
         if dsink is not None:
             dsink.zero_()
         return
     dq_out, dk_out, dv_out = (_unit_stride(t) for t in (dq, dk, dv))
+    if args.varlen:
+        # Tokens past the last sequence get gradient 0 (the kernels zero keys past seqused_k).
+        for grad, cu in ((dq_out, args.cu_seqlens_q), (dk_out, args.cu_seqlens_k), (dv_out, args.cu_seqlens_k)):
+            _fill_tail(grad, cu, 0.0)
     cfg = config or bwd_config(max(head_dim, head_dim_v), q.dtype, q.device)
     varlen = args.varlen
     delta = torch.empty_like(lse)
     lse2 = torch.empty_like(lse)
     stride_lse_b, stride_lse_h = _lse_strides(lse, varlen)
-    variant = _variant_args(q, args, batch, nheads)
-    strides = _strides(varlen, q=q, k=k, v=v, do=dout)
-    shared = dict(stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                  group=nheads // nheads_kv, **_head_dims(head_dim, head_dim_v), **strides, **variant)
+    key = (_layout_key(q, k, v, out, dout, lse, dq_out, dk_out, dv_out), q.device, _args_key(args), cfg,
+           dbias is not None)
+
+    def shared():
+        return dict(stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                    group=nheads // nheads_kv, **_head_dims(head_dim, head_dim_v),
+                    **_strides(varlen, q=q, k=k, v=v, do=dout), **_variant_static(q, args, nheads))
+
+    tensors = dict(Q=q, K=k, V=v, DO=dout, LSE2=lse2, DELTA=delta, softmax_scale=args.softmax_scale,
+                   **_variant_tensors(q, args))
     with _on_device(q):
         # Varlen: the preprocess walks all packed tokens as one sequence of a batch of 1.
         rows = q.shape[0] if varlen else seqlen_q
-        bwd_preprocess[(triton.cdiv(rows, _PREPROCESS_BLOCK_M), nheads, 1 if varlen else batch)](
-            out, dout, lse, delta, lse2, *_bsh(out, varlen), *_bsh(dout, varlen), stride_lse_b, stride_lse_h, rows,
-            HEAD_DIM_ACTUAL=head_dim_v, HEAD_DIM=padded_head_dim(head_dim_v), BLOCK_M=_PREPROCESS_BLOCK_M,
-        )
+        _PREPROCESS(key, (triton.cdiv(rows, _PREPROCESS_BLOCK_M), nheads, 1 if varlen else batch),
+                    dict(O=out, DO=dout, LSE=lse, DELTA=delta, LSE2=lse2),
+                    lambda: dict(zip(("stride_ob", "stride_om", "stride_oh"), _bsh(out, varlen)),
+                                 **dict(zip(("stride_dob", "stride_dom", "stride_doh"), _bsh(dout, varlen))),
+                                 stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h, seqlen_q=rows,
+                                 HEAD_DIM_ACTUAL=head_dim_v, HEAD_DIM=padded_head_dim(head_dim_v),
+                                 BLOCK_M=_PREPROCESS_BLOCK_M))
         if dsink is not None:
             dsink.copy_(_sink_grad(args.sink, lse, delta, varlen))
-        bwd_dkdv[(triton.cdiv(seqlen_k, cfg.dkdv.BLOCK_N), nheads_kv, batch)](
-            q, k, v, dout, dk_out, dv_out, lse2, delta, args.softmax_scale, **shared, **_strides(varlen, dk=dk_out, dv=dv_out),
-            BLOCK_M=cfg.dkdv.BLOCK_M, BLOCK_N=cfg.dkdv.BLOCK_N,
-            EVEN_M=not varlen and seqlen_q % cfg.dkdv.BLOCK_M == 0,
-            num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages,
-        )
-        bwd_dq[(triton.cdiv(seqlen_q, cfg.dq.BLOCK_M), nheads, batch)](
-            q, k, v, dout, dq_out, lse2, delta, dbias if dbias is not None else q, args.softmax_scale, **shared,
-            **_strides(varlen, dq=dq_out),
-            BLOCK_M=cfg.dq.BLOCK_M, BLOCK_N=cfg.dq.BLOCK_N, WRITE_DBIAS=dbias is not None,
-            EVEN_M=not varlen and seqlen_q % cfg.dq.BLOCK_M == 0,
-            num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages,
-        )
+        _DKDV(key, (triton.cdiv(seqlen_k, cfg.dkdv.BLOCK_N), nheads_kv, batch),
+              dict(DK=dk_out, DV=dv_out, **tensors),
+              lambda: dict(**shared(), **_strides(varlen, dk=dk_out, dv=dv_out),
+                           BLOCK_M=cfg.dkdv.BLOCK_M, BLOCK_N=cfg.dkdv.BLOCK_N,
+                           EVEN_M=not varlen and seqlen_q % cfg.dkdv.BLOCK_M == 0,
+                           num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages))
+        _DQ(key, (triton.cdiv(seqlen_q, cfg.dq.BLOCK_M), nheads, batch),
+            dict(DQ=dq_out, DBIAS=dbias if dbias is not None else q, **tensors),
+            lambda: dict(**shared(), **_strides(varlen, dq=dq_out), BLOCK_M=cfg.dq.BLOCK_M, BLOCK_N=cfg.dq.BLOCK_N,
+                         WRITE_DBIAS=dbias is not None, EVEN_M=not varlen and seqlen_q % cfg.dq.BLOCK_M == 0,
+                         num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages))
     for given, written in ((dq, dq_out), (dk, dk_out), (dv, dv_out)):
         if given is not written:
             given.copy_(written)
+
+
+_TAIL_BLOCK_ROWS = 64
+_FILL_TAIL = CachedLaunch(fill_tail, ("X", "CU_SEQLENS", "value"))
+
+
+def _fill_tail(x: torch.Tensor, cu_seqlens: torch.Tensor, value: float) -> None:
+    """Set the rows of packed ``x`` ``(total, nheads, head_dim)`` (or ``(total, nheads)``) past
+    ``cu_seqlens[-1]`` to ``value``, reading the offset on the device (no host sync)."""
+    x3 = x if x.dim() == 3 else x.unsqueeze(-1)
+    total, nheads, head_dim = x3.shape
+    if total == 0:
+        return
+    if x3.stride(-1) != 1 and head_dim > 1:
+        raise ValueError(f"internal: rows to fill need unit stride on the last dim, got strides {x3.stride()}")
+    block_c = min(triton.next_power_of_2(nheads * head_dim), 1024)
+    with _on_device(x):
+        _FILL_TAIL((x3.shape, x3.stride(), cu_seqlens.shape[0], x.dtype), (triton.cdiv(total, _TAIL_BLOCK_ROWS),),
+                   dict(X=x3, CU_SEQLENS=cu_seqlens, value=value),
+                   lambda: dict(batch=cu_seqlens.shape[0] - 1, total=total, stride_row=x3.stride(0),
+                                stride_h=x3.stride(1), nheads=nheads, head_dim=head_dim,
+                                BLOCK_R=_TAIL_BLOCK_ROWS, BLOCK_C=block_c))
 
 
 def _sink_grad(sink, lse, delta, varlen: bool) -> torch.Tensor:

@@ -91,7 +91,8 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptr, delta_ptr, stride_q
     return dk, dv
 
 
-@triton.jit
+# seed and offset change every call: one compiled kernel serves all their values.
+@triton.jit(do_not_specialize=["seed", "offset"])
 def bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, softmax_scale, softcap, window_left, window_right,
              ALIBI_SLOPES, BIAS_PTR, seed, offset, threshold, dropout_scale,
              CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
@@ -122,14 +123,30 @@ def bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, softmax_scale, softcap, window_le
     start_n, off_b, off_hk = program_block(False)
     q_start, seqlen_q, k_start, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
                                                     IS_VARLEN, HAS_SEQUSED)
-    # Varlen grids are sized for the longest sequence (the zero-filled gradients of absent keys stay 0).
-    if start_n * BLOCK_N >= seqlen_k:
+    # Keys this program stores: with seqused_k the sequence's keys past seqused_k get gradient 0.
+    stored_k = seqlen_k
+    if HAS_SEQUSED:
+        stored_k = tl.load(CU_SEQLENS_K + off_b + 1) - k_start
+    # Varlen grids are sized for the longest sequence.
+    if start_n * BLOCK_N >= stored_k:
         return
 
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_dk = tl.arange(0, HEAD_DIM_QK)
     offs_dv = tl.arange(0, HEAD_DIM_V)
+    dk_ptrs = tile_ptrs(head_base(DK, off_b, off_hk, k_start, stride_dkb, stride_dkn, stride_dkh), offs_n, stride_dkn,
+                        offs_dk)
+    dv_ptrs = tile_ptrs(head_base(DV, off_b, off_hk, k_start, stride_dvb, stride_dvn, stride_dvh), offs_n, stride_dvn,
+                        offs_dv)
+    if HAS_SEQUSED:
+        if start_n * BLOCK_N >= seqlen_k:
+            # Unused keys: nothing to accumulate.
+            store_tile(dk_ptrs, tl.zeros([BLOCK_N, HEAD_DIM_QK], dtype=DK.dtype.element_ty), offs_n, stored_k, offs_dk,
+                       HEAD_DIM_QK_ACTUAL)
+            store_tile(dv_ptrs, tl.zeros([BLOCK_N, HEAD_DIM_V], dtype=DV.dtype.element_ty), offs_n, stored_k, offs_dv,
+                       HEAD_DIM_V_ACTUAL)
+            return
     k = load_tile(tile_ptrs(head_base(K, off_b, off_hk, k_start, stride_kb, stride_kn, stride_kh), offs_n, stride_kn,
                             offs_dk), offs_n, seqlen_k, offs_dk, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, True)
     v = load_tile(tile_ptrs(head_base(V, off_b, off_hk, k_start, stride_vb, stride_vn, stride_vh), offs_n, stride_vn,
@@ -164,10 +181,12 @@ def bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, softmax_scale, softcap, window_le
                     run != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, BIAS, DROPOUT, EVEN_M, INPUT_PRECISION)
 
     dk *= softmax_scale
-    store_tile(tile_ptrs(head_base(DK, off_b, off_hk, k_start, stride_dkb, stride_dkn, stride_dkh), offs_n, stride_dkn,
-                         offs_dk), dk.to(DK.dtype.element_ty), offs_n, seqlen_k, offs_dk, HEAD_DIM_QK_ACTUAL)
-    store_tile(tile_ptrs(head_base(DV, off_b, off_hk, k_start, stride_dvb, stride_dvn, stride_dvh), offs_n, stride_dvn,
-                         offs_dv), dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_dv, HEAD_DIM_V_ACTUAL)
+    if HAS_SEQUSED:
+        # Unmasked runs do not check the key bound: rows past seqused_k are set to 0 here.
+        dk = tl.where(offs_n[:, None] < seqlen_k, dk, 0.0)
+        dv = tl.where(offs_n[:, None] < seqlen_k, dv, 0.0)
+    store_tile(dk_ptrs, dk.to(DK.dtype.element_ty), offs_n, stored_k, offs_dk, HEAD_DIM_QK_ACTUAL)
+    store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, stored_k, offs_dv, HEAD_DIM_V_ACTUAL)
 
 
 @triton.jit
@@ -210,7 +229,8 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, 
     return dq
 
 
-@triton.jit
+# seed and offset change every call: one compiled kernel serves all their values.
+@triton.jit(do_not_specialize=["seed", "offset"])
 def bwd_dq(Q, K, V, DO, DQ, LSE2, DELTA, DBIAS, softmax_scale, softcap, window_left, window_right,
            ALIBI_SLOPES, BIAS_PTR, seed, offset, threshold, dropout_scale,
            CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,

@@ -51,6 +51,46 @@ def sequence(off_b, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
 
 
 @triton.jit
+def cache_sequence(off_b, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, seqlen_new, max_seqlen_k,
+                   HAS_SEQLENS: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr):
+    """``(seqlen_cache, leftpad, seqlen_k, cache_b)`` of batch row ``off_b`` of a KV cache: the keys
+    already cached (without ``CACHE_SEQLENS``: a full cache), the first valid key row, how many keys
+    its queries attend to (key ``j`` is key row ``leftpad + j``) and its row of a contiguous cache.
+    Keys past the capacity ``max_seqlen_k`` are never read, whatever the lengths say."""
+    seqlen_cache = max_seqlen_k
+    if HAS_SEQLENS:
+        seqlen_cache = tl.load(CACHE_SEQLENS + off_b).to(tl.int32)
+    leftpad = 0
+    if HAS_LEFTPAD:
+        leftpad = tl.load(CACHE_LEFTPAD + off_b).to(tl.int32)
+    cache_b = off_b
+    if HAS_BATCH_IDX:
+        cache_b = tl.load(CACHE_BATCH_IDX + off_b).to(tl.int64)
+    seqlen_k = tl.maximum(tl.minimum(seqlen_cache + seqlen_new, max_seqlen_k) - leftpad, 0)
+    return seqlen_cache, leftpad, seqlen_k, cache_b
+
+
+@triton.jit
+def cache_slots(rows, rows_ok, cache_b, table_row, page_size, num_blocks, PAGED: tl.constexpr):
+    """Where key rows ``rows`` of one batch row live: ``(slot, offset, in_cache)`` such that row
+    ``r`` is ``cache[slot, offset]`` (``slot`` is the page, or ``cache_b`` for a contiguous cache).
+
+    Paged: the block table (``table_row``: this batch row's entries) is read only where ``rows_ok``;
+    an entry outside ``[0, num_blocks)`` is clamped into range so no read leaves the cache, and
+    ``in_cache`` says which slots were real (writers skip the others)."""
+    if PAGED:
+        page = tl.load(table_row + rows // page_size, mask=rows_ok, other=0).to(tl.int64)
+        in_cache = (page >= 0) & (page < num_blocks)
+        slot = tl.minimum(tl.maximum(page, 0), num_blocks - 1)
+        offset = rows % page_size
+    else:
+        in_cache = rows_ok
+        slot = cache_b
+        offset = rows
+    return slot, offset, in_cache
+
+
+@triton.jit
 def head_base(base, off_b, off_h, start, stride_b, stride_m, stride_h):
     """Pointer to row ``start`` of head ``off_h`` in batch ``off_b`` (varlen tensors have ``stride_b = 0``)."""
     return base + off_b * stride_b + tl.cast(start, tl.int64) * stride_m + off_h * stride_h
@@ -79,9 +119,18 @@ def kv_block_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
     """Keys visited by query block ``start_m`` in three runs:
     ``[lo, full_lo)`` masked, ``[full_lo, full_hi)`` unmasked, ``[full_hi, hi)`` masked."""
-    diag = seqlen_k - seqlen_q
     first_row = start_m * BLOCK_M
-    last_row = first_row + BLOCK_M - 1
+    return kv_range(first_row, first_row + BLOCK_M - 1, seqlen_q, seqlen_k, window_left, window_right,
+                    BLOCK_N, MASK_LEFT, MASK_RIGHT)
+
+
+@triton.jit
+def kv_range(first_row, last_row, seqlen_q, seqlen_k, window_left, window_right,
+             BLOCK_N: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
+    """Keys visited by the queries ``first_row..last_row`` (of ``seqlen_q``) in three runs:
+    ``[lo, full_lo)`` masked, ``[full_lo, full_hi)`` unmasked, ``[full_hi, hi)`` masked.
+    Every boundary but ``hi`` is a multiple of ``BLOCK_N``."""
+    diag = seqlen_k - seqlen_q
     lo = 0
     full_lo = 0
     # Every full key block lies below the sequence end.
@@ -100,6 +149,16 @@ def kv_block_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
     full_lo = tl.minimum(tl.maximum(full_lo, lo), tl.cdiv(hi, BLOCK_N) * BLOCK_N)
     full_hi = tl.maximum(full_hi, full_lo)
     return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def split_range(lo, hi, split, num_splits, BLOCK_N: tl.constexpr):
+    """``[start, end)`` of split ``split`` of ``num_splits``: near-equal shares, in whole key blocks,
+    of the keys ``[lo, hi)`` (``lo`` a multiple of ``BLOCK_N``), so split-KV keeps the runs' alignment."""
+    blocks = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
+    start = lo + (split * blocks // num_splits) * BLOCK_N
+    end = tl.minimum(lo + ((split + 1) * blocks // num_splits) * BLOCK_N, hi)
+    return start, end
 
 
 @triton.jit
@@ -253,3 +312,23 @@ def dropout_keep(seed, offset, bh, offs_m, start_n, threshold, BLOCK_N: tl.const
     bits = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), [offs_m.shape[0], BLOCK_N])
     # The top 31 bits as a non-negative int, compared with dropout_p * 2**31.
     return (bits >> 1).to(tl.int32) >= threshold
+
+
+@triton.jit
+def merge_state(o_a, lse_a, o_b, lse_b):
+    """The attention over the union of two disjoint key sets from each set's normalised output
+    ``o`` ``[rows, d]`` and natural-log lse ``[rows]`` (float32): split-KV's combine and
+    :func:`flashtile.merge_states` alike. A set with lse ``-inf`` (no key) contributes nothing,
+    whatever its ``o`` holds; both ``-inf`` gives ``o = 0``, ``lse = -inf``."""
+    m = tl.maximum(lse_a, lse_b)
+    # Both empty: subtract 0 so the weights are exp(-inf) = 0, not NaN.
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w_a = tl.math.exp2((lse_a - m) * LOG2E)
+    w_b = tl.math.exp2((lse_b - m) * LOG2E)
+    total = w_a + w_b
+    seen = total > 0.0
+    inv = 1.0 / tl.where(seen, total, 1.0)
+    o = (tl.where(w_a[:, None] > 0.0, o_a * (w_a * inv)[:, None], 0.0)
+         + tl.where(w_b[:, None] > 0.0, o_b * (w_b * inv)[:, None], 0.0))
+    lse = tl.where(seen, m + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+    return o, lse

@@ -58,7 +58,8 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs
     return acc, l_i, m_i
 
 
-@triton.jit
+# seed and offset change every call: one compiled kernel serves all their values.
+@triton.jit(do_not_specialize=["seed", "offset"])
 def attn_fwd(Q, K, V, O, LSE, softmax_scale, softcap, window_left, window_right,
              ALIBI_SLOPES, SINK, BIAS_PTR, seed, offset, threshold, dropout_scale,
              CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,

@@ -1,0 +1,262 @@
+"""Host side of the KV-cache kernels (``kernels/decode.py``): the ``append_kv``, ``attention_kv`` and
+``merge_states`` parts of the backend contract (``flashtile/backends/__init__.py``).
+
+A decode step is latency-bound (a kernel of tens of microseconds): whatever depends only on shapes
+(tiles, splits, grids, strides, switches) is worked out once per kind of call, and later calls go
+through :class:`~.fastlaunch.CachedLaunch` with only their tensors and scales. Nothing here reads a
+tensor's values, synchronizes or sizes an allocation by them, so a step can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+
+from ...alloc import empty
+from .. import KVCacheArgs
+from .configs import TileConfig, decode_config, decode_splits, padded_head_dim
+from .fastlaunch import CachedLaunch
+from .kernels import decode as kernels
+
+# Rows (query tokens x heads) per program of the combine and merge kernels.
+_MERGE_BLOCK_M = 16
+# The per-batch-row tensors every KV-cache kernel takes (stood in for by q when absent).
+_CACHE_TENSORS = ("CACHE_SEQLENS", "CACHE_LEFTPAD", "CACHE_BATCH_IDX", "BLOCK_TABLE")
+_APPEND = CachedLaunch(kernels.append_kv, ("Q", "K_NEW", "V_NEW", "K_CACHE", "V_CACHE", "Q_OUT", "COS", "SIN")
+                       + _CACHE_TENSORS)
+_DECODE = CachedLaunch(kernels.attn_decode, ("Q", "K", "V", "O", "LSE", "ALIBI_SLOPES", "SINK", "softmax_scale",
+                                             "softcap") + _CACHE_TENSORS)
+_COMBINE = CachedLaunch(kernels.attn_decode_combine, ("O_PART", "LSE_PART", "O", "LSE"))
+_MERGE = CachedLaunch(kernels.merge_states, ("OA", "LSE_A", "OB", "LSE_B", "O", "LSE"))
+
+
+def _unit_stride(t: torch.Tensor) -> torch.Tensor:
+    # launch.py re-exports this module, so its twin of this helper cannot be imported from there.
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _on_device(t: torch.Tensor):
+    # Switching devices costs host time on every call: only when t is not on the current one.
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
+def _layout(t) -> tuple | None:
+    return None if t is None else (t.shape, t.stride())
+
+
+def _strides3(t: torch.Tensor) -> tuple:
+    """The (batch or page, seq, head) strides of a 4-d tensor."""
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _cache_key(args: KVCacheArgs) -> tuple:
+    """What the KV-cache kernels' static arguments take from ``args`` (see fastlaunch.py)."""
+    return (args.cache_seqlens is not None, args.cache_leftpad is not None, args.cache_batch_idx is not None,
+            _layout(args.block_table), args.max_seqlen_k, args.seqlen_new)
+
+
+def _cache_tensors(q: torch.Tensor, args: KVCacheArgs) -> dict:
+    present = (args.cache_seqlens, args.cache_leftpad, args.cache_batch_idx, args.block_table)
+    return {name: t if t is not None else q for name, t in zip(_CACHE_TENSORS, present)}
+
+
+def _cache_static(k_cache: torch.Tensor, args: KVCacheArgs) -> dict:
+    """Paging and the per-batch-row switches, from what :func:`_cache_key` keys."""
+    table = args.block_table
+    return dict(
+        stride_bt=table.stride(0) if table is not None else 0, max_seqlen_k=args.max_seqlen_k,
+        page_size=k_cache.shape[1] if table is not None else 1, num_blocks=k_cache.shape[0],
+        PAGED=table is not None, HAS_SEQLENS=args.cache_seqlens is not None,
+        HAS_LEFTPAD=args.cache_leftpad is not None, HAS_BATCH_IDX=args.cache_batch_idx is not None,
+    )
+
+
+def append_kv(q, k_cache, v_cache, k, v, args: KVCacheArgs):
+    """Write ``k``, ``v`` ``(batch, seqlen_new, nheads_kv, headdim[_v])`` into the caches in place at key
+    rows ``cache_seqlens[b] + t`` (k rotated at that key row when ``args.rotary_cos`` is set), in one
+    launch that also rotates q; returns q (a new contiguous tensor when rotated). Rows past the capacity, or on a page
+    outside the cache, are dropped. The caches must have unit stride on the head dim."""
+    rotary = args.rotary_cos is not None
+    seqlen_new = k.shape[1] if k is not None else 0
+    batch, seqlen_q, nheads, head_dim = q.shape
+    if (seqlen_new == 0 and not rotary) or batch == 0:
+        return q
+    nheads_kv, head_dim_v = k_cache.shape[2], v_cache.shape[3]
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if rotary else q
+    k_new = _unit_stride(k) if seqlen_new else k_cache
+    v_new = _unit_stride(v) if seqlen_new else v_cache
+    q_in = _unit_stride(q)
+    cos, sin = (_unit_stride(args.rotary_cos), _unit_stride(args.rotary_sin)) if rotary else (q, q)
+    if rotary and cos.stride(0) != sin.stride(0):
+        cos, sin = cos.contiguous(), sin.contiguous()  # the kernel reads both tables with one row stride
+    block_h, grid = _append_grid(batch, seqlen_q, seqlen_new, nheads, nheads_kv, rotary)
+    if grid[0] == 0:
+        return q
+
+    def static():
+        return dict(
+            **dict(zip(("stride_qb", "stride_qm", "stride_qh"), _strides3(q_in))),
+            **dict(zip(("stride_kb", "stride_kn", "stride_kh"), _strides3(k_new))),
+            **dict(zip(("stride_vb", "stride_vn", "stride_vh"), _strides3(v_new))),
+            **dict(zip(("stride_kcb", "stride_kcn", "stride_kch"), _strides3(k_cache))),
+            **dict(zip(("stride_vcb", "stride_vcn", "stride_vch"), _strides3(v_cache))),
+            **dict(zip(("stride_qob", "stride_qom", "stride_qoh"), _strides3(q_out))),
+            stride_ro=cos.stride(0) if rotary else 0, seqlen_ro=cos.shape[0] if rotary else 0,
+            seqlen_q=seqlen_q, seqlen_new=seqlen_new, nheads=nheads, nheads_kv=nheads_kv,
+            kv_head_blocks=triton.cdiv(nheads_kv, block_h) if seqlen_new else 0,
+            HEAD_DIM_ACTUAL=head_dim, HEAD_DIM=padded_head_dim(head_dim),
+            HEAD_DIM_V_ACTUAL=head_dim_v, HEAD_DIM_V=padded_head_dim(head_dim_v), BLOCK_H=block_h,
+            ROTARY=rotary, ROTARY_DIM=2 * cos.shape[1] if rotary else 0, INTERLEAVED=bool(args.rotary_interleaved),
+            # flash-attn: with a causal mask or a window, query t is rotated at new key t's position.
+            Q_PER_TOKEN=bool(args.causal) or args.window_left >= 0 or args.window_right >= 0,
+            **_cache_static(k_cache, args),
+            num_warps=1 if block_h * padded_head_dim(max(head_dim, head_dim_v)) <= 1024 else 4,
+        )
+
+    key = (_layout(q_in), _layout(k_new), _layout(v_new), _layout(k_cache), _layout(v_cache),
+           _layout(args.rotary_cos), _layout(args.rotary_sin), q.device, _cache_key(args),
+           bool(args.rotary_interleaved), bool(args.causal), args.window_left, args.window_right)
+    with _on_device(q):
+        _APPEND(key, grid, dict(Q=q_in, K_NEW=k_new, V_NEW=v_new, K_CACHE=k_cache, V_CACHE=v_cache, Q_OUT=q_out,
+                                COS=cos, SIN=sin, **_cache_tensors(q, args)), static)
+    return q_out
+
+
+@functools.lru_cache(maxsize=1024)
+def _append_grid(batch, seqlen_q, seqlen_new, nheads, nheads_kv, rotary):
+    """``(BLOCK_H, grid)``: programs (token, batch row, head block), the KV head blocks first, then q's."""
+    block_h = min(triton.next_power_of_2(max(nheads_kv, 1)), 16)
+    kv_blocks = triton.cdiv(nheads_kv, block_h) if seqlen_new else 0
+    q_blocks = triton.cdiv(nheads, block_h) if rotary else 0
+    tokens = max(seqlen_new if kv_blocks else 0, seqlen_q if q_blocks else 0)
+    return block_h, (tokens, batch, kv_blocks + q_blocks)
+
+
+class DecodePlan(NamedTuple):
+    """Launch decisions of one kind of KV-cache call, from its shapes alone."""
+    config: TileConfig
+    num_splits: int
+    grid: tuple
+    combine_grid: tuple
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(batch, seqlen_q, nheads, nheads_kv, head_dim, head_dim_v, dtype, device, capacity, num_splits,
+          page_size: int, config: TileConfig | None) -> DecodePlan:
+    rows = seqlen_q * (nheads // nheads_kv)
+    cfg = config or decode_config(max(head_dim, head_dim_v), dtype, device, rows, page_size)
+    m_blocks = triton.cdiv(rows, cfg.BLOCK_M)
+    gather = page_size > 0 and page_size % cfg.BLOCK_N != 0
+    splits = decode_splits(num_splits, m_blocks * batch * nheads_kv, capacity, device, cfg.BLOCK_N, gather)
+    return DecodePlan(cfg, splits, (m_blocks, batch * nheads_kv, splits),
+                      (triton.cdiv(seqlen_q * nheads, _MERGE_BLOCK_M), batch))
+
+
+def plan(q, k_cache, v_cache, args: KVCacheArgs, config: TileConfig | None = None) -> DecodePlan:
+    """Tiles, splits and grids that :func:`attention_kv` launches for these shapes."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    return _plan(batch, seqlen_q, nheads, k_cache.shape[2], head_dim, v_cache.shape[3], q.dtype, q.device,
+                 args.max_seqlen_k, args.num_splits, args.page_size if args.paged else 0, config)
+
+
+def attention_kv(q, k_cache, v_cache, args: KVCacheArgs, config: TileConfig | None = None):
+    """q ``(batch, seqlen_q, nheads, headdim)`` attends to its cache row's keys ``[cache_leftpad[b],
+    cache_seqlens[b] + seqlen_new)``; returns out ``(batch, seqlen_q, nheads, headdim_v)`` (q's dtype)
+    and lse float32 ``(batch, nheads, seqlen_q)``. ``args.num_splits`` (0: from the shapes) cuts each
+    sequence's keys into shares merged afterwards; ``config`` overrides the tile table (tuning sweeps)."""
+    q, k_cache, v_cache = _unit_stride(q), _unit_stride(k_cache), _unit_stride(v_cache)
+    batch, seqlen_q, nheads, head_dim = q.shape
+    nheads_kv, head_dim_v = k_cache.shape[2], v_cache.shape[3]
+    out = empty((batch, seqlen_q, nheads, head_dim_v), q.dtype, q.device)
+    lse = empty((batch, nheads, seqlen_q), torch.float32, q.device)
+    if batch == 0 or seqlen_q == 0 or nheads == 0:
+        return out, lse
+    p = plan(q, k_cache, v_cache, args, config)
+    cfg = p.config
+    if p.num_splits > 1:
+        # Partials keep the output's layout behind a split dim, so one store serves both cases.
+        o_dst = empty((p.num_splits, batch, seqlen_q, nheads, head_dim_v), torch.float32, q.device)
+        lse_dst = empty((p.num_splits, batch, nheads, seqlen_q), torch.float32, q.device)
+    else:
+        o_dst, lse_dst = out, lse
+    alibi = args.alibi_slopes
+
+    def static():
+        dst = (o_dst.stride(0), *o_dst.stride()[1:4], lse_dst.stride(0), *lse_dst.stride()[1:3])
+        if p.num_splits == 1:
+            dst = (0, *out.stride()[:3], 0, *lse.stride()[:2])
+        return dict(
+            **dict(zip(_DECODE_STRIDES, (*_strides3(q), *_strides3(k_cache), *_strides3(v_cache), *dst))),
+            window_left=args.window_left, window_right=args.window_right,
+            stride_alibi_b=alibi.stride(0) if alibi is not None else 0,
+            seqlen_q=seqlen_q, seqlen_new=args.seqlen_new, nheads=nheads, nheads_kv=nheads_kv,
+            num_splits=p.num_splits, GROUP=nheads // nheads_kv,
+            HEAD_DIM_QK_ACTUAL=head_dim, HEAD_DIM_QK=padded_head_dim(head_dim),
+            HEAD_DIM_V_ACTUAL=head_dim_v, HEAD_DIM_V=padded_head_dim(head_dim_v),
+            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+            MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0, SOFTCAP=args.softcap > 0,
+            # The GPU's tanh.approx is within a 16-bit input's rounding; fp32 inputs get the exact formula.
+            FAST_TANH=q.is_cuda and q.dtype != torch.float32,
+            ALIBI=alibi is not None, HAS_SINK=args.sink is not None,
+            # fp32 inputs are computed in true fp32, never silently in tf32.
+            INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            **_cache_static(k_cache, args),
+            # Pages that hold whole key blocks are read with one table entry per block.
+            PAGE_ALIGNED=args.block_table is not None and k_cache.shape[1] % cfg.BLOCK_N == 0,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    key = (_layout(q), _layout(k_cache), _layout(v_cache), q.device, _cache_key(args), p,
+           args.window_left, args.window_right, args.softcap > 0, _layout(alibi), args.sink is not None)
+    with _on_device(q):
+        _DECODE(key, p.grid, dict(Q=q, K=k_cache, V=v_cache, O=o_dst, LSE=lse_dst,
+                                  ALIBI_SLOPES=alibi if alibi is not None else q,
+                                  SINK=args.sink if args.sink is not None else q,
+                                  softmax_scale=float(args.softmax_scale), softcap=float(args.softcap),
+                                  **_cache_tensors(q, args)), static)
+        if p.num_splits > 1:
+            _COMBINE((out.shape, p.num_splits, q.device), p.combine_grid,
+                     dict(O_PART=o_dst, LSE_PART=lse_dst, O=out, LSE=lse),
+                     lambda: dict(zip(_COMBINE_STRIDES, (o_dst.stride(0), *o_dst.stride()[1:4], lse_dst.stride(0),
+                                                         *lse_dst.stride()[1:3], *out.stride()[:3],
+                                                         *lse.stride()[:2])),
+                                  seqlen_q=seqlen_q, nheads=nheads, num_splits=p.num_splits,
+                                  HEAD_DIM_V_ACTUAL=head_dim_v, HEAD_DIM_V=padded_head_dim(head_dim_v),
+                                  BLOCK_M=_MERGE_BLOCK_M, num_warps=4))
+    return out, lse
+
+
+_DECODE_STRIDES = ("stride_qb", "stride_qm", "stride_qh", "stride_kb", "stride_kn", "stride_kh",
+                   "stride_vb", "stride_vn", "stride_vh", "stride_os", "stride_ob", "stride_om", "stride_oh",
+                   "stride_ls", "stride_lb", "stride_lh")
+_COMBINE_STRIDES = ("stride_ps", "stride_pb", "stride_pm", "stride_ph", "stride_pls", "stride_plb", "stride_plh",
+                    "stride_ob", "stride_om", "stride_oh", "stride_lb", "stride_lh")
+_MERGE_STRIDES = ("stride_ab", "stride_am", "stride_ah", "stride_bb", "stride_bm", "stride_bh",
+                  "stride_ob", "stride_om", "stride_oh", "stride_lab", "stride_lah", "stride_lam",
+                  "stride_lbb", "stride_lbh", "stride_lbm", "stride_lb", "stride_lh")
+
+
+def merge_states(out_a, lse_a, out_b, lse_b):
+    """The attention over the union of two disjoint key sets: outs ``(batch, seqlen, nheads, headdim)``
+    (any strides), lses float32 ``(batch, nheads, seqlen)`` (any strides); returns ``(out, lse)``, out
+    in out_a's dtype. ``lse = log(exp(lse_a) + exp(lse_b))``; where both are ``-inf``: out 0, lse ``-inf``."""
+    out_a, out_b = _unit_stride(out_a), _unit_stride(out_b)
+    batch, seqlen, nheads, head_dim = out_a.shape
+    out = empty((batch, seqlen, nheads, head_dim), out_a.dtype, out_a.device)
+    lse = empty((batch, nheads, seqlen), torch.float32, out_a.device)
+    if batch == 0 or seqlen == 0 or nheads == 0:
+        return out, lse
+    grid = (triton.cdiv(seqlen * nheads, _MERGE_BLOCK_M), batch)
+    key = (_layout(out_a), _layout(out_b), _layout(lse_a), _layout(lse_b), out_a.device)
+    with _on_device(out_a):
+        _MERGE(key, grid, dict(OA=out_a, LSE_A=lse_a, OB=out_b, LSE_B=lse_b, O=out, LSE=lse),
+               lambda: dict(zip(_MERGE_STRIDES, (*_strides3(out_a), *_strides3(out_b), *_strides3(out),
+                                                 *lse_a.stride(), *lse_b.stride(), *lse.stride()[:2])),
+                            seqlen=seqlen, nheads=nheads, HEAD_DIM_ACTUAL=head_dim,
+                            HEAD_DIM=padded_head_dim(head_dim), BLOCK_M=_MERGE_BLOCK_M, num_warps=4))
+    return out, lse

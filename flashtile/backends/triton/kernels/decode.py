@@ -1,0 +1,316 @@
+"""Attention over a KV cache (``flash_attn_with_kvcache``): append, split-KV attention, combine, merge.
+
+``append_kv``: one program per (new token, batch row, block of heads) writes the token's k and v
+into its cache row (rotated k with rotary tables); the programs past the KV heads rotate q. Rotary
+positions are key rows (new token ``t`` at ``cache_seqlens[b] + t``), as in flash-attn: left padding
+does not shift them.
+
+``attn_decode``: one program per (block of packed query rows, batch row x KV head, split). The
+``group`` query heads that share a KV head are packed into the rows, row ``r = t * group + g``
+being query token ``t`` of head ``kv_head * group + g``, so each K/V tile is read from memory once
+for the whole group. The program walks its split's share of the keys the rows can see, in the
+forward kernel's three runs (masked, unmasked, masked). With one split it writes the output; with
+more it writes a float32 partial (output, lse) that ``attn_decode_combine`` merges.
+
+Key ``j`` of batch row ``b`` is key row ``leftpad[b] + j`` of its cache, ``j < seqlen_k[b] =
+cache_seqlens[b] + seqlen_new - leftpad[b]``; masks are aligned bottom-right to ``seqlen_k[b]``.
+"""
+import triton
+import triton.language as tl
+
+from .common import (LOG2E, cache_sequence, cache_slots, head_terms, kv_range, load_tile, merge_state, run_bounds,
+                     score_scale, scores, split_range, store_tile)
+
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _rotary(x, row_ptrs, offs_d, row_ok, COS, SIN, pos, seqlen_ro, stride_ro,
+            ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """``x`` ``[rows, HEAD_DIM]`` (float32, loaded from ``row_ptrs + offs_d``) rotated at position ``pos``.
+
+    Pairs ``(2i, 2i + 1)`` (interleaved) or ``(i, i + ROTARY_DIM / 2)`` rotate by angle ``i``:
+    ``(x1, x2) -> (x1 cos - x2 sin, x1 sin + x2 cos)``; features from ``ROTARY_DIM`` on are kept.
+    A position outside the tables leaves ``x`` as it is (nothing is read out of bounds)."""
+    HALF: tl.constexpr = ROTARY_DIM // 2
+    in_rot = offs_d < ROTARY_DIM
+    if INTERLEAVED:
+        partner = offs_d ^ 1
+        angle = offs_d // 2
+        first = (offs_d % 2) == 0
+    else:
+        partner = tl.where(offs_d < HALF, offs_d + HALF, offs_d - HALF)
+        angle = tl.where(offs_d < HALF, offs_d, offs_d - HALF)
+        first = offs_d < HALF
+    # The partner is the same row's other half of the pair: a second read of bytes already in cache.
+    x_partner = tl.load(row_ptrs + partner[None, :], mask=row_ok[:, None] & in_rot[None, :], other=0.0).to(tl.float32)
+    table_ok = in_rot & (pos >= 0) & (pos < seqlen_ro)
+    cos = tl.load(COS + pos * stride_ro + angle, mask=table_ok, other=1.0).to(tl.float32)
+    sin = tl.load(SIN + pos * stride_ro + angle, mask=table_ok, other=0.0).to(tl.float32)
+    return x * cos[None, :] + tl.where(first, -sin, sin)[None, :] * x_partner
+
+
+@triton.jit
+def append_kv(Q, K_NEW, V_NEW, K_CACHE, V_CACHE, Q_OUT, COS, SIN,
+              CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, BLOCK_TABLE,
+              stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+              stride_kcb, stride_kcn, stride_kch, stride_vcb, stride_vcn, stride_vch,
+              stride_qob, stride_qom, stride_qoh, stride_bt, stride_ro,
+              seqlen_q, seqlen_new, nheads, nheads_kv, kv_head_blocks, max_seqlen_k, page_size, num_blocks, seqlen_ro,
+              HEAD_DIM_ACTUAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+              HEAD_DIM_V_ACTUAL: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr,
+              ROTARY: tl.constexpr, ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, Q_PER_TOKEN: tl.constexpr,
+              PAGED: tl.constexpr, HAS_SEQLENS: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr):
+    """Program ``(t, b, z)``: for ``z < kv_head_blocks`` writes new token ``t`` of KV heads
+    ``z * BLOCK_H ...`` into the caches; otherwise rotates query token ``t`` of a block of q heads."""
+    t = tl.program_id(0)
+    off_b = tl.program_id(1).to(tl.int64)
+    z = tl.program_id(2)
+    seqlen_cache, _, _, cache_b = cache_sequence(off_b, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 0,
+                                                 max_seqlen_k, HAS_SEQLENS, False, HAS_BATCH_IDX)
+    # Rotary positions are key rows, as in flash-attn: left padding does not shift them.
+    pos = seqlen_cache
+    offs_d = tl.arange(0, HEAD_DIM)
+    d_ok = offs_d < HEAD_DIM_ACTUAL
+    if z < kv_head_blocks:
+        if t < seqlen_new:
+            heads = z * BLOCK_H + tl.arange(0, BLOCK_H)
+            head_ok = heads < nheads_kv
+            heads = heads[:, None].to(tl.int64)
+            t64 = t.to(tl.int64)
+            k_rows = K_NEW + off_b * stride_kb + t64 * stride_kn + heads * stride_kh
+            k = tl.load(k_rows + offs_d[None, :], mask=head_ok[:, None] & d_ok[None, :], other=0.0)
+            if ROTARY:
+                k = _rotary(k.to(tl.float32), k_rows, offs_d, head_ok, COS, SIN, pos + t, seqlen_ro, stride_ro,
+                            ROTARY_DIM, INTERLEAVED)
+            # Key row seqlen_cache + t; rows past the capacity (or on a page outside the cache) are dropped.
+            row = seqlen_cache + t
+            row_ok = row < max_seqlen_k
+            slot, offset, in_cache = cache_slots(row, row_ok, cache_b, BLOCK_TABLE + off_b * stride_bt, page_size,
+                                                 num_blocks, PAGED)
+            write = head_ok & row_ok & in_cache
+            k_dst = K_CACHE + slot * stride_kcb + offset.to(tl.int64) * stride_kcn + heads * stride_kch
+            tl.store(k_dst + offs_d[None, :], k.to(K_CACHE.dtype.element_ty), mask=write[:, None] & d_ok[None, :])
+            offs_dv = tl.arange(0, HEAD_DIM_V)
+            dv_ok = offs_dv < HEAD_DIM_V_ACTUAL
+            v_rows = V_NEW + off_b * stride_vb + t64 * stride_vn + heads * stride_vh
+            v = tl.load(v_rows + offs_dv[None, :], mask=head_ok[:, None] & dv_ok[None, :], other=0.0)
+            v_dst = V_CACHE + slot * stride_vcb + offset.to(tl.int64) * stride_vcn + heads * stride_vch
+            tl.store(v_dst + offs_dv[None, :], v.to(V_CACHE.dtype.element_ty), mask=write[:, None] & dv_ok[None, :])
+    else:
+        if ROTARY:
+            if t < seqlen_q:
+                heads = (z - kv_head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+                head_ok = heads < nheads
+                heads = heads[:, None].to(tl.int64)
+                t64 = t.to(tl.int64)
+                q_rows = Q + off_b * stride_qb + t64 * stride_qm + heads * stride_qh
+                q = tl.load(q_rows + offs_d[None, :], mask=head_ok[:, None] & d_ok[None, :], other=0.0)
+                # flash-attn: with a causal mask or a window query t sits at the new key t, else all
+                # queries sit at position cache_seqlens.
+                q_pos = pos
+                if Q_PER_TOKEN:
+                    q_pos = pos + t
+                q = _rotary(q.to(tl.float32), q_rows, offs_d, head_ok, COS, SIN, q_pos, seqlen_ro, stride_ro,
+                            ROTARY_DIM, INTERLEAVED)
+                q_dst = Q_OUT + off_b * stride_qob + t64 * stride_qom + heads * stride_qoh
+                tl.store(q_dst + offs_d[None, :], q.to(Q_OUT.dtype.element_ty), mask=head_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _decode_inner(acc, l_i, m_i, q, K_HEAD, V_HEAD, table_row, stride_kb, stride_kn, stride_vb, stride_vn,
+                  offs_t, offs_dk, offs_dv, lo, hi, leftpad, cache_b, page_size, num_blocks, seqlen_q, seqlen_k,
+                  qk_scale, softcap2, slope2, window_left, window_right,
+                  BLOCK_N: tl.constexpr, HEAD_DIM_QK_ACTUAL: tl.constexpr, HEAD_DIM_QK: tl.constexpr,
+                  HEAD_DIM_V_ACTUAL: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                  MASK: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+                  SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ALIBI: tl.constexpr,
+                  PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    offs_n = lo + tl.arange(0, BLOCK_N)
+    slot, offset = _block_slots(lo, leftpad, seqlen_k, cache_b, table_row, page_size, num_blocks,
+                                BLOCK_N, PAGED, PAGE_ALIGNED)
+    for start_n in range(lo, hi, BLOCK_N):
+        k_ptrs = K_HEAD + (slot * stride_kb + offset.to(tl.int64) * stride_kn)[:, None] + offs_dk[None, :]
+        # Full blocks lie below seqlen_k by construction: only masked blocks check the key boundary.
+        k = load_tile(k_ptrs, offs_n, seqlen_k, offs_dk, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, MASK)
+        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+        if MASK or SOFTCAP or ALIBI:
+            s, _ = scores(qk, offs_t[:, None], offs_n[None, :], seqlen_q, seqlen_k, qk_scale, softcap2, slope2,
+                          K_HEAD, 0, 0, window_left, window_right,
+                          MASK, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, "")
+            m_ij = tl.maximum(m_i, tl.max(s, 1))
+            # A row that has seen no key yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN.
+            m_ij_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+            p = tl.math.exp2(s - m_ij_safe[:, None])
+            alpha = tl.math.exp2(m_i - m_ij_safe)
+        else:
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
+            alpha = tl.math.exp2(m_i - m_ij)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v_ptrs = V_HEAD + (slot * stride_vb + offset.to(tl.int64) * stride_vn)[:, None] + offs_dv[None, :]
+        v = load_tile(v_ptrs, offs_n, seqlen_k, offs_dv, HEAD_DIM_V_ACTUAL, HEAD_DIM_V, MASK)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
+        m_i = m_ij
+        # Read the next block's pages now, so its K and V loads wait on no table read.
+        offs_n += BLOCK_N
+        slot, offset = _block_slots(start_n + BLOCK_N, leftpad, seqlen_k, cache_b, table_row, page_size, num_blocks,
+                                    BLOCK_N, PAGED, PAGE_ALIGNED)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _block_slots(start_n, leftpad, seqlen_k, cache_b, table_row, page_size, num_blocks,
+                 BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr):
+    """``(slot, offset)`` of the key block from key ``start_n``: key j is key row leftpad + j."""
+    if PAGED and PAGE_ALIGNED:
+        # The block lies on one page: one table read, then its rows are contiguous as in an unpaged cache.
+        first = leftpad + start_n
+        page = tl.load(table_row + first // page_size, mask=start_n < seqlen_k, other=0).to(tl.int64)
+        slot = tl.minimum(tl.maximum(page, 0), num_blocks - 1)
+        offset = first % page_size + tl.arange(0, BLOCK_N)
+    else:
+        # Each row is looked up on its own page (BLOCK_N need not match pages).
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        slot, offset, _ = cache_slots(leftpad + offs_n, offs_n < seqlen_k, cache_b, table_row, page_size, num_blocks,
+                                      PAGED)
+    return slot, offset
+
+
+@triton.jit
+def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, BLOCK_TABLE, ALIBI_SLOPES, SINK,
+                softmax_scale, softcap, window_left, window_right,
+                stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+                stride_os, stride_ob, stride_om, stride_oh, stride_ls, stride_lb, stride_lh,
+                stride_alibi_b, stride_bt,
+                seqlen_q, seqlen_new, max_seqlen_k, page_size, num_blocks, nheads, nheads_kv, num_splits,
+                GROUP: tl.constexpr,
+                HEAD_DIM_QK_ACTUAL: tl.constexpr, HEAD_DIM_QK: tl.constexpr,
+                HEAD_DIM_V_ACTUAL: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
+                ALIBI: tl.constexpr, HAS_SINK: tl.constexpr, PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr,
+                HAS_SEQLENS: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+                INPUT_PRECISION: tl.constexpr):
+    """``O``/``LSE`` are the output ``(batch, seqlen_q, nheads, headdim_v)`` / ``(batch, nheads, seqlen_q)``
+    (one split, ``stride_os = stride_ls = 0``) or the float32 partials with a leading split dim."""
+    start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    split = tl.program_id(2)
+    off_b = (off_bh // nheads_kv).to(tl.int64)
+    off_hk = off_bh % nheads_kv
+    _, leftpad, seqlen_k, cache_b = cache_sequence(off_b, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, seqlen_new,
+                                                   max_seqlen_k, HAS_SEQLENS, HAS_LEFTPAD, HAS_BATCH_IDX)
+    # Packed row r is query token r // GROUP of query head off_hk * GROUP + r % GROUP.
+    n_rows = seqlen_q * GROUP
+    offs_r = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_t = offs_r // GROUP
+    heads = off_hk * GROUP + offs_r % GROUP
+    row_ok = offs_r < n_rows
+    offs_dk = tl.arange(0, HEAD_DIM_QK)
+    offs_dv = tl.arange(0, HEAD_DIM_V)
+    q_ptrs = (Q + off_b * stride_qb + (offs_t.to(tl.int64) * stride_qm + heads.to(tl.int64) * stride_qh)[:, None]
+              + offs_dk[None, :])
+    q = load_tile(q_ptrs, offs_r, n_rows, offs_dk, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, True)
+
+    if HAS_SINK:
+        # The sink joins the softmax once: in split 0 (the combine carries it into the others).
+        sink2 = tl.load(SINK + heads) * LOG2E
+        m_i = tl.where(split == 0, sink2, float("-inf"))
+        l_i = tl.where(split == 0, 1.0, 0.0) + tl.zeros([BLOCK_M], dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
+    qk_scale = score_scale(softmax_scale, softcap, SOFTCAP)
+    slope2, _, _ = head_terms(off_b, heads, nheads, ALIBI_SLOPES, stride_alibi_b, Q, 0, 0, ALIBI)
+    if ALIBI:
+        slope2 = slope2[:, None]
+
+    # The keys the block's queries see, then this split's share of them.
+    first_t = start_m * BLOCK_M // GROUP
+    last_t = tl.minimum((start_m * BLOCK_M + BLOCK_M - 1) // GROUP, seqlen_q - 1)
+    lo, full_lo, full_hi, hi = kv_range(first_t, last_t, seqlen_q, seqlen_k, window_left, window_right,
+                                        BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    split_lo, split_hi = split_range(lo, hi, split, num_splits, BLOCK_N)
+    K_HEAD = K + off_hk.to(tl.int64) * stride_kh
+    V_HEAD = V + off_hk.to(tl.int64) * stride_vh
+    table_row = BLOCK_TABLE + off_b * stride_bt
+    for run in tl.static_range(3):
+        run_lo, run_hi = run_bounds(run, lo, full_lo, full_hi, hi)
+        # Without a left edge run 0 is empty: leave it out of the compiled kernel.
+        if run != 0 or MASK_LEFT:
+            acc, l_i, m_i = _decode_inner(
+                acc, l_i, m_i, q, K_HEAD, V_HEAD, table_row, stride_kb, stride_kn, stride_vb, stride_vn,
+                offs_t, offs_dk, offs_dv, tl.maximum(run_lo, split_lo), tl.minimum(run_hi, split_hi),
+                leftpad, cache_b, page_size, num_blocks, seqlen_q, seqlen_k,
+                qk_scale, softcap * LOG2E, slope2, window_left, window_right,
+                BLOCK_N, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, HEAD_DIM_V_ACTUAL, HEAD_DIM_V,
+                run != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, PAGED, PAGE_ALIGNED, INPUT_PRECISION)
+
+    # A row that saw no key (and no sink) has l = 0: output 0, lse -inf (an empty split, too).
+    seen = l_i > 0.0
+    acc = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    o_rows = split.to(tl.int64) * stride_os + off_b * stride_ob + offs_t.to(tl.int64) * stride_om + heads * stride_oh
+    store_tile(O + o_rows[:, None] + offs_dv[None, :], acc.to(O.dtype.element_ty), offs_r, n_rows, offs_dv,
+               HEAD_DIM_V_ACTUAL)
+    lse_ptrs = LSE + split.to(tl.int64) * stride_ls + off_b * stride_lb + heads * stride_lh + offs_t
+    tl.store(lse_ptrs, lse, mask=row_ok)
+
+
+@triton.jit
+def attn_decode_combine(O_PART, LSE_PART, O, LSE,
+                        stride_ps, stride_pb, stride_pm, stride_ph, stride_pls, stride_plb, stride_plh,
+                        stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
+                        seqlen_q, nheads, num_splits,
+                        HEAD_DIM_V_ACTUAL: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Program ``(row block, b)`` merges the ``num_splits`` partials of rows ``t * nheads + h``."""
+    offs_r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    off_b = tl.program_id(1).to(tl.int64)
+    n_rows = seqlen_q * nheads
+    offs_t = (offs_r // nheads).to(tl.int64)
+    heads = offs_r % nheads
+    row_ok = offs_r < n_rows
+    offs_d = tl.arange(0, HEAD_DIM_V)
+    o_part = O_PART + off_b * stride_pb + (offs_t * stride_pm + heads * stride_ph)[:, None] + offs_d[None, :]
+    lse_part = LSE_PART + off_b * stride_plb + heads * stride_plh + offs_t
+    o = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
+    lse = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for split in range(num_splits):
+        o_s = load_tile(o_part, offs_r, n_rows, offs_d, HEAD_DIM_V_ACTUAL, HEAD_DIM_V, True)
+        lse_s = tl.load(lse_part, mask=row_ok, other=float("-inf"))
+        o, lse = merge_state(o, lse, o_s, lse_s)
+        o_part += stride_ps
+        lse_part += stride_pls
+    o_ptrs = O + off_b * stride_ob + (offs_t * stride_om + heads * stride_oh)[:, None] + offs_d[None, :]
+    store_tile(o_ptrs, o.to(O.dtype.element_ty), offs_r, n_rows, offs_d, HEAD_DIM_V_ACTUAL)
+    tl.store(LSE + off_b * stride_lb + heads * stride_lh + offs_t, lse, mask=row_ok)
+
+
+@triton.jit
+def merge_states(OA, LSE_A, OB, LSE_B, O, LSE,
+                 stride_ab, stride_am, stride_ah, stride_bb, stride_bm, stride_bh, stride_ob, stride_om, stride_oh,
+                 stride_lab, stride_lah, stride_lam, stride_lbb, stride_lbh, stride_lbm, stride_lb, stride_lh,
+                 seqlen, nheads, HEAD_DIM_ACTUAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Program ``(row block, b)`` merges rows ``t * nheads + h`` of two partial results."""
+    offs_r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    off_b = tl.program_id(1).to(tl.int64)
+    n_rows = seqlen * nheads
+    offs_t = (offs_r // nheads).to(tl.int64)
+    heads = (offs_r % nheads).to(tl.int64)
+    row_ok = offs_r < n_rows
+    offs_d = tl.arange(0, HEAD_DIM)
+    o_a = load_tile(OA + off_b * stride_ab + (offs_t * stride_am + heads * stride_ah)[:, None] + offs_d[None, :],
+                    offs_r, n_rows, offs_d, HEAD_DIM_ACTUAL, HEAD_DIM, True).to(tl.float32)
+    o_b = load_tile(OB + off_b * stride_bb + (offs_t * stride_bm + heads * stride_bh)[:, None] + offs_d[None, :],
+                    offs_r, n_rows, offs_d, HEAD_DIM_ACTUAL, HEAD_DIM, True).to(tl.float32)
+    lse_a = tl.load(LSE_A + off_b * stride_lab + heads * stride_lah + offs_t * stride_lam, mask=row_ok,
+                    other=float("-inf"))
+    lse_b = tl.load(LSE_B + off_b * stride_lbb + heads * stride_lbh + offs_t * stride_lbm, mask=row_ok,
+                    other=float("-inf"))
+    o, lse = merge_state(o_a, lse_a, o_b, lse_b)
+    o_ptrs = O + off_b * stride_ob + (offs_t * stride_om + heads * stride_oh)[:, None] + offs_d[None, :]
+    store_tile(o_ptrs, o.to(O.dtype.element_ty), offs_r, n_rows, offs_d, HEAD_DIM_ACTUAL)
+    tl.store(LSE + off_b * stride_lb + heads * stride_lh + offs_t, lse, mask=row_ok)

@@ -201,8 +201,17 @@ class Attention(torch.nn.Module):
             ``(-1, -1)``: no window.
 
     Parameters: ``qkv_proj`` (``embed_dim -> (num_heads + 2 * num_kv_heads) * head_dim``, rows in
-    the order q, k, v) and ``out_proj`` (``num_heads * head_dim -> embed_dim``). Incremental
-    decoding with a KV cache is not here yet.
+    the order q, k, v) and ``out_proj`` (``num_heads * head_dim -> embed_dim``).
+
+    Incremental decoding: ``forward(x, cache)`` with a :class:`flashtile.KVCache` of this layer
+    (``nheads_kv = num_kv_heads``, ``headdim = head_dim``) takes only the new tokens; their keys and
+    values go into the cache, rotary positions continue from each sequence's cached length, and the
+    result equals the rows of a full forward over the whole sequence::
+
+        cache = flashtile.KVCache(batch, max_seqlen=2048, nheads_kv=attn.num_kv_heads, headdim=attn.head_dim,
+                                  dtype=x.dtype, device=x.device)
+        y = attn(prompt, cache)            # prefill
+        y = attn(next_token, cache)        # one step: (batch, 1, embed_dim)
     """
 
     def __init__(self, embed_dim, num_heads, num_kv_heads=None, head_dim=None, bias=False, causal=True,
@@ -220,16 +229,39 @@ class Attention(torch.nn.Module):
         self.qkv_proj = torch.nn.Linear(embed_dim, (num_heads + 2 * num_kv_heads) * head_dim, bias=bias, **factory)
         self.out_proj = torch.nn.Linear(num_heads * head_dim, embed_dim, bias=bias, **factory)
 
-    def forward(self, x):
-        """``x`` ``(batch, seqlen, embed_dim)`` -> ``(batch, seqlen, embed_dim)``."""
+    def forward(self, x, cache=None):
+        """``x`` ``(batch, seqlen, embed_dim)`` -> ``(batch, seqlen, embed_dim)``; with ``cache`` (a
+        :class:`flashtile.KVCache`), ``x`` holds the new tokens of each sequence (see above)."""
         batch, seqlen, _ = x.shape
         qkv = self.qkv_proj(x).unflatten(-1, (self.num_heads + 2 * self.num_kv_heads, self.head_dim))
         # (batch, seqlen, heads, head_dim) views of one projection: no copy before the kernel.
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)
-        if self.rotary:
-            q, k = rotary_embedding(q, self.rope_theta), rotary_embedding(k, self.rope_theta)
-        out = flash_attn_func(q, k, v, causal=self.causal, window_size=self.window_size)
+        if cache is not None:
+            out = self._attend_cached(q, k, v, cache)
+        else:
+            if self.rotary:
+                q, k = rotary_embedding(q, self.rope_theta), rotary_embedding(k, self.rope_theta)
+            out = flash_attn_func(q, k, v, causal=self.causal, window_size=self.window_size)
         return self.out_proj(out.reshape(batch, seqlen, self.num_heads * self.head_dim))
+
+    def _attend_cached(self, q, k, v, cache):
+        if not self.causal:
+            raise ValueError("flashtile.nn.Attention: incremental decoding with a cache needs causal=True "
+                             "(a bidirectional layer's earlier outputs would change with every new token)")
+        rotary = {}
+        if self.rotary:
+            # The kernels rotate q and the new keys at their positions in the cache ("rotate half" = NeoX).
+            cos, sin = rotary_tables(cache.max_seqlen, self.head_dim, self.rope_theta, q.device)
+            rotary = dict(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=False)
+        return cache.attend(q, k, v, causal=True, window_size=self.window_size, **rotary)
+
+
+def rotary_tables(max_seqlen: int, head_dim: int, theta: float = 10000.0, device=None):
+    """float32 ``(cos, sin)`` of shape ``(max_seqlen, head_dim / 2)``: the angles of :func:`rotary_embedding`
+    at positions ``0..max_seqlen-1``, in the layout ``flash_attn_with_kvcache``'s ``rotary_cos/sin`` take."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.arange(max_seqlen, device=device, dtype=torch.float32)[:, None] * inv_freq
+    return angles.cos(), angles.sin()
 
 
 def rotary_embedding(x, theta=10000.0):
@@ -239,8 +271,7 @@ def rotary_embedding(x, theta=10000.0):
     computed in float32 and returned in ``x``'s dtype.
     """
     seqlen, head_dim = x.shape[1], x.shape[-1]
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=x.device, dtype=torch.float32) / head_dim)
-    angles = torch.arange(seqlen, device=x.device, dtype=torch.float32)[:, None] * inv_freq  # (seqlen, head_dim / 2)
-    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]  # broadcast over heads
+    cos, sin = rotary_tables(seqlen, head_dim, theta, x.device)
+    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)

@@ -66,8 +66,6 @@ flashtile_setup_python() {
 flashtile_run_tests() {
   flashtile_setup_python pytest pytest-xdist "transformers==5.17.0" matplotlib
   cd "$FLASHTILE_ROOT"
-  # Two xdist workers on two cores: more BLAS threads per worker only add system time.
-  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
   if ! "$FLASHTILE_PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
     export TRITON_INTERPRET=1  # no CUDA GPU: the Triton kernels run in Triton's interpreter
   fi
@@ -76,6 +74,8 @@ flashtile_run_tests() {
     workers=0
     if [[ "$(nproc 2>/dev/null || echo 1)" -ge 2 ]]; then workers=2; fi
   fi
+  # One BLAS thread per xdist worker: more only add system time. (Set after nproc, which honours it.)
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
   local xdist=()
   if [[ "$workers" != 0 ]] && "$FLASHTILE_PY" -c 'import xdist' >/dev/null 2>&1; then
     xdist=(-n "$workers")

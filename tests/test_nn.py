@@ -287,3 +287,28 @@ def test_attention_module_matches_reference(backend, device, rng, causal, rotary
 def test_attention_module_rejects_bad_head_counts():
     with pytest.raises(ValueError, match="num_heads=4 must be a multiple of num_kv_heads=3"):
         flashtile.nn.Attention(EMBED, 4, num_kv_heads=3)
+
+
+@pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
+def test_attention_module_decodes_with_a_kv_cache(backend, device, rng, rotary):
+    """A prompt, then one token at a time through a KVCache, gives the rows of one full forward (rotary
+    positions continue from the cache, a window still applies)."""
+    module = flashtile.nn.Attention(EMBED, 4, num_kv_heads=2, head_dim=8, bias=True, causal=True, rotary=rotary,
+                                    window_size=(3, 0), device=device)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=rng) * 0.3)
+    x = torch.randn(BATCH, 9, EMBED, generator=rng).to(device)
+    with torch.no_grad():
+        full = module(x)
+        cache = flashtile.KVCache(BATCH, max_seqlen=16, nheads_kv=2, headdim=8, dtype=x.dtype, device=device)
+        steps = [module(x[:, :5], cache)] + [module(x[:, t:t + 1], cache) for t in range(5, 9)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+    assert cache.seqlens.tolist() == [9] * BATCH
+
+
+def test_attention_module_cache_needs_causal(device):
+    module = flashtile.nn.Attention(EMBED, 4, causal=False, device=device)
+    cache = flashtile.KVCache(1, max_seqlen=8, nheads_kv=4, headdim=EMBED // 4, dtype=torch.float32, device=device)
+    with pytest.raises(ValueError, match="needs causal=True"):
+        module(torch.randn(1, 2, EMBED, device=device), cache)

@@ -33,6 +33,11 @@ _COMBINE = CachedLaunch(kernels.attn_decode_combine, ("O_PART", "LSE_PART", "O",
 _MERGE = CachedLaunch(kernels.merge_states, ("OA", "LSE_A", "OB", "LSE_B", "O", "LSE"))
 
 
+def _cdiv(a: int, b: int) -> int:
+    # triton.cdiv is a jit function: a few microseconds per host call, and this runs on every launch.
+    return -(-a // b)
+
+
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
     # launch.py re-exports this module, so its twin of this helper cannot be imported from there.
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -108,7 +113,7 @@ def append_kv(q, k_cache, v_cache, k, v, args: KVCacheArgs):
             **dict(zip(("stride_qob", "stride_qom", "stride_qoh"), _strides3(q_out))),
             stride_ro=cos.stride(0) if rotary else 0, seqlen_ro=cos.shape[0] if rotary else 0,
             seqlen_q=seqlen_q, seqlen_new=seqlen_new, nheads=nheads, nheads_kv=nheads_kv,
-            kv_head_blocks=triton.cdiv(nheads_kv, block_h) if seqlen_new else 0,
+            kv_head_blocks=_cdiv(nheads_kv, block_h) if seqlen_new else 0,
             HEAD_DIM_ACTUAL=head_dim, HEAD_DIM=padded_head_dim(head_dim),
             HEAD_DIM_V_ACTUAL=head_dim_v, HEAD_DIM_V=padded_head_dim(head_dim_v), BLOCK_H=block_h,
             ROTARY=rotary, ROTARY_DIM=2 * cos.shape[1] if rotary else 0, INTERLEAVED=bool(args.rotary_interleaved),
@@ -131,8 +136,8 @@ def append_kv(q, k_cache, v_cache, k, v, args: KVCacheArgs):
 def _append_grid(batch, seqlen_q, seqlen_new, nheads, nheads_kv, rotary):
     """``(BLOCK_H, grid)``: programs (token, batch row, head block), the KV head blocks first, then q's."""
     block_h = min(triton.next_power_of_2(max(nheads_kv, 1)), 16)
-    kv_blocks = triton.cdiv(nheads_kv, block_h) if seqlen_new else 0
-    q_blocks = triton.cdiv(nheads, block_h) if rotary else 0
+    kv_blocks = _cdiv(nheads_kv, block_h) if seqlen_new else 0
+    q_blocks = _cdiv(nheads, block_h) if rotary else 0
     tokens = max(seqlen_new if kv_blocks else 0, seqlen_q if q_blocks else 0)
     return block_h, (tokens, batch, kv_blocks + q_blocks)
 
@@ -150,11 +155,11 @@ def _plan(batch, seqlen_q, nheads, nheads_kv, head_dim, head_dim_v, dtype, devic
           page_size: int, config: TileConfig | None) -> DecodePlan:
     rows = seqlen_q * (nheads // nheads_kv)
     cfg = config or decode_config(max(head_dim, head_dim_v), dtype, device, rows, page_size)
-    m_blocks = triton.cdiv(rows, cfg.BLOCK_M)
+    m_blocks = _cdiv(rows, cfg.BLOCK_M)
     gather = page_size > 0 and page_size % cfg.BLOCK_N != 0
     splits = decode_splits(num_splits, m_blocks * batch * nheads_kv, capacity, device, cfg.BLOCK_N, gather)
     return DecodePlan(cfg, splits, (m_blocks, batch * nheads_kv, splits),
-                      (triton.cdiv(seqlen_q * nheads, _MERGE_BLOCK_M), batch))
+                      (_cdiv(seqlen_q * nheads, _MERGE_BLOCK_M), batch))
 
 
 def plan(q, k_cache, v_cache, args: KVCacheArgs, config: TileConfig | None = None) -> DecodePlan:
@@ -251,7 +256,7 @@ def merge_states(out_a, lse_a, out_b, lse_b):
     lse = empty((batch, nheads, seqlen), torch.float32, out_a.device)
     if batch == 0 or seqlen == 0 or nheads == 0:
         return out, lse
-    grid = (triton.cdiv(seqlen * nheads, _MERGE_BLOCK_M), batch)
+    grid = (_cdiv(seqlen * nheads, _MERGE_BLOCK_M), batch)
     key = (_layout(out_a), _layout(out_b), _layout(lse_a), _layout(lse_b), out_a.device)
     with _on_device(out_a):
         _MERGE(key, grid, dict(OA=out_a, LSE_A=lse_a, OB=out_b, LSE_B=lse_b, O=out, LSE=lse),

@@ -21,6 +21,11 @@ from .kernels.tail import fill_tail
 _PREPROCESS_BLOCK_M = 64
 
 
+def _cdiv(a: int, b: int) -> int:
+    # triton.cdiv is a jit function: a few microseconds per host call, and this runs on every launch.
+    return -(-a // b)
+
+
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
     """Kernels address the head dim with stride 1; any other layout is read through strides."""
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -153,7 +158,7 @@ def forward(q, k, v, args: AttnArgs, config=None):
         return out, lse
     cfg = config or fwd_config(max(head_dim, head_dim_v), q.dtype, q.device, args.causal,
                                score_mods=args.softcap > 0 or args.alibi_slopes is not None)
-    grid = (triton.cdiv(seqlen_q, cfg.BLOCK_M), nheads, batch)
+    grid = (_cdiv(seqlen_q, cfg.BLOCK_M), nheads, batch)
 
     def static():
         stride_lse_b, stride_lse_h = _lse_strides(lse, args.varlen)
@@ -207,7 +212,7 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
     with _on_device(q):
         # Varlen: the preprocess walks all packed tokens as one sequence of a batch of 1.
         rows = q.shape[0] if varlen else seqlen_q
-        _PREPROCESS(key, (triton.cdiv(rows, _PREPROCESS_BLOCK_M), nheads, 1 if varlen else batch),
+        _PREPROCESS(key, (_cdiv(rows, _PREPROCESS_BLOCK_M), nheads, 1 if varlen else batch),
                     dict(O=out, DO=dout, LSE=lse, DELTA=delta, LSE2=lse2),
                     lambda: dict(zip(("stride_ob", "stride_om", "stride_oh"), _bsh(out, varlen)),
                                  **dict(zip(("stride_dob", "stride_dom", "stride_doh"), _bsh(dout, varlen))),
@@ -216,13 +221,13 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
                                  BLOCK_M=_PREPROCESS_BLOCK_M))
         if dsink is not None:
             dsink.copy_(_sink_grad(args.sink, lse, delta, varlen))
-        _DKDV(key, (triton.cdiv(seqlen_k, cfg.dkdv.BLOCK_N), nheads_kv, batch),
+        _DKDV(key, (_cdiv(seqlen_k, cfg.dkdv.BLOCK_N), nheads_kv, batch),
               dict(DK=dk_out, DV=dv_out, **tensors),
               lambda: dict(**shared(), **_strides(varlen, dk=dk_out, dv=dv_out),
                            BLOCK_M=cfg.dkdv.BLOCK_M, BLOCK_N=cfg.dkdv.BLOCK_N,
                            EVEN_M=not varlen and seqlen_q % cfg.dkdv.BLOCK_M == 0,
                            num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages))
-        _DQ(key, (triton.cdiv(seqlen_q, cfg.dq.BLOCK_M), nheads, batch),
+        _DQ(key, (_cdiv(seqlen_q, cfg.dq.BLOCK_M), nheads, batch),
             dict(DQ=dq_out, DBIAS=dbias if dbias is not None else q, **tensors),
             lambda: dict(**shared(), **_strides(varlen, dq=dq_out), BLOCK_M=cfg.dq.BLOCK_M, BLOCK_N=cfg.dq.BLOCK_N,
                          WRITE_DBIAS=dbias is not None, EVEN_M=not varlen and seqlen_q % cfg.dq.BLOCK_M == 0,
@@ -247,7 +252,7 @@ def _fill_tail(x: torch.Tensor, cu_seqlens: torch.Tensor, value: float) -> None:
         raise ValueError(f"internal: rows to fill need unit stride on the last dim, got strides {x3.stride()}")
     block_c = min(triton.next_power_of_2(nheads * head_dim), 1024)
     with _on_device(x):
-        _FILL_TAIL((x3.shape, x3.stride(), cu_seqlens.shape[0], x.dtype), (triton.cdiv(total, _TAIL_BLOCK_ROWS),),
+        _FILL_TAIL((x3.shape, x3.stride(), cu_seqlens.shape[0], x.dtype), (_cdiv(total, _TAIL_BLOCK_ROWS),),
                    dict(X=x3, CU_SEQLENS=cu_seqlens, value=value),
                    lambda: dict(batch=cu_seqlens.shape[0] - 1, total=total, stride_row=x3.stride(0),
                                 stride_h=x3.stride(1), nheads=nheads, head_dim=head_dim,

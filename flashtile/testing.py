@@ -348,3 +348,16 @@ def assert_close_to_ref(name, ours, ref_hi, ref_lo, atol):
             f"2 * {err_lo:.3e} + {atol:.1e} = {bound:.3e} (shape {tuple(ours.shape)}, worst at {index}: "
             f"ours={ours64[index].item():.6g}, ref={hi[index].item():.6g})"
         )
+
+
+def run_cli(capsys, *argv):
+    """``(exit status, stdout, stderr)`` of ``python -m flashtile *argv`` run in-process, with pytest's
+    ``capsys`` fixture capturing its output."""
+    from .cli import main
+
+    try:
+        status = main([str(a) for a in argv])
+    except SystemExit as exit_:
+        status = exit_.code
+    out, err = capsys.readouterr()
+    return status, out, err

@@ -19,7 +19,8 @@ import torch
 
 import flashtile
 from flashtile.bench import common, decode, e2e, gpu, plots, providers, report, suite, variants
-from flashtile.cli import build_parser, main
+from flashtile.cli import build_parser
+from flashtile.testing import run_cli as cli
 from flashtile.dispatch import force_backend
 from flashtile.testing import attention_ref
 
@@ -37,15 +38,6 @@ def one_torch_thread():
     yield
     torch.set_num_threads(before)
 
-
-def cli(capsys, *argv):
-    """``(exit status, stdout, stderr)`` of ``python -m flashtile *argv``, in-process."""
-    try:
-        status = main([str(a) for a in argv])
-    except SystemExit as exit_:
-        status = exit_.code
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 # ---------------------------------------------------------------- grids and options

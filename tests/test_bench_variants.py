@@ -16,20 +16,12 @@ import torch
 
 import flashtile
 from flashtile.bench import variants
-from flashtile.cli import main
+from flashtile.testing import run_cli as cli
 from flashtile.testing import attention_ref
 
 ROOT = Path(__file__).resolve().parent.parent
 ROW_KEYS = {"group", "prov", "variant", "N", "B", "H", "D", "causal", "visible_pairs"}
 
-
-def cli(capsys, *argv):
-    try:
-        status = main([str(a) for a in argv])
-    except SystemExit as exit_:
-        status = exit_.code
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 def fake_flash_attn_func(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sink=None,

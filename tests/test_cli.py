@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flashtile import dispatch
-from flashtile.cli import main
+from flashtile.testing import run_cli as cli
 from flashtile.tools import model_config
 
 HAS_CUDA = torch.cuda.is_available()
@@ -22,15 +22,6 @@ ROOT = Path(__file__).resolve().parent.parent
 # The smallest qualify run that still has a prefill (fwd + bwd over two key blocks) and a decode.
 TINY = ["--prefill", "64", "--decode", "40", "--runs", "1"]
 
-
-def cli(capsys, *argv):
-    """``(exit status, stdout, stderr)`` of ``python -m flashtile *argv``, in-process."""
-    try:
-        status = main([str(a) for a in argv])
-    except SystemExit as exit_:  # argparse: --help, usage errors
-        status = exit_.code
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 def run_module(*argv, **env):

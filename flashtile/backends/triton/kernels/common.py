@@ -298,6 +298,26 @@ def scores(qk, offs_q, offs_k, seqlen_q, seqlen_k, qk_scale, softcap2, slope2, b
 
 
 @triton.jit
+def softmax_step(qk, s, m_i, qk_scale, MODIFIED: tl.constexpr):
+    """One key block of the online softmax: ``(p, alpha, m_new)``, the block's probabilities under the
+    new running row max and the factor that rescales what was accumulated under the old one.
+
+    With ``MODIFIED`` ``s`` holds the finished log2 scores (masked pairs ``-inf``); otherwise the
+    scores are ``qk * qk_scale``, scaled here inside the max and the exp2 (one FMA per element)."""
+    if MODIFIED:
+        m_ij = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no key yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN.
+        m_ij_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+        p = tl.math.exp2(s - m_ij_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_ij_safe)
+    else:
+        m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
+        alpha = tl.math.exp2(m_i - m_ij)
+    return p, alpha, m_ij
+
+
+@triton.jit
 def dropout_keep(seed, offset, bh, offs_m, start_n, threshold, BLOCK_N: tl.constexpr):
     """Dropout's keep mask for rows ``offs_m`` x keys ``start_n + arange(BLOCK_N)`` (a multiple of 4).
 

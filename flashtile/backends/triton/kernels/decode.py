@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .common import (LOG2E, cache_sequence, cache_slots, head_terms, kv_range, load_tile, merge_state, run_bounds,
-                     score_scale, scores, split_range, store_tile)
+                     score_scale, scores, softmax_step, split_range, store_tile)
 
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -138,15 +138,9 @@ def _decode_inner(acc, l_i, m_i, q, K_HEAD, V_HEAD, table_row, stride_kb, stride
             s, _ = scores(qk, offs_t[:, None], offs_n[None, :], seqlen_q, seqlen_k, qk_scale, softcap2, slope2,
                           K_HEAD, 0, 0, window_left, window_right,
                           MASK, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, "")
-            m_ij = tl.maximum(m_i, tl.max(s, 1))
-            # A row that has seen no key yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN.
-            m_ij_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-            p = tl.math.exp2(s - m_ij_safe[:, None])
-            alpha = tl.math.exp2(m_i - m_ij_safe)
         else:
-            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
-            alpha = tl.math.exp2(m_i - m_ij)
+            s = qk
+        p, alpha, m_ij = softmax_step(qk, s, m_i, qk_scale, MASK or SOFTCAP or ALIBI)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         v_ptrs = V_HEAD + (slot * stride_vb + offset.to(tl.int64) * stride_vn)[:, None] + offs_dv[None, :]

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from .common import (LOG2E, dropout_keep, head_base, head_terms, int64, kv_block_range, load_tile, program_block,
-                     run_bounds, score_scale, scores, sequence, store_tile, tile_ptrs)
+                     run_bounds, score_scale, scores, sequence, softmax_step, store_tile, tile_ptrs)
 
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -34,15 +34,9 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs
             s, _ = scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, qk_scale, softcap2, slope2,
                           bias_base, stride_bm, stride_bn, window_left, window_right,
                           MASK, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, BIAS)
-            m_ij = tl.maximum(m_i, tl.max(s, 1))
-            # A row that has seen no key yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN.
-            m_ij_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-            p = tl.math.exp2(s - m_ij_safe[:, None])
-            alpha = tl.math.exp2(m_i - m_ij_safe)
         else:
-            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
-            alpha = tl.math.exp2(m_i - m_ij)
+            s = qk
+        p, alpha, m_ij = softmax_step(qk, s, m_i, qk_scale, MASK or SOFTCAP or ALIBI or BIAS != "")
         # Rescale what was accumulated under the old row max, then add this block.
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]

@@ -8,7 +8,6 @@ tensor's values, synchronizes or sizes an allocation by them, so a step can be c
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import NamedTuple
 
@@ -19,6 +18,7 @@ from ...alloc import empty
 from .. import KVCacheArgs
 from .configs import TileConfig, decode_config, decode_splits, padded_head_dim
 from .fastlaunch import CachedLaunch
+from .host import cdiv, fast_tanh, input_precision, on_device, unit_stride
 from .kernels import decode as kernels
 
 # Rows (query tokens x heads) per program of the combine and merge kernels.
@@ -31,23 +31,6 @@ _DECODE = CachedLaunch(kernels.attn_decode, ("Q", "K", "V", "O", "LSE", "ALIBI_S
                                              "softcap") + _CACHE_TENSORS)
 _COMBINE = CachedLaunch(kernels.attn_decode_combine, ("O_PART", "LSE_PART", "O", "LSE"))
 _MERGE = CachedLaunch(kernels.merge_states, ("OA", "LSE_A", "OB", "LSE_B", "O", "LSE"))
-
-
-def _cdiv(a: int, b: int) -> int:
-    # triton.cdiv is a jit function: a few microseconds per host call, and this runs on every launch.
-    return -(-a // b)
-
-
-def _unit_stride(t: torch.Tensor) -> torch.Tensor:
-    # launch.py re-exports this module, so its twin of this helper cannot be imported from there.
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _on_device(t: torch.Tensor):
-    # Switching devices costs host time on every call: only when t is not on the current one.
-    if t.is_cuda and t.device.index != torch.cuda.current_device():
-        return torch.cuda.device(t.device)
-    return contextlib.nullcontext()
 
 
 def _layout(t) -> tuple | None:
@@ -93,10 +76,10 @@ def append_kv(q, k_cache, v_cache, k, v, args: KVCacheArgs):
         return q
     nheads_kv, head_dim_v = k_cache.shape[2], v_cache.shape[3]
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if rotary else q
-    k_new = _unit_stride(k) if seqlen_new else k_cache
-    v_new = _unit_stride(v) if seqlen_new else v_cache
-    q_in = _unit_stride(q)
-    cos, sin = (_unit_stride(args.rotary_cos), _unit_stride(args.rotary_sin)) if rotary else (q, q)
+    k_new = unit_stride(k) if seqlen_new else k_cache
+    v_new = unit_stride(v) if seqlen_new else v_cache
+    q_in = unit_stride(q)
+    cos, sin = (unit_stride(args.rotary_cos), unit_stride(args.rotary_sin)) if rotary else (q, q)
     if rotary and cos.stride(0) != sin.stride(0):
         cos, sin = cos.contiguous(), sin.contiguous()  # the kernel reads both tables with one row stride
     block_h, grid = _append_grid(batch, seqlen_q, seqlen_new, nheads, nheads_kv, rotary)
@@ -113,7 +96,7 @@ def append_kv(q, k_cache, v_cache, k, v, args: KVCacheArgs):
             **dict(zip(("stride_qob", "stride_qom", "stride_qoh"), _strides3(q_out))),
             stride_ro=cos.stride(0) if rotary else 0, seqlen_ro=cos.shape[0] if rotary else 0,
             seqlen_q=seqlen_q, seqlen_new=seqlen_new, nheads=nheads, nheads_kv=nheads_kv,
-            kv_head_blocks=_cdiv(nheads_kv, block_h) if seqlen_new else 0,
+            kv_head_blocks=cdiv(nheads_kv, block_h) if seqlen_new else 0,
             HEAD_DIM_ACTUAL=head_dim, HEAD_DIM=padded_head_dim(head_dim),
             HEAD_DIM_V_ACTUAL=head_dim_v, HEAD_DIM_V=padded_head_dim(head_dim_v), BLOCK_H=block_h,
             ROTARY=rotary, ROTARY_DIM=2 * cos.shape[1] if rotary else 0, INTERLEAVED=bool(args.rotary_interleaved),
@@ -126,7 +109,7 @@ def append_kv(q, k_cache, v_cache, k, v, args: KVCacheArgs):
     key = (_layout(q_in), _layout(k_new), _layout(v_new), _layout(k_cache), _layout(v_cache),
            _layout(args.rotary_cos), _layout(args.rotary_sin), q.device, _cache_key(args),
            bool(args.rotary_interleaved), bool(args.causal), args.window_left, args.window_right)
-    with _on_device(q):
+    with on_device(q):
         _APPEND(key, grid, dict(Q=q_in, K_NEW=k_new, V_NEW=v_new, K_CACHE=k_cache, V_CACHE=v_cache, Q_OUT=q_out,
                                 COS=cos, SIN=sin, **_cache_tensors(q, args)), static)
     return q_out
@@ -136,8 +119,8 @@ def append_kv(q, k_cache, v_cache, k, v, args: KVCacheArgs):
 def _append_grid(batch, seqlen_q, seqlen_new, nheads, nheads_kv, rotary):
     """``(BLOCK_H, grid)``: programs (token, batch row, head block), the KV head blocks first, then q's."""
     block_h = min(triton.next_power_of_2(max(nheads_kv, 1)), 16)
-    kv_blocks = _cdiv(nheads_kv, block_h) if seqlen_new else 0
-    q_blocks = _cdiv(nheads, block_h) if rotary else 0
+    kv_blocks = cdiv(nheads_kv, block_h) if seqlen_new else 0
+    q_blocks = cdiv(nheads, block_h) if rotary else 0
     tokens = max(seqlen_new if kv_blocks else 0, seqlen_q if q_blocks else 0)
     return block_h, (tokens, batch, kv_blocks + q_blocks)
 
@@ -155,11 +138,11 @@ def _plan(batch, seqlen_q, nheads, nheads_kv, head_dim, head_dim_v, dtype, devic
           page_size: int, config: TileConfig | None) -> DecodePlan:
     rows = seqlen_q * (nheads // nheads_kv)
     cfg = config or decode_config(max(head_dim, head_dim_v), dtype, device, rows, page_size)
-    m_blocks = _cdiv(rows, cfg.BLOCK_M)
+    m_blocks = cdiv(rows, cfg.BLOCK_M)
     gather = page_size > 0 and page_size % cfg.BLOCK_N != 0
     splits = decode_splits(num_splits, m_blocks * batch * nheads_kv, capacity, device, cfg.BLOCK_N, gather)
     return DecodePlan(cfg, splits, (m_blocks, batch * nheads_kv, splits),
-                      (_cdiv(seqlen_q * nheads, _MERGE_BLOCK_M), batch))
+                      (cdiv(seqlen_q * nheads, _MERGE_BLOCK_M), batch))
 
 
 def plan(q, k_cache, v_cache, args: KVCacheArgs, config: TileConfig | None = None) -> DecodePlan:
@@ -174,7 +157,7 @@ def attention_kv(q, k_cache, v_cache, args: KVCacheArgs, config: TileConfig | No
     cache_seqlens[b] + seqlen_new)``; returns out ``(batch, seqlen_q, nheads, headdim_v)`` (q's dtype)
     and lse float32 ``(batch, nheads, seqlen_q)``. ``args.num_splits`` (0: from the shapes) cuts each
     sequence's keys into shares merged afterwards; ``config`` overrides the tile table (tuning sweeps)."""
-    q, k_cache, v_cache = _unit_stride(q), _unit_stride(k_cache), _unit_stride(v_cache)
+    q, k_cache, v_cache = unit_stride(q), unit_stride(k_cache), unit_stride(v_cache)
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_kv, head_dim_v = k_cache.shape[2], v_cache.shape[3]
     out = empty((batch, seqlen_q, nheads, head_dim_v), q.dtype, q.device)
@@ -205,11 +188,9 @@ def attention_kv(q, k_cache, v_cache, args: KVCacheArgs, config: TileConfig | No
             HEAD_DIM_V_ACTUAL=head_dim_v, HEAD_DIM_V=padded_head_dim(head_dim_v),
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
             MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0, SOFTCAP=args.softcap > 0,
-            # The GPU's tanh.approx is within a 16-bit input's rounding; fp32 inputs get the exact formula.
-            FAST_TANH=q.is_cuda and q.dtype != torch.float32,
+            FAST_TANH=fast_tanh(q),
             ALIBI=alibi is not None, HAS_SINK=args.sink is not None,
-            # fp32 inputs are computed in true fp32, never silently in tf32.
-            INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            INPUT_PRECISION=input_precision(q.dtype),
             **_cache_static(k_cache, args),
             # Pages that hold whole key blocks are read with one table entry per block.
             PAGE_ALIGNED=args.block_table is not None and k_cache.shape[1] % cfg.BLOCK_N == 0,
@@ -218,7 +199,7 @@ def attention_kv(q, k_cache, v_cache, args: KVCacheArgs, config: TileConfig | No
 
     key = (_layout(q), _layout(k_cache), _layout(v_cache), q.device, _cache_key(args), p,
            args.window_left, args.window_right, args.softcap > 0, _layout(alibi), args.sink is not None)
-    with _on_device(q):
+    with on_device(q):
         _DECODE(key, p.grid, dict(Q=q, K=k_cache, V=v_cache, O=o_dst, LSE=lse_dst,
                                   ALIBI_SLOPES=alibi if alibi is not None else q,
                                   SINK=args.sink if args.sink is not None else q,
@@ -250,15 +231,15 @@ def merge_states(out_a, lse_a, out_b, lse_b):
     """The attention over the union of two disjoint key sets: outs ``(batch, seqlen, nheads, headdim)``
     (any strides), lses float32 ``(batch, nheads, seqlen)`` (any strides); returns ``(out, lse)``, out
     in out_a's dtype. ``lse = log(exp(lse_a) + exp(lse_b))``; where both are ``-inf``: out 0, lse ``-inf``."""
-    out_a, out_b = _unit_stride(out_a), _unit_stride(out_b)
+    out_a, out_b = unit_stride(out_a), unit_stride(out_b)
     batch, seqlen, nheads, head_dim = out_a.shape
     out = empty((batch, seqlen, nheads, head_dim), out_a.dtype, out_a.device)
     lse = empty((batch, nheads, seqlen), torch.float32, out_a.device)
     if batch == 0 or seqlen == 0 or nheads == 0:
         return out, lse
-    grid = (_cdiv(seqlen * nheads, _MERGE_BLOCK_M), batch)
+    grid = (cdiv(seqlen * nheads, _MERGE_BLOCK_M), batch)
     key = (_layout(out_a), _layout(out_b), _layout(lse_a), _layout(lse_b), out_a.device)
-    with _on_device(out_a):
+    with on_device(out_a):
         _MERGE(key, grid, dict(OA=out_a, LSE_A=lse_a, OB=out_b, LSE_B=lse_b, O=out, LSE=lse),
                lambda: dict(zip(_MERGE_STRIDES, (*_strides3(out_a), *_strides3(out_b), *_strides3(out),
                                                  *lse_a.stride(), *lse_b.stride(), *lse.stride()[:2])),

@@ -2,7 +2,6 @@
 documented in ``flashtile/backends/__init__.py``."""
 from __future__ import annotations
 
-import contextlib
 
 import torch
 import triton
@@ -14,21 +13,12 @@ from .configs import bwd_config, fwd_config, padded_head_dim
 # The KV-cache part of the backend contract lives in decode.py; the dispatcher finds it here.
 from .decode import append_kv, attention_kv, merge_states  # noqa: F401
 from .fastlaunch import CachedLaunch
+from .host import cdiv, fast_tanh, input_precision, on_device, unit_stride
 from .kernels.bwd import bwd_dkdv, bwd_dq, bwd_preprocess
 from .kernels.fwd import attn_fwd
 from .kernels.tail import fill_tail
 
 _PREPROCESS_BLOCK_M = 64
-
-
-def _cdiv(a: int, b: int) -> int:
-    # triton.cdiv is a jit function: a few microseconds per host call, and this runs on every launch.
-    return -(-a // b)
-
-
-def _unit_stride(t: torch.Tensor) -> torch.Tensor:
-    """Kernels address the head dim with stride 1; any other layout is read through strides."""
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _bsh(t: torch.Tensor, varlen: bool):
@@ -44,18 +34,6 @@ def _strides(varlen: bool, **tensors) -> dict:
         seq = "n" if name in ("k", "v", "dk", "dv") else "m"
         result.update(zip((f"stride_{name}b", f"stride_{name}{seq}", f"stride_{name}h"), _bsh(t, varlen)))
     return result
-
-
-def _input_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs are computed in true fp32, never silently in tf32.
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def _on_device(t: torch.Tensor):
-    # Switching devices costs host time on every call: only when t is not on the current one.
-    if t.is_cuda and t.device.index != torch.cuda.current_device():
-        return torch.cuda.device(t.device)
-    return contextlib.nullcontext()
 
 
 def _shape(q, k, v, args: AttnArgs):
@@ -102,12 +80,11 @@ def _variant_static(q, args: AttnArgs, nheads: int) -> dict:
         nheads=nheads,
         MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0,
         SOFTCAP=args.softcap > 0,
-        # The GPU's tanh.approx is within a 16-bit input's rounding; fp32 inputs get the exact formula.
-        FAST_TANH=q.is_cuda and q.dtype != torch.float32,
+        FAST_TANH=fast_tanh(q),
         ALIBI=alibi is not None, BIAS="" if bias is None else ("keep" if bias.dtype == torch.bool else "add"),
         DROPOUT=args.dropout_p > 0,
         IS_VARLEN=args.varlen, HAS_SEQUSED=args.seqused_k is not None,
-        INPUT_PRECISION=_input_precision(q.dtype),
+        INPUT_PRECISION=input_precision(q.dtype),
     )
 
 
@@ -141,7 +118,7 @@ _DQ = CachedLaunch(bwd_dq, ("Q", "K", "V", "DO", "DQ", "LSE2", "DELTA", "DBIAS")
 
 def forward(q, k, v, args: AttnArgs, config=None):
     """``config`` overrides the tile table (for tuning sweeps)."""
-    q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
+    q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, head_dim_v = _shape(q, k, v, args)
     if args.varlen:
         out = empty((*q.shape[:2], head_dim_v), q.dtype, q.device)
@@ -158,7 +135,7 @@ def forward(q, k, v, args: AttnArgs, config=None):
         return out, lse
     cfg = config or fwd_config(max(head_dim, head_dim_v), q.dtype, q.device, args.causal,
                                score_mods=args.softcap > 0 or args.alibi_slopes is not None)
-    grid = (_cdiv(seqlen_q, cfg.BLOCK_M), nheads, batch)
+    grid = (cdiv(seqlen_q, cfg.BLOCK_M), nheads, batch)
 
     def static():
         stride_lse_b, stride_lse_h = _lse_strides(lse, args.varlen)
@@ -171,7 +148,7 @@ def forward(q, k, v, args: AttnArgs, config=None):
         )
 
     key = (_layout_key(q, k, v), q.device, _args_key(args), cfg)
-    with _on_device(q):
+    with on_device(q):
         _FWD(key, grid, dict(Q=q, K=k, V=v, O=out, LSE=lse, SINK=args.sink if args.sink is not None else q,
                              softmax_scale=args.softmax_scale, **_variant_tensors(q, args)), static)
     return out, lse
@@ -179,7 +156,7 @@ def forward(q, k, v, args: AttnArgs, config=None):
 
 def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, dbias=None, config=None):
     """``config`` overrides the tile table (for tuning sweeps)."""
-    q, k, v, out, dout = (_unit_stride(t) for t in (q, k, v, out, dout))
+    q, k, v, out, dout = (unit_stride(t) for t in (q, k, v, out, dout))
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, head_dim_v = _shape(q, k, v, args)
     if dbias is not None:
         # Pairs outside the window are never visited: their dS is 0.
@@ -189,7 +166,7 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
         if dsink is not None:
             dsink.zero_()
         return
-    dq_out, dk_out, dv_out = (_unit_stride(t) for t in (dq, dk, dv))
+    dq_out, dk_out, dv_out = (unit_stride(t) for t in (dq, dk, dv))
     if args.varlen:
         # Tokens past the last sequence get gradient 0 (the kernels zero keys past seqused_k).
         for grad, cu in ((dq_out, args.cu_seqlens_q), (dk_out, args.cu_seqlens_k), (dv_out, args.cu_seqlens_k)):
@@ -209,10 +186,10 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
 
     tensors = dict(Q=q, K=k, V=v, DO=dout, LSE2=lse2, DELTA=delta, softmax_scale=args.softmax_scale,
                    **_variant_tensors(q, args))
-    with _on_device(q):
+    with on_device(q):
         # Varlen: the preprocess walks all packed tokens as one sequence of a batch of 1.
         rows = q.shape[0] if varlen else seqlen_q
-        _PREPROCESS(key, (_cdiv(rows, _PREPROCESS_BLOCK_M), nheads, 1 if varlen else batch),
+        _PREPROCESS(key, (cdiv(rows, _PREPROCESS_BLOCK_M), nheads, 1 if varlen else batch),
                     dict(O=out, DO=dout, LSE=lse, DELTA=delta, LSE2=lse2),
                     lambda: dict(zip(("stride_ob", "stride_om", "stride_oh"), _bsh(out, varlen)),
                                  **dict(zip(("stride_dob", "stride_dom", "stride_doh"), _bsh(dout, varlen))),
@@ -221,13 +198,13 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
                                  BLOCK_M=_PREPROCESS_BLOCK_M))
         if dsink is not None:
             dsink.copy_(_sink_grad(args.sink, lse, delta, varlen))
-        _DKDV(key, (_cdiv(seqlen_k, cfg.dkdv.BLOCK_N), nheads_kv, batch),
+        _DKDV(key, (cdiv(seqlen_k, cfg.dkdv.BLOCK_N), nheads_kv, batch),
               dict(DK=dk_out, DV=dv_out, **tensors),
               lambda: dict(**shared(), **_strides(varlen, dk=dk_out, dv=dv_out),
                            BLOCK_M=cfg.dkdv.BLOCK_M, BLOCK_N=cfg.dkdv.BLOCK_N,
                            EVEN_M=not varlen and seqlen_q % cfg.dkdv.BLOCK_M == 0,
                            num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages))
-        _DQ(key, (_cdiv(seqlen_q, cfg.dq.BLOCK_M), nheads, batch),
+        _DQ(key, (cdiv(seqlen_q, cfg.dq.BLOCK_M), nheads, batch),
             dict(DQ=dq_out, DBIAS=dbias if dbias is not None else q, **tensors),
             lambda: dict(**shared(), **_strides(varlen, dq=dq_out), BLOCK_M=cfg.dq.BLOCK_M, BLOCK_N=cfg.dq.BLOCK_N,
                          WRITE_DBIAS=dbias is not None, EVEN_M=not varlen and seqlen_q % cfg.dq.BLOCK_M == 0,
@@ -251,8 +228,8 @@ def _fill_tail(x: torch.Tensor, cu_seqlens: torch.Tensor, value: float) -> None:
     if x3.stride(-1) != 1 and head_dim > 1:
         raise ValueError(f"internal: rows to fill need unit stride on the last dim, got strides {x3.stride()}")
     block_c = min(triton.next_power_of_2(nheads * head_dim), 1024)
-    with _on_device(x):
-        _FILL_TAIL((x3.shape, x3.stride(), cu_seqlens.shape[0], x.dtype), (_cdiv(total, _TAIL_BLOCK_ROWS),),
+    with on_device(x):
+        _FILL_TAIL((x3.shape, x3.stride(), cu_seqlens.shape[0], x.dtype), (cdiv(total, _TAIL_BLOCK_ROWS),),
                    dict(X=x3, CU_SEQLENS=cu_seqlens, value=value),
                    lambda: dict(batch=cu_seqlens.shape[0] - 1, total=total, stride_row=x3.stride(0),
                                 stride_h=x3.stride(1), nheads=nheads, head_dim=head_dim,

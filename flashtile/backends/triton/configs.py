@@ -144,12 +144,16 @@ DECODE_SM90 = {
     128: (TileConfig(16, 128, 4, 3), TileConfig(32, 64, 4, 3), TileConfig(64, 64, 4, 3)),
     256: (TileConfig(16, 64, 4, 2), TileConfig(32, 32, 4, 2), TileConfig(64, 32, 8, 2)),
 }
-# Decode from pages smaller than a key block: each key row is looked up on its own page, which costs
-# a pipeline stage. Measured on the H200 (bf16, batch 16 x 8192 keys, 32/8 heads, d=128, CUDA graph):
-# 16x64 w4 s4 141.8 us (2 splits), 16x128 w4 s3 165.1 us; contiguous 16x128 w4 s3 123.6 us
-DECODE_SM90_GATHER = {128: TileConfig(16, 64, 4, 4)}
-# ... and with 2 splits instead of 1 (236 us): twice the programs per SM when keys are gathered.
-DECODE_GATHER_PROGRAMS = 2
+# Decode from pages smaller than a key block: each key row is looked up on its own page, and the
+# table read for the next block must land before its K/V loads go out, so the pipeline runs one
+# block ahead; more resident programs per SM make up the bytes in flight. Measured on the H200
+# (bf16, 32/8 heads, d=128, page 16, CUDA graph, scratch sweep 2026-11-21 over 16 x {16, 32, 64, 128}
+# keys, w4/w8, s1-s4, 1-8x the programs), time over the contiguous cache's:
+#   16x32 w4 s3, 4 programs per SM: batch 16 x 8192 1.08, x 32768 1.055; batch 1 x 131072 1.07, x 32768 1.17
+#   16x64 w4 s3 (2 per SM): 1.12 / 1.08 / 1.10 / 1.19; 16x16 pages read whole (one table read a block)
+#   w4 s4: 1.30-1.32; next-block K/V held in registers instead of the pipeline: 1.30-1.32.
+DECODE_SM90_GATHER = {128: TileConfig(16, 32, 4, 3)}
+DECODE_GATHER_PROGRAMS = 4
 # Ampere: shallower pipelines for its 164 KB of shared memory (compiled for sm_80, not measured).
 DECODE_SM80 = {
     16: (TileConfig(16, 64, 4, 2), TileConfig(32, 64, 4, 2), TileConfig(64, 64, 4, 2)),

@@ -21,8 +21,12 @@ from .fastlaunch import CachedLaunch
 from .host import cdiv, fast_tanh, input_precision, on_device, unit_stride
 from .kernels import decode as kernels
 
-# Rows (query tokens x heads) per program of the combine and merge kernels.
+# Rows (query tokens x heads) per program of the merge kernel.
 _MERGE_BLOCK_M = 16
+# The combine kernel: one program per row and at most this many splits per load (all of them for
+# the auto split counts). H200, batch 1 x 32768, 16 splits: 2.3 us, against 20 us for 16-row
+# programs that loaded one split at a time.
+_COMBINE_BLOCK_S = 128
 # The per-batch-row tensors every KV-cache kernel takes (stood in for by q when absent).
 _CACHE_TENSORS = ("CACHE_SEQLENS", "CACHE_LEFTPAD", "CACHE_BATCH_IDX", "BLOCK_TABLE")
 _APPEND = CachedLaunch(kernels.append_kv, ("Q", "K_NEW", "V_NEW", "K_CACHE", "V_CACHE", "Q_OUT", "COS", "SIN")
@@ -141,8 +145,7 @@ def _plan(batch, seqlen_q, nheads, nheads_kv, head_dim, head_dim_v, dtype, devic
     m_blocks = cdiv(rows, cfg.BLOCK_M)
     gather = page_size > 0 and page_size % cfg.BLOCK_N != 0
     splits = decode_splits(num_splits, m_blocks * batch * nheads_kv, capacity, device, cfg.BLOCK_N, gather)
-    return DecodePlan(cfg, splits, (m_blocks, batch * nheads_kv, splits),
-                      (cdiv(seqlen_q * nheads, _MERGE_BLOCK_M), batch))
+    return DecodePlan(cfg, splits, (m_blocks, batch * nheads_kv, splits), (seqlen_q * nheads, batch))
 
 
 def plan(q, k_cache, v_cache, args: KVCacheArgs, config: TileConfig | None = None) -> DecodePlan:
@@ -211,9 +214,10 @@ def attention_kv(q, k_cache, v_cache, args: KVCacheArgs, config: TileConfig | No
                      lambda: dict(zip(_COMBINE_STRIDES, (o_dst.stride(0), *o_dst.stride()[1:4], lse_dst.stride(0),
                                                          *lse_dst.stride()[1:3], *out.stride()[:3],
                                                          *lse.stride()[:2])),
-                                  seqlen_q=seqlen_q, nheads=nheads, num_splits=p.num_splits,
+                                  nheads=nheads, num_splits=p.num_splits,
                                   HEAD_DIM_V_ACTUAL=head_dim_v, HEAD_DIM_V=padded_head_dim(head_dim_v),
-                                  BLOCK_M=_MERGE_BLOCK_M, num_warps=4))
+                                  BLOCK_S=min(triton.next_power_of_2(p.num_splits), _COMBINE_BLOCK_S),
+                                  num_warps=2 if p.num_splits <= 32 else 8))
     return out, lse
 
 

@@ -56,10 +56,12 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptr, delta_ptr, stride_q
     offs_m = lo + tl.arange(0, BLOCK_M)
     q_ptrs += lo * stride_qm
     do_ptrs += lo * stride_dom
+    # Only masked runs can reach past seqlen_q (see q_block_range): the unmasked run loads whole blocks.
+    CHECK_ROWS: tl.constexpr = MASK and not EVEN_M
     for _ in range(lo, hi, BLOCK_M):
-        q = load_tile(q_ptrs, offs_m, seqlen_q, offs_dk, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, not EVEN_M)
+        q = load_tile(q_ptrs, offs_m, seqlen_q, offs_dk, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, CHECK_ROWS)
         # Rows past seqlen_q read lse = +inf, so their P is 0 and they add nothing.
-        if EVEN_M:
+        if not CHECK_ROWS:
             lse2 = tl.load(lse2_ptr + offs_m)
             delta = tl.load(delta_ptr + offs_m)
         else:
@@ -71,7 +73,7 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptr, delta_ptr, stride_q
                           bias_base, stride_bm, stride_bn, window_left, window_right,
                           MASK, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, BIAS)
         p_t = tl.math.exp2(s_t - lse2[None, :])
-        do = load_tile(do_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V_ACTUAL, HEAD_DIM_V, not EVEN_M)
+        do = load_tile(do_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V_ACTUAL, HEAD_DIM_V, CHECK_ROWS)
         dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
         if DROPOUT:
             # The output saw P * keep / (1 - p): dV and dP see the same mask and scale.
@@ -155,7 +157,7 @@ def bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, softmax_scale, softcap, window_le
     dv = tl.zeros([BLOCK_N, HEAD_DIM_V], dtype=tl.float32)
     qk_scale = score_scale(softmax_scale, softcap, SOFTCAP)
     lo, full_lo, full_hi, hi = q_block_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
-                                             BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+                                             BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, EVEN_M)
 
     # Sum over the query heads that share this KV head (GQA), in a fixed order.
     for g in range(group):
@@ -170,8 +172,9 @@ def bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, softmax_scale, softcap, window_le
         for run in tl.static_range(3):
             # Runs 0 and 2 straddle the window's edges; run 1 needs no mask.
             run_lo, run_hi = run_bounds(run, lo, full_lo, full_hi, hi)
-            # Run 0 is empty without a right edge (causal), run 2 without a left edge: leave them out.
-            if (run != 0 or MASK_RIGHT) and (run != 2 or MASK_LEFT):
+            # Run 0 is empty without a right edge (causal), run 2 without a left edge or a partial
+            # last query block: leave them out.
+            if (run != 0 or MASK_RIGHT) and (run != 2 or MASK_LEFT or not EVEN_M):
                 dk, dv = _bwd_dkdv_inner(
                     dk, dv, k, v, q_ptrs, do_ptrs, LSE2 + row, DELTA + row, stride_qm, stride_dom,
                     start_n * BLOCK_N, offs_n, offs_dk, offs_dv, run_lo, run_hi, seqlen_q, seqlen_k, qk_scale, softcap * LOG2E, slope2,

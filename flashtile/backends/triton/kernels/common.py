@@ -163,9 +163,12 @@ def split_range(lo, hi, split, num_splits, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def q_block_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+                  EVEN_M: tl.constexpr):
     """Queries that see key block ``start_n``, in three runs:
-    ``[lo, full_lo)`` masked, ``[full_lo, full_hi)`` unmasked, ``[full_hi, hi)`` masked."""
+    ``[lo, full_lo)`` masked, ``[full_lo, full_hi)`` unmasked, ``[full_hi, hi)`` masked.
+    Unless ``EVEN_M`` (``seqlen_q`` a multiple of ``BLOCK_M``), a last partial query block is left
+    to the masked run 2, so the unmasked run reads whole blocks without row checks."""
     diag = seqlen_k - seqlen_q
     first_key = start_n * BLOCK_N
     last_key = first_key + BLOCK_N - 1
@@ -182,6 +185,8 @@ def q_block_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
         # Query i sees key j only if i <= j - diag + window_left.
         hi = tl.minimum(seqlen_q, tl.maximum(last_key - diag + window_left + 1, 0))
         full_hi = tl.minimum(full_hi, tl.maximum(first_key - diag + window_left + 1, 0) // BLOCK_M * BLOCK_M)
+    if not EVEN_M:
+        full_hi = tl.minimum(full_hi, seqlen_q // BLOCK_M * BLOCK_M)
     # Never walk query blocks past the sequence: their rows would be read unmasked.
     full_lo = tl.minimum(tl.maximum(full_lo, lo), tl.cdiv(hi, BLOCK_M) * BLOCK_M)
     full_hi = tl.maximum(full_hi, full_lo)

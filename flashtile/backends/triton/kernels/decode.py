@@ -258,29 +258,38 @@ def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 
 def attn_decode_combine(O_PART, LSE_PART, O, LSE,
                         stride_ps, stride_pb, stride_pm, stride_ph, stride_pls, stride_plb, stride_plh,
                         stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
-                        seqlen_q, nheads, num_splits,
-                        HEAD_DIM_V_ACTUAL: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Program ``(row block, b)`` merges the ``num_splits`` partials of rows ``t * nheads + h``."""
-    offs_r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+                        nheads, num_splits,
+                        HEAD_DIM_V_ACTUAL: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Program ``(row, b)`` merges the ``num_splits`` partials of row ``t * nheads + h``, ``BLOCK_S``
+    splits per load: the step is latency-bound, so its loads go out together, not one split at a time."""
+    row = tl.program_id(0)
     off_b = tl.program_id(1).to(tl.int64)
-    n_rows = seqlen_q * nheads
-    offs_t = (offs_r // nheads).to(tl.int64)
-    heads = offs_r % nheads
-    row_ok = offs_r < n_rows
+    off_t = (row // nheads).to(tl.int64)
+    off_h = (row % nheads).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM_V)
-    o_part = O_PART + off_b * stride_pb + (offs_t * stride_pm + heads * stride_ph)[:, None] + offs_d[None, :]
-    lse_part = LSE_PART + off_b * stride_plb + heads * stride_plh + offs_t
-    o = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
-    lse = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    for split in range(num_splits):
-        o_s = load_tile(o_part, offs_r, n_rows, offs_d, HEAD_DIM_V_ACTUAL, HEAD_DIM_V, True)
-        lse_s = tl.load(lse_part, mask=row_ok, other=float("-inf"))
-        o, lse = merge_state(o, lse, o_s, lse_s)
-        o_part += stride_ps
-        lse_part += stride_pls
-    o_ptrs = O + off_b * stride_ob + (offs_t * stride_om + heads * stride_oh)[:, None] + offs_d[None, :]
-    store_tile(o_ptrs, o.to(O.dtype.element_ty), offs_r, n_rows, offs_d, HEAD_DIM_V_ACTUAL)
-    tl.store(LSE + off_b * stride_lb + heads * stride_lh + offs_t, lse, mask=row_ok)
+    o_part = (O_PART + off_b * stride_pb + off_t * stride_pm + off_h * stride_ph
+              + offs_s[:, None].to(tl.int64) * stride_ps + offs_d[None, :])
+    lse_part = LSE_PART + off_b * stride_plb + off_h * stride_plh + off_t + offs_s.to(tl.int64) * stride_pls
+    o = tl.zeros([1, HEAD_DIM_V], dtype=tl.float32)
+    lse = tl.full([1], float("-inf"), dtype=tl.float32)
+    for start_s in range(0, num_splits, BLOCK_S):
+        lse_s = tl.load(lse_part, mask=start_s + offs_s < num_splits, other=float("-inf"))
+        o_s = load_tile(o_part, start_s + offs_s, num_splits, offs_d, HEAD_DIM_V_ACTUAL, HEAD_DIM_V, True)
+        # These splits as one partial (its lse and weighted output), merged into the running one.
+        m = tl.max(lse_s, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.math.exp2((lse_s - m) * LOG2E)
+        total = tl.sum(w, 0)
+        o_c = tl.sum(tl.where(w[:, None] > 0.0, o_s * w[:, None], 0.0), 0, keep_dims=True)
+        o_c = o_c / tl.where(total > 0.0, total, 1.0)
+        lse_c = tl.where(total > 0.0, m + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf"))
+        o, lse = merge_state(o, lse, o_c, tl.zeros([1], dtype=tl.float32) + lse_c)
+        o_part += BLOCK_S * stride_ps
+        lse_part += BLOCK_S * stride_pls
+    o_ptrs = O + off_b * stride_ob + off_t * stride_om + off_h * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=offs_d[None, :] < HEAD_DIM_V_ACTUAL)
+    tl.store(LSE + off_b * stride_lb + off_h * stride_lh + off_t + tl.arange(0, 1), lse)
 
 
 @triton.jit

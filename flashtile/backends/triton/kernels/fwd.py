@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from .common import (LOG2E, dropout_keep, head_base, head_terms, int64, kv_block_range, load_tile, program_block,
-                     run_bounds, score_scale, scores, sequence, softmax_step, store_tile, tile_ptrs)
+                     run_bounds, score_scale, scores, sequence, softmax_step, store_tile, tile_ptrs, visible)
 
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -22,28 +22,36 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs
                     HEAD_DIM_V_ACTUAL: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                     MASK: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                     SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ALIBI: tl.constexpr, BIAS: tl.constexpr,
-                    DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                    DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                    full_lo=0, full_hi=0, EDGES: tl.constexpr = False):
+    """Keys ``[lo, hi)``; ``MASK``: every block is masked. ``EDGES``: only the blocks outside
+    ``[full_lo, full_hi)`` are, under a branch that is uniform across the program."""
+    MODIFIED: tl.constexpr = MASK or EDGES or SOFTCAP or ALIBI or BIAS != ""
     offs_n = lo + tl.arange(0, BLOCK_N)
     k_ptrs += lo * stride_kn
     v_ptrs += lo * stride_vn
     for start_n in range(lo, hi, BLOCK_N):
         # Full blocks are in range by construction: only masked blocks check the key boundary.
-        k = load_tile(k_ptrs, offs_n, seqlen_k, offs_dk, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, MASK)
+        k = load_tile(k_ptrs, offs_n, seqlen_k, offs_dk, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, MASK or EDGES)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
-        if MASK or SOFTCAP or ALIBI or BIAS != "":
+        if MODIFIED:
             s, _ = scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, qk_scale, softcap2, slope2,
                           bias_base, stride_bm, stride_bn, window_left, window_right,
                           MASK, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, BIAS)
+            if EDGES:
+                if (start_n < full_lo) | (start_n >= full_hi):
+                    s = tl.where(visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
+                                         window_right, MASK_LEFT, MASK_RIGHT), s, float("-inf"))
         else:
             s = qk
-        p, alpha, m_ij = softmax_step(qk, s, m_i, qk_scale, MASK or SOFTCAP or ALIBI or BIAS != "")
+        p, alpha, m_ij = softmax_step(qk, s, m_i, qk_scale, MODIFIED)
         # Rescale what was accumulated under the old row max, then add this block.
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if DROPOUT:
             # The denominator sums every probability; only the kept ones reach the output.
             p = tl.where(dropout_keep(seed, offset, bh, offs_m, start_n, threshold, BLOCK_N), p, 0.0)
-        v = load_tile(v_ptrs, offs_n, seqlen_k, offs_dv, HEAD_DIM_V_ACTUAL, HEAD_DIM_V, MASK)
+        v = load_tile(v_ptrs, offs_n, seqlen_k, offs_dv, HEAD_DIM_V_ACTUAL, HEAD_DIM_V, MASK or EDGES)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
         m_i = m_ij
         offs_n += BLOCK_N
@@ -109,17 +117,28 @@ def attn_fwd(Q, K, V, O, LSE, softmax_scale, softcap, window_left, window_right,
 
     lo, full_lo, full_hi, hi = kv_block_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                               BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
-    for run in tl.static_range(3):
-        # Runs 0 and 2 straddle the window's edges or the sequence end; run 1 needs no mask.
-        run_lo, run_hi = run_bounds(run, lo, full_lo, full_hi, hi)
-        # Without a left edge run 0 is empty: leave it out of the compiled kernel.
-        if run != 0 or MASK_LEFT:
-            acc, l_i, m_i = _attn_fwd_inner(
-                acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_dk, offs_dv,
-                run_lo, run_hi, seqlen_q, seqlen_k, qk_scale, softcap * LOG2E, slope2, bias_base, stride_bm, stride_bn,
-                window_left, window_right, seed, offset, bh, threshold,
-                BLOCK_N, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, HEAD_DIM_V_ACTUAL, HEAD_DIM_V,
-                run != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, BIAS, DROPOUT, INPUT_PRECISION)
+    if MASK_LEFT and MASK_RIGHT:
+        # A two-sided window visits few blocks per program: one pipelined loop that masks only its
+        # edge blocks beats three short loops (H200, (1024, 0) at 16k: 0.376 -> 0.354 ms).
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_dk, offs_dv,
+            lo, hi, seqlen_q, seqlen_k, qk_scale, softcap * LOG2E, slope2, bias_base, stride_bm, stride_bn,
+            window_left, window_right, seed, offset, bh, threshold,
+            BLOCK_N, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, HEAD_DIM_V_ACTUAL, HEAD_DIM_V,
+            False, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, BIAS, DROPOUT, INPUT_PRECISION,
+            full_lo, full_hi, True)
+    else:
+        for run in tl.static_range(3):
+            # Runs 0 and 2 straddle the window's edges or the sequence end; run 1 needs no mask.
+            run_lo, run_hi = run_bounds(run, lo, full_lo, full_hi, hi)
+            # Without a left edge run 0 is empty: leave it out of the compiled kernel.
+            if run != 0 or MASK_LEFT:
+                acc, l_i, m_i = _attn_fwd_inner(
+                    acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_dk, offs_dv,
+                    run_lo, run_hi, seqlen_q, seqlen_k, qk_scale, softcap * LOG2E, slope2, bias_base, stride_bm,
+                    stride_bn, window_left, window_right, seed, offset, bh, threshold,
+                    BLOCK_N, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, HEAD_DIM_V_ACTUAL, HEAD_DIM_V,
+                    run != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, BIAS, DROPOUT, INPUT_PRECISION)
 
     # A row that saw no key (and no sink) has l = 0: its output is 0 and its lse is -inf.
     seen = l_i > 0.0

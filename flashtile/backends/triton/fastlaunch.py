@@ -27,8 +27,9 @@ def _interpreting() -> bool:
 
 
 def _current_stream() -> int:
-    # Asked on every launch: inside a CUDA-graph capture it is the capturing stream.
-    return torch.cuda.current_stream().cuda_stream
+    # Asked on every launch (inside a CUDA-graph capture it is the capturing stream), through the
+    # raw call Triton's own launcher uses: torch.cuda.current_stream() builds a Stream object each time.
+    return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
 
 
 class CachedLaunch:

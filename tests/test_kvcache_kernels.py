@@ -151,6 +151,22 @@ def test_splits(rng, num_splits):
     check_attention(q, k_cache, v_cache, args)
 
 
+def test_combine_in_chunks(rng, monkeypatch):
+    """More splits than the combine kernel loads at once: it merges them chunk by chunk, the last
+    chunk partial, with empty splits (the 5-key row) in every chunk."""
+    from flashtile.backends.triton import decode
+
+    # headdim 64 and a 128-element tile: 2 splits per load, so 7 splits take 4 loads.
+    monkeypatch.setattr(decode, "_COMBINE_TILE", 128)
+    capacity, headdim = 112, 64
+    k_cache, v_cache = caches(rng, 2, capacity, 1, headdim)
+    q = randn(rng, 2, 1, 4, headdim)
+    args = kv_args(headdim, capacity, cache_seqlens=int32([111, 5]), num_splits=7)
+    assert plan(q, k_cache, v_cache, args).num_splits == min(7, -(-capacity // plan(q, k_cache, v_cache,
+                                                                                       args).config.BLOCK_N))
+    check_attention(q, k_cache, v_cache, args)
+
+
 def test_splits_agree(rng):
     """One split and several give the same result to within fp32 rounding of the merge."""
     k_cache, v_cache = caches(rng, 2, 100, 2, 32)

@@ -181,8 +181,10 @@ _DECODE_INTERPRET = TileConfig(16, 16, 4, 1)
 #   splits = DECODE_PROGRAMS_PER_SM * SMs // programs, at most capacity // DECODE_MIN_KEYS_PER_SPLIT
 #   and DECODE_MAX_SPLITS, at least 1.
 # Rounding down keeps every program resident in one wave (no tail). Measured on the H200 (bf16, d=128,
-# 32/8 heads, CUDA graph): batch 1 x 131072 keys: 16 splits 143 us, 32: 165-178, 64: 244; batch 16 x
-# 8192: 1 split 123.6 us, 2: 133.9; so one program per SM (a 16x128 s3 program fills an SM's shared memory).
+# 32/8 heads, CUDA graph, one-load combine kernel): batch 1 x 32768 keys: 8 splits 49.4 us, 12: 39.2,
+# 16: 38.2, 24: 46.1, 32: 45.4, 48: 50.2; batch 16 x 8192: 1 split 123.6 us, 2: 133.9; so one program
+# per SM (a 16x128 s3 program fills an SM's shared memory). Reading full key blocks through the TMA
+# (device-side descriptors) instead of cp.async measured 1-2% slower on these shapes.
 DECODE_PROGRAMS_PER_SM = 1
 DECODE_MIN_KEYS_PER_SPLIT = 512
 DECODE_MAX_SPLITS = 128

@@ -33,6 +33,37 @@ def test_explain_names_backend_kernel_and_config(rng):
     assert report.to_dict()["backend"] == "triton"
 
 
+@pytest.mark.parametrize("window, seqlen, block_m", [
+    ((-1, -1), 512, 128),  # full rows: the big tile at every length
+    ((-1, 0), 4096, 64),  # causal, short rows: the diagonal blocks waste less of a small tile
+    ((-1, 0), 16384, 128),  # causal, long rows
+    ((1024, 0), 16384, 64),  # a narrow window keeps rows short however long the sequence
+    ((8192, 0), 16384, 128),
+])
+def test_hopper_forward_tiles_follow_the_mask_and_row_length(monkeypatch, window, seqlen, block_m):
+    """The H200 d=128 forward tiles (configs.py) picked from the call's mask and keys per row, and
+    explain() names the tile the launcher will use."""
+    from flashtile.backends import AttentionCall
+    from flashtile.backends import triton as triton_backend
+    from flashtile.backends.triton import configs
+    monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
+    cuda = torch.device("cuda", 0)
+    left, right = window
+    masked = left >= 0 or right >= 0
+    cfg = configs.fwd_config(128, torch.bfloat16, cuda, masked, configs.row_keys(seqlen, left, right))
+    assert cfg.BLOCK_M == block_m
+    call = AttentionCall(cuda, torch.bfloat16, 1, seqlen, seqlen, 16, 16, 128, right == 0, window=window)
+    name, _, config = triton_backend.describe(call)
+    assert f"BM={block_m} " in name and config["fwd"]["BLOCK_M"] == block_m
+
+
+def test_keys_per_row_under_a_window():
+    from flashtile.backends.triton.configs import row_keys
+    assert row_keys(16384, 1024, 0) == 1025
+    assert row_keys(300, 1024, 0) == 300
+    assert row_keys(16384, -1, 0) == 16384 and row_keys(16384, 8, -1) == 16384
+
+
 def test_explain_runs_nothing_and_records_nothing(rng):
     flashtile.explain(*inputs(rng))
     assert flashtile.stats() == {"calls": {}, "kernels": {}, "fallbacks": {}}

@@ -182,6 +182,8 @@ class AttentionCall:
     headdim_v: Optional[int] = None
     # Tokens per page of a paged KV cache; 0 otherwise.
     page_size: int = 0
+    # (window_left, window_right) as in AttnArgs (causal is window_right = 0; -1 = unbounded).
+    window: tuple = (-1, -1)
 
     def __post_init__(self):
         if self.headdim_v is None:
@@ -217,7 +219,8 @@ class AttentionCall:
         headdim_v = v.shape[-1]
         page_size = args.page_size if isinstance(args, KVCacheArgs) and args.paged else 0
         return cls(q.device, q.dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, bool(args.causal),
-                   _features(args, headdim, headdim_v), headdim_v, page_size)
+                   _features(args, headdim, headdim_v), headdim_v, page_size,
+                   (args.window_left, args.window_right))
 
 
 def _shape(t: torch.Tensor) -> str:

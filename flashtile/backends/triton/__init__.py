@@ -9,7 +9,7 @@ import os
 import torch
 
 from .. import AttentionCall, missing_features
-from .configs import capability, bwd_config, decode_config, decode_splits, fwd_config
+from .configs import capability, bwd_config, decode_config, decode_splits, fwd_config, row_keys
 
 FEATURES = frozenset({"dropout", "window", "softcap", "alibi", "sink", "bias", "varlen", "headdim_v", "kvcache",
                       "paged", "merge"})
@@ -74,8 +74,9 @@ def describe(call: AttentionCall):
     if call.kvcache:
         return _describe_kvcache(call)
     headdim = max(call.headdim, call.headdim_v)
-    features = {name for name, _ in call.features}
-    fwd = fwd_config(headdim, call.dtype, call.device, call.causal, score_mods=bool(features & {"softcap", "alibi"}))
+    left, right = call.window
+    masked = call.causal or left >= 0 or right >= 0
+    fwd = fwd_config(headdim, call.dtype, call.device, masked, row_keys(call.seqlen_k, left, right))
     bwd = bwd_config(headdim, call.dtype, call.device)
     mask = "causal" if call.causal else "full"
     # Features change the kernel that runs (each is a compile-time switch): name them.

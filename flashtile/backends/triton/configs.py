@@ -30,22 +30,34 @@ def _bwd(m1, n1, w1, s1, m2, n2, w2, s2) -> BwdConfig:
     return BwdConfig(TileConfig(m1, n1, w1, s1), TileConfig(m2, n2, w2, s2))
 
 
-# Hopper (sm_90), 16-bit inputs: (non-causal, causal) forward tiles and one backward pair per head dim.
-# Chosen by benchmarks/tune.py on one H200, bf16, batch 4 x seqlen 4096, nheads x headdim = 2048
-# (2026-11-21, torch 2.11 / triton 3.6; full sweep in benchmarks/results/h200-tune-2026-11-21.json):
-#   fwd d=128: 256x64 w8 s3 506 TFLOP/s non-causal (128x128 w8 s3: 483, 128x64 w8 s3: 465);
-#              64x64 w4 s3 425 causal (128x64 w8 s3: 415, 256x64 w8 s3: 353).
+# Hopper (sm_90), 16-bit inputs: forward tiles per head dim as (full rows, masked rows, long masked
+# rows) and one backward pair. Masked rows: causal or a sliding window; long: a row attends to at
+# least MASKED_LONG_KEYS keys. First chosen by benchmarks/tune.py on one H200, bf16, batch 4 x
+# seqlen 4096, nheads x headdim = 2048 (2026-11-21, torch 2.11 / triton 3.6; full sweep in
+# benchmarks/results/h200-tune-2026-11-21.json):
 #   fwd d=64:  128x64 w8 s4 437 non-causal (128x64 w8 s3: 431); 128x64 w8 s3 387 causal.
 #   dK/dV d=128: 32x64 w4 s3 best of 9 (358 / 311 TFLOP/s whole backward, non-causal / causal);
 #   dK/dV d=64:  64x64 w4 s3 best of 9 (293 / 254).
 #   dQ d=128: 128x64 w8 s3 best of 8 (364 / 326); dQ d=64: 64x32 w4 s3 best of 8 (287 / 269).
+# Re-measured on the current kernels (H200, bf16, 2026-11-22, A/B in one run, scratch sweep of 7 tiles
+# over batch x seqlen = 32 x 512 .. 1 x 32768, fwd TFLOP/s; the first sweep had put 256x64 w8 s3 ahead
+# of 128x128 w8 s3 for d=128, 506 vs 483, and 64x64 w4 s3 causal at 425):
+#   fwd d=128 full: 128x128 w8 s3 beats 256x64 w8 s3 at every length: 328 / 423 / 472 / 498 / 499 /
+#     501 vs 319 / 392 / 430 / 457 / 456 / 473 at 512 / 1k / 2k / 4k / 8k / 16k keys.
+#   fwd d=128 causal: 64x64 w4 s3 leads below 8192 keys (425 vs 409 at 4k, 384 vs 348 at 2k, 232 vs
+#     198 at 512: a diagonal block wastes half of a tile, and the bigger tile wastes more); from 8192
+#     on 128x128 w8 s3 leads (457 vs 421 at 8k, 496 vs 458 at 16k, 519 vs 467 at 32k). A window
+#     (1024, 0) at 16k rows stays short: 64x64 0.349 ms, 128x128 0.420.
+#   fwd d=64 causal: 128x64 w8 s4 >= s3 at every length (387 / 397 / 416 / 428 vs 373 / 395 / 416 / 420).
+#   backward d=128: no other pair of 11 leads at more than one length (within 3%), so it stays.
 # d=16/32 reuse the d=64 rows and d=256 the smallest tiles that fit shared memory (not swept).
+MASKED_LONG_KEYS = 8192
 _FWD_SM90 = {
-    16: (TileConfig(128, 64, 8, 4), TileConfig(128, 64, 8, 3)),
-    32: (TileConfig(128, 64, 8, 4), TileConfig(128, 64, 8, 3)),
-    64: (TileConfig(128, 64, 8, 4), TileConfig(128, 64, 8, 3)),
-    128: (TileConfig(256, 64, 8, 3), TileConfig(64, 64, 4, 3)),
-    256: (TileConfig(64, 64, 4, 2), TileConfig(64, 64, 4, 2)),
+    16: (TileConfig(128, 64, 8, 4),) * 3,
+    32: (TileConfig(128, 64, 8, 4),) * 3,
+    64: (TileConfig(128, 64, 8, 4),) * 3,
+    128: (TileConfig(128, 128, 8, 3), TileConfig(64, 64, 4, 3), TileConfig(128, 128, 8, 3)),
+    256: (TileConfig(64, 64, 4, 2),) * 3,
 }
 _BWD_SM90 = {
     16: _bwd(64, 64, 4, 3, 64, 32, 4, 3),
@@ -54,19 +66,14 @@ _BWD_SM90 = {
     128: _bwd(32, 64, 4, 3, 128, 64, 8, 3),
     256: _bwd(32, 64, 8, 1, 64, 32, 8, 1),
 }
-# Hopper, non-causal forward with per-element score work (softcap, ALiBi): the 256-row tile
-# above runs out of registers. Measured on the H200 (bf16, 4 x 4096 x 16 heads, d=128, fwd ms;
-# plain 256x64 = 1.19): ALiBi 256x64 1.96, 128x64 1.34, 128x128 1.27, 64x64 1.36;
-# softcap 256x64 1.34, 128x64 1.36, 128x128 1.26, 64x64 1.33.
-_FWD_SM90_SCORE_MODS = {128: TileConfig(128, 128, 8, 3)}
 # Ampere (sm_80/86/89), 16-bit inputs: smaller shared memory than Hopper, so shallower pipelines.
 # Not measured yet on an Ampere GPU: conservative tiles that fit its 164 KB of shared memory.
 _FWD_SM80 = {
-    16: (TileConfig(128, 64, 4, 3),) * 2,
-    32: (TileConfig(128, 64, 4, 3),) * 2,
-    64: (TileConfig(128, 64, 4, 3),) * 2,
-    128: (TileConfig(128, 64, 8, 2),) * 2,
-    256: (TileConfig(64, 32, 4, 2),) * 2,
+    16: (TileConfig(128, 64, 4, 3),) * 3,
+    32: (TileConfig(128, 64, 4, 3),) * 3,
+    64: (TileConfig(128, 64, 4, 3),) * 3,
+    128: (TileConfig(128, 64, 8, 2),) * 3,
+    256: (TileConfig(64, 32, 4, 2),) * 3,
 }
 _BWD_SM80 = {
     16: _bwd(64, 64, 4, 2, 64, 64, 4, 2),
@@ -99,19 +106,25 @@ def _arch(device: torch.device) -> int:
     return 90 if major >= 9 else 80
 
 
-def fwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, causal: bool,
-               score_mods: bool = False) -> TileConfig:
-    """``score_mods``: the call computes softcap or ALiBi on every score."""
+def fwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, masked: bool, row_keys: int) -> TileConfig:
+    """``masked``: causal or a sliding window; ``row_keys``: the most keys one query row attends to
+    (``seqlen_k``, or less under a window with a left bound)."""
     if device.type != "cuda":
         return _FWD_INTERPRET
     if dtype == torch.float32:
         return _FWD_FP32
-    padded = padded_head_dim(head_dim)
-    if _arch(device) == 90:
-        if score_mods and not causal and padded in _FWD_SM90_SCORE_MODS:
-            return _FWD_SM90_SCORE_MODS[padded]
-        return _FWD_SM90[padded][int(causal)]
-    return _FWD_SM80[padded][int(causal)]
+    table = _FWD_SM90 if _arch(device) == 90 else _FWD_SM80
+    # Causal rows of a short sequence, or a narrow window, make short programs whose edge blocks
+    # waste more of a bigger tile.
+    column = 0 if not masked else 2 if row_keys >= MASKED_LONG_KEYS else 1
+    return table[padded_head_dim(head_dim)][column]
+
+
+def row_keys(seqlen_k: int, window_left: int, window_right: int) -> int:
+    """The most keys one query row attends to under the window (-1 = unbounded side)."""
+    if window_left < 0 or window_right < 0:
+        return seqlen_k
+    return min(seqlen_k, window_left + window_right + 1)
 
 
 def bwd_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> BwdConfig:

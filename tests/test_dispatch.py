@@ -33,16 +33,20 @@ def test_explain_names_backend_kernel_and_config(rng):
     assert report.to_dict()["backend"] == "triton"
 
 
-@pytest.mark.parametrize("window, seqlen, block_m", [
-    ((-1, -1), 512, 128),  # full rows: the big tile at every length
-    ((-1, 0), 4096, 64),  # causal, short rows: the diagonal blocks waste less of a small tile
-    ((-1, 0), 16384, 128),  # causal, long rows
-    ((1024, 0), 16384, 64),  # a narrow window keeps rows short however long the sequence
-    ((8192, 0), 16384, 128),
+@pytest.mark.parametrize("window, seqlen, features, tile", [
+    ((-1, -1), 512, {}, (128, 128)),  # full rows: the big tile at every length
+    ((-1, 0), 4096, {}, (64, 64)),  # causal, short rows: the diagonal blocks waste less of a small tile
+    ((-1, 0), 16384, {}, (128, 128)),  # causal, long rows
+    ((1024, 0), 16384, {}, (64, 64)),  # a narrow window keeps rows short however long the sequence
+    ((8192, 0), 16384, {}, (128, 128)),
+    ((-1, -1), 4096, {"softcap": 30.0}, (64, 64)),  # tanh and exp2 share the special-function units
+    ((-1, -1), 8192, {"softcap": 30.0}, (128, 128)),
+    ((-1, 0), 16384, {"softcap": 30.0}, (64, 64)),
+    ((-1, -1), 4096, {"bias": True}, (128, 64)),  # the bias tile needs shared memory too
 ])
-def test_hopper_forward_tiles_follow_the_mask_and_row_length(monkeypatch, window, seqlen, block_m):
-    """The H200 d=128 forward tiles (configs.py) picked from the call's mask and keys per row, and
-    explain() names the tile the launcher will use."""
+def test_hopper_forward_tiles_follow_mask_row_length_and_features(monkeypatch, window, seqlen, features, tile):
+    """The H200 d=128 forward tiles (configs.py) picked from the call's mask, keys per row, softcap and
+    bias, and explain() names the tile the launcher will use."""
     from flashtile.backends import AttentionCall
     from flashtile.backends import triton as triton_backend
     from flashtile.backends.triton import configs
@@ -50,11 +54,13 @@ def test_hopper_forward_tiles_follow_the_mask_and_row_length(monkeypatch, window
     cuda = torch.device("cuda", 0)
     left, right = window
     masked = left >= 0 or right >= 0
-    cfg = configs.fwd_config(128, torch.bfloat16, cuda, masked, configs.row_keys(seqlen, left, right))
-    assert cfg.BLOCK_M == block_m
-    call = AttentionCall(cuda, torch.bfloat16, 1, seqlen, seqlen, 16, 16, 128, right == 0, window=window)
+    cfg = configs.fwd_config(128, torch.bfloat16, cuda, masked, configs.row_keys(seqlen, left, right),
+                             softcap="softcap" in features, bias="bias" in features)
+    assert (cfg.BLOCK_M, cfg.BLOCK_N) == tile
+    described = tuple((name, f"{name}: test") for name in features)
+    call = AttentionCall(cuda, torch.bfloat16, 1, seqlen, seqlen, 16, 16, 128, right == 0, described, window=window)
     name, _, config = triton_backend.describe(call)
-    assert f"BM={block_m} " in name and config["fwd"]["BLOCK_M"] == block_m
+    assert f"BM={tile[0]} BN={tile[1]}]" in name and (config["fwd"]["BLOCK_M"], config["fwd"]["BLOCK_N"]) == tile
 
 
 def test_keys_per_row_under_a_window():

@@ -76,7 +76,8 @@ def describe(call: AttentionCall):
     headdim = max(call.headdim, call.headdim_v)
     left, right = call.window
     masked = call.causal or left >= 0 or right >= 0
-    fwd = fwd_config(headdim, call.dtype, call.device, masked, row_keys(call.seqlen_k, left, right))
+    fwd = fwd_config(headdim, call.dtype, call.device, masked, row_keys(call.seqlen_k, left, right),
+                     softcap="softcap" in call.feature_names, bias="bias" in call.feature_names)
     bwd = bwd_config(headdim, call.dtype, call.device)
     mask = "causal" if call.causal else "full"
     # Features change the kernel that runs (each is a compile-time switch): name them.

@@ -30,9 +30,9 @@ def _bwd(m1, n1, w1, s1, m2, n2, w2, s2) -> BwdConfig:
     return BwdConfig(TileConfig(m1, n1, w1, s1), TileConfig(m2, n2, w2, s2))
 
 
-# Hopper (sm_90), 16-bit inputs: forward tiles per head dim as (full rows, masked rows, long masked
-# rows) and one backward pair. Masked rows: causal or a sliding window; long: a row attends to at
-# least MASKED_LONG_KEYS keys. First chosen by benchmarks/tune.py on one H200, bf16, batch 4 x
+# Hopper (sm_90), 16-bit inputs: forward tiles per head dim as (full rows, long full rows, masked
+# rows, long masked rows) and one backward pair. Masked rows: causal or a sliding window; long: a
+# row attends to at least LONG_KEYS keys. First chosen by benchmarks/tune.py on one H200, bf16, batch 4 x
 # seqlen 4096, nheads x headdim = 2048 (2026-11-21, torch 2.11 / triton 3.6; full sweep in
 # benchmarks/results/h200-tune-2026-11-21.json):
 #   fwd d=64:  128x64 w8 s4 437 non-causal (128x64 w8 s3: 431); 128x64 w8 s3 387 causal.
@@ -51,14 +51,26 @@ def _bwd(m1, n1, w1, s1, m2, n2, w2, s2) -> BwdConfig:
 #   fwd d=64 causal: 128x64 w8 s4 >= s3 at every length (387 / 397 / 416 / 428 vs 373 / 395 / 416 / 420).
 #   backward d=128: no other pair of 11 leads at more than one length (within 3%), so it stays.
 # d=16/32 reuse the d=64 rows and d=256 the smallest tiles that fit shared memory (not swept).
-MASKED_LONG_KEYS = 8192
+LONG_KEYS = 8192
 _FWD_SM90 = {
-    16: (TileConfig(128, 64, 8, 4),) * 3,
-    32: (TileConfig(128, 64, 8, 4),) * 3,
-    64: (TileConfig(128, 64, 8, 4),) * 3,
-    128: (TileConfig(128, 128, 8, 3), TileConfig(64, 64, 4, 3), TileConfig(128, 128, 8, 3)),
-    256: (TileConfig(64, 64, 4, 2),) * 3,
+    16: (TileConfig(128, 64, 8, 4),) * 4,
+    32: (TileConfig(128, 64, 8, 4),) * 4,
+    64: (TileConfig(128, 64, 8, 4),) * 4,
+    128: (TileConfig(128, 128, 8, 3),) * 2 + (TileConfig(64, 64, 4, 3), TileConfig(128, 128, 8, 3)),
+    256: (TileConfig(64, 64, 4, 2),) * 4,
 }
+# Hopper d=128 with softcap: tanh and exp2 share the special-function units, and two resident 64x64
+# programs per SM overlap them with the other's matmuls better than one 128x128 program. H200, bf16,
+# 16 heads, fwd ms, 128x128 w8 s3 / 64x64 w4 s3: 4 x 4096 full 1.352 / 1.250, causal 0.782 / 0.712;
+# 2 x 8192 full 2.626 / 2.782, causal 1.428 / 1.313 (128x64 w8 s3, 128x128 w8 s2, 256x64 w8 s3,
+# 64x128 w4 s3 and 128x64 w8 s2 slower everywhere). ALiBi keeps the plain tiles (same sweep: 128x128
+# leads but for causal 4 x 4096, where 64x64 leads as for plain).
+_FWD_SM90_SOFTCAP = {128: (TileConfig(64, 64, 4, 3), TileConfig(128, 128, 8, 3), TileConfig(64, 64, 4, 3),
+                           TileConfig(64, 64, 4, 3))}
+# Hopper d=128 with attn_bias: the bias tile is pipelined through shared memory too, which 128x128 w8 s3
+# overflows. Same sweep, full rows, fwd ms: 8 x 2048 / 4 x 4096: 128x64 w8 s3 0.744 / 1.528, 128x128
+# w8 s2 0.916 / 1.762, 64x64 w4 s3 0.920 / 1.842, 128x64 w8 s2 1.036 / 1.998, 256x64 w8 s3 1.308 / 2.516.
+_FWD_SM90_BIAS = {128: (TileConfig(128, 64, 8, 3),) * 4}
 _BWD_SM90 = {
     16: _bwd(64, 64, 4, 3, 64, 32, 4, 3),
     32: _bwd(64, 64, 4, 3, 64, 32, 4, 3),
@@ -69,11 +81,11 @@ _BWD_SM90 = {
 # Ampere (sm_80/86/89), 16-bit inputs: smaller shared memory than Hopper, so shallower pipelines.
 # Not measured yet on an Ampere GPU: conservative tiles that fit its 164 KB of shared memory.
 _FWD_SM80 = {
-    16: (TileConfig(128, 64, 4, 3),) * 3,
-    32: (TileConfig(128, 64, 4, 3),) * 3,
-    64: (TileConfig(128, 64, 4, 3),) * 3,
-    128: (TileConfig(128, 64, 8, 2),) * 3,
-    256: (TileConfig(64, 32, 4, 2),) * 3,
+    16: (TileConfig(128, 64, 4, 3),) * 4,
+    32: (TileConfig(128, 64, 4, 3),) * 4,
+    64: (TileConfig(128, 64, 4, 3),) * 4,
+    128: (TileConfig(128, 64, 8, 2),) * 4,
+    256: (TileConfig(64, 32, 4, 2),) * 4,
 }
 _BWD_SM80 = {
     16: _bwd(64, 64, 4, 2, 64, 64, 4, 2),
@@ -106,18 +118,25 @@ def _arch(device: torch.device) -> int:
     return 90 if major >= 9 else 80
 
 
-def fwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, masked: bool, row_keys: int) -> TileConfig:
+def fwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, masked: bool, row_keys: int,
+               softcap: bool = False, bias: bool = False) -> TileConfig:
     """``masked``: causal or a sliding window; ``row_keys``: the most keys one query row attends to
-    (``seqlen_k``, or less under a window with a left bound)."""
+    (``seqlen_k``, or less under a window with a left bound); ``softcap`` / ``bias``: the call has one."""
     if device.type != "cuda":
         return _FWD_INTERPRET
     if dtype == torch.float32:
         return _FWD_FP32
-    table = _FWD_SM90 if _arch(device) == 90 else _FWD_SM80
+    padded = padded_head_dim(head_dim)
+    table = _FWD_SM80
+    if _arch(device) == 90:
+        table = _FWD_SM90
+        if bias and padded in _FWD_SM90_BIAS:
+            table = _FWD_SM90_BIAS
+        elif softcap and padded in _FWD_SM90_SOFTCAP:
+            table = _FWD_SM90_SOFTCAP
     # Causal rows of a short sequence, or a narrow window, make short programs whose edge blocks
     # waste more of a bigger tile.
-    column = 0 if not masked else 2 if row_keys >= MASKED_LONG_KEYS else 1
-    return table[padded_head_dim(head_dim)][column]
+    return table[padded][2 * masked + (row_keys >= LONG_KEYS)]
 
 
 def row_keys(seqlen_k: int, window_left: int, window_right: int) -> int:

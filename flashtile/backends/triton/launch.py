@@ -135,7 +135,8 @@ def forward(q, k, v, args: AttnArgs, config=None):
         return out, lse
     cfg = config or fwd_config(max(head_dim, head_dim_v), q.dtype, q.device,
                                args.window_left >= 0 or args.window_right >= 0,
-                               row_keys(seqlen_k, args.window_left, args.window_right))
+                               row_keys(seqlen_k, args.window_left, args.window_right),
+                               softcap=args.softcap > 0, bias=args.attn_bias is not None)
     grid = (cdiv(seqlen_q, cfg.BLOCK_M), nheads, batch)
 
     def static():

@@ -69,8 +69,8 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptr, delta_ptr, stride_q
             delta = tl.load(delta_ptr + offs_m, mask=offs_m < seqlen_q, other=0.0)
         # Work on the transposed tile (keys x queries) so dK and dV accumulate row-wise.
         qk_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)
-        s_t, t_t = scores(qk_t, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, qk_scale, softcap2, slope2,
-                          bias_base, stride_bm, stride_bn, window_left, window_right,
+        s_t, t_t = scores(qk_t, offs_m[None, :], offs_n[:, None], start_n, seqlen_q, seqlen_k, qk_scale, softcap2,
+                          slope2, bias_base, stride_bm, stride_bn, window_left, window_right,
                           MASK, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, BIAS)
         p_t = tl.math.exp2(s_t - lse2[None, :])
         do = load_tile(do_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V_ACTUAL, HEAD_DIM_V, CHECK_ROWS)
@@ -210,8 +210,8 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, 
         v = load_tile(v_ptrs, offs_n, seqlen_k, offs_dv, HEAD_DIM_V_ACTUAL, HEAD_DIM_V, MASK)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
         # Keys past seqlen_k were read as zeros: the mask gives them P = 0 so they add nothing to dQ.
-        s, t = scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, qk_scale, softcap2, slope2,
-                      bias_base, stride_bm, stride_bn, window_left, window_right,
+        s, t = scores(qk, offs_m[:, None], offs_n[None, :], start_n, seqlen_q, seqlen_k, qk_scale, softcap2,
+                      slope2, bias_base, stride_bm, stride_bn, window_left, window_right,
                       MASK, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, BIAS)
         p = tl.math.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)

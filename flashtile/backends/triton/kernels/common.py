@@ -269,12 +269,13 @@ def bias_ptrs(base, offs_q, offs_k, stride_bm, stride_bn):
 
 
 @triton.jit
-def scores(qk, offs_q, offs_k, seqlen_q, seqlen_k, qk_scale, softcap2, slope2, bias_base, stride_bm, stride_bn,
+def scores(qk, offs_q, offs_k, key0, seqlen_q, seqlen_k, qk_scale, softcap2, slope2, bias_base, stride_bm, stride_bn,
            window_left, window_right, MASK: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
            SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ALIBI: tl.constexpr, BIAS: tl.constexpr):
     """One tile's scores in log2 units with every modifier applied, ``-inf`` where not visible.
 
-    ``qk`` is ``q . k``; ``offs_q``/``offs_k`` broadcast to its shape (either orientation).
+    ``qk`` is ``q . k``; ``offs_q``/``offs_k`` broadcast to its shape (either orientation);
+    ``key0`` is the block's first key.
     With ``SOFTCAP``, ``qk_scale = softmax_scale / softcap`` and ``softcap2 = softcap * log2(e)``.
     Also returns ``tanh`` of the capped scores (the backward's chain rule needs it), else ``s``.
     """
@@ -285,10 +286,13 @@ def scores(qk, offs_q, offs_k, seqlen_q, seqlen_k, qk_scale, softcap2, slope2, b
         s = qk * qk_scale
         t = s
     if ALIBI:
-        # The bias grows with the distance from the (bottom-right aligned) diagonal; positions
-        # in float (exact below 2**24) make it a subtract and an FMA per element.
-        rows = (offs_q + (seqlen_k - seqlen_q)).to(tl.float32)
-        s -= slope2 * tl.abs(rows - offs_k.to(tl.float32))
+        # The bias grows with the distance from the (bottom-right aligned) diagonal. Row and column
+        # terms scaled once per block make it one subtract per element (and the |.| a free operand
+        # modifier); counting both from the block's first key keeps them small, so near the
+        # diagonal the rounding stays far below bf16's.
+        rows = slope2 * (offs_q + (seqlen_k - seqlen_q) - key0).to(tl.float32)
+        cols = slope2 * (offs_k - key0).to(tl.float32)
+        s -= tl.abs(rows - cols)
     if BIAS != "":
         in_range = (offs_q < seqlen_q) & (offs_k < seqlen_k)
         ptrs = bias_ptrs(bias_base, offs_q, offs_k, stride_bm, stride_bn)

@@ -135,8 +135,8 @@ def _decode_inner(acc, l_i, m_i, q, K_HEAD, V_HEAD, table_row, stride_kb, stride
         k = load_tile(k_ptrs, offs_n, seqlen_k, offs_dk, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, MASK)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
         if MASK or SOFTCAP or ALIBI:
-            s, _ = scores(qk, offs_t[:, None], offs_n[None, :], seqlen_q, seqlen_k, qk_scale, softcap2, slope2,
-                          K_HEAD, 0, 0, window_left, window_right,
+            s, _ = scores(qk, offs_t[:, None], offs_n[None, :], start_n, seqlen_q, seqlen_k, qk_scale, softcap2,
+                          slope2, K_HEAD, 0, 0, window_left, window_right,
                           MASK, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, "")
         else:
             s = qk

@@ -35,8 +35,8 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs
         k = load_tile(k_ptrs, offs_n, seqlen_k, offs_dk, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, MASK or EDGES)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
         if MODIFIED:
-            s, _ = scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, qk_scale, softcap2, slope2,
-                          bias_base, stride_bm, stride_bn, window_left, window_right,
+            s, _ = scores(qk, offs_m[:, None], offs_n[None, :], start_n, seqlen_q, seqlen_k, qk_scale, softcap2,
+                          slope2, bias_base, stride_bm, stride_bn, window_left, window_right,
                           MASK, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, BIAS)
             if EDGES:
                 if (start_n < full_lo) | (start_n >= full_hi):

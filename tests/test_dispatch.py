@@ -53,8 +53,7 @@ def test_hopper_forward_tiles_follow_mask_row_length_and_features(monkeypatch, w
     monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
     cuda = torch.device("cuda", 0)
     left, right = window
-    masked = left >= 0 or right >= 0
-    cfg = configs.fwd_config(128, torch.bfloat16, cuda, masked, configs.row_keys(seqlen, left, right),
+    cfg = configs.fwd_config(128, torch.bfloat16, cuda, seqlen, left, right,
                              softcap="softcap" in features, bias="bias" in features)
     assert (cfg.BLOCK_M, cfg.BLOCK_N) == tile
     described = tuple((name, f"{name}: test") for name in features)

@@ -9,7 +9,7 @@ import os
 import torch
 
 from .. import AttentionCall, missing_features
-from .configs import capability, bwd_config, decode_config, decode_splits, fwd_config, row_keys
+from .configs import capability, bwd_config, decode_config, decode_splits, fwd_config
 
 FEATURES = frozenset({"dropout", "window", "softcap", "alibi", "sink", "bias", "varlen", "headdim_v", "kvcache",
                       "paged", "merge"})
@@ -75,8 +75,9 @@ def describe(call: AttentionCall):
         return _describe_kvcache(call)
     headdim = max(call.headdim, call.headdim_v)
     left, right = call.window
-    masked = call.causal or left >= 0 or right >= 0
-    fwd = fwd_config(headdim, call.dtype, call.device, masked, row_keys(call.seqlen_k, left, right),
+    # A call built without its window still says whether it is causal.
+    right = 0 if call.causal and right < 0 else right
+    fwd = fwd_config(headdim, call.dtype, call.device, call.seqlen_k, left, right,
                      softcap="softcap" in call.feature_names, bias="bias" in call.feature_names)
     bwd = bwd_config(headdim, call.dtype, call.device)
     mask = "causal" if call.causal else "full"

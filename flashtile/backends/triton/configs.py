@@ -118,10 +118,10 @@ def _arch(device: torch.device) -> int:
     return 90 if major >= 9 else 80
 
 
-def fwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, masked: bool, row_keys: int,
-               softcap: bool = False, bias: bool = False) -> TileConfig:
-    """``masked``: causal or a sliding window; ``row_keys``: the most keys one query row attends to
-    (``seqlen_k``, or less under a window with a left bound); ``softcap`` / ``bias``: the call has one."""
+def fwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, seqlen_k: int, window_left: int,
+               window_right: int, softcap: bool = False, bias: bool = False) -> TileConfig:
+    """Tiles for a call with ``seqlen_k`` keys under the window (``-1`` = unbounded side; causal is
+    ``window_right = 0``); ``softcap`` / ``bias``: the call has one."""
     if device.type != "cuda":
         return _FWD_INTERPRET
     if dtype == torch.float32:
@@ -136,7 +136,9 @@ def fwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, masked: 
             table = _FWD_SM90_SOFTCAP
     # Causal rows of a short sequence, or a narrow window, make short programs whose edge blocks
     # waste more of a bigger tile.
-    return table[padded][2 * masked + (row_keys >= LONG_KEYS)]
+    masked = window_left >= 0 or window_right >= 0
+    long_rows = row_keys(seqlen_k, window_left, window_right) >= LONG_KEYS
+    return table[padded][2 * masked + long_rows]
 
 
 def row_keys(seqlen_k: int, window_left: int, window_right: int) -> int:

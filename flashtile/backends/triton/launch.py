@@ -9,7 +9,7 @@ import triton
 from ...alloc import empty
 from ...rng import keep_threshold
 from .. import AttnArgs
-from .configs import bwd_config, fwd_config, padded_head_dim, row_keys
+from .configs import bwd_config, fwd_config, padded_head_dim
 # The KV-cache part of the backend contract lives in decode.py; the dispatcher finds it here.
 from .decode import append_kv, attention_kv, merge_states  # noqa: F401
 from .fastlaunch import CachedLaunch
@@ -133,10 +133,8 @@ def forward(q, k, v, args: AttnArgs, config=None):
         if args.varlen:
             out.zero_(), lse.fill_(float("-inf"))
         return out, lse
-    cfg = config or fwd_config(max(head_dim, head_dim_v), q.dtype, q.device,
-                               args.window_left >= 0 or args.window_right >= 0,
-                               row_keys(seqlen_k, args.window_left, args.window_right),
-                               softcap=args.softcap > 0, bias=args.attn_bias is not None)
+    cfg = config or fwd_config(max(head_dim, head_dim_v), q.dtype, q.device, seqlen_k, args.window_left,
+                               args.window_right, softcap=args.softcap > 0, bias=args.attn_bias is not None)
     grid = (cdiv(seqlen_q, cfg.BLOCK_M), nheads, batch)
 
     def static():

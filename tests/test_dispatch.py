@@ -62,6 +62,63 @@ def test_hopper_forward_tiles_follow_mask_row_length_and_features(monkeypatch, w
     assert f"BM={tile[0]} BN={tile[1]}]" in name and (config["fwd"]["BLOCK_M"], config["fwd"]["BLOCK_N"]) == tile
 
 
+@pytest.mark.parametrize("window, seqlen, features, headdim, kernel", [
+    ((1024, 0), 16384, (), 128, "gluon-sm90"),  # a narrow window: short rows
+    ((-1, 0), 4096, (), 128, "gluon-sm90"),  # causal, short rows
+    ((-1, 0), 16384, (), 128, "triton"),  # causal, long rows: Triton's 128x128 tiles lead
+    ((-1, -1), 4096, (), 128, "triton"),  # full rows
+    ((-1, -1), 4096, ("softcap",), 128, "gluon-sm90"),  # softcap overlaps tanh with the PV matmul
+    ((-1, -1), 8192, ("softcap",), 128, "triton"),  # ...but not on long full rows
+    ((-1, 0), 16384, ("softcap",), 128, "gluon-sm90"),
+    ((-1, 0), 2048, (), 128, "triton"),  # fewer rows than GLUON_MIN_ROWS
+    ((1024, 0), 16384, ("alibi",), 128, "triton"),  # a feature the Gluon kernel lacks
+    ((1024, 0), 16384, ("dropout",), 128, "triton"),
+    ((1024, 0), 16384, (), 64, "triton"),  # head dim other than 128
+])
+def test_hopper_forward_kernel_is_gluon_where_it_leads(monkeypatch, window, seqlen, features, headdim, kernel):
+    from flashtile.backends import AttentionCall
+    from flashtile.backends import triton as triton_backend
+    from flashtile.backends.triton import configs
+    monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
+    cuda = torch.device("cuda", 0)
+    described = tuple((name, f"{name}: test") for name in features)
+    call = AttentionCall(cuda, torch.bfloat16, 1, seqlen, seqlen, 16, 16, headdim, window[1] == 0, described,
+                         window=window)
+    name, _, config = triton_backend.describe(call)
+    assert name.startswith(f"flashtile.fwd[{kernel} d={headdim}")
+    assert config["fwd"]["kernel"] == ("gluon" if kernel == "gluon-sm90" else "triton")
+    # fp32 and other GPUs never take it.
+    assert configs.gluon_fwd_config(headdim, headdim, torch.float32, cuda, seqlen, seqlen, *window,
+                                    frozenset(features)) is None
+    monkeypatch.setattr(configs, "capability", lambda device: (8, 0))
+    assert configs.gluon_fwd_config(headdim, headdim, torch.bfloat16, cuda, seqlen, seqlen, *window,
+                                    frozenset(features)) is None
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"causal": True}, {"window_left": 10, "window_right": 0}, {"causal": True, "window_left": 10,
+                                                                    "window_right": 0},
+    {"window_right": 3}, {"softcap": 5.0}, {"dropout_p": 0.1}, {"softcap": 5.0, "causal": True},
+])
+def test_launcher_feature_names_match_the_dispatchers(options):
+    """The launcher picks the Gluon kernel from the same feature names the dispatcher's describe() sees."""
+    from flashtile.backends import AttnArgs, _features
+    from flashtile.backends.triton.launch import feature_names
+    if options.get("causal"):
+        options = {**options, "window_right": 0}
+    args = AttnArgs(softmax_scale=0.125, **options)
+    assert feature_names(args) == frozenset(name for name, _ in _features(args, 64, 64))
+
+
+def test_tma_unfit_names_the_tensor_and_its_strides():
+    from flashtile.backends.triton.launch import tma_unfit
+    base = torch.zeros(1, 8, 2, 129, dtype=torch.float16)
+    aligned = torch.zeros(1, 8, 2, 128, dtype=torch.float16)
+    assert tma_unfit(aligned, aligned, aligned) is None
+    reason = tma_unfit(aligned, base[..., 1:], aligned)
+    assert reason.startswith("k starts at") and "(2064, 258, 129, 1)" in reason
+
+
 def test_keys_per_row_under_a_window():
     from flashtile.backends.triton.configs import row_keys
     assert row_keys(16384, 1024, 0) == 1025

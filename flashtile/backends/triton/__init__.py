@@ -9,7 +9,7 @@ import os
 import torch
 
 from .. import AttentionCall, missing_features
-from .configs import capability, bwd_config, decode_config, decode_splits, fwd_config
+from .configs import capability, bwd_config, decode_config, decode_splits, fwd_config, gluon_fwd_config
 
 FEATURES = frozenset({"dropout", "window", "softcap", "alibi", "sink", "bias", "varlen", "headdim_v", "kvcache",
                       "paged", "merge"})
@@ -77,13 +77,18 @@ def describe(call: AttentionCall):
     left, right = call.window
     # A call built without its window still says whether it is causal.
     right = 0 if call.causal and right < 0 else right
-    fwd = fwd_config(headdim, call.dtype, call.device, call.seqlen_k, left, right,
-                     softcap="softcap" in call.feature_names, bias="bias" in call.feature_names)
+    fwd = (gluon_fwd_config(call.headdim, call.headdim_v, call.dtype, call.device, call.seqlen_q, call.seqlen_k,
+                            left, right, call.feature_names)
+           or fwd_config(headdim, call.dtype, call.device, call.seqlen_k, left, right,
+                         softcap="softcap" in call.feature_names, bias="bias" in call.feature_names))
     bwd = bwd_config(headdim, call.dtype, call.device)
     mask = "causal" if call.causal else "full"
     # Features change the kernel that runs (each is a compile-time switch): name them.
     extras = "".join(f" {name}" for name, _ in call.features)
-    fwd_name = f"flashtile.fwd[triton d={call.headdim} {mask}{extras} BM={fwd.BLOCK_M} BN={fwd.BLOCK_N}]"
+    # The Gluon kernel needs TMA-readable inputs; a call whose strides are not takes the Triton one
+    # and says so (a recorded fallback).
+    kernel = "gluon-sm90" if fwd.kernel == "gluon" else "triton"
+    fwd_name = f"flashtile.fwd[{kernel} d={call.headdim} {mask}{extras} BM={fwd.BLOCK_M} BN={fwd.BLOCK_N}]"
     bwd_name = (f"flashtile.bwd[triton d={call.headdim} {mask}{extras} dkdv=BM{bwd.dkdv.BLOCK_M}xBN{bwd.dkdv.BLOCK_N} "
                 f"dq=BM{bwd.dq.BLOCK_M}xBN{bwd.dq.BLOCK_N}]")
     config = {"fwd": vars(fwd), "bwd_dkdv": vars(bwd.dkdv), "bwd_dq": vars(bwd.dq)}

@@ -13,11 +13,13 @@ import torch
 
 @dataclass(frozen=True)
 class TileConfig:
-    """One kernel's launch: query tile, key tile, warps, software-pipeline depth."""
+    """One kernel's launch: query tile, key tile, warps, software-pipeline depth, and which forward
+    kernel: ``"triton"`` (kernels/fwd.py) or ``"gluon"`` (the Hopper kernel in kernels/fwd_sm90.py)."""
     BLOCK_M: int
     BLOCK_N: int
     num_warps: int
     num_stages: int
+    kernel: str = "triton"
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,39 @@ def fwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, seqlen_k
     masked = window_left >= 0 or window_right >= 0
     long_rows = row_keys(seqlen_k, window_left, window_right) >= LONG_KEYS
     return table[padded][2 * masked + long_rows]
+
+
+# Hopper d=128, 16-bit: the Gluon kernel (kernels/fwd_sm90.py, async wgmma with the softmax overlapping
+# the PV matmul, TMA key/value ring) where it leads the Triton kernel. H200, bf16, 16 heads, fwd us,
+# Triton (its table tiles) vs Gluon 64x64 w4 s2, three same-run A/Bs (scratch, 2026-11-22):
+#   window (1024, 0) at 1 x 16384: 355-357 vs 315-323;  causal 4 x 4096: 653-675 vs 557-644;
+#   softcap 4 x 4096 full 1384-1400 vs 1302-1353, causal 704-783 vs 671-750; 2 x 8192 causal 1444-1504
+#   vs 1390-1412; 1 x 16384 causal 2699-2729 vs 2611-2686.
+#   It trails where the Triton kernel runs 128x128 tiles: full rows (4 x 4096 1098-1113 vs 1059-1172,
+#   2 x 8192 2165-2188 vs 2271-2396) and long causal rows (1 x 16384 2186-2254 vs 2253-2338), and with
+#   softcap on long full rows (2 x 8192 2507-2535 vs 2531-2690). Not measured below 4096 query rows,
+#   where the Triton kernel's cheaper launch also counts.
+_FWD_SM90_GLUON = TileConfig(64, 64, 4, 2, kernel="gluon")
+GLUON_MIN_ROWS = 4096
+# What the Gluon kernel implements besides causal masks: calls with any other feature take the Triton one.
+GLUON_FEATURES = frozenset({"window", "softcap"})
+
+
+def gluon_fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device: torch.device, seqlen_q: int,
+                     seqlen_k: int, window_left: int, window_right: int, features: frozenset):
+    """The Gluon Hopper forward's tiles when it runs this call (``features``: the call's feature
+    names, as in ``AttentionCall``), else None."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or _arch(device) != 90:
+        return None
+    if head_dim != 128 or head_dim_v != 128 or not features <= GLUON_FEATURES:
+        return None
+    if seqlen_q < GLUON_MIN_ROWS or seqlen_k == 0:
+        return None
+    masked = window_left >= 0 or window_right >= 0
+    long_rows = row_keys(seqlen_k, window_left, window_right) >= LONG_KEYS
+    if ("softcap" in features and (masked or not long_rows)) or (masked and not long_rows):
+        return _FWD_SM90_GLUON
+    return None
 
 
 def row_keys(seqlen_k: int, window_left: int, window_right: int) -> int:

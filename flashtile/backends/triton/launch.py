@@ -3,22 +3,29 @@ documented in ``flashtile/backends/__init__.py``."""
 from __future__ import annotations
 
 
+import math
+
 import torch
 import triton
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...alloc import empty
+from ...dispatch import record_fallback
 from ...rng import keep_threshold
 from .. import AttnArgs
-from .configs import bwd_config, fwd_config, padded_head_dim
+from .configs import bwd_config, fwd_config, gluon_fwd_config, padded_head_dim
 # The KV-cache part of the backend contract lives in decode.py; the dispatcher finds it here.
 from .decode import append_kv, attention_kv, merge_states  # noqa: F401
 from .fastlaunch import CachedLaunch
 from .host import cdiv, fast_tanh, input_precision, on_device, unit_stride
 from .kernels.bwd import bwd_dkdv, bwd_dq, bwd_preprocess
 from .kernels.fwd import attn_fwd
+from .kernels.fwd_sm90 import attn_fwd_sm90
 from .kernels.tail import fill_tail
 
 _PREPROCESS_BLOCK_M = 64
+LOG2E = 1 / math.log(2)
 
 
 def _bsh(t: torch.Tensor, varlen: bool):
@@ -133,8 +140,18 @@ def forward(q, k, v, args: AttnArgs, config=None):
         if args.varlen:
             out.zero_(), lse.fill_(float("-inf"))
         return out, lse
-    cfg = config or fwd_config(max(head_dim, head_dim_v), q.dtype, q.device, seqlen_k, args.window_left,
-                               args.window_right, softcap=args.softcap > 0, bias=args.attn_bias is not None)
+    cfg = config or gluon_fwd_config(head_dim, head_dim_v, q.dtype, q.device, seqlen_q, seqlen_k, args.window_left,
+                                     args.window_right, feature_names(args))
+    if cfg is not None and cfg.kernel == "gluon":
+        reason = tma_unfit(q, k, v)
+        if reason is None:
+            _forward_sm90(q, k, v, out, lse, args, cfg, nheads // nheads_kv)
+            return out, lse
+        record_fallback(f"the Gluon Hopper forward needs TMA-compatible inputs ({reason})", "triton",
+                        preferred="triton (Gluon Hopper kernel)")
+        cfg = None
+    cfg = cfg or fwd_config(max(head_dim, head_dim_v), q.dtype, q.device, seqlen_k, args.window_left,
+                            args.window_right, softcap=args.softcap > 0, bias=args.attn_bias is not None)
     grid = (cdiv(seqlen_q, cfg.BLOCK_M), nheads, batch)
 
     def static():
@@ -152,6 +169,46 @@ def forward(q, k, v, args: AttnArgs, config=None):
         _FWD(key, grid, dict(Q=q, K=k, V=v, O=out, LSE=lse, SINK=args.sink if args.sink is not None else q,
                              softmax_scale=args.softmax_scale, **_variant_tensors(q, args)), static)
     return out, lse
+
+
+def feature_names(args: AttnArgs) -> frozenset:
+    """The names (as in ``AttentionCall.features``) of the features a training call uses."""
+    present = {"window": args.window_left >= 0 or (args.window_right >= 0 and not args.causal),
+               "softcap": args.softcap > 0, "alibi": args.alibi_slopes is not None, "sink": args.sink is not None,
+               "bias": args.attn_bias is not None, "dropout": args.dropout_p > 0, "varlen": args.varlen}
+    return frozenset(name for name, used in present.items() if used)
+
+
+def tma_unfit(*tensors) -> str | None:
+    """Why the TMA cannot read these ``(batch, seqlen, heads, headdim)`` tensors (it needs a 16-byte
+    aligned start and strides), or None."""
+    for name, t in zip("qkv", tensors):
+        if t.data_ptr() % 16 or any(stride * t.element_size() % 16 for stride in t.stride()[:-1]):
+            return f"{name} starts at {t.data_ptr() % 16} bytes past 16-byte alignment with strides {t.stride()}"
+    return None
+
+
+def _tma_desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A TMA descriptor of ``(batch, seqlen, heads, headdim)`` tensor ``t`` that reads ``rows`` rows of one head."""
+    tile = [1, rows, 1, t.shape[3]]
+    layout = gl.NVMMASharedLayout.get_default_for(tile, gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), tile, layout)
+
+
+def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, group: int):
+    """Launch the Gluon Hopper forward (kernels/fwd_sm90.py)."""
+    batch, seqlen_q, nheads, _ = q.shape
+    if args.softcap > 0:
+        qk_scale, softcap2 = args.softmax_scale / args.softcap, args.softcap * LOG2E
+    else:
+        qk_scale, softcap2 = args.softmax_scale * LOG2E, 0.0
+    with on_device(q):
+        attn_fwd_sm90[(cdiv(seqlen_q, cfg.BLOCK_M), nheads, batch)](
+            _tma_desc(q, cfg.BLOCK_M), _tma_desc(k, cfg.BLOCK_N), _tma_desc(v, cfg.BLOCK_N), out, lse, qk_scale,
+            softcap2, args.window_left, args.window_right, out.stride(0), out.stride(1), out.stride(2),
+            lse.stride(0), lse.stride(1), seqlen_q, k.shape[1], group,
+            MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0, SOFTCAP=args.softcap > 0,
+            STAGES=cfg.num_stages, num_warps=cfg.num_warps)
 
 
 def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, dbias=None, config=None):

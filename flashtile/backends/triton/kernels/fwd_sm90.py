@@ -1,0 +1,169 @@
+"""Hopper forward in Gluon: TMA key/value ring, asynchronous wgmma, and each block's softmax
+running while the tensor cores still multiply the previous block's P by V.
+
+``tl.dot`` waits for every wgmma right after issuing it, so the Triton kernel (fwd.py) runs
+matmul and softmax one after the other. Here one warpgroup owns ``BLOCK_M = 64`` query rows and
+per key block ``j``:
+
+    issue S_j = Q K_j^T          (async)
+    issue O  += P_{j-1} V_{j-1}  (async, queued behind S_j)
+    wait for S_j only            -> softmax of S_j overlaps the PV product
+    wait for the PV product      -> rescale O by the new row max
+
+K and V arrive through the TMA into ``STAGES`` shared-memory slots, each refilled as soon as
+the wgmma that read it has finished. Two programs share an SM, so one's softmax also overlaps
+the other's matmuls. Scores, masks and the online softmax are the Triton kernel's helpers
+(common.py). Inputs: 16-bit, head dim 128 for q, k and v alike, no ALiBi, bias, dropout, sink
+or varlen (the launcher takes the Triton kernel for those).
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from .common import kv_range, scores, softmax_step
+
+LN2 = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def _load(desc, bar, smem, off_b, row, off_h, pred):
+    """TMA copy of rows ``row..`` of (batch ``off_b``, head ``off_h``) into ``smem``; ``bar`` completes
+    when it lands. Rows past the sequence end are zero-filled."""
+    mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(desc, [off_b, row, off_h, 0], bar, smem, pred=pred)
+
+
+@gluon.jit
+def _tile(ring, slot):
+    """Slot ``slot`` of a ``[STAGES, 1, rows, 1, headdim]`` ring as a ``[rows, headdim]`` matrix."""
+    return ring.index(slot).reshape([ring.shape[2], ring.shape[4]])
+
+
+@gluon.jit
+def _softmax_block(qk, m_i, l_i, offs_m, offs_n, masked, seqlen_q, seqlen_k, qk_scale, softcap2,
+                   window_left, window_right, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                   SOFTCAP: gl.constexpr):
+    """The online softmax of one key block: ``(p, alpha, m_new, l_new)``; ``masked`` (uniform across
+    the program) says whether the block straddles a window edge or the sequence end."""
+    if masked:
+        s, _ = scores(qk, offs_m[:, None], offs_n[None, :], 0, seqlen_q, seqlen_k, qk_scale, softcap2, 0.0, 0,
+                      0, 0, window_left, window_right, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, True, False, "")
+        p, alpha, m_new = softmax_step(qk, s, m_i, qk_scale, True)
+    else:
+        s, _ = scores(qk, offs_m[:, None], offs_n[None, :], 0, seqlen_q, seqlen_k, qk_scale, softcap2, 0.0, 0,
+                      0, 0, window_left, window_right, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, True, False, "")
+        p, alpha, m_new = softmax_step(qk, s, m_i, qk_scale, SOFTCAP)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def attn_fwd_sm90(q_desc, k_desc, v_desc, O, LSE, qk_scale, softcap2, window_left, window_right,
+                  stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group,
+                  MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                  STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """``q_desc``/``k_desc``/``v_desc``: TMA descriptors of the ``(batch, seqlen, heads, headdim)``
+    inputs with ``[1, rows, 1, headdim]`` tiles; one program per (query block, head, batch) as in
+    the Triton kernel."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
+    dtype: gl.constexpr = q_desc.dtype
+    gl.static_assert(num_warps == 4, "one warpgroup per program: slots are refilled without a CTA barrier")
+    # Accumulator layouts of the two matmuls, and P as the register operand of the second.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    start_m = gl.program_id(0)
+    if MASK_RIGHT and not MASK_LEFT:
+        # Causal rows near the end visit the most keys: launch them first for a shorter tail.
+        start_m = gl.num_programs(0) - 1 - start_m
+    off_h = gl.program_id(1)
+    off_b = gl.program_id(2)
+    first_row = start_m * BLOCK_M
+    lo, full_lo, full_hi, hi = kv_range(first_row, first_row + BLOCK_M - 1, seqlen_q, seqlen_k, window_left,
+                                        window_right, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    n_blocks = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+
+    q_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_bar.index(i), count=1)
+        mbarrier.init(v_bar.index(i), count=1)
+
+    off_hk = off_h // group
+    _load(q_desc, q_bar, q_smem, off_b, first_row, off_h, True)
+    for i in gl.static_range(STAGES):
+        _load(k_desc, k_bar.index(i), k_smem.index(i), off_b, lo + i * BLOCK_N, off_hk, i < n_blocks)
+        _load(v_desc, v_bar.index(i), v_smem.index(i), off_b, lo + i * BLOCK_N, off_hk, i < n_blocks)
+
+    offs_m = first_row + gl.arange(0, BLOCK_M, layout=rows_s)
+    offs_n = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, rows_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, rows_s)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    mbarrier.wait(q_bar, 0)
+    # Q as the register operand: each QK^T then reads only K from shared memory.
+    q = q_smem.reshape([BLOCK_M, HEAD_DIM]).load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+    if n_blocks > 0:
+        # Block 0: scores and probabilities; its PV product joins the first iteration.
+        mbarrier.wait(k_bar.index(0), 0)
+        qk = warpgroup_mma(q, _tile(k_smem, 0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(0, deps=(qk, ))
+        _load(k_desc, k_bar.index(0), k_smem.index(0), off_b, lo + STAGES * BLOCK_N, off_hk, STAGES < n_blocks)
+        p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, offs_m, offs_n, (lo < full_lo) | (lo >= full_hi),
+                                            seqlen_q, seqlen_k, qk_scale, softcap2, window_left, window_right,
+                                            MASK_LEFT, MASK_RIGHT, SOFTCAP)
+        for j in range(1, n_blocks):
+            slot = j % STAGES
+            prev = (j - 1) % STAGES
+            start_n = lo + j * BLOCK_N
+            # S_j = Q K_j^T and O += P_{j-1} V_{j-1} both go to the tensor cores...
+            mbarrier.wait(k_bar.index(slot), (j // STAGES) & 1)
+            qk = warpgroup_mma(q, _tile(k_smem, slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(v_bar.index(prev), ((j - 1) // STAGES) & 1)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), _tile(v_smem, prev), acc, is_async=True)
+            # ...S_j is waited for alone (wgmma groups retire in order), and K_j's slot refilled.
+            qk = warpgroup_mma_wait(1, deps=(qk, ))
+            _load(k_desc, k_bar.index(slot), k_smem.index(slot), off_b, start_n + STAGES * BLOCK_N, off_hk,
+                  j + STAGES < n_blocks)
+            # The softmax of S_j runs while the PV product is still in flight.
+            p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, offs_m, offs_n + j * BLOCK_N,
+                                                (start_n < full_lo) | (start_n >= full_hi), seqlen_q, seqlen_k,
+                                                qk_scale, softcap2, window_left, window_right,
+                                                MASK_LEFT, MASK_RIGHT, SOFTCAP)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            _load(v_desc, v_bar.index(prev), v_smem.index(prev), off_b, start_n + (STAGES - 1) * BLOCK_N, off_hk,
+                  j - 1 + STAGES < n_blocks)
+            # O now holds blocks up to j - 1 under the old row max: move it to the new one.
+            acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
+        last = (n_blocks - 1) % STAGES
+        mbarrier.wait(v_bar.index(last), ((n_blocks - 1) // STAGES) & 1)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), _tile(v_smem, last), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+
+    # A row that saw no key has l = 0: its output is 0 and its lse is -inf.
+    seen = l_i > 0.0
+    l_safe = gl.where(seen, l_i, 1.0)
+    acc = acc / gl.convert_layout(l_safe, rows_o)[:, None]
+    lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
+    offs_mo = first_row + gl.arange(0, BLOCK_M, layout=rows_o)
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    o_ptrs = (O + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
+              + offs_mo[:, None].to(gl.int64) * stride_om + offs_d[None, :])
+    gl.store(o_ptrs, acc.to(dtype), mask=offs_mo[:, None] < seqlen_q)
+    gl.store(LSE + off_b.to(gl.int64) * stride_lse_b + off_h * stride_lse_h + offs_m, lse, mask=offs_m < seqlen_q)
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(k_bar.index(i))
+        mbarrier.invalidate(v_bar.index(i))

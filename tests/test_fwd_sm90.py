@@ -1,0 +1,71 @@
+"""The Gluon Hopper forward (kernels/fwd_sm90.py) through the public API, on an sm_90 GPU only.
+
+The dispatcher picks it for 16-bit, head dim 128 calls of at least ``GLUON_MIN_ROWS`` query rows with
+causal or windowed short rows or softcap (configs.py); these tests check that it ran (by the kernel
+counter) and hold out, lse and the gradients (the Triton backward on its lse) to the tolerance rule.
+Lengths are awkward: not multiples of the 64-row tiles, seqlen_q != seqlen_k, rows that see no key,
+batches whose last key block runs past the sequence end (the TMA zero-fills it).
+"""
+import pytest
+import torch
+
+import flashtile
+from flashtile.backends.triton.configs import GLUON_MIN_ROWS
+from flashtile.testing import assert_results_close, make_qkv, reference_results
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+pytestmark = [pytest.mark.skipif(not HOPPER, reason="the Gluon forward runs on sm_90 only"),
+              pytest.mark.usefixtures("clean_dispatch_state")]
+
+
+def check(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, kernel="gluon-sm90", **options):
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, 128, dtype, "cuda", requires_grad=True,
+                       generator=rng)
+    dout = torch.randn(q.shape, generator=rng).to(device="cuda", dtype=dtype)
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, return_attn_probs=True, **options)
+    assert any(kernel in name for name in flashtile.stats()["kernels"]), flashtile.stats()["kernels"]
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    ours = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+    ref_hi = reference_results(q, k, v, dout, hi=True, **options)
+    ref_lo = reference_results(q, k, v, dout, hi=False, **options)
+    assert_results_close(ours, ref_hi, ref_lo, dtype)
+    return ours
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_causal_gqa(rng, dtype):
+    check(rng, 2, GLUON_MIN_ROWS + 37, GLUON_MIN_ROWS + 37, 4, 2, dtype, causal=True)
+
+
+@pytest.mark.parametrize("window", [(300, 0), (257, 33), (0, 0), (1000, -1)])
+def test_window_with_more_keys_than_queries(rng, window):
+    check(rng, 1, GLUON_MIN_ROWS + 5, GLUON_MIN_ROWS + 400, 2, 1, torch.bfloat16, window_size=window)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_softcap(rng, causal):
+    check(rng, 2, GLUON_MIN_ROWS + 100, 1000, 2, 2, torch.bfloat16, causal=causal, softcap=20.0)
+
+
+def test_rows_that_see_no_key(rng):
+    """Causal with seqlen_q > seqlen_k: the first rows see nothing (out 0, lse -inf)."""
+    ours = check(rng, 1, GLUON_MIN_ROWS + 900, GLUON_MIN_ROWS, 2, 2, torch.float16, causal=True)
+    assert torch.all(ours["out"][:, :900] == 0) and torch.all(ours["lse"][:, :, :900] == float("-inf"))
+
+
+def test_long_full_rows_keep_the_triton_kernel(rng):
+    check(rng, 1, GLUON_MIN_ROWS, GLUON_MIN_ROWS * 2, 2, 2, torch.bfloat16, kernel="fwd[triton", softcap=20.0)
+
+
+def test_inputs_the_tma_cannot_read_fall_back_to_triton_and_are_recorded(rng):
+    """A q starting 2 bytes past 16-byte alignment: the Triton kernel runs it, and the fallback is recorded."""
+    base = torch.randn(1, GLUON_MIN_ROWS, 2, 129, generator=rng).to(device="cuda", dtype=torch.bfloat16)
+    q = base[..., 1:]
+    k, v = (torch.randn(1, GLUON_MIN_ROWS, 2, 128, generator=rng).to(device="cuda", dtype=torch.bfloat16)
+            for _ in range(2))
+    with pytest.warns(RuntimeWarning, match="TMA"):
+        out = flashtile.flash_attn_func(q, k, v, causal=True)
+    assert any("TMA" in reason for reason in flashtile.stats()["fallbacks"])
+    ref_hi = reference_results(q, k, v, torch.ones_like(q), hi=True, causal=True)["out"]
+    ref_lo = reference_results(q, k, v, torch.ones_like(q), hi=False, causal=True)["out"]
+    assert (out.float() - ref_hi).abs().max() <= 2 * (ref_lo.float() - ref_hi).abs().max() + 1e-2

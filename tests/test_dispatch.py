@@ -71,8 +71,10 @@ def test_hopper_forward_tiles_follow_mask_row_length_and_features(monkeypatch, w
     ((-1, -1), 8192, ("softcap",), 128, "triton"),  # ...but not on long full rows
     ((-1, 0), 16384, ("softcap",), 128, "gluon-sm90"),
     ((-1, 0), 2048, (), 128, "triton"),  # fewer rows than GLUON_MIN_ROWS
-    ((1024, 0), 16384, ("alibi",), 128, "triton"),  # a feature the Gluon kernel lacks
-    ((1024, 0), 16384, ("dropout",), 128, "triton"),
+    ((1024, 0), 16384, ("alibi", "sink"), 128, "gluon-sm90"),
+    ((1024, 0), 16384, ("dropout",), 128, "triton"),  # features the Gluon kernel lacks
+    ((1024, 0), 16384, ("bias",), 128, "triton"),
+    ((1024, 0), 16384, ("varlen",), 128, "triton"),
     ((1024, 0), 16384, (), 64, "triton"),  # head dim other than 128
 ])
 def test_hopper_forward_kernel_is_gluon_where_it_leads(monkeypatch, window, seqlen, features, headdim, kernel):

@@ -1,7 +1,7 @@
 """The Gluon Hopper forward (kernels/fwd_sm90.py) through the public API, on an sm_90 GPU only.
 
 The dispatcher picks it for 16-bit, head dim 128 calls of at least ``GLUON_MIN_ROWS`` query rows with
-causal or windowed short rows or softcap (configs.py); these tests check that it ran (by the kernel
+causal or windowed short rows or softcap, with or without ALiBi and sinks (configs.py); these tests check that it ran (by the kernel
 counter) and hold out, lse and the gradients (the Triton backward on its lse) to the tolerance rule.
 Lengths are awkward: not multiples of the 64-row tiles, seqlen_q != seqlen_k, rows that see no key,
 batches whose last key block runs past the sequence end (the TMA zero-fills it).
@@ -45,6 +45,24 @@ def test_window_with_more_keys_than_queries(rng, window):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_softcap(rng, causal):
     check(rng, 2, GLUON_MIN_ROWS + 100, 1000, 2, 2, torch.bfloat16, causal=causal, softcap=20.0)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_alibi_and_sink(rng, causal):
+    slopes = torch.rand(2, 4, generator=rng).to("cuda") * 0.3
+    sink = torch.randn(4, generator=rng).to("cuda").requires_grad_()
+    q, k, v = make_qkv(2, GLUON_MIN_ROWS + 3, GLUON_MIN_ROWS + 3, 4, 2, 128, torch.bfloat16, "cuda",
+                       requires_grad=True, generator=rng)
+    dout = torch.randn(q.shape, generator=rng).to(device="cuda", dtype=q.dtype)
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=causal, window_size=(-1, -1) if causal else (700, 0),
+                                            alibi_slopes=slopes, sink=sink, return_attn_probs=True)
+    assert any("gluon-sm90" in name for name in flashtile.stats()["kernels"])
+    dq, dk, dv, dsink = torch.autograd.grad(out, (q, k, v, sink), dout)
+    options = dict(causal=causal, window_size=(-1, -1) if causal else (700, 0), alibi_slopes=slopes)
+    ref_hi = reference_results(q, k, v, dout, hi=True, sink=sink, **options)
+    ref_lo = reference_results(q, k, v, dout, hi=False, sink=sink, **options)
+    assert_results_close({"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv, "dsink": dsink}, ref_hi, ref_lo,
+                         torch.bfloat16)
 
 
 def test_rows_that_see_no_key(rng):

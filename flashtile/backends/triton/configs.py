@@ -156,7 +156,7 @@ def fwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, seqlen_k
 _FWD_SM90_GLUON = TileConfig(64, 64, 4, 2, kernel="gluon")
 GLUON_MIN_ROWS = 4096
 # What the Gluon kernel implements besides causal masks: calls with any other feature take the Triton one.
-GLUON_FEATURES = frozenset({"window", "softcap"})
+GLUON_FEATURES = frozenset({"window", "softcap", "alibi", "sink"})
 
 
 def gluon_fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device: torch.device, seqlen_q: int,

@@ -198,6 +198,7 @@ def _tma_desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
 def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, group: int):
     """Launch the Gluon Hopper forward (kernels/fwd_sm90.py)."""
     batch, seqlen_q, nheads, _ = q.shape
+    alibi = args.alibi_slopes  # (batch, nheads), maybe broadcast
     if args.softcap > 0:
         qk_scale, softcap2 = args.softmax_scale / args.softcap, args.softcap * LOG2E
     else:
@@ -205,10 +206,11 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, group: int):
     with on_device(q):
         attn_fwd_sm90[(cdiv(seqlen_q, cfg.BLOCK_M), nheads, batch)](
             _tma_desc(q, cfg.BLOCK_M), _tma_desc(k, cfg.BLOCK_N), _tma_desc(v, cfg.BLOCK_N), out, lse, qk_scale,
-            softcap2, args.window_left, args.window_right, out.stride(0), out.stride(1), out.stride(2),
-            lse.stride(0), lse.stride(1), seqlen_q, k.shape[1], group,
+            softcap2, args.window_left, args.window_right, alibi if alibi is not None else q,
+            alibi.stride(0) if alibi is not None else 0, args.sink if args.sink is not None else q,
+            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), seqlen_q, k.shape[1], group,
             MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0, SOFTCAP=args.softcap > 0,
-            STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+            ALIBI=alibi is not None, HAS_SINK=args.sink is not None, STAGES=cfg.num_stages, num_warps=cfg.num_warps)
 
 
 def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, dbias=None, config=None):

@@ -13,14 +13,14 @@ per key block ``j``:
 K and V arrive through the TMA into ``STAGES`` shared-memory slots, each refilled as soon as
 the wgmma that read it has finished. Two programs share an SM, so one's softmax also overlaps
 the other's matmuls. Scores, masks and the online softmax are the Triton kernel's helpers
-(common.py). Inputs: 16-bit, head dim 128 for q, k and v alike, no ALiBi, bias, dropout, sink
-or varlen (the launcher takes the Triton kernel for those).
+(common.py). Inputs: 16-bit, head dim 128 for q, k and v alike, no bias, dropout or varlen (the
+launcher takes the Triton kernel for those).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .common import kv_range, scores, softmax_step
+from .common import LOG2E, kv_range, scores, softmax_step
 
 LN2 = gl.constexpr(0.6931471805599453)
 
@@ -40,27 +40,28 @@ def _tile(ring, slot):
 
 
 @gluon.jit
-def _softmax_block(qk, m_i, l_i, offs_m, offs_n, masked, seqlen_q, seqlen_k, qk_scale, softcap2,
+def _softmax_block(qk, m_i, l_i, offs_m, offs_n, start_n, masked, seqlen_q, seqlen_k, qk_scale, softcap2, slope2,
                    window_left, window_right, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-                   SOFTCAP: gl.constexpr):
-    """The online softmax of one key block: ``(p, alpha, m_new, l_new)``; ``masked`` (uniform across
-    the program) says whether the block straddles a window edge or the sequence end."""
+                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
+    """The online softmax of key block ``start_n``: ``(p, alpha, m_new, l_new)``; ``masked`` (uniform
+    across the program) says whether the block straddles a window edge or the sequence end."""
     if masked:
-        s, _ = scores(qk, offs_m[:, None], offs_n[None, :], 0, seqlen_q, seqlen_k, qk_scale, softcap2, 0.0, 0,
-                      0, 0, window_left, window_right, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, True, False, "")
+        s, _ = scores(qk, offs_m[:, None], offs_n[None, :], start_n, seqlen_q, seqlen_k, qk_scale, softcap2, slope2,
+                      0, 0, 0, window_left, window_right, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, True, ALIBI, "")
         p, alpha, m_new = softmax_step(qk, s, m_i, qk_scale, True)
     else:
-        s, _ = scores(qk, offs_m[:, None], offs_n[None, :], 0, seqlen_q, seqlen_k, qk_scale, softcap2, 0.0, 0,
-                      0, 0, window_left, window_right, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, True, False, "")
-        p, alpha, m_new = softmax_step(qk, s, m_i, qk_scale, SOFTCAP)
+        s, _ = scores(qk, offs_m[:, None], offs_n[None, :], start_n, seqlen_q, seqlen_k, qk_scale, softcap2, slope2,
+                      0, 0, 0, window_left, window_right, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, True, ALIBI, "")
+        p, alpha, m_new = softmax_step(qk, s, m_i, qk_scale, SOFTCAP or ALIBI)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
 
 @gluon.jit
 def attn_fwd_sm90(q_desc, k_desc, v_desc, O, LSE, qk_scale, softcap2, window_left, window_right,
+                  ALIBI_SLOPES, stride_alibi_b, SINK,
                   stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group,
-                  MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                  STAGES: gl.constexpr, num_warps: gl.constexpr):
+                  MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+                  HAS_SINK: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     """``q_desc``/``k_desc``/``v_desc``: TMA descriptors of the ``(batch, seqlen, heads, headdim)``
     inputs with ``[1, rows, 1, headdim]`` tiles; one program per (query block, head, batch) as in
     the Triton kernel."""
@@ -108,8 +109,16 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, O, LSE, qk_scale, softcap2, window_lef
 
     offs_m = first_row + gl.arange(0, BLOCK_M, layout=rows_s)
     offs_n = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, rows_s)
-    l_i = gl.zeros([BLOCK_M], gl.float32, rows_s)
+    if HAS_SINK:
+        # The sink is one more logit in every row's softmax, with no value: start the row there.
+        m_i = gl.full([BLOCK_M], 0.0, gl.float32, rows_s) + gl.load(SINK + off_h) * LOG2E
+        l_i = gl.full([BLOCK_M], 1.0, gl.float32, rows_s)
+    else:
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, rows_s)
+        l_i = gl.zeros([BLOCK_M], gl.float32, rows_s)
+    slope2 = 0.0
+    if ALIBI:
+        slope2 = gl.load(ALIBI_SLOPES + off_b * stride_alibi_b + off_h) * LOG2E
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     mbarrier.wait(q_bar, 0)
@@ -121,9 +130,9 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, O, LSE, qk_scale, softcap2, window_lef
         qk = warpgroup_mma(q, _tile(k_smem, 0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(0, deps=(qk, ))
         _load(k_desc, k_bar.index(0), k_smem.index(0), off_b, lo + STAGES * BLOCK_N, off_hk, STAGES < n_blocks)
-        p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, offs_m, offs_n, (lo < full_lo) | (lo >= full_hi),
-                                            seqlen_q, seqlen_k, qk_scale, softcap2, window_left, window_right,
-                                            MASK_LEFT, MASK_RIGHT, SOFTCAP)
+        p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, offs_m, offs_n, lo, (lo < full_lo) | (lo >= full_hi),
+                                            seqlen_q, seqlen_k, qk_scale, softcap2, slope2, window_left,
+                                            window_right, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI)
         for j in range(1, n_blocks):
             slot = j % STAGES
             prev = (j - 1) % STAGES
@@ -138,10 +147,10 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, O, LSE, qk_scale, softcap2, window_lef
             _load(k_desc, k_bar.index(slot), k_smem.index(slot), off_b, start_n + STAGES * BLOCK_N, off_hk,
                   j + STAGES < n_blocks)
             # The softmax of S_j runs while the PV product is still in flight.
-            p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, offs_m, offs_n + j * BLOCK_N,
+            p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, offs_m, offs_n + j * BLOCK_N, start_n,
                                                 (start_n < full_lo) | (start_n >= full_hi), seqlen_q, seqlen_k,
-                                                qk_scale, softcap2, window_left, window_right,
-                                                MASK_LEFT, MASK_RIGHT, SOFTCAP)
+                                                qk_scale, softcap2, slope2, window_left, window_right,
+                                                MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             _load(v_desc, v_bar.index(prev), v_smem.index(prev), off_b, start_n + (STAGES - 1) * BLOCK_N, off_hk,
                   j - 1 + STAGES < n_blocks)

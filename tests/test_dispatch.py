@@ -70,7 +70,6 @@ def test_hopper_forward_tiles_follow_mask_row_length_and_features(monkeypatch, w
     ((-1, -1), 4096, ("softcap",), 128, "gluon-sm90"),  # softcap overlaps tanh with the PV matmul
     ((-1, -1), 8192, ("softcap",), 128, "triton"),  # ...but not on long full rows
     ((-1, 0), 16384, ("softcap",), 128, "gluon-sm90"),
-    ((-1, 0), 2048, (), 128, "triton"),  # fewer rows than GLUON_MIN_ROWS
     ((1024, 0), 16384, ("alibi", "sink"), 128, "gluon-sm90"),
     ((1024, 0), 16384, ("dropout",), 128, "triton"),  # features the Gluon kernel lacks
     ((1024, 0), 16384, ("bias",), 128, "triton"),
@@ -84,17 +83,28 @@ def test_hopper_forward_kernel_is_gluon_where_it_leads(monkeypatch, window, seql
     monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
     cuda = torch.device("cuda", 0)
     described = tuple((name, f"{name}: test") for name in features)
-    call = AttentionCall(cuda, torch.bfloat16, 1, seqlen, seqlen, 16, 16, headdim, window[1] == 0, described,
+    batch = max(1, 16384 // seqlen)  # batch x seqlen = 16384 tokens, as in the variants benchmark
+    call = AttentionCall(cuda, torch.bfloat16, batch, seqlen, seqlen, 16, 16, headdim, window[1] == 0, described,
                          window=window)
     name, _, config = triton_backend.describe(call)
     assert name.startswith(f"flashtile.fwd[{kernel} d={headdim}")
     assert config["fwd"]["kernel"] == ("gluon" if kernel == "gluon-sm90" else "triton")
     # fp32 and other GPUs never take it.
-    assert configs.gluon_fwd_config(headdim, headdim, torch.float32, cuda, seqlen, seqlen, *window,
+    rows = batch * 16 * seqlen
+    assert configs.gluon_fwd_config(headdim, headdim, torch.float32, cuda, rows, seqlen, *window,
                                     frozenset(features)) is None
     monkeypatch.setattr(configs, "capability", lambda device: (8, 0))
-    assert configs.gluon_fwd_config(headdim, headdim, torch.bfloat16, cuda, seqlen, seqlen, *window,
+    assert configs.gluon_fwd_config(headdim, headdim, torch.bfloat16, cuda, rows, seqlen, *window,
                                     frozenset(features)) is None
+
+
+def test_small_calls_keep_the_triton_kernel_for_its_cheaper_launch(monkeypatch):
+    from flashtile.backends.triton import configs
+    monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
+    cuda = torch.device("cuda", 0)
+    rows = configs.GLUON_MIN_ROWS
+    assert configs.gluon_fwd_config(128, 128, torch.bfloat16, cuda, rows, 4096, -1, 0, frozenset()).kernel == "gluon"
+    assert configs.gluon_fwd_config(128, 128, torch.bfloat16, cuda, rows - 1, 4096, -1, 0, frozenset()) is None
 
 
 @pytest.mark.parametrize("options", [

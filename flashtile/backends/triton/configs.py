@@ -151,23 +151,27 @@ def fwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, seqlen_k
 #   vs 1390-1412; 1 x 16384 causal 2699-2729 vs 2611-2686.
 #   It trails where the Triton kernel runs 128x128 tiles: full rows (4 x 4096 1098-1113 vs 1059-1172,
 #   2 x 8192 2165-2188 vs 2271-2396) and long causal rows (1 x 16384 2186-2254 vs 2253-2338), and with
-#   softcap on long full rows (2 x 8192 2507-2535 vs 2531-2690). Not measured below 4096 query rows,
-#   where the Triton kernel's cheaper launch also counts.
+#   softcap on long full rows (2 x 8192 2507-2535 vs 2531-2690).
+# Its launch costs ~110 us of host time against the Triton kernel's 45-75 (descriptors, Gluon binder):
+# smaller calls keep the Triton kernel. Direct A/B, kernel time under CUDA graphs, 1 x 4096 causal
+# 163 vs 186 us, 1 x 8192 window 170 vs 182 us; but the variants suite measured 1 x 4096 causal
+# at 0.458 ms through the public API (0.183 on the Triton kernel), not explained yet: the threshold
+# counts query rows over all heads, batch x heads x seqlen_q >= 4 x 16 x 4096.
 _FWD_SM90_GLUON = TileConfig(64, 64, 4, 2, kernel="gluon")
-GLUON_MIN_ROWS = 4096
+GLUON_MIN_ROWS = 4 * 16 * 4096
 # What the Gluon kernel implements besides causal masks: calls with any other feature take the Triton one.
 GLUON_FEATURES = frozenset({"window", "softcap", "alibi", "sink"})
 
 
-def gluon_fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device: torch.device, seqlen_q: int,
+def gluon_fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device: torch.device, rows: int,
                      seqlen_k: int, window_left: int, window_right: int, features: frozenset):
-    """The Gluon Hopper forward's tiles when it runs this call (``features``: the call's feature
-    names, as in ``AttentionCall``), else None."""
+    """The Gluon Hopper forward's tiles when it runs this call (``rows``: batch x heads x seqlen_q;
+    ``features``: the call's feature names, as in ``AttentionCall``), else None."""
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or _arch(device) != 90:
         return None
     if head_dim != 128 or head_dim_v != 128 or not features <= GLUON_FEATURES:
         return None
-    if seqlen_q < GLUON_MIN_ROWS or seqlen_k == 0:
+    if rows < GLUON_MIN_ROWS or seqlen_k == 0:
         return None
     masked = window_left >= 0 or window_right >= 0
     long_rows = row_keys(seqlen_k, window_left, window_right) >= LONG_KEYS

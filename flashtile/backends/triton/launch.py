@@ -140,8 +140,8 @@ def forward(q, k, v, args: AttnArgs, config=None):
         if args.varlen:
             out.zero_(), lse.fill_(float("-inf"))
         return out, lse
-    cfg = config or gluon_fwd_config(head_dim, head_dim_v, q.dtype, q.device, seqlen_q, seqlen_k, args.window_left,
-                                     args.window_right, feature_names(args))
+    cfg = config or gluon_fwd_config(head_dim, head_dim_v, q.dtype, q.device, batch * nheads * seqlen_q, seqlen_k,
+                                     args.window_left, args.window_right, feature_names(args))
     if cfg is not None and cfg.kernel == "gluon":
         reason = tma_unfit(q, k, v)
         if reason is None:

@@ -227,36 +227,52 @@ def _shape(t: torch.Tensor) -> str:
     return f"{tuple(t.shape)} {t.dtype}".replace("torch.", "")
 
 
+def present_features(args: AttnArgs, headdim: int, headdim_v: int) -> tuple:
+    """The names of the optional features a call uses, in a fixed order (cheap: no descriptions)."""
+    kvcache = isinstance(args, KVCacheArgs)
+    present = (
+        ("dropout", args.dropout_p > 0),
+        # A causal call without a left bound is plain causal (window_right = 0 is how causal is stored).
+        ("window", args.window_left >= 0 or (args.window_right >= 0 and not args.causal)),
+        ("softcap", args.softcap > 0),
+        ("alibi", args.alibi_slopes is not None),
+        ("sink", args.sink is not None),
+        ("bias", args.attn_bias is not None),
+        ("kvcache", kvcache),
+        ("paged", kvcache and args.paged),
+        ("varlen", args.varlen),
+        ("headdim_v", headdim_v != headdim),
+    )
+    return tuple(name for name, used in present if used)
+
+
 def _features(args: AttnArgs, headdim: int, headdim_v: int) -> tuple:
     """The optional features of a call, in a fixed order, as ``(name, "argument=value: what it is")``."""
-    features = []
-    if args.dropout_p > 0:
-        features.append(("dropout", f"dropout_p={args.dropout_p}: dropout"))
-    # A causal call without a left bound is plain causal (window_right = 0 is how causal is stored).
-    if args.window_left >= 0 or (args.window_right >= 0 and not args.causal):
-        with_causal = " with causal=True" if args.causal else ""
-        features.append(("window", f"window_size=({args.window_left}, {args.window_right}){with_causal}: "
-                                   "sliding-window attention"))
-    if args.softcap > 0:
-        features.append(("softcap", f"softcap={args.softcap}: softcapping"))
-    if args.alibi_slopes is not None:
-        features.append(("alibi", f"alibi_slopes={_shape(args.alibi_slopes)}: ALiBi"))
-    if args.sink is not None:
-        features.append(("sink", f"sink={_shape(args.sink)}: attention sinks"))
-    if args.attn_bias is not None:
-        kind = "boolean attention mask" if args.attn_bias.dtype == torch.bool else "additive attention bias"
-        features.append(("bias", f"attn_bias={_shape(args.attn_bias)}: {kind}"))
-    if isinstance(args, KVCacheArgs):
-        features.append(("kvcache", "flash_attn_with_kvcache: attention over a KV cache"))
-        if args.paged:
-            features.append(("paged", f"block_table={_shape(args.block_table)}: a paged KV cache "
-                                      f"(page_size={args.page_size})"))
-    if args.varlen:
-        used = " with seqused_k" if args.seqused_k is not None else ""
-        features.append(("varlen", f"cu_seqlens_q={_shape(args.cu_seqlens_q)}{used}: variable-length sequences"))
-    if headdim_v != headdim:
-        features.append(("headdim_v", f"headdim_v={headdim_v}: a value head dim that differs from headdim={headdim}"))
-    return tuple(features)
+    def describe(name: str) -> str:
+        if name == "dropout":
+            return f"dropout_p={args.dropout_p}: dropout"
+        if name == "window":
+            with_causal = " with causal=True" if args.causal else ""
+            return f"window_size=({args.window_left}, {args.window_right}){with_causal}: sliding-window attention"
+        if name == "softcap":
+            return f"softcap={args.softcap}: softcapping"
+        if name == "alibi":
+            return f"alibi_slopes={_shape(args.alibi_slopes)}: ALiBi"
+        if name == "sink":
+            return f"sink={_shape(args.sink)}: attention sinks"
+        if name == "bias":
+            kind = "boolean attention mask" if args.attn_bias.dtype == torch.bool else "additive attention bias"
+            return f"attn_bias={_shape(args.attn_bias)}: {kind}"
+        if name == "kvcache":
+            return "flash_attn_with_kvcache: attention over a KV cache"
+        if name == "paged":
+            return f"block_table={_shape(args.block_table)}: a paged KV cache (page_size={args.page_size})"
+        if name == "varlen":
+            used = " with seqused_k" if args.seqused_k is not None else ""
+            return f"cu_seqlens_q={_shape(args.cu_seqlens_q)}{used}: variable-length sequences"
+        return f"headdim_v={headdim_v}: a value head dim that differs from headdim={headdim}"
+
+    return tuple((name, describe(name)) for name in present_features(args, headdim, headdim_v))
 
 
 def missing_features(call: AttentionCall, implemented) -> str | None:

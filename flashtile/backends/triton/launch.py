@@ -13,7 +13,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ...alloc import empty
 from ...dispatch import record_fallback
 from ...rng import keep_threshold
-from .. import AttnArgs
+from .. import AttnArgs, present_features
 from .configs import bwd_config, fwd_config, gluon_fwd_config, padded_head_dim
 # The KV-cache part of the backend contract lives in decode.py; the dispatcher finds it here.
 from .decode import append_kv, attention_kv, merge_states  # noqa: F401
@@ -141,7 +141,8 @@ def forward(q, k, v, args: AttnArgs, config=None):
             out.zero_(), lse.fill_(float("-inf"))
         return out, lse
     cfg = config or gluon_fwd_config(head_dim, head_dim_v, q.dtype, q.device, batch * nheads * seqlen_q, seqlen_k,
-                                     args.window_left, args.window_right, feature_names(args))
+                                     args.window_left, args.window_right,
+                                     frozenset(present_features(args, head_dim, head_dim_v)))
     if cfg is not None and cfg.kernel == "gluon":
         reason = tma_unfit(q, k, v)
         if reason is None:
@@ -169,14 +170,6 @@ def forward(q, k, v, args: AttnArgs, config=None):
         _FWD(key, grid, dict(Q=q, K=k, V=v, O=out, LSE=lse, SINK=args.sink if args.sink is not None else q,
                              softmax_scale=args.softmax_scale, **_variant_tensors(q, args)), static)
     return out, lse
-
-
-def feature_names(args: AttnArgs) -> frozenset:
-    """The names (as in ``AttentionCall.features``) of the features a training call uses."""
-    present = {"window": args.window_left >= 0 or (args.window_right >= 0 and not args.causal),
-               "softcap": args.softcap > 0, "alibi": args.alibi_slopes is not None, "sink": args.sink is not None,
-               "bias": args.attn_bias is not None, "dropout": args.dropout_p > 0, "varlen": args.varlen}
-    return frozenset(name for name, used in present.items() if used)
 
 
 def tma_unfit(*tensors) -> str | None:

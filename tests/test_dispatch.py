@@ -57,20 +57,23 @@ def test_hopper_forward_tiles_follow_mask_row_length_and_features(monkeypatch, w
                              softcap="softcap" in features, bias="bias" in features)
     assert (cfg.BLOCK_M, cfg.BLOCK_N) == tile
     described = tuple((name, f"{name}: test") for name in features)
-    call = AttentionCall(cuda, torch.bfloat16, 1, seqlen, seqlen, 16, 16, 128, right == 0, described, window=window)
+    # One head: too few rows for the Gluon kernel, so the Triton table decides.
+    call = AttentionCall(cuda, torch.bfloat16, 1, seqlen, seqlen, 1, 1, 128, right == 0, described, window=window)
     name, _, config = triton_backend.describe(call)
     assert f"BM={tile[0]} BN={tile[1]}]" in name and (config["fwd"]["BLOCK_M"], config["fwd"]["BLOCK_N"]) == tile
 
 
 @pytest.mark.parametrize("window, seqlen, features, headdim, kernel", [
-    ((1024, 0), 16384, (), 128, "gluon-sm90"),  # a narrow window: short rows
-    ((-1, 0), 4096, (), 128, "gluon-sm90"),  # causal, short rows
-    ((-1, 0), 16384, (), 128, "triton"),  # causal, long rows: Triton's 128x128 tiles lead
-    ((-1, -1), 4096, (), 128, "triton"),  # full rows
-    ((-1, -1), 4096, ("softcap",), 128, "gluon-sm90"),  # softcap overlaps tanh with the PV matmul
+    ((1024, 0), 16384, (), 128, "gluon-sm90 64x64"),  # a narrow window: its edge blocks waste less of 64x64
+    ((-1, 0), 4096, (), 128, "gluon-sm90 64x128"),  # causal rows
+    ((-1, 0), 16384, (), 128, "gluon-sm90 64x128"),
+    ((-1, -1), 4096, (), 128, "gluon-sm90 64x128"),  # full rows
+    ((-1, -1), 4096, ("sink",), 128, "gluon-sm90 64x128"),
+    ((-1, -1), 4096, ("softcap",), 128, "gluon-sm90 64x128"),  # softcap overlaps tanh with the PV matmul
     ((-1, -1), 8192, ("softcap",), 128, "triton"),  # ...but not on long full rows
-    ((-1, 0), 16384, ("softcap",), 128, "gluon-sm90"),
-    ((1024, 0), 16384, ("alibi", "sink"), 128, "gluon-sm90"),
+    ((-1, 0), 16384, ("softcap",), 128, "gluon-sm90 64x128"),
+    ((-1, -1), 4096, ("alibi",), 128, "gluon-sm90 64x64"),  # ALiBi spills registers in 64x128
+    ((1024, 0), 16384, ("alibi", "sink"), 128, "gluon-sm90 64x64"),
     ((1024, 0), 16384, ("dropout",), 128, "triton"),  # features the Gluon kernel lacks
     ((1024, 0), 16384, ("bias",), 128, "triton"),
     ((1024, 0), 16384, ("varlen",), 128, "triton"),
@@ -87,8 +90,12 @@ def test_hopper_forward_kernel_is_gluon_where_it_leads(monkeypatch, window, seql
     call = AttentionCall(cuda, torch.bfloat16, batch, seqlen, seqlen, 16, 16, headdim, window[1] == 0, described,
                          window=window)
     name, _, config = triton_backend.describe(call)
-    assert name.startswith(f"flashtile.fwd[{kernel} d={headdim}")
-    assert config["fwd"]["kernel"] == ("gluon" if kernel == "gluon-sm90" else "triton")
+    family = kernel.split()[0]
+    assert name.startswith(f"flashtile.fwd[{family} d={headdim}")
+    assert config["fwd"]["kernel"] == ("gluon" if family == "gluon-sm90" else "triton")
+    if family == "gluon-sm90":
+        tile = kernel.split()[1]
+        assert name.endswith(f"BM={tile.split('x')[0]} BN={tile.split('x')[1]}]")
     # fp32 and other GPUs never take it.
     rows = batch * 16 * seqlen
     assert configs.gluon_fwd_config(headdim, headdim, torch.float32, cuda, rows, seqlen, *window,
@@ -96,6 +103,17 @@ def test_hopper_forward_kernel_is_gluon_where_it_leads(monkeypatch, window, seql
     monkeypatch.setattr(configs, "capability", lambda device: (8, 0))
     assert configs.gluon_fwd_config(headdim, headdim, torch.bfloat16, cuda, rows, seqlen, *window,
                                     frozenset(features)) is None
+
+
+def test_gluon_tiles_fit_two_programs_per_sm():
+    """The shared-memory plan of each Gluon tile: two programs per SM within 227 KB (Q, the key and
+    value rings, 16-bit, head dim 128), Q in registers only where the scores leave room."""
+    from flashtile.backends.triton import configs
+    for cfg in (configs._FWD_SM90_GLUON, configs._FWD_SM90_GLUON_WIDE):
+        ring = configs.gluon_ring(cfg)
+        smem = 2 * 128 * (cfg.BLOCK_M + (ring["K_STAGES"] + ring["V_STAGES"]) * cfg.BLOCK_N)
+        assert 2 * (smem + 1024) <= 227 * 1024, (cfg, ring, smem)
+        assert ring["Q_IN_REGS"] == (cfg.BLOCK_N == 64)
 
 
 def test_small_calls_keep_the_triton_kernel_for_its_cheaper_launch(monkeypatch):

@@ -1,8 +1,9 @@
 """The Gluon Hopper forward (kernels/fwd_sm90.py) through the public API, on an sm_90 GPU only.
 
-The dispatcher picks it for 16-bit, head dim 128 calls of at least ``GLUON_MIN_ROWS`` query rows with
-causal or windowed short rows or softcap, with or without ALiBi and sinks (configs.py); these tests check that it ran (by the kernel
-counter) and hold out, lse and the gradients (the Triton backward on its lse) to the tolerance rule.
+The dispatcher picks it for 16-bit, head dim 128 calls of at least ``GLUON_MIN_ROWS`` query rows: the
+64x128 tile for full and causal rows (softcap too, but for long full rows), the 64x64 tile for sliding
+windows and ALiBi (configs.py). These tests check which kernel and tile ran (by the kernel counter) and
+hold out, lse and the gradients (the Triton backward on its lse) to the tolerance rule.
 Lengths are awkward: not multiples of the 64-row tiles, seqlen_q != seqlen_k, rows that see no key,
 batches whose last key block runs past the sequence end (the TMA zero-fills it).
 """
@@ -25,12 +26,21 @@ def small_gluon_threshold(monkeypatch):
     monkeypatch.setattr(configs, "GLUON_MIN_ROWS", TEST_ROWS)
 
 
-def check(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, kernel="gluon-sm90", **options):
+WIDE, NARROW = "gluon-sm90 BN=128", "gluon-sm90 BN=64"
+
+
+def ran(kernel: str) -> bool:
+    """Whether a forward named like ``kernel`` ("<family> BN=<tile>") has run."""
+    family, *tile = kernel.split()
+    return any(family in name and all(t + "]" in name for t in tile) for name in flashtile.stats()["kernels"])
+
+
+def check(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, kernel=WIDE, **options):
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, 128, dtype, "cuda", requires_grad=True,
                        generator=rng)
     dout = torch.randn(q.shape, generator=rng).to(device="cuda", dtype=dtype)
     out, lse, _ = flashtile.flash_attn_func(q, k, v, return_attn_probs=True, **options)
-    assert any(kernel in name for name in flashtile.stats()["kernels"]), flashtile.stats()["kernels"]
+    assert ran(kernel), flashtile.stats()["kernels"]
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     ours = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
     ref_hi = reference_results(q, k, v, dout, hi=True, **options)
@@ -44,9 +54,18 @@ def test_causal_gqa(rng, dtype):
     check(rng, 2, TEST_ROWS + 37, TEST_ROWS + 37, 4, 2, dtype, causal=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_full_rows_gqa(rng, dtype):
+    check(rng, 2, TEST_ROWS + 70, 1500, 4, 1, dtype)
+
+
 @pytest.mark.parametrize("window", [(300, 0), (257, 33), (0, 0), (1000, -1)])
 def test_window_with_more_keys_than_queries(rng, window):
-    check(rng, 1, TEST_ROWS + 5, TEST_ROWS + 400, 2, 1, torch.bfloat16, window_size=window)
+    check(rng, 1, TEST_ROWS + 5, TEST_ROWS + 400, 2, 1, torch.bfloat16, NARROW, window_size=window)
+
+
+def test_window_bounded_on_the_right_only(rng):
+    check(rng, 1, TEST_ROWS + 5, TEST_ROWS + 400, 2, 1, torch.bfloat16, WIDE, window_size=(-1, 40))
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -63,7 +82,7 @@ def test_alibi_and_sink(rng, causal):
     dout = torch.randn(q.shape, generator=rng).to(device="cuda", dtype=q.dtype)
     out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=causal, window_size=(-1, -1) if causal else (700, 0),
                                             alibi_slopes=slopes, sink=sink, return_attn_probs=True)
-    assert any("gluon-sm90" in name for name in flashtile.stats()["kernels"])
+    assert ran(NARROW), flashtile.stats()["kernels"]
     dq, dk, dv, dsink = torch.autograd.grad(out, (q, k, v, sink), dout)
     options = dict(causal=causal, window_size=(-1, -1) if causal else (700, 0), alibi_slopes=slopes)
     ref_hi = reference_results(q, k, v, dout, hi=True, sink=sink, **options)
@@ -80,6 +99,21 @@ def test_rows_that_see_no_key(rng):
 
 def test_long_full_rows_keep_the_triton_kernel(rng):
     check(rng, 1, TEST_ROWS, TEST_ROWS * 2, 2, 2, torch.bfloat16, kernel="fwd[triton", softcap=20.0)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sink_on_the_wide_tile(rng, causal):
+    sink = torch.randn(4, generator=rng).to("cuda").requires_grad_()
+    q, k, v = make_qkv(1, TEST_ROWS + 11, TEST_ROWS - 50, 4, 4, 128, torch.bfloat16, "cuda", requires_grad=True,
+                       generator=rng)
+    dout = torch.randn(q.shape, generator=rng).to(device="cuda", dtype=q.dtype)
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=causal, sink=sink, return_attn_probs=True)
+    assert ran(WIDE), flashtile.stats()["kernels"]
+    dq, dk, dv, dsink = torch.autograd.grad(out, (q, k, v, sink), dout)
+    ref_hi = reference_results(q, k, v, dout, hi=True, sink=sink, causal=causal)
+    ref_lo = reference_results(q, k, v, dout, hi=False, sink=sink, causal=causal)
+    assert_results_close({"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv, "dsink": dsink}, ref_hi, ref_lo,
+                         torch.bfloat16)
 
 
 def test_inputs_the_tma_cannot_read_fall_back_to_triton_and_are_recorded(rng):

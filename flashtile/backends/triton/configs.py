@@ -144,20 +144,41 @@ def fwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, seqlen_k
 
 
 # Hopper d=128, 16-bit: the Gluon kernel (kernels/fwd_sm90.py, async wgmma with the softmax overlapping
-# the PV matmul, TMA key/value ring) where it leads the Triton kernel. H200, bf16, 16 heads, fwd us,
-# Triton (its table tiles) vs Gluon 64x64 w4 s2, three same-run A/Bs (scratch, 2026-11-22):
-#   window (1024, 0) at 1 x 16384: 355-357 vs 315-323;  causal 4 x 4096: 653-675 vs 557-644;
-#   softcap 4 x 4096 full 1384-1400 vs 1302-1353, causal 704-783 vs 671-750; 2 x 8192 causal 1444-1504
-#   vs 1390-1412; 1 x 16384 causal 2699-2729 vs 2611-2686.
-#   It trails where the Triton kernel runs 128x128 tiles: full rows (4 x 4096 1098-1113 vs 1059-1172,
-#   2 x 8192 2165-2188 vs 2271-2396) and long causal rows (1 x 16384 2186-2254 vs 2253-2338), and with
-#   softcap on long full rows (2 x 8192 2507-2535 vs 2531-2690).
+# the PV matmul, TMA key/value ring) where it leads the Triton kernel. Its 64x128 tile (Q in shared
+# memory, one key slot: gluon_ring) leads on every full or causal row; the 64x64 tile on sliding windows
+# (a window's edge blocks waste less of it) and with ALiBi (64x128 spills there). H200, bf16, 16 heads,
+# fwd TFLOP/s best of 3 interleaved rounds, Triton table tile / Gluon 64x64 / Gluon 64x128, same run
+# (2026-11-22, scratch sweep through launch.forward(config=...), 4 x 4096 / 2 x 8192 / 1 x 16384):
+#   full:    502 / 489 / 551,  510 / 506 / 537,  513 / 506 / 556;  GQA 32/8 4 x 4096: 490 / 494 / 534
+#   causal:  437 / 451 / 495,  467 / 476 / 506,  505 / 495 / 549;  GQA 32/8 4 x 4096: 434 / 457 / 482
+#   sink:    full 508 / 492 / 536 .. 517 / 497 / 551; causal 408 / 492 / 499 .. 519 / 487 / 545
+#   softcap full:   398 / 413 / 437,  438 / 421 / 424,  442 / 420 / 437  (long full rows: Triton)
+#   softcap causal: 368 / 393 / 396,  385 / 403 / 412,  396 / 415 / 425
+#   ALiBi full 450 / 459 .. 468 / 470; causal 396 / 418 .. 458 / 470 (Triton / Gluon 64x64)
+#   window (1024, 0) 1 x 16384: 388 / 423 / 428; 2 x 8192: 358 / 406 / 398; (2048, 0) 4 x 4096:
+#   496 / 573 / 572; with softcap 1 x 16384: 351 / 371 / 376.
+# Earlier A/B of the 64x64 tile alone (three runs): window (1024, 0) 1 x 16384 355-357 vs 315-323 us;
+# causal 4 x 4096 653-675 vs 557-644; softcap 4 x 4096 full 1384-1400 vs 1302-1353.
+_FWD_SM90_GLUON = TileConfig(64, 64, 4, 2, kernel="gluon")
+_FWD_SM90_GLUON_WIDE = TileConfig(64, 128, 4, 2, kernel="gluon")
+
+
+def gluon_ring(cfg: TileConfig) -> dict:
+    """The Gluon kernel's shared-memory plan for tile ``cfg``: key and value ring slots, and whether Q
+    sits in registers. Two programs per SM must fit 227 KB of shared memory and 255 registers a thread
+    (sm_90 compile, bf16, d=128): 64x64 with Q in registers and two slots each takes 82 KB and 194
+    registers; 64x128 with Q in registers spills (255 + 112 bytes of stack), with Q in shared memory
+    254 registers and two key slots 147 KB, so it keeps one key slot (115 KB), refilled right after
+    S_j has read it, a whole softmax before the next block needs it."""
+    wide = cfg.BLOCK_N >= 128
+    return dict(K_STAGES=1 if wide else cfg.num_stages, V_STAGES=cfg.num_stages, Q_IN_REGS=not wide)
+
+
 # Its launch costs ~110 us of host time against the Triton kernel's 45-75 (descriptors, Gluon binder):
 # smaller calls keep the Triton kernel. Direct A/B, kernel time under CUDA graphs, 1 x 4096 causal
 # 163 vs 186 us, 1 x 8192 window 170 vs 182 us; but the variants suite measured 1 x 4096 causal
 # at 0.458 ms through the public API (0.183 on the Triton kernel), not explained yet: the threshold
 # counts query rows over all heads, batch x heads x seqlen_q >= 4 x 16 x 4096.
-_FWD_SM90_GLUON = TileConfig(64, 64, 4, 2, kernel="gluon")
 GLUON_MIN_ROWS = 4 * 16 * 4096
 # What the Gluon kernel implements besides causal masks: calls with any other feature take the Triton one.
 GLUON_FEATURES = frozenset({"window", "softcap", "alibi", "sink"})
@@ -173,11 +194,12 @@ def gluon_fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device:
         return None
     if rows < GLUON_MIN_ROWS or seqlen_k == 0:
         return None
-    masked = window_left >= 0 or window_right >= 0
-    long_rows = row_keys(seqlen_k, window_left, window_right) >= LONG_KEYS
-    if ("softcap" in features and (masked or not long_rows)) or (masked and not long_rows):
+    if window_left >= 0 or "alibi" in features:
         return _FWD_SM90_GLUON
-    return None
+    long_rows = row_keys(seqlen_k, window_left, window_right) >= LONG_KEYS
+    if "softcap" in features and window_right < 0 and long_rows:
+        return None
+    return _FWD_SM90_GLUON_WIDE
 
 
 def row_keys(seqlen_k: int, window_left: int, window_right: int) -> int:

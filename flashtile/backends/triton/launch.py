@@ -14,7 +14,7 @@ from ...alloc import empty
 from ...dispatch import record_fallback
 from ...rng import keep_threshold
 from .. import AttnArgs, present_features
-from .configs import bwd_config, fwd_config, gluon_fwd_config, padded_head_dim
+from .configs import bwd_config, fwd_config, gluon_fwd_config, gluon_ring, padded_head_dim
 # The KV-cache part of the backend contract lives in decode.py; the dispatcher finds it here.
 from .decode import append_kv, attention_kv, merge_states  # noqa: F401
 from .fastlaunch import CachedLaunch
@@ -203,7 +203,7 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, group: int):
             alibi.stride(0) if alibi is not None else 0, args.sink if args.sink is not None else q,
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), seqlen_q, k.shape[1], group,
             MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0, SOFTCAP=args.softcap > 0,
-            ALIBI=alibi is not None, HAS_SINK=args.sink is not None, STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+            ALIBI=alibi is not None, HAS_SINK=args.sink is not None, **gluon_ring(cfg), num_warps=cfg.num_warps)
 
 
 def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, dbias=None, config=None):

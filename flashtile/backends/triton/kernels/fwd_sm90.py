@@ -10,9 +10,11 @@ per key block ``j``:
     wait for S_j only            -> softmax of S_j overlaps the PV product
     wait for the PV product      -> rescale O by the new row max
 
-K and V arrive through the TMA into ``STAGES`` shared-memory slots, each refilled as soon as
-the wgmma that read it has finished. Two programs share an SM, so one's softmax also overlaps
-the other's matmuls. Scores, masks and the online softmax are the Triton kernel's helpers
+K and V arrive through the TMA into rings of ``K_STAGES`` and ``V_STAGES`` shared-memory slots,
+each slot refilled as soon as the wgmma that read it has finished. Two programs share an SM, so
+one's softmax also overlaps the other's matmuls. With 64-key blocks Q sits in registers; 128-key
+blocks need those registers for the scores, so Q stays in shared memory and one key slot (refilled
+right after S_j, a whole softmax ahead of its use) keeps two programs within an SM's shared memory. Scores, masks and the online softmax are the Triton kernel's helpers
 (common.py). Inputs: 16-bit, head dim 128 for q, k and v alike, no bias, dropout or varlen (the
 launcher takes the Triton kernel for those).
 """
@@ -35,7 +37,7 @@ def _load(desc, bar, smem, off_b, row, off_h, pred):
 
 @gluon.jit
 def _tile(ring, slot):
-    """Slot ``slot`` of a ``[STAGES, 1, rows, 1, headdim]`` ring as a ``[rows, headdim]`` matrix."""
+    """Slot ``slot`` of a ``[slots, 1, rows, 1, headdim]`` ring as a ``[rows, headdim]`` matrix."""
     return ring.index(slot).reshape([ring.shape[2], ring.shape[4]])
 
 
@@ -61,7 +63,8 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, O, LSE, qk_scale, softcap2, window_lef
                   ALIBI_SLOPES, stride_alibi_b, SINK,
                   stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group,
                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-                  HAS_SINK: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                  HAS_SINK: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, Q_IN_REGS: gl.constexpr,
+                  num_warps: gl.constexpr):
     """``q_desc``/``k_desc``/``v_desc``: TMA descriptors of the ``(batch, seqlen, heads, headdim)``
     inputs with ``[1, rows, 1, headdim]`` tiles; one program per (query block, head, batch) as in
     the Triton kernel."""
@@ -91,20 +94,22 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, O, LSE, qk_scale, softcap2, window_lef
     n_blocks = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
 
     q_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [K_STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [V_STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_bar = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
+    for i in gl.static_range(K_STAGES):
         mbarrier.init(k_bar.index(i), count=1)
+    for i in gl.static_range(V_STAGES):
         mbarrier.init(v_bar.index(i), count=1)
 
     off_hk = off_h // group
     _load(q_desc, q_bar, q_smem, off_b, first_row, off_h, True)
-    for i in gl.static_range(STAGES):
+    for i in gl.static_range(K_STAGES):
         _load(k_desc, k_bar.index(i), k_smem.index(i), off_b, lo + i * BLOCK_N, off_hk, i < n_blocks)
+    for i in gl.static_range(V_STAGES):
         _load(v_desc, v_bar.index(i), v_smem.index(i), off_b, lo + i * BLOCK_N, off_hk, i < n_blocks)
 
     offs_m = first_row + gl.arange(0, BLOCK_M, layout=rows_s)
@@ -122,42 +127,44 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, O, LSE, qk_scale, softcap2, window_lef
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     mbarrier.wait(q_bar, 0)
-    # Q as the register operand: each QK^T then reads only K from shared memory.
-    q = q_smem.reshape([BLOCK_M, HEAD_DIM]).load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+    q = q_smem.reshape([BLOCK_M, HEAD_DIM])
+    if Q_IN_REGS:
+        # Q as the register operand: each QK^T then reads only K from shared memory.
+        q = q.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
     if n_blocks > 0:
         # Block 0: scores and probabilities; its PV product joins the first iteration.
         mbarrier.wait(k_bar.index(0), 0)
         qk = warpgroup_mma(q, _tile(k_smem, 0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(0, deps=(qk, ))
-        _load(k_desc, k_bar.index(0), k_smem.index(0), off_b, lo + STAGES * BLOCK_N, off_hk, STAGES < n_blocks)
+        _load(k_desc, k_bar.index(0), k_smem.index(0), off_b, lo + K_STAGES * BLOCK_N, off_hk, K_STAGES < n_blocks)
         p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, offs_m, offs_n, lo, (lo < full_lo) | (lo >= full_hi),
                                             seqlen_q, seqlen_k, qk_scale, softcap2, slope2, window_left,
                                             window_right, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI)
         for j in range(1, n_blocks):
-            slot = j % STAGES
-            prev = (j - 1) % STAGES
+            slot = j % K_STAGES
+            prev = (j - 1) % V_STAGES
             start_n = lo + j * BLOCK_N
             # S_j = Q K_j^T and O += P_{j-1} V_{j-1} both go to the tensor cores...
-            mbarrier.wait(k_bar.index(slot), (j // STAGES) & 1)
+            mbarrier.wait(k_bar.index(slot), (j // K_STAGES) & 1)
             qk = warpgroup_mma(q, _tile(k_smem, slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(v_bar.index(prev), ((j - 1) // STAGES) & 1)
+            mbarrier.wait(v_bar.index(prev), ((j - 1) // V_STAGES) & 1)
             acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), _tile(v_smem, prev), acc, is_async=True)
             # ...S_j is waited for alone (wgmma groups retire in order), and K_j's slot refilled.
             qk = warpgroup_mma_wait(1, deps=(qk, ))
-            _load(k_desc, k_bar.index(slot), k_smem.index(slot), off_b, start_n + STAGES * BLOCK_N, off_hk,
-                  j + STAGES < n_blocks)
+            _load(k_desc, k_bar.index(slot), k_smem.index(slot), off_b, start_n + K_STAGES * BLOCK_N, off_hk,
+                  j + K_STAGES < n_blocks)
             # The softmax of S_j runs while the PV product is still in flight.
             p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, offs_m, offs_n + j * BLOCK_N, start_n,
                                                 (start_n < full_lo) | (start_n >= full_hi), seqlen_q, seqlen_k,
                                                 qk_scale, softcap2, slope2, window_left, window_right,
                                                 MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
-            _load(v_desc, v_bar.index(prev), v_smem.index(prev), off_b, start_n + (STAGES - 1) * BLOCK_N, off_hk,
-                  j - 1 + STAGES < n_blocks)
+            _load(v_desc, v_bar.index(prev), v_smem.index(prev), off_b, start_n + (V_STAGES - 1) * BLOCK_N, off_hk,
+                  j - 1 + V_STAGES < n_blocks)
             # O now holds blocks up to j - 1 under the old row max: move it to the new one.
             acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
-        last = (n_blocks - 1) % STAGES
-        mbarrier.wait(v_bar.index(last), ((n_blocks - 1) // STAGES) & 1)
+        last = (n_blocks - 1) % V_STAGES
+        mbarrier.wait(v_bar.index(last), ((n_blocks - 1) // V_STAGES) & 1)
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), _tile(v_smem, last), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
 
@@ -173,6 +180,7 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, O, LSE, qk_scale, softcap2, window_lef
     gl.store(o_ptrs, acc.to(dtype), mask=offs_mo[:, None] < seqlen_q)
     gl.store(LSE + off_b.to(gl.int64) * stride_lse_b + off_h * stride_lse_h + offs_m, lse, mask=offs_m < seqlen_q)
     mbarrier.invalidate(q_bar)
-    for i in gl.static_range(STAGES):
+    for i in gl.static_range(K_STAGES):
         mbarrier.invalidate(k_bar.index(i))
+    for i in gl.static_range(V_STAGES):
         mbarrier.invalidate(v_bar.index(i))

@@ -3,6 +3,7 @@ documented in ``flashtile/backends/__init__.py``."""
 from __future__ import annotations
 
 
+import functools
 import math
 
 import torch
@@ -181,11 +182,21 @@ def tma_unfit(*tensors) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _tma_layout(tile: tuple, dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for(list(tile), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
 def _tma_desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """A TMA descriptor of ``(batch, seqlen, heads, headdim)`` tensor ``t`` that reads ``rows`` rows of one head."""
-    tile = [1, rows, 1, t.shape[3]]
-    layout = gl.NVMMASharedLayout.get_default_for(tile, gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), tile, layout)
+    tile = (1, rows, 1, t.shape[3])
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(tile), _tma_layout(tile, t.dtype))
+
+
+# The descriptors carry the data pointers (the launcher encodes them per call); their shapes and strides
+# are in the launch key.
+_FWD_SM90 = CachedLaunch(attn_fwd_sm90, ("q_desc", "k_desc", "v_desc", "O", "LSE", "qk_scale", "softcap2",
+                                         "ALIBI_SLOPES", "SINK"))
 
 
 def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, group: int):
@@ -196,14 +207,23 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, group: int):
         qk_scale, softcap2 = args.softmax_scale / args.softcap, args.softcap * LOG2E
     else:
         qk_scale, softcap2 = args.softmax_scale * LOG2E, 0.0
-    with on_device(q):
-        attn_fwd_sm90[(cdiv(seqlen_q, cfg.BLOCK_M), nheads, batch)](
-            _tma_desc(q, cfg.BLOCK_M), _tma_desc(k, cfg.BLOCK_N), _tma_desc(v, cfg.BLOCK_N), out, lse, qk_scale,
-            softcap2, args.window_left, args.window_right, alibi if alibi is not None else q,
-            alibi.stride(0) if alibi is not None else 0, args.sink if args.sink is not None else q,
-            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), seqlen_q, k.shape[1], group,
+
+    def static():
+        return dict(
+            window_left=args.window_left, window_right=args.window_right,
+            stride_alibi_b=alibi.stride(0) if alibi is not None else 0,
+            stride_ob=out.stride(0), stride_om=out.stride(1), stride_oh=out.stride(2), stride_lse_b=lse.stride(0),
+            stride_lse_h=lse.stride(1), seqlen_q=seqlen_q, seqlen_k=k.shape[1], group=group,
             MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0, SOFTCAP=args.softcap > 0,
             ALIBI=alibi is not None, HAS_SINK=args.sink is not None, **gluon_ring(cfg), num_warps=cfg.num_warps)
+
+    key = (_layout_key(q, k, v, out, lse), q.device, _args_key(args), cfg)
+    with on_device(q):
+        _FWD_SM90(key, (cdiv(seqlen_q, cfg.BLOCK_M), nheads, batch),
+                  dict(q_desc=_tma_desc(q, cfg.BLOCK_M), k_desc=_tma_desc(k, cfg.BLOCK_N),
+                       v_desc=_tma_desc(v, cfg.BLOCK_N), O=out, LSE=lse, qk_scale=qk_scale, softcap2=softcap2,
+                       ALIBI_SLOPES=alibi if alibi is not None else q, SINK=args.sink if args.sink is not None else q),
+                  static)
 
 
 def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, dbias=None, config=None):

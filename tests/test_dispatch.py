@@ -117,12 +117,26 @@ def test_gluon_tiles_fit_two_programs_per_sm():
 
 
 def test_small_calls_keep_the_triton_kernel_for_its_cheaper_launch(monkeypatch):
+    """The Gluon kernel takes calls of at least GLUON_MIN_PAIRS (row, key) pairs: causal rows count half
+    their keys, a window its width."""
     from flashtile.backends.triton import configs
     monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
     cuda = torch.device("cuda", 0)
-    rows = configs.GLUON_MIN_ROWS
-    assert configs.gluon_fwd_config(128, 128, torch.bfloat16, cuda, rows, 4096, -1, 0, frozenset()).kernel == "gluon"
-    assert configs.gluon_fwd_config(128, 128, torch.bfloat16, cuda, rows - 1, 4096, -1, 0, frozenset()) is None
+    pairs = configs.GLUON_MIN_PAIRS
+
+    def kernel(rows, seqlen_k, left, right):
+        cfg = configs.gluon_fwd_config(128, 128, torch.bfloat16, cuda, rows, seqlen_k, left, right, frozenset())
+        return cfg and cfg.kernel
+
+    assert kernel(pairs // 1024, 1024, -1, -1) == "gluon"
+    assert kernel(pairs // 1024 - 1, 1024, -1, -1) is None
+    assert kernel(pairs // 1024, 2048, -1, 0) == "gluon"  # causal: 1024 keys a row on average
+    assert kernel(pairs // 1024, 2047, -1, 0) is None
+    rows = -(-pairs // 1025)
+    assert kernel(rows, 16384, 1024, 0) == "gluon"  # a window of 1025 keys
+    assert kernel(rows - 1, 16384, 1024, 0) is None
+    assert kernel(32 * 16 * 512, 512, -1, -1) is None  # 32 x 512 at 16 heads: bound by the host
+    assert kernel(1 * 16 * 4096, 4096, -1, 0) is None
 
 
 @pytest.mark.parametrize("options", [

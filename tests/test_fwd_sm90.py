@@ -1,6 +1,6 @@
 """The Gluon Hopper forward (kernels/fwd_sm90.py) through the public API, on an sm_90 GPU only.
 
-The dispatcher picks it for 16-bit, head dim 128 calls of at least ``GLUON_MIN_ROWS`` query rows: the
+The dispatcher picks it for 16-bit, head dim 128 calls of at least ``GLUON_MIN_PAIRS`` (row, key) pairs: the
 64x128 tile for full and causal rows (softcap too, but for long full rows), the 64x64 tile for sliding
 windows and ALiBi (configs.py). These tests check which kernel and tile ran (by the kernel counter) and
 hold out, lse and the gradients (the Triton backward on its lse) to the tolerance rule.
@@ -17,13 +17,13 @@ from flashtile.testing import assert_results_close, make_qkv, reference_results
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 pytestmark = [pytest.mark.skipif(not HOPPER, reason="the Gluon forward runs on sm_90 only"),
               pytest.mark.usefixtures("clean_dispatch_state")]
-# Shapes here stay below the launch threshold (batch x heads x seqlen_q): lower it to these tests' rows.
+# Shapes here stay below the launch threshold (query rows x keys): lower it for these tests.
 TEST_ROWS = 4096
 
 
 @pytest.fixture(autouse=True)
 def small_gluon_threshold(monkeypatch):
-    monkeypatch.setattr(configs, "GLUON_MIN_ROWS", TEST_ROWS)
+    monkeypatch.setattr(configs, "GLUON_MIN_PAIRS", TEST_ROWS)
 
 
 WIDE, NARROW = "gluon-sm90 BN=128", "gluon-sm90 BN=64"

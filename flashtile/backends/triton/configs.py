@@ -174,12 +174,15 @@ def gluon_ring(cfg: TileConfig) -> dict:
     return dict(K_STAGES=1 if wide else cfg.num_stages, V_STAGES=cfg.num_stages, Q_IN_REGS=not wide)
 
 
-# Its launch costs ~110 us of host time against the Triton kernel's 45-75 (descriptors, Gluon binder):
-# smaller calls keep the Triton kernel. Direct A/B, kernel time under CUDA graphs, 1 x 4096 causal
-# 163 vs 186 us, 1 x 8192 window 170 vs 182 us; but the variants suite measured 1 x 4096 causal
-# at 0.458 ms through the public API (0.183 on the Triton kernel), not explained yet: the threshold
-# counts query rows over all heads, batch x heads x seqlen_q >= 4 x 16 x 4096.
-GLUON_MIN_ROWS = 4 * 16 * 4096
+# Its launch costs more host time than the Triton kernel's: 70-120 us against 55-65 through
+# launch.forward (H200 host, scratch A/B of 2026-11-22, after CachedLaunch), and the public API adds
+# the same ~100 us to both. A call whose kernel runs for less than that is bound by the host, and
+# benchmarks that time each call alone (triton.testing.do_bench) see it: 32 x 512 full rows through
+# the API, 16 heads, 575 us against 182 us for the Gluon kernel launched alone, the unexplained
+# 0.458 ms of an earlier 1 x 4096 causal run. So the Gluon kernel takes calls with at least
+# GLUON_MIN_PAIRS (query row, key) pairs over all heads, about 0.3 ms of work: 16 x 1024 full rows or
+# 8 x 2048 causal ones at 16 heads.
+GLUON_MIN_PAIRS = 16 * 16 * 1024 * 1024
 # What the Gluon kernel implements besides causal masks: calls with any other feature take the Triton one.
 GLUON_FEATURES = frozenset({"window", "softcap", "alibi", "sink"})
 
@@ -192,7 +195,7 @@ def gluon_fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device:
         return None
     if head_dim != 128 or head_dim_v != 128 or not features <= GLUON_FEATURES:
         return None
-    if rows < GLUON_MIN_ROWS or seqlen_k == 0:
+    if seqlen_k == 0 or rows * mean_row_keys(seqlen_k, window_left, window_right) < GLUON_MIN_PAIRS:
         return None
     if window_left >= 0 or "alibi" in features:
         return _FWD_SM90_GLUON
@@ -207,6 +210,14 @@ def row_keys(seqlen_k: int, window_left: int, window_right: int) -> int:
     if window_left < 0 or window_right < 0:
         return seqlen_k
     return min(seqlen_k, window_left + window_right + 1)
+
+
+def mean_row_keys(seqlen_k: int, window_left: int, window_right: int) -> int:
+    """About how many keys a query row attends to on average: half of them when one side of the
+    window is bounded (causal), all of them when none is."""
+    if (window_left < 0) != (window_right < 0):
+        return seqlen_k // 2
+    return row_keys(seqlen_k, window_left, window_right)
 
 
 def bwd_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> BwdConfig:

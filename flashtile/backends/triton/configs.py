@@ -148,7 +148,7 @@ def fwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, seqlen_k
 # memory, one key slot: gluon_ring) leads on every full or causal row; the 64x64 tile on sliding windows
 # (a window's edge blocks waste less of it) and with ALiBi (64x128 spills there). H200, bf16, 16 heads,
 # fwd TFLOP/s best of 3 interleaved rounds, Triton table tile / Gluon 64x64 / Gluon 64x128, same run
-# (2026-11-22, scratch sweep through launch.forward(config=...), 4 x 4096 / 2 x 8192 / 1 x 16384):
+# (2026-11-22, benchmarks/gluon_tiles.py -> results/h200-gluon-tiles-2026-11-22.json; 4 x 4096 / 2 x 8192 / 1 x 16384):
 #   full:    502 / 489 / 551,  510 / 506 / 537,  513 / 506 / 556;  GQA 32/8 4 x 4096: 490 / 494 / 534
 #   causal:  437 / 451 / 495,  467 / 476 / 506,  505 / 495 / 549;  GQA 32/8 4 x 4096: 434 / 457 / 482
 #   sink:    full 508 / 492 / 536 .. 517 / 497 / 551; causal 408 / 492 / 499 .. 519 / 487 / 545

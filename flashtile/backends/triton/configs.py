@@ -148,15 +148,19 @@ def fwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, seqlen_k
 # memory, one key slot: gluon_ring) leads on every full or causal row; the 64x64 tile on sliding windows
 # (a window's edge blocks waste less of it) and with ALiBi (64x128 spills there). H200, bf16, 16 heads,
 # fwd TFLOP/s best of 3 interleaved rounds, Triton table tile / Gluon 64x64 / Gluon 64x128, same run
-# (2026-11-22, benchmarks/gluon_tiles.py -> results/h200-gluon-tiles-2026-11-22.json; 4 x 4096 / 2 x 8192 / 1 x 16384):
-#   full:    502 / 489 / 551,  510 / 506 / 537,  513 / 506 / 556;  GQA 32/8 4 x 4096: 490 / 494 / 534
-#   causal:  437 / 451 / 495,  467 / 476 / 506,  505 / 495 / 549;  GQA 32/8 4 x 4096: 434 / 457 / 482
-#   sink:    full 508 / 492 / 536 .. 517 / 497 / 551; causal 408 / 492 / 499 .. 519 / 487 / 545
-#   softcap full:   398 / 413 / 437,  438 / 421 / 424,  442 / 420 / 437  (long full rows: Triton)
-#   softcap causal: 368 / 393 / 396,  385 / 403 / 412,  396 / 415 / 425
-#   ALiBi full 450 / 459 .. 468 / 470; causal 396 / 418 .. 458 / 470 (Triton / Gluon 64x64)
-#   window (1024, 0) 1 x 16384: 388 / 423 / 428; 2 x 8192: 358 / 406 / 398; (2048, 0) 4 x 4096:
-#   496 / 573 / 572; with softcap 1 x 16384: 351 / 371 / 376.
+# (2026-11-22, benchmarks/gluon_tiles.py -> results/h200-gluon-tiles-2026-11-22.json, and an earlier
+# run that agreed; 4 x 4096 / 2 x 8192 / 1 x 16384):
+#   full:    510 / 495 / 589,  503 / 512 / 540,  510 / 509 / 555;  GQA 32/8 4 x 4096: 490 / 501 / 531
+#   causal:  425 / 461 / 528,  471 / 480 / 506,  499 / 480 / 542;  GQA 32/8 4 x 4096: 454 / 455 / 488
+#   sink:    full 494 / 510 / 534 .. 514 / 507 / 550; causal 432 / 463 / 498 .. 524 / 488 / 541
+#   softcap full:   399 / 410 / 433,  440 / 417 / 422,  440 / 416 / 437  (long full rows: Triton)
+#   softcap causal: 391 / 409 / 395,  382 / 400 / 414,  397 / 414 / 427
+#   ALiBi full 451 / 458 .. 467 / 469; causal 381 / 427 .. 461 / 473 (Triton / Gluon 64x64); with
+#     64x128 (gluon_tiles.py short): 4 x 4096 full 445 / 457 / 433, causal 377 / 417 / 351
+#   window (1024, 0) 1 x 16384: 398 / 447 / 447; 2 x 8192: 356 / 415 / 405; (2048, 0) 4 x 4096:
+#   495 / 572 / 580; with softcap 1 x 16384: 355 / 379 / 380.
+#   Shorter rows (short): full 32 x 512 339 / 387 / 410 .. 8 x 2048 444 / 495 / 493; causal
+#   215 / 253 / 237 .. 340 / 410 / 403 (those calls are host-bound through the API: GLUON_MIN_PAIRS).
 # Earlier A/B of the 64x64 tile alone (three runs): window (1024, 0) 1 x 16384 355-357 vs 315-323 us;
 # causal 4 x 4096 653-675 vs 557-644; softcap 4 x 4096 full 1384-1400 vs 1302-1353.
 _FWD_SM90_GLUON = TileConfig(64, 64, 4, 2, kernel="gluon")

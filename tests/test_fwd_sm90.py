@@ -35,14 +35,19 @@ def ran(kernel: str) -> bool:
     return any(family in name and all(t + "]" in name for t in tile) for name in flashtile.stats()["kernels"])
 
 
-def check(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, kernel=WIDE, **options):
+def check(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, kernel=WIDE, sink=None, **options):
+    """Run the call, assert ``kernel`` ran, and hold out, lse and every gradient (``dsink`` too when
+    a ``sink`` is given) to the tolerance rule."""
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, 128, dtype, "cuda", requires_grad=True,
                        generator=rng)
     dout = torch.randn(q.shape, generator=rng).to(device="cuda", dtype=dtype)
+    if sink is not None:
+        options["sink"] = sink
     out, lse, _ = flashtile.flash_attn_func(q, k, v, return_attn_probs=True, **options)
     assert ran(kernel), flashtile.stats()["kernels"]
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
-    ours = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+    leaves = (q, k, v) if sink is None else (q, k, v, sink)
+    grads = torch.autograd.grad(out, leaves, dout)
+    ours = {"out": out, "lse": lse, **dict(zip(("dq", "dk", "dv", "dsink"), grads))}
     ref_hi = reference_results(q, k, v, dout, hi=True, **options)
     ref_lo = reference_results(q, k, v, dout, hi=False, **options)
     assert_results_close(ours, ref_hi, ref_lo, dtype)
@@ -77,18 +82,8 @@ def test_softcap(rng, causal):
 def test_alibi_and_sink(rng, causal):
     slopes = torch.rand(2, 4, generator=rng).to("cuda") * 0.3
     sink = torch.randn(4, generator=rng).to("cuda").requires_grad_()
-    q, k, v = make_qkv(2, TEST_ROWS + 3, TEST_ROWS + 3, 4, 2, 128, torch.bfloat16, "cuda",
-                       requires_grad=True, generator=rng)
-    dout = torch.randn(q.shape, generator=rng).to(device="cuda", dtype=q.dtype)
-    out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=causal, window_size=(-1, -1) if causal else (700, 0),
-                                            alibi_slopes=slopes, sink=sink, return_attn_probs=True)
-    assert ran(NARROW), flashtile.stats()["kernels"]
-    dq, dk, dv, dsink = torch.autograd.grad(out, (q, k, v, sink), dout)
-    options = dict(causal=causal, window_size=(-1, -1) if causal else (700, 0), alibi_slopes=slopes)
-    ref_hi = reference_results(q, k, v, dout, hi=True, sink=sink, **options)
-    ref_lo = reference_results(q, k, v, dout, hi=False, sink=sink, **options)
-    assert_results_close({"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv, "dsink": dsink}, ref_hi, ref_lo,
-                         torch.bfloat16)
+    check(rng, 2, TEST_ROWS + 3, TEST_ROWS + 3, 4, 2, torch.bfloat16, NARROW, sink=sink, causal=causal,
+          window_size=(-1, -1) if causal else (700, 0), alibi_slopes=slopes)
 
 
 def test_rows_that_see_no_key(rng):
@@ -104,16 +99,7 @@ def test_long_full_rows_keep_the_triton_kernel(rng):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_sink_on_the_wide_tile(rng, causal):
     sink = torch.randn(4, generator=rng).to("cuda").requires_grad_()
-    q, k, v = make_qkv(1, TEST_ROWS + 11, TEST_ROWS - 50, 4, 4, 128, torch.bfloat16, "cuda", requires_grad=True,
-                       generator=rng)
-    dout = torch.randn(q.shape, generator=rng).to(device="cuda", dtype=q.dtype)
-    out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=causal, sink=sink, return_attn_probs=True)
-    assert ran(WIDE), flashtile.stats()["kernels"]
-    dq, dk, dv, dsink = torch.autograd.grad(out, (q, k, v, sink), dout)
-    ref_hi = reference_results(q, k, v, dout, hi=True, sink=sink, causal=causal)
-    ref_lo = reference_results(q, k, v, dout, hi=False, sink=sink, causal=causal)
-    assert_results_close({"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv, "dsink": dsink}, ref_hi, ref_lo,
-                         torch.bfloat16)
+    check(rng, 1, TEST_ROWS + 11, TEST_ROWS - 50, 4, 4, torch.bfloat16, WIDE, sink=sink, causal=causal)
 
 
 def test_inputs_the_tma_cannot_read_fall_back_to_triton_and_are_recorded(rng):

@@ -1,5 +1,6 @@
 """The backend registry: explain() reports, strict mode, disabled backends, profiler names and
 per-kernel counts. CPU-only rules are skipped on a GPU machine and the other way round."""
+import math
 import warnings
 
 import pytest
@@ -103,6 +104,44 @@ def test_hopper_forward_kernel_is_gluon_where_it_leads(monkeypatch, window, seql
     monkeypatch.setattr(configs, "capability", lambda device: (8, 0))
     assert configs.gluon_fwd_config(headdim, headdim, torch.bfloat16, cuda, rows, seqlen, *window,
                                     frozenset(features)) is None
+
+
+@pytest.mark.parametrize("softcap, dtype, features, row_max", [
+    (30.0, torch.bfloat16, (), 30.0 / math.log(2)),  # C = 43.3: m = C, the largest term is 1
+    (50.0, torch.bfloat16, (), 102.0 - 50.0 / math.log(2)),  # C = 72.1: m = 102 - C keeps 2**-102 at -C
+    (75 * math.log(2), torch.bfloat16, (), 102.0 - 75.0),  # the largest cap: the largest term is 2**48
+    (52.0, torch.bfloat16, (), None),
+    (50.0, torch.float16, (), None),  # P in float16 tops out at 65504
+    (50.0, torch.bfloat16, ("alibi",), None),  # logits the cap does not bound
+    (50.0, torch.bfloat16, ("sink",), None),
+    (0.0, torch.bfloat16, (), None),
+])
+def test_softcap_holds_the_row_max_fixed_only_where_exp2_stays_in_range(softcap, dtype, features, row_max):
+    from flashtile.backends.triton import configs
+    got = configs.fixed_row_max(softcap, dtype, frozenset(features) | {"softcap"})
+    if row_max is None:
+        assert got is None
+        return
+    assert got == pytest.approx(row_max)
+    bound = softcap / math.log(2)
+    # exp2(s - m) over s in [-C, C]: the smallest term 2**-102 or more, the largest at most 2**48.
+    assert -bound - got >= -102 - 1e-9 and bound - got <= 48 + 1e-9
+
+
+@pytest.mark.parametrize("softcap, dtype, kernel", [
+    (50.0, torch.bfloat16, "gluon-sm90"),  # fixed row max: the Gluon kernel leads on long full rows too
+    (60.0, torch.bfloat16, "triton"),
+    (50.0, torch.float16, "triton"),
+])
+def test_long_full_softcap_rows_take_gluon_when_the_row_max_is_fixed(monkeypatch, softcap, dtype, kernel):
+    from flashtile.backends import AttentionCall
+    from flashtile.backends import triton as triton_backend
+    from flashtile.backends.triton import configs
+    monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
+    call = AttentionCall(torch.device("cuda", 0), dtype, 2, 8192, 8192, 16, 16, 128, False,
+                         (("softcap", "softcap: test"),), softcap=softcap)
+    name, _, _ = triton_backend.describe(call)
+    assert name.startswith(f"flashtile.fwd[{kernel} d=128")
 
 
 def test_gluon_tiles_fit_two_programs_per_sm():

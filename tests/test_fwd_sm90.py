@@ -1,8 +1,8 @@
 """The Gluon Hopper forward (kernels/fwd_sm90.py) through the public API, on an sm_90 GPU only.
 
 The dispatcher picks it for 16-bit, head dim 128 calls of at least ``GLUON_MIN_PAIRS`` (row, key) pairs: the
-64x128 tile for full and causal rows (softcap too, but for long full rows), the 64x64 tile for sliding
-windows and ALiBi (configs.py). These tests check which kernel and tile ran (by the kernel counter) and
+64x128 tile for full and causal rows (softcap too; long full rows with it only where the row max is
+held fixed: bf16, softcap <= 51.9), the 64x64 tile for sliding windows and ALiBi (configs.py). These tests check which kernel and tile ran (by the kernel counter) and
 hold out, lse and the gradients (the Triton backward on its lse) to the tolerance rule.
 Lengths are awkward: not multiples of the 64-row tiles, seqlen_q != seqlen_k, rows that see no key,
 batches whose last key block runs past the sequence end (the TMA zero-fills it).
@@ -92,8 +92,40 @@ def test_rows_that_see_no_key(rng):
     assert torch.all(ours["out"][:, :900] == 0) and torch.all(ours["lse"][:, :, :900] == float("-inf"))
 
 
-def test_long_full_rows_keep_the_triton_kernel(rng):
-    check(rng, 1, TEST_ROWS, TEST_ROWS * 2, 2, 2, torch.bfloat16, kernel="fwd[triton", softcap=20.0)
+def test_long_full_softcap_rows_keep_the_triton_kernel_without_a_fixed_row_max(rng):
+    check(rng, 1, TEST_ROWS, TEST_ROWS * 2, 2, 2, torch.float16, kernel="fwd[triton", softcap=20.0)
+
+
+@pytest.mark.parametrize("softcap", [30.0, 50.0, 51.9])
+@pytest.mark.parametrize("options", [dict(), dict(causal=True), dict(window_size=(-1, 40))],
+                         ids=["full", "causal", "right-window"])
+def test_softcap_with_a_fixed_row_max(rng, softcap, options):
+    """bf16 and softcap <= 51.9: the kernel holds every row's max at configs.fixed_row_max. Long full rows
+    (2 x TEST_ROWS keys) take the Gluon kernel then."""
+    assert configs.fixed_row_max(softcap, torch.bfloat16, {"softcap"}) is not None
+    check(rng, 1, TEST_ROWS + 33, 2 * TEST_ROWS + 100, 4, 2, torch.bfloat16, softcap=softcap, **options)
+
+
+@pytest.mark.parametrize("sign", [-1.0, 1.0], ids=["floor", "ceiling"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fixed_row_max_rows_pinned_at_the_cap(rng, sign, causal):
+    """Every score at -cap (or +cap): each row's softmax is uniform over the keys it sees, whatever the
+    fixed max, with values of 1e20 (no overflow in l or O)."""
+    seqlen = TEST_ROWS + 5
+    k = (10 + torch.rand(1, seqlen, 2, 128, generator=rng)).to(device="cuda", dtype=torch.bfloat16)
+    q = torch.full((1, seqlen, 2, 128), sign * 10.0, device="cuda", dtype=torch.bfloat16)
+    v = (torch.randn(1, seqlen, 2, 128, generator=rng) * 1e20).to(device="cuda", dtype=torch.bfloat16)
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=causal, softcap=50.0, return_attn_probs=True)
+    assert ran(WIDE)
+    if causal:
+        expected = v.double().cumsum(1) / torch.arange(1, seqlen + 1, device="cuda").view(1, -1, 1, 1)
+        keys = torch.arange(1, seqlen + 1, device="cuda", dtype=torch.float64)
+    else:
+        expected = v.double().mean(1, keepdim=True).expand_as(v)
+        keys = torch.full((seqlen,), float(seqlen), device="cuda", dtype=torch.float64)
+    scale = 1e20 * 2 ** -7  # bf16 rounding of the output, relative to the values' size
+    assert (out.double() - expected).abs().max() <= 4 * scale
+    assert torch.allclose(lse.double(), (sign * 50.0 + keys.log()).view(1, 1, -1).expand_as(lse), atol=1e-2)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -184,6 +184,8 @@ class AttentionCall:
     page_size: int = 0
     # (window_left, window_right) as in AttnArgs (causal is window_right = 0; -1 = unbounded).
     window: tuple = (-1, -1)
+    # AttnArgs.softcap (0: none); its value decides how the Hopper forward runs the softmax.
+    softcap: float = 0.0
 
     def __post_init__(self):
         if self.headdim_v is None:
@@ -220,7 +222,7 @@ class AttentionCall:
         page_size = args.page_size if isinstance(args, KVCacheArgs) and args.paged else 0
         return cls(q.device, q.dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, bool(args.causal),
                    _features(args, headdim, headdim_v), headdim_v, page_size,
-                   (args.window_left, args.window_right))
+                   (args.window_left, args.window_right), args.softcap)
 
 
 def _shape(t: torch.Tensor) -> str:

@@ -78,7 +78,8 @@ def describe(call: AttentionCall):
     # A call built without its window still says whether it is causal.
     right = 0 if call.causal and right < 0 else right
     fwd = (gluon_fwd_config(call.headdim, call.headdim_v, call.dtype, call.device,
-                            call.batch * call.nheads * call.seqlen_q, call.seqlen_k, left, right, call.feature_names)
+                            call.batch * call.nheads * call.seqlen_q, call.seqlen_k, left, right, call.feature_names,
+                            call.softcap)
            or fwd_config(headdim, call.dtype, call.device, call.seqlen_k, left, right,
                          softcap="softcap" in call.feature_names, bias="bias" in call.feature_names))
     bwd = bwd_config(headdim, call.dtype, call.device)

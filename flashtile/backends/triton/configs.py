@@ -6,6 +6,7 @@ Each table row names the measurement that chose it. Keys are the padded head dim
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -146,7 +147,9 @@ def fwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, seqlen_k
 # Hopper d=128, 16-bit: the Gluon kernel (kernels/fwd_sm90.py, async wgmma with the softmax overlapping
 # the PV matmul, TMA key/value ring) where it leads the Triton kernel. Its 64x128 tile (Q in shared
 # memory, one key slot: gluon_ring) leads on every full or causal row; the 64x64 tile on sliding windows
-# (a window's edge blocks waste less of it) and with ALiBi (64x128 spills there). H200, bf16, 16 heads,
+# (a window's edge blocks waste less of it) and with ALiBi (64x128 spills there). Long full rows with
+# softcap take the Triton kernel unless the row max is held fixed (bf16, softcap <= 51.9: then Gluon
+# 64x128 leads, 2 x 8192 2.26 vs 2.47 ms, 1 x 16384 4.52 vs 4.89 ms, scratch A/B 2026-11-22). H200, bf16, 16 heads,
 # fwd TFLOP/s best of 3 interleaved rounds, Triton table tile / Gluon 64x64 / Gluon 64x128, same run
 # (2026-11-22, benchmarks/gluon_tiles.py -> results/h200-gluon-tiles-2026-11-22.json, and an earlier
 # run that agreed; 4 x 4096 / 2 x 8192 / 1 x 16384):
@@ -192,7 +195,8 @@ GLUON_FEATURES = frozenset({"window", "softcap", "alibi", "sink"})
 
 
 def gluon_fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device: torch.device, rows: int,
-                     seqlen_k: int, window_left: int, window_right: int, features: frozenset):
+                     seqlen_k: int, window_left: int, window_right: int, features: frozenset,
+                     softcap: float = 0.0):
     """The Gluon Hopper forward's tiles when it runs this call (``rows``: batch x heads x seqlen_q;
     ``features``: the call's feature names, as in ``AttentionCall``), else None."""
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or _arch(device) != 90:
@@ -204,9 +208,32 @@ def gluon_fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device:
     if window_left >= 0 or "alibi" in features:
         return _FWD_SM90_GLUON
     long_rows = row_keys(seqlen_k, window_left, window_right) >= LONG_KEYS
-    if "softcap" in features and window_right < 0 and long_rows:
+    if "softcap" in features and window_right < 0 and long_rows and fixed_row_max(softcap, dtype, features) is None:
         return None
     return _FWD_SM90_GLUON_WIDE
+
+
+# Softcap bounds every score to [-C, C], C = softcap * log2(e) (scores in log2 units), so the Gluon
+# forward can hold every row's max at one value m chosen up front: no running max, no rescaling of O
+# (its softmax then takes fewer instructions than a plain one's). exp2(s - m) must stay inside float32's
+# and bfloat16's normal range (2**-126 up): with m = min(C, 102 - C) a row whose scores all sit at -C
+# still has its largest term at 2**-102 or more, 24 bits above the flush to zero, so what it drops is
+# below float32's rounding of the sum. The largest term is then 2**(C - m): 1 up to C = 51, 2**(2C - 102)
+# above, and SOFTCAP_FIXED_MAX keeps that at 2**48 or less, far from float32's 2**128 in l and O.
+# float16's P (up to 65504) has too narrow a range for it; ALiBi and sink logits are not bounded by the
+# cap. Accuracy: the largest term is rounded to bf16 like the others (a running max keeps it at exactly
+# 1), max |error| vs float32 on random inputs 0.016 against 0.008 (PyTorch bf16: 0.12; H200 scratch run,
+# 2026-11-22). Speed, fwd ms, fixed / running max at softcap 50: 4 x 4096 full 1.166 / 1.266, causal 0.657
+# / 0.704; 2 x 8192 causal 1.192 / 1.332; 1 x 16384 causal 2.240 / 2.538.
+SOFTCAP_FIXED_MAX = 75 * math.log(2)
+
+
+def fixed_row_max(softcap: float, dtype: torch.dtype, features) -> float | None:
+    """The Gluon forward's fixed row max (log2 units) for a call with this softcap, or None."""
+    if not 0 < softcap <= SOFTCAP_FIXED_MAX or dtype != torch.bfloat16 or {"alibi", "sink"} & set(features):
+        return None
+    bound = softcap / math.log(2)
+    return min(bound, 102.0 - bound)
 
 
 def row_keys(seqlen_k: int, window_left: int, window_right: int) -> int:

@@ -15,7 +15,7 @@ from ...alloc import empty
 from ...dispatch import record_fallback
 from ...rng import keep_threshold
 from .. import AttnArgs, present_features
-from .configs import bwd_config, fwd_config, gluon_fwd_config, gluon_ring, padded_head_dim
+from .configs import bwd_config, fixed_row_max, fwd_config, gluon_fwd_config, gluon_ring, padded_head_dim
 # The KV-cache part of the backend contract lives in decode.py; the dispatcher finds it here.
 from .decode import append_kv, attention_kv, merge_states  # noqa: F401
 from .fastlaunch import CachedLaunch
@@ -141,13 +141,13 @@ def forward(q, k, v, args: AttnArgs, config=None):
         if args.varlen:
             out.zero_(), lse.fill_(float("-inf"))
         return out, lse
+    features = frozenset(present_features(args, head_dim, head_dim_v))
     cfg = config or gluon_fwd_config(head_dim, head_dim_v, q.dtype, q.device, batch * nheads * seqlen_q, seqlen_k,
-                                     args.window_left, args.window_right,
-                                     frozenset(present_features(args, head_dim, head_dim_v)))
+                                     args.window_left, args.window_right, features, args.softcap)
     if cfg is not None and cfg.kernel == "gluon":
         reason = tma_unfit(q, k, v)
         if reason is None:
-            _forward_sm90(q, k, v, out, lse, args, cfg, nheads // nheads_kv)
+            _forward_sm90(q, k, v, out, lse, args, cfg, nheads // nheads_kv, features)
             return out, lse
         record_fallback(f"the Gluon Hopper forward needs TMA-compatible inputs ({reason})", "triton",
                         preferred="triton (Gluon Hopper kernel)")
@@ -196,10 +196,10 @@ def _tma_desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
 # The descriptors carry the data pointers (the launcher encodes them per call); their shapes and strides
 # are in the launch key.
 _FWD_SM90 = CachedLaunch(attn_fwd_sm90, ("q_desc", "k_desc", "v_desc", "O", "LSE", "qk_scale", "softcap2",
-                                         "ALIBI_SLOPES", "SINK"))
+                                         "row_max", "ALIBI_SLOPES", "SINK"))
 
 
-def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, group: int):
+def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, group: int, features: frozenset):
     """Launch the Gluon Hopper forward (kernels/fwd_sm90.py)."""
     batch, seqlen_q, nheads, _ = q.shape
     alibi = args.alibi_slopes  # (batch, nheads), maybe broadcast
@@ -207,6 +207,7 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, group: int):
         qk_scale, softcap2 = args.softmax_scale / args.softcap, args.softcap * LOG2E
     else:
         qk_scale, softcap2 = args.softmax_scale * LOG2E, 0.0
+    row_max = fixed_row_max(args.softcap, q.dtype, features)
 
     def static():
         return dict(
@@ -215,14 +216,16 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, group: int):
             stride_ob=out.stride(0), stride_om=out.stride(1), stride_oh=out.stride(2), stride_lse_b=lse.stride(0),
             stride_lse_h=lse.stride(1), seqlen_q=seqlen_q, seqlen_k=k.shape[1], group=group,
             MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0, SOFTCAP=args.softcap > 0,
-            ALIBI=alibi is not None, HAS_SINK=args.sink is not None, **gluon_ring(cfg), num_warps=cfg.num_warps)
+            ALIBI=alibi is not None, HAS_SINK=args.sink is not None, **gluon_ring(cfg),
+            FIXED_MAX=row_max is not None, num_warps=cfg.num_warps)
 
-    key = (_layout_key(q, k, v, out, lse), q.device, _args_key(args), cfg)
+    key = (_layout_key(q, k, v, out, lse), q.device, _args_key(args), cfg, row_max is not None)
     with on_device(q):
         _FWD_SM90(key, (cdiv(seqlen_q, cfg.BLOCK_M), nheads, batch),
                   dict(q_desc=_tma_desc(q, cfg.BLOCK_M), k_desc=_tma_desc(k, cfg.BLOCK_N),
                        v_desc=_tma_desc(v, cfg.BLOCK_N), O=out, LSE=lse, qk_scale=qk_scale, softcap2=softcap2,
-                       ALIBI_SLOPES=alibi if alibi is not None else q, SINK=args.sink if args.sink is not None else q),
+                       row_max=row_max or 0.0, ALIBI_SLOPES=alibi if alibi is not None else q,
+                       SINK=args.sink if args.sink is not None else q),
                   static)
 
 

@@ -14,8 +14,10 @@ K and V arrive through the TMA into rings of ``K_STAGES`` and ``V_STAGES`` share
 each slot refilled as soon as the wgmma that read it has finished. Two programs share an SM, so
 one's softmax also overlaps the other's matmuls. With 64-key blocks Q sits in registers; 128-key
 blocks need those registers for the scores, so Q stays in shared memory and one key slot (refilled
-right after S_j, a whole softmax ahead of its use) keeps two programs within an SM's shared memory. Scores, masks and the online softmax are the Triton kernel's helpers
-(common.py). Inputs: 16-bit, head dim 128 for q, k and v alike, no bias, dropout or varlen (the
+right after S_j, a whole softmax ahead of its use) keeps two programs within an SM's shared memory.
+With softcap the scores are bounded, and ``FIXED_MAX`` (configs.fixed_row_max) holds every row's max
+at one value from the start: no row max, no rescaling of O. Scores, masks and the online softmax are
+the Triton kernel's helpers (common.py). Inputs: 16-bit, head dim 128 for q, k and v alike, no bias, dropout or varlen (the
 launcher takes the Triton kernel for those).
 """
 from triton.experimental import gluon
@@ -44,27 +46,42 @@ def _tile(ring, slot):
 @gluon.jit
 def _softmax_block(qk, m_i, l_i, offs_m, offs_n, start_n, masked, seqlen_q, seqlen_k, qk_scale, softcap2, slope2,
                    window_left, window_right, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
+                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, FIXED_MAX: gl.constexpr):
     """The online softmax of key block ``start_n``: ``(p, alpha, m_new, l_new)``; ``masked`` (uniform
-    across the program) says whether the block straddles a window edge or the sequence end."""
+    across the program) says whether the block straddles a window edge or the sequence end.
+
+    ``FIXED_MAX``: softcap bounds the scores (``|s| <= softcap2``), so every row keeps the launcher's
+    fixed max ``m_i`` (``fixed_row_max``): no max, no rescale."""
     if masked:
         s, _ = scores(qk, offs_m[:, None], offs_n[None, :], start_n, seqlen_q, seqlen_k, qk_scale, softcap2, slope2,
                       0, 0, 0, window_left, window_right, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, True, ALIBI, "")
-        p, alpha, m_new = softmax_step(qk, s, m_i, qk_scale, True)
+        p, alpha, m_new = _softmax_step(qk, s, m_i, qk_scale, True, FIXED_MAX)
     else:
         s, _ = scores(qk, offs_m[:, None], offs_n[None, :], start_n, seqlen_q, seqlen_k, qk_scale, softcap2, slope2,
                       0, 0, 0, window_left, window_right, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, True, ALIBI, "")
-        p, alpha, m_new = softmax_step(qk, s, m_i, qk_scale, SOFTCAP or ALIBI)
+        p, alpha, m_new = _softmax_step(qk, s, m_i, qk_scale, SOFTCAP or ALIBI, FIXED_MAX)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
 
 @gluon.jit
-def attn_fwd_sm90(q_desc, k_desc, v_desc, O, LSE, qk_scale, softcap2, window_left, window_right,
+def _softmax_step(qk, s, m_i, qk_scale, MODIFIED: gl.constexpr, FIXED_MAX: gl.constexpr):
+    """``softmax_step``, or with ``FIXED_MAX`` the probabilities against the row max ``m_i`` held fixed."""
+    if FIXED_MAX:
+        p = gl.exp2(s - m_i[:, None])
+        alpha = gl.full_like(m_i, 1.0)
+        m_new = m_i
+    else:
+        p, alpha, m_new = softmax_step(qk, s, m_i, qk_scale, MODIFIED)
+    return p, alpha, m_new
+
+
+@gluon.jit
+def attn_fwd_sm90(q_desc, k_desc, v_desc, O, LSE, qk_scale, softcap2, row_max, window_left, window_right,
                   ALIBI_SLOPES, stride_alibi_b, SINK,
                   stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group,
                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                   HAS_SINK: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, Q_IN_REGS: gl.constexpr,
-                  num_warps: gl.constexpr):
+                  FIXED_MAX: gl.constexpr, num_warps: gl.constexpr):
     """``q_desc``/``k_desc``/``v_desc``: TMA descriptors of the ``(batch, seqlen, heads, headdim)``
     inputs with ``[1, rows, 1, headdim]`` tiles; one program per (query block, head, batch) as in
     the Triton kernel."""
@@ -119,7 +136,8 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, O, LSE, qk_scale, softcap2, window_lef
         m_i = gl.full([BLOCK_M], 0.0, gl.float32, rows_s) + gl.load(SINK + off_h) * LOG2E
         l_i = gl.full([BLOCK_M], 1.0, gl.float32, rows_s)
     else:
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, rows_s)
+        # With FIXED_MAX, row_max stands in for every row's max from the start (see fixed_row_max).
+        m_i = gl.full([BLOCK_M], row_max if FIXED_MAX else float("-inf"), gl.float32, rows_s)
         l_i = gl.zeros([BLOCK_M], gl.float32, rows_s)
     slope2 = 0.0
     if ALIBI:
@@ -139,7 +157,7 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, O, LSE, qk_scale, softcap2, window_lef
         _load(k_desc, k_bar.index(0), k_smem.index(0), off_b, lo + K_STAGES * BLOCK_N, off_hk, K_STAGES < n_blocks)
         p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, offs_m, offs_n, lo, (lo < full_lo) | (lo >= full_hi),
                                             seqlen_q, seqlen_k, qk_scale, softcap2, slope2, window_left,
-                                            window_right, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI)
+                                            window_right, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX)
         for j in range(1, n_blocks):
             slot = j % K_STAGES
             prev = (j - 1) % V_STAGES
@@ -157,12 +175,13 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, O, LSE, qk_scale, softcap2, window_lef
             p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, offs_m, offs_n + j * BLOCK_N, start_n,
                                                 (start_n < full_lo) | (start_n >= full_hi), seqlen_q, seqlen_k,
                                                 qk_scale, softcap2, slope2, window_left, window_right,
-                                                MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI)
+                                                MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             _load(v_desc, v_bar.index(prev), v_smem.index(prev), off_b, start_n + (V_STAGES - 1) * BLOCK_N, off_hk,
                   j - 1 + V_STAGES < n_blocks)
-            # O now holds blocks up to j - 1 under the old row max: move it to the new one.
-            acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
+            if not FIXED_MAX:
+                # O now holds blocks up to j - 1 under the old row max: move it to the new one.
+                acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
         last = (n_blocks - 1) % V_STAGES
         mbarrier.wait(v_bar.index(last), ((n_blocks - 1) // V_STAGES) & 1)
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), _tile(v_smem, last), acc, is_async=True)

@@ -149,10 +149,11 @@ def fwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, seqlen_k
 # memory, one key slot: gluon_ring) leads on every full or causal row; the 64x64 tile on sliding windows
 # (a window's edge blocks waste less of it) and with ALiBi (64x128 spills there). Long full rows with
 # softcap take the Triton kernel unless the row max is held fixed (bf16, softcap <= 51.9: then Gluon
-# 64x128 leads, 2 x 8192 2.26 vs 2.47 ms, 1 x 16384 4.52 vs 4.89 ms, scratch A/B 2026-11-22). H200, bf16, 16 heads,
-# fwd TFLOP/s best of 3 interleaved rounds, Triton table tile / Gluon 64x64 / Gluon 64x128, same run
-# (2026-11-22, benchmarks/gluon_tiles.py -> results/h200-gluon-tiles-2026-11-22.json, and an earlier
-# run that agreed; 4 x 4096 / 2 x 8192 / 1 x 16384):
+# 64x128 leads, 2 x 8192 2.26 vs 2.47 ms, 1 x 16384 4.52 vs 4.89 ms, scratch A/B 2026-11-22, in
+# results/h200-softcap-fixed-max-2026-11-22.json). H200, bf16, 16 heads, fwd TFLOP/s best of 3
+# interleaved rounds, Triton table tile / Gluon 64x64 / Gluon 64x128, same run (2026-11-22,
+# benchmarks/gluon_tiles.py -> results/h200-gluon-tiles-2026-11-22.json, and an earlier run that
+# agreed; 4 x 4096 / 2 x 8192 / 1 x 16384):
 #   full:    510 / 495 / 589,  503 / 512 / 540,  510 / 509 / 555;  GQA 32/8 4 x 4096: 490 / 501 / 531
 #   causal:  425 / 461 / 528,  471 / 480 / 506,  499 / 480 / 542;  GQA 32/8 4 x 4096: 454 / 455 / 488
 #   sink:    full 494 / 510 / 534 .. 514 / 507 / 550; causal 432 / 463 / 498 .. 524 / 488 / 541

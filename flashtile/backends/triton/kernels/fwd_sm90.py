@@ -17,8 +17,8 @@ blocks need those registers for the scores, so Q stays in shared memory and one 
 right after S_j, a whole softmax ahead of its use) keeps two programs within an SM's shared memory.
 With softcap the scores are bounded, and ``FIXED_MAX`` (configs.fixed_row_max) holds every row's max
 at one value from the start: no row max, no rescaling of O. Scores, masks and the online softmax are
-the Triton kernel's helpers (common.py). Inputs: 16-bit, head dim 128 for q, k and v alike, no bias, dropout or varlen (the
-launcher takes the Triton kernel for those).
+the Triton kernel's helpers (common.py). Inputs: 16-bit, head dim 128 for q, k and v alike, no bias,
+dropout or varlen (the launcher takes the Triton kernel for those).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl

@@ -73,7 +73,8 @@ def test_hopper_forward_tiles_follow_mask_row_length_and_features(monkeypatch, w
     ((-1, -1), 4096, ("softcap",), 128, "gluon-sm90 64x128"),  # softcap overlaps tanh with the PV matmul
     ((-1, -1), 8192, ("softcap",), 128, "triton"),  # ...but not on long full rows
     ((-1, 0), 16384, ("softcap",), 128, "gluon-sm90 64x128"),
-    ((-1, -1), 4096, ("alibi",), 128, "gluon-sm90 64x64"),  # ALiBi spills registers in 64x128
+    ((-1, -1), 4096, ("alibi",), 128, "gluon-sm90 64x128"),  # ALiBi: a linear bias off the diagonal
+    ((-1, 0), 8192, ("alibi",), 128, "gluon-sm90 64x128"),
     ((1024, 0), 16384, ("alibi", "sink"), 128, "gluon-sm90 64x64"),
     ((1024, 0), 16384, ("dropout",), 128, "triton"),  # features the Gluon kernel lacks
     ((1024, 0), 16384, ("bias",), 128, "triton"),

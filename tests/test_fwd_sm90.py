@@ -1,9 +1,10 @@
 """The Gluon Hopper forward (kernels/fwd_sm90.py) through the public API, on an sm_90 GPU only.
 
 The dispatcher picks it for 16-bit, head dim 128 calls of at least ``GLUON_MIN_PAIRS`` (row, key) pairs: the
-64x128 tile for full and causal rows (softcap too; long full rows with it only where the row max is
-held fixed: bf16, softcap <= 51.9), the 64x64 tile for sliding windows and ALiBi (configs.py). These tests check which kernel and tile ran (by the kernel counter) and
-hold out, lse and the gradients (the Triton backward on its lse) to the tolerance rule.
+64x128 tile for full and causal rows (ALiBi and softcap too; long full rows with softcap only where the
+row max is held fixed: bf16, softcap <= 51.9), the 64x64 tile for sliding windows (configs.py). These
+tests check which kernel and tile ran (by the kernel counter) and hold out, lse and the gradients (the
+Triton backward on its lse) to the tolerance rule.
 Lengths are awkward: not multiples of the 64-row tiles, seqlen_q != seqlen_k, rows that see no key,
 batches whose last key block runs past the sequence end (the TMA zero-fills it).
 """
@@ -82,8 +83,21 @@ def test_softcap(rng, causal):
 def test_alibi_and_sink(rng, causal):
     slopes = torch.rand(2, 4, generator=rng).to("cuda") * 0.3
     sink = torch.randn(4, generator=rng).to("cuda").requires_grad_()
-    check(rng, 2, TEST_ROWS + 3, TEST_ROWS + 3, 4, 2, torch.bfloat16, NARROW, sink=sink, causal=causal,
-          window_size=(-1, -1) if causal else (700, 0), alibi_slopes=slopes)
+    check(rng, 2, TEST_ROWS + 3, TEST_ROWS + 3, 4, 2, torch.bfloat16, WIDE if causal else NARROW, sink=sink,
+          causal=causal, window_size=(-1, -1) if causal else (700, 0), alibi_slopes=slopes)
+
+
+@pytest.mark.parametrize("seqlens", [(TEST_ROWS + 70, TEST_ROWS + 70), (TEST_ROWS + 70, 1500), (1300, 3 * TEST_ROWS)],
+                         ids=["square", "fewer-keys", "more-keys"])
+@pytest.mark.parametrize("options", [dict(), dict(causal=True), dict(window_size=(-1, 300))],
+                         ids=["full", "causal", "right-window"])
+def test_alibi_on_the_wide_tile(rng, seqlens, options):
+    """The 64x128 tile takes key blocks wholly left or right of every row's diagonal key as a linear bias
+    with a bounded row max, and blocks across it exactly: full rows hold all three kinds, and with
+    seqlen_q != seqlen_k the diagonal runs off either end. Per-head slopes up to 8 (the bound then sits up
+    to 69 above the true max) and down to 1e-6."""
+    slopes = torch.cat([torch.tensor([8.0, 1e-6]), torch.rand(2, generator=rng)]).to("cuda")
+    check(rng, 1, *seqlens, 4, 2, torch.bfloat16, WIDE, alibi_slopes=slopes, **options)
 
 
 def test_rows_that_see_no_key(rng):

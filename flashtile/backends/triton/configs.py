@@ -146,8 +146,8 @@ def fwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, seqlen_k
 
 # Hopper d=128, 16-bit: the Gluon kernel (kernels/fwd_sm90.py, async wgmma with the softmax overlapping
 # the PV matmul, TMA key/value ring) where it leads the Triton kernel. Its 64x128 tile (Q in shared
-# memory, one key slot: gluon_ring) leads on every full or causal row; the 64x64 tile on sliding windows
-# (a window's edge blocks waste less of it) and with ALiBi (64x128 spills there). Long full rows with
+# memory, one key slot: gluon_ring) leads on every full or causal row, ALiBi too; the 64x64 tile on sliding
+# windows (a window's edge blocks waste less of it). Long full rows with
 # softcap take the Triton kernel unless the row max is held fixed (bf16, softcap <= 51.9: then Gluon
 # 64x128 leads, 2 x 8192 2.26 vs 2.47 ms, 1 x 16384 4.52 vs 4.89 ms, scratch A/B 2026-11-22, in
 # results/h200-softcap-fixed-max-2026-11-22.json). H200, bf16, 16 heads, fwd TFLOP/s best of 3
@@ -160,7 +160,11 @@ def fwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, seqlen_k
 #   softcap full:   399 / 410 / 433,  440 / 417 / 422,  440 / 416 / 437  (long full rows: Triton)
 #   softcap causal: 391 / 409 / 395,  382 / 400 / 414,  397 / 414 / 427
 #   ALiBi full 451 / 458 .. 467 / 469; causal 381 / 427 .. 461 / 473 (Triton / Gluon 64x64); with
-#     64x128 (gluon_tiles.py short): 4 x 4096 full 445 / 457 / 433, causal 377 / 417 / 351
+#     64x128 (gluon_tiles.py short): 4 x 4096 full 445 / 457 / 433, causal 377 / 417 / 351. Since the
+#     64x128 tile takes blocks on one side of the diagonal as a linear bias (fwd_sm90._alibi_linear_step),
+#     ALiBi runs it at (full, causal) 510, 464 / 526, 475 / 534, 503 TFLOP/s against 476, 469 / 465, 444 /
+#     472, 466 on 64x64 (4 x 4096 / 2 x 8192 / 1 x 16384, 16 heads, slopes 2**(-8h/16)): 1.03-1.08x the
+#     plain time, 4 x 4096 causal 1.09-1.16x (results/h200-alibi-linear-2026-11-22.json, one scratch run).
 #   window (1024, 0) 1 x 16384: 398 / 447 / 447; 2 x 8192: 356 / 415 / 405; (2048, 0) 4 x 4096:
 #   495 / 572 / 580; with softcap 1 x 16384: 355 / 379 / 380.
 #   Shorter rows (short): full 32 x 512 339 / 387 / 410 .. 8 x 2048 444 / 495 / 493; causal
@@ -206,7 +210,7 @@ def gluon_fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device:
         return None
     if seqlen_k == 0 or rows * mean_row_keys(seqlen_k, window_left, window_right) < GLUON_MIN_PAIRS:
         return None
-    if window_left >= 0 or "alibi" in features:
+    if window_left >= 0:
         return _FWD_SM90_GLUON
     long_rows = row_keys(seqlen_k, window_left, window_right) >= LONG_KEYS
     if "softcap" in features and window_right < 0 and long_rows and fixed_row_max(softcap, dtype, features) is None:

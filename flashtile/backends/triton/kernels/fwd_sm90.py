@@ -16,7 +16,9 @@ one's softmax also overlaps the other's matmuls. With 64-key blocks Q sits in re
 blocks need those registers for the scores, so Q stays in shared memory and one key slot (refilled
 right after S_j, a whole softmax ahead of its use) keeps two programs within an SM's shared memory.
 With softcap the scores are bounded, and ``FIXED_MAX`` (configs.fixed_row_max) holds every row's max
-at one value from the start: no row max, no rescaling of O. Scores, masks and the online softmax are
+at one value from the start: no row max, no rescaling of O. With ALiBi on 128-key blocks, a block wholly on
+one side of the rows' diagonal keys takes the bias as linear (``_alibi_linear_step``): one FMA an element
+more than plain. Scores, masks and the online softmax are
 the Triton kernel's helpers (common.py). Inputs: 16-bit, head dim 128 for q, k and v alike, no bias,
 dropout or varlen (the launcher takes the Triton kernel for those).
 """
@@ -44,23 +46,56 @@ def _tile(ring, slot):
 
 
 @gluon.jit
-def _softmax_block(qk, m_i, l_i, offs_m, offs_n, start_n, masked, seqlen_q, seqlen_k, qk_scale, softcap2, slope2,
-                   window_left, window_right, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+def _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n, start_n, masked, seqlen_q, seqlen_k, qk_scale, softcap2,
+                   slope2, window_left, window_right, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, FIXED_MAX: gl.constexpr):
     """The online softmax of key block ``start_n``: ``(p, alpha, m_new, l_new)``; ``masked`` (uniform
     across the program) says whether the block straddles a window edge or the sequence end.
 
     ``FIXED_MAX``: softcap bounds the scores (``|s| <= softcap2``), so every row keeps the launcher's
     fixed max ``m_i`` (``fixed_row_max``): no max, no rescale."""
-    if masked:
+    BLOCK_M: gl.constexpr = qk.shape[0]
+    BLOCK_N: gl.constexpr = qk.shape[1]
+    # 64-key blocks keep ALiBi's column terms in registers, so the exact bias costs them no more.
+    LINEAR: gl.constexpr = ALIBI and BLOCK_N >= 128
+    diag = seqlen_k - seqlen_q
+    # The ALiBi bias -slope * |i + diag - j| bends at each row's diagonal key: a block holding one takes
+    # the exact scores, as the masked blocks do.
+    left = start_n + BLOCK_N <= first_row + diag + 1
+    right = start_n >= first_row + BLOCK_M - 1 + diag
+    if masked or (LINEAR and not (left or right)):
         s, _ = scores(qk, offs_m[:, None], offs_n[None, :], start_n, seqlen_q, seqlen_k, qk_scale, softcap2, slope2,
                       0, 0, 0, window_left, window_right, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, True, ALIBI, "")
         p, alpha, m_new = _softmax_step(qk, s, m_i, qk_scale, True, FIXED_MAX)
+    elif LINEAR:
+        p, alpha, m_new = _alibi_linear_step(qk, m_i, offs_m, start_n, diag, qk_scale, slope2, left)
     else:
         s, _ = scores(qk, offs_m[:, None], offs_n[None, :], start_n, seqlen_q, seqlen_k, qk_scale, softcap2, slope2,
                       0, 0, 0, window_left, window_right, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, True, ALIBI, "")
         p, alpha, m_new = _softmax_step(qk, s, m_i, qk_scale, SOFTCAP or ALIBI, FIXED_MAX)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _alibi_linear_step(qk, m_i, offs_m, start_n, diag, qk_scale, slope2, left):
+    """The online softmax of an ALiBi block wholly left (``left``) or right of every row's diagonal key.
+
+    There ``-slope * |i + diag - j|`` is linear in ``j``: a row term, and ``ss * (j - start_n)`` with
+    ``ss = +-slope2``. Split the column ``j - start_n = lane + c``: a thread's ``c`` are constants (the
+    accumulator layout puts ``lane = jj % 8 - jj % 2`` in the thread index), so ``qk + c * ss / qk_scale``
+    is one FMA with an immediate, and ``ss * lane`` joins the row term. The row max is taken without the
+    lane term and bounded for it: ``max(ss * lane) <= 6 * slope2``, so it may sit that far above the true
+    one, which scales every term of the row alike and stays well inside float32's range."""
+    BLOCK_N: gl.constexpr = qk.shape[1]
+    jj = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, qk.type.layout))
+    c = jj // 8 * 8 + jj % 2
+    ss = gl.where(left, slope2, -slope2)
+    s_raw = qk + (c.to(gl.float32) * (ss / qk_scale))[None, :]
+    b = -ss * (offs_m + diag - start_n).to(gl.float32)
+    m_new = gl.maximum(m_i, gl.max(s_raw, 1) * qk_scale + b + gl.maximum(6.0 * ss, 0.0))
+    shift = (ss * (jj - c).to(gl.float32))[None, :] + (b - m_new)[:, None]
+    p = gl.exp2(s_raw * qk_scale + shift)
+    return p, gl.exp2(m_i - m_new), m_new
 
 
 @gluon.jit
@@ -155,9 +190,10 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, O, LSE, qk_scale, softcap2, row_max, w
         qk = warpgroup_mma(q, _tile(k_smem, 0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(0, deps=(qk, ))
         _load(k_desc, k_bar.index(0), k_smem.index(0), off_b, lo + K_STAGES * BLOCK_N, off_hk, K_STAGES < n_blocks)
-        p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, offs_m, offs_n, lo, (lo < full_lo) | (lo >= full_hi),
-                                            seqlen_q, seqlen_k, qk_scale, softcap2, slope2, window_left,
-                                            window_right, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX)
+        p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n, lo,
+                                            (lo < full_lo) | (lo >= full_hi),
+                                            seqlen_q, seqlen_k, qk_scale, softcap2, slope2,
+                                            window_left, window_right, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX)
         for j in range(1, n_blocks):
             slot = j % K_STAGES
             prev = (j - 1) % V_STAGES
@@ -172,7 +208,7 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, O, LSE, qk_scale, softcap2, row_max, w
             _load(k_desc, k_bar.index(slot), k_smem.index(slot), off_b, start_n + K_STAGES * BLOCK_N, off_hk,
                   j + K_STAGES < n_blocks)
             # The softmax of S_j runs while the PV product is still in flight.
-            p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, offs_m, offs_n + j * BLOCK_N, start_n,
+            p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n + j * BLOCK_N, start_n,
                                                 (start_n < full_lo) | (start_n >= full_hi), seqlen_q, seqlen_k,
                                                 qk_scale, softcap2, slope2, window_left, window_right,
                                                 MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX)

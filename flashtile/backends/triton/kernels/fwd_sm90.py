@@ -94,23 +94,22 @@ def _alibi_linear_step(qk, m_i, offs_m, start_n, seqlen_q, seqlen_k, qk_scale, s
     accumulator layout puts ``lane = jj % 8 - jj % 2`` in the thread index), so ``qk + c * ss / qk_scale``
     is one FMA with an immediate, and ``ss * lane`` joins the row term. The row max is taken without the
     lane term and bounded for it: ``max(ss * lane) <= 6 * slope2``, so it may sit that far above the true
-    one, which scales every term of the row alike and stays well inside float32's range."""
+    one, which scales every term of the row alike and stays well inside float32's range. Masked blocks
+    take the exact scores and max (one FMA an element more)."""
     lane, c = _column_split(gl.SliceLayout(0, qk.type.layout), qk.shape[1])
     ss = gl.where(left, slope2, -slope2)
-    if MASK:
-        keep = _visible(qk, offs_m, start_n, seqlen_q, seqlen_k, window_left, window_right, MASK_LEFT, MASK_RIGHT)
-        s_raw = gl.where(keep, qk + (c.to(gl.float32) * (ss / qk_scale))[None, :], float("-inf"))
-    else:
-        s_raw = qk + (c.to(gl.float32) * (ss / qk_scale))[None, :]
     b = -ss * (offs_m + (seqlen_k - seqlen_q) - start_n).to(gl.float32)
-    m_new = gl.maximum(m_i, gl.max(s_raw, 1) * qk_scale + b + gl.maximum(6.0 * ss, 0.0))
-    m_safe = m_new
     if MASK:
-        # A row that has seen no key yet keeps m = -inf: subtract 0 so exp2 gives 0, not NaN.
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    shift = (ss * lane.to(gl.float32))[None, :] + (b - m_safe)[:, None]
-    p = gl.exp2(s_raw * qk_scale + shift)
-    return p, gl.exp2(m_i - m_safe), m_new
+        # A causal row's largest terms sit in its diagonal block: the exact max there keeps the largest at
+        # exp2(0) = 1, which bf16 holds exactly (under the bound it is rounded like the others).
+        keep = _visible(qk, offs_m, start_n, seqlen_q, seqlen_k, window_left, window_right, MASK_LEFT, MASK_RIGHT)
+        s = (qk + (c.to(gl.float32) * (ss / qk_scale))[None, :]) * qk_scale + (ss * lane.to(gl.float32))[None, :]
+        s = gl.where(keep, s + b[:, None], float("-inf"))
+        return softmax_step(qk, s, m_i, qk_scale, True)
+    s_raw = qk + (c.to(gl.float32) * (ss / qk_scale))[None, :]
+    m_new = gl.maximum(m_i, gl.max(s_raw, 1) * qk_scale + b + gl.maximum(6.0 * ss, 0.0))
+    p = gl.exp2(s_raw * qk_scale + ((ss * lane.to(gl.float32))[None, :] + (b - m_new)[:, None]))
+    return p, gl.exp2(m_i - m_new), m_new
 
 
 @gluon.jit

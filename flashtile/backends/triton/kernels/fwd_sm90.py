@@ -58,24 +58,24 @@ def _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n, start_n, masked, seq
     BLOCK_N: gl.constexpr = qk.shape[1]
     # 64-key blocks keep ALiBi's column terms in registers, so the exact bias costs them no more.
     LINEAR: gl.constexpr = ALIBI and BLOCK_N >= 128
-    diag = seqlen_k - seqlen_q
-    # The ALiBi bias -slope * |i + diag - j| bends at each row's diagonal key: it is linear on a block wholly
-    # on one side of the rows' diagonal keys, and on the keys a causal mask keeps (window_right <= 0).
-    left = (start_n + BLOCK_N <= first_row + diag + 1) or (MASK_RIGHT and window_right <= 0)
-    right = start_n >= first_row + BLOCK_M - 1 + diag
-    if LINEAR and (left or right) and not masked:
+    left = False
+    linear = False
+    if LINEAR:
+        # The ALiBi bias -slope * |i + diag - j| bends at each row's diagonal key: it is linear on a block
+        # wholly on one side of the rows' diagonal keys, and on the keys a causal mask keeps (window_right <= 0).
+        diag = seqlen_k - seqlen_q
+        left = (start_n + BLOCK_N <= first_row + diag + 1) or (MASK_RIGHT and window_right <= 0)
+        linear = left or (start_n >= first_row + BLOCK_M - 1 + diag)
+    if linear and not masked:
         p, alpha, m_new = _alibi_linear_step(qk, m_i, offs_m, start_n, seqlen_q, seqlen_k, qk_scale, slope2,
                                              left, window_left, window_right, False, MASK_LEFT, MASK_RIGHT)
+    elif linear:
+        p, alpha, m_new = _alibi_linear_step(qk, m_i, offs_m, start_n, seqlen_q, seqlen_k, qk_scale, slope2,
+                                             left, window_left, window_right, True, MASK_LEFT, MASK_RIGHT)
     elif masked or LINEAR:
-        # (Both masked runs under one branch: their column indices are not computed for the unmasked blocks.)
-        if LINEAR and (left or right):
-            p, alpha, m_new = _alibi_linear_step(qk, m_i, offs_m, start_n, seqlen_q, seqlen_k, qk_scale, slope2,
-                                                 left, window_left, window_right, True, MASK_LEFT, MASK_RIGHT)
-        else:
-            s, _ = scores(qk, offs_m[:, None], offs_n[None, :], start_n, seqlen_q, seqlen_k, qk_scale, softcap2,
-                          slope2, 0, 0, 0, window_left, window_right, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, True,
-                          ALIBI, "")
-            p, alpha, m_new = _softmax_step(qk, s, m_i, qk_scale, True, FIXED_MAX)
+        s, _ = scores(qk, offs_m[:, None], offs_n[None, :], start_n, seqlen_q, seqlen_k, qk_scale, softcap2, slope2,
+                      0, 0, 0, window_left, window_right, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, True, ALIBI, "")
+        p, alpha, m_new = _softmax_step(qk, s, m_i, qk_scale, True, FIXED_MAX)
     else:
         s, _ = scores(qk, offs_m[:, None], offs_n[None, :], start_n, seqlen_q, seqlen_k, qk_scale, softcap2, slope2,
                       0, 0, 0, window_left, window_right, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, True, ALIBI, "")
@@ -99,16 +99,16 @@ def _alibi_linear_step(qk, m_i, offs_m, start_n, seqlen_q, seqlen_k, qk_scale, s
     lane, c = _column_split(gl.SliceLayout(0, qk.type.layout), qk.shape[1])
     ss = gl.where(left, slope2, -slope2)
     b = -ss * (offs_m + (seqlen_k - seqlen_q) - start_n).to(gl.float32)
+    s_raw = qk + (c.to(gl.float32) * (ss / qk_scale))[None, :]
+    lane_term = (ss * lane.to(gl.float32))[None, :]
     if MASK:
         # A causal row's largest terms sit in its diagonal block: the exact max there keeps the largest at
         # exp2(0) = 1, which bf16 holds exactly (under the bound it is rounded like the others).
         keep = _visible(qk, offs_m, start_n, seqlen_q, seqlen_k, window_left, window_right, MASK_LEFT, MASK_RIGHT)
-        s = (qk + (c.to(gl.float32) * (ss / qk_scale))[None, :]) * qk_scale + (ss * lane.to(gl.float32))[None, :]
-        s = gl.where(keep, s + b[:, None], float("-inf"))
+        s = gl.where(keep, s_raw * qk_scale + lane_term + b[:, None], float("-inf"))
         return softmax_step(qk, s, m_i, qk_scale, True)
-    s_raw = qk + (c.to(gl.float32) * (ss / qk_scale))[None, :]
     m_new = gl.maximum(m_i, gl.max(s_raw, 1) * qk_scale + b + gl.maximum(6.0 * ss, 0.0))
-    p = gl.exp2(s_raw * qk_scale + ((ss * lane.to(gl.float32))[None, :] + (b - m_new)[:, None]))
+    p = gl.exp2(s_raw * qk_scale + (lane_term + (b - m_new)[:, None]))
     return p, gl.exp2(m_i - m_new), m_new
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 
 import functools
-import math
 
 import torch
 import triton
@@ -21,12 +20,14 @@ from .decode import append_kv, attention_kv, merge_states  # noqa: F401
 from .fastlaunch import CachedLaunch
 from .host import cdiv, fast_tanh, input_precision, on_device, unit_stride
 from .kernels.bwd import bwd_dkdv, bwd_dq, bwd_preprocess
+from .kernels.common import LOG2E as _LOG2E
 from .kernels.fwd import attn_fwd
 from .kernels.fwd_sm90 import attn_fwd_sm90
 from .kernels.tail import fill_tail
 
 _PREPROCESS_BLOCK_M = 64
-LOG2E = 1 / math.log(2)
+# The kernels' log2(e), as a host float for the scales passed to the Gluon forward.
+LOG2E = _LOG2E.value
 
 
 def _bsh(t: torch.Tensor, varlen: bool):

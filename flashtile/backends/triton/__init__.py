@@ -81,8 +81,9 @@ def describe(call: AttentionCall):
                             call.batch * call.nheads * call.seqlen_q, call.seqlen_k, left, right, call.feature_names,
                             call.softcap)
            or fwd_config(headdim, call.dtype, call.device, call.seqlen_k, left, right,
-                         softcap="softcap" in call.feature_names, bias="bias" in call.feature_names))
-    bwd = bwd_config(headdim, call.dtype, call.device)
+                         softcap="softcap" in call.feature_names, bias="bias" in call.feature_names,
+                         head_dim_v=call.headdim_v))
+    bwd = bwd_config(headdim, call.dtype, call.device, call.headdim_v)
     mask = "causal" if call.causal else "full"
     # Features change the kernel that runs (each is a compile-time switch): name them.
     extras = "".join(f" {name}" for name, _ in call.features)

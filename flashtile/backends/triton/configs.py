@@ -60,8 +60,20 @@ _FWD_SM90 = {
     32: (TileConfig(128, 64, 8, 4),) * 4,
     64: (TileConfig(128, 64, 8, 4),) * 4,
     128: (TileConfig(128, 128, 8, 3),) * 2 + (TileConfig(64, 64, 4, 3), TileConfig(128, 128, 8, 3)),
-    256: (TileConfig(64, 64, 4, 2),) * 4,
+    256: (TileConfig(128, 64, 8, 2),) * 4,
 }
+# Hopper head dim 256 (and 160/192, padded to it), first tuned 2026-11-22 (they had kept the smallest tiles
+# that fit, 64x64 w4 s2 forward, 32x64 w8 s1 / 64x32 w8 s1 backward). H200, bf16, 8 heads (10 for
+# 192/128), TFLOP/s, old -> new (benchmarks/d256_fwd_tiles.py: 12 forward tiles; d256_bwd_tiles.py: 13 dK/dV
+# and 12 dQ tiles, then with --pairs 6 x 5 pairs; results/h200-{fwd,bwd}-d256-sweep*-2026-11-22.json):
+#   fwd 4 x 4096 full 315 -> 476, causal 263 -> 385; 1 x 16384 full 281 -> 499, causal 310 -> 491
+#   (128x32 w8 s3 next, 439-450); 192/128 full 262 -> 454, causal 215 -> 374 (128x64 w8 s3: its
+#   128-wide V tiles leave room for a third stage, which d=256 lacks).
+#   bwd 4 x 4096 d=256 full 96 -> 225, causal 95 -> 211 (dK/dV 64x32 w4 s2, dQ 128x64 w8 s1; 64x64 w8 s2
+#   dK/dV leads full rows by 2%, trails causal by 10%); 192/128 full 97 -> 216, causal 87 -> 193 with dQ
+#   128x64 w8 s2 (200 / 178 with s1).
+# Bias tiles pass through shared memory too: d=256 with a bias keeps the old forward tile.
+_FWD_SM90_V128 = {256: (TileConfig(128, 64, 8, 3),) * 4}
 # Hopper d=128 with softcap: tanh and exp2 share the special-function units, and two resident 64x64
 # programs per SM overlap them with the other's matmuls better than one 128x128 program. H200, bf16,
 # 16 heads, fwd ms, 128x128 w8 s3 / 64x64 w4 s3: 4 x 4096 full 1.352 / 1.250, causal 0.782 / 0.712;
@@ -73,14 +85,15 @@ _FWD_SM90_SOFTCAP = {128: (TileConfig(64, 64, 4, 3), TileConfig(128, 128, 8, 3),
 # Hopper d=128 with attn_bias: the bias tile is pipelined through shared memory too, which 128x128 w8 s3
 # overflows. Same sweep, full rows, fwd ms: 8 x 2048 / 4 x 4096: 128x64 w8 s3 0.744 / 1.528, 128x128
 # w8 s2 0.916 / 1.762, 64x64 w4 s3 0.920 / 1.842, 128x64 w8 s2 1.036 / 1.998, 256x64 w8 s3 1.308 / 2.516.
-_FWD_SM90_BIAS = {128: (TileConfig(128, 64, 8, 3),) * 4}
+_FWD_SM90_BIAS = {128: (TileConfig(128, 64, 8, 3),) * 4, 256: (TileConfig(64, 64, 4, 2),) * 4}
 _BWD_SM90 = {
     16: _bwd(64, 64, 4, 3, 64, 32, 4, 3),
     32: _bwd(64, 64, 4, 3, 64, 32, 4, 3),
     64: _bwd(64, 64, 4, 3, 64, 32, 4, 3),
     128: _bwd(32, 64, 4, 3, 128, 64, 8, 3),
-    256: _bwd(32, 64, 8, 1, 64, 32, 8, 1),
+    256: _bwd(64, 32, 4, 2, 128, 64, 8, 1),
 }
+_BWD_SM90_V128 = {256: _bwd(64, 32, 4, 2, 128, 64, 8, 2)}
 # Ampere (sm_80/86/89), 16-bit inputs: smaller shared memory than Hopper, so shallower pipelines.
 # Not measured yet on an Ampere GPU: conservative tiles that fit its 164 KB of shared memory.
 _FWD_SM80 = {
@@ -121,10 +134,16 @@ def _arch(device: torch.device) -> int:
     return 90 if major >= 9 else 80
 
 
+def _narrow_values(head_dim: int, head_dim_v: int) -> bool:
+    """Whether the values' head dim pads to at most half of the larger head dim (192/128, padded 256/128)."""
+    return 0 < padded_head_dim(head_dim_v) < padded_head_dim(head_dim)
+
+
 def fwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, seqlen_k: int, window_left: int,
-               window_right: int, softcap: bool = False, bias: bool = False) -> TileConfig:
+               window_right: int, softcap: bool = False, bias: bool = False, head_dim_v: int = 0) -> TileConfig:
     """Tiles for a call with ``seqlen_k`` keys under the window (``-1`` = unbounded side; causal is
-    ``window_right = 0``); ``softcap`` / ``bias``: the call has one."""
+    ``window_right = 0``); ``softcap`` / ``bias``: the call has one. ``head_dim`` is the larger of the
+    query/key and value head dims, ``head_dim_v`` the values' (0: the same)."""
     if device.type != "cuda":
         return _FWD_INTERPRET
     if dtype == torch.float32:
@@ -137,6 +156,8 @@ def fwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, seqlen_k
             table = _FWD_SM90_BIAS
         elif softcap and padded in _FWD_SM90_SOFTCAP:
             table = _FWD_SM90_SOFTCAP
+        elif _narrow_values(head_dim, head_dim_v) and padded in _FWD_SM90_V128:
+            table = _FWD_SM90_V128
     # Causal rows of a short sequence, or a narrow window, make short programs whose edge blocks
     # waste more of a bigger tile.
     masked = window_left >= 0 or window_right >= 0
@@ -256,13 +277,18 @@ def mean_row_keys(seqlen_k: int, window_left: int, window_right: int) -> int:
     return row_keys(seqlen_k, window_left, window_right)
 
 
-def bwd_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> BwdConfig:
+def bwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, head_dim_v: int = 0) -> BwdConfig:
+    """Backward tiles; head dims as in :func:`fwd_config`."""
     if device.type != "cuda":
         return _BWD_INTERPRET
     if dtype == torch.float32:
         return _BWD_FP32_D256 if padded_head_dim(head_dim) == 256 else _BWD_FP32
-    table = _BWD_SM90 if _arch(device) == 90 else _BWD_SM80
-    return table[padded_head_dim(head_dim)]
+    padded = padded_head_dim(head_dim)
+    if _arch(device) != 90:
+        return _BWD_SM80[padded]
+    if _narrow_values(head_dim, head_dim_v) and padded in _BWD_SM90_V128:
+        return _BWD_SM90_V128[padded]
+    return _BWD_SM90[padded]
 
 
 

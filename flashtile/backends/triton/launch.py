@@ -154,7 +154,8 @@ def forward(q, k, v, args: AttnArgs, config=None):
                         preferred="triton (Gluon Hopper kernel)")
         cfg = None
     cfg = cfg or fwd_config(max(head_dim, head_dim_v), q.dtype, q.device, seqlen_k, args.window_left,
-                            args.window_right, softcap=args.softcap > 0, bias=args.attn_bias is not None)
+                            args.window_right, softcap=args.softcap > 0, bias=args.attn_bias is not None,
+                            head_dim_v=head_dim_v)
     grid = (cdiv(seqlen_q, cfg.BLOCK_M), nheads, batch)
 
     def static():
@@ -247,7 +248,7 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
         # Tokens past the last sequence get gradient 0 (the kernels zero keys past seqused_k).
         for grad, cu in ((dq_out, args.cu_seqlens_q), (dk_out, args.cu_seqlens_k), (dv_out, args.cu_seqlens_k)):
             _fill_tail(grad, cu, 0.0)
-    cfg = config or bwd_config(max(head_dim, head_dim_v), q.dtype, q.device)
+    cfg = config or bwd_config(max(head_dim, head_dim_v), q.dtype, q.device, head_dim_v)
     varlen = args.varlen
     delta = torch.empty_like(lse)
     lse2 = torch.empty_like(lse)

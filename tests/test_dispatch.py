@@ -64,6 +64,35 @@ def test_hopper_forward_tiles_follow_mask_row_length_and_features(monkeypatch, w
     assert f"BM={tile[0]} BN={tile[1]}]" in name and (config["fwd"]["BLOCK_M"], config["fwd"]["BLOCK_N"]) == tile
 
 
+@pytest.mark.parametrize("headdim, headdim_v, features, fwd_tile, bwd_tiles", [
+    (256, 256, (), (128, 64, 2), ((64, 32, 2), (128, 64, 1))),
+    (160, 160, (), (128, 64, 2), ((64, 32, 2), (128, 64, 1))),  # padded to 256
+    (192, 128, (), (128, 64, 3), ((64, 32, 2), (128, 64, 2))),  # 128-wide values leave room for a stage
+    (256, 64, (), (128, 64, 3), ((64, 32, 2), (128, 64, 2))),
+    (256, 256, ("bias",), (64, 64, 2), ((64, 32, 2), (128, 64, 1))),  # the bias tile needs shared memory too
+    (192, 128, ("bias",), (64, 64, 2), ((64, 32, 2), (128, 64, 2))),
+    (128, 64, (), (128, 128, 3), ((32, 64, 3), (128, 64, 3))),  # narrower values change nothing at 128
+])
+def test_hopper_head_dim_256_tiles(monkeypatch, headdim, headdim_v, features, fwd_tile, bwd_tiles):
+    """Head dims padded to 256 take the tuned tiles (configs.py), with a deeper pipeline when the values are
+    at most half as wide (DeepSeek's 192/128); explain() names them."""
+    from flashtile.backends import AttentionCall
+    from flashtile.backends import triton as triton_backend
+    from flashtile.backends.triton import configs
+    monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
+    cuda = torch.device("cuda", 0)
+    width = max(headdim, headdim_v)
+    fwd = configs.fwd_config(width, torch.bfloat16, cuda, 4096, -1, -1, bias="bias" in features, head_dim_v=headdim_v)
+    bwd = configs.bwd_config(width, torch.bfloat16, cuda, headdim_v)
+    assert (fwd.BLOCK_M, fwd.BLOCK_N, fwd.num_stages) == fwd_tile
+    assert tuple((t.BLOCK_M, t.BLOCK_N, t.num_stages) for t in (bwd.dkdv, bwd.dq)) == bwd_tiles
+    described = tuple((name, f"{name}: test") for name in features)
+    call = AttentionCall(cuda, torch.bfloat16, 1, 4096, 4096, 1, 1, headdim, False, described, headdim_v=headdim_v)
+    name, bwd_name, config = triton_backend.describe(call)
+    assert config["fwd"]["num_stages"] == fwd_tile[2] and config["bwd_dq"]["num_stages"] == bwd_tiles[1][2]
+    assert f"BM={fwd_tile[0]} BN={fwd_tile[1]}]" in name
+
+
 @pytest.mark.parametrize("window, seqlen, features, headdim, kernel", [
     ((1024, 0), 16384, (), 128, "gluon-sm90 64x64"),  # a narrow window: its edge blocks waste less of 64x64
     ((-1, 0), 4096, (), 128, "gluon-sm90 64x128"),  # causal rows

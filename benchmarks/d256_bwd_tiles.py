@@ -10,6 +10,7 @@ import datetime, json, os, sys, time, torch, multiprocessing as mp
 from flashtile.backends import AttnArgs
 from flashtile.backends.triton import launch
 from flashtile.backends.triton.configs import TileConfig as T, BwdConfig, bwd_config
+from d256_fwd_tiles import time_it  # this script's folder is on sys.path
 
 DKDV = [(32, 64, 8, 1), (32, 64, 8, 2), (32, 64, 4, 2), (16, 64, 4, 2), (16, 64, 8, 2), (32, 32, 4, 2), (32, 32, 4, 3),
         (64, 32, 4, 2), (64, 32, 8, 2), (64, 64, 8, 2), (64, 64, 8, 1), (16, 128, 8, 2), (32, 128, 8, 1)]
@@ -61,23 +62,14 @@ def compile_one(job):
         return f"{a} {b} {shape} {causal}: {type(e).__name__} {str(e)[:200]}"
 
 
-def time_it(fn, n=5):
-    for _ in range(2): fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(n):
-        s = torch.cuda.Event(enable_timing=True); e = torch.cuda.Event(enable_timing=True)
-        s.record(); fn(); e.record(); torch.cuda.synchronize(); ts.append(s.elapsed_time(e))
-    return sorted(ts)[n // 2]
-
-
 if __name__ == "__main__":
     t0 = time.time()
     jobs = [(c, s, causal) for c in cfgs() for s in SHAPES for causal in (False, True)]
     with mp.get_context("spawn").Pool(14) as pool:
         errs = [e for e in pool.map(compile_one, jobs, chunksize=1) if e]
     print("compiled", len(jobs), "in", round(time.time() - t0), "s; errors:", errs[:10], flush=True)
-    res = {"torch": torch.__version__, "triton": __import__("triton").__version__, "device": torch.cuda.get_device_name(),
+    res = {"torch": torch.__version__, "triton": __import__("triton").__version__,
+           "device": torch.cuda.get_device_name(),
            "commit": os.environ.get("FLASHTILE_GIT_COMMIT", "?"), "rows": []}
     for shape in SHAPES:
         for causal in (False, True):
@@ -90,11 +82,12 @@ if __name__ == "__main__":
                 try:
                     got = bwd(t, cfg)
                     err = max(float((x.float() - y.float()).abs().max()) for x, y in zip(got, ref))
-                    ms = time_it(lambda: bwd(t, cfg))
+                    ms = time_it(lambda: bwd(t, cfg), n=5, calls=1)
                 except Exception as e:
                     print("fail", a, b, type(e).__name__, flush=True)
                     continue
-                row = dict(shape=shape, causal=causal, dkdv=a, dq=b, ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1), err=err)
+                row = dict(shape=shape, causal=causal, dkdv=a, dq=b, ms=round(ms, 3),
+                           tflops=round(flops / ms / 1e9, 1), err=err)
                 res["rows"].append(row)
                 print(row, flush=True)
     name = f"h200-bwd-d256-sweep{2 if PAIRS else ''}-{datetime.date.today()}.json"

@@ -30,13 +30,20 @@ def compile_one(job):
         return f"{c} {shape[3:]} {causal}: {type(e).__name__}"
 
 
-def time_it(fn, n=7):
-    for _ in range(2): fn()
+def time_it(fn, n=7, calls=2):
+    """Median over ``n`` CUDA-event timings of ``calls`` back-to-back calls, in ms per call."""
+    for _ in range(2):
+        fn()
     torch.cuda.synchronize()
     ts = []
     for _ in range(n):
-        s = torch.cuda.Event(enable_timing=True); e = torch.cuda.Event(enable_timing=True)
-        s.record(); fn(); fn(); e.record(); torch.cuda.synchronize(); ts.append(s.elapsed_time(e) / 2)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        ts.append(start.elapsed_time(end) / calls)
     return sorted(ts)[n // 2]
 
 
@@ -46,7 +53,8 @@ if __name__ == "__main__":
     with mp.get_context("spawn").Pool(14) as pool:
         errs = [e for e in pool.map(compile_one, jobs, chunksize=1) if e]
     print("compiled", len(jobs), "in", round(time.time() - t0), "s; errors:", errs, flush=True)
-    res = {"torch": torch.__version__, "triton": __import__("triton").__version__, "device": torch.cuda.get_device_name(),
+    res = {"torch": torch.__version__, "triton": __import__("triton").__version__,
+           "device": torch.cuda.get_device_name(),
            "rows": []}
     for shape in SHAPES:
         for causal in (False, True):
@@ -62,7 +70,9 @@ if __name__ == "__main__":
                     ms = time_it(lambda: launch.forward(q, k, v, a, config=T(*c)))
                 except Exception as e:
                     continue
-                row = dict(shape=shape, causal=causal, cfg=c, ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1), err=err)
+                row = dict(shape=shape, causal=causal, cfg=c, ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1),
+                           err=err)
                 res["rows"].append(row)
                 print(row, flush=True)
-    json.dump(res, open(os.path.join(os.environ.get("OUT", "/tmp"), f"h200-fwd-d256-sweep-{datetime.date.today()}.json"), "w"), indent=1)
+    name = f"h200-fwd-d256-sweep-{datetime.date.today()}.json"
+    json.dump(res, open(os.path.join(os.environ.get("OUT", "/tmp"), name), "w"), indent=1)

@@ -93,15 +93,22 @@ def draw_dropout_counters(args):
     return replace(args, seed=seed, offset=offset)
 
 
-def _forward(ctx, plan, q, k, v, args, sink, attn_bias):
+def run_forward(plan, q, k, v, args):
+    """The backend's forward alone: ``(out, lse, args)``, ``args`` with its dropout counters drawn.
+    Calls that need no gradient run it without an autograd Function (which costs host time)."""
     args = draw_dropout_counters(args)
-    ctx.args, ctx.plan = args, plan
+    with profiled(plan.fwd_name):
+        out, lse = get_backend(plan.backend).forward(q, k, v, args)
+    return out, lse, args
+
+
+def _forward(ctx, plan, q, k, v, args, sink, attn_bias):
+    out, lse, ctx.args = run_forward(plan, q, k, v, args)
+    ctx.plan = plan
     # What the gradients of sink and attn_bias are reduced and cast to.
     ctx.sink_dtype = None if sink is None else sink.dtype
     ctx.bias_shape = None if attn_bias is None else attn_bias.shape
     ctx.bias_dtype = None if attn_bias is None else attn_bias.dtype
-    with profiled(plan.fwd_name):
-        out, lse = get_backend(plan.backend).forward(q, k, v, args)
     ctx.mark_non_differentiable(lse)
     return out, lse
 

@@ -148,6 +148,7 @@ def _light(name: str):
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)
 def get_backend(name: str):
     """The module that runs ``name``'s kernels: it offers ``forward(...)`` and ``backward(...)``."""
     return importlib.import_module(_KERNEL_MODULES[name])
@@ -224,13 +225,51 @@ def dispatch(call: AttentionCall) -> Plan:
         raise result.error
     reason = result.fallback_reason
     if reason is None:
-        with _lock:
-            _calls[result.backend] += 1
+        record_choice(result)
     else:
         # stacklevel 4: the user's line that called flash_attn_func (dispatch <- _attention <- flash_attn_func).
         record_fallback(reason, result.backend, preferred=result.preferred, stacklevel=4)
-    record_kernel(result.fwd_name)
+        record_kernel(result.fwd_name)
     return result
+
+
+def record_choice(result: Plan) -> None:
+    """Count a call that runs on its preferred backend, as :func:`dispatch` does (for a plan it made earlier)."""
+    with _lock:
+        _calls[result.backend] += 1
+        _kernels[result.fwd_name] += 1
+
+
+# Plans of repeated calls (every layer of every step repeats a few shapes), with their validated
+# arguments, under the caller's key of the call's signature plus state_key(): a repeat skips
+# validation and planning. Only plans that run on the preferred backend are kept.
+_remembered: dict = {}
+_REMEMBER_MAX = 1024
+
+
+def recall(key):
+    """What :func:`remember` kept under ``key``, or None."""
+    return _remembered.get(key)
+
+
+def remember(key, value) -> None:
+    if len(_remembered) >= _REMEMBER_MAX:
+        _remembered.clear()
+    _remembered[key] = value
+
+
+def forget_plans() -> None:
+    """Drop the remembered plans (after changing what a backend supports, e.g. in a test)."""
+    _remembered.clear()
+
+
+def state_key() -> tuple:
+    """Everything besides the call that :func:`plan` and the fallback policy read: forced and disabled
+    backends, strict mode and the environment variables behind them. A plan made under one key holds
+    while the key is unchanged."""
+    env = os.environ
+    return (tuple(_forced), tuple(_disabled), _strict[0], env.get("FLASHTILE_DISABLE_BACKENDS"),
+            env.get("FLASHTILE_STRICT"), env.get("TRITON_INTERPRET"))
 
 
 def record_fallback(reason: str, backend: str, *, preferred: str = "preferred", stacklevel: int = 2) -> None:

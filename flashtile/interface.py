@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 
 from . import ops, validation
-from .autograd import FlashAttnFunc, FlashAttnKVPackedFunc, FlashAttnQKVPackedFunc
+from .autograd import FlashAttnFunc, FlashAttnKVPackedFunc, FlashAttnQKVPackedFunc, run_forward
 from .backends import AttentionCall
-from .dispatch import dispatch, merge_call
+from .dispatch import dispatch, merge_call, recall, record_choice, remember, state_key
 
 
 def flash_attn_func(
@@ -88,7 +88,6 @@ def flash_attn_func(
         ``out`` ``(batch, seqlen_q, nheads, headdim_v)`` in q's dtype, or
         ``(out, softmax_lse, None)`` when ``return_attn_probs``.
     """
-    validation.check_qkv(q, k, v)
     options = dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                    softcap=softcap, alibi_slopes=alibi_slopes)
     return _attention(FlashAttnFunc, (q, k, v), (q, k, v), options, sink, attn_bias, return_attn_probs)
@@ -113,7 +112,6 @@ def flash_attn_qkvpacked_func(
     packed tensor of ``qkv``'s shape. Other arguments as in :func:`flash_attn_func`.
     """
     q, k, v = validation.check_packed("qkv", qkv, 3, "(batch, seqlen, 3, nheads, headdim)")
-    validation.check_qkv(q, k, v)
     options = dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                    softcap=softcap, alibi_slopes=alibi_slopes)
     return _attention(FlashAttnQKVPackedFunc, (qkv,), (q, k, v), options, sink, attn_bias, return_attn_probs)
@@ -138,7 +136,6 @@ def flash_attn_kvpacked_func(
     in one packed gradient. Other arguments as in :func:`flash_attn_func`.
     """
     k, v = validation.check_packed("kv", kv, 2, "(batch, seqlen_k, 2, nheads_kv, headdim)")
-    validation.check_qkv(q, k, v)
     options = dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                    softcap=softcap, alibi_slopes=alibi_slopes)
     return _attention(FlashAttnKVPackedFunc, (q, kv), (q, k, v), options, sink, attn_bias, return_attn_probs)
@@ -196,7 +193,6 @@ def flash_attn_varlen_func(
         ``out`` ``(total_q, nheads, headdim_v)`` in q's dtype, or ``(out, softmax_lse, None)``
         when ``return_attn_probs``, with ``softmax_lse`` float32 ``(nheads, total_q)``.
     """
-    validation.check_qkv(q, k, v, varlen=True)
     options = dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                    softcap=softcap, alibi_slopes=alibi_slopes, varlen=True, cu_seqlens_q=cu_seqlens_q,
                    cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k)
@@ -225,7 +221,6 @@ def flash_attn_varlen_qkvpacked_func(
     :func:`flash_attn_varlen_func`.
     """
     q, k, v = validation.check_packed("qkv", qkv, 3, "(total_tokens, 3, nheads, headdim)", varlen=True)
-    validation.check_qkv(q, k, v, varlen=True)
     options = dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                    softcap=softcap, alibi_slopes=alibi_slopes, varlen=True, cu_seqlens_q=cu_seqlens,
                    cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
@@ -257,7 +252,6 @@ def flash_attn_varlen_kvpacked_func(
     Other arguments as in :func:`flash_attn_varlen_func`.
     """
     k, v = validation.check_packed("kv", kv, 2, "(total_k, 2, nheads_kv, headdim)", varlen=True)
-    validation.check_qkv(q, k, v, varlen=True)
     options = dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                    softcap=softcap, alibi_slopes=alibi_slopes, varlen=True, cu_seqlens_q=cu_seqlens_q,
                    cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k)
@@ -266,16 +260,50 @@ def flash_attn_varlen_kvpacked_func(
 
 def _attention(function, inputs, qkv, options, sink, attn_bias, return_attn_probs):
     """Validate and normalise the options, dispatch the call to a backend and run it: through the
-    autograd Function in eager mode, through the custom op (:mod:`flashtile.ops`) while
-    torch.compile traces."""
+    autograd Function when a gradient is wanted, else the backend's forward alone; through the
+    custom op (:mod:`flashtile.ops`) while torch.compile traces. A repeated call (same shapes,
+    dtypes, devices and options; no tensor options) reuses its first validation and plan."""
     q, k, v = qkv
-    args = validation.attn_args(q, k, v, sink=sink, attn_bias=attn_bias, **options)
-    if torch.compiler.is_compiling():
-        out, lse = ops.attention(q, k, v, args, sink=sink, attn_bias=attn_bias)
+    compiling = torch.compiler.is_compiling()
+    key = None if compiling else _signature(function, qkv, options, sink, attn_bias)
+    known = None if key is None else recall(key)
+    if known is not None:
+        args, chosen = known
+        record_choice(chosen)
     else:
+        validation.check_qkv(q, k, v, varlen=options.get("varlen", False))
+        args = validation.attn_args(q, k, v, sink=sink, attn_bias=attn_bias, **options)
+        if compiling:
+            out, lse = ops.attention(q, k, v, args, sink=sink, attn_bias=attn_bias)
+            return (out, lse, None) if return_attn_probs else out
         chosen = dispatch(AttentionCall.of(q, k, v, args))
+        if key is not None and chosen.fallback_reason is None:
+            remember(key, (args, chosen))
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*inputs, sink, attn_bias)):
         out, lse = function.apply(*inputs, sink, attn_bias, args, chosen)
+    else:
+        out, lse, _ = run_forward(chosen, q, k, v, args)
     return (out, lse, None) if return_attn_probs else out
+
+
+_SCALARS = (int, float, bool, type(None))
+
+
+def _signature(function, qkv, options, sink, attn_bias):
+    """What validation and dispatch read of a dense call without tensor options, as a key (with the
+    options' types, so that ``softcap=False`` does not pass for ``softcap=0``); None for other calls."""
+    if sink is not None or attn_bias is not None or options.get("varlen") or options["alibi_slopes"] is not None:
+        return None
+    window = options["window_size"]
+    if type(window) is not tuple or len(window) != 2 or type(window[0]) is not int or type(window[1]) is not int:
+        return None
+    scalars = (options["dropout_p"], options["softmax_scale"], options["causal"], options["softcap"])
+    types = tuple(type(x) for x in scalars)
+    q, k, v = qkv
+    if not all(t in _SCALARS for t in types) or not all(isinstance(t, torch.Tensor) for t in qkv):
+        return None
+    return (function, window, scalars, types, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device,
+            k.device, v.device, state_key())
 
 
 def flash_attn_with_kvcache(

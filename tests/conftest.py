@@ -64,6 +64,17 @@ def rng(request):
     return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
+@pytest.fixture(autouse=True)
+def fresh_plans():
+    """Each test plans its calls afresh: tests change what backends support (monkeypatched FEATURES,
+    capabilities), which the remembered plans of repeated calls would not see."""
+    from flashtile import dispatch
+
+    dispatch.forget_plans()
+    yield
+    dispatch.forget_plans()
+
+
 @pytest.fixture
 def clean_dispatch_state(monkeypatch):
     """Fresh stats, warn-once memory, no strict mode and no disabled backends, before and after."""

@@ -136,3 +136,71 @@ def test_fallback_is_counted_warned_once_and_logged(monkeypatch, caplog):
         warnings.simplefilter("error")  # a second warning for the same reason would raise here
         assert dispatch.dispatch(call_on_cuda).backend == "torch"
     assert counts() == {"calls": {"torch": 2}, "fallbacks": {reason: 2}}
+
+
+# ---------------------------------------------------------------- remembered plans of repeated calls
+
+
+def test_repeated_call_skips_validation_but_is_counted(device, rng, monkeypatch):
+    from flashtile import validation
+
+    checked = []
+    real = validation.check_qkv
+    monkeypatch.setattr(validation, "check_qkv", lambda *a, **kw: (checked.append(1), real(*a, **kw))[1])
+    q, k, v = small_inputs(device, rng)
+    with force_backend("torch"):
+        first = flash_attn_func(q, k, v, causal=True)
+        again = flash_attn_func(q, k, v, causal=True)
+        flash_attn_func(q, k, v, causal=False)  # other options: planned afresh
+    assert len(checked) == 2
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+    snapshot = flashtile.stats()
+    assert snapshot["calls"] == {"torch": 3} and sum(snapshot["kernels"].values()) == 3
+
+
+def test_remembered_plan_follows_disabled_backends(rng, monkeypatch):
+    """A plan made before a backend was disabled is not reused after (the fallback is recorded)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q, k, v = small_inputs("cpu", rng)
+    flash_attn_func(q, k, v)
+    monkeypatch.setenv("FLASHTILE_DISABLE_BACKENDS", "triton")
+    with pytest.warns(RuntimeWarning, match="disabled"):
+        flash_attn_func(q, k, v)
+    with flashtile.dispatch.disable_backends("torch"):
+        with pytest.raises(RuntimeError, match="no flashtile backend"):
+            flash_attn_func(q, k, v)
+    snapshot = counts()
+    assert snapshot["calls"] == {"triton": 1, "torch": 1} and len(snapshot["fallbacks"]) == 1
+
+
+def test_fallbacks_are_recorded_on_every_repeat(rng, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("FLASHTILE_DISABLE_BACKENDS", "triton")
+    q, k, v = small_inputs("cpu", rng)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            flash_attn_func(q, k, v)
+    assert counts()["calls"] == {"torch": 3} and list(counts()["fallbacks"].values()) == [3]
+
+
+@pytest.mark.parametrize("bad, error", [(dict(softcap=False), TypeError), (dict(window_size=(2.0, 0)), TypeError),
+                                        (dict(causal=True, softmax_scale=-1.0), ValueError)])
+def test_remembered_plan_does_not_admit_bad_options(bad, error, device, rng):
+    """``False == 0`` and ``2.0 == 2`` in Python: the options' types are part of the remembered key."""
+    q, k, v = small_inputs(device, rng)
+    good = dict(softcap=0.0, window_size=(2, 0), causal=True, softmax_scale=1.0)
+    with force_backend("torch"):
+        flash_attn_func(q, k, v, **{name: good[name] for name in bad})
+        with pytest.raises(error):
+            flash_attn_func(q, k, v, **bad)
+
+
+@pytest.mark.parametrize("grad", ["no_grad", "no_input_requires_grad", "requires_grad"])
+def test_autograd_graph_only_when_a_gradient_is_wanted(grad, device, rng):
+    q, k, v = small_inputs(device, rng, requires_grad=grad != "no_input_requires_grad")
+    with force_backend("torch"), torch.set_grad_enabled(grad != "no_grad"):
+        out = flash_attn_func(q, k, v, causal=True)
+        packed = flash_attn_kvpacked_func(q, torch.stack([k, v], dim=2), causal=True)
+    torch.testing.assert_close(packed, out, rtol=0, atol=0)
+    assert (out.grad_fn is not None) == (grad == "requires_grad") == out.requires_grad

@@ -1,0 +1,64 @@
+"""Host time per call of flash_attn_func next to torch's SDPA, on shapes small enough that the GPU
+waits for the host (Llama-3-8B heads, 32 query / 8 KV, head dim 128, bf16, causal).
+
+Each figure is the wall time of 1000 back-to-back calls (300 with a backward) after a warm-up,
+divided by the count: while the kernels are shorter than the host's work per call, that is the
+host's time. ``--label`` names the run (e.g. the commit) in the JSON.
+
+    python benchmarks/host_time.py --label after -> $OUT (default /tmp)/h200-host-time-<label>.json
+"""
+import argparse, json, os, subprocess, time
+import torch
+import torch.nn.functional as F
+import flashtile
+
+
+def per_call_us(fn, n=1000):
+    for _ in range(30):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return round((time.perf_counter() - start) / n * 1e6, 1)
+
+
+def measure(batch, seqlen, heads=32, heads_kv=8):
+    q = torch.randn(batch, seqlen, heads, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, seqlen, heads_kv, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    dout = torch.randn_like(q)
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    qtg, ktg, vtg = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+    row = {}
+    with torch.no_grad():
+        row["flashtile fwd, no grad"] = per_call_us(lambda: flashtile.flash_attn_func(q, k, v, causal=True))
+        row["sdpa fwd, no grad"] = per_call_us(
+            lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True))
+    row["flashtile fwd, requires grad"] = per_call_us(lambda: flashtile.flash_attn_func(qg, kg, vg, causal=True))
+    row["flashtile fwd+bwd"] = per_call_us(
+        lambda: flashtile.flash_attn_func(qg, kg, vg, causal=True).backward(dout), 300)
+    row["sdpa fwd+bwd"] = per_call_us(
+        lambda: F.scaled_dot_product_attention(qtg, ktg, vtg, is_causal=True, enable_gqa=True).backward(
+            dout.transpose(1, 2)), 300)
+    return row
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--label", default="run")
+    opts = parser.parse_args()
+    commit = os.environ.get("FLASHTILE_GIT_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    result = {"label": opts.label, "commit": commit, "torch": torch.__version__,
+              "triton": __import__("triton").__version__, "device": torch.cuda.get_device_name(),
+              "unit": "us per call (host-bound)", "rows": {}}
+    for batch, seqlen in [(1, 512), (1, 128)]:
+        row = measure(batch, seqlen)
+        result["rows"][f"{batch}x{seqlen}"] = row
+        print(f"{batch}x{seqlen}", row, flush=True)
+    path = os.path.join(os.environ.get("OUT", "/tmp"), f"h200-host-time-{opts.label}.json")
+    json.dump(result, open(path, "w"), indent=1)
+    print("wrote", path)

@@ -148,7 +148,6 @@ def _light(name: str):
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def get_backend(name: str):
     """The module that runs ``name``'s kernels: it offers ``forward(...)`` and ``backward(...)``."""
     return importlib.import_module(_KERNEL_MODULES[name])

@@ -252,6 +252,7 @@ def recall(key):
 
 
 def remember(key, value) -> None:
+    """Keep ``value`` under ``key`` (the oldest plans are dropped all at once past _REMEMBER_MAX)."""
     if len(_remembered) >= _REMEMBER_MAX:
         _remembered.clear()
     _remembered[key] = value

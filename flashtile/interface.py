@@ -3,8 +3,9 @@ or ``(total_tokens, nheads, headdim)`` for the varlen functions).
 
 Each function validates its arguments (:mod:`flashtile.validation`, which also fills the defaults
 into one :class:`~flashtile.backends.AttnArgs`), asks :mod:`flashtile.dispatch` for a backend and
-runs the matching autograd Function (or, while torch.compile traces, the custom op of
-:mod:`flashtile.ops`). :func:`flash_attn_with_kvcache` and :func:`merge_attention_states` are
+runs the matching autograd Function when a gradient is wanted, else the backend's forward alone
+(or, while torch.compile traces, the custom op of :mod:`flashtile.ops`). A dense call that repeats
+an earlier one reuses that call's validated arguments and plan (:func:`_attention`). :func:`flash_attn_with_kvcache` and :func:`merge_attention_states` are
 inference-only: they run the backend directly (no autograd), through a custom op while compiling.
 """
 from __future__ import annotations

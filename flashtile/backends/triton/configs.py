@@ -277,6 +277,28 @@ def mean_row_keys(seqlen_k: int, window_left: int, window_right: int) -> int:
     return row_keys(seqlen_k, window_left, window_right)
 
 
+# The dK/dV kernel runs one program per (key block, KV head, sequence), each walking every query row of
+# its GQA group that sees the block. Few KV heads (GQA, tensor-parallel shards) or short batches leave
+# most SMs idle; then each key block's query rows are split into parts, for about
+# BWD_KV_PROGRAMS_PER_SM programs an SM, with float32 partial sums added up after the kernel, and the dQ
+# kernel runs alongside on a second stream. A part keeps at least BWD_KV_MIN_ROWS_PER_SPLIT rows: the
+# extra launches cost the host about 50 us, which shorter backwards do not win back (H200, 1 x 1024,
+# 32/8 heads: 0.69x with 4 parts).
+BWD_KV_PROGRAMS_PER_SM = 4
+BWD_KV_MIN_ROWS_PER_SPLIT = 2048
+BWD_KV_MAX_SPLITS = 16
+
+
+def bwd_kv_splits(programs: int, rows: int, device: torch.device) -> int:
+    """Parts per key block of the dK/dV kernel: ``programs`` key blocks x KV heads x sequences, ``rows``
+    the most query rows one key block sees (per query head). The parts wanted are rounded up to a power
+    of two (H200 sweep: 3 -> 4 and 5 -> 8 ran as fast or faster)."""
+    wanted = -(-BWD_KV_PROGRAMS_PER_SM * sm_count(device) // max(programs, 1))
+    min_rows = BWD_KV_MIN_ROWS_PER_SPLIT if device.type == "cuda" else _INTERPRET_MIN_ROWS_PER_SPLIT
+    by_length = rows // min_rows
+    return max(1, min(1 << (wanted - 1).bit_length(), by_length, BWD_KV_MAX_SPLITS))
+
+
 def bwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, head_dim_v: int = 0) -> BwdConfig:
     """Backward tiles; head dims as in :func:`fwd_config`."""
     if device.type != "cuda":
@@ -359,6 +381,7 @@ DECODE_MAX_SPLITS = 128
 # The interpreter has no SMs: pretend 8 and short splits, so auto splitting is exercised cheaply.
 _INTERPRET_SMS = 8
 _INTERPRET_MIN_KEYS_PER_SPLIT = 32
+_INTERPRET_MIN_ROWS_PER_SPLIT = 64
 
 
 @functools.lru_cache(maxsize=None)

@@ -24,6 +24,28 @@ def on_device(t: torch.Tensor):
     return contextlib.nullcontext()
 
 
+_SIDE_STREAMS: dict = {}
+
+
+@contextlib.contextmanager
+def fork(t: torch.Tensor, enabled: bool):
+    """Yields a context for launches that may run alongside the ones the caller makes after it, on a
+    second stream of ``t``'s device (the current stream otherwise); on exit the current stream waits
+    for them. Fits CUDA-graph capture: the side stream joins it through the fork and join."""
+    if not (enabled and t.is_cuda):
+        yield contextlib.nullcontext
+        return
+    main = torch.cuda.current_stream(t.device)
+    side = _SIDE_STREAMS.get(t.device.index)
+    if side is None:
+        side = _SIDE_STREAMS[t.device.index] = torch.cuda.Stream(t.device)
+    side.wait_stream(main)
+    try:
+        yield lambda: torch.cuda.stream(side)
+    finally:
+        main.wait_stream(side)
+
+
 def input_precision(dtype: torch.dtype) -> str:
     # fp32 inputs are computed in true fp32, never silently in tf32.
     return "ieee" if dtype == torch.float32 else "tf32"

@@ -14,11 +14,12 @@ from ...alloc import empty
 from ...dispatch import record_fallback
 from ...rng import keep_threshold
 from .. import AttnArgs, present_features
-from .configs import bwd_config, fixed_row_max, fwd_config, gluon_fwd_config, gluon_ring, padded_head_dim
+from .configs import (bwd_config, bwd_kv_splits, fixed_row_max, fwd_config, gluon_fwd_config, gluon_ring,
+                      padded_head_dim, row_keys)
 # The KV-cache part of the backend contract lives in decode.py; the dispatcher finds it here.
 from .decode import append_kv, attention_kv, merge_states  # noqa: F401
 from .fastlaunch import CachedLaunch
-from .host import cdiv, fast_tanh, input_precision, on_device, unit_stride
+from .host import cdiv, fast_tanh, fork, input_precision, on_device, unit_stride
 from .kernels.bwd import bwd_dkdv, bwd_dq, bwd_preprocess
 from .kernels.common import LOG2E as _LOG2E
 from .kernels.fwd import attn_fwd
@@ -231,8 +232,9 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, group: int, features: 
                   static)
 
 
-def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, dbias=None, config=None):
-    """``config`` overrides the tile table (for tuning sweeps)."""
+def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, dbias=None, config=None, kv_splits=None):
+    """``config`` overrides the tile table and ``kv_splits`` the dK/dV programs per key block (for tuning
+    sweeps and tests)."""
     q, k, v, out, dout = (unit_stride(t) for t in (q, k, v, out, dout))
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, head_dim_v = _shape(q, k, v, args)
     if dbias is not None:
@@ -253,8 +255,18 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
     delta = torch.empty_like(lse)
     lse2 = torch.empty_like(lse)
     stride_lse_b, stride_lse_h = _lse_strides(lse, varlen)
-    key = (_layout_key(q, k, v, out, dout, lse, dq_out, dk_out, dv_out), q.device, _args_key(args), cfg,
-           dbias is not None)
+    splits = kv_splits or bwd_kv_splits(cdiv(seqlen_k, cfg.dkdv.BLOCK_N) * nheads_kv * batch,
+                                        row_keys(seqlen_q, args.window_left, args.window_right), q.device)
+    # Split key blocks store float32 partial sums: one partial head per (KV head, part).
+    dk_part, dv_part = dk_out, dv_out
+    if splits > 1:
+        dk_part, dv_part = (torch.empty(*g.shape[:-2], nheads_kv * splits, g.shape[-1], dtype=torch.float32,
+                                        device=g.device) for g in (dk_out, dv_out))
+        if varlen:
+            for part in (dk_part, dv_part):
+                _fill_tail(part, args.cu_seqlens_k, 0.0)
+    key = (_layout_key(q, k, v, out, dout, lse, dq_out, dk_part, dv_part), q.device, _args_key(args), cfg,
+           dbias is not None, splits)
 
     def shared():
         return dict(stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
@@ -275,17 +287,24 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
                                  BLOCK_M=_PREPROCESS_BLOCK_M))
         if dsink is not None:
             dsink.copy_(_sink_grad(args.sink, lse, delta, varlen))
-        _DKDV(key, (cdiv(seqlen_k, cfg.dkdv.BLOCK_N), nheads_kv, batch),
-              dict(DK=dk_out, DV=dv_out, **tensors),
-              lambda: dict(**shared(), **_strides(varlen, dk=dk_out, dv=dv_out),
-                           BLOCK_M=cfg.dkdv.BLOCK_M, BLOCK_N=cfg.dkdv.BLOCK_N,
-                           EVEN_M=not varlen and seqlen_q % cfg.dkdv.BLOCK_M == 0,
-                           num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages))
-        _DQ(key, (cdiv(seqlen_q, cfg.dq.BLOCK_M), nheads, batch),
-            dict(DQ=dq_out, DBIAS=dbias if dbias is not None else q, **tensors),
-            lambda: dict(**shared(), **_strides(varlen, dq=dq_out), BLOCK_M=cfg.dq.BLOCK_M, BLOCK_N=cfg.dq.BLOCK_N,
-                         WRITE_DBIAS=dbias is not None, EVEN_M=not varlen and seqlen_q % cfg.dq.BLOCK_M == 0,
-                         num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages))
+        # An under-filled GPU (split key blocks) runs the dK/dV and dQ kernels side by side.
+        with fork(q, splits > 1) as alongside:
+            with alongside():
+                _DKDV(key, (cdiv(seqlen_k, cfg.dkdv.BLOCK_N), nheads_kv * splits, batch),
+                      dict(DK=dk_part, DV=dv_part, **tensors),
+                      lambda: dict(**shared(), **_strides(varlen, dk=dk_part, dv=dv_part), split=splits,
+                                   BLOCK_M=cfg.dkdv.BLOCK_M, BLOCK_N=cfg.dkdv.BLOCK_N,
+                                   EVEN_M=not varlen and seqlen_q % cfg.dkdv.BLOCK_M == 0,
+                                   num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages))
+            _DQ(key, (cdiv(seqlen_q, cfg.dq.BLOCK_M), nheads, batch),
+                dict(DQ=dq_out, DBIAS=dbias if dbias is not None else q, **tensors),
+                lambda: dict(**shared(), **_strides(varlen, dq=dq_out), BLOCK_M=cfg.dq.BLOCK_M,
+                             BLOCK_N=cfg.dq.BLOCK_N, WRITE_DBIAS=dbias is not None, EVEN_M=not varlen and seqlen_q % cfg.dq.BLOCK_M == 0,
+                             num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages))
+        if splits > 1:
+            # The parts of each KV head, added in a fixed order (run-to-run identical) and cast on the way.
+            for part, grad in ((dk_part, dk_out), (dv_part, dv_out)):
+                torch.sum(part.unflatten(-2, (nheads_kv, splits)), dim=-2, out=grad)
     for given, written in ((dq, dq_out), (dk, dk_out), (dv, dv_out)):
         if given is not written:
             given.copy_(written)

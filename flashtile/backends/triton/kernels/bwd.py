@@ -3,7 +3,9 @@
 Three kernels, no atomics (so gradients are bit-identical run to run):
   * ``bwd_preprocess``: ``delta = rowsum(dO * O)`` and the LSE moved to the exp2 domain;
   * ``bwd_dkdv``: one program per key block; it walks the query blocks of every query
-    head in its GQA group, so dK/dV are the group sums without atomics;
+    head in its GQA group, so dK/dV are the group sums without atomics. When that leaves the
+    GPU under-filled (few KV heads, short batches), ``split`` programs share a key block's query
+    rows, each storing float32 partial sums that the launcher adds up in a fixed order;
   * ``bwd_dq``: one program per query block, walking the key blocks like the forward; it
     also writes dS for the bias gradient, each element exactly once.
 With ``dS = P * (dP - delta)``: ``dV = P^T dO``, ``dK = scale * dS^T Q``, ``dQ = scale * dS K``.
@@ -14,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .common import (LOG2E, dropout_keep, head_base, head_terms, int64, kv_block_range, load_tile, program_block,
-                     q_block_range, run_bounds, score_scale, scores, sequence, store_tile, tile_ptrs)
+                     q_block_range, run_bounds, score_scale, scores, sequence, split_range, store_tile, tile_ptrs)
 
 
 @triton.jit
@@ -106,7 +108,7 @@ def bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, softmax_scale, softcap, window_le
              stride_dvb, stride_dvn, stride_dvh,
              stride_lse_b, stride_lse_h, stride_alibi_b,
              stride_bb, stride_bh, stride_bm, stride_bn,
-             nheads, seqlen_q, seqlen_k, group,
+             nheads, seqlen_q, seqlen_k, group, split,
              HEAD_DIM_QK_ACTUAL: tl.constexpr, HEAD_DIM_QK: tl.constexpr,
              HEAD_DIM_V_ACTUAL: tl.constexpr, HEAD_DIM_V: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -122,7 +124,9 @@ def bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, softmax_scale, softcap, window_le
     stride_dob, stride_dom, stride_doh = int64(stride_dob, stride_dom, stride_doh)
     stride_dkb, stride_dkn, stride_dkh = int64(stride_dkb, stride_dkn, stride_dkh)
     stride_dvb, stride_dvn, stride_dvh = int64(stride_dvb, stride_dvn, stride_dvh)
-    start_n, off_b, off_hk = program_block(False)
+    # Program axis 1 runs over (KV head, part): DK and DV have ``split`` partial heads per KV head.
+    start_n, off_b, off_part = program_block(False)
+    off_hk = off_part // split
     q_start, seqlen_q, k_start, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
                                                     IS_VARLEN, HAS_SEQUSED)
     # Keys this program stores: with seqused_k the sequence's keys past seqused_k get gradient 0.
@@ -137,10 +141,10 @@ def bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, softmax_scale, softcap, window_le
     offs_m = tl.arange(0, BLOCK_M)
     offs_dk = tl.arange(0, HEAD_DIM_QK)
     offs_dv = tl.arange(0, HEAD_DIM_V)
-    dk_ptrs = tile_ptrs(head_base(DK, off_b, off_hk, k_start, stride_dkb, stride_dkn, stride_dkh), offs_n, stride_dkn,
-                        offs_dk)
-    dv_ptrs = tile_ptrs(head_base(DV, off_b, off_hk, k_start, stride_dvb, stride_dvn, stride_dvh), offs_n, stride_dvn,
-                        offs_dv)
+    dk_ptrs = tile_ptrs(head_base(DK, off_b, off_part, k_start, stride_dkb, stride_dkn, stride_dkh), offs_n,
+                        stride_dkn, offs_dk)
+    dv_ptrs = tile_ptrs(head_base(DV, off_b, off_part, k_start, stride_dvb, stride_dvn, stride_dvh), offs_n,
+                        stride_dvn, offs_dv)
     if HAS_SEQUSED:
         if start_n * BLOCK_N >= seqlen_k:
             # Unused keys: nothing to accumulate.
@@ -158,6 +162,7 @@ def bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, softmax_scale, softcap, window_le
     qk_scale = score_scale(softmax_scale, softcap, SOFTCAP)
     lo, full_lo, full_hi, hi = q_block_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
                                              BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, EVEN_M)
+    part_lo, part_hi = split_range(lo, hi, off_part % split, split, BLOCK_M)
 
     # Sum over the query heads that share this KV head (GQA), in a fixed order.
     for g in range(group):
@@ -172,6 +177,7 @@ def bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, softmax_scale, softcap, window_le
         for run in tl.static_range(3):
             # Runs 0 and 2 straddle the window's edges; run 1 needs no mask.
             run_lo, run_hi = run_bounds(run, lo, full_lo, full_hi, hi)
+            run_lo, run_hi = tl.maximum(run_lo, part_lo), tl.minimum(run_hi, part_hi)
             # Run 0 is empty without a right edge (causal), run 2 without a left edge or a partial
             # last query block: leave them out.
             if (run != 0 or MASK_RIGHT) and (run != 2 or MASK_LEFT or not EVEN_M):

@@ -208,6 +208,15 @@ def run_bounds(run: tl.constexpr, lo, full_lo, full_hi, hi):
 
 
 @triton.jit
+def split_range(lo, hi, part, split, BLOCK_M: tl.constexpr):
+    """Part ``part`` of ``split`` of the query rows ``[lo, hi)``, in whole blocks of ``BLOCK_M`` from
+    ``lo``: ``[part_lo, part_hi)``, empty for parts past the last block."""
+    per_part = tl.cdiv(tl.cdiv(hi - lo, BLOCK_M), split) * BLOCK_M
+    part_lo = lo + part * per_part
+    return part_lo, tl.minimum(hi, part_lo + per_part)
+
+
+@triton.jit
 def load_tile(ptrs, offs_rows, n_rows, offs_d, HEAD_DIM_ACTUAL: tl.constexpr, HEAD_DIM: tl.constexpr,
               CHECK_ROWS: tl.constexpr):
     """Load a ``[rows, HEAD_DIM]`` tile, zero-filling rows past ``n_rows`` and padded head-dim columns."""

@@ -16,6 +16,8 @@ interpreter every call takes Triton's ordinary path.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from triton import knobs
 
@@ -66,7 +68,8 @@ class CachedLaunch:
                 traits.append(type(value))
         return tuple(traits)
 
-    def __call__(self, key, grid, dynamic: dict, static) -> None:
+    def __call__(self, key, grid, dynamic: dict, static, stream=None) -> None:
+        """``stream``: a ``torch.cuda.Stream`` to launch on instead of the current stream."""
         if _interpreting():
             self.fn[grid](**dynamic, **static())
             return
@@ -74,7 +77,8 @@ class CachedLaunch:
         entry = self._cache.get(full_key)
         if entry is None:
             kwargs = {**dynamic, **static()}
-            kernel = self.fn[grid](**kwargs)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                kernel = self.fn[grid](**kwargs)
             if len(self._cache) >= self.max_entries:
                 self._cache.clear()
             # Keep the static arguments only: holding this call's tensors would keep them alive.
@@ -89,7 +93,7 @@ class CachedLaunch:
         args = list(args)
         for slot, name in zip(self.slots, self.dynamic_names):
             args[slot] = dynamic[name]
-        stream = _current_stream()
+        stream = _current_stream() if stream is None else stream.cuda_stream
         # Launch hooks (a profiler's, say) get the metadata Triton's own path would give them; an
         # empty hook chain (Triton's default) needs none.
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook

@@ -24,26 +24,40 @@ def on_device(t: torch.Tensor):
     return contextlib.nullcontext()
 
 
+class _SideStream:
+    """A second stream of one device, and the two events that fork it from and join it to the
+    current stream (reused: a wait takes the event's state when it is issued)."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device)
+        self.forked = torch.cuda.Event()
+        self.joined = torch.cuda.Event()
+
+
 _SIDE_STREAMS: dict = {}
 
 
 @contextlib.contextmanager
 def fork(t: torch.Tensor, enabled: bool):
-    """Yields a context for launches that may run alongside the ones the caller makes after it, on a
-    second stream of ``t``'s device (the current stream otherwise); on exit the current stream waits
-    for them. Fits CUDA-graph capture: the side stream joins it through the fork and join."""
+    """Yields a ``torch.cuda.Stream`` of ``t``'s device for launches that may run alongside the ones
+    the caller makes on the current stream after the fork (None when not ``enabled`` or on CPU); on
+    exit the current stream waits for them. Fits CUDA-graph capture: the side stream joins it through
+    the fork and join. Events rather than ``wait_stream`` and an explicit stream rather than
+    ``torch.cuda.stream``: each of those costs the host more per call."""
     if not (enabled and t.is_cuda):
-        yield contextlib.nullcontext
+        yield None
         return
-    main = torch.cuda.current_stream(t.device)
     side = _SIDE_STREAMS.get(t.device.index)
     if side is None:
-        side = _SIDE_STREAMS[t.device.index] = torch.cuda.Stream(t.device)
-    side.wait_stream(main)
+        side = _SIDE_STREAMS[t.device.index] = _SideStream(t.device)
+    main = torch.cuda.current_stream(t.device)
+    side.forked.record(main)
+    side.stream.wait_event(side.forked)
     try:
-        yield lambda: torch.cuda.stream(side)
+        yield side.stream
     finally:
-        main.wait_stream(side)
+        side.joined.record(side.stream)
+        main.wait_event(side.joined)
 
 
 def input_precision(dtype: torch.dtype) -> str:

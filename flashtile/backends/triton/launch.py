@@ -289,13 +289,13 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
             dsink.copy_(_sink_grad(args.sink, lse, delta, varlen))
         # An under-filled GPU (split key blocks) runs the dK/dV and dQ kernels side by side.
         with fork(q, splits > 1) as alongside:
-            with alongside():
-                _DKDV(key, (cdiv(seqlen_k, cfg.dkdv.BLOCK_N), nheads_kv * splits, batch),
-                      dict(DK=dk_part, DV=dv_part, **tensors),
-                      lambda: dict(**shared(), **_strides(varlen, dk=dk_part, dv=dv_part), split=splits,
-                                   BLOCK_M=cfg.dkdv.BLOCK_M, BLOCK_N=cfg.dkdv.BLOCK_N,
-                                   EVEN_M=not varlen and seqlen_q % cfg.dkdv.BLOCK_M == 0,
-                                   num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages))
+            _DKDV(key, (cdiv(seqlen_k, cfg.dkdv.BLOCK_N), nheads_kv * splits, batch),
+                  dict(DK=dk_part, DV=dv_part, **tensors),
+                  lambda: dict(**shared(), **_strides(varlen, dk=dk_part, dv=dv_part), split=splits,
+                               BLOCK_M=cfg.dkdv.BLOCK_M, BLOCK_N=cfg.dkdv.BLOCK_N,
+                               EVEN_M=not varlen and seqlen_q % cfg.dkdv.BLOCK_M == 0,
+                               num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages),
+                  stream=alongside)
             _DQ(key, (cdiv(seqlen_q, cfg.dq.BLOCK_M), nheads, batch),
                 dict(DQ=dq_out, DBIAS=dbias if dbias is not None else q, **tensors),
                 lambda: dict(**shared(), **_strides(varlen, dq=dq_out), BLOCK_M=cfg.dq.BLOCK_M,

@@ -17,20 +17,26 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 def test_split_rule(monkeypatch):
     """Parts per key block on a 132-SM GPU: about 4 programs an SM, rounded up to a power of two,
-    at least BWD_KV_MIN_ROWS_PER_SPLIT query rows a part, at most BWD_KV_MAX_SPLITS."""
+    at least BWD_KV_MIN_ROWS_PER_SPLIT query rows a part, at most BWD_KV_MAX_SPLITS, and only for
+    backwards of BWD_SPLIT_MIN_PAIRS pairs or more."""
     monkeypatch.setattr(configs, "sm_count", lambda device: 132)
     gpu = torch.device("cuda")
+    big = configs.BWD_SPLIT_MIN_PAIRS
     # 1 x 8192, one KV head, 64-key blocks: 128 programs want 5 parts (-> 8), 8192 rows allow 4.
-    assert configs.bwd_kv_splits(128, 8192, gpu) == 4
-    assert configs.bwd_kv_splits(128, 32768, gpu) == 8
-    assert configs.bwd_kv_splits(512, 8192, gpu) == 2
-    assert configs.bwd_kv_splits(1, 10**7, gpu) == configs.BWD_KV_MAX_SPLITS
-    # Enough programs, or rows too short to be worth a second part: no split.
-    assert configs.bwd_kv_splits(4 * 132, 8192, gpu) == 1
-    assert configs.bwd_kv_splits(4096, 16384, gpu) == 1
-    assert configs.bwd_kv_splits(16, 2047, gpu) == 1
+    assert configs.bwd_kv_splits(128, 8192, big, gpu) == 4
+    assert configs.bwd_kv_splits(128, 32768, big, gpu) == 8
+    assert configs.bwd_kv_splits(512, 8192, big, gpu) == 2
+    assert configs.bwd_kv_splits(1, 10**7, big, gpu) == configs.BWD_KV_MAX_SPLITS
+    # Enough programs, rows too short to be worth a second part, or too little work: no split.
+    assert configs.bwd_kv_splits(4 * 132, 8192, big, gpu) == 1
+    assert configs.bwd_kv_splits(4096, 16384, big, gpu) == 1
+    assert configs.bwd_kv_splits(16, 2047, big, gpu) == 1
+    assert configs.bwd_kv_splits(128, 8192, big - 1, gpu) == 1
+    # 1 x 4096 causal with 4 query heads (33.5 Mi pairs) stays whole; with 32, split in two.
+    assert configs.bwd_kv_splits(64, 4096, 4 * 4096 * configs.mean_row_keys(4096, -1, 0), gpu) == 1
+    assert configs.bwd_kv_splits(512, 4096, 32 * 4096 * configs.mean_row_keys(4096, -1, 0), gpu) == 2
     # A sliding window bounds the rows a key block sees.
-    assert configs.bwd_kv_splits(16, configs.row_keys(16384, 1024, 0), gpu) == 1
+    assert configs.bwd_kv_splits(16, configs.row_keys(16384, 1024, 0), big, gpu) == 1
 
 
 def _dense(rng, device, batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim=32, dtype=torch.float32):
@@ -158,9 +164,9 @@ def test_api_varlen_splits_against_reference(device, rng, monkeypatch):
 def test_forked_backward_in_cuda_graph(rng):
     """On the GPU the split backward forks the dQ kernel onto a second stream; captured in a CUDA
     graph and replayed on new inputs it gives the eager gradients."""
-    q, k, v = make_qkv(1, 4096, 4096, 8, 1, 128, dtype=torch.bfloat16, device="cuda", generator=rng)
+    q, k, v = make_qkv(1, 8192, 8192, 8, 1, 128, dtype=torch.bfloat16, device="cuda", generator=rng)
     dout = random_like(q, rng)
-    assert launch.bwd_kv_splits(64, 4096, q.device) > 1
+    assert launch.bwd_kv_splits(8192 // 64, 8192, 8 * 8192 * 4096, q.device) > 1
 
     def step():
         return torch.autograd.grad(flash_attn_func(q, k, v, causal=True), (q, k, v), dout)

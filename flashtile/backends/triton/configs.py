@@ -281,18 +281,25 @@ def mean_row_keys(seqlen_k: int, window_left: int, window_right: int) -> int:
 # its GQA group that sees the block. Few KV heads (GQA, tensor-parallel shards) or short batches leave
 # most SMs idle; then each key block's query rows are split into parts, for about
 # BWD_KV_PROGRAMS_PER_SM programs an SM, with float32 partial sums added up after the kernel, and the dQ
-# kernel runs alongside on a second stream. A part keeps at least BWD_KV_MIN_ROWS_PER_SPLIT rows: the
-# extra launches cost the host about 50 us, which shorter backwards do not win back (H200, 1 x 1024,
-# 32/8 heads: 0.69x with 4 parts).
+# kernel runs alongside on a second stream. The split costs the host more per call (two partial buffers,
+# their sum, the fork), so it takes backwards of at least BWD_SPLIT_MIN_PAIRS (query row, key) pairs
+# over all heads, about 0.3 ms of GPU work, in parts of at least BWD_KV_MIN_ROWS_PER_SPLIT rows. Shorter
+# ones are bound by the host's ~0.5 ms per backward call on the H200 host: 1 x 4096 with 4/1 heads,
+# causal, ran 0.68x split through the API though its kernels took less GPU time, and 1 x 1024, 32/8
+# heads, 0.69x (benchmarks/bwd_fill.py, scratch A/B, 2026-11-22).
 BWD_KV_PROGRAMS_PER_SM = 4
 BWD_KV_MIN_ROWS_PER_SPLIT = 2048
 BWD_KV_MAX_SPLITS = 16
+BWD_SPLIT_MIN_PAIRS = 64 * 1024 * 1024
 
 
-def bwd_kv_splits(programs: int, rows: int, device: torch.device) -> int:
+def bwd_kv_splits(programs: int, rows: int, pairs: int, device: torch.device) -> int:
     """Parts per key block of the dK/dV kernel: ``programs`` key blocks x KV heads x sequences, ``rows``
-    the most query rows one key block sees (per query head). The parts wanted are rounded up to a power
-    of two (H200 sweep: 3 -> 4 and 5 -> 8 ran as fast or faster)."""
+    the most query rows one key block sees (per query head), ``pairs`` the visible (query row, key)
+    pairs over all heads, about. The parts wanted are rounded up to a power of two (H200 sweep: 3 -> 4
+    and 5 -> 8 ran as fast or faster)."""
+    if device.type == "cuda" and pairs < BWD_SPLIT_MIN_PAIRS:
+        return 1
     wanted = -(-BWD_KV_PROGRAMS_PER_SM * sm_count(device) // max(programs, 1))
     min_rows = BWD_KV_MIN_ROWS_PER_SPLIT if device.type == "cuda" else _INTERPRET_MIN_ROWS_PER_SPLIT
     by_length = rows // min_rows

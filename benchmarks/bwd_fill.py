@@ -27,12 +27,12 @@ PROVIDERS = ["flashtile", "flashtile-unsplit", "cudnn", "flex"]
 @contextlib.contextmanager
 def unsplit():
     """flashtile's backward as before split key blocks: one dK/dV program per key block, no fork."""
-    rule = launch.bwd_kv_splits
-    launch.bwd_kv_splits = lambda *args: 1
+    rule = launch.bwd_splits
+    launch.bwd_splits = lambda *args: 1
     try:
         yield
     finally:
-        launch.bwd_kv_splits = rule
+        launch.bwd_splits = rule
 
 
 def main():

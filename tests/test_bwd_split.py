@@ -132,8 +132,8 @@ def test_api_splits_against_reference(device, rng, monkeypatch, nheads, nheads_k
     """Through the public API, with the rule choosing the parts (the interpreter pretends 8 SMs, so
     these few programs are split): the tolerance rule against the float64 reference holds."""
     chosen = []
-    rule = launch.bwd_kv_splits
-    monkeypatch.setattr(launch, "bwd_kv_splits", lambda *a: chosen.append(rule(*a)) or chosen[-1])
+    rule = launch.bwd_splits
+    monkeypatch.setattr(launch, "bwd_splits", lambda *a: chosen.append(rule(*a)) or chosen[-1])
     dtype = torch.float16 if device == "cpu" else torch.bfloat16
     seqlen = 203 if device == "cpu" else 8192
     q, k, v = make_qkv(1, seqlen, seqlen, nheads, nheads_kv, 64, dtype=dtype, device=device, generator=rng)
@@ -147,7 +147,7 @@ def test_api_splits_against_reference(device, rng, monkeypatch, nheads, nheads_k
 def test_api_varlen_splits_against_reference(device, rng, monkeypatch):
     """Varlen through the API with two parts forced, one sequence empty: the tolerance rule against
     the float64 reference holds for the output, lse and every gradient."""
-    monkeypatch.setattr(launch, "bwd_kv_splits", lambda *a: 2)
+    monkeypatch.setattr(launch, "bwd_splits", lambda *a: 2)
     cu = torch.tensor([0, 70, 70, 203], dtype=torch.int32, device=device)
     q, k, v = (torch.randn(203, h, 32, generator=rng).to(device=device, dtype=torch.float16).requires_grad_()
                for h in (4, 2, 2))
@@ -166,7 +166,7 @@ def test_forked_backward_in_cuda_graph(rng):
     graph and replayed on new inputs it gives the eager gradients."""
     q, k, v = make_qkv(1, 8192, 8192, 8, 1, 128, dtype=torch.bfloat16, device="cuda", generator=rng)
     dout = random_like(q, rng)
-    assert launch.bwd_kv_splits(8192 // 64, 8192, 8 * 8192 * 4096, q.device) > 1
+    assert configs.bwd_splits(1, 8, 1, 8192, 8192, (-1, 0), 64, q.device) > 1
 
     def step():
         return torch.autograd.grad(flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
@@ -186,3 +186,19 @@ def test_forked_backward_in_cuda_graph(rng):
     eager = step()
     for name, a, b in zip(("dq", "dk", "dv"), captured, eager):
         assert torch.equal(a, b), f"{name}: graph replay differs from eager"
+
+
+def test_explain_names_the_parts(device, rng):
+    """The backward's profiler name (and explain()) says when key blocks are split: parts=N."""
+    import flashtile
+    from flashtile.dispatch import force_backend
+
+    q, k, v = make_qkv(1, 203, 203, 4, 1, 64, dtype=torch.float16, device=device, generator=rng)
+    block_n = configs.bwd_config(64, q.dtype, q.device).dkdv.BLOCK_N
+    parts = configs.bwd_splits(1, 4, 1, 203, 203, (-1, 0), block_n, q.device)
+    with force_backend("triton"):
+        text = str(flashtile.explain(q, k, v, causal=True))
+    backward = next(line for line in text.splitlines() if line.startswith("backward"))
+    assert (f" parts={parts} " in backward) == (parts > 1), backward
+    if device == "cpu":
+        assert parts > 1, "the interpreter's 8 SMs no longer split this call: the name goes untested"

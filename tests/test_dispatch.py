@@ -52,6 +52,7 @@ def test_hopper_forward_tiles_follow_mask_row_length_and_features(monkeypatch, w
     from flashtile.backends import triton as triton_backend
     from flashtile.backends.triton import configs
     monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)
     cuda = torch.device("cuda", 0)
     left, right = window
     cfg = configs.fwd_config(128, torch.bfloat16, cuda, seqlen, left, right,
@@ -80,6 +81,7 @@ def test_hopper_head_dim_256_tiles(monkeypatch, headdim, headdim_v, features, fw
     from flashtile.backends import triton as triton_backend
     from flashtile.backends.triton import configs
     monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)
     cuda = torch.device("cuda", 0)
     width = max(headdim, headdim_v)
     fwd = configs.fwd_config(width, torch.bfloat16, cuda, 4096, -1, -1, bias="bias" in features, head_dim_v=headdim_v)
@@ -115,6 +117,7 @@ def test_hopper_forward_kernel_is_gluon_where_it_leads(monkeypatch, window, seql
     from flashtile.backends import triton as triton_backend
     from flashtile.backends.triton import configs
     monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)
     cuda = torch.device("cuda", 0)
     described = tuple((name, f"{name}: test") for name in features)
     batch = max(1, 16384 // seqlen)  # batch x seqlen = 16384 tokens, as in the variants benchmark
@@ -132,6 +135,7 @@ def test_hopper_forward_kernel_is_gluon_where_it_leads(monkeypatch, window, seql
     assert configs.gluon_fwd_config(headdim, headdim, torch.float32, cuda, rows, seqlen, *window,
                                     frozenset(features)) is None
     monkeypatch.setattr(configs, "capability", lambda device: (8, 0))
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)
     assert configs.gluon_fwd_config(headdim, headdim, torch.bfloat16, cuda, rows, seqlen, *window,
                                     frozenset(features)) is None
 
@@ -168,6 +172,7 @@ def test_long_full_softcap_rows_take_gluon_when_the_row_max_is_fixed(monkeypatch
     from flashtile.backends import triton as triton_backend
     from flashtile.backends.triton import configs
     monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)
     call = AttentionCall(torch.device("cuda", 0), dtype, 2, 8192, 8192, 16, 16, 128, False,
                          (("softcap", "softcap: test"),), softcap=softcap)
     name, _, _ = triton_backend.describe(call)
@@ -190,6 +195,7 @@ def test_small_calls_keep_the_triton_kernel_for_its_cheaper_launch(monkeypatch):
     their keys, a window its width."""
     from flashtile.backends.triton import configs
     monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)
     cuda = torch.device("cuda", 0)
     pairs = configs.GLUON_MIN_PAIRS
 

@@ -306,6 +306,13 @@ def bwd_kv_splits(programs: int, rows: int, pairs: int, device: torch.device) ->
     return max(1, min(1 << (wanted - 1).bit_length(), by_length, BWD_KV_MAX_SPLITS))
 
 
+def bwd_splits(batch: int, nheads: int, nheads_kv: int, seqlen_q: int, seqlen_k: int, window: tuple,
+               block_n: int, device: torch.device) -> int:
+    """:func:`bwd_kv_splits` for a call: dK/dV key blocks of ``block_n`` keys, ``window`` ``(left, right)``."""
+    return bwd_kv_splits(-(-seqlen_k // block_n) * nheads_kv * batch, row_keys(seqlen_q, *window),
+                         batch * nheads * seqlen_q * mean_row_keys(seqlen_k, *window), device)
+
+
 def bwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, head_dim_v: int = 0) -> BwdConfig:
     """Backward tiles; head dims as in :func:`fwd_config`."""
     if device.type != "cuda":

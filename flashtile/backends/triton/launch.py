@@ -14,8 +14,8 @@ from ...alloc import empty
 from ...dispatch import record_fallback
 from ...rng import keep_threshold
 from .. import AttnArgs, present_features
-from .configs import (bwd_config, bwd_kv_splits, fixed_row_max, fwd_config, gluon_fwd_config, gluon_ring,
-                      mean_row_keys, padded_head_dim, row_keys)
+from .configs import (bwd_config, bwd_splits, fixed_row_max, fwd_config, gluon_fwd_config, gluon_ring,
+                      padded_head_dim)
 # The KV-cache part of the backend contract lives in decode.py; the dispatcher finds it here.
 from .decode import append_kv, attention_kv, merge_states  # noqa: F401
 from .fastlaunch import CachedLaunch
@@ -255,10 +255,8 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
     delta = torch.empty_like(lse)
     lse2 = torch.empty_like(lse)
     stride_lse_b, stride_lse_h = _lse_strides(lse, varlen)
-    window = (args.window_left, args.window_right)
-    splits = kv_splits or bwd_kv_splits(cdiv(seqlen_k, cfg.dkdv.BLOCK_N) * nheads_kv * batch,
-                                        row_keys(seqlen_q, *window),
-                                        batch * nheads * seqlen_q * mean_row_keys(seqlen_k, *window), q.device)
+    splits = kv_splits or bwd_splits(batch, nheads, nheads_kv, seqlen_q, seqlen_k,
+                                     (args.window_left, args.window_right), cfg.dkdv.BLOCK_N, q.device)
     # Split key blocks store float32 partial sums: one partial head per (KV head, part).
     dk_part, dv_part = dk_out, dv_out
     if splits > 1:

@@ -2,7 +2,7 @@
 shards of Llama-3-8B / 70B) and short batches, head dim 128, bf16. flashtile, SDPA's cuDNN backend and
 FlexAttention in the same run, through the suite's own measurement (``flashtile.bench.gpu.measure``:
 ``triton.testing.do_bench``, L2 flushed, backward alone on a retained graph), and flashtile once more
-with its key blocks unsplit (``kv_splits=1``: the backward before split key blocks) for the A/B.
+with its key blocks unsplit and the dQ kernel after the dK/dV one (the backward before) for the A/B.
 
     python benchmarks/bwd_fill.py -> $OUT (default /tmp)/<gpu>-bwd-fill-<date>.json
 """
@@ -26,13 +26,13 @@ PROVIDERS = ["flashtile", "flashtile-unsplit", "cudnn", "flex"]
 
 @contextlib.contextmanager
 def unsplit():
-    """flashtile's backward as before split key blocks: one dK/dV program per key block, no fork."""
-    rule = launch.bwd_splits
-    launch.bwd_splits = lambda *args: 1
+    """flashtile's backward as before: one dK/dV program per key block, the dQ kernel after it."""
+    rule = launch.bwd_plan
+    launch.bwd_plan = lambda *args: (1, False)
     try:
         yield
     finally:
-        launch.bwd_splits = rule
+        launch.bwd_plan = rule
 
 
 def main():

@@ -1,7 +1,7 @@
-"""Split key blocks in the backward (``configs.bwd_kv_splits``): when few KV heads or short batches
-leave SMs idle, several dK/dV programs share one key block's query rows, each storing float32
-partial sums that the launcher adds up after the kernel (and the dQ kernel runs alongside on a
-second stream). Any split count must give the unsplit gradients to float32 rounding, for every
+"""An under-filled backward (``configs.bwd_kv_plan``): when few KV heads or short batches leave SMs
+idle, the dQ kernel runs alongside the dK/dV kernel on a second stream, and with fewer programs still
+several dK/dV programs share one key block's query rows, each storing float32 partial sums that the
+launcher adds up after the kernel. Any split count must give the unsplit gradients to float32 rounding, for every
 feature the backward serves, and the public API must still meet the reference with it on.
 """
 import pytest
@@ -16,27 +16,33 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 def test_split_rule(monkeypatch):
-    """Parts per key block on a 132-SM GPU: about 4 programs an SM, rounded up to a power of two,
-    at least BWD_KV_MIN_ROWS_PER_SPLIT query rows a part, at most BWD_KV_MAX_SPLITS, and only for
-    backwards of BWD_SPLIT_MIN_PAIRS pairs or more."""
+    """``(parts, alongside)`` on a 132-SM GPU: nothing from 4 programs an SM, the dQ kernel alongside
+    from 2, below that also parts for about 4 programs an SM, rounded up to a power of two, of at least
+    BWD_KV_MIN_ROWS_PER_SPLIT query rows, at most BWD_KV_MAX_SPLITS; only for backwards of
+    BWD_SPLIT_MIN_PAIRS pairs or more."""
     monkeypatch.setattr(configs, "sm_count", lambda device: 132)
     gpu = torch.device("cuda")
     big = configs.BWD_SPLIT_MIN_PAIRS
+    plan = configs.bwd_kv_plan
     # 1 x 8192, one KV head, 64-key blocks: 128 programs want 5 parts (-> 8), 8192 rows allow 4.
-    assert configs.bwd_kv_splits(128, 8192, big, gpu) == 4
-    assert configs.bwd_kv_splits(128, 32768, big, gpu) == 8
-    assert configs.bwd_kv_splits(512, 8192, big, gpu) == 2
-    assert configs.bwd_kv_splits(1, 10**7, big, gpu) == configs.BWD_KV_MAX_SPLITS
-    # Enough programs, rows too short to be worth a second part, or too little work: no split.
-    assert configs.bwd_kv_splits(4 * 132, 8192, big, gpu) == 1
-    assert configs.bwd_kv_splits(4096, 16384, big, gpu) == 1
-    assert configs.bwd_kv_splits(16, 2047, big, gpu) == 1
-    assert configs.bwd_kv_splits(128, 8192, big - 1, gpu) == 1
-    # 1 x 4096 causal with 4 query heads (33.5 Mi pairs) stays whole; with 32, split in two.
-    assert configs.bwd_kv_splits(64, 4096, 4 * 4096 * configs.mean_row_keys(4096, -1, 0), gpu) == 1
-    assert configs.bwd_kv_splits(512, 4096, 32 * 4096 * configs.mean_row_keys(4096, -1, 0), gpu) == 2
+    assert plan(128, 8192, big, gpu) == (4, True)
+    assert plan(128, 32768, big, gpu) == (8, True)
+    assert plan(1, 10**7, big, gpu) == (configs.BWD_KV_MAX_SPLITS, True)
+    assert plan(263, 8192, big, gpu) == (4, True)
+    # Rows too short for a second part: the dQ kernel alongside only.
+    assert plan(16, 2047, big, gpu) == (1, True)
+    # 2 to 4 programs an SM: the dQ kernel alongside, no parts.
+    assert plan(264, 8192, big, gpu) == (1, True)
+    assert plan(527, 8192, big, gpu) == (1, True)
+    # Enough programs, or too little work: as before.
+    assert plan(528, 8192, big, gpu) == (1, False)
+    assert plan(4096, 16384, big, gpu) == (1, False)
+    assert plan(128, 8192, big - 1, gpu) == (1, False)
+    # 1 x 4096 causal with 4 query heads (32 Mi pairs) stays as it was; 1 x 8192 with 8/1 heads splits.
+    assert configs.bwd_plan(1, 4, 1, 4096, 4096, (-1, 0), 64, gpu) == (1, False)
+    assert configs.bwd_plan(1, 8, 1, 8192, 8192, (-1, 0), 64, gpu) == (4, True)
     # A sliding window bounds the rows a key block sees.
-    assert configs.bwd_kv_splits(16, configs.row_keys(16384, 1024, 0), big, gpu) == 1
+    assert plan(16, configs.row_keys(16384, 1024, 0), big, gpu) == (1, True)
 
 
 def _dense(rng, device, batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim=32, dtype=torch.float32):
@@ -132,8 +138,8 @@ def test_api_splits_against_reference(device, rng, monkeypatch, nheads, nheads_k
     """Through the public API, with the rule choosing the parts (the interpreter pretends 8 SMs, so
     these few programs are split): the tolerance rule against the float64 reference holds."""
     chosen = []
-    rule = launch.bwd_splits
-    monkeypatch.setattr(launch, "bwd_splits", lambda *a: chosen.append(rule(*a)) or chosen[-1])
+    rule = launch.bwd_plan
+    monkeypatch.setattr(launch, "bwd_plan", lambda *a: chosen.append(rule(*a)) or chosen[-1])
     dtype = torch.float16 if device == "cpu" else torch.bfloat16
     seqlen = 203 if device == "cpu" else 8192
     q, k, v = make_qkv(1, seqlen, seqlen, nheads, nheads_kv, 64, dtype=dtype, device=device, generator=rng)
@@ -141,13 +147,13 @@ def test_api_splits_against_reference(device, rng, monkeypatch, nheads, nheads_k
     ours = _api_results(flash_attn_func, q, k, v, dout, causal=causal)
     refs = [reference_results(q, k, v, dout, hi=hi, causal=causal) for hi in (True, False)]
     assert_results_close(ours, *refs, dtype)
-    assert chosen and chosen[-1] > 1, f"the rule chose {chosen}: this test no longer covers split key blocks"
+    assert chosen and chosen[-1][0] > 1, f"the rule chose {chosen}: this test no longer covers split key blocks"
 
 
 def test_api_varlen_splits_against_reference(device, rng, monkeypatch):
     """Varlen through the API with two parts forced, one sequence empty: the tolerance rule against
     the float64 reference holds for the output, lse and every gradient."""
-    monkeypatch.setattr(launch, "bwd_splits", lambda *a: 2)
+    monkeypatch.setattr(launch, "bwd_plan", lambda *a: (2, True))
     cu = torch.tensor([0, 70, 70, 203], dtype=torch.int32, device=device)
     q, k, v = (torch.randn(203, h, 32, generator=rng).to(device=device, dtype=torch.float16).requires_grad_()
                for h in (4, 2, 2))
@@ -166,7 +172,7 @@ def test_forked_backward_in_cuda_graph(rng):
     graph and replayed on new inputs it gives the eager gradients."""
     q, k, v = make_qkv(1, 8192, 8192, 8, 1, 128, dtype=torch.bfloat16, device="cuda", generator=rng)
     dout = random_like(q, rng)
-    assert configs.bwd_splits(1, 8, 1, 8192, 8192, (-1, 0), 64, q.device) > 1
+    assert configs.bwd_plan(1, 8, 1, 8192, 8192, (-1, 0), 64, q.device) == (4, True)
 
     def step():
         return torch.autograd.grad(flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
@@ -195,10 +201,11 @@ def test_explain_names_the_parts(device, rng):
 
     q, k, v = make_qkv(1, 203, 203, 4, 1, 64, dtype=torch.float16, device=device, generator=rng)
     block_n = configs.bwd_config(64, q.dtype, q.device).dkdv.BLOCK_N
-    parts = configs.bwd_splits(1, 4, 1, 203, 203, (-1, 0), block_n, q.device)
+    parts, alongside = configs.bwd_plan(1, 4, 1, 203, 203, (-1, 0), block_n, q.device)
     with force_backend("triton"):
         text = str(flashtile.explain(q, k, v, causal=True))
     backward = next(line for line in text.splitlines() if line.startswith("backward"))
     assert (f" parts={parts} " in backward) == (parts > 1), backward
+    assert ("+stream]" in backward) == (alongside and device == "cuda"), backward
     if device == "cpu":
         assert parts > 1, "the interpreter's 8 SMs no longer split this call: the name goes untested"

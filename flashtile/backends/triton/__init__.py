@@ -9,7 +9,7 @@ import os
 import torch
 
 from .. import AttentionCall, missing_features
-from .configs import (capability, bwd_config, bwd_splits, decode_config, decode_splits, fwd_config,
+from .configs import (capability, bwd_config, bwd_plan, decode_config, decode_splits, fwd_config,
                       gluon_fwd_config)
 
 FEATURES = frozenset({"dropout", "window", "softcap", "alibi", "sink", "bias", "varlen", "headdim_v", "kvcache",
@@ -92,13 +92,16 @@ def describe(call: AttentionCall):
     # and says so (a recorded fallback).
     kernel = "gluon-sm90" if fwd.kernel == "gluon" else "triton"
     fwd_name = f"flashtile.fwd[{kernel} d={call.headdim} {mask}{extras} BM={fwd.BLOCK_M} BN={fwd.BLOCK_N}]"
-    # Key blocks split among several dK/dV programs (an under-filled GPU) show as parts=N.
-    parts = bwd_splits(call.batch, call.nheads, call.nheads_kv, call.seqlen_q, call.seqlen_k, (left, right),
-                       bwd.dkdv.BLOCK_N, call.device)
+    # On an under-filled GPU: key blocks split among several dK/dV programs (parts=N), the dQ kernel
+    # alongside on a second stream (dq=...+stream; the GPU's only: there is no stream on the CPU).
+    parts, alongside = bwd_plan(call.batch, call.nheads, call.nheads_kv, call.seqlen_q, call.seqlen_k,
+                                (left, right), bwd.dkdv.BLOCK_N, call.device)
+    alongside = alongside and call.device.type == "cuda"
     split = f" parts={parts}" if parts > 1 else ""
     bwd_name = (f"flashtile.bwd[triton d={call.headdim} {mask}{extras} dkdv=BM{bwd.dkdv.BLOCK_M}xBN{bwd.dkdv.BLOCK_N}"
-                f"{split} dq=BM{bwd.dq.BLOCK_M}xBN{bwd.dq.BLOCK_N}]")
-    config = {"fwd": vars(fwd), "bwd_dkdv": {**vars(bwd.dkdv), "parts": parts}, "bwd_dq": vars(bwd.dq)}
+                f"{split} dq=BM{bwd.dq.BLOCK_M}xBN{bwd.dq.BLOCK_N}{'+stream' if alongside else ''}]")
+    config = {"fwd": vars(fwd), "bwd_dkdv": {**vars(bwd.dkdv), "parts": parts},
+              "bwd_dq": {**vars(bwd.dq), "alongside": alongside}}
     return fwd_name, bwd_name, config
 
 

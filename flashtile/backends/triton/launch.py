@@ -14,7 +14,7 @@ from ...alloc import empty
 from ...dispatch import record_fallback
 from ...rng import keep_threshold
 from .. import AttnArgs, present_features
-from .configs import (bwd_config, bwd_splits, fixed_row_max, fwd_config, gluon_fwd_config, gluon_ring,
+from .configs import (bwd_config, bwd_plan, fixed_row_max, fwd_config, gluon_fwd_config, gluon_ring,
                       padded_head_dim)
 # The KV-cache part of the backend contract lives in decode.py; the dispatcher finds it here.
 from .decode import append_kv, attention_kv, merge_states  # noqa: F401
@@ -255,8 +255,9 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
     delta = torch.empty_like(lse)
     lse2 = torch.empty_like(lse)
     stride_lse_b, stride_lse_h = _lse_strides(lse, varlen)
-    splits = kv_splits or bwd_splits(batch, nheads, nheads_kv, seqlen_q, seqlen_k,
-                                     (args.window_left, args.window_right), cfg.dkdv.BLOCK_N, q.device)
+    splits, alongside = bwd_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, (args.window_left, args.window_right),
+                                 cfg.dkdv.BLOCK_N, q.device)
+    splits = kv_splits or splits
     # Split key blocks store float32 partial sums: one partial head per (KV head, part).
     dk_part, dv_part = dk_out, dv_out
     if splits > 1:
@@ -287,15 +288,15 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
                                  BLOCK_M=_PREPROCESS_BLOCK_M))
         if dsink is not None:
             dsink.copy_(_sink_grad(args.sink, lse, delta, varlen))
-        # An under-filled GPU (split key blocks) runs the dK/dV and dQ kernels side by side.
-        with fork(q, splits > 1) as alongside:
+        # An under-filled GPU runs the dK/dV and dQ kernels side by side.
+        with fork(q, alongside) as side:
             _DKDV(key, (cdiv(seqlen_k, cfg.dkdv.BLOCK_N), nheads_kv * splits, batch),
                   dict(DK=dk_part, DV=dv_part, **tensors),
                   lambda: dict(**shared(), **_strides(varlen, dk=dk_part, dv=dv_part), split=splits,
                                BLOCK_M=cfg.dkdv.BLOCK_M, BLOCK_N=cfg.dkdv.BLOCK_N,
                                EVEN_M=not varlen and seqlen_q % cfg.dkdv.BLOCK_M == 0,
                                num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages),
-                  stream=alongside)
+                  stream=side)
             _DQ(key, (cdiv(seqlen_q, cfg.dq.BLOCK_M), nheads, batch),
                 dict(DQ=dq_out, DBIAS=dbias if dbias is not None else q, **tensors),
                 lambda: dict(**shared(), **_strides(varlen, dq=dq_out), BLOCK_M=cfg.dq.BLOCK_M,

@@ -1,8 +1,8 @@
 """An under-filled backward (``configs.bwd_kv_plan``): when few KV heads or short batches leave SMs
-idle, the dQ kernel runs alongside the dK/dV kernel on a second stream, and with fewer programs still
-several dK/dV programs share one key block's query rows, each storing float32 partial sums that the
-launcher adds up after the kernel. Any split count must give the unsplit gradients to float32 rounding, for every
-feature the backward serves, and the public API must still meet the reference with it on.
+idle, several dK/dV programs share one key block's query rows, each storing float32 partial sums that
+the launcher adds up after the kernel, and the dQ kernel runs alongside on a second stream. Any split
+count must give the unsplit gradients to float32 rounding, for every feature the backward serves, and
+the public API must still meet the reference with it on.
 """
 import pytest
 import torch
@@ -16,10 +16,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 def test_split_rule(monkeypatch):
-    """``(parts, alongside)`` on a 132-SM GPU: nothing from 4 programs an SM, the dQ kernel alongside
-    from 2, below that also parts for about 4 programs an SM, rounded up to a power of two, of at least
-    BWD_KV_MIN_ROWS_PER_SPLIT query rows, at most BWD_KV_MAX_SPLITS; only for backwards of
-    BWD_SPLIT_MIN_PAIRS pairs or more."""
+    """``(parts, alongside)`` on a 132-SM GPU: below 4 programs an SM, parts for about 4 programs an
+    SM, rounded up to a power of two, of at least BWD_KV_MIN_ROWS_PER_SPLIT query rows, at most
+    BWD_KV_MAX_SPLITS, with the dQ kernel alongside; only for backwards of BWD_SPLIT_MIN_PAIRS pairs or
+    more."""
     monkeypatch.setattr(configs, "sm_count", lambda device: 132)
     gpu = torch.device("cuda")
     big = configs.BWD_SPLIT_MIN_PAIRS
@@ -27,22 +27,18 @@ def test_split_rule(monkeypatch):
     # 1 x 8192, one KV head, 64-key blocks: 128 programs want 5 parts (-> 8), 8192 rows allow 4.
     assert plan(128, 8192, big, gpu) == (4, True)
     assert plan(128, 32768, big, gpu) == (8, True)
+    assert plan(512, 8192, big, gpu) == (2, True)
     assert plan(1, 10**7, big, gpu) == (configs.BWD_KV_MAX_SPLITS, True)
-    assert plan(263, 8192, big, gpu) == (4, True)
-    # Rows too short for a second part: the dQ kernel alongside only.
-    assert plan(16, 2047, big, gpu) == (1, True)
-    # 2 to 4 programs an SM: the dQ kernel alongside, no parts.
-    assert plan(264, 8192, big, gpu) == (1, True)
-    assert plan(527, 8192, big, gpu) == (1, True)
-    # Enough programs, or too little work: as before.
+    # Enough programs, rows too short for a second part, or too little work: as before.
     assert plan(528, 8192, big, gpu) == (1, False)
     assert plan(4096, 16384, big, gpu) == (1, False)
+    assert plan(16, 2047, big, gpu) == (1, False)
     assert plan(128, 8192, big - 1, gpu) == (1, False)
     # 1 x 4096 causal with 4 query heads (32 Mi pairs) stays as it was; 1 x 8192 with 8/1 heads splits.
     assert configs.bwd_plan(1, 4, 1, 4096, 4096, (-1, 0), 64, gpu) == (1, False)
     assert configs.bwd_plan(1, 8, 1, 8192, 8192, (-1, 0), 64, gpu) == (4, True)
     # A sliding window bounds the rows a key block sees.
-    assert plan(16, configs.row_keys(16384, 1024, 0), big, gpu) == (1, True)
+    assert plan(16, configs.row_keys(16384, 1024, 0), big, gpu) == (1, False)
 
 
 def _dense(rng, device, batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim=32, dtype=torch.float32):

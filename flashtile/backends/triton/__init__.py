@@ -92,8 +92,8 @@ def describe(call: AttentionCall):
     # and says so (a recorded fallback).
     kernel = "gluon-sm90" if fwd.kernel == "gluon" else "triton"
     fwd_name = f"flashtile.fwd[{kernel} d={call.headdim} {mask}{extras} BM={fwd.BLOCK_M} BN={fwd.BLOCK_N}]"
-    # On an under-filled GPU: key blocks split among several dK/dV programs (parts=N), the dQ kernel
-    # alongside on a second stream (dq=...+stream; the GPU's only: there is no stream on the CPU).
+    # On an under-filled GPU: key blocks split among several dK/dV programs (parts=N), and the dQ kernel
+    # alongside on a second stream (dq=...+stream; on the GPU only: the CPU has no streams).
     parts, alongside = bwd_plan(call.batch, call.nheads, call.nheads_kv, call.seqlen_q, call.seqlen_k,
                                 (left, right), bwd.dkdv.BLOCK_N, call.device)
     alongside = alongside and call.device.type == "cuda"

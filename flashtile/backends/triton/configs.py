@@ -279,19 +279,17 @@ def mean_row_keys(seqlen_k: int, window_left: int, window_right: int) -> int:
 
 # The dK/dV kernel runs one program per (key block, KV head, sequence), each walking every query row of
 # its GQA group that sees the block. Few KV heads (GQA, tensor-parallel shards) or short batches leave
-# SMs idle. Below BWD_KV_PROGRAMS_PER_SM programs an SM the dQ kernel runs alongside on a second stream;
-# below BWD_KV_SPLIT_PER_SM, each key block's query rows are also split into parts of at least
-# BWD_KV_MIN_ROWS_PER_SPLIT rows, for about BWD_KV_PROGRAMS_PER_SM programs an SM, with float32 partial
-# sums added up after the kernel. H200 sweep (bf16, d128, causal, backward TFLOP/s unsplit / dQ alongside /
-# also in 2 parts): 1 x 8192 MHA 4 heads (512 programs) 254 / 296 / 276; 1 x 4096 32/8 heads (512)
-# 263 / 284 / 293; 2 x 4096 8/2 (256) 204 / 234 / 256; 1 x 8192 8/1 (128) 182 / 157 / 261 (8 parts: 304).
-# Both cost the host more per call (the fork; two partial buffers and their sum), so they take
-# backwards of at least BWD_SPLIT_MIN_PAIRS (query row, key) pairs over all heads, about 0.3 ms of GPU
-# work. Shorter ones are bound by the host's ~0.5 ms per backward call on the H200 host: 1 x 4096 with
-# 4/1 heads, causal, ran 0.68x split through the API though its kernels took less GPU time, and
-# 1 x 1024, 32/8 heads, 0.69x (benchmarks/bwd_fill.py, scratch A/B, 2026-11-22).
+# SMs idle. Below BWD_KV_PROGRAMS_PER_SM programs an SM each key block's query rows are split into parts
+# of at least BWD_KV_MIN_ROWS_PER_SPLIT rows, for about that many programs an SM, with float32 partial
+# sums added up after the kernel, and the dQ kernel runs alongside on a second stream. Both cost the host
+# more per call (the fork; two partial buffers and their sum), so they take backwards of at least
+# BWD_SPLIT_MIN_PAIRS (query row, key) pairs over all heads, about 0.3 ms of GPU work. Shorter ones are
+# bound by the host's ~0.5 ms per backward call on the H200 host: 1 x 4096 with 4/1 heads, causal, ran
+# 0.68x split through the API though its kernels took less GPU time, and 1 x 1024, 32/8 heads, 0.69x.
+# The dQ kernel alongside without parts (from 2 to 4 programs an SM) was tried and not kept: MHA 4 heads
+# at 1 x 8192 321 against 299 TFLOP/s split, but 1 x 4096 32/8 heads 274 against 300 and 1 x 2048 32/8
+# 162 against 193 unchanged (results/h200-bwd-fill-dq-alongside-only-2026-11-22.json).
 BWD_KV_PROGRAMS_PER_SM = 4
-BWD_KV_SPLIT_PER_SM = 2
 BWD_KV_MIN_ROWS_PER_SPLIT = 2048
 BWD_KV_MAX_SPLITS = 16
 BWD_SPLIT_MIN_PAIRS = 64 * 1024 * 1024
@@ -299,17 +297,16 @@ BWD_SPLIT_MIN_PAIRS = 64 * 1024 * 1024
 
 def bwd_kv_plan(programs: int, rows: int, pairs: int, device: torch.device) -> tuple:
     """``(parts, alongside)``: parts per key block of the dK/dV kernel, and whether the dQ kernel runs
-    alongside it. ``programs``: key blocks x KV heads x sequences; ``rows``: the most query rows one key
-    block sees (per query head); ``pairs``: the visible (query row, key) pairs over all heads, about. The
-    parts wanted are rounded up to a power of two (H200 sweep: 3 -> 4 and 5 -> 8 ran as fast or faster)."""
-    sms = sm_count(device)
-    if (device.type == "cuda" and pairs < BWD_SPLIT_MIN_PAIRS) or programs >= BWD_KV_PROGRAMS_PER_SM * sms:
+    alongside it (with parts only). ``programs``: key blocks x KV heads x sequences; ``rows``: the most
+    query rows one key block sees (per query head); ``pairs``: the visible (query row, key) pairs over all
+    heads, about. The parts wanted are rounded up to a power of two (H200 sweep: 3 -> 4 and 5 -> 8 ran as
+    fast or faster)."""
+    if device.type == "cuda" and pairs < BWD_SPLIT_MIN_PAIRS:
         return 1, False
-    if programs >= BWD_KV_SPLIT_PER_SM * sms:
-        return 1, True
-    wanted = -(-BWD_KV_PROGRAMS_PER_SM * sms // max(programs, 1))
+    wanted = -(-BWD_KV_PROGRAMS_PER_SM * sm_count(device) // max(programs, 1))
     min_rows = BWD_KV_MIN_ROWS_PER_SPLIT if device.type == "cuda" else _INTERPRET_MIN_ROWS_PER_SPLIT
-    return max(1, min(1 << (wanted - 1).bit_length(), rows // min_rows, BWD_KV_MAX_SPLITS)), True
+    parts = max(1, min(1 << (wanted - 1).bit_length(), rows // min_rows, BWD_KV_MAX_SPLITS))
+    return parts, parts > 1
 
 
 def bwd_plan(batch: int, nheads: int, nheads_kv: int, seqlen_q: int, seqlen_k: int, window: tuple,

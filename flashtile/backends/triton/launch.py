@@ -300,7 +300,8 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
             _DQ(key, (cdiv(seqlen_q, cfg.dq.BLOCK_M), nheads, batch),
                 dict(DQ=dq_out, DBIAS=dbias if dbias is not None else q, **tensors),
                 lambda: dict(**shared(), **_strides(varlen, dq=dq_out), BLOCK_M=cfg.dq.BLOCK_M,
-                             BLOCK_N=cfg.dq.BLOCK_N, WRITE_DBIAS=dbias is not None, EVEN_M=not varlen and seqlen_q % cfg.dq.BLOCK_M == 0,
+                             BLOCK_N=cfg.dq.BLOCK_N, WRITE_DBIAS=dbias is not None,
+                             EVEN_M=not varlen and seqlen_q % cfg.dq.BLOCK_M == 0,
                              num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages))
         if splits > 1:
             # The parts of each KV head, added in a fixed order (run-to-run identical) and cast on the way.

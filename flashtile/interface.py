@@ -5,8 +5,9 @@ Each function validates its arguments (:mod:`flashtile.validation`, which also f
 into one :class:`~flashtile.backends.AttnArgs`), asks :mod:`flashtile.dispatch` for a backend and
 runs the matching autograd Function when a gradient is wanted, else the backend's forward alone
 (or, while torch.compile traces, the custom op of :mod:`flashtile.ops`). A dense call that repeats
-an earlier one reuses that call's validated arguments and plan (:func:`_attention`). :func:`flash_attn_with_kvcache` and :func:`merge_attention_states` are
-inference-only: they run the backend directly (no autograd), through a custom op while compiling.
+an earlier one reuses that call's validated arguments and plan (:func:`_attention`).
+:func:`flash_attn_with_kvcache` and :func:`merge_attention_states` are inference-only: they run the
+backend directly (no autograd), through a custom op while compiling.
 """
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ softcap, ALiBi, sinks, seqlen_q != seqlen_k), then timed in three interleaved ro
     FLASHTILE_NO_VENV=1 PYTHONPATH=$PWD python benchmarks/gluon_tiles.py [short]   # writes $OUT/gsweep.json
 
 ``short``: shorter rows (32 x 512 .. 4 x 4096, plain) and ALiBi on all three tiles instead.
+``window``: sliding windows of 512 to 8192 keys (plain, softcap, ALiBi, sink, GQA), writes $OUT/gsweep-window.json.
 """
 import json
 import math
@@ -41,6 +42,7 @@ def bench(fn, n=20):
 
 dt = torch.bfloat16
 CFG = {"gluon64": _FWD_SM90_GLUON, "gluon128": _FWD_SM90_GLUON_WIDE}
+MODE = sys.argv[1] if len(sys.argv) > 1 else ""
 
 
 def args_for(h, b, causal, window, softcap, alibi, sink, scale):
@@ -86,7 +88,13 @@ for (b, sq, sk, h, hk, causal, window, softcap, alibi, sink) in [
         (1, 700, 900, 4, 2, False, (100, 50), 30.0, False, False),
         (2, 1000, 1000, 8, 8, True, (-1, -1), 30.0, False, True), (1, 1100, 700, 4, 2, True, (-1, -1), 0.0, True, True),
         (1, 513, 1537, 2, 1, False, (-1, -1), 10.0, False, True),
-        (3, 129, 4000, 4, 2, True, (-1, -1), 0.0, False, False)]:
+        (3, 129, 4000, 4, 2, True, (-1, -1), 0.0, False, False)] + ([
+        (1, 1000, 1000, 4, 2, False, (1024, 0), 0.0, False, False), (2, 1111, 1111, 4, 4, False, (1000, 0), 0.0, True, False),
+        (1, 900, 1500, 4, 1, False, (70, 0), 0.0, False, True), (1, 1500, 900, 4, 2, False, (300, 200), 30.0, False, False),
+        (2, 640, 640, 2, 2, False, (10, 0), 0.0, False, False), (1, 777, 777, 4, 4, False, (64, 64), 0.0, False, False),
+        (1, 1000, 1300, 2, 2, False, (500, -1), 0.0, False, False), (1, 2000, 2000, 4, 2, True, (-1, -1), 30.0, True, True),
+        (2, 1000, 1000, 4, 4, False, (128, 0), 0.0, False, False), (1, 2000, 2000, 4, 2, False, (-1, -1), 30.0, True, False),
+        (1, 1500, 1500, 4, 2, False, (900, 0), 30.0, True, True)] if MODE == "window" else []):
     q = torch.randn(b, sq, h, 128, device="cuda", dtype=dt)
     k = torch.randn(b, sk, hk, 128, device="cuda", dtype=dt)
     v = torch.randn(b, sk, hk, 128, device="cuda", dtype=dt)
@@ -116,12 +124,18 @@ for feat in ("plain", "softcap", "alibi", "sink"):
 cases += [(4, 4096, 32, 8, False, (-1, -1), "plain"), (4, 4096, 32, 8, True, (-1, -1), "plain"),
           (1, 16384, H, H, False, (1024, 0), "plain"), (2, 8192, H, H, False, (1024, 0), "plain"),
           (1, 16384, H, H, False, (1024, 0), "softcap"), (4, 4096, H, H, False, (2048, 0), "plain")]
-SHORT = sys.argv[1:] == ["short"]
+SHORT = MODE == "short"
 if SHORT:
     cases = [(B, S, H, H, causal, (-1, -1), "plain") for causal in (False, True)
              for B, S in ((32, 512), (16, 1024), (8, 2048), (4, 4096))]
     cases += [(B, S, H, H, causal, (-1, -1), "alibi") for causal in (False, True)
               for B, S in ((8, 2048), (4, 4096), (1, 16384))]
+if MODE == "window":
+    cases = [(B, S, H, H, False, (w, 0), "plain") for B, S, w in
+             ((1, 16384, 512), (1, 16384, 1024), (2, 8192, 1024), (1, 16384, 2048), (4, 4096, 2048), (1, 16384, 4096),
+              (2, 8192, 4096), (1, 16384, 8192))]
+    cases += [(1, 16384, H, H, False, (w, 0), feat) for w in (1024, 4096) for feat in ("softcap", "alibi", "sink")]
+    cases += [(4, 4096, 32, 8, False, (w, 0), "plain") for w in (1024, 2048)]
 table = []
 for (B, S, h, hk, causal, window, feat) in cases:
     q = torch.randn(B, S, h, D, device="cuda", dtype=dt)
@@ -129,10 +143,10 @@ for (B, S, h, hk, causal, window, feat) in cases:
     a = args_for(h, B, causal, window, 30.0 if feat == "softcap" else 0.0, feat == "alibi", feat == "sink", D ** -0.5)
     flops = 4 * B * h * S * S * D / (2 if causal else 1)
     if window[0] >= 0:
-        flops = 4 * B * h * S * (window[0] + 1) * D
+        flops = 4 * B * h * D * sum(min(i, window[0]) + 1 for i in range(S))
     table_tile = fwd_config(128, dt, q.device, S, a.window_left, a.window_right, feat == "softcap")
     cfgs = [("triton", table_tile)] + list(CFG.items())
-    if feat == "alibi" and not SHORT:
+    if feat == "alibi" and not SHORT and MODE != "window":
         cfgs = cfgs[:2]
     times = {n: [] for n, _ in cfgs}
     for rnd in range(3):
@@ -146,9 +160,9 @@ for (B, S, h, hk, causal, window, feat) in cases:
 commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 env = dict(commit=os.environ.get("FLASHTILE_GIT_COMMIT", commit), torch=torch.__version__,
            triton=__import__("triton").__version__, gpu=torch.cuda.get_device_name())
-name = "gsweep-short.json" if SHORT else "gsweep.json"
+name = f"gsweep-{MODE}.json" if MODE else "gsweep.json"
 with open(os.path.join(os.environ.get("OUT", "/tmp"), name), "w") as f:
     json.dump(dict(env=env, checks=res, table=table), f, indent=1)
-print("\nB S h/hk causal window feat | best-of-3 TFLOP/s: triton gluon64 gluon128")
+print("\nB S h/hk causal window feat | best-of-3 TFLOP/s:", " ".join(["triton"] + list(CFG)))
 for r in table:
     print(r["B"], r["S"], "%d/%d" % (r["h"], r["hk"]), r["causal"], r["window"], r["feat"], "|", r["tflops"])

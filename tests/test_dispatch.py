@@ -107,6 +107,8 @@ def test_hopper_head_dim_256_tiles(monkeypatch, headdim, headdim_v, features, fw
     ((-1, -1), 4096, ("alibi",), 128, "gluon-sm90 64x128"),  # ALiBi: a linear bias off the diagonal
     ((-1, 0), 8192, ("alibi",), 128, "gluon-sm90 64x128"),
     ((1024, 0), 16384, ("alibi", "sink"), 128, "gluon-sm90 64x64"),
+    ((-1, 0), 4096, ("softcap", "alibi"), 128, "gluon-sm90 64x64"),  # the linear ALiBi cannot take softcap
+    ((-1, -1), 4096, ("softcap", "alibi"), 128, "gluon-sm90 64x64"),
     ((1024, 0), 16384, ("dropout",), 128, "triton"),  # features the Gluon kernel lacks
     ((1024, 0), 16384, ("bias",), 128, "triton"),
     ((1024, 0), 16384, ("varlen",), 128, "triton"),

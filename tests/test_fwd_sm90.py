@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import flashtile
-from flashtile.backends.triton import configs
+from flashtile.backends import AttnArgs
+from flashtile.backends.triton import configs, launch
 from flashtile.testing import assert_results_close, make_qkv, reference_results
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -98,6 +99,28 @@ def test_alibi_on_the_wide_tile(rng, seqlens, options):
     to 69 above the true max) and down to 1e-6."""
     slopes = torch.cat([torch.tensor([8.0, 1e-6]), torch.rand(2, generator=rng)]).to("cuda")
     check(rng, 1, *seqlens, 4, 2, torch.bfloat16, WIDE, alibi_slopes=slopes, **options)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_softcap_with_alibi_takes_the_narrow_tile(rng, causal):
+    slopes = torch.rand(4, generator=rng).to("cuda") * 0.3
+    check(rng, 1, TEST_ROWS + 3, 2000, 4, 2, torch.bfloat16, NARROW, causal=causal, softcap=30.0, alibi_slopes=slopes)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_softcap_with_alibi_on_the_wide_tile_is_exact(rng, causal):
+    """The dispatcher keeps softcap with ALiBi off the 64x128 tile, but the kernel must not depend on it:
+    there its linear ALiBi form (raw scores plus a bias) would skip the cap."""
+    q, k, v = make_qkv(1, 2000, 2000, 4, 2, 128, torch.bfloat16, "cuda", generator=rng)
+    slopes = torch.rand(1, 4, generator=rng).to("cuda") * 0.3
+    args = AttnArgs(softmax_scale=128 ** -0.5, causal=causal, window_right=0 if causal else -1, softcap=30.0,
+                    alibi_slopes=slopes)
+    out, lse = launch.forward(q, k, v, args, config=configs._FWD_SM90_GLUON_WIDE)
+    dout = torch.randn_like(q)
+    ref_hi, ref_lo = (reference_results(q, k, v, dout, hi=hi, causal=causal, softcap=30.0, alibi_slopes=slopes[0])
+                      for hi in (True, False))
+    assert_results_close({"out": out, "lse": lse}, *({n: r[n] for n in ("out", "lse")} for r in (ref_hi, ref_lo)),
+                         torch.bfloat16)
 
 
 def test_rows_that_see_no_key(rng):

@@ -236,6 +236,9 @@ def gluon_fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device:
     long_rows = row_keys(seqlen_k, window_left, window_right) >= LONG_KEYS
     if "softcap" in features and window_right < 0 and long_rows and fixed_row_max(softcap, dtype, features) is None:
         return None
+    if {"softcap", "alibi"} <= features:
+        # The wide tile's linear ALiBi takes the raw scores, not the capped ones; exact there, it spills.
+        return _FWD_SM90_GLUON
     return _FWD_SM90_GLUON_WIDE
 
 

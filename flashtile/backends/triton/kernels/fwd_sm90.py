@@ -56,8 +56,9 @@ def _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n, start_n, masked, seq
     fixed max ``m_i`` (``fixed_row_max``): no max, no rescale."""
     BLOCK_M: gl.constexpr = qk.shape[0]
     BLOCK_N: gl.constexpr = qk.shape[1]
-    # 64-key blocks keep ALiBi's column terms in registers, so the exact bias costs them no more.
-    LINEAR: gl.constexpr = ALIBI and BLOCK_N >= 128
+    # 64-key blocks keep ALiBi's column terms in registers, so the exact bias costs them no more. The
+    # linear form takes the raw scores: with softcap the bias follows the tanh and must be exact.
+    LINEAR: gl.constexpr = ALIBI and not SOFTCAP and BLOCK_N >= 128
     left = False
     linear = False
     if LINEAR:

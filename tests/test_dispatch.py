@@ -97,6 +97,10 @@ def test_hopper_head_dim_256_tiles(monkeypatch, headdim, headdim_v, features, fw
 
 @pytest.mark.parametrize("window, seqlen, features, headdim, kernel", [
     ((1024, 0), 16384, (), 128, "gluon-sm90 64x64"),  # a narrow window: its edge blocks waste less of 64x64
+    ((4096, 0), 16384, (), 128, "gluon-sm90 64x128"),  # a wide one leads on 64x128
+    ((4096, 0), 16384, ("sink", "alibi"), 128, "gluon-sm90 64x128"),
+    ((4096, 0), 16384, ("softcap",), 128, "gluon-sm90 64x64"),
+    ((2048, 2048), 16384, (), 128, "gluon-sm90 64x128"),
     ((-1, 0), 4096, (), 128, "gluon-sm90 64x128"),  # causal rows
     ((-1, 0), 16384, (), 128, "gluon-sm90 64x128"),
     ((-1, -1), 4096, (), 128, "gluon-sm90 64x128"),  # full rows

@@ -2,9 +2,9 @@
 
 The dispatcher picks it for 16-bit, head dim 128 calls of at least ``GLUON_MIN_PAIRS`` (row, key) pairs: the
 64x128 tile for full and causal rows (ALiBi and softcap too; long full rows with softcap only where the
-row max is held fixed: bf16, softcap <= 51.9), the 64x64 tile for sliding windows (configs.py). These
-tests check which kernel and tile ran (by the kernel counter) and hold out, lse and the gradients (the
-Triton backward on its lse) to the tolerance rule.
+row max is held fixed: bf16, softcap <= 51.9), the 64x64 tile for sliding windows under 4096 keys and
+softcap with ALiBi (configs.py). These tests check which kernel and tile ran (by the kernel counter) and
+hold out, lse and the gradients (the Triton backward on its lse) to the tolerance rule.
 Lengths are awkward: not multiples of the 64-row tiles, seqlen_q != seqlen_k, rows that see no key,
 batches whose last key block runs past the sequence end (the TMA zero-fills it).
 """
@@ -66,9 +66,14 @@ def test_full_rows_gqa(rng, dtype):
     check(rng, 2, TEST_ROWS + 70, 1500, 4, 1, dtype)
 
 
-@pytest.mark.parametrize("window", [(300, 0), (257, 33), (0, 0), (1000, -1)])
-def test_window_with_more_keys_than_queries(rng, window):
-    check(rng, 1, TEST_ROWS + 5, TEST_ROWS + 400, 2, 1, torch.bfloat16, NARROW, window_size=window)
+@pytest.mark.parametrize("window, kernel", [((300, 0), NARROW), ((257, 33), NARROW), ((0, 0), NARROW),
+                                            ((1000, -1), WIDE)])  # a left edge alone leaves rows of 4496 keys
+def test_window_with_more_keys_than_queries(rng, window, kernel):
+    check(rng, 1, TEST_ROWS + 5, TEST_ROWS + 400, 2, 1, torch.bfloat16, kernel, window_size=window)
+
+
+def test_wide_window_takes_the_wide_tile(rng):
+    check(rng, 1, 4200, 4300, 2, 1, torch.bfloat16, WIDE, window_size=(4000, 200))
 
 
 def test_window_bounded_on_the_right_only(rng):

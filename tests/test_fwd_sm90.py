@@ -72,8 +72,32 @@ def test_window_with_more_keys_than_queries(rng, window, kernel):
     check(rng, 1, TEST_ROWS + 5, TEST_ROWS + 400, 2, 1, torch.bfloat16, kernel, window_size=window)
 
 
-def test_wide_window_takes_the_wide_tile(rng):
-    check(rng, 1, 4200, 4300, 2, 1, torch.bfloat16, WIDE, window_size=(4000, 200))
+@pytest.mark.parametrize("options", [dict(), dict(alibi=True, sink=True)], ids=["plain", "alibi-sink"])
+def test_wide_window_takes_the_wide_tile(rng, options):
+    features = feature_options(rng, 4, **options)
+    check(rng, 1, 4200, 4300, 4, 2, torch.bfloat16, WIDE, window_size=(4000, 200), **features)
+
+
+def feature_options(rng, nheads, softcap=False, alibi=False, sink=False) -> dict:
+    options = {}
+    if softcap:
+        options["softcap"] = 30.0
+    if alibi:
+        options["alibi_slopes"] = torch.rand(nheads, generator=rng).to("cuda") * 0.3
+    if sink:
+        options["sink"] = torch.randn(nheads, generator=rng).to("cuda").requires_grad_()
+    return options
+
+
+@pytest.mark.parametrize("mask", [dict(), dict(causal=True), dict(window_size=(700, 0)), dict(window_size=(-1, 300))],
+                         ids=["full", "causal", "window", "right-window"])
+@pytest.mark.parametrize("softcap, alibi, sink", [(s, a, k) for s in (False, True) for a in (False, True)
+                                                  for k in (False, True) if s + a + k >= 2])
+def test_feature_combinations(rng, mask, softcap, alibi, sink):
+    """Every pair of softcap, ALiBi and sinks (and all three) on each mask, whichever tile the
+    dispatcher picks."""
+    check(rng, 1, TEST_ROWS + 11, 1900, 4, 2, torch.bfloat16, "gluon-sm90",
+          **mask, **feature_options(rng, 4, softcap, alibi, sink))
 
 
 def test_window_bounded_on_the_right_only(rng):

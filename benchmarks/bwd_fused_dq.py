@@ -26,6 +26,9 @@ from flashtile.backends.triton import launch
 from flashtile.backends.triton.kernels.bwd import bwd_preprocess
 from flashtile.backends.triton.kernels.common import LOG2E, q_block_range, run_bounds, scores, tile_ptrs
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from d256_fwd_tiles import time_it  # noqa: E402
+
 
 @triton.jit
 def _inner(dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptr, delta_ptr, dq_desc, dq_ptrs, stride_dqm, off_b, off_h, stride_qm,
@@ -161,22 +164,6 @@ def fused(t, cfg, info=None):
     return dq_acc.to(q.dtype), dk, dv
 
 
-def bench(fn, n=10):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(5):
-        a.record()
-        for _ in range(n):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) / n)
-    return sorted(ts)[2]
-
-
 def tflops(B, S, H, window, ms):
     left, right = window
     if right == 0 and left < 0:
@@ -222,13 +209,13 @@ if __name__ == "__main__":
     for shape, win in shapes:
         t = make(*shape, win, torch.bfloat16, D=D)
         row = dict(shape=shape, win=win)
-        row["base"] = bench(lambda: base(t))
+        row["base"] = time_it(lambda: base(t), n=5, calls=10)
         for cfg in cfgs:
             try:
-                row[str(cfg)] = bench(lambda: fused(t, cfg))
+                row[str(cfg)] = time_it(lambda: fused(t, cfg), n=5, calls=10)
             except Exception as e:  # noqa
                 row[str(cfg)] = repr(e)[:200]
-        row["base2"] = bench(lambda: base(t))
+        row["base2"] = time_it(lambda: base(t), n=5, calls=10)
         res["time"].append(row)
         B, S, H, _ = shape
         print(shape, win, " ".join(f"{k}={v:.3f}ms/{tflops(B, S, H, win, v):.0f}" if isinstance(v, float) else f"{k}={v}"

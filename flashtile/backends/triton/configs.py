@@ -168,11 +168,11 @@ def fwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, seqlen_k
 # Hopper d=128, 16-bit: the Gluon kernel (kernels/fwd_sm90.py, async wgmma with the softmax overlapping
 # the PV matmul, TMA key/value ring) where it leads the Triton kernel. Its 64x128 tile (Q in shared
 # memory, one key slot: gluon_ring) leads on every full or causal row, ALiBi too; the 64x64 tile on sliding
-# windows of fewer than GLUON_WIDE_WINDOW_KEYS keys (a window's edge blocks waste less of it). Long full rows with
-# softcap take the Triton kernel unless the row max is held fixed (bf16, softcap <= 51.9: then Gluon
-# 64x128 leads, 2 x 8192 2.26 vs 2.47 ms, 1 x 16384 4.52 vs 4.89 ms, scratch A/B 2026-11-22, in
-# results/h200-softcap-fixed-max-2026-11-22.json). H200, bf16, 16 heads, fwd TFLOP/s best of 3
-# interleaved rounds, Triton table tile / Gluon 64x64 / Gluon 64x128, same run (2026-11-22,
+# windows of fewer than GLUON_WIDE_WINDOW_KEYS keys (a window's edge blocks waste less of it), and on
+# softcap with ALiBi. Long full rows with softcap take the Triton kernel unless the row max is held fixed
+# (bf16, softcap <= 51.9: then Gluon 64x128 leads, 2 x 8192 2.26 vs 2.47 ms, 1 x 16384 4.52 vs 4.89 ms,
+# scratch A/B 2026-11-22, in results/h200-softcap-fixed-max-2026-11-22.json). H200, bf16, 16 heads, fwd
+# TFLOP/s best of 3 interleaved rounds, Triton table tile / Gluon 64x64 / Gluon 64x128, same run (2026-11-22,
 # benchmarks/gluon_tiles.py -> results/h200-gluon-tiles-2026-11-22.json, and an earlier run that
 # agreed; 4 x 4096 / 2 x 8192 / 1 x 16384):
 #   full:    510 / 495 / 589,  503 / 512 / 540,  510 / 509 / 555;  GQA 32/8 4 x 4096: 490 / 501 / 531
@@ -217,11 +217,12 @@ def gluon_ring(cfg: TileConfig) -> dict:
 # 8 x 2048 causal ones at 16 heads.
 GLUON_MIN_PAIRS = 16 * 16 * 1024 * 1024
 # Sliding windows: a row of fewer keys wastes more of the 64x128 tile at the window's two edges, so it
-# takes 64x64 (the variants benchmark's (1024, 0): 404 vs 384, 2 x 8192 385 vs 379 TFLOP/s); from 4096
-# keys the wide tile leads: (4096, 0) 473 vs 458 at 1 x 16384, 485 vs 458 at 2 x 8192, with a sink 485 vs
-# 458, ALiBi 451 vs 436; (8192, 0) 517 vs 486. (2048, 0) ties (447 / 442, 418 / 422), softcap windows keep
-# 64x64 (4096: 448 vs 455). H200, bf16, 16 heads, best of 3 interleaved rounds, `python
-# benchmarks/gluon_tiles.py window` -> results/h200-gluon-tiles-window-2026-11-22.json.
+# takes 64x64 ((1024, 0): 404 vs 384 TFLOP/s at 1 x 16384, 385 vs 379 at 2 x 8192, though 32/8 heads led
+# on 64x128, 439 vs 408, in this run and the one before). From 4096 keys the wide tile leads: (4096, 0)
+# 473 vs 458 at 1 x 16384, 485 vs 458 at 2 x 8192, with a sink 485 vs 458, ALiBi 451 vs 436; (8192, 0)
+# 517 vs 486. (2048, 0) ties (447 / 442, 418 / 422); softcap windows keep 64x64 (4096: 448 vs 455).
+# H200, bf16, 16 heads, best of 3 interleaved rounds, `python benchmarks/gluon_tiles.py window` ->
+# results/h200-gluon-tiles-window-2026-11-22.json.
 GLUON_WIDE_WINDOW_KEYS = 4096
 # What the Gluon kernel implements besides causal masks: calls with any other feature take the Triton one.
 GLUON_FEATURES = frozenset({"window", "softcap", "alibi", "sink"})

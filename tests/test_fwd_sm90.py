@@ -56,6 +56,18 @@ def check(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, kernel=WIDE,
     return ours
 
 
+def feature_options(rng, nheads, softcap=False, alibi=False, sink=False) -> dict:
+    """Options for softcap 30, ALiBi slopes and sink logits of ``nheads`` heads, as asked."""
+    options = {}
+    if softcap:
+        options["softcap"] = 30.0
+    if alibi:
+        options["alibi_slopes"] = torch.rand(nheads, generator=rng).to("cuda") * 0.3
+    if sink:
+        options["sink"] = torch.randn(nheads, generator=rng).to("cuda").requires_grad_()
+    return options
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_causal_gqa(rng, dtype):
     check(rng, 2, TEST_ROWS + 37, TEST_ROWS + 37, 4, 2, dtype, causal=True)
@@ -76,17 +88,6 @@ def test_window_with_more_keys_than_queries(rng, window, kernel):
 def test_wide_window_takes_the_wide_tile(rng, options):
     features = feature_options(rng, 4, **options)
     check(rng, 1, 4200, 4300, 4, 2, torch.bfloat16, WIDE, window_size=(4000, 200), **features)
-
-
-def feature_options(rng, nheads, softcap=False, alibi=False, sink=False) -> dict:
-    options = {}
-    if softcap:
-        options["softcap"] = 30.0
-    if alibi:
-        options["alibi_slopes"] = torch.rand(nheads, generator=rng).to("cuda") * 0.3
-    if sink:
-        options["sink"] = torch.randn(nheads, generator=rng).to("cuda").requires_grad_()
-    return options
 
 
 @pytest.mark.parametrize("mask", [dict(), dict(causal=True), dict(window_size=(700, 0)), dict(window_size=(-1, 300))],
@@ -132,8 +133,8 @@ def test_alibi_on_the_wide_tile(rng, seqlens, options):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_softcap_with_alibi_takes_the_narrow_tile(rng, causal):
-    slopes = torch.rand(4, generator=rng).to("cuda") * 0.3
-    check(rng, 1, TEST_ROWS + 3, 2000, 4, 2, torch.bfloat16, NARROW, causal=causal, softcap=30.0, alibi_slopes=slopes)
+    check(rng, 1, TEST_ROWS + 3, 2000, 4, 2, torch.bfloat16, NARROW, causal=causal,
+          **feature_options(rng, 4, softcap=True, alibi=True))
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

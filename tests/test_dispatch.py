@@ -185,15 +185,37 @@ def test_long_full_softcap_rows_take_gluon_when_the_row_max_is_fixed(monkeypatch
     assert name.startswith(f"flashtile.fwd[{kernel} d=128")
 
 
-def test_gluon_tiles_fit_two_programs_per_sm():
+@pytest.mark.parametrize("tile, head_dim, q_in_regs", [
+    ("_FWD_SM90_GLUON", 128, True), ("_FWD_SM90_GLUON_WIDE", 128, False), ("_FWD_SM90_GLUON_D256", 256, False),
+])
+def test_gluon_tiles_fit_two_programs_per_sm(tile, head_dim, q_in_regs):
     """The shared-memory plan of each Gluon tile: two programs per SM within 227 KB (Q, the key and
-    value rings, 16-bit, head dim 128), Q in registers only where the scores leave room."""
+    value rings, 16-bit), Q in registers only where the scores and the accumulator leave room."""
     from flashtile.backends.triton import configs
-    for cfg in (configs._FWD_SM90_GLUON, configs._FWD_SM90_GLUON_WIDE):
-        ring = configs.gluon_ring(cfg)
-        smem = 2 * 128 * (cfg.BLOCK_M + (ring["K_STAGES"] + ring["V_STAGES"]) * cfg.BLOCK_N)
-        assert 2 * (smem + 1024) <= 227 * 1024, (cfg, ring, smem)
-        assert ring["Q_IN_REGS"] == (cfg.BLOCK_N == 64)
+    cfg = getattr(configs, tile)
+    ring = configs.gluon_ring(cfg, head_dim)
+    smem = 2 * head_dim * (cfg.BLOCK_M + (ring["K_STAGES"] + ring["V_STAGES"]) * cfg.BLOCK_N)
+    assert 2 * (smem + 1024) <= 227 * 1024, (cfg, ring, smem)
+    assert ring["Q_IN_REGS"] == q_in_regs
+
+
+@pytest.mark.parametrize("head_dim, head_dim_v, features, tile", [
+    (256, 256, (), "_FWD_SM90_GLUON_D256"),
+    (256, 256, ("window", "softcap", "alibi", "sink"), "_FWD_SM90_GLUON_D256"),
+    (128, 128, (), "_FWD_SM90_GLUON_WIDE"),
+    (64, 64, (), None),
+    (192, 128, (), None),  # the kernel's shared-memory tiles need power-of-two widths
+    (256, 128, (), None),
+    (256, 256, ("dropout",), None),
+])
+def test_gluon_head_dims(monkeypatch, head_dim, head_dim_v, features, tile):
+    """Head dims 128 and 256 (q, k and v alike) take the Gluon kernel, with any of its features."""
+    from flashtile.backends.triton import configs
+    monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
+    window = (100, 0) if "window" in features else (-1, -1)
+    cfg = configs.gluon_fwd_config(head_dim, head_dim_v, torch.bfloat16, torch.device("cuda", 0), 1 << 22, 4096,
+                                   *window, frozenset(features), 30.0 if "softcap" in features else 0.0)
+    assert cfg == (getattr(configs, tile) if tile else None)
 
 
 def test_small_calls_keep_the_triton_kernel_for_its_cheaper_launch(monkeypatch):
@@ -218,6 +240,11 @@ def test_small_calls_keep_the_triton_kernel_for_its_cheaper_launch(monkeypatch):
     assert kernel(rows - 1, 16384, 1024, 0) is None
     assert kernel(32 * 16 * 512, 512, -1, -1) is None  # 32 x 512 at 16 heads: bound by the host
     assert kernel(1 * 16 * 4096, 4096, -1, 0) is None
+    # At head dim 256 a pair is twice the work: half as many pairs will do.
+    d256 = configs.gluon_fwd_config(256, 256, torch.bfloat16, cuda, pairs // 2048, 1024, -1, -1, frozenset())
+    assert d256 == configs._FWD_SM90_GLUON_D256
+    assert configs.gluon_fwd_config(256, 256, torch.bfloat16, cuda, pairs // 2048 - 1, 1024, -1, -1,
+                                    frozenset()) is None
 
 
 @pytest.mark.parametrize("options", [

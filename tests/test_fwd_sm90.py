@@ -1,9 +1,9 @@
 """The Gluon Hopper forward (kernels/fwd_sm90.py) through the public API, on an sm_90 GPU only.
 
-The dispatcher picks it for 16-bit, head dim 128 calls of at least ``GLUON_MIN_PAIRS`` (row, key) pairs: the
-64x128 tile for full and causal rows (ALiBi and softcap too; long full rows with softcap only where the
-row max is held fixed: bf16, softcap <= 51.9), the 64x64 tile for sliding windows under 4096 keys and
-softcap with ALiBi (configs.py). These tests check which kernel and tile ran (by the kernel counter) and
+The dispatcher picks it for 16-bit calls of at least ``GLUON_MIN_PAIRS`` (row, key) pairs at head dim 128
+(half as many at 256): at 128 the 64x128 tile for full and causal rows (ALiBi and softcap too; long full
+rows with softcap only where the row max is held fixed: bf16, softcap <= 51.9), the 64x64 tile for
+sliding windows under 4096 keys and softcap with ALiBi; at 256 the 64x64 tile (configs.py). These tests check which kernel and tile ran (by the kernel counter) and
 hold out, lse and the gradients (the Triton backward on its lse) to the tolerance rule.
 Lengths are awkward: not multiples of the 64-row tiles, seqlen_q != seqlen_k, rows that see no key,
 batches whose last key block runs past the sequence end (the TMA zero-fills it).
@@ -37,10 +37,11 @@ def ran(kernel: str) -> bool:
     return any(family in name and all(t + "]" in name for t in tile) for name in flashtile.stats()["kernels"])
 
 
-def check(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, kernel=WIDE, sink=None, **options):
+def check(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, kernel=WIDE, sink=None, head_dim=128,
+          **options):
     """Run the call, assert ``kernel`` ran, and hold out, lse and every gradient (``dsink`` too when
     a ``sink`` is given) to the tolerance rule."""
-    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, 128, dtype, "cuda", requires_grad=True,
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype, "cuda", requires_grad=True,
                        generator=rng)
     dout = torch.randn(q.shape, generator=rng).to(device="cuda", dtype=dtype)
     if sink is not None:
@@ -213,3 +214,25 @@ def test_inputs_the_tma_cannot_read_fall_back_to_triton_and_are_recorded(rng):
     ref_hi = reference_results(q, k, v, torch.ones_like(q), hi=True, causal=True)["out"]
     ref_lo = reference_results(q, k, v, torch.ones_like(q), hi=False, causal=True)["out"]
     assert (out.float() - ref_hi).abs().max() <= 2 * (ref_lo.float() - ref_hi).abs().max() + 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("seqlens, options", [
+    ((1100, 1100), dict(causal=True)),
+    ((1000, 1500), dict()),
+    ((1300, 900), dict(causal=True)),  # rows that see no key
+    ((1000, 1200), dict(window_size=(300, 0))),
+    ((1200, 1000), dict(window_size=(257, 33))),
+], ids=["causal", "full-more-keys", "causal-fewer-keys", "window", "two-sided-window"])
+def test_head_dim_256(rng, dtype, seqlens, options):
+    """Head dim 256 runs the 64x64 tile with Q in shared memory and one key and one value slot."""
+    check(rng, 2, *seqlens, 4, 2, dtype, NARROW, head_dim=256, **options)
+
+
+@pytest.mark.parametrize("mask", [dict(causal=True), dict(window_size=(700, 0))], ids=["causal", "window"])
+@pytest.mark.parametrize("softcap, alibi, sink", [(True, False, False), (False, True, True), (True, True, True)],
+                         ids=["softcap", "alibi-sink", "all-three"])
+def test_head_dim_256_features(rng, mask, softcap, alibi, sink):
+    """Gemma-2's softcap and sliding window, and ALiBi and sinks, at head dim 256."""
+    check(rng, 1, 1500, 1500, 4, 2, torch.bfloat16, NARROW, head_dim=256, **mask,
+          **feature_options(rng, 4, softcap, alibi, sink))

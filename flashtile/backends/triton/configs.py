@@ -194,17 +194,25 @@ def fwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, seqlen_k
 # causal 4 x 4096 653-675 vs 557-644; softcap 4 x 4096 full 1384-1400 vs 1302-1353.
 _FWD_SM90_GLUON = TileConfig(64, 64, 4, 2, kernel="gluon")
 _FWD_SM90_GLUON_WIDE = TileConfig(64, 128, 4, 2, kernel="gluon")
+# Head dim 256: 64x64 with one key and one value slot (see gluon_ring). TFLOP/s against the Triton
+# kernel's 128x64 tile and cuDNN (H200, bf16, 8 heads; scratch A/B of 2026-11-22, interleaved rounds):
+# 2 x 8192 full 633 / 459 / 702, causal 568 / 428 / 580; 8 x 2048 causal 449 / 346 / 504. Two slots each
+# (one program an SM): 532, 516, 390; Q in registers spills (255 registers + 16 B): 284 at 2 x 8192 full.
+_FWD_SM90_GLUON_D256 = TileConfig(64, 64, 4, 1, kernel="gluon")
 
 
-def gluon_ring(cfg: TileConfig) -> dict:
+def gluon_ring(cfg: TileConfig, head_dim: int) -> dict:
     """The Gluon kernel's shared-memory plan for tile ``cfg``: key and value ring slots, and whether Q
     sits in registers. Two programs per SM must fit 227 KB of shared memory and 255 registers a thread
     (sm_90 compile, bf16, d=128): 64x64 with Q in registers and two slots each takes 82 KB and 194
     registers; 64x128 with Q in registers spills (255 + 112 bytes of stack), with Q in shared memory
     254 registers and two key slots 147 KB, so it keeps one key slot (115 KB), refilled right after
-    S_j has read it, a whole softmax before the next block needs it."""
+    S_j has read it, a whole softmax before the next block needs it. At d=256 the accumulator alone takes
+    128 registers: Q stays in shared memory, and one slot each (96 KB, 231 registers) keeps two programs
+    an SM (``cfg.num_stages`` = 1)."""
     wide = cfg.BLOCK_N >= 128
-    return dict(K_STAGES=1 if wide else cfg.num_stages, V_STAGES=cfg.num_stages, Q_IN_REGS=not wide)
+    return dict(K_STAGES=1 if wide else cfg.num_stages, V_STAGES=cfg.num_stages,
+                Q_IN_REGS=not wide and head_dim <= 128)
 
 
 # Its launch costs more host time than the Triton kernel's: 70-120 us against 55-65 through
@@ -216,6 +224,9 @@ def gluon_ring(cfg: TileConfig) -> dict:
 # GLUON_MIN_PAIRS (query row, key) pairs over all heads, about 0.3 ms of work: 16 x 1024 full rows or
 # 8 x 2048 causal ones at 16 heads.
 GLUON_MIN_PAIRS = 16 * 16 * 1024 * 1024
+# Head dims the Gluon kernel takes (q, k and v alike); a pair's work grows with the head dim, so the
+# threshold above counts pairs of d=128 (a call at d=256 needs half as many).
+GLUON_HEAD_DIMS = (128, 256)
 # Sliding windows: a row of fewer keys wastes more of the 64x128 tile at the window's two edges, so it
 # takes 64x64 ((1024, 0): 404 vs 384 TFLOP/s at 1 x 16384, 385 vs 379 at 2 x 8192, though 32/8 heads led
 # on 64x128, 439 vs 408, in this run and the one before). From 4096 keys the wide tile leads: (4096, 0)
@@ -235,10 +246,12 @@ def gluon_fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device:
     ``features``: the call's feature names, as in ``AttentionCall``), else None."""
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or _arch(device) != 90:
         return None
-    if head_dim != 128 or head_dim_v != 128 or not features <= GLUON_FEATURES:
+    if head_dim not in GLUON_HEAD_DIMS or head_dim_v != head_dim or not features <= GLUON_FEATURES:
         return None
-    if seqlen_k == 0 or rows * mean_row_keys(seqlen_k, window_left, window_right) < GLUON_MIN_PAIRS:
+    if seqlen_k == 0 or rows * mean_row_keys(seqlen_k, window_left, window_right) * head_dim < GLUON_MIN_PAIRS * 128:
         return None
+    if head_dim == 256:
+        return _FWD_SM90_GLUON_D256
     if window_left >= 0:
         wide = row_keys(seqlen_k, window_left, window_right) >= GLUON_WIDE_WINDOW_KEYS and "softcap" not in features
         return _FWD_SM90_GLUON_WIDE if wide else _FWD_SM90_GLUON

@@ -219,7 +219,7 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, group: int, features: 
             stride_ob=out.stride(0), stride_om=out.stride(1), stride_oh=out.stride(2), stride_lse_b=lse.stride(0),
             stride_lse_h=lse.stride(1), seqlen_q=seqlen_q, seqlen_k=k.shape[1], group=group,
             MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0, SOFTCAP=args.softcap > 0,
-            ALIBI=alibi is not None, HAS_SINK=args.sink is not None, **gluon_ring(cfg),
+            ALIBI=alibi is not None, HAS_SINK=args.sink is not None, **gluon_ring(cfg, q.shape[3]),
             FIXED_MAX=row_max is not None, num_warps=cfg.num_warps)
 
     key = (_layout_key(q, k, v, out, lse), q.device, _args_key(args), cfg, row_max is not None)

@@ -166,6 +166,7 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, O, LSE, qk_scale, softcap2, row_max, w
     the Triton kernel."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    HEAD_DIM_V: gl.constexpr = v_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
     gl.static_assert(num_warps == 4, "one warpgroup per program: slots are refilled without a CTA barrier")
@@ -173,7 +174,7 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, O, LSE, qk_scale, softcap2, row_max, w
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+                                                       instr_shape=[16, HEAD_DIM_V, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -191,7 +192,7 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, O, LSE, qk_scale, softcap2, row_max, w
 
     q_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [K_STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [V_STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [V_STAGES, 1, BLOCK_N, 1, HEAD_DIM_V], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_bar = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     v_bar = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
@@ -221,7 +222,7 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, O, LSE, qk_scale, softcap2, row_max, w
     slope2 = 0.0
     if ALIBI:
         slope2 = gl.load(ALIBI_SLOPES + off_b * stride_alibi_b + off_h) * LOG2E
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM_V], gl.float32, o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     mbarrier.wait(q_bar, 0)
     q = q_smem.reshape([BLOCK_M, HEAD_DIM])
@@ -273,7 +274,7 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, O, LSE, qk_scale, softcap2, row_max, w
     acc = acc / gl.convert_layout(l_safe, rows_o)[:, None]
     lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
     offs_mo = first_row + gl.arange(0, BLOCK_M, layout=rows_o)
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    offs_d = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, o_layout))
     o_ptrs = (O + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
               + offs_mo[:, None].to(gl.int64) * stride_om + offs_d[None, :])
     gl.store(o_ptrs, acc.to(dtype), mask=offs_mo[:, None] < seqlen_q)

@@ -195,9 +195,13 @@ def fwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, seqlen_k
 _FWD_SM90_GLUON = TileConfig(64, 64, 4, 2, kernel="gluon")
 _FWD_SM90_GLUON_WIDE = TileConfig(64, 128, 4, 2, kernel="gluon")
 # Head dim 256: 64x64 with one key and one value slot (see gluon_ring). TFLOP/s against the Triton
-# kernel's 128x64 tile and cuDNN (H200, bf16, 8 heads; scratch A/B of 2026-11-22, interleaved rounds):
-# 2 x 8192 full 633 / 459 / 702, causal 568 / 428 / 580; 8 x 2048 causal 449 / 346 / 504. Two slots each
-# (one program an SM): 532, 516, 390; Q in registers spills (255 registers + 16 B): 284 at 2 x 8192 full.
+# kernel's 128x64 tile and cuDNN (H200, bf16, 8 heads, interleaved rounds; `python
+# benchmarks/gluon_head_dims.py` -> results/h200-gluon-head-dims-2026-11-22.json): 2 x 8192 full
+# 626 / 502 / 726, causal 580 / 449 / 612; 8 x 2048 full 577 / 449 / 652, causal 462 / 350 / 500; window
+# (4096, 0) 561 / 474; softcap 672 / 458. Two slots each (one program an SM): 399-563; Q in registers
+# spills (255 registers + 20 B): 250-296. Not taken: 192/128 read through a 256-wide box ties the Triton
+# kernel (1/2 slots 348-441 vs 336-445), and d=64 gains at most 6% (64x128: 418 vs 394 at 1 x 16384 causal)
+# and loses on 8 x 2048.
 _FWD_SM90_GLUON_D256 = TileConfig(64, 64, 4, 1, kernel="gluon")
 
 
@@ -208,8 +212,8 @@ def gluon_ring(cfg: TileConfig, head_dim: int) -> dict:
     registers; 64x128 with Q in registers spills (255 + 112 bytes of stack), with Q in shared memory
     254 registers and two key slots 147 KB, so it keeps one key slot (115 KB), refilled right after
     S_j has read it, a whole softmax before the next block needs it. At d=256 the accumulator alone takes
-    128 registers: Q stays in shared memory, and one slot each (96 KB, 231 registers) keeps two programs
-    an SM (``cfg.num_stages`` = 1)."""
+    128 registers: Q stays in shared memory, and one slot each (96 KB, 231-240 registers) keeps two
+    programs an SM (``cfg.num_stages`` = 1)."""
     wide = cfg.BLOCK_N >= 128
     return dict(K_STAGES=1 if wide else cfg.num_stages, V_STAGES=cfg.num_stages,
                 Q_IN_REGS=not wide and head_dim <= 128)

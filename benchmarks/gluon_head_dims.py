@@ -5,11 +5,12 @@ The kernel is launched directly with each ring plan (key slots, value slots, Q i
 memory), checked against the Triton kernel's output and lse, and timed with the Triton kernel (its table
 tile, through ``launch.forward``) and SDPA's cuDNN backend in interleaved rounds (CUDA events over 10
 back-to-back calls). Head dims: 256 (8 heads), 64 (32 heads), and 192/128 (10 heads) with Q and K read
-through a 256-wide TMA box (the columns past 192 arrive as zeros). bf16.
+through a 256-wide TMA box (the columns past 192 arrive as zeros) or in two parts, 128 + 64 columns
+("split", the kernel's ``TAIL``). bf16.
 
     FLASHTILE_NO_VENV=1 PYTHONPATH=$PWD python benchmarks/gluon_head_dims.py   # writes $OUT/gluon-head-dims.json
 
-``gemma``: instead, d=256 calls shaped like Gemma-2's (16/8 heads, softcap 50, causal or a (4095, 0)
+Head dims as arguments (``256 192``) run only those cases. ``gemma``: instead, d=256 calls shaped like Gemma-2's (16/8 heads, softcap 50, causal or a (4095, 0)
 window; ALiBi and a sink too) through ``launch.forward``, the dispatcher's Gluon tile against the Triton
 kernel's table tile; writes $OUT/gluon-d256-gemma.json.
 """
@@ -29,13 +30,16 @@ from flashtile.backends.triton.kernels.common import LOG2E
 from flashtile.backends.triton.kernels.fwd_sm90 import attn_fwd_sm90
 
 REGS = {}
-# name: (BLOCK_M, BLOCK_N, key slots, value slots, Q in registers)
+# name: (BLOCK_M, BLOCK_N, key slots, value slots, Q in registers[, split])
 VARIANTS = {
     256: {"64x64 qs 2/2": (64, 64, 2, 2, False), "64x64 qs 1/1": (64, 64, 1, 1, False),
           "64x64 qs 2/1": (64, 64, 2, 1, False), "64x64 qs 1/2": (64, 64, 1, 2, False),
           "64x64 qr 2/2": (64, 64, 2, 2, True), "64x128 qs 1/2": (64, 128, 1, 2, False)},
     192: {"64x64 qs 2/2": (64, 64, 2, 2, False), "64x64 qs 1/1": (64, 64, 1, 1, False),
-          "64x64 qs 1/2": (64, 64, 1, 2, False), "64x128 qs 1/2": (64, 128, 1, 2, False)},
+          "64x64 qs 1/2": (64, 64, 1, 2, False), "64x128 qs 1/2": (64, 128, 1, 2, False),
+          "split 64x64 qr 2/2": (64, 64, 2, 2, True, True), "split 64x64 qs 2/2": (64, 64, 2, 2, False, True),
+          "split 64x64 qs 1/2": (64, 64, 1, 2, False, True), "split 64x128 qs 1/2": (64, 128, 1, 2, False, True),
+          "split 64x128 qs 1/1": (64, 128, 1, 1, False, True)},
     64: {"64x64 qr 2/2": (64, 64, 2, 2, True), "64x128 qr 2/2": (64, 128, 2, 2, True),
          "64x128 qr 3/3": (64, 128, 3, 3, True), "64x128 qs 2/2": (64, 128, 2, 2, False)},
 }
@@ -55,7 +59,9 @@ def desc(t, rows):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(tile), launch._tma_layout(tile, t.dtype))
 
 
-def gluon(q, k, v, a, BM, BN, KS, VS, QREGS):
+def gluon(q, k, v, a, BM, BN, KS, VS, QREGS, split=False):
+    """The kernel on one ring plan; ``split``: a 192-wide q/k read as 128 + 64 columns (``TAIL``), else
+    through a box padded to 256."""
     b, s, h, d = q.shape
     out, lse = q.new_empty(b, s, h, v.shape[-1]), torch.empty(b, h, s, device=q.device)
     if a.softcap > 0:
@@ -63,13 +69,19 @@ def gluon(q, k, v, a, BM, BN, KS, VS, QREGS):
     else:
         qk_scale, softcap2 = a.softmax_scale * LOG2E, 0.0
     row_max = fixed_row_max(a.softcap, q.dtype, {"softcap"} if a.softcap > 0 else set())
+    if split:
+        descs = (desc(q[..., :128], BM), desc(k[..., :128], BN), desc(v, BN), desc(q[..., 128:], BM),
+                 desc(k[..., 128:], BN))
+    else:
+        descs = (desc(q, BM), desc(k, BN), desc(v, BN), desc(q, BM), desc(k, BN))
     handle = attn_fwd_sm90[(-(-s // BM), h, b)](
-        desc(q, BM), desc(k, BN), desc(v, BN), out, lse, qk_scale, softcap2, row_max or 0.0, a.window_left,
+        *descs, out, lse, qk_scale, softcap2, row_max or 0.0, a.window_left,
         a.window_right, q, 0, q, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), s,
         k.shape[1], h // k.shape[2], MASK_LEFT=a.window_left >= 0, MASK_RIGHT=a.window_right >= 0,
         SOFTCAP=a.softcap > 0, ALIBI=False, HAS_SINK=False, K_STAGES=KS, V_STAGES=VS, Q_IN_REGS=QREGS,
-        FIXED_MAX=row_max is not None, num_warps=4)
-    REGS[f"d={d}/{v.shape[-1]} {BM}x{BN} {KS}/{VS} q_in_regs={QREGS}"] = (handle.n_regs, handle.n_spills)
+        FIXED_MAX=row_max is not None, TAIL=split, num_warps=4)
+    REGS[f"d={d}/{v.shape[-1]} {BM}x{BN} {KS}/{VS} q_in_regs={QREGS} split={split}"] = (handle.n_regs,
+                                                                                      handle.n_spills)
     return out, lse
 
 
@@ -92,12 +104,14 @@ def ibench(fns, rounds=7, n=10):
     return {name: round(sorted(t)[len(t) // 2], 1) for name, t in times.items()}
 
 
-def main():
+def main(head_dims):
     res = {"torch": torch.__version__, "triton": __import__("triton").__version__,
            "commit": os.environ.get("FLASHTILE_GIT_COMMIT", "?"), "device": torch.cuda.get_device_name(),
            "rows": [], "errors": {}}
     torch.manual_seed(0)
     for d, dv, h, b, s, mode in CASES:
+        if head_dims and d not in head_dims:
+            continue
         q, k = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         v = torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16)
         causal = mode == "causal"
@@ -185,4 +199,4 @@ def gemma():
 
 
 if __name__ == "__main__":
-    gemma() if sys.argv[1:] == ["gemma"] else main()
+    gemma() if sys.argv[1:] == ["gemma"] else main([int(d) for d in sys.argv[1:]])

@@ -185,16 +185,17 @@ def test_long_full_softcap_rows_take_gluon_when_the_row_max_is_fixed(monkeypatch
     assert name.startswith(f"flashtile.fwd[{kernel} d=128")
 
 
-@pytest.mark.parametrize("tile, head_dim, q_in_regs", [
-    ("_FWD_SM90_GLUON", 128, True), ("_FWD_SM90_GLUON_WIDE", 128, False), ("_FWD_SM90_GLUON_D256", 256, False),
+@pytest.mark.parametrize("tile, head_dim, head_dim_v, q_in_regs", [
+    ("_FWD_SM90_GLUON", 128, 128, True), ("_FWD_SM90_GLUON_WIDE", 128, 128, False),
+    ("_FWD_SM90_GLUON_D256", 256, 256, False), ("_FWD_SM90_GLUON", 192, 128, True),
 ])
-def test_gluon_tiles_fit_two_programs_per_sm(tile, head_dim, q_in_regs):
+def test_gluon_tiles_fit_two_programs_per_sm(tile, head_dim, head_dim_v, q_in_regs):
     """The shared-memory plan of each Gluon tile: two programs per SM within 227 KB (Q, the key and
     value rings, 16-bit), Q in registers only where the scores and the accumulator leave room."""
     from flashtile.backends.triton import configs
     cfg = getattr(configs, tile)
     ring = configs.gluon_ring(cfg, head_dim)
-    smem = 2 * head_dim * (cfg.BLOCK_M + (ring["K_STAGES"] + ring["V_STAGES"]) * cfg.BLOCK_N)
+    smem = 2 * (head_dim * (cfg.BLOCK_M + ring["K_STAGES"] * cfg.BLOCK_N) + head_dim_v * ring["V_STAGES"] * cfg.BLOCK_N)
     assert 2 * (smem + 1024) <= 227 * 1024, (cfg, ring, smem)
     assert ring["Q_IN_REGS"] == q_in_regs
 
@@ -204,12 +205,14 @@ def test_gluon_tiles_fit_two_programs_per_sm(tile, head_dim, q_in_regs):
     (256, 256, ("window", "softcap", "alibi", "sink"), "_FWD_SM90_GLUON_D256"),
     (128, 128, (), "_FWD_SM90_GLUON_WIDE"),
     (64, 64, (), None),
-    (192, 128, (), None),  # the kernel's shared-memory tiles need power-of-two widths
+    (192, 128, (), "_FWD_SM90_GLUON"),  # q and k read as 128 + 64 columns
+    (192, 128, ("window", "softcap", "alibi", "sink"), "_FWD_SM90_GLUON"),
+    (192, 192, (), None),
     (256, 128, (), None),
     (256, 256, ("dropout",), None),
 ])
 def test_gluon_head_dims(monkeypatch, head_dim, head_dim_v, features, tile):
-    """Head dims 128 and 256 (q, k and v alike) take the Gluon kernel, with any of its features."""
+    """Head dims 128 and 256 (q, k and v alike) and 192/128 take the Gluon kernel, with any of its features."""
     from flashtile.backends.triton import configs
     monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
     window = (100, 0) if "window" in features else (-1, -1)

@@ -3,7 +3,7 @@
 The dispatcher picks it for 16-bit calls of at least ``GLUON_MIN_PAIRS`` (row, key) pairs at head dim 128
 (half as many at 256): at 128 the 64x128 tile for full and causal rows (ALiBi and softcap too; long full
 rows with softcap only where the row max is held fixed: bf16, softcap <= 51.9), the 64x64 tile for
-sliding windows under 4096 keys and softcap with ALiBi; at 256 the 64x64 tile (configs.py). These tests check which kernel and tile ran (by the kernel counter) and
+sliding windows under 4096 keys and softcap with ALiBi; at 256 and 192/128 the 64x64 tile (configs.py). These tests check which kernel and tile ran (by the kernel counter) and
 hold out, lse and the gradients (the Triton backward on its lse) to the tolerance rule.
 Lengths are awkward: not multiples of the 64-row tiles, seqlen_q != seqlen_k, rows that see no key,
 batches whose last key block runs past the sequence end (the TMA zero-fills it).
@@ -37,12 +37,14 @@ def ran(kernel: str) -> bool:
     return any(family in name and all(t + "]" in name for t in tile) for name in flashtile.stats()["kernels"])
 
 
-def check(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, kernel=WIDE, sink=None, head_dim=128,
+def check(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, kernel=WIDE, sink=None, head_dims=(128, 128),
           **options):
     """Run the call, assert ``kernel`` ran, and hold out, lse and every gradient (``dsink`` too when
-    a ``sink`` is given) to the tolerance rule."""
-    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype, "cuda", requires_grad=True,
+    a ``sink`` is given) to the tolerance rule. ``head_dims``: of q/k and of v."""
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dims[0], dtype, "cuda", requires_grad=True,
                        generator=rng)
+    if head_dims[1] != head_dims[0]:
+        v = torch.randn(*v.shape[:3], head_dims[1], generator=rng).to("cuda", dtype).requires_grad_()
     dout = torch.randn(q.shape, generator=rng).to(device="cuda", dtype=dtype)
     if sink is not None:
         options["sink"] = sink
@@ -224,15 +226,18 @@ def test_inputs_the_tma_cannot_read_fall_back_to_triton_and_are_recorded(rng):
     ((1000, 1200), dict(window_size=(300, 0))),
     ((1200, 1000), dict(window_size=(257, 33))),
 ], ids=["causal", "full-more-keys", "causal-fewer-keys", "window", "two-sided-window"])
-def test_head_dim_256(rng, dtype, seqlens, options):
-    """Head dim 256 runs the 64x64 tile with Q in shared memory and one key and one value slot."""
-    check(rng, 2, *seqlens, 4, 2, dtype, NARROW, head_dim=256, **options)
+@pytest.mark.parametrize("head_dims", [(256, 256), (192, 128)], ids=["256", "192-128"])
+def test_head_dims_256_and_192(rng, head_dims, dtype, seqlens, options):
+    """Head dim 256 runs the 64x64 tile with Q in shared memory and one key and one value slot; 192/128
+    reads q and k as 128 + 64 columns (the kernel's TAIL)."""
+    check(rng, 2, *seqlens, 4, 2, dtype, NARROW, head_dims=head_dims, **options)
 
 
 @pytest.mark.parametrize("mask", [dict(causal=True), dict(window_size=(700, 0))], ids=["causal", "window"])
 @pytest.mark.parametrize("softcap, alibi, sink", [(True, False, False), (False, True, True), (True, True, True)],
                          ids=["softcap", "alibi-sink", "all-three"])
-def test_head_dim_256_features(rng, mask, softcap, alibi, sink):
-    """Gemma-2's softcap and sliding window, and ALiBi and sinks, at head dim 256."""
-    check(rng, 1, 1500, 1500, 4, 2, torch.bfloat16, NARROW, head_dim=256, **mask,
+@pytest.mark.parametrize("head_dims", [(256, 256), (192, 128)], ids=["256", "192-128"])
+def test_head_dims_256_and_192_features(rng, head_dims, mask, softcap, alibi, sink):
+    """Gemma-2's softcap and sliding window, and ALiBi and sinks, at head dims 256 and 192/128."""
+    check(rng, 1, 1500, 1500, 4, 2, torch.bfloat16, NARROW, head_dims=head_dims, **mask,
           **feature_options(rng, 4, softcap, alibi, sink))

@@ -199,10 +199,14 @@ _FWD_SM90_GLUON_WIDE = TileConfig(64, 128, 4, 2, kernel="gluon")
 # benchmarks/gluon_head_dims.py` -> results/h200-gluon-head-dims-2026-11-22.json): 2 x 8192 full
 # 626 / 502 / 726, causal 580 / 449 / 612; 8 x 2048 full 577 / 449 / 652, causal 462 / 350 / 500; window
 # (4096, 0) 561 / 474; softcap 672 / 458. Two slots each (one program an SM): 399-563; Q in registers
-# spills (255 registers + 20 B): 250-296. Not taken: 192/128 read through a 256-wide box ties the Triton
-# kernel (1/2 slots 348-441 vs 336-445), and d=64 gains at most 6% (64x128: 418 vs 394 at 1 x 16384 causal)
-# and loses on 8 x 2048.
+# spills (255 registers + 20 B): 250-296. Not taken: d=64 gains at most 6% (64x128: 418 vs 394 at 1 x 16384
+# causal) and loses on 8 x 2048.
 _FWD_SM90_GLUON_D256 = TileConfig(64, 64, 4, 1, kernel="gluon")
+# Head dims 192/128 (q and k 192 wide, read as 128 + 64 columns: the kernel's TAIL) take the 64x64 tile,
+# Q in registers, two slots each (209 registers). TFLOP/s against the Triton kernel and cuDNN, 10 heads,
+# same script and run (`python benchmarks/gluon_head_dims.py 192`): 2 x 8192 full 614 / 424 / 599, causal
+# 560 / 388 / 528; 8 x 2048 full 542 / 407 / 559, causal 438 / 328 / 451. Read through one 256-wide box
+# instead (zeros past 192), the best plan ties the Triton kernel (409-444).
 
 
 def gluon_ring(cfg: TileConfig, head_dim: int) -> dict:
@@ -213,10 +217,11 @@ def gluon_ring(cfg: TileConfig, head_dim: int) -> dict:
     254 registers and two key slots 147 KB, so it keeps one key slot (115 KB), refilled right after
     S_j has read it, a whole softmax before the next block needs it. At d=256 the accumulator alone takes
     128 registers: Q stays in shared memory, and one slot each (96 KB, 231-240 registers) keeps two
-    programs an SM (``cfg.num_stages`` = 1)."""
+    programs an SM (``cfg.num_stages`` = 1). At 192/128 Q fits in registers (209) and two slots each in
+    104 KB."""
     wide = cfg.BLOCK_N >= 128
     return dict(K_STAGES=1 if wide else cfg.num_stages, V_STAGES=cfg.num_stages,
-                Q_IN_REGS=not wide and head_dim <= 128)
+                Q_IN_REGS=not wide and head_dim < 256)
 
 
 # Its launch costs more host time than the Triton kernel's: 70-120 us against 55-65 through
@@ -228,9 +233,9 @@ def gluon_ring(cfg: TileConfig, head_dim: int) -> dict:
 # GLUON_MIN_PAIRS (query row, key) pairs over all heads, about 0.3 ms of work: 16 x 1024 full rows or
 # 8 x 2048 causal ones at 16 heads.
 GLUON_MIN_PAIRS = 16 * 16 * 1024 * 1024
-# Head dims the Gluon kernel takes (q, k and v alike); a pair's work grows with the head dim, so the
-# threshold above counts pairs of d=128 (a call at d=256 needs half as many).
-GLUON_HEAD_DIMS = (128, 256)
+# Head dims (q/k, v) the Gluon kernel takes; a pair's work grows with the head dims, so the threshold
+# above counts pairs of d=128 (a call at d=256 needs half as many).
+GLUON_HEAD_DIMS = ((128, 128), (256, 256), (192, 128))
 # Sliding windows: a row of fewer keys wastes more of the 64x128 tile at the window's two edges, so it
 # takes 64x64 ((1024, 0): 404 vs 384 TFLOP/s at 1 x 16384, 385 vs 379 at 2 x 8192, though 32/8 heads led
 # on 64x128, 439 vs 408, in this run and the one before). From 4096 keys the wide tile leads: (4096, 0)
@@ -250,12 +255,13 @@ def gluon_fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device:
     ``features``: the call's feature names, as in ``AttentionCall``), else None."""
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or _arch(device) != 90:
         return None
-    if head_dim not in GLUON_HEAD_DIMS or head_dim_v != head_dim or not features <= GLUON_FEATURES:
+    if (head_dim, head_dim_v) not in GLUON_HEAD_DIMS or not features <= GLUON_FEATURES:
         return None
-    if seqlen_k == 0 or rows * mean_row_keys(seqlen_k, window_left, window_right) * head_dim < GLUON_MIN_PAIRS * 128:
+    work = rows * mean_row_keys(seqlen_k, window_left, window_right) * (head_dim + head_dim_v)
+    if seqlen_k == 0 or work < GLUON_MIN_PAIRS * 256:
         return None
-    if head_dim == 256:
-        return _FWD_SM90_GLUON_D256
+    if head_dim != 128:
+        return _FWD_SM90_GLUON_D256 if head_dim == 256 else _FWD_SM90_GLUON
     if window_left >= 0:
         wide = row_keys(seqlen_k, window_left, window_right) >= GLUON_WIDE_WINDOW_KEYS and "softcap" not in features
         return _FWD_SM90_GLUON_WIDE if wide else _FWD_SM90_GLUON

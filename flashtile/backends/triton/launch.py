@@ -198,8 +198,8 @@ def _tma_desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
 
 # The descriptors carry the data pointers (the launcher encodes them per call); their shapes and strides
 # are in the launch key.
-_FWD_SM90 = CachedLaunch(attn_fwd_sm90, ("q_desc", "k_desc", "v_desc", "O", "LSE", "qk_scale", "softcap2",
-                                         "row_max", "ALIBI_SLOPES", "SINK"))
+_FWD_SM90 = CachedLaunch(attn_fwd_sm90, ("q_desc", "k_desc", "v_desc", "q_tail_desc", "k_tail_desc", "O", "LSE",
+                                         "qk_scale", "softcap2", "row_max", "ALIBI_SLOPES", "SINK"))
 
 
 def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, group: int, features: frozenset):
@@ -220,13 +220,19 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, group: int, features: 
             stride_lse_h=lse.stride(1), seqlen_q=seqlen_q, seqlen_k=k.shape[1], group=group,
             MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0, SOFTCAP=args.softcap > 0,
             ALIBI=alibi is not None, HAS_SINK=args.sink is not None, **gluon_ring(cfg, q.shape[3]),
-            FIXED_MAX=row_max is not None, num_warps=cfg.num_warps)
+            FIXED_MAX=row_max is not None, TAIL=tail, num_warps=cfg.num_warps)
 
+    # A head dim that is no power of two (192) is read as its first 128 columns and the rest.
+    tail = (q.shape[3] & (q.shape[3] - 1)) != 0
+    q_desc = _tma_desc(q[..., :128] if tail else q, cfg.BLOCK_M)
+    k_desc = _tma_desc(k[..., :128] if tail else k, cfg.BLOCK_N)
+    q_tail = _tma_desc(q[..., 128:], cfg.BLOCK_M) if tail else q_desc
+    k_tail = _tma_desc(k[..., 128:], cfg.BLOCK_N) if tail else k_desc
     key = (_layout_key(q, k, v, out, lse), q.device, _args_key(args), cfg, row_max is not None)
     with on_device(q):
         _FWD_SM90(key, (cdiv(seqlen_q, cfg.BLOCK_M), nheads, batch),
-                  dict(q_desc=_tma_desc(q, cfg.BLOCK_M), k_desc=_tma_desc(k, cfg.BLOCK_N),
-                       v_desc=_tma_desc(v, cfg.BLOCK_N), O=out, LSE=lse, qk_scale=qk_scale, softcap2=softcap2,
+                  dict(q_desc=q_desc, k_desc=k_desc, v_desc=_tma_desc(v, cfg.BLOCK_N), q_tail_desc=q_tail,
+                       k_tail_desc=k_tail, O=out, LSE=lse, qk_scale=qk_scale, softcap2=softcap2,
                        row_max=row_max or 0.0, ALIBI_SLOPES=alibi if alibi is not None else q,
                        SINK=args.sink if args.sink is not None else q),
                   static)

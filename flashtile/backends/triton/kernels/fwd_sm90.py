@@ -19,8 +19,9 @@ With softcap the scores are bounded, and ``FIXED_MAX`` (configs.fixed_row_max) h
 at one value from the start: no row max, no rescaling of O. With ALiBi on 128-key blocks, a block wholly on
 one side of the rows' diagonal keys takes the bias as linear (``_alibi_linear_step``): one FMA an element
 more than plain. Scores, masks and the online softmax are
-the Triton kernel's helpers (common.py). Inputs: 16-bit, head dim 128 for q, k and v alike, no bias,
-dropout or varlen (the launcher takes the Triton kernel for those).
+the Triton kernel's helpers (common.py). Inputs: 16-bit, head dims 128 or 256 for q, k and v alike, or
+192 for q and k with 128 for v (``TAIL``); no bias, dropout or varlen (the launcher takes the Triton
+kernel for those).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -37,6 +38,28 @@ def _load(desc, bar, smem, off_b, row, off_h, pred):
     when it lands. Rows past the sequence end are zero-filled."""
     mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
     tma.async_copy_global_to_shared(desc, [off_b, row, off_h, 0], bar, smem, pred=pred)
+
+
+@gluon.jit
+def _load_qk(desc, tail_desc, bar, smem, tail_smem, off_b, row, off_h, pred, TAIL: gl.constexpr):
+    """``_load`` of a Q or K tile; with ``TAIL`` its head dim comes in two parts (the first
+    power-of-two columns, then the rest: 192 = 128 + 64), both completing ``bar``."""
+    if TAIL:
+        mbarrier.expect(bar, desc.block_type.nbytes + tail_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(desc, [off_b, row, off_h, 0], bar, smem, pred=pred)
+        tma.async_copy_global_to_shared(tail_desc, [off_b, row, off_h, 0], bar, tail_smem, pred=pred)
+    else:
+        _load(desc, bar, smem, off_b, row, off_h, pred)
+
+
+@gluon.jit
+def _scores_mma(q, q_tail, k_smem, k_tail_smem, slot, s_zero, TAIL: gl.constexpr):
+    """Issue S = Q K^T for key slot ``slot`` (asynchronous); with ``TAIL`` a second wgmma adds the
+    tail columns' product to the first."""
+    qk = warpgroup_mma(q, _tile(k_smem, slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if TAIL:
+        qk = warpgroup_mma(q_tail, _tile(k_tail_smem, slot).permute((1, 0)), qk, is_async=True)
+    return qk
 
 
 @gluon.jit
@@ -155,15 +178,16 @@ def _softmax_step(qk, s, m_i, qk_scale, MODIFIED: gl.constexpr, FIXED_MAX: gl.co
 
 
 @gluon.jit
-def attn_fwd_sm90(q_desc, k_desc, v_desc, O, LSE, qk_scale, softcap2, row_max, window_left, window_right,
+def attn_fwd_sm90(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, qk_scale, softcap2, row_max, window_left, window_right,
                   ALIBI_SLOPES, stride_alibi_b, SINK,
                   stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group,
                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                   HAS_SINK: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, Q_IN_REGS: gl.constexpr,
-                  FIXED_MAX: gl.constexpr, num_warps: gl.constexpr):
+                  FIXED_MAX: gl.constexpr, TAIL: gl.constexpr, num_warps: gl.constexpr):
     """``q_desc``/``k_desc``/``v_desc``: TMA descriptors of the ``(batch, seqlen, heads, headdim)``
     inputs with ``[1, rows, 1, headdim]`` tiles; one program per (query block, head, batch) as in
-    the Triton kernel."""
+    the Triton kernel. With ``TAIL`` a head dim that is no power of two (192) is read in two parts:
+    ``q_desc``/``k_desc`` cover its first 128 columns, ``q_tail_desc``/``k_tail_desc`` the rest."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     HEAD_DIM_V: gl.constexpr = v_desc.block_type.shape[3]
@@ -192,6 +216,12 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, O, LSE, qk_scale, softcap2, row_max, w
 
     q_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [K_STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
+    q_tail_smem = q_smem
+    k_tail_smem = k_smem
+    if TAIL:
+        TAIL_DIM: gl.constexpr = q_tail_desc.block_type.shape[3]
+        q_tail_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, 1, TAIL_DIM], q_tail_desc.layout)
+        k_tail_smem = gl.allocate_shared_memory(dtype, [K_STAGES, 1, BLOCK_N, 1, TAIL_DIM], k_tail_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [V_STAGES, 1, BLOCK_N, 1, HEAD_DIM_V], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_bar = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
@@ -203,9 +233,10 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, O, LSE, qk_scale, softcap2, row_max, w
         mbarrier.init(v_bar.index(i), count=1)
 
     off_hk = off_h // group
-    _load(q_desc, q_bar, q_smem, off_b, first_row, off_h, True)
+    _load_qk(q_desc, q_tail_desc, q_bar, q_smem, q_tail_smem, off_b, first_row, off_h, True, TAIL)
     for i in gl.static_range(K_STAGES):
-        _load(k_desc, k_bar.index(i), k_smem.index(i), off_b, lo + i * BLOCK_N, off_hk, i < n_blocks)
+        _load_qk(k_desc, k_tail_desc, k_bar.index(i), k_smem.index(i), k_tail_smem.index(i), off_b, lo + i * BLOCK_N,
+                 off_hk, i < n_blocks, TAIL)
     for i in gl.static_range(V_STAGES):
         _load(v_desc, v_bar.index(i), v_smem.index(i), off_b, lo + i * BLOCK_N, off_hk, i < n_blocks)
 
@@ -226,15 +257,19 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, O, LSE, qk_scale, softcap2, row_max, w
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     mbarrier.wait(q_bar, 0)
     q = q_smem.reshape([BLOCK_M, HEAD_DIM])
+    q_tail = q_tail_smem.reshape([BLOCK_M, q_tail_smem.shape[3]])
     if Q_IN_REGS:
         # Q as the register operand: each QK^T then reads only K from shared memory.
         q = q.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+        if TAIL:
+            q_tail = q_tail.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
     if n_blocks > 0:
         # Block 0: scores and probabilities; its PV product joins the first iteration.
         mbarrier.wait(k_bar.index(0), 0)
-        qk = warpgroup_mma(q, _tile(k_smem, 0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        qk = _scores_mma(q, q_tail, k_smem, k_tail_smem, 0, s_zero, TAIL)
         qk = warpgroup_mma_wait(0, deps=(qk, ))
-        _load(k_desc, k_bar.index(0), k_smem.index(0), off_b, lo + K_STAGES * BLOCK_N, off_hk, K_STAGES < n_blocks)
+        _load_qk(k_desc, k_tail_desc, k_bar.index(0), k_smem.index(0), k_tail_smem.index(0), off_b,
+                 lo + K_STAGES * BLOCK_N, off_hk, K_STAGES < n_blocks, TAIL)
         p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n, lo,
                                             (lo < full_lo) | (lo >= full_hi),
                                             seqlen_q, seqlen_k, qk_scale, softcap2, slope2,
@@ -245,13 +280,13 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, O, LSE, qk_scale, softcap2, row_max, w
             start_n = lo + j * BLOCK_N
             # S_j = Q K_j^T and O += P_{j-1} V_{j-1} both go to the tensor cores...
             mbarrier.wait(k_bar.index(slot), (j // K_STAGES) & 1)
-            qk = warpgroup_mma(q, _tile(k_smem, slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            qk = _scores_mma(q, q_tail, k_smem, k_tail_smem, slot, s_zero, TAIL)
             mbarrier.wait(v_bar.index(prev), ((j - 1) // V_STAGES) & 1)
             acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), _tile(v_smem, prev), acc, is_async=True)
             # ...S_j is waited for alone (wgmma groups retire in order), and K_j's slot refilled.
             qk = warpgroup_mma_wait(1, deps=(qk, ))
-            _load(k_desc, k_bar.index(slot), k_smem.index(slot), off_b, start_n + K_STAGES * BLOCK_N, off_hk,
-                  j + K_STAGES < n_blocks)
+            _load_qk(k_desc, k_tail_desc, k_bar.index(slot), k_smem.index(slot), k_tail_smem.index(slot), off_b,
+                     start_n + K_STAGES * BLOCK_N, off_hk, j + K_STAGES < n_blocks, TAIL)
             # The softmax of S_j runs while the PV product is still in flight.
             p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n + j * BLOCK_N, start_n,
                                                 (start_n < full_lo) | (start_n >= full_hi), seqlen_q, seqlen_k,

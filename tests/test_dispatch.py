@@ -205,10 +205,10 @@ def test_gluon_tiles_fit_two_programs_per_sm(tile, head_dim, head_dim_v, q_in_re
     (256, 256, ("window", "softcap", "alibi", "sink"), "_FWD_SM90_GLUON_D256"),
     (128, 128, (), "_FWD_SM90_GLUON_WIDE"),
     (64, 64, (), None),
-    (192, 128, (), "_FWD_SM90_GLUON"),  # q and k read as 128 + 64 columns
-    (192, 128, ("window", "softcap", "alibi", "sink"), "_FWD_SM90_GLUON"),
+    (192, 128, ("headdim_v",), "_FWD_SM90_GLUON"),  # q and k read as 128 + 64 columns
+    (192, 128, ("headdim_v", "window", "softcap", "alibi", "sink"), "_FWD_SM90_GLUON"),
     (192, 192, (), None),
-    (256, 128, (), None),
+    (256, 128, ("headdim_v",), None),
     (256, 256, ("dropout",), None),
 ])
 def test_gluon_head_dims(monkeypatch, head_dim, head_dim_v, features, tile):

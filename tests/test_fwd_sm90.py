@@ -45,7 +45,7 @@ def check(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, kernel=WIDE,
                        generator=rng)
     if head_dims[1] != head_dims[0]:
         v = torch.randn(*v.shape[:3], head_dims[1], generator=rng).to("cuda", dtype).requires_grad_()
-    dout = torch.randn(q.shape, generator=rng).to(device="cuda", dtype=dtype)
+    dout = torch.randn(*q.shape[:3], v.shape[3], generator=rng).to(device="cuda", dtype=dtype)
     if sink is not None:
         options["sink"] = sink
     out, lse, _ = flashtile.flash_attn_func(q, k, v, return_attn_probs=True, **options)

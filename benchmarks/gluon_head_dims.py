@@ -29,6 +29,9 @@ from flashtile.backends.triton.configs import fixed_row_max, fwd_config
 from flashtile.backends.triton.kernels.common import LOG2E
 from flashtile.backends.triton.kernels.fwd_sm90 import attn_fwd_sm90
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from d256_fwd_tiles import time_it  # noqa: E402
+
 REGS = {}
 # name: (BLOCK_M, BLOCK_N, key slots, value slots, Q in registers[, split])
 VARIANTS = {
@@ -87,20 +90,10 @@ def gluon(q, k, v, a, BM, BN, KS, VS, QREGS, split=False):
 
 def ibench(fns, rounds=7, n=10):
     """Median over interleaved rounds of the mean time of ``n`` back-to-back calls, in us."""
-    for f in fns.values():
-        for _ in range(3):
-            f()
-    torch.cuda.synchronize()
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, f in fns.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(n):
-                f()
-            end.record()
-            torch.cuda.synchronize()
-            times[name].append(start.elapsed_time(end) / n * 1e3)
+            times[name].append(time_it(f, n=1, calls=n) * 1e3)
     return {name: round(sorted(t)[len(t) // 2], 1) for name, t in times.items()}
 
 

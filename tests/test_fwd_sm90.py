@@ -3,8 +3,9 @@
 The dispatcher picks it for 16-bit calls of at least ``GLUON_MIN_PAIRS`` (row, key) pairs at head dim 128
 (half as many at 256): at 128 the 64x128 tile for full and causal rows (ALiBi and softcap too; long full
 rows with softcap only where the row max is held fixed: bf16, softcap <= 51.9), the 64x64 tile for
-sliding windows under 4096 keys and softcap with ALiBi; at 256 and 192/128 the 64x64 tile (configs.py). These tests check which kernel and tile ran (by the kernel counter) and
-hold out, lse and the gradients (the Triton backward on its lse) to the tolerance rule.
+sliding windows under 4096 keys and softcap with ALiBi; at 256 and 192/128 the 64x64 tile (configs.py).
+These tests check which kernel and tile ran (by the kernel counter) and hold out, lse and the gradients
+(the Triton backward on its lse) to the tolerance rule.
 Lengths are awkward: not multiples of the 64-row tiles, seqlen_q != seqlen_k, rows that see no key,
 batches whose last key block runs past the sequence end (the TMA zero-fills it).
 """

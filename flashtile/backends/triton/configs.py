@@ -366,7 +366,6 @@ def bwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, head_dim
     return _BWD_SM90[padded]
 
 
-
 # Attention over a KV cache (kernels/decode.py), per padded head dim: (up to 16 packed rows, up to
 # DECODE_PREFILL_ROWS, more). Packed rows are query tokens x the query heads of one KV head: a
 # decode step with GQA group 4 fills 4 rows of a 16-row tile, the smallest tl.dot takes. Decode is

@@ -222,12 +222,13 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, group: int, features: 
             ALIBI=alibi is not None, HAS_SINK=args.sink is not None, **gluon_ring(cfg, q.shape[3]),
             FIXED_MAX=row_max is not None, TAIL=tail, num_warps=cfg.num_warps)
 
-    # A head dim that is no power of two (192) is read as its first 128 columns and the rest.
-    tail = (q.shape[3] & (q.shape[3] - 1)) != 0
-    q_desc = _tma_desc(q[..., :128] if tail else q, cfg.BLOCK_M)
-    k_desc = _tma_desc(k[..., :128] if tail else k, cfg.BLOCK_N)
-    q_tail = _tma_desc(q[..., 128:], cfg.BLOCK_M) if tail else q_desc
-    k_tail = _tma_desc(k[..., 128:], cfg.BLOCK_N) if tail else k_desc
+    # A head dim that is no power of two (192) is read as its largest power-of-two columns (128) and the rest.
+    main = 1 << (q.shape[3].bit_length() - 1)
+    tail = main != q.shape[3]
+    q_desc = _tma_desc(q[..., :main] if tail else q, cfg.BLOCK_M)
+    k_desc = _tma_desc(k[..., :main] if tail else k, cfg.BLOCK_N)
+    q_tail = _tma_desc(q[..., main:], cfg.BLOCK_M) if tail else q_desc
+    k_tail = _tma_desc(k[..., main:], cfg.BLOCK_N) if tail else k_desc
     key = (_layout_key(q, k, v, out, lse), q.device, _args_key(args), cfg, row_max is not None)
     with on_device(q):
         _FWD_SM90(key, (cdiv(seqlen_q, cfg.BLOCK_M), nheads, batch),

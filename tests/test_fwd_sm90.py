@@ -7,7 +7,9 @@ sliding windows under 4096 keys and softcap with ALiBi; at 256 and 192/128 the 6
 These tests check which kernel and tile ran (by the kernel counter) and hold out, lse and the gradients
 (the Triton backward on its lse) to the tolerance rule.
 Lengths are awkward: not multiples of the 64-row tiles, seqlen_q != seqlen_k, rows that see no key,
-batches whose last key block runs past the sequence end (the TMA zero-fills it).
+batches whose last key block runs past the sequence end (the TMA zero-fills it). Packed sequences (varlen)
+hold NaN in every row past ``cu_seqlens[-1]`` and in the keys ``seqused_k`` leaves out, infinities in those
+values: a tile that reads them must hide them.
 """
 import pytest
 import torch
@@ -15,7 +17,7 @@ import torch
 import flashtile
 from flashtile.backends import AttnArgs
 from flashtile.backends.triton import configs, launch
-from flashtile.testing import assert_results_close, make_qkv, reference_results
+from flashtile.testing import assert_results_close, cu_seqlens_of, make_qkv, reference_results
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 pytestmark = [pytest.mark.skipif(not HOPPER, reason="the Gluon forward runs on sm_90 only"),
@@ -242,3 +244,70 @@ def test_head_dims_256_and_192_features(rng, head_dims, mask, softcap, alibi, si
     """Gemma-2's softcap and sliding window, and ALiBi and sinks, at head dims 256 and 192/128."""
     check(rng, 1, 1500, 1500, 4, 2, torch.bfloat16, NARROW, head_dims=head_dims, **mask,
           **feature_options(rng, 4, softcap, alibi, sink))
+
+
+def check_packed(rng, lengths_q, lengths_k, nheads, nheads_kv, dtype, kernel, head_dims=(128, 128), seqused_k=None,
+                 sink=None, **options):
+    """``check`` for packed sequences: 5 rows past ``cu_seqlens[-1]`` hold NaN (infinite values), and so do
+    the keys ``seqused_k`` leaves out; out and lse are compared on the sequences' rows, the gradients on all
+    (0 past the end)."""
+    cu_q, cu_k = cu_seqlens_of(lengths_q, "cuda"), cu_seqlens_of(lengths_k, "cuda")
+    end_q, end_k = sum(lengths_q), sum(lengths_k)
+    q, k, v = (torch.randn(end + 5, heads, dim, generator=rng).to("cuda", dtype)
+               for end, heads, dim in ((end_q, nheads, head_dims[0]), (end_k, nheads_kv, head_dims[0]),
+                                       (end_k, nheads_kv, head_dims[1])))
+    unused = [slice(end_k, None)]
+    if seqused_k is not None:
+        unused += [slice(start + used, end) for start, used, end in zip(cu_k[:-1].tolist(), seqused_k, cu_k[1:].tolist())]
+        seqused_k = torch.tensor(seqused_k, dtype=torch.int32, device="cuda")
+    q[end_q:] = float("nan")
+    for rows in unused:
+        k[rows], v[rows] = float("nan"), float("inf")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    dout = torch.randn(end_q + 5, nheads, head_dims[1], generator=rng).to("cuda", dtype)
+    if sink is not None:
+        options["sink"] = sink
+    out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                                   seqused_k=seqused_k, return_attn_probs=True, **options)
+    assert ran(kernel), flashtile.stats()["kernels"]
+    leaves = (q, k, v) if sink is None else (q, k, v, sink)
+    grads = torch.autograd.grad(out, leaves, dout)
+    ours = {"out": out[:end_q], "lse": lse[:, :end_q], **dict(zip(("dq", "dk", "dv", "dsink"), grads))}
+    refs = [reference_results(q, k, v, dout, hi=hi, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=seqused_k,
+                              **options) for hi in (True, False)]
+    for ref in refs:
+        ref["out"], ref["lse"] = ref["out"][:end_q], ref["lse"][:, :end_q]
+    assert_results_close(ours, *refs, dtype)
+
+
+# Empty sequences, one row, a tile's width and one either side, and long ones.
+LENGTHS_Q = [300, 0, 1, 1000, 63, 64, 65, 1500]
+LENGTHS_K = [300, 7, 130, 1000, 0, 200, 65, 1400]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen(rng, dtype, causal):
+    check_packed(rng, LENGTHS_Q, LENGTHS_K, 4, 2, dtype, WIDE, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_seqused_k(rng, causal):
+    """The keys past seqused_k hold NaN and infinite values, read by the TMA in the last key block."""
+    check_packed(rng, LENGTHS_Q, LENGTHS_K, 4, 2, torch.bfloat16, WIDE, seqused_k=[299, 0, 1, 1000, 0, 77, 65, 1337],
+                 causal=causal)
+
+
+@pytest.mark.parametrize("softcap, alibi, sink", [(False, False, False), (True, True, True), (False, True, True)],
+                         ids=["plain", "all-three", "alibi-sink"])
+def test_varlen_window_and_features(rng, softcap, alibi, sink):
+    options = feature_options(rng, 4, softcap, alibi, sink)
+    if alibi:
+        options["alibi_slopes"] = torch.rand(len(LENGTHS_Q), 4, generator=rng).to("cuda") * 0.3  # per sequence
+    check_packed(rng, LENGTHS_Q, LENGTHS_K, 4, 2, torch.bfloat16, NARROW, window_size=(200, 0), **options)
+
+
+@pytest.mark.parametrize("head_dims", [(256, 256), (192, 128)], ids=["256", "192-128"])
+def test_varlen_head_dims(rng, head_dims):
+    check_packed(rng, LENGTHS_Q, LENGTHS_K, 4, 2, torch.bfloat16, NARROW, head_dims=head_dims, causal=True,
+                 seqused_k=[299, 0, 1, 999, 0, 77, 65, 1337])

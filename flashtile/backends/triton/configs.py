@@ -245,8 +245,9 @@ GLUON_HEAD_DIMS = ((128, 128), (256, 256), (192, 128))
 # results/h200-gluon-tiles-window-2026-11-22.json.
 GLUON_WIDE_WINDOW_KEYS = 4096
 # What the Gluon kernel implements besides causal masks: calls with any other feature take the Triton one.
-# ("headdim_v": a value head dim other than q's, of the pairs in GLUON_HEAD_DIMS.)
-GLUON_FEATURES = frozenset({"window", "softcap", "alibi", "sink", "headdim_v"})
+# ("headdim_v": a value head dim other than q's, of the pairs in GLUON_HEAD_DIMS; "varlen": packed sequences,
+# seqused_k too. A varlen call's rows count every sequence as the longest, as its grid does.)
+GLUON_FEATURES = frozenset({"window", "softcap", "alibi", "sink", "headdim_v", "varlen"})
 
 
 def gluon_fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device: torch.device, rows: int,

@@ -66,16 +66,20 @@ def _variant_tensors(q, args: AttnArgs) -> dict:
     bias = args.attn_bias
     if bias is not None and bias.dtype == torch.bool:
         bias = bias.view(torch.uint8)  # same bytes; Triton loads uint8 more portably than bool
-    varlen = args.varlen
     return dict(
         softcap=float(args.softcap), seed=args.seed, offset=args.offset,
         dropout_scale=1.0 / (1.0 - args.dropout_p),
         ALIBI_SLOPES=args.alibi_slopes if args.alibi_slopes is not None else q,
         BIAS_PTR=bias if bias is not None else q,
-        CU_SEQLENS_Q=args.cu_seqlens_q if varlen else q,
-        CU_SEQLENS_K=args.cu_seqlens_k if varlen else q,
-        SEQUSED_K=args.seqused_k if args.seqused_k is not None else q,
+        **_sequence_tensors(q, args),
     )
+
+
+def _sequence_tensors(q, args: AttnArgs) -> dict:
+    """The varlen offsets and key counts (``q`` stands in for those a call lacks)."""
+    return dict(CU_SEQLENS_Q=args.cu_seqlens_q if args.varlen else q,
+                CU_SEQLENS_K=args.cu_seqlens_k if args.varlen else q,
+                SEQUSED_K=args.seqused_k if args.seqused_k is not None else q)
 
 
 def _variant_static(q, args: AttnArgs, nheads: int) -> dict:
@@ -149,7 +153,7 @@ def forward(q, k, v, args: AttnArgs, config=None):
     if cfg is not None and cfg.kernel == "gluon":
         reason = tma_unfit(q, k, v)
         if reason is None:
-            _forward_sm90(q, k, v, out, lse, args, cfg, nheads // nheads_kv, features)
+            _forward_sm90(q, k, v, out, lse, args, cfg, (batch, seqlen_q, seqlen_k, nheads // nheads_kv), features)
             return out, lse
         record_fallback(f"the Gluon Hopper forward needs TMA-compatible inputs ({reason})", "triton",
                         preferred="triton (Gluon Hopper kernel)")
@@ -199,12 +203,18 @@ def _tma_desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
 # The descriptors carry the data pointers (the launcher encodes them per call); their shapes and strides
 # are in the launch key.
 _FWD_SM90 = CachedLaunch(attn_fwd_sm90, ("q_desc", "k_desc", "v_desc", "q_tail_desc", "k_tail_desc", "O", "LSE",
-                                         "qk_scale", "softcap2", "row_max", "ALIBI_SLOPES", "SINK"))
+                                         "qk_scale", "softcap2", "row_max", "ALIBI_SLOPES", "SINK", "CU_SEQLENS_Q",
+                                         "CU_SEQLENS_K", "SEQUSED_K"))
 
 
-def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, group: int, features: frozenset):
-    """Launch the Gluon Hopper forward (kernels/fwd_sm90.py)."""
-    batch, seqlen_q, nheads, _ = q.shape
+def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, features: frozenset):
+    """Launch the Gluon Hopper forward (kernels/fwd_sm90.py); ``shape``: ``(batch, seqlen_q, seqlen_k, group)``,
+    the seqlens of packed sequences their maxima."""
+    batch, seqlen_q, seqlen_k, group = shape
+    nheads = q.shape[-2]
+    if args.varlen:
+        # Packed (tokens, heads, headdim) tensors are one batch row of the TMA's 4-d view.
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
     alibi = args.alibi_slopes  # (batch, nheads), maybe broadcast
     if args.softcap > 0:
         qk_scale, softcap2 = args.softmax_scale / args.softcap, args.softcap * LOG2E
@@ -213,14 +223,16 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, group: int, features: 
     row_max = fixed_row_max(args.softcap, q.dtype, features)
 
     def static():
+        stride_lse_b, stride_lse_h = _lse_strides(lse, args.varlen)
         return dict(
             window_left=args.window_left, window_right=args.window_right,
             stride_alibi_b=alibi.stride(0) if alibi is not None else 0,
-            stride_ob=out.stride(0), stride_om=out.stride(1), stride_oh=out.stride(2), stride_lse_b=lse.stride(0),
-            stride_lse_h=lse.stride(1), seqlen_q=seqlen_q, seqlen_k=k.shape[1], group=group,
+            **dict(zip(("stride_ob", "stride_om", "stride_oh"), _bsh(out, args.varlen))), stride_lse_b=stride_lse_b,
+            stride_lse_h=stride_lse_h, seqlen_q=seqlen_q, seqlen_k=seqlen_k, group=group,
             MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0, SOFTCAP=args.softcap > 0,
             ALIBI=alibi is not None, HAS_SINK=args.sink is not None, **gluon_ring(cfg, q.shape[3]),
-            FIXED_MAX=row_max is not None, TAIL=tail, num_warps=cfg.num_warps)
+            FIXED_MAX=row_max is not None, TAIL=tail, IS_VARLEN=args.varlen, HAS_SEQUSED=args.seqused_k is not None,
+            num_warps=cfg.num_warps)
 
     # A head dim that is no power of two (192) is read as its largest power-of-two columns (128) and the rest.
     main = 1 << (q.shape[3].bit_length() - 1)
@@ -235,7 +247,7 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, group: int, features: 
                   dict(q_desc=q_desc, k_desc=k_desc, v_desc=_tma_desc(v, cfg.BLOCK_N), q_tail_desc=q_tail,
                        k_tail_desc=k_tail, O=out, LSE=lse, qk_scale=qk_scale, softcap2=softcap2,
                        row_max=row_max or 0.0, ALIBI_SLOPES=alibi if alibi is not None else q,
-                       SINK=args.sink if args.sink is not None else q),
+                       SINK=args.sink if args.sink is not None else q, **_sequence_tensors(q, args)),
                   static)
 
 

@@ -20,14 +20,18 @@ at one value from the start: no row max, no rescaling of O. With ALiBi on 128-ke
 one side of the rows' diagonal keys takes the bias as linear (``_alibi_linear_step``): one FMA an element
 more than plain. Scores, masks and the online softmax are
 the Triton kernel's helpers (common.py). Inputs: 16-bit, head dims 128 or 256 for q, k and v alike, or
-192 for q and k with 128 for v (``TAIL``); no bias, dropout or varlen (the launcher takes the Triton
-kernel for those).
+192 for q and k with 128 for v (``TAIL``); no bias or dropout (the launcher takes the Triton kernel for
+those). Packed sequences (``IS_VARLEN``) read through descriptors of the whole ``(1, tokens, heads, headdim)``
+tensors: a tile that runs past its sequence's end holds the next sequence's rows, which the key mask
+hides from the scores; the value rows are zeroed in shared memory before P V reads them (``_zero_tail``),
+so no value past the end can reach the output, not even an infinity times a zero probability.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 
-from .common import LOG2E, kv_range, scores, softmax_step
+from .common import LOG2E, kv_range, scores, sequence, softmax_step
 
 LN2 = gl.constexpr(0.6931471805599453)
 
@@ -35,7 +39,7 @@ LN2 = gl.constexpr(0.6931471805599453)
 @gluon.jit
 def _load(desc, bar, smem, off_b, row, off_h, pred):
     """TMA copy of rows ``row..`` of (batch ``off_b``, head ``off_h``) into ``smem``; ``bar`` completes
-    when it lands. Rows past the sequence end are zero-filled."""
+    when it lands. Rows past the tensor's end are zero-filled."""
     mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
     tma.async_copy_global_to_shared(desc, [off_b, row, off_h, 0], bar, smem, pred=pred)
 
@@ -66,6 +70,18 @@ def _scores_mma(q, q_tail, k_smem, k_tail_smem, slot, s_zero, TAIL: gl.constexpr
 def _tile(ring, slot):
     """Slot ``slot`` of a ``[slots, 1, rows, 1, headdim]`` ring as a ``[rows, headdim]`` matrix."""
     return ring.index(slot).reshape([ring.shape[2], ring.shape[4]])
+
+
+@gluon.jit
+def _zero_tail(tile, rows, num_warps: gl.constexpr):
+    """Zero the rows from ``rows`` on of a ``[BLOCK_N, headdim]`` shared-memory tile, before a wgmma reads it."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    values = tile.load(layout)
+    offs = gl.arange(0, tile.shape[0], layout=gl.SliceLayout(1, layout))
+    tile.store(gl.where((offs < rows)[:, None], values, gl.zeros_like(values)))
+    # Make the generic-proxy stores visible to the tensor cores' async proxy, then wait for every thread's.
+    fence_async_shared()
+    gl.thread_barrier()
 
 
 @gluon.jit
@@ -179,15 +195,18 @@ def _softmax_step(qk, s, m_i, qk_scale, MODIFIED: gl.constexpr, FIXED_MAX: gl.co
 
 @gluon.jit
 def attn_fwd_sm90(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, qk_scale, softcap2, row_max,
-                  window_left, window_right, ALIBI_SLOPES, stride_alibi_b, SINK,
+                  window_left, window_right, ALIBI_SLOPES, stride_alibi_b, SINK, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
                   stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group,
                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                   HAS_SINK: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, Q_IN_REGS: gl.constexpr,
-                  FIXED_MAX: gl.constexpr, TAIL: gl.constexpr, num_warps: gl.constexpr):
+                  FIXED_MAX: gl.constexpr, TAIL: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
+                  num_warps: gl.constexpr):
     """``q_desc``/``k_desc``/``v_desc``: TMA descriptors of the ``(batch, seqlen, heads, headdim)``
     inputs with ``[1, rows, 1, headdim]`` tiles; one program per (query block, head, batch) as in
     the Triton kernel. With ``TAIL`` a head dim that is no power of two (192) is read in two parts:
-    ``q_desc``/``k_desc`` cover its first 128 columns, ``q_tail_desc``/``k_tail_desc`` the rest."""
+    ``q_desc``/``k_desc`` cover its first 128 columns, ``q_tail_desc``/``k_tail_desc`` the rest.
+    With ``IS_VARLEN`` the inputs are packed ``(1, tokens, heads, headdim)``, ``off_b`` is a sequence
+    (``CU_SEQLENS_*``, ``SEQUSED_K`` as in the Triton kernel) and ``seqlen_q`` its longest length."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     HEAD_DIM_V: gl.constexpr = v_desc.block_type.shape[3]
@@ -210,6 +229,15 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, qk_s
     off_h = gl.program_id(1)
     off_b = gl.program_id(2)
     first_row = start_m * BLOCK_M
+    q_start, seqlen_q, k_start, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
+                                                    IS_VARLEN, HAS_SEQUSED)
+    if IS_VARLEN:
+        # Varlen grids are sized for the longest sequence; packed tensors are one batch row for the TMA.
+        if first_row >= seqlen_q:
+            return
+        tma_b = 0
+    else:
+        tma_b = off_b
     lo, full_lo, full_hi, hi = kv_range(first_row, first_row + BLOCK_M - 1, seqlen_q, seqlen_k, window_left,
                                         window_right, BLOCK_N, MASK_LEFT, MASK_RIGHT)
     n_blocks = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
@@ -233,12 +261,13 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, qk_s
         mbarrier.init(v_bar.index(i), count=1)
 
     off_hk = off_h // group
-    _load_qk(q_desc, q_tail_desc, q_bar, q_smem, q_tail_smem, off_b, first_row, off_h, True, TAIL)
+    # Rows in the (packed) tensors: query i of this sequence is row q_start + i, key j row k_start + j.
+    _load_qk(q_desc, q_tail_desc, q_bar, q_smem, q_tail_smem, tma_b, q_start + first_row, off_h, True, TAIL)
     for i in gl.static_range(K_STAGES):
-        _load_qk(k_desc, k_tail_desc, k_bar.index(i), k_smem.index(i), k_tail_smem.index(i), off_b, lo + i * BLOCK_N,
-                 off_hk, i < n_blocks, TAIL)
+        _load_qk(k_desc, k_tail_desc, k_bar.index(i), k_smem.index(i), k_tail_smem.index(i), tma_b,
+                 k_start + lo + i * BLOCK_N, off_hk, i < n_blocks, TAIL)
     for i in gl.static_range(V_STAGES):
-        _load(v_desc, v_bar.index(i), v_smem.index(i), off_b, lo + i * BLOCK_N, off_hk, i < n_blocks)
+        _load(v_desc, v_bar.index(i), v_smem.index(i), tma_b, k_start + lo + i * BLOCK_N, off_hk, i < n_blocks)
 
     offs_m = first_row + gl.arange(0, BLOCK_M, layout=rows_s)
     offs_n = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -268,8 +297,8 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, qk_s
         mbarrier.wait(k_bar.index(0), 0)
         qk = _scores_mma(q, q_tail, k_smem, k_tail_smem, 0, s_zero, TAIL)
         qk = warpgroup_mma_wait(0, deps=(qk, ))
-        _load_qk(k_desc, k_tail_desc, k_bar.index(0), k_smem.index(0), k_tail_smem.index(0), off_b,
-                 lo + K_STAGES * BLOCK_N, off_hk, K_STAGES < n_blocks, TAIL)
+        _load_qk(k_desc, k_tail_desc, k_bar.index(0), k_smem.index(0), k_tail_smem.index(0), tma_b,
+                 k_start + lo + K_STAGES * BLOCK_N, off_hk, K_STAGES < n_blocks, TAIL)
         p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n, lo,
                                             (lo < full_lo) | (lo >= full_hi),
                                             seqlen_q, seqlen_k, qk_scale, softcap2, slope2,
@@ -285,21 +314,26 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, qk_s
             acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), _tile(v_smem, prev), acc, is_async=True)
             # ...S_j is waited for alone (wgmma groups retire in order), and K_j's slot refilled.
             qk = warpgroup_mma_wait(1, deps=(qk, ))
-            _load_qk(k_desc, k_tail_desc, k_bar.index(slot), k_smem.index(slot), k_tail_smem.index(slot), off_b,
-                     start_n + K_STAGES * BLOCK_N, off_hk, j + K_STAGES < n_blocks, TAIL)
+            _load_qk(k_desc, k_tail_desc, k_bar.index(slot), k_smem.index(slot), k_tail_smem.index(slot), tma_b,
+                     k_start + start_n + K_STAGES * BLOCK_N, off_hk, j + K_STAGES < n_blocks, TAIL)
             # The softmax of S_j runs while the PV product is still in flight.
             p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n + j * BLOCK_N, start_n,
                                                 (start_n < full_lo) | (start_n >= full_hi), seqlen_q, seqlen_k,
                                                 qk_scale, softcap2, slope2, window_left, window_right,
                                                 MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
-            _load(v_desc, v_bar.index(prev), v_smem.index(prev), off_b, start_n + (V_STAGES - 1) * BLOCK_N, off_hk,
-                  j - 1 + V_STAGES < n_blocks)
+            _load(v_desc, v_bar.index(prev), v_smem.index(prev), tma_b, k_start + start_n + (V_STAGES - 1) * BLOCK_N,
+                  off_hk, j - 1 + V_STAGES < n_blocks)
             if not FIXED_MAX:
                 # O now holds blocks up to j - 1 under the old row max: move it to the new one.
                 acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
         last = (n_blocks - 1) % V_STAGES
         mbarrier.wait(v_bar.index(last), ((n_blocks - 1) // V_STAGES) & 1)
+        if IS_VARLEN:
+            # Only the last block can run past the sequence: its rows there belong to the next one.
+            rows_left = seqlen_k - (lo + (n_blocks - 1) * BLOCK_N)
+            if rows_left < BLOCK_N:
+                _zero_tail(_tile(v_smem, last), rows_left, num_warps)
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), _tile(v_smem, last), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
 
@@ -311,9 +345,10 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, qk_s
     offs_mo = first_row + gl.arange(0, BLOCK_M, layout=rows_o)
     offs_d = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, o_layout))
     o_ptrs = (O + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
-              + offs_mo[:, None].to(gl.int64) * stride_om + offs_d[None, :])
+              + (q_start + offs_mo[:, None]).to(gl.int64) * stride_om + offs_d[None, :])
     gl.store(o_ptrs, acc.to(dtype), mask=offs_mo[:, None] < seqlen_q)
-    gl.store(LSE + off_b.to(gl.int64) * stride_lse_b + off_h * stride_lse_h + offs_m, lse, mask=offs_m < seqlen_q)
+    gl.store(LSE + off_b.to(gl.int64) * stride_lse_b + off_h * stride_lse_h + q_start + offs_m, lse,
+             mask=offs_m < seqlen_q)
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(K_STAGES):
         mbarrier.invalidate(k_bar.index(i))

@@ -176,11 +176,13 @@ def flash_attn_varlen_func(
         k: ``(total_k, nheads_kv, headdim)``; v: ``(total_k, nheads_kv, headdim_v)``.
         cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)`` on q's device: ``0``, then the running
             total of the sequence lengths. Rows past ``cu_seqlens[-1]`` belong to no sequence:
-            they are not read, and their gradients are 0.
+            their values never reach any result (NaN there is fine; the Hopper forward may load
+            them with a tile and masks them), and their gradients are 0.
         max_seqlen_q, max_seqlen_k: the longest query / key sequence: a Python int, or a 0-d
             tensor (read with ``.item()``; under torch.compile pass an int).
         seqused_k: optional int32 ``(batch,)``: sequence ``b`` uses only its first
-            ``seqused_k[b]`` keys (its causal/window diagonal counts those keys only).
+            ``seqused_k[b]`` keys (its causal/window diagonal counts those keys only); the keys past
+            them, like rows past ``cu_seqlens[-1]``, never reach a result.
         sink: ``(nheads,)``, as in :func:`flash_attn_func`.
         attn_bias: not served for packed sequences: a tensor raises ``NotImplementedError``.
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic:

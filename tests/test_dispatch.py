@@ -252,6 +252,34 @@ def test_small_calls_keep_the_triton_kernel_for_its_cheaper_launch(monkeypatch):
                                     frozenset()) is None
 
 
+@pytest.mark.parametrize("seqlen_q, features, page_size, window, kernel", [
+    (2048, ("kvcache",), 0, (-1, 0), "gluon-sm90 64x128"),  # chunked prefill on a contiguous cache
+    (512, ("kvcache",), 0, (-1, 0), "gluon-sm90 64x128"),
+    (127, ("kvcache",), 0, (-1, 0), "triton"),  # fewer rows: the KV-cache kernel packs the GQA heads
+    (1, ("kvcache",), 0, (-1, 0), "triton"),  # a decode step
+    (2048, ("kvcache", "paged"), 16, (-1, 0), "triton"),  # pages: no TMA box spans them
+    (2048, ("kvcache", "window"), 0, (1024, 0), "gluon-sm90 64x64"),
+    (2048, ("kvcache", "softcap", "alibi", "sink"), 0, (-1, 0), "gluon-sm90 64x64"),
+])
+def test_kvcache_chunked_prefill_takes_the_gluon_forward(monkeypatch, seqlen_q, features, page_size, window, kernel):
+    """KV-cache calls of many query rows on a contiguous cache run the Gluon Hopper forward, and its name says so."""
+    from flashtile.backends import AttentionCall
+    from flashtile.backends import triton as triton_backend
+    from flashtile.backends.triton import configs
+    monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)
+    described = tuple((name, f"{name}: test") for name in features)
+    call = AttentionCall(torch.device("cuda", 0), torch.bfloat16, 4, seqlen_q, 16384, 32, 8, 128, window[1] == 0,
+                         described, page_size=page_size, window=window)
+    name, _, config = triton_backend.describe(call)
+    family = kernel.split()[0]
+    assert name.startswith(f"flashtile.decode[{family} d=128")
+    if family == "gluon-sm90":
+        tile = kernel.split()[1]
+        assert name.endswith(f"BM={tile.split('x')[0]} BN={tile.split('x')[1]}]")
+        assert config["decode"]["kernel"] == "gluon"
+
+
 @pytest.mark.parametrize("options", [
     {}, {"causal": True}, {"window_left": 10, "window_right": 0}, {"causal": True, "window_left": 10,
                                                                     "window_right": 0},

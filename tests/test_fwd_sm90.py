@@ -9,7 +9,8 @@ These tests check which kernel and tile ran (by the kernel counter) and hold out
 Lengths are awkward: not multiples of the 64-row tiles, seqlen_q != seqlen_k, rows that see no key,
 batches whose last key block runs past the sequence end (the TMA zero-fills it). Packed sequences (varlen)
 hold NaN in every row past ``cu_seqlens[-1]`` and in the keys ``seqused_k`` leaves out, infinities in those
-values: a tile that reads them must hide them.
+values: a tile that reads them must hide them. KV caches (chunked prefill through ``flash_attn_with_kvcache``)
+hold infinities past each row's keys and before its left padding.
 """
 import pytest
 import torch
@@ -17,7 +18,8 @@ import torch
 import flashtile
 from flashtile.backends import AttnArgs
 from flashtile.backends.triton import configs, launch
-from flashtile.testing import assert_results_close, cu_seqlens_of, make_qkv, reference_results
+from flashtile.testing import ATOL, assert_close_to_ref, assert_results_close, attention_ref, cu_seqlens_of, make_qkv
+from flashtile.testing import reference_results
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 pytestmark = [pytest.mark.skipif(not HOPPER, reason="the Gluon forward runs on sm_90 only"),
@@ -311,3 +313,80 @@ def test_varlen_window_and_features(rng, softcap, alibi, sink):
 def test_varlen_head_dims(rng, head_dims):
     check_packed(rng, LENGTHS_Q, LENGTHS_K, 4, 2, torch.bfloat16, NARROW, head_dims=head_dims, causal=True,
                  seqused_k=[299, 0, 1, 999, 0, 77, 65, 1337])
+
+
+def check_kvcache(rng, seqlens, seqlen_q, seqlen_new, capacity, nheads, nheads_kv, dtype, kernel, head_dims=(128, 128),
+                  leftpad=None, batch_idx=False, **options):
+    """A KV-cache call held to attention_ref of every batch row over its keys ``[leftpad, seqlens + seqlen_new)``;
+    the cache rows outside them hold infinities, and the caches after the call must be the expected append."""
+    batch = len(seqlens)
+    rows = torch.randperm(batch + 2, generator=rng)[:batch] if batch_idx else torch.arange(batch)
+    q = torch.randn(batch, seqlen_q, nheads, head_dims[0], generator=rng).to("cuda", dtype)
+    k_new, v_new = (torch.randn(batch, seqlen_new, nheads_kv, dim, generator=rng).to("cuda", dtype)
+                    for dim in head_dims)
+    caches = [torch.randn(batch + 2 if batch_idx else batch, capacity, nheads_kv, dim, generator=rng).to("cuda", dtype)
+              for dim in head_dims]
+    first = leftpad or [0] * batch
+    for b, row in enumerate(rows.tolist()):
+        for cache in caches:
+            cache[row, seqlens[b] + seqlen_new:] = float("inf")
+            cache[row, :first[b]] = float("inf")
+    expected = [cache.clone() for cache in caches]
+    for b, row in enumerate(rows.tolist()):
+        for cache, new in zip(expected, (k_new, v_new)):
+            cache[row, seqlens[b]:seqlens[b] + seqlen_new] = new[b]
+    kwargs = dict(cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device="cuda"))
+    if leftpad is not None:
+        kwargs["cache_leftpad"] = torch.tensor(leftpad, dtype=torch.int32, device="cuda")
+    if batch_idx:
+        kwargs["cache_batch_idx"] = rows.to("cuda", torch.int32)
+    out, lse = flashtile.flash_attn_with_kvcache(q, *caches, k_new if seqlen_new else None,
+                                                 v_new if seqlen_new else None, return_softmax_lse=True,
+                                                 **kwargs, **options)
+    assert ran(kernel), flashtile.stats()["kernels"]
+    assert all(torch.equal(cache, want) for cache, want in zip(caches, expected)), "the append differs"
+    slopes = options.pop("alibi_slopes", None)
+    for upcast in (True, False):
+        refs = [attention_ref(q[b:b + 1], *(cache[row:row + 1, first[b]:seqlens[b] + seqlen_new] for cache in expected),
+                              upcast=upcast, alibi_slopes=None if slopes is None else slopes.expand(batch, -1)[b:b + 1],
+                              **options) for b, row in enumerate(rows.tolist())]
+        if upcast:
+            ref_hi = [torch.cat(parts) for parts in zip(*refs)]
+        else:
+            ref_lo = [torch.cat(parts) for parts in zip(*refs)]
+    assert_close_to_ref("out", out, ref_hi[0], ref_lo[0], ATOL[dtype][0])
+    assert_close_to_ref("lse", lse, ref_hi[1], ref_lo[1], ATOL[dtype][0])
+
+
+KV_WIDE, KV_NARROW = "decode[gluon-sm90 BN=128", "decode[gluon-sm90 BN=64"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_kvcache_chunked_prefill(rng, dtype):
+    """Chunked prefill: 300 new tokens after an empty cache, after 1200 (filling the capacity) and after 517."""
+    check_kvcache(rng, [0, 1200, 517], 300, 300, 1500, 4, 2, dtype, KV_WIDE, causal=True)
+
+
+def test_kvcache_leftpad_and_batch_idx(rng):
+    check_kvcache(rng, [40, 900, 517], 200, 200, 1500, 4, 1, torch.bfloat16, KV_WIDE, leftpad=[0, 333, 517],
+                  batch_idx=True, causal=True)
+
+
+def test_kvcache_queries_without_append(rng):
+    """More queries than new tokens: full rows over the cache alone."""
+    check_kvcache(rng, [1000, 1, 1499], 257, 0, 1500, 4, 2, torch.bfloat16, KV_WIDE)
+
+
+def test_kvcache_window_and_features(rng):
+    options = feature_options(rng, 4, softcap=True, alibi=True, sink=True)
+    check_kvcache(rng, [0, 1200, 517], 300, 300, 1500, 4, 2, torch.bfloat16, KV_NARROW, causal=True,
+                  window_size=(200, 0), **options)
+
+
+def test_kvcache_head_dim_256(rng):
+    check_kvcache(rng, [0, 1000, 517], 300, 300, 1500, 4, 2, torch.bfloat16, KV_NARROW, head_dims=(256, 256),
+                  causal=True)
+
+
+def test_kvcache_decode_steps_keep_the_kv_cache_kernel(rng):
+    check_kvcache(rng, [0, 1200, 517], 1, 1, 1500, 4, 2, torch.bfloat16, "decode[triton", causal=True)

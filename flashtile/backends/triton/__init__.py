@@ -10,7 +10,7 @@ import torch
 
 from .. import AttentionCall, missing_features
 from .configs import (capability, bwd_config, bwd_plan, decode_config, decode_splits, fwd_config,
-                      gluon_fwd_config)
+                      gluon_fwd_config, gluon_kv_config)
 
 FEATURES = frozenset({"dropout", "window", "softcap", "alibi", "sink", "bias", "varlen", "headdim_v", "kvcache",
                       "paged", "merge"})
@@ -109,14 +109,22 @@ def _describe_kvcache(call: AttentionCall):
     """The KV-cache attention kernel (no backward): its name carries the head dim, the GQA group, the
     mask, the features, the split count and the tiles. ``call.seqlen_k`` is the cache capacity."""
     group = call.nheads // call.nheads_kv
+    mask = "causal" if call.causal else "full"
+    extras = "".join(f" {name}" for name, _ in call.features if name != "kvcache")
+    left, right = call.window
+    right = 0 if call.causal and right < 0 else right
+    gluon = gluon_kv_config(call.headdim, call.headdim_v, call.dtype, call.device, call.batch, call.seqlen_q,
+                            call.nheads, call.seqlen_k, left, right, call.feature_names, call.softcap)
+    if gluon is not None:
+        # Chunked prefill on a contiguous cache: the Gluon Hopper forward (launch.attention_kv).
+        name = f"flashtile.decode[gluon-sm90 d={call.headdim} {mask}{extras} BM={gluon.BLOCK_M} BN={gluon.BLOCK_N}]"
+        return name, "", {"decode": vars(gluon), "auto_num_splits": 1}
     rows = call.seqlen_q * group
     cfg = decode_config(max(call.headdim, call.headdim_v), call.dtype, call.device, rows, call.page_size)
     programs = -(-rows // cfg.BLOCK_M) * call.batch * call.nheads_kv
     # The call does not carry num_splits: this is what auto (num_splits=0) picks for these shapes.
     splits = decode_splits(0, programs, call.seqlen_k, call.device, cfg.BLOCK_N,
                            call.page_size > 0 and call.page_size % cfg.BLOCK_N != 0)
-    mask = "causal" if call.causal else "full"
-    extras = "".join(f" {name}" for name, _ in call.features if name != "kvcache")
     name = (f"flashtile.decode[triton d={call.headdim} gqa={group} {mask}{extras} splits=auto "
             f"BM={cfg.BLOCK_M} BN={cfg.BLOCK_N}]")
     config = {"decode": vars(cfg), "auto_num_splits": splits}

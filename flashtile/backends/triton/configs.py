@@ -276,6 +276,26 @@ def gluon_fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device:
     return _FWD_SM90_GLUON_WIDE
 
 
+# KV-cache calls (flash_attn_with_kvcache) with many query rows -- chunked prefill -- on a contiguous cache
+# take the Gluon forward too, where a dense call of the same shape would (its rows and keys counted with the
+# cache's capacity: the lengths are on the device). The KV-cache kernel packs the query heads of one KV head
+# into its rows, which wins for the few rows of a decode step; from GLUON_KV_MIN_QUERIES query rows on the Gluon
+# kernel leads. H200, bf16, 32/8 heads, d=128, causal, cache at 8192 keys + the new ones (scratch probe
+# 2026-11-22, BENCHMARKS.md): 2048 new tokens x 4 batch rows 3.14 vs 2.31 ms.
+GLUON_KV_MIN_QUERIES = 128
+
+
+def gluon_kv_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device: torch.device, batch: int,
+                    seqlen_q: int, nheads: int, capacity: int, window_left: int, window_right: int,
+                    features: frozenset, softcap: float = 0.0):
+    """The Gluon Hopper forward's tiles when it runs this KV-cache call (``features`` as in
+    ``gluon_fwd_config``, with "kvcache" and "paged"), else None: paged caches keep the KV-cache kernel."""
+    if "paged" in features or seqlen_q < GLUON_KV_MIN_QUERIES:
+        return None
+    return gluon_fwd_config(head_dim, head_dim_v, dtype, device, batch * nheads * seqlen_q, capacity, window_left,
+                            window_right, frozenset(features) - {"kvcache"}, softcap)
+
+
 # Softcap bounds every score to [-C, C], C = softcap * log2(e) (scores in log2 units), so the Gluon
 # forward can hold every row's max at one value m chosen up front: no running max, no rescaling of O
 # (its softmax then takes fewer instructions than a plain one's). exp2(s - m) must stay inside float32's

@@ -13,11 +13,13 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ...alloc import empty
 from ...dispatch import record_fallback
 from ...rng import keep_threshold
-from .. import AttnArgs, present_features
-from .configs import (bwd_config, bwd_plan, fixed_row_max, fwd_config, gluon_fwd_config, gluon_ring,
-                      padded_head_dim)
-# The KV-cache part of the backend contract lives in decode.py; the dispatcher finds it here.
-from .decode import append_kv, attention_kv, merge_states  # noqa: F401
+from .. import AttnArgs, KVCacheArgs, present_features
+from . import decode
+from .configs import (bwd_config, bwd_plan, fixed_row_max, fwd_config, gluon_fwd_config, gluon_kv_config,
+                      gluon_ring, padded_head_dim)
+# The KV-cache part of the backend contract lives in decode.py (attention_kv below picks between it and
+# the Gluon forward); the dispatcher finds it here.
+from .decode import append_kv, merge_states  # noqa: F401
 from .fastlaunch import CachedLaunch
 from .host import cdiv, fast_tanh, fork, input_precision, on_device, unit_stride
 from .kernels.bwd import bwd_dkdv, bwd_dq, bwd_preprocess
@@ -204,14 +206,16 @@ def _tma_desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
 # are in the launch key.
 _FWD_SM90 = CachedLaunch(attn_fwd_sm90, ("q_desc", "k_desc", "v_desc", "q_tail_desc", "k_tail_desc", "O", "LSE",
                                          "qk_scale", "softcap2", "row_max", "ALIBI_SLOPES", "SINK", "CU_SEQLENS_Q",
-                                         "CU_SEQLENS_K", "SEQUSED_K"))
+                                         "CU_SEQLENS_K", "SEQUSED_K", "CACHE_SEQLENS", "CACHE_LEFTPAD",
+                                         "CACHE_BATCH_IDX"))
 
 
 def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, features: frozenset):
     """Launch the Gluon Hopper forward (kernels/fwd_sm90.py); ``shape``: ``(batch, seqlen_q, seqlen_k, group)``,
-    the seqlens of packed sequences their maxima."""
+    the seqlens of packed sequences their maxima, a KV cache's ``seqlen_k`` its capacity."""
     batch, seqlen_q, seqlen_k, group = shape
     nheads = q.shape[-2]
+    kvcache = isinstance(args, KVCacheArgs)
     if args.varlen:
         # Packed (tokens, heads, headdim) tensors are one batch row of the TMA's 4-d view.
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
@@ -224,14 +228,17 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, features
 
     def static():
         stride_lse_b, stride_lse_h = _lse_strides(lse, args.varlen)
+        cache = (args.cache_seqlens, args.cache_leftpad, args.cache_batch_idx) if kvcache else (None,) * 3
         return dict(
             window_left=args.window_left, window_right=args.window_right,
             stride_alibi_b=alibi.stride(0) if alibi is not None else 0,
             **dict(zip(("stride_ob", "stride_om", "stride_oh"), _bsh(out, args.varlen))), stride_lse_b=stride_lse_b,
             stride_lse_h=stride_lse_h, seqlen_q=seqlen_q, seqlen_k=seqlen_k, group=group,
+            seqlen_new=args.seqlen_new if kvcache else 0,
             MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0, SOFTCAP=args.softcap > 0,
             ALIBI=alibi is not None, HAS_SINK=args.sink is not None, **gluon_ring(cfg, q.shape[3]),
             FIXED_MAX=row_max is not None, TAIL=tail, IS_VARLEN=args.varlen, HAS_SEQUSED=args.seqused_k is not None,
+            KVCACHE=kvcache, **dict(zip(("HAS_SEQLENS", "HAS_LEFTPAD", "HAS_BATCH_IDX"), (t is not None for t in cache))),
             num_warps=cfg.num_warps)
 
     # A head dim that is no power of two (192) is read as its largest power-of-two columns (128) and the rest.
@@ -241,14 +248,49 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, features
     k_desc = _tma_desc(k[..., :main] if tail else k, cfg.BLOCK_N)
     q_tail = _tma_desc(q[..., main:], cfg.BLOCK_M) if tail else q_desc
     k_tail = _tma_desc(k[..., main:], cfg.BLOCK_N) if tail else k_desc
-    key = (_layout_key(q, k, v, out, lse), q.device, _args_key(args), cfg, row_max is not None)
+    cache_tensors = (args.cache_seqlens, args.cache_leftpad, args.cache_batch_idx) if kvcache else (None,) * 3
+    key = (_layout_key(q, k, v, out, lse), q.device, _args_key(args), cfg, row_max is not None,
+           tuple(t is not None for t in cache_tensors), args.seqlen_new if kvcache else 0)
     with on_device(q):
         _FWD_SM90(key, (cdiv(seqlen_q, cfg.BLOCK_M), nheads, batch),
                   dict(q_desc=q_desc, k_desc=k_desc, v_desc=_tma_desc(v, cfg.BLOCK_N), q_tail_desc=q_tail,
                        k_tail_desc=k_tail, O=out, LSE=lse, qk_scale=qk_scale, softcap2=softcap2,
                        row_max=row_max or 0.0, ALIBI_SLOPES=alibi if alibi is not None else q,
-                       SINK=args.sink if args.sink is not None else q, **_sequence_tensors(q, args)),
+                       SINK=args.sink if args.sink is not None else q, **_sequence_tensors(q, args),
+                       **dict(zip(("CACHE_SEQLENS", "CACHE_LEFTPAD", "CACHE_BATCH_IDX"),
+                                  (t if t is not None else q for t in cache_tensors)))),
                   static)
+
+
+def attention_kv(q, k_cache, v_cache, args: KVCacheArgs, config=None):
+    """``decode.attention_kv``, or for chunked prefill on a contiguous cache the Gluon Hopper forward
+    (``configs.gluon_kv_config``); ``config`` forces the KV-cache kernel's tiles (tuning sweeps)."""
+    q, k_cache, v_cache = unit_stride(q), unit_stride(k_cache), unit_stride(v_cache)
+    batch, seqlen_q, nheads, head_dim = q.shape
+    cfg = None
+    if config is None and batch and seqlen_q and nheads:
+        cfg = gluon_kv_config(head_dim, v_cache.shape[3], q.dtype, q.device, batch, seqlen_q, nheads,
+                              args.max_seqlen_k, args.window_left, args.window_right,
+                              frozenset(present_features(args, head_dim, v_cache.shape[3])), args.softcap)
+    if cfg is not None:
+        reason = tma_unfit(q, k_cache, v_cache)
+        if reason is None:
+            return _forward_kvcache_sm90(q, k_cache, v_cache, args, cfg)
+        record_fallback(f"the Gluon Hopper forward needs TMA-compatible inputs ({reason})", "triton",
+                        preferred="triton (Gluon Hopper kernel)")
+    return decode.attention_kv(q, k_cache, v_cache, args, config)
+
+
+def _forward_kvcache_sm90(q, k_cache, v_cache, args: KVCacheArgs, cfg):
+    """A KV-cache call (contiguous cache, after ``append_kv``) on the Gluon Hopper forward. Returns
+    ``(out, lse)`` as ``decode.attention_kv`` does."""
+    batch, seqlen_q, nheads, _ = q.shape
+    out = empty((batch, seqlen_q, nheads, v_cache.shape[3]), q.dtype, q.device)
+    lse = empty((batch, nheads, seqlen_q), torch.float32, q.device)
+    features = frozenset(present_features(args, q.shape[3], v_cache.shape[3]))
+    _forward_sm90(q, k_cache, v_cache, out, lse, args, cfg,
+                  (batch, seqlen_q, args.max_seqlen_k, nheads // k_cache.shape[2]), features)
+    return out, lse
 
 
 def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, dbias=None, config=None, kv_splits=None):

@@ -31,7 +31,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .common import LOG2E, kv_range, scores, sequence, softmax_step
+from .common import LOG2E, cache_sequence, kv_range, scores, sequence, softmax_step
 
 LN2 = gl.constexpr(0.6931471805599453)
 
@@ -196,17 +196,21 @@ def _softmax_step(qk, s, m_i, qk_scale, MODIFIED: gl.constexpr, FIXED_MAX: gl.co
 @gluon.jit
 def attn_fwd_sm90(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, qk_scale, softcap2, row_max,
                   window_left, window_right, ALIBI_SLOPES, stride_alibi_b, SINK, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
+                  CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, seqlen_new,
                   stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group,
                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                   HAS_SINK: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, Q_IN_REGS: gl.constexpr,
                   FIXED_MAX: gl.constexpr, TAIL: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
-                  num_warps: gl.constexpr):
+                  KVCACHE: gl.constexpr, HAS_SEQLENS: gl.constexpr, HAS_LEFTPAD: gl.constexpr,
+                  HAS_BATCH_IDX: gl.constexpr, num_warps: gl.constexpr):
     """``q_desc``/``k_desc``/``v_desc``: TMA descriptors of the ``(batch, seqlen, heads, headdim)``
     inputs with ``[1, rows, 1, headdim]`` tiles; one program per (query block, head, batch) as in
     the Triton kernel. With ``TAIL`` a head dim that is no power of two (192) is read in two parts:
     ``q_desc``/``k_desc`` cover its first 128 columns, ``q_tail_desc``/``k_tail_desc`` the rest.
     With ``IS_VARLEN`` the inputs are packed ``(1, tokens, heads, headdim)``, ``off_b`` is a sequence
-    (``CU_SEQLENS_*``, ``SEQUSED_K`` as in the Triton kernel) and ``seqlen_q`` its longest length."""
+    (``CU_SEQLENS_*``, ``SEQUSED_K`` as in the Triton kernel) and ``seqlen_q`` its longest length.
+    With ``KVCACHE`` k and v are a contiguous KV cache of capacity ``seqlen_k`` whose rows the KV-cache
+    kernels' ``cache_sequence`` gives (``CACHE_*``, ``seqlen_new``: chunked prefill)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     HEAD_DIM_V: gl.constexpr = v_desc.block_type.shape[3]
@@ -229,15 +233,26 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, qk_s
     off_h = gl.program_id(1)
     off_b = gl.program_id(2)
     first_row = start_m * BLOCK_M
-    q_start, seqlen_q, k_start, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
-                                                    IS_VARLEN, HAS_SEQUSED)
-    if IS_VARLEN:
-        # Varlen grids are sized for the longest sequence; packed tensors are one batch row for the TMA.
-        if first_row >= seqlen_q:
-            return
-        tma_b = 0
+    # Where this program's rows are: query i is row q_start + i of q's batch row q_b, key j row k_start + j
+    # of k's and v's batch row kv_b.
+    if KVCACHE:
+        _, k_start, seqlen_k, kv_b = cache_sequence(off_b, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, seqlen_new,
+                                                    seqlen_k, HAS_SEQLENS, HAS_LEFTPAD, HAS_BATCH_IDX)
+        kv_b = kv_b.to(gl.int32)
+        q_b = off_b
+        q_start = 0
     else:
-        tma_b = off_b
+        q_start, seqlen_q, k_start, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K,
+                                                        SEQUSED_K, IS_VARLEN, HAS_SEQUSED)
+        if IS_VARLEN:
+            # Varlen grids are sized for the longest sequence; packed tensors are one batch row for the TMA.
+            if first_row >= seqlen_q:
+                return
+            q_b = 0
+            kv_b = 0
+        else:
+            q_b = off_b
+            kv_b = off_b
     lo, full_lo, full_hi, hi = kv_range(first_row, first_row + BLOCK_M - 1, seqlen_q, seqlen_k, window_left,
                                         window_right, BLOCK_N, MASK_LEFT, MASK_RIGHT)
     n_blocks = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
@@ -262,12 +277,12 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, qk_s
 
     off_hk = off_h // group
     # Rows in the (packed) tensors: query i of this sequence is row q_start + i, key j row k_start + j.
-    _load_qk(q_desc, q_tail_desc, q_bar, q_smem, q_tail_smem, tma_b, q_start + first_row, off_h, True, TAIL)
+    _load_qk(q_desc, q_tail_desc, q_bar, q_smem, q_tail_smem, q_b, q_start + first_row, off_h, True, TAIL)
     for i in gl.static_range(K_STAGES):
-        _load_qk(k_desc, k_tail_desc, k_bar.index(i), k_smem.index(i), k_tail_smem.index(i), tma_b,
+        _load_qk(k_desc, k_tail_desc, k_bar.index(i), k_smem.index(i), k_tail_smem.index(i), kv_b,
                  k_start + lo + i * BLOCK_N, off_hk, i < n_blocks, TAIL)
     for i in gl.static_range(V_STAGES):
-        _load(v_desc, v_bar.index(i), v_smem.index(i), tma_b, k_start + lo + i * BLOCK_N, off_hk, i < n_blocks)
+        _load(v_desc, v_bar.index(i), v_smem.index(i), kv_b, k_start + lo + i * BLOCK_N, off_hk, i < n_blocks)
 
     offs_m = first_row + gl.arange(0, BLOCK_M, layout=rows_s)
     offs_n = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -297,7 +312,7 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, qk_s
         mbarrier.wait(k_bar.index(0), 0)
         qk = _scores_mma(q, q_tail, k_smem, k_tail_smem, 0, s_zero, TAIL)
         qk = warpgroup_mma_wait(0, deps=(qk, ))
-        _load_qk(k_desc, k_tail_desc, k_bar.index(0), k_smem.index(0), k_tail_smem.index(0), tma_b,
+        _load_qk(k_desc, k_tail_desc, k_bar.index(0), k_smem.index(0), k_tail_smem.index(0), kv_b,
                  k_start + lo + K_STAGES * BLOCK_N, off_hk, K_STAGES < n_blocks, TAIL)
         p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n, lo,
                                             (lo < full_lo) | (lo >= full_hi),
@@ -314,7 +329,7 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, qk_s
             acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), _tile(v_smem, prev), acc, is_async=True)
             # ...S_j is waited for alone (wgmma groups retire in order), and K_j's slot refilled.
             qk = warpgroup_mma_wait(1, deps=(qk, ))
-            _load_qk(k_desc, k_tail_desc, k_bar.index(slot), k_smem.index(slot), k_tail_smem.index(slot), tma_b,
+            _load_qk(k_desc, k_tail_desc, k_bar.index(slot), k_smem.index(slot), k_tail_smem.index(slot), kv_b,
                      k_start + start_n + K_STAGES * BLOCK_N, off_hk, j + K_STAGES < n_blocks, TAIL)
             # The softmax of S_j runs while the PV product is still in flight.
             p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n + j * BLOCK_N, start_n,
@@ -322,15 +337,16 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, qk_s
                                                 qk_scale, softcap2, slope2, window_left, window_right,
                                                 MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
-            _load(v_desc, v_bar.index(prev), v_smem.index(prev), tma_b, k_start + start_n + (V_STAGES - 1) * BLOCK_N,
+            _load(v_desc, v_bar.index(prev), v_smem.index(prev), kv_b, k_start + start_n + (V_STAGES - 1) * BLOCK_N,
                   off_hk, j - 1 + V_STAGES < n_blocks)
             if not FIXED_MAX:
                 # O now holds blocks up to j - 1 under the old row max: move it to the new one.
                 acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
         last = (n_blocks - 1) % V_STAGES
         mbarrier.wait(v_bar.index(last), ((n_blocks - 1) // V_STAGES) & 1)
-        if IS_VARLEN:
-            # Only the last block can run past the sequence: its rows there belong to the next one.
+        if IS_VARLEN or KVCACHE:
+            # Only the last block can run past the sequence: its rows there belong to the next one (or hold
+            # whatever a cache has past its keys).
             rows_left = seqlen_k - (lo + (n_blocks - 1) * BLOCK_N)
             if rows_left < BLOCK_N:
                 _zero_tail(_tile(v_smem, last), rows_left, num_warps)

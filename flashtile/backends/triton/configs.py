@@ -252,14 +252,16 @@ GLUON_FEATURES = frozenset({"window", "softcap", "alibi", "sink", "headdim_v", "
 
 def gluon_fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device: torch.device, rows: int,
                      seqlen_k: int, window_left: int, window_right: int, features: frozenset,
-                     softcap: float = 0.0):
+                     softcap: float = 0.0, keys_per_row: int | None = None):
     """The Gluon Hopper forward's tiles when it runs this call (``rows``: batch x heads x seqlen_q;
-    ``features``: the call's feature names, as in ``AttentionCall``), else None."""
+    ``features``: the call's feature names, as in ``AttentionCall``; ``keys_per_row``: the keys a row sees
+    on average, when the square-mask estimate ``mean_row_keys`` does not hold), else None."""
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or _arch(device) != 90:
         return None
     if (head_dim, head_dim_v) not in GLUON_HEAD_DIMS or not features <= GLUON_FEATURES:
         return None
-    work = rows * mean_row_keys(seqlen_k, window_left, window_right) * (head_dim + head_dim_v)
+    keys = mean_row_keys(seqlen_k, window_left, window_right) if keys_per_row is None else keys_per_row
+    work = rows * keys * (head_dim + head_dim_v)
     if seqlen_k == 0 or work < GLUON_MIN_PAIRS * 256:
         return None
     if head_dim != 128:
@@ -277,11 +279,14 @@ def gluon_fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device:
 
 
 # KV-cache calls (flash_attn_with_kvcache) with many query rows -- chunked prefill -- on a contiguous cache
-# take the Gluon forward too, where a dense call of the same shape would (its rows and keys counted with the
-# cache's capacity: the lengths are on the device). The KV-cache kernel packs the query heads of one KV head
-# into its rows, which wins for the few rows of a decode step; from GLUON_KV_MIN_QUERIES query rows on the Gluon
-# kernel leads. H200, bf16, 32/8 heads, d=128, causal, cache at 8192 keys + the new ones (scratch probe
-# 2026-11-22, BENCHMARKS.md): 2048 new tokens x 4 batch rows 3.14 vs 2.31 ms.
+# take the Gluon forward too, under the dense calls' GLUON_MIN_PAIRS, each row counted as seeing the whole
+# capacity (a chunk's rows see the cache before it; the lengths are on the device). The KV-cache kernel packs
+# the query heads of one KV head into its rows, which wins for the few rows of a decode step; below
+# GLUON_KV_MIN_QUERIES rows or that work, calls are bound by the host and the two tie or the KV-cache kernel
+# leads. H200, bf16, 32/8 heads, d=128, causal, eager calls, ms (Gluon / KV-cache kernel; `python
+# benchmarks/kv_prefill.py` -> results/h200-kv-prefill-2026-11-22.json): 4 x (8192 + 2048 new) 2.28 / 3.28,
+# 1 x (30000 + 2048) 1.86 / 2.64, 8 x (2048 + 1024) 0.82 / 0.99, 4 x (8192 + 256) 0.43 / 0.48, 4 x (8192 + 128)
+# 0.32 / 0.32, 1 x (8192 + 128) 0.46 / 0.39, 16 x (2048 + 128) 0.41 / 0.36, 4 x (8192 + 64) 0.30 / 0.26.
 GLUON_KV_MIN_QUERIES = 128
 
 
@@ -293,7 +298,8 @@ def gluon_kv_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device: 
     if "paged" in features or seqlen_q < GLUON_KV_MIN_QUERIES:
         return None
     return gluon_fwd_config(head_dim, head_dim_v, dtype, device, batch * nheads * seqlen_q, capacity, window_left,
-                            window_right, frozenset(features) - {"kvcache"}, softcap)
+                            window_right, frozenset(features) - {"kvcache"}, softcap,
+                            keys_per_row=row_keys(capacity, window_left, window_right))
 
 
 # Softcap bounds every score to [-C, C], C = softcap * log2(e) (scores in log2 units), so the Gluon

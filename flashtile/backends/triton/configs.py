@@ -284,7 +284,7 @@ def gluon_fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device:
 # the query heads of one KV head into its rows, which wins for the few rows of a decode step; below
 # GLUON_KV_MIN_QUERIES rows or that work, calls are bound by the host and the two tie or the KV-cache kernel
 # leads. H200, bf16, 32/8 heads, d=128, causal, eager calls, ms (Gluon / KV-cache kernel; `python
-# benchmarks/kv_prefill.py` -> results/h200-kv-prefill-2026-11-22.json): 4 x (8192 + 2048 new) 2.28 / 3.28,
+# benchmarks/kv_prefill.py` -> results/h200-kv-prefill-2026-11-22-ea42afd.json): 4 x (8192 + 2048 new) 2.28 / 3.28,
 # 1 x (30000 + 2048) 1.86 / 2.64, 8 x (2048 + 1024) 0.82 / 0.99, 4 x (8192 + 256) 0.43 / 0.48, 4 x (8192 + 128)
 # 0.32 / 0.32, 1 x (8192 + 128) 0.46 / 0.39, 16 x (2048 + 128) 0.41 / 0.36, 4 x (8192 + 64) 0.30 / 0.26.
 GLUON_KV_MIN_QUERIES = 128

@@ -7,12 +7,13 @@ same call with the Gluon route turned off (GLUON_KV_MIN_QUERIES raised); "gluon"
 pair threshold); "dense" is ``flash_attn_func`` on
 the cache's keys copied out ((batch, cached + new) keys, no append); "cudnn" is SDPA's cuDNN backend on
 those keys with the bottom-right causal mask as a boolean tensor and the KV heads repeated. Outputs are
-checked against each other first; times are medians of CUDA-event timings, rounds interleaved.
+checked against each other first; times are medians of 15 CUDA-event timings of one call, rounds interleaved.
 
     FLASHTILE_NO_VENV=1 PYTHONPATH=$PWD python benchmarks/kv_prefill.py   # writes $OUT/kv-prefill.json
 """
 import json
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,9 @@ import flashtile
 from flashtile.backends.triton import configs
 from flashtile.testing import causal_lower_right_mask
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from d256_fwd_tiles import time_it  # noqa: E402
+
 SHAPES = [  # (batch, cached, new)
     (4, 8192, 16), (4, 8192, 32), (4, 8192, 64), (4, 8192, 128), (4, 8192, 256), (4, 8192, 512), (4, 8192, 2048),
     (1, 8192, 128), (1, 8192, 512), (16, 2048, 128), (1, 30000, 2048), (8, 2048, 1024), (2, 4096, 4096),
@@ -30,21 +34,6 @@ SHAPES = [  # (batch, cached, new)
 VARIANTS = {"dispatched": {}, "kv kernel": {"GLUON_KV_MIN_QUERIES": 1 << 30},
             "gluon": {"GLUON_KV_MIN_QUERIES": 1, "GLUON_MIN_PAIRS": 0}}
 HEADS, HEADS_KV, D = 32, 8, 128
-
-
-def time_ms(fn, n=15):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(n):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[n // 2]
 
 
 def case(batch, cached, new):
@@ -96,7 +85,7 @@ def case(batch, cached, new):
     times = {name: [] for name in calls}
     for _ in range(3):
         for name, fn in calls.items():
-            times[name].append(time_ms(fn))
+            times[name].append(time_it(fn, n=15, calls=1))
     flop = 4 * batch * HEADS * D * (new * cached + new * (new + 1) / 2)
     row = dict(batch=batch, cached=cached, new=new, kernels=kernels, max_diff_vs_gluon=errors)
     for name, ts in times.items():

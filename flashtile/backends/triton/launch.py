@@ -14,7 +14,7 @@ from ...alloc import empty
 from ...dispatch import record_fallback
 from ...rng import keep_threshold
 from .. import AttnArgs, KVCacheArgs, present_features
-from . import decode
+from . import configs, decode
 from .configs import (bwd_config, bwd_plan, fixed_row_max, fwd_config, gluon_fwd_config, gluon_kv_config,
                       gluon_ring, padded_head_dim)
 # The KV-cache part of the backend contract lives in decode.py (attention_kv below picks between it and
@@ -226,9 +226,10 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, features
         qk_scale, softcap2 = args.softmax_scale * LOG2E, 0.0
     row_max = fixed_row_max(args.softcap, q.dtype, features)
 
+    cache_tensors = (args.cache_seqlens, args.cache_leftpad, args.cache_batch_idx) if kvcache else (None,) * 3
+
     def static():
         stride_lse_b, stride_lse_h = _lse_strides(lse, args.varlen)
-        cache = (args.cache_seqlens, args.cache_leftpad, args.cache_batch_idx) if kvcache else (None,) * 3
         return dict(
             window_left=args.window_left, window_right=args.window_right,
             stride_alibi_b=alibi.stride(0) if alibi is not None else 0,
@@ -238,7 +239,8 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, features
             MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0, SOFTCAP=args.softcap > 0,
             ALIBI=alibi is not None, HAS_SINK=args.sink is not None, **gluon_ring(cfg, q.shape[3]),
             FIXED_MAX=row_max is not None, TAIL=tail, IS_VARLEN=args.varlen, HAS_SEQUSED=args.seqused_k is not None,
-            KVCACHE=kvcache, **dict(zip(("HAS_SEQLENS", "HAS_LEFTPAD", "HAS_BATCH_IDX"), (t is not None for t in cache))),
+            KVCACHE=kvcache,
+            **dict(zip(("HAS_SEQLENS", "HAS_LEFTPAD", "HAS_BATCH_IDX"), (t is not None for t in cache_tensors))),
             num_warps=cfg.num_warps)
 
     # A head dim that is no power of two (192) is read as its largest power-of-two columns (128) and the rest.
@@ -248,7 +250,6 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, features
     k_desc = _tma_desc(k[..., :main] if tail else k, cfg.BLOCK_N)
     q_tail = _tma_desc(q[..., main:], cfg.BLOCK_M) if tail else q_desc
     k_tail = _tma_desc(k[..., main:], cfg.BLOCK_N) if tail else k_desc
-    cache_tensors = (args.cache_seqlens, args.cache_leftpad, args.cache_batch_idx) if kvcache else (None,) * 3
     key = (_layout_key(q, k, v, out, lse), q.device, _args_key(args), cfg, row_max is not None,
            tuple(t is not None for t in cache_tensors), args.seqlen_new if kvcache else 0)
     with on_device(q):
@@ -265,10 +266,11 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, features
 def attention_kv(q, k_cache, v_cache, args: KVCacheArgs, config=None):
     """``decode.attention_kv``, or for chunked prefill on a contiguous cache the Gluon Hopper forward
     (``configs.gluon_kv_config``); ``config`` forces the KV-cache kernel's tiles (tuning sweeps)."""
-    q, k_cache, v_cache = unit_stride(q), unit_stride(k_cache), unit_stride(v_cache)
     batch, seqlen_q, nheads, head_dim = q.shape
     cfg = None
-    if config is None and batch and seqlen_q and nheads:
+    # Decode steps (few query rows) and paged caches stay on the KV-cache kernel before any other work.
+    if config is None and seqlen_q >= configs.GLUON_KV_MIN_QUERIES and not args.paged and batch and nheads:
+        q, k_cache, v_cache = unit_stride(q), unit_stride(k_cache), unit_stride(v_cache)
         cfg = gluon_kv_config(head_dim, v_cache.shape[3], q.dtype, q.device, batch, seqlen_q, nheads,
                               args.max_seqlen_k, args.window_left, args.window_right,
                               frozenset(present_features(args, head_dim, v_cache.shape[3])), args.softcap)

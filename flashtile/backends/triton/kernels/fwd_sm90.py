@@ -22,9 +22,10 @@ more than plain. Scores, masks and the online softmax are
 the Triton kernel's helpers (common.py). Inputs: 16-bit, head dims 128 or 256 for q, k and v alike, or
 192 for q and k with 128 for v (``TAIL``); no bias or dropout (the launcher takes the Triton kernel for
 those). Packed sequences (``IS_VARLEN``) read through descriptors of the whole ``(1, tokens, heads, headdim)``
-tensors: a tile that runs past its sequence's end holds the next sequence's rows, which the key mask
-hides from the scores; the value rows are zeroed in shared memory before P V reads them (``_zero_tail``),
-so no value past the end can reach the output, not even an infinity times a zero probability.
+tensors, KV caches (``KVCACHE``, chunked prefill) through the cache's: a tile that runs past a sequence's
+keys holds the next sequence's rows or whatever the cache holds there, which the key mask hides from the
+scores; those value rows are zeroed in shared memory before P V reads them (``_zero_tail``), so nothing past
+the keys can reach the output, not even an infinity times a zero probability.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -276,7 +277,6 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, qk_s
         mbarrier.init(v_bar.index(i), count=1)
 
     off_hk = off_h // group
-    # Rows in the (packed) tensors: query i of this sequence is row q_start + i, key j row k_start + j.
     _load_qk(q_desc, q_tail_desc, q_bar, q_smem, q_tail_smem, q_b, q_start + first_row, off_h, True, TAIL)
     for i in gl.static_range(K_STAGES):
         _load_qk(k_desc, k_tail_desc, k_bar.index(i), k_smem.index(i), k_tail_smem.index(i), kv_b,

@@ -67,6 +67,12 @@ def _kvcache_limits(call: AttentionCall) -> str | None:
     return None
 
 
+def _window(call: AttentionCall) -> tuple:
+    """``(window_left, window_right)`` of the call; one built without its window still says whether it is causal."""
+    left, right = call.window
+    return left, 0 if call.causal and right < 0 else right
+
+
 def describe(call: AttentionCall):
     """Profiler names of the forward and backward kernels, and their tile configs. A KV-cache call
     and a merge of partial results (``merge_attention_states``) have no backward (its name is empty)."""
@@ -75,9 +81,7 @@ def describe(call: AttentionCall):
     if call.kvcache:
         return _describe_kvcache(call)
     headdim = max(call.headdim, call.headdim_v)
-    left, right = call.window
-    # A call built without its window still says whether it is causal.
-    right = 0 if call.causal and right < 0 else right
+    left, right = _window(call)
     fwd = (gluon_fwd_config(call.headdim, call.headdim_v, call.dtype, call.device,
                             call.batch * call.nheads * call.seqlen_q, call.seqlen_k, left, right, call.feature_names,
                             call.softcap)
@@ -111,8 +115,7 @@ def _describe_kvcache(call: AttentionCall):
     group = call.nheads // call.nheads_kv
     mask = "causal" if call.causal else "full"
     extras = "".join(f" {name}" for name, _ in call.features if name != "kvcache")
-    left, right = call.window
-    right = 0 if call.causal and right < 0 else right
+    left, right = _window(call)
     gluon = gluon_kv_config(call.headdim, call.headdim_v, call.dtype, call.device, call.batch, call.seqlen_q,
                             call.nheads, call.seqlen_k, left, right, call.feature_names, call.softcap)
     if gluon is not None:

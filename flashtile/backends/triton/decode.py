@@ -47,7 +47,7 @@ def _strides3(t: torch.Tensor) -> tuple:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def _cache_key(args: KVCacheArgs) -> tuple:
+def cache_key(args: KVCacheArgs) -> tuple:
     """What the KV-cache kernels' static arguments take from ``args`` (see fastlaunch.py)."""
     return (args.cache_seqlens is not None, args.cache_leftpad is not None, args.cache_batch_idx is not None,
             _layout(args.block_table), args.max_seqlen_k, args.seqlen_new)
@@ -59,7 +59,7 @@ def _cache_tensors(q: torch.Tensor, args: KVCacheArgs) -> dict:
 
 
 def _cache_static(k_cache: torch.Tensor, args: KVCacheArgs) -> dict:
-    """Paging and the per-batch-row switches, from what :func:`_cache_key` keys."""
+    """Paging and the per-batch-row switches, from what :func:`cache_key` keys."""
     table = args.block_table
     return dict(
         stride_bt=table.stride(0) if table is not None else 0, max_seqlen_k=args.max_seqlen_k,
@@ -112,7 +112,7 @@ def append_kv(q, k_cache, v_cache, k, v, args: KVCacheArgs):
         )
 
     key = (_layout(q_in), _layout(k_new), _layout(v_new), _layout(k_cache), _layout(v_cache),
-           _layout(args.rotary_cos), _layout(args.rotary_sin), q.device, _cache_key(args),
+           _layout(args.rotary_cos), _layout(args.rotary_sin), q.device, cache_key(args),
            bool(args.rotary_interleaved), bool(args.causal), args.window_left, args.window_right)
     with on_device(q):
         _APPEND(key, grid, dict(Q=q_in, K_NEW=k_new, V_NEW=v_new, K_CACHE=k_cache, V_CACHE=v_cache, Q_OUT=q_out,
@@ -201,7 +201,7 @@ def attention_kv(q, k_cache, v_cache, args: KVCacheArgs, config: TileConfig | No
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
-    key = (_layout(q), _layout(k_cache), _layout(v_cache), q.device, _cache_key(args), p,
+    key = (_layout(q), _layout(k_cache), _layout(v_cache), q.device, cache_key(args), p,
            args.window_left, args.window_right, args.softcap > 0, _layout(alibi), args.sink is not None)
     with on_device(q):
         _DECODE(key, p.grid, dict(Q=q, K=k_cache, V=v_cache, O=o_dst, LSE=lse_dst,

@@ -251,7 +251,7 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, features
     q_tail = _tma_desc(q[..., main:], cfg.BLOCK_M) if tail else q_desc
     k_tail = _tma_desc(k[..., main:], cfg.BLOCK_N) if tail else k_desc
     key = (_layout_key(q, k, v, out, lse), q.device, _args_key(args), cfg, row_max is not None,
-           tuple(t is not None for t in cache_tensors), args.seqlen_new if kvcache else 0)
+           decode.cache_key(args) if kvcache else None)
     with on_device(q):
         _FWD_SM90(key, (cdiv(seqlen_q, cfg.BLOCK_M), nheads, batch),
                   dict(q_desc=q_desc, k_desc=k_desc, v_desc=_tma_desc(v, cfg.BLOCK_N), q_tail_desc=q_tail,
@@ -271,25 +271,24 @@ def attention_kv(q, k_cache, v_cache, args: KVCacheArgs, config=None):
     # Decode steps (few query rows) and paged caches stay on the KV-cache kernel before any other work.
     if config is None and seqlen_q >= configs.GLUON_KV_MIN_QUERIES and not args.paged and batch and nheads:
         q, k_cache, v_cache = unit_stride(q), unit_stride(k_cache), unit_stride(v_cache)
+        features = frozenset(present_features(args, head_dim, v_cache.shape[3]))
         cfg = gluon_kv_config(head_dim, v_cache.shape[3], q.dtype, q.device, batch, seqlen_q, nheads,
-                              args.max_seqlen_k, args.window_left, args.window_right,
-                              frozenset(present_features(args, head_dim, v_cache.shape[3])), args.softcap)
+                              args.max_seqlen_k, args.window_left, args.window_right, features, args.softcap)
     if cfg is not None:
         reason = tma_unfit(q, k_cache, v_cache)
         if reason is None:
-            return _forward_kvcache_sm90(q, k_cache, v_cache, args, cfg)
+            return _forward_kvcache_sm90(q, k_cache, v_cache, args, cfg, features)
         record_fallback(f"the Gluon Hopper forward needs TMA-compatible inputs ({reason})", "triton",
                         preferred="triton (Gluon Hopper kernel)")
     return decode.attention_kv(q, k_cache, v_cache, args, config)
 
 
-def _forward_kvcache_sm90(q, k_cache, v_cache, args: KVCacheArgs, cfg):
+def _forward_kvcache_sm90(q, k_cache, v_cache, args: KVCacheArgs, cfg, features: frozenset):
     """A KV-cache call (contiguous cache, after ``append_kv``) on the Gluon Hopper forward. Returns
     ``(out, lse)`` as ``decode.attention_kv`` does."""
     batch, seqlen_q, nheads, _ = q.shape
     out = empty((batch, seqlen_q, nheads, v_cache.shape[3]), q.dtype, q.device)
     lse = empty((batch, nheads, seqlen_q), torch.float32, q.device)
-    features = frozenset(present_features(args, q.shape[3], v_cache.shape[3]))
     _forward_sm90(q, k_cache, v_cache, out, lse, args, cfg,
                   (batch, seqlen_q, args.max_seqlen_k, nheads // k_cache.shape[2]), features)
     return out, lse

@@ -6,10 +6,13 @@ divided by the count: while the kernels are shorter than the host's work per cal
 host's time. ``--label`` names the run (e.g. the commit) in the JSON.
 
     python benchmarks/host_time.py --label after -> $OUT (default /tmp)/h200-host-time-<label>.json
+
+The decode rows take a new cache length every call, as transformers' growing cache gives (``measure_decode``).
 """
 import argparse, json, os, subprocess, time
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 import flashtile
 
 
@@ -46,6 +49,40 @@ def measure(batch, seqlen, heads=32, heads_kv=8):
     return row
 
 
+def measure_decode(passes=5, steps=200, heads=32, heads_kv=8):
+    """Decode steps as transformers runs them with no CUDA graph: one query over a ``(1, heads_kv, L, 128)``
+    cache passed transposed, a new length (and new strides) every call, as a cache grown by one token a step
+    gives. The caches are built before each pass (their concatenation is not timed) with lengths no earlier
+    call saw; us per call, best of ``passes``. Next to it the same call repeated on one cache length."""
+    query = torch.randn(1, heads, 1, 128, device="cuda", dtype=torch.bfloat16)
+    calls = {
+        "flashtile": lambda k, v: flashtile.flash_attn_func(query.transpose(1, 2), k.transpose(1, 2),
+                                                            v.transpose(1, 2), causal=True),
+        "sdpa": lambda k, v: F.scaled_dot_product_attention(query, k, v, enable_gqa=True),
+    }
+    row = {}
+    # SDPA without cuDNN, which builds a plan for each new cache length (tens of ms a call).
+    backends = sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+    with torch.no_grad(), backends:
+        for name, call in calls.items():
+            best = float("inf")
+            for p in range(passes):
+                start = 512 + (p + passes * (name == "sdpa")) * steps
+                caches = [[torch.randn(1, heads_kv, n, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+                          for n in range(start, start + steps)]
+                call(*caches[0])
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                for k, v in caches[1:]:
+                    call(k, v)
+                torch.cuda.synchronize()
+                best = min(best, (time.perf_counter() - t) / (steps - 1) * 1e6)
+            row[f"{name} decode, new cache length each call"] = round(best, 1)
+            k, v = caches[0]
+            row[f"{name} decode, one cache length"] = per_call_us(lambda: call(k, v))
+    return row
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--label", default="run")
@@ -59,6 +96,9 @@ if __name__ == "__main__":
         row = measure(batch, seqlen)
         result["rows"][f"{batch}x{seqlen}"] = row
         print(f"{batch}x{seqlen}", row, flush=True)
+    row = measure_decode()
+    result["rows"]["decode 1x512+"] = row
+    print("decode 1x512+", row, flush=True)
     path = os.path.join(os.environ.get("OUT", "/tmp"), f"h200-host-time-{opts.label}.json")
     json.dump(result, open(path, "w"), indent=1)
     print("wrote", path)

@@ -1,9 +1,12 @@
 """CachedLaunch (flashtile/backends/triton/fastlaunch.py): the first launch of a key goes through
 Triton, later ones reuse its compiled kernel with only the dynamic arguments replaced. Triton's
 interpreter never takes the cached path, so these tests drive it with a stand-in kernel."""
+import types
+
 import pytest
 import torch
 
+import flashtile
 from flashtile.backends.triton import fastlaunch
 
 
@@ -87,3 +90,52 @@ def test_alignment_and_dtype_are_part_of_the_key(cached):
 def test_unknown_dynamic_name_is_rejected():
     with pytest.raises(ValueError, match="no arguments"):
         fastlaunch.CachedLaunch(FakeJit(), ("Y",))
+
+
+def test_dynamic_ints_are_keyed_as_triton_specializes_them(cached):
+    """A length or stride passed as a dynamic int reuses the launch while Triton would compile the same
+    kernel (same width, not 1, same divisibility by 16) and takes Triton's path when it would not."""
+    fn, _ = cached
+    launch = fastlaunch.CachedLaunch(fn, ("X", "n", "scale"))
+    x = torch.zeros(8)
+    for n in (17, 33, 48, 64, 1, 2**33, 2**33 + 16):
+        launch("k", (1,), dict(X=x, n=n, scale=1.0), lambda: dict(BLOCK=16))
+    # 17 and 33: i32; 48 and 64: i32 divisible by 16; 1: a constant; 2**33 and 2**33 + 16: i64 divisible by 16.
+    assert [kwargs["n"] for _, kwargs in fn.compiles] == [17, 48, 1, 2**33]
+    (_, args), = fn.compiled[0].launches
+    assert args[1] == 33
+    (_, args), = fn.compiled[1].launches
+    assert args[1] == 64
+
+
+def test_do_not_specialize_ints_are_keyed_by_width_only(cached):
+    fn, _ = cached
+    fn.params = [types.SimpleNamespace(name=name, do_not_specialize=name == "n", do_not_specialize_on_alignment=False)
+                 for name in fn.arg_names]
+    launch = fastlaunch.CachedLaunch(fn, ("X", "n", "scale"))
+    for n in (17, 32, 1, 2**33):
+        launch("k", (1,), dict(X=torch.zeros(8), n=n, scale=1.0), lambda: dict(BLOCK=16))
+    assert [kwargs["n"] for _, kwargs in fn.compiles] == [17, 2**33]
+
+
+@pytest.mark.cuda
+def test_growing_kv_cache_reuses_the_forward_launch():
+    """A transformers-style decode loop: the cache is concatenated one token a step (new strides and
+    lengths every step) and passed transposed; the forward keeps its launches (no Triton binding per
+    step) and every step matches the reference."""
+    from flashtile.backends.triton import launch
+    from flashtile.testing import ATOL, assert_close_to_ref, attention_ref
+
+    torch.manual_seed(0)
+    keys, values = (torch.randn(2, 4, 37, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+    launch._FWD._cache.clear()
+    for _ in range(40):
+        query = torch.randn(2, 8, 1, 64, device="cuda", dtype=torch.float16)
+        q, k, v = (x.transpose(1, 2) for x in (query, keys, values))
+        out = flashtile.flash_attn_func(q, k, v, causal=True)
+        hi, _ = attention_ref(q, k, v, causal=True)
+        lo, _ = attention_ref(q, k, v, causal=True, upcast=False)
+        assert_close_to_ref("out", out, hi, lo, ATOL[torch.float16][0])
+        keys, values = (torch.cat([x, torch.randn_like(x[:, :, :1])], dim=2) for x in (keys, values))
+    # One launch per specialization of the lengths and strides (divisible by 16 or not), not one a step.
+    assert 1 <= len(launch._FWD._cache) <= 4

@@ -22,6 +22,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import flashtile  # noqa: E402
+from flashtile.integrations import transformers as integration  # noqa: E402
 from flashtile.integrations.transformers import (  # noqa: E402
     _eager_attention,
     flashtile_attention_forward,
@@ -220,6 +221,33 @@ def test_packed_keywords_match_position_ids(device):
     torch.testing.assert_close(by_keywords, expected, atol=ATOL[torch.float32][0], rtol=0)
     torch.testing.assert_close(by_positions, by_keywords, atol=0, rtol=0)
     assert_flashtile_ran(calls=2)
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["grad_mode", "inference_mode"])
+def test_position_ids_are_read_once_per_forward(device, monkeypatch, inference):
+    """Every layer of a forward gets the model's one position_ids tensor: its offsets are worked out (a host
+    sync) at the first layer only. A layer that comes again starts another forward and reads them again (an
+    in-place change in between is followed), as does another tensor."""
+    query, key, value = attention_inputs(device, batch=1, seqlen_q=9, seqlen_k=9)
+    reads = []
+    read = integration._offsets_from_positions
+    monkeypatch.setattr(integration, "_offsets_from_positions", lambda *a: reads.append(1) or read(*a))
+    layers = [layer(), layer()]
+    packed = (torch.tensor([0, 4, 9], device=device),) * 2 + (5, 5)
+    expected = eager(query, key, value, packed=packed)[0]
+    with torch.inference_mode(inference):
+        position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4]], device=device)
+        first, second = (flashtile_attention_forward(m, query, key, value, None, position_ids=position_ids)[0]
+                         for m in layers)
+        assert len(reads) == 1
+        torch.testing.assert_close(first, expected, atol=ATOL[torch.float32][0], rtol=0)
+        torch.testing.assert_close(second, first, atol=0, rtol=0)
+        position_ids.copy_(torch.arange(9, device=device)[None])  # one sequence now: plain causal attention
+        plain = flashtile_attention_forward(layers[0], query, key, value, None, position_ids=position_ids)[0]
+        assert len(reads) == 2
+        torch.testing.assert_close(plain, eager(query, key, value)[0], atol=ATOL[torch.float32][0], rtol=0)
+        flashtile_attention_forward(layers[1], query, key, value, None, position_ids=position_ids.clone())
+        assert len(reads) == 3
 
 
 @pytest.mark.parametrize("seqlen_q", [7, 3, 1], ids=["prefill", "chunk", "decode"])

@@ -47,6 +47,7 @@ import functools
 import inspect
 import logging
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -170,7 +171,7 @@ def flashtile_attention_forward(module, query, key, value, attention_mask, scali
         record_fallback(reason, EAGER_BACKEND, preferred=preferred_backend(query.device), stacklevel=2)
         return _eager_attention(query, key, value, mask, scale=scaling, causal=is_causal, window=window,
                                 softcap=softcap, sink=s_aux, dropout_p=dropout_p, position_bias=position_bias,
-                                packed=_packed_offsets(query, key, mask, kwargs))
+                                packed=_packed_offsets(query, key, mask, kwargs, module))
 
     # (batch, nheads, seqlen, headdim) -> flashtile's (batch, seqlen, nheads, headdim): views, no copy.
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
@@ -182,7 +183,7 @@ def flashtile_attention_forward(module, query, key, value, attention_mask, scali
         return flash_attn_func(q, k, v, attn_bias=mask, **options), None
     if mask is not None:
         return _padded_attention(q, k, v, mask, options), None
-    packed = _packed_offsets(query, key, None, kwargs)
+    packed = _packed_offsets(query, key, None, kwargs, module)
     if packed is not None:
         return _packed_attention(q, k, v, packed, options), None
     return flash_attn_func(q, k, v, **options), None
@@ -369,7 +370,7 @@ def _padded_attention(q, k, v, mask, options):
     return pad_input(out, indices_q, batch, seqlen_q)
 
 
-def _packed_offsets(query, key, mask, kwargs):
+def _packed_offsets(query, key, mask, kwargs, module=None):
     """``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` of the sequences packed along the rows
     of a padding-free batch, or None.
 
@@ -387,13 +388,41 @@ def _packed_offsets(query, key, mask, kwargs):
     if (not isinstance(position_ids, torch.Tensor) or query.shape[0] != 1 or key.shape[2] != seqlen
             or tuple(position_ids.shape) != (1, seqlen) or seqlen < 2):
         return None
+    # A model passes one position_ids tensor to each of its layers in a forward: read it once (a host sync),
+    # not once a layer, which would stall the host at every layer while the GPU drains its queue. A layer
+    # that comes again starts another forward, whose positions may have changed in place: read them again.
+    if torch.compiler.is_compiling():
+        return _offsets_from_positions(position_ids, query.device)
+    seen = _positions_seen.get("last")
+    if (seen is not None and seen["positions"]() is position_ids and seen["device"] == query.device
+            and id(module) not in seen["layers"] and seen["version"] == _version(position_ids)):
+        seen["layers"].add(id(module))
+        return seen["packed"]
+    packed = _offsets_from_positions(position_ids, query.device)
+    _positions_seen["last"] = dict(positions=weakref.ref(position_ids), device=query.device, layers={id(module)},
+                                   version=_version(position_ids), packed=packed)
+    return packed
+
+
+# The last position_ids _packed_offsets read: the tensor (weakly), its device, the layers that took its
+# offsets since, its version counter and the offsets (or None).
+_positions_seen: dict = {}
+
+
+def _version(tensor: torch.Tensor):
+    """The tensor's version counter (None for an inference tensor, which keeps none)."""
+    return None if tensor.is_inference() else tensor._version
+
+
+def _offsets_from_positions(position_ids, device):
+    """``_packed_offsets`` of one row of ``position_ids`` that restart at their minimum, or None."""
     positions = position_ids[0]
     starts = (positions == positions.min()).nonzero().flatten()  # a host sync, as in transformers' flash path
     starts = starts[starts > 0]
     if starts.numel() == 0:
         return None
-    bounds = torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), seqlen)])
-    cu_seqlens = bounds.to(device=query.device, dtype=torch.int32)
+    bounds = torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), positions.shape[0])])
+    cu_seqlens = bounds.to(device=device, dtype=torch.int32)
     max_seqlen = int(bounds.diff().max())
     return cu_seqlens, cu_seqlens, max_seqlen, max_seqlen
 

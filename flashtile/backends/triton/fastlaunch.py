@@ -9,10 +9,13 @@ kernel's launcher directly, substituting only the arguments that change from cal
 
 The caller promises that the key determines every *static* argument (shapes, strides, switches,
 tile sizes) and therefore Triton's specialization of it; the *dynamic* arguments (named when the
-launcher is built: tensors, float scalars, ints marked ``do_not_specialize``) are taken fresh on
-every call. Tensors' 16-byte alignment is part of Triton's specialization, so it is added to the
-key here. Launch hooks (e.g. a profiler's) are called as Triton calls them. Under Triton's
-interpreter every call takes Triton's ordinary path.
+launcher is built: tensors, float scalars, ints) are taken fresh on every call. What Triton
+specializes them on is added to the key here: a tensor's dtype and 16-byte alignment, an int's
+width, whether it is 1 and whether it divides by 16 (unless the kernel says ``do_not_specialize``).
+So lengths and strides can be dynamic: a decode loop whose KV cache grows by one token a step, or
+packed batches of other lengths, reuse one launch per specialization instead of one per length.
+Launch hooks (e.g. a profiler's) are called as Triton calls them. Under Triton's interpreter every
+call takes Triton's ordinary path.
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ import contextlib
 
 import torch
 from triton import knobs
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend
 
 
 def _interpreting() -> bool:
@@ -40,8 +45,7 @@ class CachedLaunch:
     called again.
 
     ``dynamic_names``: the arguments that may differ between calls with one key. Every tensor
-    argument must be among them; ints among them must be ``do_not_specialize`` in ``fn`` (they
-    are keyed by their width, i32 or i64, as Triton keys them).
+    argument must be among them; ints among them are keyed by what Triton specializes them on.
     """
 
     def __init__(self, fn, dynamic_names: tuple, max_entries: int = 256):
@@ -52,18 +56,24 @@ class CachedLaunch:
             raise ValueError(f"{getattr(fn, '__name__', fn)} has no arguments {sorted(unknown)}")
         self.dynamic_names = tuple(dynamic_names)
         self.slots = tuple(self.names.index(name) for name in self.dynamic_names)
+        # How Triton specializes each dynamic argument: (on its value, on its alignment).
+        params = {param.name: param for param in getattr(fn, "params", ())}
+        self.specialize = tuple(
+            (not getattr(params.get(name), "do_not_specialize", False),
+             not getattr(params.get(name), "do_not_specialize_on_alignment", False)) for name in self.dynamic_names)
         self.max_entries = max_entries
         self._cache: dict = {}
 
     def _traits(self, dynamic: dict) -> tuple:
-        # What Triton specializes the dynamic arguments on: a pointer's 16-byte alignment, an int's width.
+        # What Triton specializes the dynamic arguments on: a pointer's dtype and 16-byte alignment; an
+        # int's width, value 1 and divisibility by 16, as Triton's own binder works them out.
         traits = []
-        for name in self.dynamic_names:
+        for name, (value_spec, align_spec) in zip(self.dynamic_names, self.specialize):
             value = dynamic[name]
             if isinstance(value, torch.Tensor):
                 traits.append((value.dtype, value.data_ptr() % 16 == 0))
             elif isinstance(value, int) and not isinstance(value, bool):
-                traits.append(-(2**31) <= value < 2**31)
+                traits.append(native_specialize_impl(BaseBackend, value, False, value_spec, align_spec))
             else:
                 traits.append(type(value))
         return tuple(traits)

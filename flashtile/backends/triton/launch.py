@@ -104,14 +104,16 @@ def _variant_static(q, args: AttnArgs, nheads: int) -> dict:
     )
 
 
-def _args_key(args: AttnArgs) -> tuple:
-    """Everything of ``args`` that the static kernel arguments depend on (see fastlaunch.py)."""
+def _args_key(args: AttnArgs, lengths: bool = True) -> tuple:
+    """Everything of ``args`` that the static kernel arguments depend on (see fastlaunch.py); without
+    ``lengths``, for a launch that takes the sequence lengths as dynamic arguments."""
     bias, alibi = args.attn_bias, args.alibi_slopes
-    return (args.window_left, args.window_right, args.softcap > 0, args.dropout_p,
-            None if alibi is None else alibi.stride(), args.sink is not None,
-            None if bias is None else (bias.dtype, bias.shape, bias.stride()),
-            args.max_seqlen_q, args.max_seqlen_k, args.seqused_k is not None,
-            None if args.cu_seqlens_q is None else args.cu_seqlens_q.shape[0])
+    key = (args.window_left, args.window_right, args.softcap > 0, args.dropout_p,
+           None if alibi is None else alibi.stride(), args.sink is not None,
+           None if bias is None else (bias.dtype, bias.shape, bias.stride()), args.varlen, args.seqused_k is not None)
+    if lengths:
+        key += (args.max_seqlen_q, args.max_seqlen_k, None if args.cu_seqlens_q is None else args.cu_seqlens_q.shape[0])
+    return key
 
 
 def _layout_key(*tensors) -> tuple:
@@ -126,7 +128,11 @@ def _head_dims(head_dim: int, head_dim_v: int) -> dict:
 # The arguments that change between calls of one shape; everything else is worked out once per shape.
 _VARIANT_DYNAMIC = ("softcap", "seed", "offset", "dropout_scale", "ALIBI_SLOPES", "BIAS_PTR",
                     "CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_K", "softmax_scale")
-_FWD = CachedLaunch(attn_fwd, ("Q", "K", "V", "O", "LSE", "SINK") + _VARIANT_DYNAMIC)
+# The forward also takes its lengths and strides per call: a decode loop's growing KV cache, or packed
+# batches of other lengths, then reuse one launch (fastlaunch.py keys them by Triton's specialization).
+_FWD_LENGTHS = ("seqlen_q", "seqlen_k", "stride_lse_b", "stride_lse_h") + tuple(
+    f"stride_{name}{dim}" for name in "qkvo" for dim in ("b", "n" if name in "kv" else "m", "h"))
+_FWD = CachedLaunch(attn_fwd, ("Q", "K", "V", "O", "LSE", "SINK") + _VARIANT_DYNAMIC + _FWD_LENGTHS)
 _PREPROCESS = CachedLaunch(bwd_preprocess, ("O", "DO", "LSE", "DELTA", "LSE2"))
 _DKDV = CachedLaunch(bwd_dkdv, ("Q", "K", "V", "DO", "DK", "DV", "LSE2", "DELTA") + _VARIANT_DYNAMIC)
 _DQ = CachedLaunch(bwd_dq, ("Q", "K", "V", "DO", "DQ", "LSE2", "DELTA", "DBIAS") + _VARIANT_DYNAMIC)
@@ -164,21 +170,21 @@ def forward(q, k, v, args: AttnArgs, config=None):
                             args.window_right, softcap=args.softcap > 0, bias=args.attn_bias is not None,
                             head_dim_v=head_dim_v)
     grid = (cdiv(seqlen_q, cfg.BLOCK_M), nheads, batch)
+    even_m = not args.varlen and seqlen_q % cfg.BLOCK_M == 0
 
     def static():
-        stride_lse_b, stride_lse_h = _lse_strides(lse, args.varlen)
-        return dict(
-            **_strides(args.varlen, q=q, k=k, v=v, o=out), stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h,
-            seqlen_q=seqlen_q, seqlen_k=seqlen_k, group=nheads // nheads_kv,
-            **_head_dims(head_dim, head_dim_v), BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
-            HAS_SINK=args.sink is not None, EVEN_M=not args.varlen and seqlen_q % cfg.BLOCK_M == 0,
-            **_variant_static(q, args, nheads), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        return dict(group=nheads // nheads_kv, **_head_dims(head_dim, head_dim_v), BLOCK_M=cfg.BLOCK_M,
+                    BLOCK_N=cfg.BLOCK_N, HAS_SINK=args.sink is not None, EVEN_M=even_m,
+                    **_variant_static(q, args, nheads), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
-    key = (_layout_key(q, k, v), q.device, _args_key(args), cfg)
+    # Lengths and strides are dynamic: the key holds the head counts and dims the static arguments need.
+    key = (nheads, nheads_kv, head_dim, head_dim_v, q.dtype, even_m, q.device, _args_key(args, lengths=False), cfg)
+    stride_lse_b, stride_lse_h = _lse_strides(lse, args.varlen)
     with on_device(q):
         _FWD(key, grid, dict(Q=q, K=k, V=v, O=out, LSE=lse, SINK=args.sink if args.sink is not None else q,
-                             softmax_scale=args.softmax_scale, **_variant_tensors(q, args)), static)
+                             softmax_scale=args.softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                             stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h,
+                             **_strides(args.varlen, q=q, k=k, v=v, o=out), **_variant_tensors(q, args)), static)
     return out, lse
 
 

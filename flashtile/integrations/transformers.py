@@ -370,12 +370,13 @@ def _padded_attention(q, k, v, mask, options):
     return pad_input(out, indices_q, batch, seqlen_q)
 
 
-def _packed_offsets(query, key, mask, kwargs, module=None):
+def _packed_offsets(query, key, mask, kwargs, module):
     """``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` of the sequences packed along the rows
     of a padding-free batch, or None.
 
     From the ``cu_seq_lens_q/k`` and ``max_length_q/k`` keywords (``DataCollatorWithFlattening``,
-    vision towers), else from ``position_ids`` of one row that restart at their minimum."""
+    vision towers), else from ``position_ids`` of one row that restart at their minimum; ``module``: the
+    calling layer (one seen again starts another forward, which reads ``position_ids`` again)."""
     if mask is not None:
         return None
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")

@@ -39,12 +39,18 @@ def _bsh(t: torch.Tensor, varlen: bool):
     return (0, t.stride(0), t.stride(1)) if varlen else (t.stride(0), t.stride(1), t.stride(2))
 
 
+def _stride_names(name: str) -> tuple:
+    """The kernels' ``(batch, seqlen, head)`` stride arguments of tensor ``name``: ``stride_<name>b``,
+    ``stride_<name>m`` (``n`` for keys and values) and ``stride_<name>h``."""
+    seq = "n" if name in ("k", "v", "dk", "dv") else "m"
+    return f"stride_{name}b", f"stride_{name}{seq}", f"stride_{name}h"
+
+
 def _strides(varlen: bool, **tensors) -> dict:
-    """``stride_<name>b``, ``stride_<name>m``/``n`` and ``stride_<name>h`` kernel arguments for each tensor."""
+    """The :func:`_stride_names` kernel arguments of each tensor."""
     result = {}
     for name, t in tensors.items():
-        seq = "n" if name in ("k", "v", "dk", "dv") else "m"
-        result.update(zip((f"stride_{name}b", f"stride_{name}{seq}", f"stride_{name}h"), _bsh(t, varlen)))
+        result.update(zip(_stride_names(name), _bsh(t, varlen)))
     return result
 
 
@@ -130,8 +136,7 @@ _VARIANT_DYNAMIC = ("softcap", "seed", "offset", "dropout_scale", "ALIBI_SLOPES"
                     "CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_K", "softmax_scale")
 # The forward also takes its lengths and strides per call: a decode loop's growing KV cache, or packed
 # batches of other lengths, then reuse one launch (fastlaunch.py keys them by Triton's specialization).
-_FWD_LENGTHS = ("seqlen_q", "seqlen_k", "stride_lse_b", "stride_lse_h") + tuple(
-    f"stride_{name}{dim}" for name in "qkvo" for dim in ("b", "n" if name in "kv" else "m", "h"))
+_FWD_LENGTHS = ("seqlen_q", "seqlen_k", "stride_lse_b", "stride_lse_h") + sum(map(_stride_names, "qkvo"), ())
 _FWD = CachedLaunch(attn_fwd, ("Q", "K", "V", "O", "LSE", "SINK") + _VARIANT_DYNAMIC + _FWD_LENGTHS)
 _PREPROCESS = CachedLaunch(bwd_preprocess, ("O", "DO", "LSE", "DELTA", "LSE2"))
 _DKDV = CachedLaunch(bwd_dkdv, ("Q", "K", "V", "DO", "DK", "DV", "LSE2", "DELTA") + _VARIANT_DYNAMIC)
@@ -239,7 +244,7 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, features
         return dict(
             window_left=args.window_left, window_right=args.window_right,
             stride_alibi_b=alibi.stride(0) if alibi is not None else 0,
-            **dict(zip(("stride_ob", "stride_om", "stride_oh"), _bsh(out, args.varlen))), stride_lse_b=stride_lse_b,
+            **_strides(args.varlen, o=out), stride_lse_b=stride_lse_b,
             stride_lse_h=stride_lse_h, seqlen_q=seqlen_q, seqlen_k=seqlen_k, group=group,
             seqlen_new=args.seqlen_new if kvcache else 0,
             MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0, SOFTCAP=args.softcap > 0,
@@ -349,8 +354,7 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
         rows = q.shape[0] if varlen else seqlen_q
         _PREPROCESS(key, (cdiv(rows, _PREPROCESS_BLOCK_M), nheads, 1 if varlen else batch),
                     dict(O=out, DO=dout, LSE=lse, DELTA=delta, LSE2=lse2),
-                    lambda: dict(zip(("stride_ob", "stride_om", "stride_oh"), _bsh(out, varlen)),
-                                 **dict(zip(("stride_dob", "stride_dom", "stride_doh"), _bsh(dout, varlen))),
+                    lambda: dict(**_strides(varlen, o=out, do=dout),
                                  stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h, seqlen_q=rows,
                                  HEAD_DIM_ACTUAL=head_dim_v, HEAD_DIM=padded_head_dim(head_dim_v),
                                  BLOCK_M=_PREPROCESS_BLOCK_M))

@@ -266,14 +266,20 @@ def _attention(function, inputs, qkv, options, sink, attn_bias, return_attn_prob
     """Validate and normalise the options, dispatch the call to a backend and run it: through the
     autograd Function when a gradient is wanted, else the backend's forward alone; through the
     custom op (:mod:`flashtile.ops`) while torch.compile traces. A repeated call (same shapes,
-    dtypes, devices and options; no tensor options) reuses its first validation and plan."""
+    dtypes, devices and options; no tensor options) reuses its first validation and plan; one that
+    differs only in its number of keys (a KV cache grown by a token) reuses the validation."""
     q, k, v = qkv
     compiling = torch.compiler.is_compiling()
     key = None if compiling else _signature(function, qkv, options, sink, attn_bias)
     known = None if key is None else recall(key)
     if known is not None:
         args, chosen = known
-        record_choice(chosen)
+        if chosen.call.seqlen_k == k.shape[1]:
+            record_choice(chosen)
+        else:
+            chosen = dispatch(AttentionCall.of(q, k, v, args))
+            if chosen.fallback_reason is None:
+                remember(key, (args, chosen))
     else:
         validation.check_qkv(q, k, v, varlen=options.get("varlen", False))
         args = validation.attn_args(q, k, v, sink=sink, attn_bias=attn_bias, **options)
@@ -294,8 +300,9 @@ _SCALARS = (int, float, bool, type(None))
 
 
 def _signature(function, qkv, options, sink, attn_bias):
-    """What validation and dispatch read of a dense call without tensor options, as a key (with the
-    options' types, so that ``softcap=False`` does not pass for ``softcap=0``); None for other calls."""
+    """What validation reads of a dense call without tensor options, as a key (with the options' types,
+    so that ``softcap=False`` does not pass for ``softcap=0``); None for other calls. The number of keys
+    is left out (only whether k and v agree on it): the plan made for one is redone for another."""
     if sink is not None or attn_bias is not None or options.get("varlen") or options["alibi_slopes"] is not None:
         return None
     window = options["window_size"]
@@ -304,10 +311,10 @@ def _signature(function, qkv, options, sink, attn_bias):
     scalars = (options["dropout_p"], options["softmax_scale"], options["causal"], options["softcap"])
     types = tuple(type(x) for x in scalars)
     q, k, v = qkv
-    if not all(t in _SCALARS for t in types) or not all(isinstance(t, torch.Tensor) for t in qkv):
+    if not all(t in _SCALARS for t in types) or not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in qkv):
         return None
-    return (function, window, scalars, types, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device,
-            k.device, v.device, state_key())
+    return (function, window, scalars, types, q.shape, k.shape[0], k.shape[2:], v.shape[0], v.shape[2:],
+            k.shape[1] == v.shape[1], q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, state_key())
 
 
 def flash_attn_with_kvcache(

@@ -119,18 +119,22 @@ def test_do_not_specialize_ints_are_keyed_by_width_only(cached):
 
 
 @pytest.mark.cuda
-def test_growing_kv_cache_reuses_the_forward_launch():
-    """A transformers-style decode loop: the cache is concatenated one token a step (new strides and
-    lengths every step) and passed transposed; the forward keeps its launches (no Triton binding per
-    step) and every step matches the reference."""
-    from flashtile.backends.triton import launch
+@pytest.mark.parametrize("seqlen_q", [1, 33], ids=["decode", "chunk"])
+def test_growing_kv_cache_reuses_its_launch(seqlen_q):
+    """A transformers-style loop: the cache is concatenated one token a step (new strides and lengths
+    every step) and passed transposed. One query a step runs on the KV-cache kernel, a chunk of 33 on the
+    forward; either keeps its launches (no Triton binding per step) and every step matches the reference."""
+    from flashtile.backends.triton import decode, launch
     from flashtile.testing import ATOL, assert_close_to_ref, attention_ref
 
     torch.manual_seed(0)
-    keys, values = (torch.randn(2, 4, 37, 64, device="cuda", dtype=torch.float16) for _ in range(2))
-    launch._FWD._cache.clear()
+    # One query over 4100 keys or more: the KV-cache kernel's share (configs.DENSE_DECODE_MIN_KEYS).
+    keys, values = (torch.randn(2, 4, 4100 if seqlen_q == 1 else 37, 64, device="cuda", dtype=torch.float16)
+                    for _ in range(2))
+    cached = decode._DECODE if seqlen_q == 1 else launch._FWD
+    cached._cache.clear()
     for _ in range(40):
-        query = torch.randn(2, 8, 1, 64, device="cuda", dtype=torch.float16)
+        query = torch.randn(2, 8, seqlen_q, 64, device="cuda", dtype=torch.float16)
         q, k, v = (x.transpose(1, 2) for x in (query, keys, values))
         out = flashtile.flash_attn_func(q, k, v, causal=True)
         hi, _ = attention_ref(q, k, v, causal=True)
@@ -138,4 +142,21 @@ def test_growing_kv_cache_reuses_the_forward_launch():
         assert_close_to_ref("out", out, hi, lo, ATOL[torch.float16][0])
         keys, values = (torch.cat([x, torch.randn_like(x[:, :, :1])], dim=2) for x in (keys, values))
     # One launch per specialization of the lengths and strides (divisible by 16 or not), not one a step.
-    assert 1 <= len(launch._FWD._cache) <= 4
+    assert 1 <= len(cached._cache) <= 4
+
+
+def test_repeated_values_skip_the_specialization(cached, monkeypatch):
+    """A call whose ints equal an earlier call's finds its launch by value; new values are keyed by
+    specialization again and reuse the launch while Triton would."""
+    fn, _ = cached
+    launch = fastlaunch.CachedLaunch(fn, ("X", "n", "scale"))
+    x = torch.zeros(8)
+    launch("k", (1,), dict(X=x, n=17, scale=1.0), lambda: dict(BLOCK=16))
+    launch("k", (1,), dict(X=x, n=17, scale=2.0), lambda: dict(BLOCK=16))
+    specialized = []
+    monkeypatch.setattr(fastlaunch, "native_specialize_impl", lambda *a: specialized.append(a[1]) or ("i32", ""))
+    launch("k", (1,), dict(X=torch.ones(8), n=17, scale=0.5), lambda: dict(BLOCK=16))
+    assert specialized == [] and len(fn.compiles) == 1
+    launch("k", (1,), dict(X=x, n=33, scale=1.0), lambda: dict(BLOCK=16))
+    assert specialized == [33] and len(fn.compiles) == 1
+    assert [args[1] for _, args in fn.compiled[0].launches] == [17, 17, 33]

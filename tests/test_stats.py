@@ -7,7 +7,7 @@ import torch
 import flashtile
 from flashtile import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
 from flashtile.dispatch import force_backend
-from flashtile.testing import make_qkv
+from flashtile.testing import attention_ref, make_qkv
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -156,6 +156,28 @@ def test_repeated_call_skips_validation_but_is_counted(device, rng, monkeypatch)
     torch.testing.assert_close(again, first, rtol=0, atol=0)
     snapshot = flashtile.stats()
     assert snapshot["calls"] == {"torch": 3} and sum(snapshot["kernels"].values()) == 3
+
+
+def test_growing_keys_reuse_validation_and_replan(device, rng, monkeypatch):
+    """A KV cache grown by a token a step: validation runs once, the plan is redone for each key count
+    (its tiles may depend on it), every call is counted, and k and v that disagree on it still raise."""
+    from flashtile import validation
+
+    checked = []
+    real = validation.check_qkv
+    monkeypatch.setattr(validation, "check_qkv", lambda *a, **kw: (checked.append(1), real(*a, **kw))[1])
+    q = torch.randn(1, 1, 4, 16, generator=rng).to(device, torch.float16)
+    with force_backend("torch"):
+        for seqlen_k in (5, 6, 7):
+            k, v = (torch.randn(1, seqlen_k, 2, 16, generator=rng).to(device, torch.float16) for _ in range(2))
+            out = flash_attn_func(q, k, v, causal=True)
+            ref, _ = attention_ref(q, k, v, causal=True)
+            torch.testing.assert_close(out.float(), ref.float(), atol=2e-3, rtol=0)
+        assert [plan.call.seqlen_k for _, plan in flashtile.dispatch._remembered.values()] == [7]
+        with pytest.raises(ValueError, match="k and v must have the same"):
+            flash_attn_func(q, k, v[:, :5])
+    assert len(checked) == 2
+    assert counts()["calls"] == {"torch": 3}
 
 
 def test_remembered_plan_follows_disabled_backends(rng, monkeypatch):

@@ -15,6 +15,7 @@ import torch
 
 import flashtile
 from flashtile import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+from flashtile.dispatch import force_backend
 from flashtile.rng import draw_seed_offset, dropout_mask
 from flashtile.testing import assert_results_close, make_qkv, random_like, reference_results
 
@@ -404,6 +405,69 @@ def test_explain_accepts_every_feature(device, rng):
     assert report.error is None and report.backend is not None, str(report)
     invalid = flashtile.explain(q, k, v, window_size=(-2, 0))
     assert invalid.backend is None and "window_size" in invalid.error
+
+
+# ---------------------------------------------------------------- decode-shaped dense calls
+
+# (seqlen_q, seqlen_k, nheads, nheads_kv, headdim_v, options): at most 32 query rows per KV head, so the
+# Triton backend runs them on the KV-cache kernel over k and v as a full cache (split over several key
+# ranges once seqlen_k passes two interpreter splits of 32 keys).
+DECODE_SHAPED = {
+    "gqa-causal-splits": (1, 300, 8, 2, 32, dict(causal=True)),
+    "mha-full": (4, 77, 4, 4, 32, dict()),
+    "window": (5, 100, 6, 2, 32, dict(window_size=(20, 3))),
+    "mqa-softcap": (1, 130, 4, 1, 32, dict(softcap=5.0)),
+    "rows-see-no-key": (7, 3, 4, 2, 32, dict(causal=True)),
+    "alibi-causal": (2, 150, 4, 2, 32, dict(causal=True, alibi=True)),
+    "sink": (1, 90, 4, 2, 32, dict(sink=True)),
+    "headdim-v": (3, 70, 4, 2, 16, dict(causal=True)),
+}
+
+
+@pytest.mark.parametrize("case", DECODE_SHAPED.values(), ids=DECODE_SHAPED.keys())
+def test_decode_shaped_calls(backend, device, rng, case):
+    """A decode step through flash_attn_func (transformers' path): out, lse and every gradient against the
+    reference, and on the Triton backend the KV-cache kernel runs it (explain names it)."""
+    seqlen_q, seqlen_k, nheads, nheads_kv, headdim_v, options = case
+    options = dict(options)
+    q, k, _ = make_qkv(2, seqlen_q, seqlen_k, nheads, nheads_kv, 32, torch.float16, device, generator=rng)
+    v = randn(rng, 2, seqlen_k, nheads_kv, headdim_v, device=device, dtype=torch.float16, requires_grad=True)
+    if options.pop("alibi", False):
+        options["alibi_slopes"] = randn(rng, nheads, device=device).abs()
+    if options.pop("sink", False):
+        options["sink"] = randn(rng, nheads, device=device, requires_grad=True)
+    check(q, k, v, rng, **options)
+    if backend == "triton":
+        kernel = flashtile.explain(q, k, v, **options).kernel
+        assert kernel.startswith("flashtile.decode[triton"), kernel
+
+
+def test_decode_shaped_calls_take_the_kv_cache_kernel_once_the_forward_would_be_slow(monkeypatch):
+    """On a GPU (132 SMs here) a call takes the KV-cache kernel when its rows fit a decode tile and the forward
+    kernel's programs would walk DENSE_DECODE_MIN_KEYS keys (waves x keys)."""
+    from flashtile.backends.triton import configs
+
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    takes = configs.dense_takes_decode
+    assert takes(1, 1, 4096, 32, 8, frozenset(), gpu) and not takes(1, 1, 4095, 32, 8, frozenset(), gpu)
+    assert takes(8, 1, 2048, 32, 8, frozenset(), gpu)  # 256 programs: two waves of 2048 keys
+    assert takes(1, 8, 8192, 32, 8, frozenset({"window", "sink"}), gpu)  # 8 tokens x 4 heads: 32 rows
+    assert not takes(1, 9, 8192, 32, 8, frozenset(), gpu)  # 36 rows: the forward kernel
+    assert not takes(1, 1, 8192, 32, 8, frozenset({"bias"}), gpu)
+    assert not takes(1, 1, 8192, 32, 8, frozenset({"dropout"}), gpu)
+    assert not takes(70000, 1, 8192, 1, 1, frozenset(), gpu)  # past the KV-cache grid's batch x KV heads
+    assert takes(1, 1, 3, 4, 2, frozenset(), cpu) and not takes(1, 1, 0, 4, 2, frozenset(), cpu)
+
+
+@pytest.mark.parametrize("options", [dict(dropout_p=0.1), dict(attn_bias=True)], ids=["dropout", "bias"])
+def test_decode_shaped_calls_the_kv_cache_kernel_lacks_keep_the_forward_kernel(device, rng, options):
+    q, k, v = make_qkv(1, 1, 40, 4, 2, 32, torch.float16, device, requires_grad=False, generator=rng)
+    if options.pop("attn_bias", False):
+        options["attn_bias"] = randn(rng, 1, 40, device=device)
+    with force_backend("triton"):
+        kernel = flashtile.explain(q, k, v, **options).kernel
+    assert kernel.startswith("flashtile.fwd[triton"), kernel
 
 
 # ---------------------------------------------------------------- SDPA drop-in and nn.MultiheadAttention

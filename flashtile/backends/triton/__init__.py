@@ -9,8 +9,8 @@ import os
 import torch
 
 from .. import AttentionCall, missing_features
-from .configs import (capability, bwd_config, bwd_plan, decode_config, decode_splits, fwd_config,
-                      gluon_fwd_config, gluon_kv_config)
+from .configs import (MAX_GRID_Y, capability, bwd_config, bwd_plan, decode_config, decode_splits,
+                      dense_takes_decode, fwd_config, gluon_fwd_config, gluon_kv_config)
 
 FEATURES = frozenset({"dropout", "window", "softcap", "alibi", "sink", "bias", "varlen", "headdim_v", "kvcache",
                       "paged", "merge"})
@@ -52,17 +52,13 @@ def supports(call: AttentionCall) -> str | None:
     return None
 
 
-# The KV-cache kernels' second grid axis is batch x KV heads (append and combine: batch), which CUDA caps.
-_MAX_GRID_Y = 65535
-
-
 def _kvcache_limits(call: AttentionCall) -> str | None:
     """What the KV-cache kernels (kernels/decode.py) cannot run, or None."""
     for name, description in call.features:
         if name in ("dropout", "bias", "varlen"):
             return f"{description} is not implemented in the Triton KV-cache kernels"
-    if call.batch * call.nheads_kv > _MAX_GRID_Y:
-        return (f"batch x nheads_kv = {call.batch} x {call.nheads_kv} exceeds the {_MAX_GRID_Y} programs the "
+    if call.batch * call.nheads_kv > MAX_GRID_Y:
+        return (f"batch x nheads_kv = {call.batch} x {call.nheads_kv} exceeds the {MAX_GRID_Y} programs the "
                 "Triton KV-cache kernel's grid can hold on that axis")
     return None
 
@@ -82,20 +78,10 @@ def describe(call: AttentionCall):
         return _describe_kvcache(call)
     headdim = max(call.headdim, call.headdim_v)
     left, right = _window(call)
-    fwd = (gluon_fwd_config(call.headdim, call.headdim_v, call.dtype, call.device,
-                            call.batch * call.nheads * call.seqlen_q, call.seqlen_k, left, right, call.feature_names,
-                            call.softcap)
-           or fwd_config(headdim, call.dtype, call.device, call.seqlen_k, left, right,
-                         softcap="softcap" in call.feature_names, bias="bias" in call.feature_names,
-                         head_dim_v=call.headdim_v))
-    bwd = bwd_config(headdim, call.dtype, call.device, call.headdim_v)
     mask = "causal" if call.causal else "full"
     # Features change the kernel that runs (each is a compile-time switch): name them.
     extras = "".join(f" {name}" for name, _ in call.features)
-    # The Gluon kernel needs TMA-readable inputs; a call whose strides are not takes the Triton one
-    # and says so (a recorded fallback).
-    kernel = "gluon-sm90" if fwd.kernel == "gluon" else "triton"
-    fwd_name = f"flashtile.fwd[{kernel} d={call.headdim} {mask}{extras} BM={fwd.BLOCK_M} BN={fwd.BLOCK_N}]"
+    bwd = bwd_config(headdim, call.dtype, call.device, call.headdim_v)
     # On an under-filled GPU: key blocks split among several dK/dV programs (parts=N), and the dQ kernel
     # alongside on a second stream (dq=...+stream; on the GPU only: the CPU has no streams).
     parts, alongside = bwd_plan(call.batch, call.nheads, call.nheads_kv, call.seqlen_q, call.seqlen_k,
@@ -104,15 +90,28 @@ def describe(call: AttentionCall):
     split = f" parts={parts}" if parts > 1 else ""
     bwd_name = (f"flashtile.bwd[triton d={call.headdim} {mask}{extras} dkdv=BM{bwd.dkdv.BLOCK_M}xBN{bwd.dkdv.BLOCK_N}"
                 f"{split} dq=BM{bwd.dq.BLOCK_M}xBN{bwd.dq.BLOCK_N}{'+stream' if alongside else ''}]")
-    config = {"fwd": vars(fwd), "bwd_dkdv": {**vars(bwd.dkdv), "parts": parts},
-              "bwd_dq": {**vars(bwd.dq), "alongside": alongside}}
-    return fwd_name, bwd_name, config
+    bwd_tiles = {"bwd_dkdv": {**vars(bwd.dkdv), "parts": parts}, "bwd_dq": {**vars(bwd.dq), "alongside": alongside}}
+    if dense_takes_decode(call.batch, call.seqlen_q, call.seqlen_k, call.nheads, call.nheads_kv, call.feature_names,
+                          call.device):
+        # Few query rows per KV head (a decode step): the KV-cache kernel over a full cache of seqlen_k keys.
+        fwd_name, fwd_tiles = _decode_name(call, extras, 0)
+        return fwd_name, bwd_name, {**fwd_tiles, **bwd_tiles}
+    fwd = (gluon_fwd_config(call.headdim, call.headdim_v, call.dtype, call.device,
+                            call.batch * call.nheads * call.seqlen_q, call.seqlen_k, left, right, call.feature_names,
+                            call.softcap)
+           or fwd_config(headdim, call.dtype, call.device, call.seqlen_k, left, right,
+                         softcap="softcap" in call.feature_names, bias="bias" in call.feature_names,
+                         head_dim_v=call.headdim_v))
+    # The Gluon kernel needs TMA-readable inputs; a call whose strides are not takes the Triton one
+    # and says so (a recorded fallback).
+    kernel = "gluon-sm90" if fwd.kernel == "gluon" else "triton"
+    fwd_name = f"flashtile.fwd[{kernel} d={call.headdim} {mask}{extras} BM={fwd.BLOCK_M} BN={fwd.BLOCK_N}]"
+    return fwd_name, bwd_name, {"fwd": vars(fwd), **bwd_tiles}
 
 
 def _describe_kvcache(call: AttentionCall):
     """The KV-cache attention kernel (no backward): its name carries the head dim, the GQA group, the
     mask, the features, the split count and the tiles. ``call.seqlen_k`` is the cache capacity."""
-    group = call.nheads // call.nheads_kv
     mask = "causal" if call.causal else "full"
     extras = "".join(f" {name}" for name, _ in call.features if name != "kvcache")
     left, right = _window(call)
@@ -122,13 +121,21 @@ def _describe_kvcache(call: AttentionCall):
         # Chunked prefill on a contiguous cache: the Gluon Hopper forward (launch.attention_kv).
         name = f"flashtile.decode[gluon-sm90 d={call.headdim} {mask}{extras} BM={gluon.BLOCK_M} BN={gluon.BLOCK_N}]"
         return name, "", {"decode": vars(gluon), "auto_num_splits": 1}
+    name, config = _decode_name(call, extras, call.page_size)
+    return name, "", config
+
+
+def _decode_name(call: AttentionCall, extras: str, page_size: int):
+    """The KV-cache kernel's name and tiles for ``call`` (``call.seqlen_k``: the capacity; ``page_size``: 0
+    for a contiguous cache)."""
+    group = call.nheads // call.nheads_kv
     rows = call.seqlen_q * group
-    cfg = decode_config(max(call.headdim, call.headdim_v), call.dtype, call.device, rows, call.page_size)
+    cfg = decode_config(max(call.headdim, call.headdim_v), call.dtype, call.device, rows, page_size)
     programs = -(-rows // cfg.BLOCK_M) * call.batch * call.nheads_kv
     # The call does not carry num_splits: this is what auto (num_splits=0) picks for these shapes.
     splits = decode_splits(0, programs, call.seqlen_k, call.device, cfg.BLOCK_N,
-                           call.page_size > 0 and call.page_size % cfg.BLOCK_N != 0)
+                           page_size > 0 and page_size % cfg.BLOCK_N != 0)
+    mask = "causal" if call.causal else "full"
     name = (f"flashtile.decode[triton d={call.headdim} gqa={group} {mask}{extras} splits=auto "
             f"BM={cfg.BLOCK_M} BN={cfg.BLOCK_N}]")
-    config = {"decode": vars(cfg), "auto_num_splits": splits}
-    return name, "", config
+    return name, {"decode": vars(cfg), "auto_num_splits": splits}

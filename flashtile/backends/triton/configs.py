@@ -471,6 +471,36 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# Dense calls (flash_attn_func) with few query rows per KV head -- a decode step as transformers makes it,
+# one query over the whole cache -- run on the KV-cache kernel as over a full cache of seqlen_k keys: it
+# packs the query heads of a KV head into one tile, reads K and V once, and splits long rows over the SMs,
+# where the forward kernel runs one program per query head (32 programs for a batch-1 step of 32 heads).
+# Not for dropout, bias or packed sequences, which the KV-cache kernel lacks. H200, bf16, 32/8 heads,
+# d=128, causal, one query, GPU us by CUDA-graph replay, forward kernel / KV-cache kernel / SDPA (`python
+# benchmarks/dense_decode.py` -> results/h200-dense-decode-2026-11-22.json): batch 1 x 512 keys 8.8 / 8.9 /
+# 7.5, x 4096 47.3 / 12.2 / 9.3, x 32768 499 / 38.1 / 37.6; 16 x 8192 516 / 124 / 123; 64 x 1024 165 / 72 /
+# 66; 4 queries x 8192 129 / 12.8 / 7.4. Its host time is longer (a second launch merges the splits): a
+# call takes it once the forward kernel's programs walk DENSE_DECODE_MIN_KEYS keys (waves x keys), where
+# the forward kernel's GPU time passes about 50 us.
+DENSE_DECODE_FEATURES = frozenset({"window", "softcap", "alibi", "sink", "headdim_v"})
+DENSE_DECODE_MIN_KEYS = 4096
+# The KV-cache kernels' second grid axis is batch x KV heads (append and combine: batch), which CUDA caps.
+MAX_GRID_Y = 65535
+
+
+def dense_takes_decode(batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_kv: int,
+                       features: frozenset, device: torch.device) -> bool:
+    """Whether a dense call runs on the KV-cache kernel (see DENSE_DECODE_FEATURES); ``features``: its
+    feature names, as in ``AttentionCall``. Under the interpreter every call whose rows fit does."""
+    if seqlen_q * (nheads // nheads_kv) > DECODE_PREFILL_ROWS or seqlen_k == 0 or batch * nheads_kv > MAX_GRID_Y:
+        return False
+    if not features <= DENSE_DECODE_FEATURES:
+        return False
+    # The forward kernel's programs (one query block per head: seqlen_q <= 32) in waves over the SMs.
+    waves = -(-batch * nheads // sm_count(device))
+    return device.type != "cuda" or waves * seqlen_k >= DENSE_DECODE_MIN_KEYS
+
+
 def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, packed_rows: int,
                   page_size: int = 0) -> TileConfig:
     """Tiles of the KV-cache attention kernel; ``packed_rows = seqlen_q * (nheads // nheads_kv)``;

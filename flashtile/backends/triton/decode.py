@@ -32,8 +32,14 @@ _COMBINE_TILE = 16384
 _CACHE_TENSORS = ("CACHE_SEQLENS", "CACHE_LEFTPAD", "CACHE_BATCH_IDX", "BLOCK_TABLE")
 _APPEND = CachedLaunch(kernels.append_kv, ("Q", "K_NEW", "V_NEW", "K_CACHE", "V_CACHE", "Q_OUT", "COS", "SIN")
                        + _CACHE_TENSORS)
+# Strides, the capacity and the cache's row count are per call: a cache grown by concatenation (a new length
+# and new strides every step, as transformers keeps it) reuses one launch.
+_DECODE_STRIDES = ("stride_qb", "stride_qm", "stride_qh", "stride_kb", "stride_kn", "stride_kh",
+                   "stride_vb", "stride_vn", "stride_vh", "stride_os", "stride_ob", "stride_om", "stride_oh",
+                   "stride_ls", "stride_lb", "stride_lh")
 _DECODE = CachedLaunch(kernels.attn_decode, ("Q", "K", "V", "O", "LSE", "ALIBI_SLOPES", "SINK", "softmax_scale",
-                                             "softcap") + _CACHE_TENSORS)
+                                             "softcap", "max_seqlen_k", "num_blocks") + _DECODE_STRIDES
+                       + _CACHE_TENSORS)
 _COMBINE = CachedLaunch(kernels.attn_decode_combine, ("O_PART", "LSE_PART", "O", "LSE"))
 _MERGE = CachedLaunch(kernels.merge_states, ("OA", "LSE_A", "OB", "LSE_B", "O", "LSE"))
 
@@ -47,10 +53,11 @@ def _strides3(t: torch.Tensor) -> tuple:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def cache_key(args: KVCacheArgs) -> tuple:
-    """What the KV-cache kernels' static arguments take from ``args`` (see fastlaunch.py)."""
+def cache_key(args: KVCacheArgs, capacity: bool = True) -> tuple:
+    """What the KV-cache kernels' static arguments take from ``args`` (see fastlaunch.py); ``capacity``:
+    with ``max_seqlen_k`` (a launch that takes it per call leaves it out)."""
     return (args.cache_seqlens is not None, args.cache_leftpad is not None, args.cache_batch_idx is not None,
-            _layout(args.block_table), args.max_seqlen_k, args.seqlen_new)
+            _layout(args.block_table), args.max_seqlen_k if capacity else None, args.seqlen_new)
 
 
 def _cache_tensors(q: torch.Tensor, args: KVCacheArgs) -> dict:
@@ -179,11 +186,9 @@ def attention_kv(q, k_cache, v_cache, args: KVCacheArgs, config: TileConfig | No
     alibi = args.alibi_slopes
 
     def static():
-        dst = (o_dst.stride(0), *o_dst.stride()[1:4], lse_dst.stride(0), *lse_dst.stride()[1:3])
-        if p.num_splits == 1:
-            dst = (0, *out.stride()[:3], 0, *lse.stride()[:2])
+        cache = _cache_static(k_cache, args)
+        del cache["max_seqlen_k"], cache["num_blocks"]
         return dict(
-            **dict(zip(_DECODE_STRIDES, (*_strides3(q), *_strides3(k_cache), *_strides3(v_cache), *dst))),
             window_left=args.window_left, window_right=args.window_right,
             stride_alibi_b=alibi.stride(0) if alibi is not None else 0,
             seqlen_q=seqlen_q, seqlen_new=args.seqlen_new, nheads=nheads, nheads_kv=nheads_kv,
@@ -195,19 +200,27 @@ def attention_kv(q, k_cache, v_cache, args: KVCacheArgs, config: TileConfig | No
             FAST_TANH=fast_tanh(q),
             ALIBI=alibi is not None, HAS_SINK=args.sink is not None,
             INPUT_PRECISION=input_precision(q.dtype),
-            **_cache_static(k_cache, args),
+            **cache,
             # Pages that hold whole key blocks are read with one table entry per block.
             PAGE_ALIGNED=args.block_table is not None and k_cache.shape[1] % cfg.BLOCK_N == 0,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
-    key = (_layout(q), _layout(k_cache), _layout(v_cache), q.device, cache_key(args), p,
-           args.window_left, args.window_right, args.softcap > 0, _layout(alibi), args.sink is not None)
+    if p.num_splits > 1:
+        dst = (o_dst.stride(0), *o_dst.stride()[1:4], lse_dst.stride(0), *lse_dst.stride()[1:3])
+    else:
+        dst = (0, *out.stride()[:3], 0, *lse.stride()[:2])
+    strides = zip(_DECODE_STRIDES, (*_strides3(q), *_strides3(k_cache), *_strides3(v_cache), *dst))
+    # The key holds what the static arguments read: shapes but the cache's rows, and the page size of a paged one.
+    key = (q.shape, k_cache.shape[2:], v_cache.shape[3], k_cache.shape[1] if args.paged else None, q.dtype, q.device,
+           cache_key(args, capacity=False), p, args.window_left, args.window_right, args.softcap > 0,
+           _layout(alibi), args.sink is not None)
     with on_device(q):
         _DECODE(key, p.grid, dict(Q=q, K=k_cache, V=v_cache, O=o_dst, LSE=lse_dst,
                                   ALIBI_SLOPES=alibi if alibi is not None else q,
                                   SINK=args.sink if args.sink is not None else q,
                                   softmax_scale=float(args.softmax_scale), softcap=float(args.softcap),
+                                  max_seqlen_k=args.max_seqlen_k, num_blocks=k_cache.shape[0], **dict(strides),
                                   **_cache_tensors(q, args)), static)
         if p.num_splits > 1:
             block_s = min(triton.next_power_of_2(p.num_splits), max(1, _COMBINE_TILE // padded_head_dim(head_dim_v)))
@@ -222,9 +235,6 @@ def attention_kv(q, k_cache, v_cache, args: KVCacheArgs, config: TileConfig | No
     return out, lse
 
 
-_DECODE_STRIDES = ("stride_qb", "stride_qm", "stride_qh", "stride_kb", "stride_kn", "stride_kh",
-                   "stride_vb", "stride_vn", "stride_vh", "stride_os", "stride_ob", "stride_om", "stride_oh",
-                   "stride_ls", "stride_lb", "stride_lh")
 _COMBINE_STRIDES = ("stride_ps", "stride_pb", "stride_pm", "stride_ph", "stride_pls", "stride_plb", "stride_plh",
                     "stride_ob", "stride_om", "stride_oh", "stride_lb", "stride_lh")
 _MERGE_STRIDES = ("stride_ab", "stride_am", "stride_ah", "stride_bb", "stride_bm", "stride_bh",

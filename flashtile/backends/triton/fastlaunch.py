@@ -14,12 +14,15 @@ specializes them on is added to the key here: a tensor's dtype and 16-byte align
 width, whether it is 1 and whether it divides by 16 (unless the kernel says ``do_not_specialize``).
 So lengths and strides can be dynamic: a decode loop whose KV cache grows by one token a step, or
 packed batches of other lengths, reuse one launch per specialization instead of one per length.
+A call whose dynamic ints all equal an earlier call's (a training step, a decode step over a fixed
+cache) finds its launch by their values, without working out their specialization again.
 Launch hooks (e.g. a profiler's) are called as Triton calls them. Under Triton's interpreter every
 call takes Triton's ordinary path.
 """
 from __future__ import annotations
 
 import contextlib
+import operator
 
 import torch
 from triton import knobs
@@ -62,44 +65,52 @@ class CachedLaunch:
             (not getattr(params.get(name), "do_not_specialize", False),
              not getattr(params.get(name), "do_not_specialize_on_alignment", False)) for name in self.dynamic_names)
         self.max_entries = max_entries
+        self._values = operator.itemgetter(*self.dynamic_names)
+        # Launches by the specialization of the dynamic arguments, and the same launches by their values.
         self._cache: dict = {}
+        self._by_value: dict = {}
 
-    def _traits(self, dynamic: dict) -> tuple:
-        # What Triton specializes the dynamic arguments on: a pointer's dtype and 16-byte alignment; an
-        # int's width, value 1 and divisibility by 16, as Triton's own binder works them out.
-        traits = []
-        for name, (value_spec, align_spec) in zip(self.dynamic_names, self.specialize):
-            value = dynamic[name]
-            if isinstance(value, torch.Tensor):
-                traits.append((value.dtype, value.data_ptr() % 16 == 0))
-            elif isinstance(value, int) and not isinstance(value, bool):
-                traits.append(native_specialize_impl(BaseBackend, value, False, value_spec, align_spec))
-            else:
-                traits.append(type(value))
-        return tuple(traits)
+    def _exact(self, dynamic: dict) -> tuple:
+        # The dynamic arguments as they pick a launch exactly: ints by value, tensors by dtype and 16-byte
+        # alignment (what Triton specializes a pointer on), floats and other values by type.
+        return tuple(value if type(value) is int else float if type(value) is float
+                     else (value.dtype, value.data_ptr() % 16 == 0) if isinstance(value, torch.Tensor)
+                     else type(value) for value in self._values(dynamic))
+
+    def _traits(self, exact: tuple) -> tuple:
+        # What Triton specializes the dynamic ints of ``exact`` on: width, value 1 and divisibility by 16,
+        # as Triton's own binder works them out.
+        return tuple(native_specialize_impl(BaseBackend, value, False, value_spec, align_spec) if type(value) is int
+                     else value for value, (value_spec, align_spec) in zip(exact, self.specialize))
 
     def __call__(self, key, grid, dynamic: dict, static, stream=None) -> None:
         """``stream``: a ``torch.cuda.Stream`` to launch on instead of the current stream."""
         if _interpreting():
             self.fn[grid](**dynamic, **static())
             return
-        full_key = (key, self._traits(dynamic))
-        entry = self._cache.get(full_key)
+        exact = self._exact(dynamic)
+        entry = self._by_value.get((key, exact))
         if entry is None:
-            kwargs = {**dynamic, **static()}
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                kernel = self.fn[grid](**kwargs)
-            if len(self._cache) >= self.max_entries:
-                self._cache.clear()
-            # Keep the static arguments only: holding this call's tensors would keep them alive.
-            dynamic_slots = set(self.slots)
-            args = [None if i in dynamic_slots else kwargs[name] for i, name in enumerate(self.names)]
-            self._cache[full_key] = (kernel, args)
-            return
+            full_key = (key, self._traits(exact))
+            entry = self._cache.get(full_key)
+            if entry is None:
+                kwargs = {**dynamic, **static()}
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    kernel = self.fn[grid](**kwargs)
+                if len(self._cache) >= self.max_entries:
+                    self._cache.clear()
+                # Keep the static arguments only: holding this call's tensors would keep them alive.
+                dynamic_slots = set(self.slots)
+                args = [None if i in dynamic_slots else kwargs[name] for i, name in enumerate(self.names)]
+                self._cache[full_key] = (kernel, args)
+                return
+            if hasattr(entry[0], "result"):  # compiled asynchronously: wait for it once
+                entry = (entry[0].result(), entry[1])
+                self._cache[full_key] = entry
+            if len(self._by_value) >= self.max_entries:
+                self._by_value.clear()
+            self._by_value[(key, exact)] = entry
         kernel, args = entry
-        if hasattr(kernel, "result"):  # compiled asynchronously: wait for it once
-            kernel = kernel.result()
-            self._cache[full_key] = (kernel, args)
         args = list(args)
         for slot, name in zip(self.slots, self.dynamic_names):
             args[slot] = dynamic[name]

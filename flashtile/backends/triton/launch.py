@@ -147,6 +147,10 @@ def forward(q, k, v, args: AttnArgs, config=None):
     """``config`` overrides the tile table (for tuning sweeps)."""
     q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, head_dim_v = _shape(q, k, v, args)
+    features = frozenset(present_features(args, head_dim, head_dim_v))
+    if config is None and configs.dense_takes_decode(batch, seqlen_q, seqlen_k, nheads, nheads_kv, features, q.device):
+        # A decode step's few query rows: the KV-cache kernel, over k and v as a full cache.
+        return decode.attention_kv(q, k, v, _full_cache_args(args, seqlen_q, seqlen_k))
     if args.varlen:
         out = empty((*q.shape[:2], head_dim_v), q.dtype, q.device)
         lse = empty((nheads, q.shape[0]), torch.float32, q.device)
@@ -160,7 +164,6 @@ def forward(q, k, v, args: AttnArgs, config=None):
         if args.varlen:
             out.zero_(), lse.fill_(float("-inf"))
         return out, lse
-    features = frozenset(present_features(args, head_dim, head_dim_v))
     cfg = config or gluon_fwd_config(head_dim, head_dim_v, q.dtype, q.device, batch * nheads * seqlen_q, seqlen_k,
                                      args.window_left, args.window_right, features, args.softcap)
     if cfg is not None and cfg.kernel == "gluon":
@@ -191,6 +194,14 @@ def forward(q, k, v, args: AttnArgs, config=None):
                              stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h,
                              **_strides(args.varlen, q=q, k=k, v=v, o=out), **_variant_tensors(q, args)), static)
     return out, lse
+
+
+def _full_cache_args(args: AttnArgs, seqlen_q: int, seqlen_k: int) -> KVCacheArgs:
+    """A dense call's arguments as a KV-cache call's over a full cache of ``seqlen_k`` keys (no lengths,
+    no new tokens): the same keys, masks and features."""
+    return KVCacheArgs(softmax_scale=args.softmax_scale, causal=args.causal, window_left=args.window_left,
+                       window_right=args.window_right, softcap=args.softcap, alibi_slopes=args.alibi_slopes,
+                       sink=args.sink, max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k)
 
 
 def tma_unfit(*tensors) -> str | None:

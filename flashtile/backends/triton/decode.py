@@ -32,13 +32,12 @@ _COMBINE_TILE = 16384
 _CACHE_TENSORS = ("CACHE_SEQLENS", "CACHE_LEFTPAD", "CACHE_BATCH_IDX", "BLOCK_TABLE")
 _APPEND = CachedLaunch(kernels.append_kv, ("Q", "K_NEW", "V_NEW", "K_CACHE", "V_CACHE", "Q_OUT", "COS", "SIN")
                        + _CACHE_TENSORS)
-# Strides, the capacity and the cache's row count are per call: a cache grown by concatenation (a new length
-# and new strides every step, as transformers keeps it) reuses one launch.
-_DECODE_STRIDES = ("stride_qb", "stride_qm", "stride_qh", "stride_kb", "stride_kn", "stride_kh",
-                   "stride_vb", "stride_vn", "stride_vh", "stride_os", "stride_ob", "stride_om", "stride_oh",
-                   "stride_ls", "stride_lb", "stride_lh")
+# The cache's strides and rows and the capacity are per call: a cache grown by concatenation (a new length
+# and new strides every step, as transformers keeps it) reuses one launch. q's strides are in the key; the
+# output's and the partials' follow from the shapes.
+_CACHE_STRIDES = ("stride_kb", "stride_kn", "stride_kh", "stride_vb", "stride_vn", "stride_vh")
 _DECODE = CachedLaunch(kernels.attn_decode, ("Q", "K", "V", "O", "LSE", "ALIBI_SLOPES", "SINK", "softmax_scale",
-                                             "softcap", "max_seqlen_k", "num_blocks") + _DECODE_STRIDES
+                                             "softcap", "max_seqlen_k", "num_blocks") + _CACHE_STRIDES
                        + _CACHE_TENSORS)
 _COMBINE = CachedLaunch(kernels.attn_decode_combine, ("O_PART", "LSE_PART", "O", "LSE"))
 _MERGE = CachedLaunch(kernels.merge_states, ("OA", "LSE_A", "OB", "LSE_B", "O", "LSE"))
@@ -143,6 +142,8 @@ class DecodePlan(NamedTuple):
     num_splits: int
     grid: tuple
     combine_grid: tuple
+    # Splits the combine kernel loads at once.
+    combine_block: int
 
 
 @functools.lru_cache(maxsize=1024)
@@ -153,7 +154,8 @@ def _plan(batch, seqlen_q, nheads, nheads_kv, head_dim, head_dim_v, dtype, devic
     m_blocks = cdiv(rows, cfg.BLOCK_M)
     gather = page_size > 0 and page_size % cfg.BLOCK_N != 0
     splits = decode_splits(num_splits, m_blocks * batch * nheads_kv, capacity, device, cfg.BLOCK_N, gather)
-    return DecodePlan(cfg, splits, (m_blocks, batch * nheads_kv, splits), (seqlen_q * nheads, batch))
+    combine_block = min(triton.next_power_of_2(splits), max(1, _COMBINE_TILE // padded_head_dim(head_dim_v)))
+    return DecodePlan(cfg, splits, (m_blocks, batch * nheads_kv, splits), (seqlen_q * nheads, batch), combine_block)
 
 
 def plan(q, k_cache, v_cache, args: KVCacheArgs, config: TileConfig | None = None) -> DecodePlan:
@@ -188,7 +190,12 @@ def attention_kv(q, k_cache, v_cache, args: KVCacheArgs, config: TileConfig | No
     def static():
         cache = _cache_static(k_cache, args)
         del cache["max_seqlen_k"], cache["num_blocks"]
+        if p.num_splits > 1:
+            dst = (o_dst.stride(0), *o_dst.stride()[1:4], lse_dst.stride(0), *lse_dst.stride()[1:3])
+        else:
+            dst = (0, *out.stride()[:3], 0, *lse.stride()[:2])
         return dict(
+            **dict(zip(_OUT_STRIDES, (*_strides3(q), *dst))),
             window_left=args.window_left, window_right=args.window_right,
             stride_alibi_b=alibi.stride(0) if alibi is not None else 0,
             seqlen_q=seqlen_q, seqlen_new=args.seqlen_new, nheads=nheads, nheads_kv=nheads_kv,
@@ -206,24 +213,23 @@ def attention_kv(q, k_cache, v_cache, args: KVCacheArgs, config: TileConfig | No
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
-    if p.num_splits > 1:
-        dst = (o_dst.stride(0), *o_dst.stride()[1:4], lse_dst.stride(0), *lse_dst.stride()[1:3])
-    else:
-        dst = (0, *out.stride()[:3], 0, *lse.stride()[:2])
-    strides = zip(_DECODE_STRIDES, (*_strides3(q), *_strides3(k_cache), *_strides3(v_cache), *dst))
-    # The key holds what the static arguments read: shapes but the cache's rows, and the page size of a paged one.
-    key = (q.shape, k_cache.shape[2:], v_cache.shape[3], k_cache.shape[1] if args.paged else None, q.dtype, q.device,
+    # The key holds what the static arguments read: q's layout, the cache's shape but its rows (and its page
+    # size when paged), the plan (the output's strides follow).
+    key = (_layout(q), k_cache.shape[2:], v_cache.shape[3], k_cache.shape[1] if args.paged else None, q.device,
            cache_key(args, capacity=False), p, args.window_left, args.window_right, args.softcap > 0,
            _layout(alibi), args.sink is not None)
+    stride_kb, stride_kn, stride_kh = _strides3(k_cache)
+    stride_vb, stride_vn, stride_vh = _strides3(v_cache)
     with on_device(q):
         _DECODE(key, p.grid, dict(Q=q, K=k_cache, V=v_cache, O=o_dst, LSE=lse_dst,
                                   ALIBI_SLOPES=alibi if alibi is not None else q,
                                   SINK=args.sink if args.sink is not None else q,
                                   softmax_scale=float(args.softmax_scale), softcap=float(args.softcap),
-                                  max_seqlen_k=args.max_seqlen_k, num_blocks=k_cache.shape[0], **dict(strides),
-                                  **_cache_tensors(q, args)), static)
+                                  max_seqlen_k=args.max_seqlen_k, num_blocks=k_cache.shape[0], stride_kb=stride_kb,
+                                  stride_kn=stride_kn, stride_kh=stride_kh, stride_vb=stride_vb, stride_vn=stride_vn,
+                                  stride_vh=stride_vh, **_cache_tensors(q, args)), static)
         if p.num_splits > 1:
-            block_s = min(triton.next_power_of_2(p.num_splits), max(1, _COMBINE_TILE // padded_head_dim(head_dim_v)))
+            block_s = p.combine_block
             _COMBINE((out.shape, p.num_splits, block_s, q.device), p.combine_grid,
                      dict(O_PART=o_dst, LSE_PART=lse_dst, O=out, LSE=lse),
                      lambda: dict(zip(_COMBINE_STRIDES, (o_dst.stride(0), *o_dst.stride()[1:4], lse_dst.stride(0),
@@ -235,6 +241,8 @@ def attention_kv(q, k_cache, v_cache, args: KVCacheArgs, config: TileConfig | No
     return out, lse
 
 
+_OUT_STRIDES = ("stride_qb", "stride_qm", "stride_qh", "stride_os", "stride_ob", "stride_om", "stride_oh",
+                "stride_ls", "stride_lb", "stride_lh")
 _COMBINE_STRIDES = ("stride_ps", "stride_pb", "stride_pm", "stride_ph", "stride_pls", "stride_plb", "stride_plh",
                     "stride_ob", "stride_om", "stride_oh", "stride_lb", "stride_lh")
 _MERGE_STRIDES = ("stride_ab", "stride_am", "stride_ah", "stride_bb", "stride_bm", "stride_bh",

@@ -408,13 +408,12 @@ def _fill_tail(x: torch.Tensor, cu_seqlens: torch.Tensor, value: float) -> None:
         return
     if x3.stride(-1) != 1 and head_dim > 1:
         raise ValueError(f"internal: rows to fill need unit stride on the last dim, got strides {x3.stride()}")
-    block_c = min(triton.next_power_of_2(nheads * head_dim), 1024)
     with on_device(x):
         _FILL_TAIL((x3.shape, x3.stride(), cu_seqlens.shape[0], x.dtype), (cdiv(total, _TAIL_BLOCK_ROWS),),
                    dict(X=x3, CU_SEQLENS=cu_seqlens, value=value),
                    lambda: dict(batch=cu_seqlens.shape[0] - 1, total=total, stride_row=x3.stride(0),
                                 stride_h=x3.stride(1), nheads=nheads, head_dim=head_dim,
-                                BLOCK_R=_TAIL_BLOCK_ROWS, BLOCK_C=block_c))
+                                BLOCK_R=_TAIL_BLOCK_ROWS, BLOCK_C=min(triton.next_power_of_2(nheads * head_dim), 1024)))
 
 
 def _sink_grad(sink, lse, delta, varlen: bool) -> torch.Tensor:

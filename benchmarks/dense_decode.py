@@ -60,7 +60,7 @@ def measure(batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype=torch.bfloat16):
     forward = lambda: launch.forward(q, k, v, args, config=forward_tile)  # noqa: E731
     row = dict(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_kv=nheads_kv,
                takes_kv_kernel=configs.dense_takes_decode(batch, seqlen_q, seqlen_k, nheads, nheads_kv, frozenset(),
-                                                          q.device),
+                                                          dtype, q.device),
                kernel=flashtile.explain(q, k, v, causal=True).kernel,
                err_forward=(forward()[0].float() - ref).abs().max().item(),
                err_kv_kernel=(kv_kernel()[0].float() - ref).abs().max().item())

@@ -461,16 +461,19 @@ def test_decode_shaped_calls_take_the_kv_cache_kernel_once_the_forward_would_be_
     from flashtile.backends.triton import configs
 
     monkeypatch.setattr(configs, "sm_count", lambda device: 132)
-    gpu, cpu = torch.device("cuda"), torch.device("cpu")
-    takes = configs.dense_takes_decode
-    assert takes(1, 1, 4096, 32, 8, frozenset(), gpu) and not takes(1, 1, 4095, 32, 8, frozenset(), gpu)
-    assert takes(8, 1, 2048, 32, 8, frozenset(), gpu)  # 256 programs: two waves of 2048 keys
-    assert takes(1, 8, 8192, 32, 8, frozenset({"window", "sink"}), gpu)  # 8 tokens x 4 heads: 32 rows
-    assert not takes(1, 9, 8192, 32, 8, frozenset(), gpu)  # 36 rows: the forward kernel
-    assert not takes(1, 1, 8192, 32, 8, frozenset({"bias"}), gpu)
-    assert not takes(1, 1, 8192, 32, 8, frozenset({"dropout"}), gpu)
-    assert not takes(70000, 1, 8192, 1, 1, frozenset(), gpu)  # past the KV-cache grid's batch x KV heads
-    assert takes(1, 1, 3, 4, 2, frozenset(), cpu) and not takes(1, 1, 0, 4, 2, frozenset(), cpu)
+    gpu, cpu, bf16 = torch.device("cuda"), torch.device("cpu"), torch.bfloat16
+
+    def takes(batch, seqlen_q, seqlen_k, nheads, nheads_kv, features=frozenset(), dtype=bf16, device=gpu):
+        return configs.dense_takes_decode(batch, seqlen_q, seqlen_k, nheads, nheads_kv, features, dtype, device)
+
+    assert takes(1, 1, 4096, 32, 8) and not takes(1, 1, 4095, 32, 8)
+    assert takes(8, 1, 2048, 32, 8)  # 256 programs: two waves of 2048 keys
+    assert takes(1, 8, 8192, 32, 8, frozenset({"window", "sink"}))  # 8 tokens x 4 heads: 32 rows
+    assert not takes(1, 9, 8192, 32, 8)  # 36 rows: the forward kernel
+    assert not takes(1, 1, 8192, 32, 8, frozenset({"bias"})) and not takes(1, 1, 8192, 32, 8, frozenset({"dropout"}))
+    assert not takes(70000, 1, 8192, 1, 1)  # past the KV-cache grid's batch x KV heads
+    assert not takes(1, 1, 8192, 32, 8, dtype=torch.float32)  # not measured
+    assert takes(1, 1, 3, 4, 2, device=cpu) and not takes(1, 1, 0, 4, 2, device=cpu)
 
 
 @pytest.mark.parametrize("options", [dict(dropout_p=0.1), dict(attn_bias=True)], ids=["dropout", "bias"])

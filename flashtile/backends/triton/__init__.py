@@ -92,7 +92,7 @@ def describe(call: AttentionCall):
                 f"{split} dq=BM{bwd.dq.BLOCK_M}xBN{bwd.dq.BLOCK_N}{'+stream' if alongside else ''}]")
     bwd_tiles = {"bwd_dkdv": {**vars(bwd.dkdv), "parts": parts}, "bwd_dq": {**vars(bwd.dq), "alongside": alongside}}
     if dense_takes_decode(call.batch, call.seqlen_q, call.seqlen_k, call.nheads, call.nheads_kv, call.feature_names,
-                          call.device):
+                          call.dtype, call.device):
         # Few query rows per KV head (a decode step): the KV-cache kernel over a full cache of seqlen_k keys.
         fwd_name, fwd_tiles = _decode_name(call, extras, 0)
         return fwd_name, bwd_name, {**fwd_tiles, **bwd_tiles}

@@ -489,16 +489,19 @@ MAX_GRID_Y = 65535
 
 
 def dense_takes_decode(batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_kv: int,
-                       features: frozenset, device: torch.device) -> bool:
+                       features: frozenset, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a dense call runs on the KV-cache kernel (see DENSE_DECODE_FEATURES); ``features``: its
-    feature names, as in ``AttentionCall``. Under the interpreter every call whose rows fit does."""
+    feature names, as in ``AttentionCall``. Under the interpreter every call whose rows fit does; on a GPU
+    16-bit calls (float32 was not measured)."""
     if seqlen_q * (nheads // nheads_kv) > DECODE_PREFILL_ROWS or seqlen_k == 0 or batch * nheads_kv > MAX_GRID_Y:
         return False
     if not features <= DENSE_DECODE_FEATURES:
         return False
+    if device.type != "cuda":
+        return True
     # The forward kernel's programs (one query block per head: seqlen_q <= 32) in waves over the SMs.
     waves = -(-batch * nheads // sm_count(device))
-    return device.type != "cuda" or waves * seqlen_k >= DENSE_DECODE_MIN_KEYS
+    return dtype != torch.float32 and waves * seqlen_k >= DENSE_DECODE_MIN_KEYS
 
 
 def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, packed_rows: int,

@@ -148,7 +148,8 @@ def forward(q, k, v, args: AttnArgs, config=None):
     q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, head_dim_v = _shape(q, k, v, args)
     features = frozenset(present_features(args, head_dim, head_dim_v))
-    if config is None and configs.dense_takes_decode(batch, seqlen_q, seqlen_k, nheads, nheads_kv, features, q.device):
+    if config is None and configs.dense_takes_decode(batch, seqlen_q, seqlen_k, nheads, nheads_kv, features, q.dtype,
+                                                     q.device):
         # A decode step's few query rows: the KV-cache kernel, over k and v as a full cache.
         return decode.attention_kv(q, k, v, _full_cache_args(args, seqlen_q, seqlen_k))
     if args.varlen:

@@ -5,11 +5,14 @@ Each function validates its arguments (:mod:`flashtile.validation`, which also f
 into one :class:`~flashtile.backends.AttnArgs`), asks :mod:`flashtile.dispatch` for a backend and
 runs the matching autograd Function when a gradient is wanted, else the backend's forward alone
 (or, while torch.compile traces, the custom op of :mod:`flashtile.ops`). A dense call that repeats
-an earlier one reuses that call's validated arguments and plan (:func:`_attention`).
+an earlier one reuses that call's validated arguments and plan (:func:`_attention`), and so does a
+KV-cache step whose index values are not read on the host (:func:`flash_attn_with_kvcache`).
 :func:`flash_attn_with_kvcache` and :func:`merge_attention_states` are inference-only: they run the
 backend directly (no autograd), through a custom op while compiling.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -410,22 +413,65 @@ def flash_attn_with_kvcache(
         ``return_softmax_lse``, with ``softmax_lse`` float32 ``(batch, nheads, seqlen_q)`` (natural log,
         ``-inf`` for a query that sees no key).
     """
-    args = validation.kvcache_args(
-        q, k_cache, v_cache, k, v, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_seqlens=cache_seqlens,
-        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
-        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-        rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, sink=sink, num_splits=num_splits)
-    out, lse = _attention_kvcache(q, k_cache, v_cache, k, v, args)
+    index = dict(cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                 block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin)
+    options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                   rotary_interleaved=rotary_interleaved, num_splits=num_splits)
+    key = _kvcache_signature((q, k_cache, v_cache, k, v, alibi_slopes, sink), index, options)
+    known = None if key is None else recall(key)
+    if known is not None:
+        # A step like an earlier one: its checks hold (no value is read), only the tensors are new.
+        args, chosen = known
+        batch, _, nheads, _ = q.shape
+        args = replace(args, **index, alibi_slopes=None if alibi_slopes is None else
+                       validation.check_alibi_slopes(alibi_slopes, batch, nheads, q.device),
+                       sink=None if sink is None else validation.check_sink(sink, nheads, q.device))
+        record_choice(chosen)
+        with torch.no_grad():
+            out, lse = ops.run_kvcache(chosen, q, k_cache, v_cache, k, v, args)
+    else:
+        args = validation.kvcache_args(q, k_cache, v_cache, k, v, alibi_slopes=alibi_slopes, sink=sink, **index,
+                                       **options)
+        out, lse, chosen = _attention_kvcache(q, k_cache, v_cache, k, v, args)
+        if key is not None and chosen.fallback_reason is None:
+            remember(key, (args, chosen))
     return (out, lse) if return_softmax_lse else out
 
 
 def _attention_kvcache(q, k_cache, v_cache, k, v, args):
-    """Dispatch and run a validated KV-cache call, without autograd; through the custom op while compiling."""
+    """Dispatch and run a validated KV-cache call, without autograd: ``(out, lse, plan)``; through the
+    custom op while compiling (plan None)."""
     with torch.no_grad():
         if torch.compiler.is_compiling():
-            return ops.attention_with_kvcache(q, k_cache, v_cache, k, v, args)
+            return (*ops.attention_with_kvcache(q, k_cache, v_cache, k, v, args), None)
         chosen = dispatch(AttentionCall.of(q, k_cache, v_cache, args))
-        return ops.run_kvcache(chosen, q, k_cache, v_cache, k, v, args)
+        return (*ops.run_kvcache(chosen, q, k_cache, v_cache, k, v, args), chosen)
+
+
+def _kvcache_signature(tensors, index: dict, options: dict):
+    """What validation and dispatch read of a KV-cache call, as a key: every tensor's shape, strides, dtype
+    and device, the options and their types. None when the call must be validated afresh: while compiling,
+    when the index values are checked on the host (CPU tensors, ``FLASHTILE_VALIDATE_VALUES=1``), or when
+    validation would make a tensor (``cache_seqlens`` an int or None)."""
+    q = tensors[0]
+    if torch.compiler.is_compiling() or not all(isinstance(t, torch.Tensor) for t in (q, index["cache_seqlens"])):
+        return None
+    layouts = []
+    for t in (*tensors, *index.values()):
+        if isinstance(t, torch.Tensor):
+            layouts.append((t.shape, t.stride(), t.dtype, t.device))
+        elif t is None:
+            layouts.append(None)
+        else:
+            return None
+    window = options["window_size"]
+    if type(window) is not tuple or len(window) != 2 or type(window[0]) is not int or type(window[1]) is not int:
+        return None
+    scalars = tuple(value for name, value in options.items() if name != "window_size")
+    types = tuple(type(x) for x in scalars)
+    if not all(t in _SCALARS for t in types) or validation.values_checked(q.device):
+        return None
+    return ("kvcache", tuple(layouts), window, scalars, types, state_key())
 
 
 def merge_attention_states(out_a, lse_a, out_b, lse_b):

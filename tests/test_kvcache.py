@@ -393,6 +393,58 @@ def test_dispatch_is_recorded(backend, rng, clean_dispatch_state):
     assert backend in kernel and "paged" in kernel
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_repeated_steps_reuse_validation(backend, rng, paged, monkeypatch, clean_dispatch_state):
+    """A decode loop whose index values are not read on the host (CUDA tensors without
+    FLASHTILE_VALIDATE_VALUES; stood in for here) validates and plans its first step only. Later steps take
+    their own lengths, pages, sink and ALiBi slopes, match the reference and are counted; another shape or
+    option types validate afresh."""
+    from flashtile import validation
+
+    monkeypatch.setattr(validation, "values_checked", lambda device: False)
+    validated = []
+    real = validation.kvcache_args
+    monkeypatch.setattr(validation, "kvcache_args", lambda *a, **kw: (validated.append(1), real(*a, **kw))[1])
+    batch, nheads, nheads_kv, headdim, capacity = 2, 4, 2, 32, 48
+    k_cache, v_cache = (randn(rng, batch, capacity, nheads_kv, headdim) for _ in range(2))
+    table = None
+    if paged:
+        # Pages of 16 rows, shuffled: row b's logical rows r live on page table[b, r // 16].
+        table = torch.randperm(2 * batch * 3, generator=rng)[: batch * 3].reshape(batch, 3).to(DEVICE, torch.int32)
+
+        def pages(cache):
+            store = torch.zeros(2 * batch * 3, 16, nheads_kv, headdim, dtype=cache.dtype, device=DEVICE)
+            return store.index_copy_(0, table.flatten().long(), cache.reshape(-1, 16, nheads_kv, headdim))
+
+        k_store, v_store = pages(k_cache), pages(v_cache)
+    else:
+        k_store, v_store = k_cache.clone(), v_cache.clone()
+    lengths = [11, 30]
+    for step in range(3):
+        q = randn(rng, batch, 1, nheads, headdim)
+        k, v = (randn(rng, batch, 1, nheads_kv, headdim) for _ in range(2))
+        sink = randn(rng, nheads, dtype=torch.float32)
+        slopes = randn(rng, nheads, dtype=torch.float32).abs()
+        out = flash_attn_with_kvcache(q, k_store, v_store, k, v, cache_seqlens=int32(lengths), block_table=table,
+                                      causal=True, sink=sink, alibi_slopes=slopes)
+        for b in range(batch):
+            k_cache[b, lengths[b]], v_cache[b, lengths[b]] = k[b, 0], v[b, 0]
+            n = lengths[b] + 1
+            hi, _ = attention_ref(q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n], causal=True, sink=sink,
+                                  alibi_slopes=slopes)
+            lo, _ = attention_ref(q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n], causal=True, sink=sink,
+                                  alibi_slopes=slopes, upcast=False)
+            assert_close_to_ref(f"out step {step} row {b}", out[b:b + 1], hi, lo, ATOL[torch.float16][0])
+        lengths = [n + 1 for n in lengths]
+    assert len(validated) == 1 and flashtile.stats()["calls"] == {backend: 3}
+    flash_attn_with_kvcache(q[:1], k_store, v_store, cache_seqlens=int32(lengths[:1]),
+                            block_table=None if table is None else table[:1])
+    assert len(validated) == 2
+    with pytest.raises(TypeError, match="softcap"):
+        flash_attn_with_kvcache(q[:1], k_store, v_store, cache_seqlens=int32(lengths[:1]),
+                                block_table=None if table is None else table[:1], softcap=False)
+
+
 # ---------------------------------------------------------------- merge_attention_states
 
 

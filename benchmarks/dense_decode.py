@@ -13,7 +13,7 @@ import datetime
 import json
 import os
 import subprocess
-import time
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -24,22 +24,14 @@ from flashtile.backends import AttnArgs
 from flashtile.backends.triton import configs, launch
 from flashtile.testing import attention_ref
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from host_time import per_call_us  # noqa: E402
+
 SHAPES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_kv)
     (1, 1, 512, 32, 8), (1, 1, 2048, 32, 8), (1, 1, 4096, 32, 8), (1, 1, 32768, 32, 8), (8, 1, 4096, 32, 8),
     (16, 1, 8192, 32, 8), (64, 1, 1024, 32, 8), (1, 4, 8192, 32, 8), (1, 1, 8192, 32, 32), (4, 1, 16384, 64, 8),
     (1, 8, 2048, 32, 8),
 ]
-
-
-def eager_us(fn, n=300):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / n * 1e6
 
 
 def graph_us(fn):
@@ -70,8 +62,8 @@ def measure(batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype=torch.bfloat16):
     row["gpu_us_kv_kernel"] = graph_us(kv_kernel)
     with torch.no_grad():
         row["gpu_us_sdpa"] = graph_us(sdpa)
-        row["eager_us_api"] = eager_us(lambda: flashtile.flash_attn_func(q, k, v, causal=True))
-        row["eager_us_sdpa"] = eager_us(sdpa)
+        row["eager_us_api"] = per_call_us(lambda: flashtile.flash_attn_func(q, k, v, causal=True))
+        row["eager_us_sdpa"] = per_call_us(sdpa)
     row["kv_kernel_GBps"] = 2 * batch * seqlen_k * nheads_kv * 128 * q.element_size() / (row["gpu_us_kv_kernel"] * 1e3)
     return row
 

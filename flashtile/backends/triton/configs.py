@@ -454,8 +454,14 @@ _DECODE_INTERPRET = TileConfig(16, 16, 4, 1)
 # 16: 38.2, 24: 46.1, 32: 45.4, 48: 50.2; batch 16 x 8192: 1 split 123.6 us, 2: 133.9; so one program
 # per SM (a 16x128 s3 program fills an SM's shared memory). Reading full key blocks through the TMA
 # (device-side descriptors) instead of cp.async measured 1-2% slower on these shapes.
+# Short caches split down to one 128-key block a split: with so few programs the SMs idle anyway. Auto with
+# 512 keys a split -> with 128, us (SDPA in the second run): batch 1 x 512 keys 8.85 -> 7.12 (7.57), x 1024
+# 11.16 -> 8.30 (6.69), x 2048 11.48 -> 8.63 (7.23), x 4096 12.25 -> 9.96 (9.55); batch 4 x 512 9.30 -> 8.10
+# (8.05), x 1024 11.59 -> 9.65 (8.74); from 8192 keys (batch 1) and 2048 (batch 4) the splits are unchanged
+# (`python benchmarks/decode_splits.py` -> results/h200-decode-splits-2026-11-22.json, before, and
+# h200-decode-splits-after-2026-11-22.json, each with 1-32 splits forced).
 DECODE_PROGRAMS_PER_SM = 1
-DECODE_MIN_KEYS_PER_SPLIT = 512
+DECODE_MIN_KEYS_PER_SPLIT = 128
 DECODE_MAX_SPLITS = 128
 # The interpreter has no SMs: pretend 8 and short splits, so auto splitting is exercised cheaply.
 _INTERPRET_SMS = 8

@@ -302,6 +302,11 @@ def _attention(function, inputs, qkv, options, sink, attn_bias, return_attn_prob
 _SCALARS = (int, float, bool, type(None))
 
 
+def _plain_window(window) -> bool:
+    """A ``window_size`` a signature may hold: a tuple of two Python ints (a list or a tensor is validated afresh)."""
+    return type(window) is tuple and len(window) == 2 and type(window[0]) is int and type(window[1]) is int
+
+
 def _signature(function, qkv, options, sink, attn_bias):
     """What validation reads of a dense call without tensor options, as a key (with the options' types,
     so that ``softcap=False`` does not pass for ``softcap=0``); None for other calls. The number of keys
@@ -309,7 +314,7 @@ def _signature(function, qkv, options, sink, attn_bias):
     if sink is not None or attn_bias is not None or options.get("varlen") or options["alibi_slopes"] is not None:
         return None
     window = options["window_size"]
-    if type(window) is not tuple or len(window) != 2 or type(window[0]) is not int or type(window[1]) is not int:
+    if not _plain_window(window):
         return None
     scalars = (options["dropout_p"], options["softmax_scale"], options["causal"], options["softcap"])
     types = tuple(type(x) for x in scalars)
@@ -465,7 +470,7 @@ def _kvcache_signature(tensors, index: dict, options: dict):
         else:
             return None
     window = options["window_size"]
-    if type(window) is not tuple or len(window) != 2 or type(window[0]) is not int or type(window[1]) is not int:
+    if not _plain_window(window):
         return None
     scalars = tuple(value for name, value in options.items() if name != "window_size")
     types = tuple(type(x) for x in scalars)

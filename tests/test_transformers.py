@@ -265,6 +265,29 @@ def test_padded_attention_on_each_backend(backend, device, seqlen_q):
     assert not out[~real].any()
 
 
+@pytest.mark.parametrize("padding", ["left", "holes"])
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_decode_over_padding(device, padding, grad):
+    """A decoding step over a padded cache with softcap, a sink and a window: left padding without a gradient
+    reads the cache in place (flash_attn_with_kvcache, each row's padding as cache_leftpad, no copy of the
+    keys); a mask that is not left padding, or a query that wants a gradient, goes through the packed path.
+    Both match eager."""
+    query, key, value = attention_inputs(device, batch=3, seqlen_q=1, seqlen_k=9)
+    first = [0, 0, 0, 1, 1, 1, 1, 1, 1] if padding == "left" else [1, 1, 0, 0, 1, 1, 1, 1, 1]
+    mask = torch.tensor([first, [1] * 9, [0] * 7 + [1, 1]], dtype=torch.bool, device=device)
+    sink = torch.randn(4, generator=torch.Generator().manual_seed(5)).to(device)
+    query.requires_grad_(grad)
+    out, _ = flashtile_attention_forward(layer(), query, key, value, mask, softcap=5.0, s_aux=sink, sliding_window=5)
+    expected, _ = eager(query.detach(), key, value, mask, window=(4, 0), softcap=5.0, sink=sink)
+    torch.testing.assert_close(out.detach(), expected, atol=ATOL[torch.float32][0], rtol=0)
+    (kernel,) = flashtile.stats()["kernels"]
+    assert kernel.startswith("flashtile.decode" if padding == "left" and not grad else "flashtile.fwd"), kernel
+    assert_flashtile_ran(calls=1)
+    if grad:
+        (dq,) = torch.autograd.grad(out.sum(), query)
+        assert torch.isfinite(dq).all() and dq.abs().sum() > 0
+
+
 @pytest.mark.parametrize("seqlen_q", [7, 5, 9])
 def test_bidirectional_attention_over_padded_keys(device, seqlen_q):
     """A bidirectional layer (``is_causal=False`` overrides the layer's flag) over padded keys, as an

@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from ..dispatch import preferred_backend, record_fallback
-from ..interface import flash_attn_func, flash_attn_varlen_func
+from ..interface import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from ..padding import pad_input, unpad_input
 from ..validation import MAX_HEADDIM, SUPPORTED_DTYPES
 
@@ -337,12 +337,27 @@ def _padded_attention(q, k, v, mask, options):
 
     With a causal mask or a window the queries are the last ``seqlen_q`` tokens of each row (``generate()``
     pads on the left; padding queries come out as zeros), and each sequence's diagonal and window count
-    its own tokens only, bottom-right aligned. Without either, every query attends to its row's tokens."""
+    its own tokens only, bottom-right aligned. Without either, every query attends to its row's tokens.
+
+    A decoding step (one query a row) over left padding needing no gradient reads the cache in place:
+    ``flash_attn_with_kvcache`` with each row's padding as ``cache_leftpad`` (the split-KV kernel, no copy
+    of the keys)."""
     batch, seqlen_q = q.shape[:2]
     seqlen_k = k.shape[1]
-    # The max_seqlen values below are Python ints: reading them (and all()) syncs with the device once per call.
-    if bool(mask.all()):
+    decoding = (seqlen_q == 1 and (options["causal"] or options["window_size"] != (-1, -1))
+                and options["dropout_p"] == 0 and not _wants_grad(q, k, v, options["sink"]))
+    # The max_seqlen values below are Python ints: reading them (and these facts) syncs with the device once.
+    leftpad = seqlen_k - mask.sum(1, dtype=torch.int32)
+    left_padded = (mask == (torch.arange(seqlen_k, device=mask.device) >= leftpad[:, None])).all()
+    every, left_padded = torch.stack([mask.all(), left_padded]).tolist()
+    if every:
         return flash_attn_func(q, k, v, **options)
+    if decoding and left_padded:
+        full = torch.full((batch,), seqlen_k, dtype=torch.int32, device=q.device)
+        return flash_attn_with_kvcache(q, k, v, cache_seqlens=full, cache_leftpad=leftpad,
+                                       softmax_scale=options["softmax_scale"], causal=options["causal"],
+                                       window_size=options["window_size"], softcap=options["softcap"],
+                                       sink=options["sink"])
     k_packed, indices_k, cu_seqlens_k, max_seqlen_k, _ = unpad_input(k, mask)
     v_packed = v.flatten(0, 1)[indices_k]
     if not options["causal"] and options["window_size"] == (-1, -1):
@@ -368,6 +383,11 @@ def _padded_attention(q, k, v, mask, options):
     out = flash_attn_varlen_func(q_packed, k_packed, v_packed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                  **options)
     return pad_input(out, indices_q, batch, seqlen_q)
+
+
+def _wants_grad(*tensors) -> bool:
+    """Whether autograd would need the attention's backward (the KV-cache path has none)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _packed_offsets(query, key, mask, kwargs, module):

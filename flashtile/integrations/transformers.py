@@ -9,7 +9,9 @@ and ``AttentionMaskInterface`` (:func:`flashtile_attention_mask`). As on transfo
 path, the mask a model builds for "flashtile" is the 2-D padding mask ``(batch, seqlen_k)`` or None,
 never a ``seqlen x seqlen`` tensor: a padded batch (left padding from ``generate()``, or right
 padding) runs through :func:`flashtile.flash_attn_varlen_func` with per-sequence offsets, a batch
-without padding through :func:`flashtile.flash_attn_func` on the model's own tensors.
+without padding through :func:`flashtile.flash_attn_func` on the model's own tensors. A decoding step
+over left padding (no gradient wanted) reads the cache in place through
+:func:`flashtile.flash_attn_with_kvcache`, each row's padding as ``cache_leftpad``.
 
 What the model's attention layer asks for and what flashtile receives:
 

@@ -48,7 +48,8 @@ def measure(batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype=torch.bfloat16):
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     # SDPA's causal mask is top-left aligned: one query row sees every key either way, more rows need it off.
     sdpa = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=False, enable_gqa=True)  # noqa: E731
-    kv_kernel = lambda: launch.decode.attention_kv(q, k, v, launch._full_cache_args(args, seqlen_q, seqlen_k))  # noqa: E731
+    cache_args = launch._full_cache_args(args, seqlen_q, seqlen_k)
+    kv_kernel = lambda: launch.decode.attention_kv(q, k, v, cache_args)  # noqa: E731
     forward = lambda: launch.forward(q, k, v, args, config=forward_tile)  # noqa: E731
     row = dict(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_kv=nheads_kv,
                takes_kv_kernel=configs.dense_takes_decode(batch, seqlen_q, seqlen_k, nheads, nheads_kv, frozenset(),
@@ -82,7 +83,8 @@ def main():
     path = os.path.join(os.environ.get("OUT", "/tmp"), f"h200-dense-decode-{date}.json")
     with open(path, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    print(f"{'b x q x k, heads':24s} {'forward':>8s} {'kv':>7s} {'sdpa':>7s} {'GB/s':>6s} {'api':>7s} {'sdpa':>7s} rule")
+    header = ("b x q x k, heads", "forward", "kv", "sdpa", "GB/s", "api", "sdpa")
+    print("{:24s} {:>8s} {:>7s} {:>7s} {:>6s} {:>7s} {:>7s} rule".format(*header))
     for r in rows:
         shape = f"{r['batch']}x{r['seqlen_q']}x{r['seqlen_k']} {r['nheads']}/{r['nheads_kv']}"
         print(f"{shape:24s} {r['gpu_us_forward']:8.1f} {r['gpu_us_kv_kernel']:7.1f} {r['gpu_us_sdpa']:7.1f} "

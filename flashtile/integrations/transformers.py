@@ -346,8 +346,10 @@ def _padded_attention(q, k, v, mask, options):
     of the keys)."""
     batch, seqlen_q = q.shape[:2]
     seqlen_k = k.shape[1]
+    # The KV-cache path reads k and v in place: it needs their head dims contiguous (as transformers' caches are).
     decoding = (seqlen_q == 1 and (options["causal"] or options["window_size"] != (-1, -1))
-                and options["dropout_p"] == 0 and not _wants_grad(q, k, v, options["sink"]))
+                and options["dropout_p"] == 0 and not _wants_grad(q, k, v, options["sink"])
+                and k.stride(-1) == 1 and v.stride(-1) == 1)
     # The max_seqlen values below are Python ints: reading them (and these facts) syncs with the device once.
     leftpad = seqlen_k - mask.sum(1, dtype=torch.int32)
     left_padded = (mask == (torch.arange(seqlen_k, device=mask.device) >= leftpad[:, None])).all()

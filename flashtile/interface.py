@@ -461,6 +461,8 @@ def _kvcache_signature(tensors, index: dict, options: dict):
     q = tensors[0]
     if torch.compiler.is_compiling() or not all(isinstance(t, torch.Tensor) for t in (q, index["cache_seqlens"])):
         return None
+    if validation.values_checked(q.device):
+        return None
     layouts = []
     for t in (*tensors, *index.values()):
         if isinstance(t, torch.Tensor):
@@ -474,7 +476,7 @@ def _kvcache_signature(tensors, index: dict, options: dict):
         return None
     scalars = tuple(value for name, value in options.items() if name != "window_size")
     types = tuple(type(x) for x in scalars)
-    if not all(t in _SCALARS for t in types) or validation.values_checked(q.device):
+    if not all(t in _SCALARS for t in types):
         return None
     return ("kvcache", tuple(layouts), window, scalars, types, state_key())
 

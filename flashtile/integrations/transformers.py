@@ -351,12 +351,15 @@ def _padded_attention(q, k, v, mask, options):
                 and options["dropout_p"] == 0 and not _wants_grad(q, k, v, options["sink"])
                 and k.stride(-1) == 1 and v.stride(-1) == 1)
     # The max_seqlen values below are Python ints: reading them (and these facts) syncs with the device once.
-    leftpad = seqlen_k - mask.sum(1, dtype=torch.int32)
-    left_padded = (mask == (torch.arange(seqlen_k, device=mask.device) >= leftpad[:, None])).all()
-    every, left_padded = torch.stack([mask.all(), left_padded]).tolist()
+    if decoding:
+        leftpad = seqlen_k - mask.sum(1, dtype=torch.int32)
+        left_padded = (mask == (torch.arange(seqlen_k, device=mask.device) >= leftpad[:, None])).all()
+        every, left_padded = torch.stack([mask.all(), left_padded]).tolist()
+    else:
+        every, left_padded = bool(mask.all()), False
     if every:
         return flash_attn_func(q, k, v, **options)
-    if decoding and left_padded:
+    if left_padded:
         full = torch.full((batch,), seqlen_k, dtype=torch.int32, device=q.device)
         return flash_attn_with_kvcache(q, k, v, cache_seqlens=full, cache_leftpad=leftpad,
                                        softmax_scale=options["softmax_scale"], causal=options["causal"],

@@ -65,11 +65,11 @@ def _cache_tensors(q: torch.Tensor, args: KVCacheArgs) -> dict:
 
 
 def _cache_static(k_cache: torch.Tensor, args: KVCacheArgs) -> dict:
-    """Paging and the per-batch-row switches, from what :func:`cache_key` keys."""
+    """Paging and the per-batch-row switches, from what :func:`cache_key` keys (without the capacity and the
+    cache's rows, which the attention kernel takes per call)."""
     table = args.block_table
     return dict(
-        stride_bt=table.stride(0) if table is not None else 0, max_seqlen_k=args.max_seqlen_k,
-        page_size=k_cache.shape[1] if table is not None else 1, num_blocks=k_cache.shape[0],
+        stride_bt=table.stride(0) if table is not None else 0, page_size=k_cache.shape[1] if table is not None else 1,
         PAGED=table is not None, HAS_SEQLENS=args.cache_seqlens is not None,
         HAS_LEFTPAD=args.cache_leftpad is not None, HAS_BATCH_IDX=args.cache_batch_idx is not None,
     )
@@ -113,7 +113,7 @@ def append_kv(q, k_cache, v_cache, k, v, args: KVCacheArgs):
             ROTARY=rotary, ROTARY_DIM=2 * cos.shape[1] if rotary else 0, INTERLEAVED=bool(args.rotary_interleaved),
             # flash-attn: with a causal mask or a window, query t is rotated at new key t's position.
             Q_PER_TOKEN=bool(args.causal) or args.window_left >= 0 or args.window_right >= 0,
-            **_cache_static(k_cache, args),
+            **_cache_static(k_cache, args), max_seqlen_k=args.max_seqlen_k, num_blocks=k_cache.shape[0],
             num_warps=1 if block_h * padded_head_dim(max(head_dim, head_dim_v)) <= 1024 else 4,
         )
 
@@ -188,8 +188,6 @@ def attention_kv(q, k_cache, v_cache, args: KVCacheArgs, config: TileConfig | No
     alibi = args.alibi_slopes
 
     def static():
-        cache = _cache_static(k_cache, args)
-        del cache["max_seqlen_k"], cache["num_blocks"]
         if p.num_splits > 1:
             dst = (o_dst.stride(0), *o_dst.stride()[1:4], lse_dst.stride(0), *lse_dst.stride()[1:3])
         else:
@@ -207,7 +205,7 @@ def attention_kv(q, k_cache, v_cache, args: KVCacheArgs, config: TileConfig | No
             FAST_TANH=fast_tanh(q),
             ALIBI=alibi is not None, HAS_SINK=args.sink is not None,
             INPUT_PRECISION=input_precision(q.dtype),
-            **cache,
+            **_cache_static(k_cache, args),
             # Pages that hold whole key blocks are read with one table entry per block.
             PAGE_ALIGNED=args.block_table is not None and k_cache.shape[1] % cfg.BLOCK_N == 0,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -413,8 +413,8 @@ def _fill_tail(x: torch.Tensor, cu_seqlens: torch.Tensor, value: float) -> None:
         _FILL_TAIL((x3.shape, x3.stride(), cu_seqlens.shape[0], x.dtype), (cdiv(total, _TAIL_BLOCK_ROWS),),
                    dict(X=x3, CU_SEQLENS=cu_seqlens, value=value),
                    lambda: dict(batch=cu_seqlens.shape[0] - 1, total=total, stride_row=x3.stride(0),
-                                stride_h=x3.stride(1), nheads=nheads, head_dim=head_dim,
-                                BLOCK_R=_TAIL_BLOCK_ROWS, BLOCK_C=min(triton.next_power_of_2(nheads * head_dim), 1024)))
+                                stride_h=x3.stride(1), nheads=nheads, head_dim=head_dim, BLOCK_R=_TAIL_BLOCK_ROWS,
+                                BLOCK_C=min(triton.next_power_of_2(nheads * head_dim), 1024)))
 
 
 def _sink_grad(sink, lse, delta, varlen: bool) -> torch.Tensor:

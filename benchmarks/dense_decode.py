@@ -9,10 +9,7 @@ each path; whether the dispatch rule takes the KV-cache kernel for the shape.
 
     FLASHTILE_NO_VENV=1 PYTHONPATH=$PWD python benchmarks/dense_decode.py   # writes $OUT/h200-dense-decode-<date>.json
 """
-import datetime
-import json
 import os
-import subprocess
 import sys
 
 import torch
@@ -25,7 +22,7 @@ from flashtile.backends.triton import configs, launch
 from flashtile.testing import attention_ref
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from host_time import per_call_us  # noqa: E402
+from host_time import measure_all, per_call_us, save_results  # noqa: E402
 
 SHAPES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_kv)
     (1, 1, 512, 32, 8), (1, 1, 2048, 32, 8), (1, 1, 4096, 32, 8), (1, 1, 32768, 32, 8), (8, 1, 4096, 32, 8),
@@ -48,7 +45,7 @@ def measure(batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype=torch.bfloat16):
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     # SDPA's causal mask is top-left aligned: one query row sees every key either way, more rows need it off.
     sdpa = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=False, enable_gqa=True)  # noqa: E731
-    cache_args = launch._full_cache_args(args, seqlen_q, seqlen_k)
+    cache_args = launch._cache_args(args, max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k)
     kv_kernel = lambda: launch.decode.attention_kv(q, k, v, cache_args)  # noqa: E731
     forward = lambda: launch.forward(q, k, v, args, config=forward_tile)  # noqa: E731
     row = dict(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_kv=nheads_kv,
@@ -70,19 +67,8 @@ def measure(batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype=torch.bfloat16):
 
 
 def main():
-    torch.manual_seed(0)
-    rows = []
-    for shape in SHAPES:
-        rows.append(measure(*shape))
-        print(json.dumps({k: round(x, 4) if isinstance(x, float) else x for k, x in rows[-1].items()}), flush=True)
-    commit = os.environ.get("FLASHTILE_GIT_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    meta = dict(torch=torch.__version__, triton=triton.__version__, gpu=torch.cuda.get_device_name(), commit=commit,
-                command="python benchmarks/dense_decode.py")
-    date = datetime.date.today().isoformat()
-    path = os.path.join(os.environ.get("OUT", "/tmp"), f"h200-dense-decode-{date}.json")
-    with open(path, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    rows = measure_all(measure, SHAPES)
+    save_results("dense-decode", rows, "python benchmarks/dense_decode.py")
     header = ("b x q x k, heads", "forward", "kv", "sdpa", "GB/s", "api", "sdpa")
     print("{:24s} {:>8s} {:>7s} {:>7s} {:>6s} {:>7s} {:>7s} rule".format(*header))
     for r in rows:

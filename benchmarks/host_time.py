@@ -27,6 +27,34 @@ def per_call_us(fn, n=1000):
     return round((time.perf_counter() - start) / n * 1e6, 1)
 
 
+def git_commit():
+    """The commit under test: ``FLASHTILE_GIT_COMMIT`` (the device copy has no .git), else git's."""
+    return os.environ.get("FLASHTILE_GIT_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+
+
+def measure_all(measure, shapes):
+    """``measure(*shape)`` of each shape from a fixed seed, each row printed as it comes."""
+    torch.manual_seed(0)
+    rows = []
+    for shape in shapes:
+        rows.append(measure(*shape))
+        print(json.dumps({k: round(x, 4) if isinstance(x, float) else x for k, x in rows[-1].items()}), flush=True)
+    return rows
+
+
+def save_results(name, rows, command, **meta):
+    """Write ``rows`` with the versions, GPU and commit to ``$OUT/h200-<name>-<date>.json``; returns the path."""
+    import datetime
+    import triton
+    meta = dict(torch=torch.__version__, triton=triton.__version__, gpu=torch.cuda.get_device_name(),
+                commit=git_commit(), command=command, **meta)
+    path = os.path.join(os.environ.get("OUT", "/tmp"), f"h200-{name}-{datetime.date.today().isoformat()}.json")
+    with open(path, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    return path
+
+
 def measure(batch, seqlen, heads=32, heads_kv=8):
     q = torch.randn(batch, seqlen, heads, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(batch, seqlen, heads_kv, 128, device="cuda", dtype=torch.bfloat16)
@@ -87,9 +115,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--label", default="run")
     opts = parser.parse_args()
-    commit = os.environ.get("FLASHTILE_GIT_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result = {"label": opts.label, "commit": commit, "torch": torch.__version__,
+    result = {"label": opts.label, "commit": git_commit(), "torch": torch.__version__,
               "triton": __import__("triton").__version__, "device": torch.cuda.get_device_name(),
               "unit": "us per call (host-bound)", "rows": {}}
     for batch, seqlen in [(1, 512), (1, 128)]:

@@ -277,7 +277,16 @@ def _attention(function, inputs, qkv, options, sink, attn_bias, return_attn_prob
     known = None if key is None else recall(key)
     if known is not None:
         args, chosen = known
-        if chosen.call.seqlen_k == k.shape[1]:
+        if args.varlen:
+            # Packed sequences: the offsets are this call's, and the longest lengths may differ.
+            args = replace(args, cu_seqlens_q=options["cu_seqlens_q"], cu_seqlens_k=options["cu_seqlens_k"],
+                           seqused_k=options["seqused_k"],
+                           max_seqlen_q=validation.check_max_seqlen("max_seqlen_q", options["max_seqlen_q"]),
+                           max_seqlen_k=validation.check_max_seqlen("max_seqlen_k", options["max_seqlen_k"]))
+            planned = (chosen.call.seqlen_q, chosen.call.seqlen_k) == (args.max_seqlen_q, args.max_seqlen_k)
+        else:
+            planned = chosen.call.seqlen_k == k.shape[1]
+        if planned:
             record_choice(chosen)
         else:
             chosen = dispatch(AttentionCall.of(q, k, v, args))
@@ -308,10 +317,11 @@ def _plain_window(window) -> bool:
 
 
 def _signature(function, qkv, options, sink, attn_bias):
-    """What validation reads of a dense call without tensor options, as a key (with the options' types,
-    so that ``softcap=False`` does not pass for ``softcap=0``); None for other calls. The number of keys
-    is left out (only whether k and v agree on it): the plan made for one is redone for another."""
-    if sink is not None or attn_bias is not None or options.get("varlen") or options["alibi_slopes"] is not None:
+    """What validation reads of a call without sink, bias or ALiBi, as a key (with the options' types, so
+    that ``softcap=False`` does not pass for ``softcap=0``); None for other calls. The number of keys is
+    left out (only whether k and v agree on it): the plan made for one is redone for another. Packed
+    sequences: see :func:`_varlen_signature`."""
+    if sink is not None or attn_bias is not None or options["alibi_slopes"] is not None:
         return None
     window = options["window_size"]
     if not _plain_window(window):
@@ -319,10 +329,35 @@ def _signature(function, qkv, options, sink, attn_bias):
     scalars = (options["dropout_p"], options["softmax_scale"], options["causal"], options["softcap"])
     types = tuple(type(x) for x in scalars)
     q, k, v = qkv
-    if not all(t in _SCALARS for t in types) or not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in qkv):
+    varlen = options.get("varlen", False)
+    if not all(t in _SCALARS for t in types) or not all(isinstance(t, torch.Tensor) and t.dim() == 4 - varlen
+                                                        for t in qkv):
         return None
-    return (function, window, scalars, types, q.shape, k.shape[0], k.shape[2:], v.shape[0], v.shape[2:],
-            k.shape[1] == v.shape[1], q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, state_key())
+    common = (function, window, scalars, types, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, state_key())
+    if varlen:
+        return _varlen_signature(qkv, options, common)
+    return (*common, q.shape, k.shape[0], k.shape[2:], v.shape[0], v.shape[2:], k.shape[1] == v.shape[1])
+
+
+def _varlen_signature(qkv, options, common):
+    """The key of a packed call: besides ``common``, q's shape, k's and v's but their token counts (whether
+    they agree), and the offsets' (and ``seqused_k``'s) shapes, dtypes and devices, whose checks read no
+    value. None when the call must be validated afresh: values checked on the host (CPU tensors,
+    ``FLASHTILE_VALIDATE_VALUES=1``), or a longest length given as a tensor (read on the host)."""
+    q, k, v = qkv
+    if validation.values_checked(q.device):
+        return None
+    if type(options["max_seqlen_q"]) is not int or type(options["max_seqlen_k"]) is not int:
+        return None
+    index = []
+    for t in (options["cu_seqlens_q"], options["cu_seqlens_k"], options["seqused_k"]):
+        if isinstance(t, torch.Tensor):
+            index.append((t.shape, t.dtype, t.device))
+        elif t is None:
+            index.append(None)
+        else:
+            return None
+    return (*common, "varlen", q.shape, k.shape[1:], v.shape[1:], k.shape[0] == v.shape[0], tuple(index))
 
 
 def flash_attn_with_kvcache(

@@ -88,3 +88,16 @@ def clean_dispatch_state(monkeypatch):
     yield
     flashtile.set_strict(False)
     flashtile.reset_stats()
+
+
+@pytest.fixture
+def no_dense_decode_threshold(monkeypatch):
+    """On a GPU short decode-shaped calls would take the forward kernel (configs.DENSE_DECODE_MIN_KEYS): lift
+    the threshold, and forget kernel names described under either setting."""
+    from flashtile import dispatch
+    from flashtile.backends.triton import configs
+
+    monkeypatch.setattr(configs, "DENSE_DECODE_MIN_KEYS", 0)
+    dispatch._describe.cache_clear()
+    yield
+    dispatch._describe.cache_clear()

@@ -7,7 +7,7 @@ import torch
 import flashtile
 from flashtile import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
 from flashtile.dispatch import force_backend
-from flashtile.testing import attention_ref, make_qkv
+from flashtile.testing import attention_ref, attention_varlen_ref, cu_seqlens_of, make_qkv
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -178,6 +178,35 @@ def test_growing_keys_reuse_validation_and_replan(device, rng, monkeypatch):
             flash_attn_func(q, k, v[:, :5])
     assert len(checked) == 2
     assert counts()["calls"] == {"torch": 3}
+
+
+def test_packed_steps_reuse_validation_and_replan(device, rng, monkeypatch):
+    """Decode steps of a continuous batch through flash_attn_varlen_func (new offsets every step, keys grown by
+    a token): validation runs once, each step attends with its own offsets, the plan is redone when a longest
+    length changes, and offsets of the wrong dtype or a length given as a tensor are validated afresh."""
+    from flashtile import validation
+
+    monkeypatch.setattr(validation, "values_checked", lambda device: False)  # as for CUDA tensors by default
+    checked = []
+    real = validation.check_varlen
+    monkeypatch.setattr(validation, "check_varlen", lambda *a, **kw: (checked.append(1), real(*a, **kw))[1])
+    q = torch.randn(3, 4, 16, generator=rng).to(device, torch.float16)
+    cu_q = cu_seqlens_of([1, 1, 1], device)
+    with force_backend("torch"):
+        for step in range(3):
+            lengths = [5 + step, 2 + step, 9 + step]
+            cu_k = cu_seqlens_of(lengths, device)
+            k, v = (torch.randn(sum(lengths), 2, 16, generator=rng).to(device, torch.float16) for _ in range(2))
+            out = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, max(lengths), causal=True)
+            ref, _ = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=True)
+            torch.testing.assert_close(out.float(), ref.float(), atol=2e-3, rtol=0)
+        assert [plan.call.seqlen_k for _, plan in flashtile.dispatch._remembered.values()] == [max(lengths)]
+        assert len(checked) == 1
+        with pytest.raises(TypeError, match="cu_seqlens_k must have dtype torch.int32"):
+            flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k.long(), 1, max(lengths), causal=True)
+        flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, torch.tensor(max(lengths)), causal=True)
+    assert len(checked) == 3
+    assert counts()["calls"] == {"torch": 4}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through Triton's interpreter: the CPU suite's test")

@@ -424,19 +424,6 @@ DECODE_SHAPED = {
 }
 
 
-@pytest.fixture
-def no_dense_decode_threshold(monkeypatch):
-    """On a GPU the short rows of DECODE_SHAPED would take the forward kernel (configs.DENSE_DECODE_MIN_KEYS):
-    lift the threshold, and forget kernel names described under either setting."""
-    from flashtile import dispatch
-    from flashtile.backends.triton import configs
-
-    monkeypatch.setattr(configs, "DENSE_DECODE_MIN_KEYS", 0)
-    dispatch._describe.cache_clear()
-    yield
-    dispatch._describe.cache_clear()
-
-
 @pytest.mark.parametrize("case", DECODE_SHAPED.values(), ids=DECODE_SHAPED.keys())
 def test_decode_shaped_calls(backend, device, rng, case, no_dense_decode_threshold):
     """A decode step through flash_attn_func (transformers' path): out, lse and every gradient against the
@@ -469,6 +456,7 @@ def test_decode_shaped_calls_take_the_kv_cache_kernel_once_the_forward_would_be_
     assert takes(1, 1, 4096, 32, 8) and not takes(1, 1, 4095, 32, 8)
     assert takes(8, 1, 2048, 32, 8)  # 256 programs: two waves of 2048 keys
     assert takes(1, 8, 8192, 32, 8, frozenset({"window", "sink"}))  # 8 tokens x 4 heads: 32 rows
+    assert takes(8, 1, 2048, 32, 8, frozenset({"varlen"}))  # packed: max_seqlen_q rows a sequence
     assert not takes(1, 9, 8192, 32, 8)  # 36 rows: the forward kernel
     assert not takes(1, 1, 8192, 32, 8, frozenset({"bias"})) and not takes(1, 1, 8192, 32, 8, frozenset({"dropout"}))
     assert not takes(70000, 1, 8192, 1, 1)  # past the KV-cache grid's batch x KV heads

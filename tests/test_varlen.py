@@ -107,6 +107,43 @@ def test_varlen_seqused_k(backend, device, rng, causal):
     check_varlen(q, k, v, cu_q, cu_k, rng, seqused_k=seqused_k, causal=causal)
 
 
+# Decode steps of a continuous batch, (lengths of q, lengths of k, options): at most 32 query rows per KV head
+# (max_seqlen_q x 4 / nheads_kv heads), so the Triton backend runs them on the KV-cache kernel, which reads q
+# through cu_seqlens_q and the packed k from cu_seqlens_k[b]. With at most 4 programs (sequences x KV heads)
+# and 64+ keys the interpreter splits the keys, so the combine writes the packed rows.
+VARLEN_DECODE = {
+    "one-query-each-mqa": ([1, 1, 1, 1], [37, 200, 1, 90], dict(causal=True, nheads_kv=1)),
+    "empty-sequences": ([1, 0, 1, 1, 0], [0, 64, 130, 5, 0], dict(causal=True)),
+    "chunks-longer-than-keys": ([3, 8, 0, 5], [3, 150, 20, 4], dict(causal=True)),
+    "window-softcap-mqa": ([2, 1, 4], [100, 260, 33], dict(causal=True, window_size=(40, 2), softcap=6.0,
+                                                            nheads_kv=1)),
+    "alibi-sink-full-mqa": ([1, 2, 1], [70, 50, 300], dict(alibi=True, sink=True, nheads_kv=1)),
+    "headdim-v": ([1, 4], [80, 120], dict(causal=True, headdim_v=48)),
+    "seqused-k-mqa": ([1, 2, 1], [60, 90, 140], dict(causal=True, seqused_k=[30, 0, 140], nheads_kv=1)),
+}
+
+
+@pytest.mark.parametrize("case", VARLEN_DECODE.values(), ids=VARLEN_DECODE.keys())
+def test_varlen_decode_steps(backend, device, rng, case, no_dense_decode_threshold):
+    """out, lse and every gradient of few-query sequences against the reference; on the Triton backend the
+    KV-cache kernel runs them (explain names it)."""
+    lengths_q, lengths_k, options = case
+    options = dict(options)
+    q, k, v, cu_q, cu_k = packed_inputs(rng, device, lengths_q, lengths_k, nheads_kv=options.pop("nheads_kv", 2),
+                                        headdim_v=options.pop("headdim_v", None))
+    if options.pop("alibi", False):
+        options["alibi_slopes"] = (torch.rand(len(lengths_q), 4, generator=rng) * 0.3).to(device)
+    if options.pop("sink", False):
+        options["sink"] = randn(rng, 4, device=device, dtype=torch.float32)
+    if "seqused_k" in options:
+        options["seqused_k"] = torch.tensor(options["seqused_k"], dtype=torch.int32, device=device)
+    check_varlen(q, k, v, cu_q, cu_k, rng, **options)
+    if backend == "triton":
+        kernel = flashtile.explain(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lengths_q),
+                                   max_seqlen_k=max(lengths_k), **options).kernel
+        assert kernel.startswith("flashtile.decode[triton") and " varlen" in kernel, kernel
+
+
 def test_varlen_dropout_matches_reference(backend, device, rng):
     """Sequence b draws its mask with batch index b and positions counted from its first token."""
     q, k, v, cu_q, cu_k = packed_inputs(rng, device, [20, 0, 33], [25, 4, 17], dtype=torch.float32)

@@ -121,7 +121,8 @@ class KVCacheArgs(AttnArgs):
     The fields of :class:`AttnArgs` that apply (scale, causal, window, softcap, alibi_slopes, sink)
     mean what they mean there; ``max_seqlen_k`` is the capacity of one sequence (``seqlen_cache``,
     or ``max_blocks_per_seq * page_size`` when paged): an upper bound of its keys that never needs
-    the tensors' values. No dropout, bias or varlen.
+    the tensors' values. No dropout or bias; ``cu_seqlens_q`` (packed q, ``max_seqlen_q`` rows a
+    sequence) only where the Triton backend runs a varlen decode step on its KV-cache kernel.
 
     Key row ``r`` of batch row ``b`` lives at:
         contiguous cache ``(batch_cache, seqlen_cache, nheads_kv, headdim)``:

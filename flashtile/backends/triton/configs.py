@@ -481,14 +481,16 @@ def sm_count(device: torch.device) -> int:
 # one query over the whole cache -- run on the KV-cache kernel as over a full cache of seqlen_k keys: it
 # packs the query heads of a KV head into one tile, reads K and V once, and splits long rows over the SMs,
 # where the forward kernel runs one program per query head (32 programs for a batch-1 step of 32 heads).
-# Not for dropout, bias or packed sequences, which the KV-cache kernel lacks. H200, bf16, 32/8 heads,
+# Packed sequences (flash_attn_varlen_func, a continuous batch's decode step) too, with max_seqlen_q as the
+# rows: the kernel reads q through cu_seqlens_q and the packed k as one cache row from cu_seqlens_k[b].
+# Not for dropout or bias, which the KV-cache kernel lacks. H200, bf16, 32/8 heads,
 # d=128, causal, one query, GPU us by CUDA-graph replay, forward kernel / KV-cache kernel / SDPA (`python
 # benchmarks/dense_decode.py` -> results/h200-dense-decode-2026-11-22.json): batch 1 x 512 keys 8.8 / 8.9 /
 # 7.5, x 4096 47.3 / 12.2 / 9.3, x 32768 499 / 38.1 / 37.6; 16 x 8192 516 / 124 / 123; 64 x 1024 165 / 72 /
 # 66; 4 queries x 8192 129 / 12.8 / 7.4. Its host time is longer (a second launch merges the splits): a
 # call takes it once the forward kernel's programs walk DENSE_DECODE_MIN_KEYS keys (waves x keys), where
 # the forward kernel's GPU time passes about 50 us.
-DENSE_DECODE_FEATURES = frozenset({"window", "softcap", "alibi", "sink", "headdim_v"})
+DENSE_DECODE_FEATURES = frozenset({"window", "softcap", "alibi", "sink", "headdim_v", "varlen"})
 DENSE_DECODE_MIN_KEYS = 4096
 # The KV-cache kernels' second grid axis is batch x KV heads (append and combine: batch), which CUDA caps.
 MAX_GRID_Y = 65535

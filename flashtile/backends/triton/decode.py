@@ -18,7 +18,7 @@ from ...alloc import empty
 from .. import KVCacheArgs
 from .configs import TileConfig, decode_config, decode_splits, padded_head_dim
 from .fastlaunch import CachedLaunch
-from .host import cdiv, fast_tanh, input_precision, on_device, unit_stride
+from .host import bsh_strides, cdiv, fast_tanh, input_precision, lse_strides, on_device, unit_stride
 from .kernels import decode as kernels
 
 # Rows (query tokens x heads) per program of the merge kernel.
@@ -56,7 +56,7 @@ def cache_key(args: KVCacheArgs, capacity: bool = True) -> tuple:
     """What the KV-cache kernels' static arguments take from ``args`` (see fastlaunch.py); ``capacity``:
     with ``max_seqlen_k`` (a launch that takes it per call leaves it out)."""
     return (args.cache_seqlens is not None, args.cache_leftpad is not None, args.cache_batch_idx is not None,
-            _layout(args.block_table), args.max_seqlen_k if capacity else None, args.seqlen_new)
+            _layout(args.block_table), args.max_seqlen_k if capacity else None, args.seqlen_new, args.varlen)
 
 
 def _cache_tensors(q: torch.Tensor, args: KVCacheArgs) -> dict:
@@ -158,9 +158,16 @@ def _plan(batch, seqlen_q, nheads, nheads_kv, head_dim, head_dim_v, dtype, devic
     return DecodePlan(cfg, splits, (m_blocks, batch * nheads_kv, splits), (seqlen_q * nheads, batch), combine_block)
 
 
+def _query_shape(q: torch.Tensor, args: KVCacheArgs) -> tuple:
+    """``(batch, seqlen_q, nheads, headdim)`` of q; packed q (``args.varlen``) has ``max_seqlen_q`` rows a sequence."""
+    if args.varlen:
+        return args.cu_seqlens_q.shape[0] - 1, args.max_seqlen_q, q.shape[1], q.shape[2]
+    return q.shape
+
+
 def plan(q, k_cache, v_cache, args: KVCacheArgs, config: TileConfig | None = None) -> DecodePlan:
     """Tiles, splits and grids that :func:`attention_kv` launches for these shapes."""
-    batch, seqlen_q, nheads, head_dim = q.shape
+    batch, seqlen_q, nheads, head_dim = _query_shape(q, args)
     return _plan(batch, seqlen_q, nheads, k_cache.shape[2], head_dim, v_cache.shape[3], q.dtype, q.device,
                  args.max_seqlen_k, args.num_splits, args.page_size if args.paged else 0, config)
 
@@ -171,12 +178,33 @@ def attention_kv(q, k_cache, v_cache, args: KVCacheArgs, config: TileConfig | No
     and lse float32 ``(batch, nheads, seqlen_q)``. ``args.num_splits`` (0: from the shapes) cuts each
     sequence's keys into shares merged afterwards; ``config`` overrides the tile table (tuning sweeps)."""
     q, k_cache, v_cache = unit_stride(q), unit_stride(k_cache), unit_stride(v_cache)
-    batch, seqlen_q, nheads, head_dim = q.shape
-    nheads_kv, head_dim_v = k_cache.shape[2], v_cache.shape[3]
-    out = empty((batch, seqlen_q, nheads, head_dim_v), q.dtype, q.device)
+    batch, seqlen_q, nheads, _ = q.shape
+    out = empty((batch, seqlen_q, nheads, v_cache.shape[3]), q.dtype, q.device)
     lse = empty((batch, nheads, seqlen_q), torch.float32, q.device)
+    attend(q, k_cache, v_cache, out, lse, args, config)
+    return out, lse
+
+
+def attention_packed(q, k, v, out, lse, args: KVCacheArgs):
+    """A varlen call's few query rows a sequence (a decode step of a continuous batch) on the KV-cache
+    kernel: q, k, v packed ``(tokens, heads, headdim)``; ``args`` as :func:`launch._packed_cache_args`
+    builds them (``cu_seqlens_q``, and the keys of sequence ``b`` as cache rows ``[cache_leftpad[b],
+    cache_seqlens[b])`` of the packed k). Writes the rows of each sequence into the packed ``out``
+    ``(tokens, nheads, headdim_v)`` and ``lse`` ``(nheads, tokens)``; rows past ``cu_seqlens_q[-1]`` are the
+    caller's."""
+    q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
+    batch = args.cu_seqlens_q.shape[0] - 1
+    # Every batch row reads the one packed tensor: a cache row of all the tokens, batch stride 0.
+    attend(q, k.expand(batch, *k.shape), v.expand(batch, *v.shape), out, lse, args)
+
+
+def attend(q, k_cache, v_cache, out, lse, args: KVCacheArgs, config: TileConfig | None = None):
+    """Launch the KV-cache attention of q (dense, or packed with ``args.varlen``) into ``out`` and ``lse``."""
+    batch, seqlen_q, nheads, head_dim = _query_shape(q, args)
+    nheads_kv, head_dim_v = k_cache.shape[2], v_cache.shape[3]
     if batch == 0 or seqlen_q == 0 or nheads == 0:
-        return out, lse
+        return
+    varlen = args.varlen
     p = plan(q, k_cache, v_cache, args, config)
     cfg = p.config
     if p.num_splits > 1:
@@ -191,9 +219,9 @@ def attention_kv(q, k_cache, v_cache, args: KVCacheArgs, config: TileConfig | No
         if p.num_splits > 1:
             dst = (o_dst.stride(0), *o_dst.stride()[1:4], lse_dst.stride(0), *lse_dst.stride()[1:3])
         else:
-            dst = (0, *out.stride()[:3], 0, *lse.stride()[:2])
+            dst = (0, *bsh_strides(out, varlen), 0, *lse_strides(lse, varlen))
         return dict(
-            **dict(zip(_OUT_STRIDES, (*_strides3(q), *dst))),
+            **dict(zip(_OUT_STRIDES, (*bsh_strides(q, varlen), *dst))),
             window_left=args.window_left, window_right=args.window_right,
             stride_alibi_b=alibi.stride(0) if alibi is not None else 0,
             seqlen_q=seqlen_q, seqlen_new=args.seqlen_new, nheads=nheads, nheads_kv=nheads_kv,
@@ -207,36 +235,39 @@ def attention_kv(q, k_cache, v_cache, args: KVCacheArgs, config: TileConfig | No
             INPUT_PRECISION=input_precision(q.dtype),
             **_cache_static(k_cache, args),
             # Pages that hold whole key blocks are read with one table entry per block.
-            PAGE_ALIGNED=args.block_table is not None and k_cache.shape[1] % cfg.BLOCK_N == 0,
+            PAGE_ALIGNED=args.block_table is not None and k_cache.shape[1] % cfg.BLOCK_N == 0, Q_VARLEN=varlen,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
-    # The key holds what the static arguments read: q's layout, the cache's shape but its rows (and its page
-    # size when paged), the plan (the output's strides follow).
-    key = (_layout(q), k_cache.shape[2:], v_cache.shape[3], k_cache.shape[1] if args.paged else None, q.device,
-           cache_key(args, capacity=False), p, args.window_left, args.window_right, args.softcap > 0,
+    # The key holds what the static arguments read: q's layout and rows a sequence, the cache's shape but its
+    # rows (and its page size when paged), the plan (the output's strides follow).
+    key = (_layout(q), seqlen_q, k_cache.shape[2:], v_cache.shape[3], k_cache.shape[1] if args.paged else None,
+           q.device, cache_key(args, capacity=False), p, args.window_left, args.window_right, args.softcap > 0,
            _layout(alibi), args.sink is not None)
     stride_kb, stride_kn, stride_kh = _strides3(k_cache)
     stride_vb, stride_vn, stride_vh = _strides3(v_cache)
+    cu_seqlens_q = args.cu_seqlens_q if varlen else q
     with on_device(q):
+        # The kernel's max_seqlen_k bounds the key rows read from a cache row: a paged row's capacity, or the
+        # rows a contiguous cache holds (its capacity, or every packed token with varlen).
         _DECODE(key, p.grid, dict(Q=q, K=k_cache, V=v_cache, O=o_dst, LSE=lse_dst,
                                   ALIBI_SLOPES=alibi if alibi is not None else q,
-                                  SINK=args.sink if args.sink is not None else q,
+                                  SINK=args.sink if args.sink is not None else q, CU_SEQLENS_Q=cu_seqlens_q,
                                   softmax_scale=float(args.softmax_scale), softcap=float(args.softcap),
-                                  max_seqlen_k=args.max_seqlen_k, num_blocks=k_cache.shape[0], stride_kb=stride_kb,
+                                  max_seqlen_k=args.max_seqlen_k if args.paged else k_cache.shape[1],
+                                  num_blocks=k_cache.shape[0], stride_kb=stride_kb,
                                   stride_kn=stride_kn, stride_kh=stride_kh, stride_vb=stride_vb, stride_vn=stride_vn,
                                   stride_vh=stride_vh, **_cache_tensors(q, args)), static)
         if p.num_splits > 1:
             block_s = p.combine_block
-            _COMBINE((out.shape, p.num_splits, block_s, q.device), p.combine_grid,
-                     dict(O_PART=o_dst, LSE_PART=lse_dst, O=out, LSE=lse),
+            _COMBINE((out.shape, out.stride(), lse.stride(), p, q.device, varlen), p.combine_grid,
+                     dict(O_PART=o_dst, LSE_PART=lse_dst, O=out, LSE=lse, CU_SEQLENS_Q=cu_seqlens_q),
                      lambda: dict(zip(_COMBINE_STRIDES, (o_dst.stride(0), *o_dst.stride()[1:4], lse_dst.stride(0),
-                                                         *lse_dst.stride()[1:3], *out.stride()[:3],
-                                                         *lse.stride()[:2])),
-                                  nheads=nheads, num_splits=p.num_splits,
+                                                         *lse_dst.stride()[1:3], *bsh_strides(out, varlen),
+                                                         *lse_strides(lse, varlen))),
+                                  nheads=nheads, num_splits=p.num_splits, seqlen_q=seqlen_q,
                                   HEAD_DIM_V_ACTUAL=head_dim_v, HEAD_DIM_V=padded_head_dim(head_dim_v),
-                                  BLOCK_S=block_s, num_warps=2 if block_s <= 32 else 8))
-    return out, lse
+                                  BLOCK_S=block_s, Q_VARLEN=varlen, num_warps=2 if block_s <= 32 else 8))
 
 
 _OUT_STRIDES = ("stride_qb", "stride_qm", "stride_qh", "stride_os", "stride_ob", "stride_om", "stride_oh",

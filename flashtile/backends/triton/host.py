@@ -17,6 +17,17 @@ def unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def bsh_strides(t: torch.Tensor, varlen: bool) -> tuple:
+    """(batch, seq, head) strides of ``(batch, seq, heads, headdim)``, or of packed ``(tokens, heads, headdim)``
+    with batch stride 0 (each sequence starts at its own row instead)."""
+    return (0, t.stride(0), t.stride(1)) if varlen else (t.stride(0), t.stride(1), t.stride(2))
+
+
+def lse_strides(lse: torch.Tensor, varlen: bool) -> tuple:
+    """(batch, head) strides of lse: ``(batch, nheads, seqlen_q)``, or ``(nheads, tokens)`` for varlen."""
+    return (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+
+
 def on_device(t: torch.Tensor):
     # Switching devices costs host time on every call: only when t is not on the current one.
     if t.is_cuda and t.device.index != torch.cuda.current_device():

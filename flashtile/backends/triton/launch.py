@@ -21,7 +21,7 @@ from .configs import (bwd_config, bwd_plan, fixed_row_max, fwd_config, gluon_fwd
 # the Gluon forward); the dispatcher finds it here.
 from .decode import append_kv, merge_states  # noqa: F401
 from .fastlaunch import CachedLaunch
-from .host import cdiv, fast_tanh, fork, input_precision, on_device, unit_stride
+from .host import bsh_strides, cdiv, fast_tanh, fork, input_precision, lse_strides, on_device, unit_stride
 from .kernels.bwd import bwd_dkdv, bwd_dq, bwd_preprocess
 from .kernels.common import LOG2E as _LOG2E
 from .kernels.fwd import attn_fwd
@@ -31,12 +31,6 @@ from .kernels.tail import fill_tail
 _PREPROCESS_BLOCK_M = 64
 # The kernels' log2(e), as a host float for the scales passed to the Gluon forward.
 LOG2E = _LOG2E.value
-
-
-def _bsh(t: torch.Tensor, varlen: bool):
-    """(batch, seq, head) strides of ``(batch, seq, heads, headdim)``, or of packed ``(tokens, heads, headdim)``
-    with batch stride 0 (each sequence starts at its own row instead)."""
-    return (0, t.stride(0), t.stride(1)) if varlen else (t.stride(0), t.stride(1), t.stride(2))
 
 
 def _stride_names(name: str) -> tuple:
@@ -50,7 +44,7 @@ def _strides(varlen: bool, **tensors) -> dict:
     """The :func:`_stride_names` kernel arguments of each tensor."""
     result = {}
     for name, t in tensors.items():
-        result.update(zip(_stride_names(name), _bsh(t, varlen)))
+        result.update(zip(_stride_names(name), bsh_strides(t, varlen)))
     return result
 
 
@@ -61,11 +55,6 @@ def _shape(q, k, v, args: AttnArgs):
         return batch, args.max_seqlen_q, args.max_seqlen_k, q.shape[1], k.shape[1], q.shape[2], v.shape[2]
     batch, seqlen_q, nheads, head_dim = q.shape
     return batch, seqlen_q, k.shape[1], nheads, k.shape[2], head_dim, v.shape[3]
-
-
-def _lse_strides(lse: torch.Tensor, varlen: bool):
-    """(batch, head) strides of lse: ``(batch, nheads, seqlen_q)``, or ``(nheads, tokens)`` for varlen."""
-    return (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
 
 
 def _variant_tensors(q, args: AttnArgs) -> dict:
@@ -148,22 +137,25 @@ def forward(q, k, v, args: AttnArgs, config=None):
     q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, head_dim_v = _shape(q, k, v, args)
     features = frozenset(present_features(args, head_dim, head_dim_v))
-    if config is None and configs.dense_takes_decode(batch, seqlen_q, seqlen_k, nheads, nheads_kv, features, q.dtype,
-                                                     q.device):
-        # A decode step's few query rows: the KV-cache kernel, over k and v as a full cache.
-        return decode.attention_kv(q, k, v, _full_cache_args(args, seqlen_q, seqlen_k))
+    # A decode step's few query rows: the KV-cache kernel, over k and v as a full cache.
+    decode_step = config is None and configs.dense_takes_decode(batch, seqlen_q, seqlen_k, nheads, nheads_kv,
+                                                                features, q.dtype, q.device)
+    if decode_step and not args.varlen:
+        return decode.attention_kv(q, k, v, _cache_args(args, max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k))
     if args.varlen:
         out = empty((*q.shape[:2], head_dim_v), q.dtype, q.device)
         lse = empty((nheads, q.shape[0]), torch.float32, q.device)
         # Rows past the last sequence belong to none: their output is 0 and their lse -inf.
-        _fill_tail(out, args.cu_seqlens_q, 0.0)
-        _fill_tail(lse.t(), args.cu_seqlens_q, float("-inf"))
+        _fill_tail(out, args.cu_seqlens_q, 0.0, lse)
     else:
         out = empty((batch, seqlen_q, nheads, head_dim_v), q.dtype, q.device)
         lse = empty((batch, nheads, seqlen_q), torch.float32, q.device)
     if seqlen_q == 0 or batch == 0:
         if args.varlen:
             out.zero_(), lse.fill_(float("-inf"))
+        return out, lse
+    if decode_step:
+        decode.attention_packed(q, k, v, out, lse, _packed_cache_args(args))
         return out, lse
     cfg = config or gluon_fwd_config(head_dim, head_dim_v, q.dtype, q.device, batch * nheads * seqlen_q, seqlen_k,
                                      args.window_left, args.window_right, features, args.softcap)
@@ -188,7 +180,7 @@ def forward(q, k, v, args: AttnArgs, config=None):
 
     # Lengths and strides are dynamic: the key holds the head counts and dims the static arguments need.
     key = (nheads, nheads_kv, head_dim, head_dim_v, q.dtype, even_m, q.device, _args_key(args, lengths=False), cfg)
-    stride_lse_b, stride_lse_h = _lse_strides(lse, args.varlen)
+    stride_lse_b, stride_lse_h = lse_strides(lse, args.varlen)
     with on_device(q):
         _FWD(key, grid, dict(Q=q, K=k, V=v, O=out, LSE=lse, SINK=args.sink if args.sink is not None else q,
                              softmax_scale=args.softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
@@ -197,12 +189,22 @@ def forward(q, k, v, args: AttnArgs, config=None):
     return out, lse
 
 
-def _full_cache_args(args: AttnArgs, seqlen_q: int, seqlen_k: int) -> KVCacheArgs:
-    """A dense call's arguments as a KV-cache call's over a full cache of ``seqlen_k`` keys (no lengths,
-    no new tokens): the same keys, masks and features."""
+def _cache_args(args: AttnArgs, **cache) -> KVCacheArgs:
+    """A call's arguments as a KV-cache call's (no new tokens): the same keys, masks and features. Dense:
+    over a full cache (``max_seqlen_k`` keys); see also :func:`_packed_cache_args`."""
     return KVCacheArgs(softmax_scale=args.softmax_scale, causal=args.causal, window_left=args.window_left,
                        window_right=args.window_right, softcap=args.softcap, alibi_slopes=args.alibi_slopes,
-                       sink=args.sink, max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k)
+                       sink=args.sink, **cache)
+
+
+def _packed_cache_args(args: AttnArgs) -> KVCacheArgs:
+    """A varlen call's arguments as a KV-cache call's whose cache row is the whole packed k: sequence ``b``'s
+    keys are rows ``cu_seqlens_k[b]..cu_seqlens_k[b + 1]`` (or ``.. + seqused_k[b]``), as left padding and
+    lengths; ``max_seqlen_k`` stays the longest sequence's (it sizes the splits)."""
+    starts = args.cu_seqlens_k[:-1]
+    ends = args.cu_seqlens_k[1:] if args.seqused_k is None else starts + args.seqused_k
+    return _cache_args(args, max_seqlen_q=args.max_seqlen_q, max_seqlen_k=args.max_seqlen_k,
+                       cu_seqlens_q=args.cu_seqlens_q, cache_seqlens=ends, cache_leftpad=starts)
 
 
 def tma_unfit(*tensors) -> str | None:
@@ -252,7 +254,7 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, features
     cache_tensors = (args.cache_seqlens, args.cache_leftpad, args.cache_batch_idx) if kvcache else (None,) * 3
 
     def static():
-        stride_lse_b, stride_lse_h = _lse_strides(lse, args.varlen)
+        stride_lse_b, stride_lse_h = lse_strides(lse, args.varlen)
         return dict(
             window_left=args.window_left, window_right=args.window_right,
             stride_alibi_b=alibi.stride(0) if alibi is not None else 0,
@@ -339,7 +341,7 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
     varlen = args.varlen
     delta = torch.empty_like(lse)
     lse2 = torch.empty_like(lse)
-    stride_lse_b, stride_lse_h = _lse_strides(lse, varlen)
+    stride_lse_b, stride_lse_h = lse_strides(lse, varlen)
     splits, alongside = bwd_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, (args.window_left, args.window_right),
                                  cfg.dkdv.BLOCK_N, q.device)
     splits = kv_splits or splits
@@ -397,24 +399,27 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
 
 
 _TAIL_BLOCK_ROWS = 64
-_FILL_TAIL = CachedLaunch(fill_tail, ("X", "CU_SEQLENS", "value"))
+_FILL_TAIL = CachedLaunch(fill_tail, ("X", "LSE", "CU_SEQLENS", "value"))
 
 
-def _fill_tail(x: torch.Tensor, cu_seqlens: torch.Tensor, value: float) -> None:
-    """Set the rows of packed ``x`` ``(total, nheads, head_dim)`` (or ``(total, nheads)``) past
-    ``cu_seqlens[-1]`` to ``value``, reading the offset on the device (no host sync)."""
-    x3 = x if x.dim() == 3 else x.unsqueeze(-1)
-    total, nheads, head_dim = x3.shape
+def _fill_tail(x: torch.Tensor, cu_seqlens: torch.Tensor, value: float, lse: torch.Tensor | None = None) -> None:
+    """Set the rows of packed ``x`` ``(total, nheads, head_dim)`` past ``cu_seqlens[-1]`` to ``value`` (and
+    those columns of a forward's ``lse`` ``(nheads, total)`` to ``-inf``, in the same launch), reading the
+    offset on the device (no host sync)."""
+    total, nheads, head_dim = x.shape
     if total == 0:
         return
-    if x3.stride(-1) != 1 and head_dim > 1:
-        raise ValueError(f"internal: rows to fill need unit stride on the last dim, got strides {x3.stride()}")
+    if x.stride(-1) != 1 and head_dim > 1:
+        raise ValueError(f"internal: rows to fill need unit stride on the last dim, got strides {x.stride()}")
     with on_device(x):
-        _FILL_TAIL((x3.shape, x3.stride(), cu_seqlens.shape[0], x.dtype), (cdiv(total, _TAIL_BLOCK_ROWS),),
-                   dict(X=x3, CU_SEQLENS=cu_seqlens, value=value),
-                   lambda: dict(batch=cu_seqlens.shape[0] - 1, total=total, stride_row=x3.stride(0),
-                                stride_h=x3.stride(1), nheads=nheads, head_dim=head_dim, BLOCK_R=_TAIL_BLOCK_ROWS,
-                                BLOCK_C=min(triton.next_power_of_2(nheads * head_dim), 1024)))
+        _FILL_TAIL((x.shape, x.stride(), cu_seqlens.shape[0], x.dtype, _layout_key(lse) if lse is not None else None),
+                   (cdiv(total, _TAIL_BLOCK_ROWS),), dict(X=x, LSE=lse if lse is not None else x, CU_SEQLENS=cu_seqlens,
+                                                         value=value),
+                   lambda: dict(batch=cu_seqlens.shape[0] - 1, total=total, stride_row=x.stride(0),
+                                stride_h=x.stride(1), nheads=nheads, head_dim=head_dim,
+                                stride_lse_h=lse.stride(0) if lse is not None else 0, BLOCK_R=_TAIL_BLOCK_ROWS,
+                                BLOCK_C=min(triton.next_power_of_2(nheads * head_dim), 1024),
+                                BLOCK_H=triton.next_power_of_2(nheads), HAS_LSE=lse is not None))
 
 
 def _sink_grad(sink, lse, delta, varlen: bool) -> torch.Tensor:

@@ -15,8 +15,8 @@ the kept mask over ``1 - p`` (regenerated from the same counters as the forward)
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, dropout_keep, head_base, head_terms, int64, kv_block_range, load_tile, program_block,
-                     q_block_range, run_bounds, score_scale, scores, sequence, split_range, store_tile, tile_ptrs)
+from .common import (LOG2E, dropout_keep, head_base, head_terms, int64, kv_block_range, load_tile, part_range,
+                     program_block, q_block_range, run_bounds, score_scale, scores, sequence, store_tile, tile_ptrs)
 
 
 @triton.jit
@@ -162,7 +162,7 @@ def bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, softmax_scale, softcap, window_le
     qk_scale = score_scale(softmax_scale, softcap, SOFTCAP)
     lo, full_lo, full_hi, hi = q_block_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
                                              BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, EVEN_M)
-    part_lo, part_hi = split_range(lo, hi, off_part % split, split, BLOCK_M)
+    part_lo, part_hi = part_range(lo, hi, off_part % split, split, BLOCK_M)
 
     # Sum over the query heads that share this KV head (GQA), in a fixed order.
     for g in range(group):

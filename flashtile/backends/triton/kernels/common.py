@@ -51,6 +51,18 @@ def sequence(off_b, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
 
 
 @triton.jit
+def packed_queries(off_b, seqlen_q, CU_SEQLENS_Q, IS_VARLEN: tl.constexpr):
+    """``(q_start, seqlen_q)`` of batch row ``off_b``: with ``IS_VARLEN`` q is packed and the row's queries
+    are ``cu_seqlens_q[b]..cu_seqlens_q[b + 1]``, at most ``seqlen_q`` of them (``max_seqlen_q``, the grid's
+    bound, as in the forward kernels); otherwise row ``off_b`` of a dense q."""
+    q_start = 0
+    if IS_VARLEN:
+        q_start = tl.load(CU_SEQLENS_Q + off_b)
+        seqlen_q = tl.minimum(tl.load(CU_SEQLENS_Q + off_b + 1) - q_start, seqlen_q)
+    return q_start, seqlen_q
+
+
+@triton.jit
 def cache_sequence(off_b, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, seqlen_new, max_seqlen_k,
                    HAS_SEQLENS: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr):
     """``(seqlen_cache, leftpad, seqlen_k, cache_b)`` of batch row ``off_b`` of a KV cache: the keys
@@ -208,7 +220,7 @@ def run_bounds(run: tl.constexpr, lo, full_lo, full_hi, hi):
 
 
 @triton.jit
-def split_range(lo, hi, part, split, BLOCK_M: tl.constexpr):
+def part_range(lo, hi, part, split, BLOCK_M: tl.constexpr):
     """Part ``part`` of ``split`` of the query rows ``[lo, hi)``, in whole blocks of ``BLOCK_M`` from
     ``lo``: ``[part_lo, part_hi)``, empty for parts past the last block."""
     per_part = tl.cdiv(tl.cdiv(hi - lo, BLOCK_M), split) * BLOCK_M

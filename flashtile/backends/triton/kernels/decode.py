@@ -14,12 +14,17 @@ more it writes a float32 partial (output, lse) that ``attn_decode_combine`` merg
 
 Key ``j`` of batch row ``b`` is key row ``leftpad[b] + j`` of its cache, ``j < seqlen_k[b] =
 cache_seqlens[b] + seqlen_new - leftpad[b]``; masks are aligned bottom-right to ``seqlen_k[b]``.
+
+With ``Q_VARLEN`` q and the output are packed ``(tokens, heads, headdim)`` as in
+``flash_attn_varlen_func`` (a decode step of a continuous batch): batch row ``b``'s queries are rows
+``cu_seqlens_q[b]..`` and its keys, read as a cache whose rows are the packed k, start at ``leftpad[b]
+= cu_seqlens_k[b]``. Partials keep the ``(batch, token)`` layout; the combine writes the packed rows.
 """
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, cache_sequence, cache_slots, head_terms, kv_range, load_tile, merge_state, run_bounds,
-                     score_scale, scores, softmax_step, split_range, store_tile)
+from .common import (LOG2E, cache_sequence, cache_slots, head_terms, kv_range, load_tile, merge_state,
+                     packed_queries, run_bounds, score_scale, scores, softmax_step, split_range, store_tile)
 
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -174,6 +179,7 @@ def _block_slots(start_n, leftpad, seqlen_k, cache_b, table_row, page_size, num_
 
 @triton.jit
 def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, BLOCK_TABLE, ALIBI_SLOPES, SINK,
+                CU_SEQLENS_Q,
                 softmax_scale, softcap, window_left, window_right,
                 stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                 stride_os, stride_ob, stride_om, stride_oh, stride_ls, stride_lb, stride_lh,
@@ -186,9 +192,11 @@ def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 
                 MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
                 ALIBI: tl.constexpr, HAS_SINK: tl.constexpr, PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr,
                 HAS_SEQLENS: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
-                INPUT_PRECISION: tl.constexpr):
+                Q_VARLEN: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """``O``/``LSE`` are the output ``(batch, seqlen_q, nheads, headdim_v)`` / ``(batch, nheads, seqlen_q)``
-    (one split, ``stride_os = stride_ls = 0``) or the float32 partials with a leading split dim."""
+    (one split, ``stride_os = stride_ls = 0``) or the float32 partials with a leading split dim. With
+    ``Q_VARLEN`` the output is packed (``stride_ob = stride_lb = 0``, rows from ``cu_seqlens_q[b]``) and
+    ``seqlen_q`` is ``max_seqlen_q``."""
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     split = tl.program_id(2)
@@ -196,16 +204,23 @@ def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 
     off_hk = off_bh % nheads_kv
     _, leftpad, seqlen_k, cache_b = cache_sequence(off_b, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, seqlen_new,
                                                    max_seqlen_k, HAS_SEQLENS, HAS_LEFTPAD, HAS_BATCH_IDX)
+    q_start, seqlen_q = packed_queries(off_b, seqlen_q, CU_SEQLENS_Q, Q_VARLEN)
     # Packed row r is query token r // GROUP of query head off_hk * GROUP + r % GROUP.
     n_rows = seqlen_q * GROUP
+    if Q_VARLEN:
+        # The grid is sized for the longest sequence.
+        if start_m * BLOCK_M >= n_rows:
+            return
+    # The partials are laid out by (batch row, token); a packed output by token row.
+    o_start = tl.where(num_splits > 1, 0, q_start)
     offs_r = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_t = offs_r // GROUP
     heads = off_hk * GROUP + offs_r % GROUP
     row_ok = offs_r < n_rows
     offs_dk = tl.arange(0, HEAD_DIM_QK)
     offs_dv = tl.arange(0, HEAD_DIM_V)
-    q_ptrs = (Q + off_b * stride_qb + (offs_t.to(tl.int64) * stride_qm + heads.to(tl.int64) * stride_qh)[:, None]
-              + offs_dk[None, :])
+    q_ptrs = (Q + off_b * stride_qb + ((q_start + offs_t).to(tl.int64) * stride_qm
+                                       + heads.to(tl.int64) * stride_qh)[:, None] + offs_dk[None, :])
     q = load_tile(q_ptrs, offs_r, n_rows, offs_dk, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, True)
 
     if HAS_SINK:
@@ -247,25 +262,31 @@ def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 
     seen = l_i > 0.0
     acc = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
-    o_rows = split.to(tl.int64) * stride_os + off_b * stride_ob + offs_t.to(tl.int64) * stride_om + heads * stride_oh
+    o_rows = (split.to(tl.int64) * stride_os + off_b * stride_ob + (o_start + offs_t).to(tl.int64) * stride_om
+              + heads * stride_oh)
     store_tile(O + o_rows[:, None] + offs_dv[None, :], acc.to(O.dtype.element_ty), offs_r, n_rows, offs_dv,
                HEAD_DIM_V_ACTUAL)
-    lse_ptrs = LSE + split.to(tl.int64) * stride_ls + off_b * stride_lb + heads * stride_lh + offs_t
+    lse_ptrs = LSE + split.to(tl.int64) * stride_ls + off_b * stride_lb + heads * stride_lh + o_start + offs_t
     tl.store(lse_ptrs, lse, mask=row_ok)
 
 
 @triton.jit
-def attn_decode_combine(O_PART, LSE_PART, O, LSE,
+def attn_decode_combine(O_PART, LSE_PART, O, LSE, CU_SEQLENS_Q,
                         stride_ps, stride_pb, stride_pm, stride_ph, stride_pls, stride_plb, stride_plh,
                         stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
-                        nheads, num_splits,
-                        HEAD_DIM_V_ACTUAL: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_S: tl.constexpr):
+                        nheads, num_splits, seqlen_q,
+                        HEAD_DIM_V_ACTUAL: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_S: tl.constexpr,
+                        Q_VARLEN: tl.constexpr):
     """Program ``(row, b)`` merges the ``num_splits`` partials of row ``t * nheads + h``, ``BLOCK_S``
-    splits per load: the step is latency-bound, so its loads go out together, not one split at a time."""
+    splits per load: the step is latency-bound, so its loads go out together, not one split at a time.
+    With ``Q_VARLEN`` the output is packed, as in ``attn_decode``."""
     row = tl.program_id(0)
     off_b = tl.program_id(1).to(tl.int64)
     off_t = (row // nheads).to(tl.int64)
     off_h = (row % nheads).to(tl.int64)
+    q_start, seqlen_q = packed_queries(off_b, seqlen_q, CU_SEQLENS_Q, Q_VARLEN)
+    if off_t >= seqlen_q:
+        return
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM_V)
     o_part = (O_PART + off_b * stride_pb + off_t * stride_pm + off_h * stride_ph
@@ -287,9 +308,10 @@ def attn_decode_combine(O_PART, LSE_PART, O, LSE,
         o, lse = merge_state(o, lse, o_c, tl.zeros([1], dtype=tl.float32) + lse_c)
         o_part += BLOCK_S * stride_ps
         lse_part += BLOCK_S * stride_pls
-    o_ptrs = O + off_b * stride_ob + off_t * stride_om + off_h * stride_oh + offs_d[None, :]
+    o_t = q_start + off_t
+    o_ptrs = O + off_b * stride_ob + o_t * stride_om + off_h * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=offs_d[None, :] < HEAD_DIM_V_ACTUAL)
-    tl.store(LSE + off_b * stride_lb + off_h * stride_lh + off_t + tl.arange(0, 1), lse)
+    tl.store(LSE + off_b * stride_lb + off_h * stride_lh + o_t + tl.arange(0, 1), lse)
 
 
 @triton.jit

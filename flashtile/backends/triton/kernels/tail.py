@@ -6,10 +6,12 @@ import triton.language as tl
 
 
 @triton.jit
-def fill_tail(X, CU_SEQLENS, batch, total, stride_row, stride_h, nheads, head_dim, value,
-              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def fill_tail(X, LSE, CU_SEQLENS, batch, total, stride_row, stride_h, nheads, head_dim, value, stride_lse_h,
+              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, HAS_LSE: tl.constexpr):
     """Set rows ``cu_seqlens[batch]:total`` of ``X`` ``(total, nheads, head_dim)`` (unit stride on the
-    last dim) to ``value``. One program per ``BLOCK_R`` rows; those before the tail exit at once."""
+    last dim) to ``value``, and with ``HAS_LSE`` the same columns of a forward's ``LSE`` ``(nheads, total)``
+    (unit stride on the tokens) to ``-inf``. One program per ``BLOCK_R`` rows; those before the tail exit
+    at once."""
     first = tl.load(CU_SEQLENS + batch)
     start = tl.program_id(0) * BLOCK_R
     if start + BLOCK_R <= first:
@@ -24,3 +26,8 @@ def fill_tail(X, CU_SEQLENS, batch, total, stride_row, stride_h, nheads, head_di
                 + (cols % head_dim)[None, :])
         tile = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32) + value
         tl.store(ptrs, tile.to(X.dtype.element_ty), mask=in_tail[:, None] & (cols < width)[None, :])
+    if HAS_LSE:
+        heads = tl.arange(0, BLOCK_H)
+        lse_ptrs = LSE + tl.cast(heads, tl.int64)[None, :] * stride_lse_h + rows[:, None]
+        tl.store(lse_ptrs, tl.full([BLOCK_R, BLOCK_H], float("-inf"), tl.float32),
+                 mask=in_tail[:, None] & (heads < nheads)[None, :])

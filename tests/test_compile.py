@@ -152,21 +152,26 @@ def test_variants_compile_and_match_eager(backend, dropout_p):
         torch.testing.assert_close(grad, eager_grad, **tol, msg=name)
 
 
-def test_varlen_compiles(backend):
+@pytest.mark.parametrize("lengths_q", [[11, 0, 25], [1, 0, 1]], ids=["prefill", "decode-step"])
+def test_varlen_compiles(backend, lengths_q):
+    """Packed sequences through torch.compile; a decode step (one query a sequence) takes the Triton
+    backend's KV-cache kernel under the interpreter."""
     from flashtile import flash_attn_varlen_func
     from flashtile.testing import cu_seqlens_of
 
     generator = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(40, 2, 16, generator=generator).to(DEVICE, DTYPE).requires_grad_() for _ in range(3))
-    cu = cu_seqlens_of([11, 0, 25], DEVICE)  # 4 rows past the end
+    q = torch.randn(sum(lengths_q) + 4, 2, 16, generator=generator).to(DEVICE, DTYPE).requires_grad_()
+    k, v = (torch.randn(40, 2, 16, generator=generator).to(DEVICE, DTYPE).requires_grad_() for _ in range(2))
+    cu_q, cu_k = cu_seqlens_of(lengths_q, DEVICE), cu_seqlens_of([11, 0, 25], DEVICE)  # 4 rows past the end
+    end = sum(lengths_q)
 
     def call(q, k, v):
-        return flash_attn_varlen_func(q, k, v, cu, cu, 25, 25, causal=True)
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), 25, causal=True)
 
     eager = call(q, k, v)
-    (eager_dq,) = torch.autograd.grad(eager[:36].sum(), q)
+    (eager_dq,) = torch.autograd.grad(eager[:end].sum(), q)
     out = torch.compile(call, fullgraph=True, backend="aot_eager")(q, k, v)
-    (dq,) = torch.autograd.grad(out[:36].sum(), q)
+    (dq,) = torch.autograd.grad(out[:end].sum(), q)
     assert counters["graph_break"] == {}
-    torch.testing.assert_close(out[:36], eager[:36])
+    torch.testing.assert_close(out[:end], eager[:end])
     torch.testing.assert_close(dq, eager_dq)

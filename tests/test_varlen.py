@@ -191,12 +191,14 @@ def test_varlen_qkvpacked(backend, device, rng):
     check_varlen(q, k, v, cu, cu, rng, sink=sink, causal=True)
 
 
-def test_varlen_kvpacked(backend, device, rng):
-    lengths_q, lengths_k = [5, 40, 0, 1], [19, 40, 7, 0]
+@pytest.mark.parametrize("lengths_q", [[5, 40, 0, 1], [1, 1, 0, 1]], ids=["prefill", "decode-step"])
+def test_varlen_kvpacked(backend, device, rng, lengths_q, no_dense_decode_threshold):
+    """k and v as strided views of one packed tensor; a decode step takes the KV-cache kernel (Triton)."""
+    lengths_k = [19, 40, 7, 0]
     q, k, v, cu_q, cu_k = packed_inputs(rng, device, lengths_q, lengths_k, nheads=4, nheads_kv=2)
     kv = torch.stack([k.detach(), v.detach()], dim=1).requires_grad_()
     dout = randn(rng, *q.shape, device=device, requires_grad=False)
-    out = flash_attn_varlen_kvpacked_func(q, kv, cu_q, cu_k, 40, 40, causal=True)
+    out = flash_attn_varlen_kvpacked_func(q, kv, cu_q, cu_k, max(lengths_q), 40, causal=True)
     dq, dkv = torch.autograd.grad(out, (q, kv), dout)
     assert dkv.shape == kv.shape
     unpacked = run_varlen(q, k, v, cu_q, cu_k, dout, causal=True)

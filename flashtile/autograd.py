@@ -93,6 +93,12 @@ def draw_dropout_counters(args):
     return replace(args, seed=seed, offset=offset)
 
 
+def wants_grad(*tensors) -> bool:
+    """Whether autograd would need the attention's backward: grad mode on and an input (None ignored) that
+    requires a gradient."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def run_forward(plan, q, k, v, args):
     """The backend's forward alone: ``(out, lse, args)``, ``args`` with its dropout counters drawn.
     Calls that need no gradient run it without an autograd Function (which costs host time)."""

@@ -17,7 +17,7 @@ from dataclasses import replace
 import torch
 
 from . import ops, validation
-from .autograd import FlashAttnFunc, FlashAttnKVPackedFunc, FlashAttnQKVPackedFunc, run_forward
+from .autograd import FlashAttnFunc, FlashAttnKVPackedFunc, FlashAttnQKVPackedFunc, run_forward, wants_grad
 from .backends import AttentionCall
 from .dispatch import dispatch, merge_call, recall, record_choice, remember, state_key
 
@@ -301,7 +301,7 @@ def _attention(function, inputs, qkv, options, sink, attn_bias, return_attn_prob
         chosen = dispatch(AttentionCall.of(q, k, v, args))
         if key is not None and chosen.fallback_reason is None:
             remember(key, (args, chosen))
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*inputs, sink, attn_bias)):
+    if wants_grad(*inputs, sink, attn_bias):
         out, lse = function.apply(*inputs, sink, attn_bias, args, chosen)
     else:
         out, lse, _ = run_forward(chosen, q, k, v, args)
@@ -349,15 +349,24 @@ def _varlen_signature(qkv, options, common):
         return None
     if type(options["max_seqlen_q"]) is not int or type(options["max_seqlen_k"]) is not int:
         return None
-    index = []
-    for t in (options["cu_seqlens_q"], options["cu_seqlens_k"], options["seqused_k"]):
+    index = _layouts((options["cu_seqlens_q"], options["cu_seqlens_k"], options["seqused_k"]), strides=False)
+    if index is None:
+        return None
+    return (*common, "varlen", q.shape, k.shape[1:], v.shape[1:], k.shape[0] == v.shape[0], index)
+
+
+def _layouts(tensors, strides: bool):
+    """Each tensor's shape, dtype and device (and strides), None for None; None when one is neither (a
+    list, an int: validation would convert it)."""
+    layouts = []
+    for t in tensors:
         if isinstance(t, torch.Tensor):
-            index.append((t.shape, t.dtype, t.device))
+            layouts.append((t.shape, t.stride() if strides else None, t.dtype, t.device))
         elif t is None:
-            index.append(None)
+            layouts.append(None)
         else:
             return None
-    return (*common, "varlen", q.shape, k.shape[1:], v.shape[1:], k.shape[0] == v.shape[0], tuple(index))
+    return tuple(layouts)
 
 
 def flash_attn_with_kvcache(
@@ -498,14 +507,9 @@ def _kvcache_signature(tensors, index: dict, options: dict):
         return None
     if validation.values_checked(q.device):
         return None
-    layouts = []
-    for t in (*tensors, *index.values()):
-        if isinstance(t, torch.Tensor):
-            layouts.append((t.shape, t.stride(), t.dtype, t.device))
-        elif t is None:
-            layouts.append(None)
-        else:
-            return None
+    layouts = _layouts((*tensors, *index.values()), strides=True)
+    if layouts is None:
+        return None
     window = options["window_size"]
     if not _plain_window(window):
         return None
@@ -513,7 +517,7 @@ def _kvcache_signature(tensors, index: dict, options: dict):
     types = tuple(type(x) for x in scalars)
     if not all(t in _SCALARS for t in types):
         return None
-    return ("kvcache", tuple(layouts), window, scalars, types, state_key())
+    return ("kvcache", layouts, window, scalars, types, state_key())
 
 
 def merge_attention_states(out_a, lse_a, out_b, lse_b):

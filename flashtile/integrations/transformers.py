@@ -54,6 +54,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from ..autograd import wants_grad
 from ..dispatch import preferred_backend, record_fallback
 from ..interface import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from ..padding import pad_input, unpad_input
@@ -348,7 +349,7 @@ def _padded_attention(q, k, v, mask, options):
     seqlen_k = k.shape[1]
     # The KV-cache path reads k and v in place: it needs their head dims contiguous (as transformers' caches are).
     decoding = (seqlen_q == 1 and (options["causal"] or options["window_size"] != (-1, -1))
-                and options["dropout_p"] == 0 and not _wants_grad(q, k, v, options["sink"])
+                and options["dropout_p"] == 0 and not wants_grad(q, k, v, options["sink"])
                 and k.stride(-1) == 1 and v.stride(-1) == 1)
     # The max_seqlen values below are Python ints: reading them (and these facts) syncs with the device once.
     if decoding:
@@ -390,11 +391,6 @@ def _padded_attention(q, k, v, mask, options):
     out = flash_attn_varlen_func(q_packed, k_packed, v_packed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                  **options)
     return pad_input(out, indices_q, batch, seqlen_q)
-
-
-def _wants_grad(*tensors) -> bool:
-    """Whether autograd would need the attention's backward (the KV-cache path has none)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _packed_offsets(query, key, mask, kwargs, module):

@@ -167,6 +167,28 @@ def test_combine_in_chunks(rng, monkeypatch):
     check_attention(q, k_cache, v_cache, args)
 
 
+@pytest.mark.parametrize("capacity,batch,headdim,page_size,num_splits,expected", [
+    (1024, 1, 128, 0, 0, (64, 2, 16)),  # 128-key splits leave SMs idle: 64-key blocks, one a split
+    (2048, 1, 128, 0, 0, (128, 2, 16)),  # 16 splits of one 128-key block fill the SMs
+    (8192, 1, 128, 0, 0, (128, 3, 16)),  # four blocks a split keep the third stage
+    (1024, 1, 128, 256, 0, (64, 2, 16)),  # pages of 256 hold whole 64-key blocks
+    (1024, 1, 128, 16, 0, (32, 3, 8)),  # small pages keep their row-gather tile and splits
+    (1024, 1, 128, 0, 8, (128, 2, 8)),  # a given split count keeps the table's tile
+    (1024, 8, 128, 0, 0, (128, 3, 2)),  # enough programs: the table's tile
+    (1024, 1, 64, 0, 0, (64, 2, 16)),  # head dim 64's table tile is 64 keys already: it splits finer
+])
+def test_short_cache_plan(monkeypatch, capacity, batch, headdim, page_size, num_splits, expected):
+    """The KV-cache kernel's tiles and splits on an H200 (132 SMs, sm_90), bf16, 32/8 heads, one query:
+    ``configs.decode_plan``'s short-cache rules."""
+    from flashtile.backends.triton import configs
+
+    monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)
+    cfg, splits = configs.decode_plan(headdim, torch.bfloat16, torch.device("cuda", 0), rows=4, programs=batch * 8,
+                                      capacity=capacity, num_splits=num_splits, page_size=page_size)
+    assert (cfg.BLOCK_N, cfg.num_stages, splits) == expected
+
+
 def test_splits_agree(rng):
     """One split and several give the same result to within fp32 rounding of the merge."""
     k_cache, v_cache = caches(rng, 2, 100, 2, 32)

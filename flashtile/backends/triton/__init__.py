@@ -9,7 +9,7 @@ import os
 import torch
 
 from .. import AttentionCall, missing_features
-from .configs import (MAX_GRID_Y, capability, bwd_config, bwd_plan, decode_config, decode_splits,
+from .configs import (MAX_GRID_Y, capability, bwd_config, bwd_plan, decode_plan,
                       dense_takes_decode, fwd_config, gluon_fwd_config, gluon_kv_config)
 
 FEATURES = frozenset({"dropout", "window", "softcap", "alibi", "sink", "bias", "varlen", "headdim_v", "kvcache",
@@ -130,11 +130,9 @@ def _decode_name(call: AttentionCall, extras: str, page_size: int):
     for a contiguous cache)."""
     group = call.nheads // call.nheads_kv
     rows = call.seqlen_q * group
-    cfg = decode_config(max(call.headdim, call.headdim_v), call.dtype, call.device, rows, page_size)
-    programs = -(-rows // cfg.BLOCK_M) * call.batch * call.nheads_kv
     # The call does not carry num_splits: this is what auto (num_splits=0) picks for these shapes.
-    splits = decode_splits(0, programs, call.seqlen_k, call.device, cfg.BLOCK_N,
-                           page_size > 0 and page_size % cfg.BLOCK_N != 0)
+    cfg, splits = decode_plan(max(call.headdim, call.headdim_v), call.dtype, call.device, rows,
+                              call.batch * call.nheads_kv, call.seqlen_k, 0, page_size)
     mask = "causal" if call.causal else "full"
     name = (f"flashtile.decode[triton d={call.headdim} gqa={group} {mask}{extras} splits=auto "
             f"BM={cfg.BLOCK_M} BN={cfg.BLOCK_N}]")

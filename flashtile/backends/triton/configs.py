@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -447,7 +447,7 @@ _DECODE_INTERPRET = TileConfig(16, 16, 4, 1)
 # Split-KV (flash-decoding): with few (batch x KV head x row block) programs the GPU's SMs idle, so
 # each sequence's keys are cut into num_splits shares whose partial results a second kernel merges.
 # Auto picks, from shapes alone (never from cache_seqlens, so CUDA graphs replay any lengths):
-#   splits = DECODE_PROGRAMS_PER_SM * SMs // programs, at most capacity // DECODE_MIN_KEYS_PER_SPLIT
+#   splits = DECODE_PROGRAMS_PER_SM * SMs // programs, at most the key blocks of the capacity
 #   and DECODE_MAX_SPLITS, at least 1.
 # Rounding down keeps every program resident in one wave (no tail). Measured on the H200 (bf16, d=128,
 # 32/8 heads, CUDA graph, one-load combine kernel): batch 1 x 32768 keys: 8 splits 49.4 us, 12: 39.2,
@@ -463,6 +463,16 @@ _DECODE_INTERPRET = TileConfig(16, 16, 4, 1)
 DECODE_PROGRAMS_PER_SM = 1
 DECODE_MIN_KEYS_PER_SPLIT = 128
 DECODE_MAX_SPLITS = 128
+# Short caches, from a sweep of key tiles (32/64/128), warps (2/4/8), stages (2-4) and split counts (H200,
+# bf16, d=128, 32/8 heads, CUDA graph, combine launched as a programmatic dependent; scratch sweep
+# 2026-11-22, us): when splits of 128+ keys cannot give every SM a program, splits of one 64-key block
+# double the programs (batch 1 x 1024 keys: 16 splits of 64 keys 5.91, 8 of 128 6.55, SDPA 6.70); and a
+# split of one key block gains nothing from a third stage, whose shared memory only costs (1 x 1024, 8 x 128
+# keys: 6.55 with two stages, 7.63 with three). With two blocks a split the two depths tie within the
+# noise (1 x 4096: 9.22 / 9.62 in the sweep, 10.00 / 9.85 in an A/B). Small pages keep their gather tile.
+# A/B in one run: `benchmarks/decode_short.py` (results in BENCHMARKS.md, "Short caches").
+DECODE_SHORT_BLOCK_N = 64
+DECODE_SHORT_STAGES = 2
 # The interpreter has no SMs: pretend 8 and short splits, so auto splitting is exercised cheaply.
 _INTERPRET_SMS = 8
 _INTERPRET_MIN_KEYS_PER_SPLIT = 32
@@ -530,8 +540,30 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, packe
     return cfg
 
 
+def decode_plan(head_dim: int, dtype: torch.dtype, device: torch.device, rows: int, programs: int, capacity: int,
+                num_splits: int = 0, page_size: int = 0) -> tuple:
+    """``(tiles, splits)`` of the KV-cache kernel: :func:`decode_config`'s tiles and :func:`decode_splits`'s
+    count, with the short-cache rules above. ``rows``: packed query rows a (batch row, KV head);
+    ``programs``: batch x KV heads (the row blocks are counted here)."""
+    cfg = decode_config(head_dim, dtype, device, rows, page_size)
+    programs *= -(-rows // cfg.BLOCK_M)
+    gather = bool(page_size) and page_size % cfg.BLOCK_N != 0
+    splits = decode_splits(num_splits, programs, capacity, device, cfg.BLOCK_N, gather)
+    if device.type != "cuda":
+        return cfg, splits
+    short = DECODE_SHORT_BLOCK_N
+    wanted = DECODE_PROGRAMS_PER_SM * sm_count(device) // max(programs, 1)
+    if (num_splits == 0 and not gather and cfg.BLOCK_N >= short and splits < wanted
+            and (not page_size or page_size % short == 0)):
+        cfg = replace(cfg, BLOCK_N=short)
+        splits = decode_splits(0, programs, capacity, device, short, min_keys=short)
+    if -(-capacity // (splits * cfg.BLOCK_N)) <= 1 and cfg.num_stages > DECODE_SHORT_STAGES:
+        cfg = replace(cfg, num_stages=DECODE_SHORT_STAGES)
+    return cfg, splits
+
+
 def decode_splits(num_splits: int, programs: int, capacity: int, device: torch.device, block_n: int,
-                  gather: bool = False) -> int:
+                  gather: bool = False, min_keys: int = DECODE_MIN_KEYS_PER_SPLIT) -> int:
     """Key splits per sequence: ``num_splits`` when given (clamped to ``[1, DECODE_MAX_SPLITS]`` and to
     the key blocks of the capacity), else the auto rule above. ``programs``: row blocks x batch x KV heads;
     ``gather``: keys are looked up row by row on small pages (twice the programs hide that latency)."""
@@ -539,7 +571,8 @@ def decode_splits(num_splits: int, programs: int, capacity: int, device: torch.d
     if num_splits > 0:
         return max(1, min(num_splits, DECODE_MAX_SPLITS, blocks))
     interpret = device.type != "cuda"
-    min_keys = _INTERPRET_MIN_KEYS_PER_SPLIT if interpret else DECODE_MIN_KEYS_PER_SPLIT
+    if interpret:
+        min_keys = _INTERPRET_MIN_KEYS_PER_SPLIT
     by_length = max(1, capacity // max(min_keys, block_n))
     per_sm = DECODE_PROGRAMS_PER_SM * (DECODE_GATHER_PROGRAMS if gather else 1)
     wanted = per_sm * sm_count(device) // max(programs, 1)

@@ -16,9 +16,9 @@ import triton
 
 from ...alloc import empty
 from .. import KVCacheArgs
-from .configs import TileConfig, decode_config, decode_splits, padded_head_dim
+from .configs import TileConfig, decode_plan, decode_splits, padded_head_dim
 from .fastlaunch import CachedLaunch
-from .host import bsh_strides, cdiv, fast_tanh, input_precision, lse_strides, on_device, unit_stride
+from .host import bsh_strides, cdiv, dependent_launch, fast_tanh, input_precision, lse_strides, on_device, unit_stride
 from .kernels import decode as kernels
 
 # Rows (query tokens x heads) per program of the merge kernel.
@@ -150,10 +150,15 @@ class DecodePlan(NamedTuple):
 def _plan(batch, seqlen_q, nheads, nheads_kv, head_dim, head_dim_v, dtype, device, capacity, num_splits,
           page_size: int, config: TileConfig | None) -> DecodePlan:
     rows = seqlen_q * (nheads // nheads_kv)
-    cfg = config or decode_config(max(head_dim, head_dim_v), dtype, device, rows, page_size)
+    if config is None:
+        cfg, splits = decode_plan(max(head_dim, head_dim_v), dtype, device, rows, batch * nheads_kv, capacity,
+                                  num_splits, page_size)
+    else:
+        cfg = config
+        gather = page_size > 0 and page_size % cfg.BLOCK_N != 0
+        splits = decode_splits(num_splits, cdiv(rows, cfg.BLOCK_M) * batch * nheads_kv, capacity, device,
+                               cfg.BLOCK_N, gather)
     m_blocks = cdiv(rows, cfg.BLOCK_M)
-    gather = page_size > 0 and page_size % cfg.BLOCK_N != 0
-    splits = decode_splits(num_splits, m_blocks * batch * nheads_kv, capacity, device, cfg.BLOCK_N, gather)
     combine_block = min(triton.next_power_of_2(splits), max(1, _COMBINE_TILE // padded_head_dim(head_dim_v)))
     return DecodePlan(cfg, splits, (m_blocks, batch * nheads_kv, splits), (seqlen_q * nheads, batch), combine_block)
 
@@ -213,6 +218,8 @@ def attend(q, k_cache, v_cache, out, lse, args: KVCacheArgs, config: TileConfig 
         lse_dst = empty((p.num_splits, batch, nheads, seqlen_q), torch.float32, q.device)
     else:
         o_dst, lse_dst = out, lse
+    # The combine starts while the split kernel finishes (programmatic dependent launch).
+    pdl = p.num_splits > 1 and dependent_launch(q)
     alibi = args.alibi_slopes
 
     def static():
@@ -236,7 +243,7 @@ def attend(q, k_cache, v_cache, out, lse, args: KVCacheArgs, config: TileConfig 
             **_cache_static(k_cache, args),
             # Pages that hold whole key blocks are read with one table entry per block.
             PAGE_ALIGNED=args.block_table is not None and k_cache.shape[1] % cfg.BLOCK_N == 0, Q_VARLEN=varlen,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
     # The key holds what the static arguments read: q's layout and rows a sequence, the cache's shape but its
@@ -267,7 +274,8 @@ def attend(q, k_cache, v_cache, out, lse, args: KVCacheArgs, config: TileConfig 
                                                          *lse_strides(lse, varlen))),
                                   nheads=nheads, num_splits=p.num_splits, seqlen_q=seqlen_q,
                                   HEAD_DIM_V_ACTUAL=head_dim_v, HEAD_DIM_V=padded_head_dim(head_dim_v),
-                                  BLOCK_S=block_s, Q_VARLEN=varlen, num_warps=2 if block_s <= 32 else 8))
+                                  BLOCK_S=block_s, Q_VARLEN=varlen, PDL=pdl, launch_pdl=pdl,
+                                  num_warps=2 if block_s <= 32 else 8))
 
 
 _OUT_STRIDES = ("stride_qb", "stride_qm", "stride_qh", "stride_os", "stride_ob", "stride_om", "stride_oh",

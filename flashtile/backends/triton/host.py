@@ -76,6 +76,15 @@ def input_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def dependent_launch(t: torch.Tensor) -> bool:
+    """Whether a kernel on ``t``'s device may start as a programmatic dependent of the one before it (Hopper
+    on): its launch and first instructions overlap the other's tail, and ``gdc_wait`` holds it until that
+    one's writes are visible."""
+    from .configs import capability
+
+    return t.is_cuda and capability(t.device)[0] >= 9
+
+
 def fast_tanh(q: torch.Tensor) -> bool:
     # The GPU's tanh.approx is within a 16-bit input's rounding; fp32 inputs get the exact formula.
     return q.is_cuda and q.dtype != torch.float32

@@ -22,6 +22,7 @@ With ``Q_VARLEN`` q and the output are packed ``(tokens, heads, headdim)`` as in
 """
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .common import (LOG2E, cache_sequence, cache_slots, head_terms, kv_range, load_tile, merge_state,
                      packed_queries, run_bounds, score_scale, scores, softmax_step, split_range, store_tile)
@@ -192,11 +193,14 @@ def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 
                 MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
                 ALIBI: tl.constexpr, HAS_SINK: tl.constexpr, PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr,
                 HAS_SEQLENS: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
-                Q_VARLEN: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                Q_VARLEN: tl.constexpr, INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """``O``/``LSE`` are the output ``(batch, seqlen_q, nheads, headdim_v)`` / ``(batch, nheads, seqlen_q)``
     (one split, ``stride_os = stride_ls = 0``) or the float32 partials with a leading split dim. With
     ``Q_VARLEN`` the output is packed (``stride_ob = stride_lb = 0``, rows from ``cu_seqlens_q[b]``) and
-    ``seqlen_q`` is ``max_seqlen_q``."""
+    ``seqlen_q`` is ``max_seqlen_q``. ``PDL``: the combine is launched as a programmatic dependent."""
+    if PDL:
+        # Let the combine's programs start now: they wait in gdc_wait until this grid has finished.
+        gdc_launch_dependents()
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     split = tl.program_id(2)
@@ -276,10 +280,11 @@ def attn_decode_combine(O_PART, LSE_PART, O, LSE, CU_SEQLENS_Q,
                         stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
                         nheads, num_splits, seqlen_q,
                         HEAD_DIM_V_ACTUAL: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_S: tl.constexpr,
-                        Q_VARLEN: tl.constexpr):
+                        Q_VARLEN: tl.constexpr, PDL: tl.constexpr):
     """Program ``(row, b)`` merges the ``num_splits`` partials of row ``t * nheads + h``, ``BLOCK_S``
     splits per load: the step is latency-bound, so its loads go out together, not one split at a time.
-    With ``Q_VARLEN`` the output is packed, as in ``attn_decode``."""
+    With ``Q_VARLEN`` the output is packed, as in ``attn_decode``. ``PDL``: launched as a programmatic
+    dependent of ``attn_decode``, so the launch and the indexing overlap its tail."""
     row = tl.program_id(0)
     off_b = tl.program_id(1).to(tl.int64)
     off_t = (row // nheads).to(tl.int64)
@@ -287,6 +292,9 @@ def attn_decode_combine(O_PART, LSE_PART, O, LSE, CU_SEQLENS_Q,
     q_start, seqlen_q = packed_queries(off_b, seqlen_q, CU_SEQLENS_Q, Q_VARLEN)
     if off_t >= seqlen_q:
         return
+    if PDL:
+        # The partials are complete, and visible, once the split kernel has finished.
+        gdc_wait()
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM_V)
     o_part = (O_PART + off_b * stride_pb + off_t * stride_pm + off_h * stride_ph

@@ -77,6 +77,35 @@ def test_cache_keeps_no_tensor_of_the_first_call(cached):
     assert args[0] is None and args[2] is None
 
 
+def test_dynamic_values_as_a_tuple(cached):
+    """Values in ``dynamic_names`` order launch as the same arguments by name do."""
+    fn, launch = cached
+    x1, x2 = torch.zeros(8), torch.ones(8)
+    static = lambda: dict(n=5, BLOCK=16)  # noqa: E731
+    launch("k", (2,), (x1, 0.5), static)
+    launch("k", (2,), (x2, 0.25), static)
+    launch("k", (2,), dict(X=x1, scale=0.75), static)
+    assert len(fn.compiles) == 1 and fn.compiles[0][1]["X"] is x1
+    launches = fn.compiled[0].launches
+    assert [(args[0], args[2]) for _, args in launches] == [(x2, 0.25), (x1, 0.75)]
+
+
+@pytest.mark.parametrize("interpreting", [False, True], ids=["cached", "interpreter"])
+def test_tensor_among_static_arguments_is_refused(monkeypatch, interpreting):
+    """A tensor the caller forgot to name as dynamic would be kept from the first call and read by every
+    later one (the KV-cache kernel once kept a packed call's ``cu_seqlens_q`` that way): it is refused,
+    under the interpreter too, so the CPU tests catch it."""
+    monkeypatch.setattr(fastlaunch, "_interpreting", lambda: interpreting)
+    fn = FakeJit()
+    launch = fastlaunch.CachedLaunch(fn, ("scale", ))
+    with pytest.raises(TypeError, match="tensor argument X must be among the dynamic arguments"):
+        launch("k", (1,), (0.5, ), lambda: dict(X=torch.zeros(4), n=1, BLOCK=16))
+    # By name, as an extra dynamic argument the launcher was not told of.
+    with pytest.raises(TypeError, match=r"dynamic arguments \['X'\] are not"):
+        launch("k", (1,), dict(X=torch.zeros(4), scale=0.5), lambda: dict(n=1, BLOCK=16))
+    assert not fn.compiles
+
+
 def test_alignment_and_dtype_are_part_of_the_key(cached):
     fn, launch = cached
     static = lambda: dict(n=1, BLOCK=16)  # noqa: E731

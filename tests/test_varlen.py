@@ -144,6 +144,23 @@ def test_varlen_decode_steps(backend, device, rng, case, no_dense_decode_thresho
         assert kernel.startswith("flashtile.decode[triton") and " varlen" in kernel, kernel
 
 
+def test_varlen_decode_steps_with_new_offsets(backend, device, rng, no_dense_decode_threshold):
+    """Two decode steps of the same shapes whose sequences have other lengths: the second reads its own
+    cu_seqlens (on a GPU it reuses the first step's cached launch, which once kept the first call's
+    cu_seqlens_q and wrote the second step's rows where the first step's sequences began)."""
+    steps = [([2, 1, 0, 1], [37, 200, 1, 90]), ([1, 2, 1, 0], [90, 1, 200, 37]), ([0, 1, 2, 1], [40, 100, 3, 200])]
+    for lengths_q, lengths_k in steps:
+        q, k, v, cu_q, cu_k = packed_inputs(rng, device, lengths_q, lengths_k, nheads_kv=1)
+        with torch.no_grad():
+            out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 2, 200, causal=True, return_attn_probs=True)
+        dout = torch.zeros_like(out)
+        refs = [reference_results(q, k, v, dout, hi=hi, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True)
+                for hi in (True, False)]
+        rows = int(cu_q[-1])
+        kept = [{"out": r["out"][:rows], "lse": r["lse"][:, :rows]} for r in ({"out": out, "lse": lse}, *refs)]
+        assert_results_close(*kept, q.dtype)
+
+
 def test_varlen_dropout_matches_reference(backend, device, rng):
     """Sequence b draws its mask with batch index b and positions counted from its first token."""
     q, k, v, cu_q, cu_k = packed_inputs(rng, device, [20, 0, 33], [25, 4, 17], dtype=torch.float32)

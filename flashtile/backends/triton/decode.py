@@ -36,10 +36,10 @@ _APPEND = CachedLaunch(kernels.append_kv, ("Q", "K_NEW", "V_NEW", "K_CACHE", "V_
 # and new strides every step, as transformers keeps it) reuses one launch. q's strides are in the key; the
 # output's and the partials' follow from the shapes.
 _CACHE_STRIDES = ("stride_kb", "stride_kn", "stride_kh", "stride_vb", "stride_vn", "stride_vh")
-_DECODE = CachedLaunch(kernels.attn_decode, ("Q", "K", "V", "O", "LSE", "ALIBI_SLOPES", "SINK", "softmax_scale",
-                                             "softcap", "max_seqlen_k", "num_blocks") + _CACHE_STRIDES
-                       + _CACHE_TENSORS)
-_COMBINE = CachedLaunch(kernels.attn_decode_combine, ("O_PART", "LSE_PART", "O", "LSE"))
+_DECODE = CachedLaunch(kernels.attn_decode, ("Q", "K", "V", "O", "LSE", "ALIBI_SLOPES", "SINK", "CU_SEQLENS_Q",
+                                             "softmax_scale", "softcap", "max_seqlen_k", "num_blocks")
+                       + _CACHE_STRIDES + _CACHE_TENSORS)
+_COMBINE = CachedLaunch(kernels.attn_decode_combine, ("O_PART", "LSE_PART", "O", "LSE", "CU_SEQLENS_Q"))
 _MERGE = CachedLaunch(kernels.merge_states, ("OA", "LSE_A", "OB", "LSE_B", "O", "LSE"))
 
 
@@ -59,9 +59,10 @@ def cache_key(args: KVCacheArgs, capacity: bool = True) -> tuple:
             _layout(args.block_table), args.max_seqlen_k if capacity else None, args.seqlen_new, args.varlen)
 
 
-def _cache_tensors(q: torch.Tensor, args: KVCacheArgs) -> dict:
+def _cache_tensors(q: torch.Tensor, args: KVCacheArgs) -> tuple:
+    """The ``_CACHE_TENSORS`` arguments, in order."""
     present = (args.cache_seqlens, args.cache_leftpad, args.cache_batch_idx, args.block_table)
-    return {name: t if t is not None else q for name, t in zip(_CACHE_TENSORS, present)}
+    return tuple(t if t is not None else q for t in present)
 
 
 def _cache_static(k_cache: torch.Tensor, args: KVCacheArgs) -> dict:
@@ -121,8 +122,7 @@ def append_kv(q, k_cache, v_cache, k, v, args: KVCacheArgs):
            _layout(args.rotary_cos), _layout(args.rotary_sin), q.device, cache_key(args),
            bool(args.rotary_interleaved), bool(args.causal), args.window_left, args.window_right)
     with on_device(q):
-        _APPEND(key, grid, dict(Q=q_in, K_NEW=k_new, V_NEW=v_new, K_CACHE=k_cache, V_CACHE=v_cache, Q_OUT=q_out,
-                                COS=cos, SIN=sin, **_cache_tensors(q, args)), static)
+        _APPEND(key, grid, (q_in, k_new, v_new, k_cache, v_cache, q_out, cos, sin, *_cache_tensors(q, args)), static)
     return q_out
 
 
@@ -213,9 +213,12 @@ def attend(q, k_cache, v_cache, out, lse, args: KVCacheArgs, config: TileConfig 
     p = plan(q, k_cache, v_cache, args, config)
     cfg = p.config
     if p.num_splits > 1:
-        # Partials keep the output's layout behind a split dim, so one store serves both cases.
-        o_dst = empty((p.num_splits, batch, seqlen_q, nheads, head_dim_v), torch.float32, q.device)
-        lse_dst = empty((p.num_splits, batch, nheads, seqlen_q), torch.float32, q.device)
+        # Partials keep the output's layout behind a split dim, so one store serves both cases; one buffer
+        # holds both (an allocation costs the host more than two views).
+        rows = p.num_splits * batch * seqlen_q * nheads
+        part = empty((rows * (head_dim_v + 1), ), torch.float32, q.device)
+        o_dst = part[:rows * head_dim_v].view(p.num_splits, batch, seqlen_q, nheads, head_dim_v)
+        lse_dst = part[rows * head_dim_v:].view(p.num_splits, batch, nheads, seqlen_q)
     else:
         o_dst, lse_dst = out, lse
     # The combine starts while the split kernel finishes (programmatic dependent launch).
@@ -251,24 +254,19 @@ def attend(q, k_cache, v_cache, out, lse, args: KVCacheArgs, config: TileConfig 
     key = (_layout(q), seqlen_q, k_cache.shape[2:], v_cache.shape[3], k_cache.shape[1] if args.paged else None,
            q.device, cache_key(args, capacity=False), p, args.window_left, args.window_right, args.softcap > 0,
            _layout(alibi), args.sink is not None)
-    stride_kb, stride_kn, stride_kh = _strides3(k_cache)
-    stride_vb, stride_vn, stride_vh = _strides3(v_cache)
     cu_seqlens_q = args.cu_seqlens_q if varlen else q
     with on_device(q):
         # The kernel's max_seqlen_k bounds the key rows read from a cache row: a paged row's capacity, or the
         # rows a contiguous cache holds (its capacity, or every packed token with varlen).
-        _DECODE(key, p.grid, dict(Q=q, K=k_cache, V=v_cache, O=o_dst, LSE=lse_dst,
-                                  ALIBI_SLOPES=alibi if alibi is not None else q,
-                                  SINK=args.sink if args.sink is not None else q, CU_SEQLENS_Q=cu_seqlens_q,
-                                  softmax_scale=float(args.softmax_scale), softcap=float(args.softcap),
-                                  max_seqlen_k=args.max_seqlen_k if args.paged else k_cache.shape[1],
-                                  num_blocks=k_cache.shape[0], stride_kb=stride_kb,
-                                  stride_kn=stride_kn, stride_kh=stride_kh, stride_vb=stride_vb, stride_vn=stride_vn,
-                                  stride_vh=stride_vh, **_cache_tensors(q, args)), static)
+        _DECODE(key, p.grid, (q, k_cache, v_cache, o_dst, lse_dst, alibi if alibi is not None else q,
+                              args.sink if args.sink is not None else q, cu_seqlens_q, float(args.softmax_scale),
+                              float(args.softcap), args.max_seqlen_k if args.paged else k_cache.shape[1],
+                              k_cache.shape[0], *_strides3(k_cache), *_strides3(v_cache), *_cache_tensors(q, args)),
+                static)
         if p.num_splits > 1:
             block_s = p.combine_block
             _COMBINE((out.shape, out.stride(), lse.stride(), p, q.device, varlen), p.combine_grid,
-                     dict(O_PART=o_dst, LSE_PART=lse_dst, O=out, LSE=lse, CU_SEQLENS_Q=cu_seqlens_q),
+                     (o_dst, lse_dst, out, lse, cu_seqlens_q),
                      lambda: dict(zip(_COMBINE_STRIDES, (o_dst.stride(0), *o_dst.stride()[1:4], lse_dst.stride(0),
                                                          *lse_dst.stride()[1:3], *bsh_strides(out, varlen),
                                                          *lse_strides(lse, varlen))),

@@ -70,12 +70,38 @@ class CachedLaunch:
         self._cache: dict = {}
         self._by_value: dict = {}
 
-    def _exact(self, dynamic: dict) -> tuple:
+    def _kwargs(self, values: tuple, static) -> dict:
+        """Every argument of a launch by name. A tensor (or a TMA descriptor of one) among the static
+        arguments is refused: the cached launch would go on reading the first call's tensor."""
+        kwargs = dict(zip(self.dynamic_names, values))
+        for name, value in static().items():
+            if isinstance(value, torch.Tensor) or isinstance(getattr(value, "base", None), torch.Tensor):
+                raise TypeError(f"{getattr(self.fn, '__name__', self.fn)}: tensor argument {name} must be among "
+                                f"the dynamic arguments {self.dynamic_names}")
+            kwargs[name] = value
+        return kwargs
+
+    @staticmethod
+    def _exact(values: tuple) -> tuple:
         # The dynamic arguments as they pick a launch exactly: ints by value, tensors by dtype and 16-byte
-        # alignment (what Triton specializes a pointer on), floats and other values by type.
-        return tuple(value if type(value) is int else float if type(value) is float
-                     else (value.dtype, value.data_ptr() % 16 == 0) if isinstance(value, torch.Tensor)
-                     else type(value) for value in self._values(dynamic))
+        # alignment (what Triton specializes a pointer on), floats and other values by type. A tensor passed
+        # for several arguments (a stand-in for absent ones) is looked at once.
+        exact = []
+        tensors: dict = {}
+        for value in values:
+            kind = value.__class__
+            if kind is int:
+                exact.append(value)
+            elif kind is float:
+                exact.append(float)
+            elif kind is torch.Tensor or isinstance(value, torch.Tensor):
+                trait = tensors.get(id(value))
+                if trait is None:
+                    trait = tensors[id(value)] = (value.dtype, not value.data_ptr() & 15)
+                exact.append(trait)
+            else:
+                exact.append(kind)
+        return tuple(exact)
 
     def _traits(self, exact: tuple) -> tuple:
         # What Triton specializes the dynamic ints of ``exact`` on: width, value 1 and divisibility by 16,
@@ -83,18 +109,29 @@ class CachedLaunch:
         return tuple(native_specialize_impl(BaseBackend, value, False, value_spec, align_spec) if type(value) is int
                      else value for value, (value_spec, align_spec) in zip(exact, self.specialize))
 
-    def __call__(self, key, grid, dynamic: dict, static, stream=None) -> None:
-        """``stream``: a ``torch.cuda.Stream`` to launch on instead of the current stream."""
+    def __call__(self, key, grid, dynamic, static, stream=None) -> None:
+        """``dynamic``: the dynamic arguments by name, or their values in ``dynamic_names`` order (a tuple,
+        which costs the host less); ``stream``: a ``torch.cuda.Stream`` to launch on instead of the current
+        stream."""
+        if type(dynamic) is tuple:
+            values = dynamic
+        else:
+            if len(dynamic) != len(self.dynamic_names):
+                raise TypeError(f"{getattr(self.fn, '__name__', self.fn)}: dynamic arguments "
+                                f"{sorted(set(dynamic) ^ set(self.dynamic_names))} are not {self.dynamic_names}")
+            values = self._values(dynamic)
+            if len(self.dynamic_names) == 1:
+                values = (values, )
         if _interpreting():
-            self.fn[grid](**dynamic, **static())
+            self.fn[grid](**self._kwargs(values, static))
             return
-        exact = self._exact(dynamic)
+        exact = self._exact(values)
         entry = self._by_value.get((key, exact))
         if entry is None:
             full_key = (key, self._traits(exact))
             entry = self._cache.get(full_key)
             if entry is None:
-                kwargs = {**dynamic, **static()}
+                kwargs = self._kwargs(values, static)
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                     kernel = self.fn[grid](**kwargs)
                 if len(self._cache) >= self.max_entries:
@@ -112,8 +149,8 @@ class CachedLaunch:
             self._by_value[(key, exact)] = entry
         kernel, args = entry
         args = list(args)
-        for slot, name in zip(self.slots, self.dynamic_names):
-            args[slot] = dynamic[name]
+        for slot, value in zip(self.slots, values):
+            args[slot] = value
         stream = _current_stream() if stream is None else stream.cuda_stream
         # Launch hooks (a profiler's, say) get the metadata Triton's own path would give them; an
         # empty hook chain (Triton's default) needs none.

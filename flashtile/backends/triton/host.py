@@ -6,6 +6,8 @@ import contextlib
 
 import torch
 
+from .configs import capability
+
 
 def cdiv(a: int, b: int) -> int:
     # triton.cdiv is a jit function: a few microseconds per host call, and this runs on every launch.
@@ -80,8 +82,6 @@ def dependent_launch(t: torch.Tensor) -> bool:
     """Whether a kernel on ``t``'s device may start as a programmatic dependent of the one before it (Hopper
     on): its launch and first instructions overlap the other's tail, and ``gdc_wait`` holds it until that
     one's writes are visible."""
-    from .configs import capability
-
     return t.is_cuda and capability(t.device)[0] >= 9
 
 

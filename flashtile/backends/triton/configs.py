@@ -541,15 +541,16 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, packe
 
 
 def decode_plan(head_dim: int, dtype: torch.dtype, device: torch.device, rows: int, programs: int, capacity: int,
-                num_splits: int = 0, page_size: int = 0) -> tuple:
+                num_splits: int = 0, page_size: int = 0, config: TileConfig | None = None) -> tuple:
     """``(tiles, splits)`` of the KV-cache kernel: :func:`decode_config`'s tiles and :func:`decode_splits`'s
     count, with the short-cache rules above. ``rows``: packed query rows a (batch row, KV head);
-    ``programs``: batch x KV heads (the row blocks are counted here)."""
-    cfg = decode_config(head_dim, dtype, device, rows, page_size)
+    ``programs``: batch x KV heads (the row blocks are counted here); ``config``: tiles given instead of
+    the table's (tuning sweeps), taken as they are."""
+    cfg = config or decode_config(head_dim, dtype, device, rows, page_size)
     programs *= -(-rows // cfg.BLOCK_M)
     gather = bool(page_size) and page_size % cfg.BLOCK_N != 0
     splits = decode_splits(num_splits, programs, capacity, device, cfg.BLOCK_N, gather)
-    if device.type != "cuda":
+    if device.type != "cuda" or config is not None:
         return cfg, splits
     short = DECODE_SHORT_BLOCK_N
     wanted = DECODE_PROGRAMS_PER_SM * sm_count(device) // max(programs, 1)

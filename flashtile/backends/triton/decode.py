@@ -16,7 +16,7 @@ import triton
 
 from ...alloc import empty
 from .. import KVCacheArgs
-from .configs import TileConfig, decode_plan, decode_splits, padded_head_dim
+from .configs import TileConfig, decode_plan, padded_head_dim
 from .fastlaunch import CachedLaunch
 from .host import bsh_strides, cdiv, dependent_launch, fast_tanh, input_precision, lse_strides, on_device, unit_stride
 from .kernels import decode as kernels
@@ -150,14 +150,8 @@ class DecodePlan(NamedTuple):
 def _plan(batch, seqlen_q, nheads, nheads_kv, head_dim, head_dim_v, dtype, device, capacity, num_splits,
           page_size: int, config: TileConfig | None) -> DecodePlan:
     rows = seqlen_q * (nheads // nheads_kv)
-    if config is None:
-        cfg, splits = decode_plan(max(head_dim, head_dim_v), dtype, device, rows, batch * nheads_kv, capacity,
-                                  num_splits, page_size)
-    else:
-        cfg = config
-        gather = page_size > 0 and page_size % cfg.BLOCK_N != 0
-        splits = decode_splits(num_splits, cdiv(rows, cfg.BLOCK_M) * batch * nheads_kv, capacity, device,
-                               cfg.BLOCK_N, gather)
+    cfg, splits = decode_plan(max(head_dim, head_dim_v), dtype, device, rows, batch * nheads_kv, capacity, num_splits,
+                              page_size, config)
     m_blocks = cdiv(rows, cfg.BLOCK_M)
     combine_block = min(triton.next_power_of_2(splits), max(1, _COMBINE_TILE // padded_head_dim(head_dim_v)))
     return DecodePlan(cfg, splits, (m_blocks, batch * nheads_kv, splits), (seqlen_q * nheads, batch), combine_block)
@@ -196,8 +190,7 @@ def attention_packed(q, k, v, out, lse, args: KVCacheArgs):
     builds them (``cu_seqlens_q``, and the keys of sequence ``b`` as cache rows ``[cache_leftpad[b],
     cache_seqlens[b])`` of the packed k). Writes the rows of each sequence into the packed ``out``
     ``(tokens, nheads, headdim_v)`` and ``lse`` ``(nheads, tokens)``; rows past ``cu_seqlens_q[-1]`` are the
-    caller's."""
-    q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
+    caller's. q, k and v come with unit stride on the head dim (``launch.forward`` made them so)."""
     batch = args.cu_seqlens_q.shape[0] - 1
     # Every batch row reads the one packed tensor: a cache row of all the tokens, batch stride 0.
     attend(q, k.expand(batch, *k.shape), v.expand(batch, *v.shape), out, lse, args)

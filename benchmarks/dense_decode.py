@@ -8,6 +8,7 @@ per eager call through the public API and through SDPA (host time included); max
 each path; whether the dispatch rule takes the KV-cache kernel for the shape.
 
     FLASHTILE_NO_VENV=1 PYTHONPATH=$PWD python benchmarks/dense_decode.py   # writes $OUT/h200-dense-decode-<date>.json
+    ... python benchmarks/dense_decode.py --short   # short caches: $OUT/h200-dense-decode-short-<date>.json
 """
 import os
 import sys
@@ -28,6 +29,12 @@ SHAPES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_kv)
     (1, 1, 512, 32, 8), (1, 1, 2048, 32, 8), (1, 1, 4096, 32, 8), (1, 1, 32768, 32, 8), (8, 1, 4096, 32, 8),
     (16, 1, 8192, 32, 8), (64, 1, 1024, 32, 8), (1, 4, 8192, 32, 8), (1, 1, 8192, 32, 32), (4, 1, 16384, 64, 8),
     (1, 8, 2048, 32, 8),
+]
+# Short caches (--short): where the two kernels cross over.
+SHORT_SHAPES = [
+    (1, 1, 128, 32, 8), (1, 1, 256, 32, 8), (1, 1, 512, 32, 8), (1, 1, 1024, 32, 8), (1, 1, 2048, 32, 8),
+    (4, 1, 512, 32, 8), (8, 1, 256, 32, 8), (16, 1, 512, 32, 8), (1, 4, 1024, 32, 8), (1, 8, 512, 32, 8),
+    (1, 1, 1024, 32, 32), (1, 1, 512, 16, 1), (2, 1, 1024, 64, 8),
 ]
 
 
@@ -67,8 +74,10 @@ def measure(batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype=torch.bfloat16):
 
 
 def main():
-    rows = measure_all(measure, SHAPES)
-    save_results("dense-decode", rows, "python benchmarks/dense_decode.py")
+    short = "--short" in sys.argv[1:]
+    rows = measure_all(measure, SHORT_SHAPES if short else SHAPES)
+    save_results("dense-decode" + ("-short" if short else ""), rows,
+                 "python benchmarks/dense_decode.py" + (" --short" if short else ""))
     header = ("b x q x k, heads", "forward", "kv", "sdpa", "GB/s", "api", "sdpa")
     print("{:24s} {:>8s} {:>7s} {:>7s} {:>6s} {:>7s} {:>7s} rule".format(*header))
     for r in rows:

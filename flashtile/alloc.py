@@ -3,20 +3,22 @@ kernel must fill starts as NaN, so an element the kernel forgets to write fails 
 instead of passing as a plausible value left over in memory."""
 from __future__ import annotations
 
-import os
-
 import torch
+
+from . import env, replay
 
 
 def _poison() -> bool:
-    return os.environ.get("FLASHTILE_POISON", "0") not in ("", "0")
+    return env.flag("FLASHTILE_POISON")
 
 
 def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     t = torch.empty(shape, dtype=dtype, device=device)
+    replay.note_buffer(t)
     return t.fill_(float("nan")) if _poison() else t
 
 
 def empty_like(t: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(t)
+    replay.note_buffer(out)
     return out.fill_(float("nan")) if _poison() else out

@@ -15,7 +15,6 @@ import copy
 import functools
 import importlib
 import logging
-import os
 import threading
 import warnings
 from collections import Counter
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import env, replay
 from .backends import AttentionCall, missing_features
 
 logger = logging.getLogger("flashtile")
@@ -94,7 +94,7 @@ def set_strict(strict: bool = True) -> None:
 
 
 def strict_enabled() -> bool:
-    return _strict[0] or os.environ.get("FLASHTILE_STRICT", "0") not in ("", "0")
+    return _strict[0] or env.flag("FLASHTILE_STRICT")
 
 
 @contextlib.contextmanager
@@ -129,7 +129,7 @@ def _check_name(name: str) -> None:
 
 
 def _is_disabled(name: str) -> bool:
-    from_env = os.environ.get("FLASHTILE_DISABLE_BACKENDS", "").replace(" ", "").split(",")
+    from_env = env.get("FLASHTILE_DISABLE_BACKENDS", "").replace(" ", "").split(",")
     return name in from_env or any(name in names for names in _disabled)
 
 
@@ -267,7 +267,6 @@ def state_key() -> tuple:
     """Everything besides the call that :func:`plan` and the fallback policy read: forced and disabled
     backends, strict mode and the environment variables behind them. A plan made under one key holds
     while the key is unchanged."""
-    env = os.environ
     return (tuple(_forced), tuple(_disabled), _strict[0], env.get("FLASHTILE_DISABLE_BACKENDS"),
             env.get("FLASHTILE_STRICT"), env.get("TRITON_INTERPRET"))
 
@@ -283,6 +282,10 @@ def record_fallback(reason: str, backend: str, *, preferred: str = "preferred", 
     """
     if strict_enabled():
         raise FallbackError(f"flashtile strict mode: the {preferred} backend cannot run this call: {reason}")
+    recorder = replay.active()
+    if recorder is not None:
+        # A replay would skip this record: such a call is never replayed.
+        recorder.unreplayable = f"a fallback: {reason}"
     with _lock:
         _calls[backend] += 1
         _fallbacks[reason] += 1

@@ -6,8 +6,9 @@ into one :class:`~flashtile.backends.AttnArgs`), asks :mod:`flashtile.dispatch` 
 runs the matching autograd Function when a gradient is wanted, else the backend's forward alone
 (or, while torch.compile traces, the custom op of :mod:`flashtile.ops`). A dense call that repeats
 an earlier one reuses that call's validated arguments and plan (:func:`_attention`), and so does a
-KV-cache step whose index values are not read on the host (:func:`flash_attn_with_kvcache`).
-:func:`flash_attn_with_kvcache` and :func:`merge_attention_states` are inference-only: they run the
+KV-cache step whose index values are not read on the host (:func:`flash_attn_with_kvcache`); when it
+needs no gradient it is replayed: the earlier call's recorded launches run on the new tensors
+(:mod:`flashtile.replay`). :func:`flash_attn_with_kvcache` and :func:`merge_attention_states` are inference-only: they run the
 backend directly (no autograd), through a custom op while compiling.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import replace
 
 import torch
 
-from . import ops, validation
+from . import ops, replay, validation
 from .autograd import FlashAttnFunc, FlashAttnKVPackedFunc, FlashAttnQKVPackedFunc, run_forward, wants_grad
 from .backends import AttentionCall
 from .dispatch import dispatch, merge_call, recall, record_choice, remember, state_key
@@ -275,8 +276,16 @@ def _attention(function, inputs, qkv, options, sink, attn_bias, return_attn_prob
     compiling = torch.compiler.is_compiling()
     key = None if compiling else _signature(function, qkv, options, sink, attn_bias)
     known = None if key is None else recall(key)
+    replays = ()
     if known is not None:
-        args, chosen = known
+        args, chosen, replays = known
+        if replays and not wants_grad(*inputs):
+            # A call like an earlier one: its launches again (fastest), when the layouts are the same.
+            outputs = replay.replayed(replays, inputs)
+            if outputs is not None:
+                record_choice(chosen)
+                out, lse = outputs
+                return (out, lse, None) if return_attn_probs else out
         if args.varlen:
             # Packed sequences: the offsets are this call's, and the longest lengths may differ.
             args = replace(args, cu_seqlens_q=options["cu_seqlens_q"], cu_seqlens_k=options["cu_seqlens_k"],
@@ -290,8 +299,11 @@ def _attention(function, inputs, qkv, options, sink, attn_bias, return_attn_prob
             record_choice(chosen)
         else:
             chosen = dispatch(AttentionCall.of(q, k, v, args))
+            # Recorded afresh, unless the last recording served no call before the key count changed (one
+            # that changes every call: recording would only add to each; the next count is recorded again).
+            replays = None if replays and not replays[0].uses else ()
             if chosen.fallback_reason is None:
-                remember(key, (args, chosen))
+                remember(key, (args, chosen, replays))
     else:
         validation.check_qkv(q, k, v, varlen=options.get("varlen", False))
         args = validation.attn_args(q, k, v, sink=sink, attn_bias=attn_bias, **options)
@@ -300,15 +312,20 @@ def _attention(function, inputs, qkv, options, sink, attn_bias, return_attn_prob
             return (out, lse, None) if return_attn_probs else out
         chosen = dispatch(AttentionCall.of(q, k, v, args))
         if key is not None and chosen.fallback_reason is None:
-            remember(key, (args, chosen))
+            remember(key, (args, chosen, replays))
     if wants_grad(*inputs, sink, attn_bias):
         out, lse = function.apply(*inputs, sink, attn_bias, args, chosen)
+    elif key is not None and chosen.fallback_reason is None and not args.varlen and args.dropout_p == 0:
+        # Recorded for the next call like it (dropout draws new counters each call; packed sequences
+        # take their lengths per call).
+        (out, lse, _), replays = replay.record(lambda: run_forward(chosen, q, k, v, args), inputs, replays)
+        remember(key, (args, chosen, replays))
     else:
         out, lse, _ = run_forward(chosen, q, k, v, args)
     return (out, lse, None) if return_attn_probs else out
 
 
-_SCALARS = (int, float, bool, type(None))
+_SCALARS = frozenset((int, float, bool, type(None)))
 
 
 def _plain_window(window) -> bool:
@@ -327,11 +344,11 @@ def _signature(function, qkv, options, sink, attn_bias):
     if not _plain_window(window):
         return None
     scalars = (options["dropout_p"], options["softmax_scale"], options["causal"], options["softcap"])
-    types = tuple(type(x) for x in scalars)
+    types = tuple(map(type, scalars))
     q, k, v = qkv
     varlen = options.get("varlen", False)
-    if not all(t in _SCALARS for t in types) or not all(isinstance(t, torch.Tensor) and t.dim() == 4 - varlen
-                                                        for t in qkv):
+    if not _SCALARS.issuperset(types) or not all(isinstance(t, torch.Tensor) and t.dim() == 4 - varlen
+                                                 for t in qkv):
         return None
     common = (function, window, scalars, types, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, state_key())
     if varlen:
@@ -358,15 +375,11 @@ def _varlen_signature(qkv, options, common):
 def _layouts(tensors, strides: bool):
     """Each tensor's shape, dtype and device (and strides), None for None; None when one is neither (a
     list, an int: validation would convert it)."""
-    layouts = []
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            layouts.append((t.shape, t.stride() if strides else None, t.dtype, t.device))
-        elif t is None:
-            layouts.append(None)
-        else:
-            return None
-    return tuple(layouts)
+    if not all(t is None or isinstance(t, torch.Tensor) for t in tensors):
+        return None
+    if strides:
+        return tuple([None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors])
+    return tuple([None if t is None else (t.shape, None, t.dtype, t.device) for t in tensors])
 
 
 def flash_attn_with_kvcache(
@@ -468,22 +481,38 @@ def flash_attn_with_kvcache(
                    rotary_interleaved=rotary_interleaved, num_splits=num_splits)
     key = _kvcache_signature((q, k_cache, v_cache, k, v, alibi_slopes, sink), index, options)
     known = None if key is None else recall(key)
+    tensors = (q, k_cache, v_cache, k, v, alibi_slopes, sink, *index.values())
     if known is not None:
         # A step like an earlier one: its checks hold (no value is read), only the tensors are new.
-        args, chosen = known
+        args, chosen, replays = known
+        outputs = replay.replayed(replays, tensors)
+        if outputs is not None:
+            # Its launches again, when the tensors are aligned as before.
+            record_choice(chosen)
+            out, lse = outputs
+            return (out, lse) if return_softmax_lse else out
         batch, _, nheads, _ = q.shape
         args = replace(args, **index, alibi_slopes=None if alibi_slopes is None else
                        validation.check_alibi_slopes(alibi_slopes, batch, nheads, q.device),
                        sink=None if sink is None else validation.check_sink(sink, nheads, q.device))
         record_choice(chosen)
-        with torch.no_grad():
-            out, lse = ops.run_kvcache(chosen, q, k_cache, v_cache, k, v, args)
+
+        def run():
+            with torch.no_grad():
+                return ops.run_kvcache(chosen, q, k_cache, v_cache, k, v, args)
+
+        (out, lse), replays = replay.record(run, tensors, replays, pinned=True)
+        remember(key, (args, chosen, replays))
     else:
         args = validation.kvcache_args(q, k_cache, v_cache, k, v, alibi_slopes=alibi_slopes, sink=sink, **index,
                                        **options)
-        out, lse, chosen = _attention_kvcache(q, k_cache, v_cache, k, v, args)
-        if key is not None and chosen.fallback_reason is None:
-            remember(key, (args, chosen))
+        if key is None:
+            out, lse, chosen = _attention_kvcache(q, k_cache, v_cache, k, v, args)
+        else:
+            (out, lse, chosen), replays = replay.record(
+                lambda: _attention_kvcache(q, k_cache, v_cache, k, v, args), tensors, (), pinned=True)
+            if chosen.fallback_reason is None:
+                remember(key, (args, chosen, replays))
     return (out, lse) if return_softmax_lse else out
 
 
@@ -514,8 +543,8 @@ def _kvcache_signature(tensors, index: dict, options: dict):
     if not _plain_window(window):
         return None
     scalars = tuple(value for name, value in options.items() if name != "window_size")
-    types = tuple(type(x) for x in scalars)
-    if not all(t in _SCALARS for t in types):
+    types = tuple(map(type, scalars))
+    if not _SCALARS.issuperset(types):
         return None
     return ("kvcache", layouts, window, scalars, types, state_key())
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 
 import torch
 
+from . import env
 from .backends import AttnArgs, KVCacheArgs
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -187,10 +187,6 @@ def check_attn_bias(attn_bias, shape: tuple, device) -> torch.Tensor:
     return attn_bias.detach().expand(shape)
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "0") not in ("", "0")
-
-
 def values_checked(device) -> bool:
     """Whether the checks that read index tensors' values on the host run for tensors on ``device``.
 
@@ -204,9 +200,9 @@ def values_checked(device) -> bool:
         return False
     if device.type == "cpu":
         return True
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if not (env.flag("FLASHTILE_VALIDATE_VALUES") or env.flag("FLASHTILE_VALIDATE_VARLEN")):
         return False
-    return _env_flag("FLASHTILE_VALIDATE_VALUES") or _env_flag("FLASHTILE_VALIDATE_VARLEN")
+    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
 def _check_cu_seqlens(name: str, cu, device) -> None:

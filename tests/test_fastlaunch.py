@@ -157,7 +157,7 @@ def test_growing_kv_cache_reuses_its_launch(seqlen_q):
     from flashtile.testing import ATOL, assert_close_to_ref, attention_ref
 
     torch.manual_seed(0)
-    # One query over 4100 keys or more: the KV-cache kernel's share (configs.DENSE_DECODE_MIN_KEYS).
+    # One query over 4100 keys: the KV-cache kernel's share (configs.DENSE_DECODE_MIN_KEYS).
     keys, values = (torch.randn(2, 4, 4100 if seqlen_q == 1 else 37, 64, device="cuda", dtype=torch.float16)
                     for _ in range(2))
     cached = decode._DECODE if seqlen_q == 1 else launch._FWD

@@ -173,7 +173,7 @@ def test_growing_keys_reuse_validation_and_replan(device, rng, monkeypatch):
             out = flash_attn_func(q, k, v, causal=True)
             ref, _ = attention_ref(q, k, v, causal=True)
             torch.testing.assert_close(out.float(), ref.float(), atol=2e-3, rtol=0)
-        assert [plan.call.seqlen_k for _, plan in flashtile.dispatch._remembered.values()] == [7]
+        assert [plan.call.seqlen_k for _, plan, _ in flashtile.dispatch._remembered.values()] == [7]
         with pytest.raises(ValueError, match="k and v must have the same"):
             flash_attn_func(q, k, v[:, :5])
     assert len(checked) == 2
@@ -200,7 +200,7 @@ def test_packed_steps_reuse_validation_and_replan(device, rng, monkeypatch):
             out = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, max(lengths), causal=True)
             ref, _ = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=True)
             torch.testing.assert_close(out.float(), ref.float(), atol=2e-3, rtol=0)
-        assert [plan.call.seqlen_k for _, plan in flashtile.dispatch._remembered.values()] == [max(lengths)]
+        assert [plan.call.seqlen_k for _, plan, _ in flashtile.dispatch._remembered.values()] == [max(lengths)]
         assert len(checked) == 1
         with pytest.raises(TypeError, match="cu_seqlens_k must have dtype torch.int32"):
             flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k.long(), 1, max(lengths), causal=True)

@@ -453,8 +453,8 @@ def test_decode_shaped_calls_take_the_kv_cache_kernel_once_the_forward_would_be_
     def takes(batch, seqlen_q, seqlen_k, nheads, nheads_kv, features=frozenset(), dtype=bf16, device=gpu):
         return configs.dense_takes_decode(batch, seqlen_q, seqlen_k, nheads, nheads_kv, features, dtype, device)
 
-    assert takes(1, 1, 4096, 32, 8) and not takes(1, 1, 4095, 32, 8)
-    assert takes(8, 1, 2048, 32, 8)  # 256 programs: two waves of 2048 keys
+    assert takes(1, 1, 256, 32, 8) and not takes(1, 1, 255, 32, 8)
+    assert takes(8, 1, 128, 32, 8)  # 256 programs: two waves of 128 keys
     assert takes(1, 8, 8192, 32, 8, frozenset({"window", "sink"}))  # 8 tokens x 4 heads: 32 rows
     assert takes(8, 1, 2048, 32, 8, frozenset({"varlen"}))  # packed: max_seqlen_q rows a sequence
     assert not takes(1, 9, 8192, 32, 8)  # 36 rows: the forward kernel

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 
 import torch
 
+from ... import env
 from .. import AttentionCall, missing_features
 from .configs import (MAX_GRID_Y, capability, bwd_config, bwd_plan, decode_plan,
                       dense_takes_decode, fwd_config, gluon_fwd_config, gluon_kv_config)
@@ -24,7 +24,7 @@ def _triton_installed() -> bool:
 
 def interpreter_enabled() -> bool:
     """``TRITON_INTERPRET=1``: the kernels run on CPU tensors through Triton's interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return env.flag("TRITON_INTERPRET")
 
 
 def supports(call: AttentionCall) -> str | None:

@@ -497,11 +497,15 @@ def sm_count(device: torch.device) -> int:
 # d=128, causal, one query, GPU us by CUDA-graph replay, forward kernel / KV-cache kernel / SDPA (`python
 # benchmarks/dense_decode.py` -> results/h200-dense-decode-2026-11-22.json): batch 1 x 512 keys 8.8 / 8.9 /
 # 7.5, x 4096 47.3 / 12.2 / 9.3, x 32768 499 / 38.1 / 37.6; 16 x 8192 516 / 124 / 123; 64 x 1024 165 / 72 /
-# 66; 4 queries x 8192 129 / 12.8 / 7.4. Its host time is longer (a second launch merges the splits): a
-# call takes it once the forward kernel's programs walk DENSE_DECODE_MIN_KEYS keys (waves x keys), where
-# the forward kernel's GPU time passes about 50 us.
+# 66; 4 queries x 8192 129 / 12.8 / 7.4. Short caches (`python benchmarks/dense_decode.py --short` ->
+# results/h200-dense-decode-short-2026-11-22.json, after the short-cache tiles): 1 x 128 4.7 / 4.8 / 4.3,
+# x 256 6.1 / 4.9 / 6.0, x 1024 14.4 / 6.1 / 6.7; 8 x 256 8.2 / 6.5 / 5.6; 16 x 512 23.8 / 10.0 / 8.4. The
+# second launch (the splits' merge) once cost the host more than the kernel saved, which kept short calls on
+# the forward kernel; a repeated call is replayed now (flashtile/replay.py), and the KV-cache kernel's host
+# time is the same within this host's noise. A call takes it once the forward kernel's programs walk
+# DENSE_DECODE_MIN_KEYS keys (waves x keys): from 256 keys it is ahead on every measured shape, at 128 level.
 DENSE_DECODE_FEATURES = frozenset({"window", "softcap", "alibi", "sink", "headdim_v", "varlen"})
-DENSE_DECODE_MIN_KEYS = 4096
+DENSE_DECODE_MIN_KEYS = 256
 # The KV-cache kernels' second grid axis is batch x KV heads (append and combine: batch), which CUDA caps.
 MAX_GRID_Y = 65535
 

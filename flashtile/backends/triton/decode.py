@@ -87,7 +87,7 @@ def append_kv(q, k_cache, v_cache, k, v, args: KVCacheArgs):
     if (seqlen_new == 0 and not rotary) or batch == 0:
         return q
     nheads_kv, head_dim_v = k_cache.shape[2], v_cache.shape[3]
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if rotary else q
+    q_out = empty(q.shape, q.dtype, q.device) if rotary else q
     k_new = unit_stride(k) if seqlen_new else k_cache
     v_new = unit_stride(v) if seqlen_new else v_cache
     q_in = unit_stride(q)

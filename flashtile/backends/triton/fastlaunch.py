@@ -17,7 +17,8 @@ packed batches of other lengths, reuse one launch per specialization instead of 
 A call whose dynamic ints all equal an earlier call's (a training step, a decode step over a fixed
 cache) finds its launch by their values, without working out their specialization again.
 Launch hooks (e.g. a profiler's) are called as Triton calls them. Under Triton's interpreter every
-call takes Triton's ordinary path.
+call takes Triton's ordinary path. While a call is recorded (:mod:`flashtile.replay`), each launch is
+noted with its compiled kernel, grid and every argument, so that the call can be replayed.
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ import torch
 from triton import knobs
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend
+
+from ... import replay
 
 
 def _interpreting() -> bool:
@@ -122,8 +125,14 @@ class CachedLaunch:
             values = self._values(dynamic)
             if len(self.dynamic_names) == 1:
                 values = (values, )
+        recorder = replay.active()
+        if recorder is not None and stream is not None:
+            recorder.unreplayable = "a launch on a side stream"
         if _interpreting():
-            self.fn[grid](**self._kwargs(values, static))
+            kwargs = self._kwargs(values, static)
+            if recorder is not None:
+                recorder.launches.append((_Interpreted(self.fn, grid, tuple(kwargs)), list(kwargs.values())))
+            self.fn[grid](**kwargs)
             return
         exact = self._exact(values)
         entry = self._by_value.get((key, exact))
@@ -140,6 +149,11 @@ class CachedLaunch:
                 dynamic_slots = set(self.slots)
                 args = [None if i in dynamic_slots else kwargs[name] for i, name in enumerate(self.names)]
                 self._cache[full_key] = (kernel, args)
+                if recorder is not None:
+                    if hasattr(kernel, "result"):
+                        recorder.unreplayable = "a kernel compiled asynchronously"
+                    else:
+                        recorder.launches.append((_Bound(kernel, _grid3(grid)), [kwargs[name] for name in self.names]))
                 return
             if hasattr(entry[0], "result"):  # compiled asynchronously: wait for it once
                 entry = (entry[0].result(), entry[1])
@@ -151,12 +165,50 @@ class CachedLaunch:
         args = list(args)
         for slot, value in zip(self.slots, values):
             args[slot] = value
-        stream = _current_stream() if stream is None else stream.cuda_stream
-        # Launch hooks (a profiler's, say) get the metadata Triton's own path would give them; an
-        # empty hook chain (Triton's default) needs none.
-        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-        hooked = enter is not None and getattr(enter, "calls", True)
-        metadata = kernel.launch_metadata(grid, stream, *args) if hooked else None
-        grid = tuple(grid) + (1,) * (3 - len(grid))
-        kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, metadata, enter, leave,
-                   *args)
+        grid = _grid3(grid)
+        if recorder is not None:
+            recorder.launches.append((_Bound(kernel, grid), args))
+        _run(kernel, grid, _current_stream() if stream is None else stream.cuda_stream, args)
+
+
+def _grid3(grid) -> tuple:
+    return tuple(grid) + (1,) * (3 - len(grid))
+
+
+def _run(kernel, grid: tuple, stream: int, args: list) -> None:
+    """Launch compiled ``kernel`` on ``grid`` (3 dims) with every argument, as Triton's own launch path does."""
+    # Launch hooks (a profiler's, say) get the metadata Triton's own path would give them; an
+    # empty hook chain (Triton's default) needs none.
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    hooked = enter is not None and getattr(enter, "calls", True)
+    metadata = kernel.launch_metadata(grid, stream, *args) if hooked else None
+    kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, metadata, enter, leave,
+               *args)
+
+
+class _Bound:
+    """A compiled kernel on its grid: ``launch(args)`` runs it on the current stream (a replay's launch)."""
+
+    __slots__ = ("kernel", "grid")
+    # A replay passes tensors as their addresses (ints), which Triton's launcher takes as they are.
+    pointers = True
+
+    def __init__(self, kernel, grid: tuple):
+        self.kernel, self.grid = kernel, grid
+
+    def __call__(self, args: list) -> None:
+        _run(self.kernel, self.grid, _current_stream(), args)
+
+
+class _Interpreted:
+    """A kernel under Triton's interpreter: ``launch(args)`` calls it with ``args`` by these names."""
+
+    __slots__ = ("fn", "grid", "names")
+    # The interpreter reads tensors, not addresses.
+    pointers = False
+
+    def __init__(self, fn, grid, names: tuple):
+        self.fn, self.grid, self.names = fn, grid, names
+
+    def __call__(self, args: list) -> None:
+        self.fn[self.grid](**dict(zip(self.names, args)))

@@ -1,0 +1,238 @@
+"""Replays: a repeated call runs as its kernel launches alone.
+
+An eager decode step is bound by the host: each layer's attention is a few kernels of a few
+microseconds, behind a Python path of validation, dispatch, planning and launch bookkeeping that
+costs several times more. A step repeats the one before it (the same shapes, strides, dtypes and
+options; only the tensors are new), so all of that work gives the same answer every time.
+
+The first such call runs normally under a :class:`Recorder`, which notes each buffer the backend
+allocates (:func:`flashtile.alloc.empty`) and each kernel it launches
+(:class:`~flashtile.backends.triton.fastlaunch.CachedLaunch`), with every argument. :func:`build`
+then finds where each tensor argument came from: one of the call's inputs, a buffer, or a view of
+either (found by its storage). The :class:`Replay` keeps the launches' other arguments as they were
+and, called with the next call's inputs, allocates the buffers, makes the views and launches the
+same compiled kernels: three launches and two allocations for a decode step.
+
+What this relies on: the caller's key (:mod:`flashtile.interface`) pins everything the launches'
+non-tensor arguments were computed from, and the recorded route does nothing besides allocating
+and launching (the caller records only such routes). A tensor argument that is none of the above
+(a copy made on the way, say) makes the call unreplayable, and so do inputs that are one object
+passed twice or views whose storage two inputs share: a replay could not tell which input to use.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+import threading
+
+import torch
+
+from . import alloc
+
+_local = threading.local()
+logger = logging.getLogger("flashtile")
+
+
+class Recorder:
+    """What one call allocated and launched."""
+
+    def __init__(self):
+        self.buffers: list = []
+        # (launch, args): the launch is called as ``launch(args)`` to run the kernel again.
+        self.launches: list = []
+        self.unreplayable: str | None = None
+
+
+def recording(recorder: Recorder | None):
+    """Context manager: note this thread's allocations and launches into ``recorder`` (None: none)."""
+    return _Recording(recorder)
+
+
+class _Recording:
+    def __init__(self, recorder):
+        self.recorder = recorder
+
+    def __enter__(self):
+        self.previous = getattr(_local, "recorder", None)
+        _local.recorder = self.recorder
+        return self.recorder
+
+    def __exit__(self, *exc):
+        _local.recorder = self.previous
+
+
+def active() -> Recorder | None:
+    """The recorder of this thread's current call, or None (nearly always)."""
+    return getattr(_local, "recorder", None)
+
+
+def note_buffer(t: torch.Tensor) -> None:
+    recorder = getattr(_local, "recorder", None)
+    if recorder is not None:
+        recorder.buffers.append(t)
+
+
+class Replay:
+    """The launches of a recorded call, run again on new inputs (see the module docstring)."""
+
+    __slots__ = ("inputs", "alignments", "layouts", "pinned", "buffers", "views", "pointers", "launches", "outputs",
+                 "device", "uses")
+
+    def __init__(self, inputs: tuple, layouts: tuple, pinned: bool, buffers: tuple, views: tuple, pointers: bool,
+                 launches: tuple, outputs, device: int | None):
+        # The tensors the launches take, in this order: the inputs given (their indices), the buffers
+        # allocated ((shape, dtype, device)), then views of those ((index, shape, stride, offset in elements
+        # past the storage offset of the one viewed, the same in bytes past its start)).
+        self.inputs, self.buffers, self.views = inputs, buffers, views
+        # Each given input's start modulo 16 and (shape, strides) when recorded; the layouts are compared
+        # unless ``pinned`` (the caller's key holds them).
+        self.alignments = tuple(layout[2] for layout in layouts)
+        self.layouts = tuple(layout[:2] for layout in layouts)
+        self.pinned = pinned
+        # Compiled launches take each tensor as its address (an int, which the launcher checks no further):
+        # a view is an address past another's, without a tensor made for it.
+        self.pointers = pointers
+        # (launch, the arguments that are no tensor, a getter of the argument list from tensors + those).
+        self.launches = launches
+        # A getter of the outputs from the inputs and buffers.
+        self.outputs = outputs
+        # The CUDA device the launches ran on (they run on the current one), None on CPU.
+        self.device = device
+        # The calls it served.
+        self.uses = 0
+
+    def __call__(self, inputs: tuple):
+        """The call's outputs, or None when an input's layout or alignment differs from the recorded one,
+        or another CUDA device is current (the caller then runs the call normally)."""
+        if self.device is not None and torch._C._cuda_getDevice() != self.device:
+            return None
+        given = [inputs[i] for i in self.inputs]
+        starts = [t.data_ptr() for t in given]
+        if any(start & 15 != alignment for start, alignment in zip(starts, self.alignments)):
+            return None
+        if not self.pinned and any((t.shape, t.stride()) != layout for t, layout in zip(given, self.layouts)):
+            return None
+        tensors = given + [alloc.empty(shape, dtype, device) for shape, dtype, device in self.buffers]
+        if self.pointers:
+            arguments = starts + [t.data_ptr() for t in tensors[len(given):]]
+            arguments += [arguments[index] + delta for index, _, _, _, delta in self.views]
+        else:
+            arguments = list(tensors)
+            for index, shape, stride, offset, _ in self.views:
+                base = arguments[index]
+                arguments.append(base.as_strided(shape, stride, base.storage_offset() + offset))
+        for launch, constants, gather in self.launches:
+            launch(gather(arguments + constants))
+        self.uses += 1
+        return self.outputs(tensors)
+
+
+def build(recorder: Recorder, inputs: tuple, outputs: tuple, pinned: bool) -> Replay | str:
+    """A :class:`Replay` of the call ``recorder`` saw, or why it cannot be replayed. ``inputs``: the call's
+    tensors (None for absent ones), in the order the replay will be given them; ``outputs``: the tensors
+    it returns. The replay compares each input's 16-byte alignment (Triton specializes a pointer on it)
+    with the recorded one, and its shape and strides unless ``pinned`` (the caller's key holds them)."""
+    if recorder.unreplayable:
+        return recorder.unreplayable
+    if not recorder.launches:
+        return "nothing was launched"
+    given = [i for i, t in enumerate(inputs) if t is not None]
+    tensors = [inputs[i] for i in given] + list(recorder.buffers)
+    by_id: dict = {}
+    by_storage: dict = {}
+    for index, t in enumerate(tensors):
+        if id(t) in by_id:
+            return f"input {given[index]} is the same tensor as an earlier input"
+        by_id[id(t)] = index
+        storage = t.untyped_storage().data_ptr()
+        # A storage that two inputs share cannot say which input a view of it was made from.
+        by_storage[storage] = None if storage in by_storage else index
+    for t in recorder.buffers:
+        if not t.is_contiguous():
+            return f"a buffer of shape {tuple(t.shape)} has strides {t.stride()}"
+    views: list = []
+
+    def index_of(t):
+        index = by_id.get(id(t))
+        if index is not None:
+            return index
+        owner = by_storage.get(t.untyped_storage().data_ptr())
+        if owner is None or tensors[owner].dtype != t.dtype:
+            return None
+        views.append((owner, tuple(t.shape), t.stride(), t.storage_offset() - tensors[owner].storage_offset(),
+                      t.data_ptr() - tensors[owner].data_ptr()))
+        tensors.append(t)
+        by_id[id(t)] = len(tensors) - 1
+        return len(tensors) - 1
+
+    recorded = []
+    for launch, args in recorder.launches:
+        slots, constants = [], []
+        for value in args:
+            if isinstance(value, torch.Tensor):
+                index = index_of(value)
+                if index is None:
+                    return (f"a launch argument of shape {tuple(value.shape)} is neither an input, a buffer nor a "
+                            "view of one")
+                slots.append((True, index))
+            elif isinstance(getattr(value, "base", None), torch.Tensor):
+                return "a launch takes a tensor descriptor"
+            else:
+                slots.append((False, len(constants)))
+                constants.append(value)
+        recorded.append((launch, slots, constants))
+    output_indices = []
+    for t in outputs:
+        index = by_id.get(id(t))
+        if index is None or index >= len(given) + len(recorder.buffers):
+            return "an output is neither an input nor a buffer"
+        output_indices.append(index)
+    # Every tensor is known now: a launch gathers its arguments from the tensors followed by its constants.
+    count = len(tensors)
+    launches = tuple((launch, constants, _getter([index if is_tensor else count + index
+                                                  for is_tensor, index in slots]))
+                     for launch, slots, constants in recorded)
+    layouts = tuple((inputs[i].shape, inputs[i].stride(), inputs[i].data_ptr() & 15) for i in given)
+    buffers = tuple((tuple(t.shape), t.dtype, t.device) for t in recorder.buffers)
+    device = inputs[given[0]].device
+    pointers = all(getattr(launch, "pointers", False) for launch, _ in recorder.launches)
+    return Replay(tuple(given), layouts, pinned, buffers, tuple(views), pointers, launches, _getter(output_indices),
+                  device.index if device.type == "cuda" else None)
+
+
+def _getter(indices: list):
+    """``f(items)``: the tuple of ``items[i]`` for ``i`` in ``indices`` (a tuple of one for one index)."""
+    get = operator.itemgetter(*indices)
+    return get if len(indices) > 1 else (lambda items: (get(items),))
+
+
+def replayed(replays: tuple | None, inputs: tuple):
+    """The outputs of the first of ``replays`` that fits ``inputs``, or None. Never while a profiler runs,
+    so that the call's profiler ranges are recorded."""
+    if not replays or torch.autograd._profiler_enabled():
+        return None
+    for again in replays:
+        outputs = again(inputs)
+        if outputs is not None:
+            return outputs
+    return None
+
+
+# Replays kept for one key: calls of one kind whose layouts take turns (two caches of other capacities).
+KEEP = 4
+
+
+def record(run, inputs: tuple, replays: tuple | None, pinned: bool = False) -> tuple:
+    """``run()``'s result (a tuple whose first items are the call's output tensors), and the replays to keep
+    for its key: ``replays`` with this call's in front; None when ``replays`` is None (not recorded) or the
+    call cannot be replayed, which its key's later calls then need not try. ``pinned``: as for :func:`build`."""
+    if replays is None:
+        return run(), None
+    recorder = Recorder()
+    with recording(recorder):
+        result = run()
+    again = build(recorder, inputs, tuple(t for t in result if isinstance(t, torch.Tensor)), pinned)
+    if not isinstance(again, Replay):
+        logger.debug("flashtile: not replayable: %s", again)
+        return result, None
+    return result, (again, *replays[:KEEP - 1])

@@ -1,0 +1,363 @@
+"""Replays (flashtile/replay.py): a call like an earlier one runs as that call's recorded launches.
+
+Each replayed call is compared, bit for bit, with the same call made on copies of its inputs through
+the ordinary path (validation, dispatch, launchers), which the rest of the suite holds to the
+reference. The test suite checks index values on the host (``FLASHTILE_VALIDATE_VALUES=1``; always for
+CPU tensors), which keeps calls from being keyed at all: the ``unchecked`` fixture turns that off, as
+it is by default on a GPU. Every case draws new values for each step, index tensors (cache lengths,
+block tables) included, so a replay that kept any of the first call's tensors would fail.
+"""
+import pytest
+import torch
+
+import flashtile
+from flashtile import dispatch, interface, replay, validation
+from flashtile.interface import flash_attn_func, flash_attn_qkvpacked_func, flash_attn_with_kvcache
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+DTYPE = torch.float16
+
+
+@pytest.fixture
+def unchecked(monkeypatch):
+    """Index values are not read on the host, as for CUDA tensors by default: repeated calls are keyed."""
+    monkeypatch.delenv("FLASHTILE_VALIDATE_VALUES", raising=False)
+    monkeypatch.delenv("FLASHTILE_VALIDATE_VARLEN", raising=False)
+    if DEVICE == "cpu":
+        monkeypatch.setattr(validation, "values_checked", lambda device: False)
+
+
+@pytest.fixture
+def served(monkeypatch):
+    """The replays that served a call, in order."""
+    calls = []
+    run = replay.Replay.__call__
+
+    def counted(self, inputs):
+        outputs = run(self, inputs)
+        if outputs is not None:
+            calls.append(self)
+        return outputs
+
+    monkeypatch.setattr(replay.Replay, "__call__", counted)
+    return calls
+
+
+def ordinary(function, *args, **kwargs):
+    """``function`` through the ordinary path: a call without a key is validated and dispatched afresh,
+    and never recorded or replayed."""
+    keys = interface._signature, interface._kvcache_signature
+    interface._signature = interface._kvcache_signature = lambda *a: None
+    try:
+        return function(*args, **kwargs)
+    finally:
+        interface._signature, interface._kvcache_signature = keys
+
+
+def randn(rng, *shape, dtype=DTYPE):
+    return torch.randn(*shape, generator=rng).to(device=DEVICE, dtype=dtype)
+
+
+def int32(values):
+    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+
+def _kvcache_case(rng, *, batch=2, seqlen_q=1, seqlen_new=1, nheads=4, nheads_kv=2, headdim=32, headdim_v=None,
+                  capacity=80, page_size=0, leftpad=False, batch_idx=False, rotary=False, alibi=False, sink=False,
+                  **options):
+    """Positional tensors and keyword arguments of one KV-cache step, with new values (and lengths) each call."""
+    headdim_v = headdim_v or headdim
+    q = randn(rng, batch, seqlen_q, nheads, headdim)
+    k = randn(rng, batch, seqlen_new, nheads_kv, headdim) if seqlen_new else None
+    v = randn(rng, batch, seqlen_new, nheads_kv, headdim_v) if seqlen_new else None
+    lengths = torch.randint(0, capacity - seqlen_new + 1, (batch,), generator=rng).tolist()
+    kwargs = dict(options, cache_seqlens=int32(lengths))
+    if page_size:
+        pages = -(-capacity // page_size)
+        k_cache = randn(rng, batch * pages + 3, page_size, nheads_kv, headdim)
+        v_cache = randn(rng, batch * pages + 3, page_size, nheads_kv, headdim_v)
+        kwargs["block_table"] = torch.randperm(batch * pages + 3, generator=rng)[:batch * pages].view(batch, pages).to(
+            device=DEVICE, dtype=torch.int32)
+    else:
+        rows = batch + 1 if batch_idx else batch
+        k_cache = randn(rng, rows, capacity, nheads_kv, headdim)
+        v_cache = randn(rng, rows, capacity, nheads_kv, headdim_v)
+    if leftpad:
+        kwargs["cache_leftpad"] = int32([torch.randint(0, n + 1, (1,), generator=rng).item() for n in lengths])
+    if batch_idx:
+        kwargs["cache_batch_idx"] = torch.randperm(batch + 1, generator=rng)[:batch].to(device=DEVICE,
+                                                                                         dtype=torch.int32)
+    if rotary:
+        kwargs["rotary_cos"] = randn(rng, capacity, headdim // 4, dtype=torch.float32)
+        kwargs["rotary_sin"] = randn(rng, capacity, headdim // 4, dtype=torch.float32)
+    if alibi:
+        kwargs["alibi_slopes"] = torch.rand(nheads, generator=rng).to(DEVICE)
+    if sink:
+        kwargs["sink"] = randn(rng, nheads, dtype=torch.float32)
+    return (q, k_cache, v_cache, k, v), kwargs
+
+
+def _copies(tensors, kwargs):
+    clone = lambda t: t.clone() if isinstance(t, torch.Tensor) else t  # noqa: E731
+    return tuple(map(clone, tensors)), {name: clone(value) for name, value in kwargs.items()}
+
+
+KVCACHE_CASES = {
+    "decode": dict(seqlen_new=0, causal=True),
+    "append": dict(causal=True),
+    "append_chunk": dict(seqlen_q=3, seqlen_new=3, causal=True, return_softmax_lse=True),
+    "gqa_splits": dict(nheads=6, nheads_kv=2, num_splits=3, causal=True, return_softmax_lse=True),
+    "no_split": dict(num_splits=1),
+    "paged": dict(page_size=16, causal=True),
+    "paged_odd_pages": dict(page_size=7, seqlen_new=2, seqlen_q=2, causal=True),
+    "leftpad_batch_idx": dict(leftpad=True, batch_idx=True, causal=True),
+    "rotary": dict(rotary=True, rotary_interleaved=False, causal=True),
+    "alibi_sink_softcap": dict(alibi=True, sink=True, softcap=20.0, causal=True),
+    "window": dict(window_size=(24, 0), causal=True),
+    "headdim_v": dict(headdim=32, headdim_v=16, causal=True),
+}
+
+
+@pytest.mark.parametrize("case", KVCACHE_CASES)
+def test_kvcache_steps_replay(rng, unchecked, served, case):
+    """Steps after the first are replayed, and each equals the ordinary call on copies of its inputs,
+    out, lse and the caches after the append."""
+    for step in range(3):
+        tensors, kwargs = _kvcache_case(rng, **KVCACHE_CASES[case])
+        expected_tensors, expected_kwargs = _copies(tensors, kwargs)
+        got = flash_attn_with_kvcache(*tensors, **kwargs)
+        expected = ordinary(flash_attn_with_kvcache, *expected_tensors, **expected_kwargs)
+        assert len(served) == step, f"step {step}: {len(served)} replayed calls"
+        for name, ours, theirs in zip(("out", "lse"), *(x if isinstance(x, tuple) else (x,) for x in (got, expected))):
+            assert torch.equal(ours, theirs), f"step {step}: {name} differs from the ordinary call"
+        for name, ours, theirs in zip(("k_cache", "v_cache"), tensors[1:3], expected_tensors[1:3]):
+            assert torch.equal(ours, theirs), f"step {step}: {name} differs after the append"
+
+
+@pytest.mark.parametrize("shape", [(2, 37, 70, 4, 4), (1, 1, 75, 8, 2), (3, 2, 33, 6, 3)],
+                         ids=["dense", "decode", "decode_rows"])
+def test_attention_calls_replay(rng, unchecked, served, shape):
+    """Repeated no-grad flash_attn_func calls: dense rows on the forward kernel, and decode-shaped calls on
+    the KV-cache kernel; with the ordinary path's outputs."""
+    batch, seqlen_q, seqlen_k, nheads, nheads_kv = shape
+    for step in range(3):
+        q = randn(rng, batch, seqlen_q, nheads, 32)
+        k, v = (randn(rng, batch, seqlen_k, nheads_kv, 32) for _ in range(2))
+        out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+        expected, expected_lse, _ = ordinary(flash_attn_func, q.clone(), k.clone(), v.clone(), causal=True,
+                                             return_attn_probs=True)
+        assert len(served) == step
+        assert torch.equal(out, expected) and torch.equal(lse, expected_lse)
+
+
+def test_growing_cache_records_each_length(rng, unchecked, served):
+    """A cache grown by a token between steps (transformers' DynamicCache: new strides and key count) is
+    recorded again at each length, and the calls of one length (the other layers) replay it."""
+    base_k, base_v = (randn(rng, 2 * 90 * 2 * 32) for _ in range(2))
+    q = randn(rng, 2, 1, 4, 32)
+    for length in (70, 71, 72):
+        # (batch, nheads_kv, length, headdim) storage, seen as (batch, length, nheads_kv, headdim).
+        k, v = (base.as_strided((2, 2, length, 32), (2 * length * 32, length * 32, 32, 1)).transpose(1, 2)
+                for base in (base_k, base_v))
+        before = len(served)
+        for layer in range(3):
+            out = flash_attn_func(q, k, v, causal=True)
+            assert torch.equal(out, ordinary(flash_attn_func, q, k, v, causal=True))
+        assert len(served) - before == 2, f"length {length}: the second and third calls replay"
+
+
+def test_length_changing_every_call_is_recorded_every_other_call(rng, unchecked, monkeypatch):
+    """A key count that changes on every call: a recording that served no call is not followed by another
+    at the next count, and the one after is recorded again; every call is right."""
+    recorded = []
+    record = replay.record
+    monkeypatch.setattr(replay, "record", lambda run, inputs, replays, **kw: (
+        recorded.append(replays is not None), record(run, inputs, replays, **kw))[1])
+    q = randn(rng, 1, 1, 4, 32)
+    for length in range(60, 66):
+        k, v = randn(rng, 1, length, 2, 32), randn(rng, 1, length, 2, 32)
+        assert torch.equal(flash_attn_func(q, k, v, causal=True), ordinary(flash_attn_func, q, k, v, causal=True))
+    assert recorded == [True, False, True, False, True, False]
+
+
+def test_packed_inputs_replay_as_views(rng, unchecked, served):
+    """q, k and v as views of one packed tensor: the launches' tensors are views of the one input."""
+    for step in range(2):
+        qkv = randn(rng, 2, 41, 3, 4, 32)
+        out = flash_attn_qkvpacked_func(qkv, causal=True)
+        assert torch.equal(out, ordinary(flash_attn_qkvpacked_func, qkv.clone(), causal=True))
+    assert len(served) == 1
+
+
+def test_alignment_change_is_not_replayed(rng, unchecked, served):
+    """An input that starts off a 16-byte boundary (Triton specializes on it) is run and recorded anew."""
+    flat = randn(rng, 2 * 40 * 4 * 32 + 1)
+    aligned = flat[:-1].view(2, 40, 4, 32)
+    shifted = flat[1:].view(2, 40, 4, 32)
+    k, v = randn(rng, 2, 40, 4, 32), randn(rng, 2, 40, 4, 32)
+    flash_attn_func(aligned, k, v)
+    out = flash_attn_func(shifted, k, v)
+    assert not served
+    assert torch.equal(out, ordinary(flash_attn_func, shifted.clone(), k, v))
+    flash_attn_func(shifted, k, v)
+    assert len(served) == 1
+
+
+def test_same_tensor_twice_is_not_replayed(rng, unchecked, served):
+    """k passed as v too: a replay could not tell which input a later call's launch should read."""
+    q = randn(rng, 1, 20, 2, 32)
+    kv = randn(rng, 1, 20, 2, 32)
+    flash_attn_func(q, kv, kv)
+    k, v = randn(rng, 1, 20, 2, 32), randn(rng, 1, 20, 2, 32)
+    out = flash_attn_func(q, k, v)
+    assert not served
+    assert torch.equal(out, ordinary(flash_attn_func, q, k, v))
+
+
+def test_copied_input_is_not_replayed(rng, unchecked, served):
+    """q with a strided head dim is copied on the way to the kernel: not an input, not replayable."""
+    for _ in range(2):
+        q = randn(rng, 1, 20, 2, 64)[..., ::2]
+        k, v = randn(rng, 1, 20, 2, 32), randn(rng, 1, 20, 2, 32)
+        out = flash_attn_func(q, k, v)
+        assert torch.equal(out, ordinary(flash_attn_func, q, k, v))
+    assert not served
+
+
+def test_gradients_and_dropout_are_never_replayed(rng, unchecked, served):
+    """A call that wants a gradient runs through autograd; dropout draws new counters every call."""
+    q, k, v = (randn(rng, 1, 24, 2, 32) for _ in range(3))
+    flash_attn_func(q, k, v)
+    q.requires_grad_()
+    out = flash_attn_func(q, k, v)
+    out.sum().backward()
+    assert q.grad is not None and not served
+    q = q.detach()
+    torch.manual_seed(0)
+    first = flash_attn_func(q, k, v, dropout_p=0.5)
+    second = flash_attn_func(q, k, v, dropout_p=0.5)
+    assert not served
+    assert not torch.equal(first, second)
+
+
+def test_profiled_calls_are_not_replayed(rng, unchecked, served):
+    """Under a profiler the call takes the ordinary path, which names its kernel."""
+    q, k, v = (randn(rng, 1, 24, 2, 32) for _ in range(3))
+    flash_attn_func(q, k, v)
+    with torch.profiler.profile() as profiler:
+        flash_attn_func(q, k, v)
+    assert not served
+    names = [event.name for event in profiler.events()]
+    assert any(name.startswith(("flashtile.fwd[", "flashtile.decode[")) for name in names), names
+
+
+def test_replayed_calls_are_counted(rng, unchecked, served, clean_dispatch_state):
+    q, k, v = (randn(rng, 1, 24, 2, 32) for _ in range(3))
+    for _ in range(3):
+        flash_attn_func(q, k, v)
+    stats = flashtile.stats()
+    assert len(served) == 2
+    assert sum(stats["calls"].values()) == 3 and sum(stats["kernels"].values()) == 3
+
+
+class _Launch:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, args):
+        self.calls.append(args)
+
+
+def _recorded(*launches, buffers=()):
+    recorder = replay.Recorder()
+    recorder.buffers.extend(buffers)
+    recorder.launches.extend(launches)
+    return recorder
+
+
+def test_build_maps_inputs_buffers_and_views():
+    """Each tensor argument is found as an input, a buffer or a view of one; other arguments are kept."""
+    a, b = torch.randn(4, 6), torch.randn(3)
+    buffer = torch.empty(10)
+    launch = _Launch()
+    recorder = _recorded((launch, [a, 7, b, buffer[2:5], a[1:].t(), None, 0.5]), buffers=[buffer])
+    again = replay.build(recorder, (a, None, b), (buffer,), pinned=False)
+    assert isinstance(again, replay.Replay)
+    a2, b2 = torch.randn(4, 6), torch.randn(3)
+    (out,) = again((a2, None, b2))
+    args = launch.calls[0]
+    assert args[0] is a2 and args[2] is b2 and args[1] == 7 and args[5] is None and args[6] == 0.5
+    assert args[3].untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+    assert (args[3].storage_offset(), out.shape, args[3].shape) == (2, (10,), (3,))
+    assert torch.equal(args[4], a2[1:].t())
+    assert again((torch.randn(4, 7), None, b2)) is None, "another shape must not replay"
+    assert again((a2.t().contiguous().t(), None, b2)) is None, "other strides must not replay"
+
+
+def test_compiled_launches_take_addresses():
+    """A compiled launch gets each tensor as its address, a view as an address past its base's."""
+    a = torch.randn(4, 6)
+    buffer = torch.empty(10)
+    launch = _Launch()
+    launch.pointers = True
+    recorder = _recorded((launch, [a, buffer, buffer[3:], a[1:], 5]), buffers=[buffer])
+    again = replay.build(recorder, (a,), (buffer,), pinned=True)
+    a2 = torch.randn(4, 6)
+    (out,) = again((a2,))
+    assert launch.calls[0] == (a2.data_ptr(), out.data_ptr(), out.data_ptr() + 12, a2.data_ptr() + 24, 5)
+
+
+@pytest.mark.parametrize("reason", ["stranger", "shared", "same", "descriptor", "strided_buffer", "output",
+                                    "nothing", "marked"])
+def test_build_refuses(reason):
+    a, b = torch.randn(8), torch.randn(8)
+    inputs, outputs, buffers, args = (a, b), (a,), [], [a, b]
+    if reason == "stranger":
+        args = [a, torch.randn(8)]
+    elif reason == "shared":
+        whole = torch.randn(16)
+        inputs, args = (whole[:8], whole[8:]), [whole[2:6]]
+    elif reason == "same":
+        inputs = (a, a)
+    elif reason == "descriptor":
+        args = [a, type("Descriptor", (), {"base": b})()]
+    elif reason == "strided_buffer":
+        buffers = [torch.empty(4, 4).t()]
+    elif reason == "output":
+        outputs = (a[1:],)
+    recorder = _recorded() if reason == "nothing" else _recorded((_Launch(), args), buffers=buffers)
+    if reason == "marked":
+        recorder.unreplayable = "a fallback: test"
+    assert isinstance(replay.build(recorder, inputs, outputs, pinned=False), str)
+
+
+def test_fallback_marks_the_recording_unreplayable():
+    recorder = replay.Recorder()
+    with replay.recording(recorder):
+        with pytest.warns(RuntimeWarning):
+            dispatch.record_fallback("a test's reason", "torch")
+    assert recorder.unreplayable == "a fallback: a test's reason"
+
+
+@pytest.mark.cuda
+def test_replayed_step_in_a_cuda_graph(rng, unchecked, served):
+    """A replayed decode step captured in a CUDA graph reads the graph's tensors on every replay."""
+    tensors, kwargs = _kvcache_case(rng, causal=True)
+    flash_attn_with_kvcache(*tensors, **kwargs)
+    q = tensors[0]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        flash_attn_with_kvcache(*tensors, **kwargs)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attn_with_kvcache(*tensors, **kwargs)
+    assert len(served) == 2
+    for _ in range(2):
+        q.copy_(randn(rng, *q.shape))
+        kwargs["cache_seqlens"].copy_(torch.randint(0, 60, kwargs["cache_seqlens"].shape, generator=rng))
+        copies = _copies(tensors, kwargs)
+        graph.replay()
+        assert torch.equal(out, ordinary(flash_attn_with_kvcache, *copies[0], **copies[1]))

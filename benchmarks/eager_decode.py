@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashtile
+from flashtile.bench.decode import capture_graph
 from host_time import save_results
 
 HEADS, HEADS_KV, HEADDIM = 32, 8, 128
@@ -48,17 +49,8 @@ def timed(step, steps):
 
 
 def gpu_us(call):
-    """GPU us of one call by CUDA-graph replay (no L2 flush)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(20):
-            call()
+    """GPU us of one call by CUDA-graph replay of 20 (no L2 flush)."""
+    graph = capture_graph(lambda: [call() for _ in range(20)])
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -10,17 +10,24 @@ allocates (:func:`flashtile.alloc.empty`) and each kernel it launches
 (:class:`~flashtile.backends.triton.fastlaunch.CachedLaunch`), with every argument. :func:`build`
 then finds where each tensor argument came from: one of the call's inputs, a buffer, or a view of
 either (found by its storage). The :class:`Replay` keeps the launches' other arguments as they were
-and, called with the next call's inputs, allocates the buffers, makes the views and launches the
-same compiled kernels: three launches and two allocations for a decode step.
+and, called with the next call's inputs, allocates the buffers and launches the same compiled kernels
+with the new tensors' addresses: three launches and two allocations for a decode step.
 
-What this relies on: the caller's key (:mod:`flashtile.interface`) pins everything the launches'
-non-tensor arguments were computed from, and the recorded route does nothing besides allocating
-and launching (the caller records only such routes). A tensor argument that is none of the above
-(a copy made on the way, say) makes the call unreplayable, and so do inputs that are one object
-passed twice or views whose storage two inputs share: a replay could not tell which input to use.
+What this relies on:
+- The caller's key (:mod:`flashtile.interface`) pins everything the launches' non-tensor arguments were
+  computed from: shapes, dtypes, devices and options, and the replay compares the inputs' shapes,
+  strides and 16-byte alignment (the key of a KV-cache call holds the first two already).
+- The recorded call does nothing besides allocating and launching. The interface records only calls
+  that need no gradient, without dropout (new random counters each call) or packed sequences; the
+  Triton backend's routes for those only allocate and launch, and whatever else could happen marks the
+  recording unreplayable: a fallback (it must be counted every call), a launch on a side stream, a TMA
+  descriptor, a tensor argument that is neither an input, a buffer nor a view of one (a copy made on
+  the way), inputs that are one object passed twice or views whose storage two inputs share (a replay
+  could not tell which input to use).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import threading
@@ -43,22 +50,15 @@ class Recorder:
         self.unreplayable: str | None = None
 
 
+@contextlib.contextmanager
 def recording(recorder: Recorder | None):
-    """Context manager: note this thread's allocations and launches into ``recorder`` (None: none)."""
-    return _Recording(recorder)
-
-
-class _Recording:
-    def __init__(self, recorder):
-        self.recorder = recorder
-
-    def __enter__(self):
-        self.previous = getattr(_local, "recorder", None)
-        _local.recorder = self.recorder
-        return self.recorder
-
-    def __exit__(self, *exc):
-        _local.recorder = self.previous
+    """Note this thread's allocations and launches into ``recorder`` (None: none) inside the block."""
+    previous = getattr(_local, "recorder", None)
+    _local.recorder = recorder
+    try:
+        yield recorder
+    finally:
+        _local.recorder = previous
 
 
 def active() -> Recorder | None:
@@ -67,6 +67,7 @@ def active() -> Recorder | None:
 
 
 def note_buffer(t: torch.Tensor) -> None:
+    """Note a buffer a kernel will fill (:mod:`flashtile.alloc`) in the current recording, if any."""
     recorder = getattr(_local, "recorder", None)
     if recorder is not None:
         recorder.buffers.append(t)

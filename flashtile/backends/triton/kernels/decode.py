@@ -178,7 +178,9 @@ def _block_slots(start_n, leftpad, seqlen_k, cache_b, table_row, page_size, num_
     return slot, offset
 
 
-@triton.jit
+# Lengths and counts that only bound loops and masks are not specialized on (Triton would compile a variant
+# for each of "is 1", "divides by 16" and neither): a cache that grows a token a step keeps one kernel.
+@triton.jit(do_not_specialize=["max_seqlen_k", "num_blocks", "num_splits"])
 def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, BLOCK_TABLE, ALIBI_SLOPES, SINK,
                 CU_SEQLENS_Q,
                 softmax_scale, softcap, window_left, window_right,
@@ -274,7 +276,7 @@ def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 
     tl.store(lse_ptrs, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def attn_decode_combine(O_PART, LSE_PART, O, LSE, CU_SEQLENS_Q,
                         stride_ps, stride_pb, stride_pm, stride_ph, stride_pls, stride_plb, stride_plh,
                         stride_ob, stride_om, stride_oh, stride_lb, stride_lh,

@@ -377,9 +377,8 @@ def _layouts(tensors, strides: bool):
     list, an int: validation would convert it)."""
     if not all(t is None or isinstance(t, torch.Tensor) for t in tensors):
         return None
-    if strides:
-        return tuple([None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors])
-    return tuple([None if t is None else (t.shape, None, t.dtype, t.device) for t in tensors])
+    return tuple([None if t is None else (t.shape, t.stride() if strides else None, t.dtype, t.device)
+                  for t in tensors])
 
 
 def flash_attn_with_kvcache(
@@ -496,23 +495,22 @@ def flash_attn_with_kvcache(
                        validation.check_alibi_slopes(alibi_slopes, batch, nheads, q.device),
                        sink=None if sink is None else validation.check_sink(sink, nheads, q.device))
         record_choice(chosen)
-
-        def run():
-            with torch.no_grad():
-                return ops.run_kvcache(chosen, q, k_cache, v_cache, k, v, args)
-
-        (out, lse), replays = replay.record(run, tensors, replays, pinned=True)
-        remember(key, (args, chosen, replays))
     else:
         args = validation.kvcache_args(q, k_cache, v_cache, k, v, alibi_slopes=alibi_slopes, sink=sink, **index,
                                        **options)
         if key is None:
-            out, lse, chosen = _attention_kvcache(q, k_cache, v_cache, k, v, args)
-        else:
-            (out, lse, chosen), replays = replay.record(
-                lambda: _attention_kvcache(q, k_cache, v_cache, k, v, args), tensors, (), pinned=True)
-            if chosen.fallback_reason is None:
-                remember(key, (args, chosen, replays))
+            out, lse, _ = _attention_kvcache(q, k_cache, v_cache, k, v, args)
+            return (out, lse) if return_softmax_lse else out
+        chosen, replays = dispatch(AttentionCall.of(q, k_cache, v_cache, args)), ()
+
+    def run():
+        with torch.no_grad():
+            return ops.run_kvcache(chosen, q, k_cache, v_cache, k, v, args)
+
+    # Recorded for the next step like it.
+    (out, lse), replays = replay.record(run, tensors, replays)
+    if chosen.fallback_reason is None:
+        remember(key, (args, chosen, replays))
     return (out, lse) if return_softmax_lse else out
 
 

@@ -14,9 +14,9 @@ and, called with the next call's inputs, allocates the buffers and launches the 
 with the new tensors' addresses: three launches and two allocations for a decode step.
 
 What this relies on:
-- The caller's key (:mod:`flashtile.interface`) pins everything the launches' non-tensor arguments were
-  computed from: shapes, dtypes, devices and options, and the replay compares the inputs' shapes,
-  strides and 16-byte alignment (the key of a KV-cache call holds the first two already).
+- The caller's key (:mod:`flashtile.interface`) and the replay's own check of the inputs' shapes,
+  strides and 16-byte alignment pin everything the launches' non-tensor arguments were computed from
+  (the key holds dtypes, devices and options).
 - The recorded call does nothing besides allocating and launching. The interface records only calls
   that need no gradient, without dropout (new random counters each call) or packed sequences; the
   Triton backend's routes for those only allocate and launch, and whatever else could happen marks the
@@ -51,8 +51,8 @@ class Recorder:
 
 
 @contextlib.contextmanager
-def recording(recorder: Recorder | None):
-    """Note this thread's allocations and launches into ``recorder`` (None: none) inside the block."""
+def recording(recorder: Recorder):
+    """Note this thread's allocations and launches into ``recorder`` inside the block."""
     previous = getattr(_local, "recorder", None)
     _local.recorder = recorder
     try:
@@ -68,7 +68,7 @@ def active() -> Recorder | None:
 
 def note_buffer(t: torch.Tensor) -> None:
     """Note a buffer a kernel will fill (:mod:`flashtile.alloc`) in the current recording, if any."""
-    recorder = getattr(_local, "recorder", None)
+    recorder = active()
     if recorder is not None:
         recorder.buffers.append(t)
 
@@ -76,20 +76,17 @@ def note_buffer(t: torch.Tensor) -> None:
 class Replay:
     """The launches of a recorded call, run again on new inputs (see the module docstring)."""
 
-    __slots__ = ("inputs", "alignments", "layouts", "pinned", "buffers", "views", "pointers", "launches", "outputs",
-                 "device", "uses")
+    __slots__ = ("inputs", "layouts", "alignments", "buffers", "views", "pointers", "launches", "outputs", "device",
+                 "uses")
 
-    def __init__(self, inputs: tuple, layouts: tuple, pinned: bool, buffers: tuple, views: tuple, pointers: bool,
+    def __init__(self, inputs: tuple, layouts: tuple, alignments: tuple, buffers: tuple, views: tuple, pointers: bool,
                  launches: tuple, outputs, device: int | None):
         # The tensors the launches take, in this order: the inputs given (their indices), the buffers
         # allocated ((shape, dtype, device)), then views of those ((index, shape, stride, offset in elements
         # past the storage offset of the one viewed, the same in bytes past its start)).
         self.inputs, self.buffers, self.views = inputs, buffers, views
-        # Each given input's start modulo 16 and (shape, strides) when recorded; the layouts are compared
-        # unless ``pinned`` (the caller's key holds them).
-        self.alignments = tuple(layout[2] for layout in layouts)
-        self.layouts = tuple(layout[:2] for layout in layouts)
-        self.pinned = pinned
+        # Each given input's (shape, strides) and start modulo 16 when recorded.
+        self.layouts, self.alignments = layouts, alignments
         # Compiled launches take each tensor as its address (an int, which the launcher checks no further):
         # a view is an address past another's, without a tensor made for it.
         self.pointers = pointers
@@ -111,7 +108,7 @@ class Replay:
         starts = [t.data_ptr() for t in given]
         if any(start & 15 != alignment for start, alignment in zip(starts, self.alignments)):
             return None
-        if not self.pinned and any((t.shape, t.stride()) != layout for t, layout in zip(given, self.layouts)):
+        if any((t.shape, t.stride()) != layout for t, layout in zip(given, self.layouts)):
             return None
         tensors = given + [alloc.empty(shape, dtype, device) for shape, dtype, device in self.buffers]
         if self.pointers:
@@ -128,11 +125,11 @@ class Replay:
         return self.outputs(tensors)
 
 
-def build(recorder: Recorder, inputs: tuple, outputs: tuple, pinned: bool) -> Replay | str:
+def build(recorder: Recorder, inputs: tuple, outputs: tuple) -> Replay | str:
     """A :class:`Replay` of the call ``recorder`` saw, or why it cannot be replayed. ``inputs``: the call's
     tensors (None for absent ones), in the order the replay will be given them; ``outputs``: the tensors
-    it returns. The replay compares each input's 16-byte alignment (Triton specializes a pointer on it)
-    with the recorded one, and its shape and strides unless ``pinned`` (the caller's key holds them)."""
+    it returns. The replay compares each input's shape, strides and 16-byte alignment (Triton specializes
+    a pointer on it) with the recorded ones."""
     if recorder.unreplayable:
         return recorder.unreplayable
     if not recorder.launches:
@@ -193,11 +190,12 @@ def build(recorder: Recorder, inputs: tuple, outputs: tuple, pinned: bool) -> Re
     launches = tuple((launch, constants, _getter([index if is_tensor else count + index
                                                   for is_tensor, index in slots]))
                      for launch, slots, constants in recorded)
-    layouts = tuple((inputs[i].shape, inputs[i].stride(), inputs[i].data_ptr() & 15) for i in given)
+    layouts = tuple((inputs[i].shape, inputs[i].stride()) for i in given)
+    alignments = tuple(inputs[i].data_ptr() & 15 for i in given)
     buffers = tuple((tuple(t.shape), t.dtype, t.device) for t in recorder.buffers)
     device = inputs[given[0]].device
     pointers = all(getattr(launch, "pointers", False) for launch, _ in recorder.launches)
-    return Replay(tuple(given), layouts, pinned, buffers, tuple(views), pointers, launches, _getter(output_indices),
+    return Replay(tuple(given), layouts, alignments, buffers, tuple(views), pointers, launches, _getter(output_indices),
                   device.index if device.type == "cuda" else None)
 
 
@@ -223,16 +221,16 @@ def replayed(replays: tuple | None, inputs: tuple):
 KEEP = 4
 
 
-def record(run, inputs: tuple, replays: tuple | None, pinned: bool = False) -> tuple:
+def record(run, inputs: tuple, replays: tuple | None) -> tuple:
     """``run()``'s result (a tuple whose first items are the call's output tensors), and the replays to keep
     for its key: ``replays`` with this call's in front; None when ``replays`` is None (not recorded) or the
-    call cannot be replayed, which its key's later calls then need not try. ``pinned``: as for :func:`build`."""
+    call cannot be replayed, which its key's later calls then need not try."""
     if replays is None:
         return run(), None
     recorder = Recorder()
     with recording(recorder):
         result = run()
-    again = build(recorder, inputs, tuple(t for t in result if isinstance(t, torch.Tensor)), pinned)
+    again = build(recorder, inputs, tuple(t for t in result if isinstance(t, torch.Tensor)))
     if not isinstance(again, Replay):
         logger.debug("flashtile: not replayable: %s", again)
         return result, None

@@ -282,7 +282,7 @@ def test_build_maps_inputs_buffers_and_views():
     buffer = torch.empty(10)
     launch = _Launch()
     recorder = _recorded((launch, [a, 7, b, buffer[2:5], a[1:].t(), None, 0.5]), buffers=[buffer])
-    again = replay.build(recorder, (a, None, b), (buffer,), pinned=False)
+    again = replay.build(recorder, (a, None, b), (buffer,))
     assert isinstance(again, replay.Replay)
     a2, b2 = torch.randn(4, 6), torch.randn(3)
     (out,) = again((a2, None, b2))
@@ -302,7 +302,7 @@ def test_compiled_launches_take_addresses():
     launch = _Launch()
     launch.pointers = True
     recorder = _recorded((launch, [a, buffer, buffer[3:], a[1:], 5]), buffers=[buffer])
-    again = replay.build(recorder, (a,), (buffer,), pinned=True)
+    again = replay.build(recorder, (a,), (buffer,))
     a2 = torch.randn(4, 6)
     (out,) = again((a2,))
     assert launch.calls[0] == (a2.data_ptr(), out.data_ptr(), out.data_ptr() + 12, a2.data_ptr() + 24, 5)
@@ -329,7 +329,7 @@ def test_build_refuses(reason):
     recorder = _recorded() if reason == "nothing" else _recorded((_Launch(), args), buffers=buffers)
     if reason == "marked":
         recorder.unreplayable = "a fallback: test"
-    assert isinstance(replay.build(recorder, inputs, outputs, pinned=False), str)
+    assert isinstance(replay.build(recorder, inputs, outputs), str)
 
 
 def test_fallback_marks_the_recording_unreplayable():

@@ -8,17 +8,19 @@ import torch
 from . import env, replay
 
 
-def _poison() -> bool:
+def poisoned() -> bool:
+    """Whether new buffers start as NaN (``FLASHTILE_POISON=1``)."""
     return env.flag("FLASHTILE_POISON")
 
 
 def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     t = torch.empty(shape, dtype=dtype, device=device)
     replay.note_buffer(t)
-    return t.fill_(float("nan")) if _poison() else t
+    return t.fill_(float("nan")) if poisoned() else t
 
 
 def empty_like(t: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(t)
     replay.note_buffer(out)
-    return out.fill_(float("nan")) if _poison() else out
+    return out.fill_(float("nan")) if poisoned() else out
+

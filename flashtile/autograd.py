@@ -13,6 +13,11 @@ broadcast shape and cast to its dtype. Each is allocated only when its input req
 Dropout counters are drawn here, once per forward (:func:`flashtile.rng.draw_seed_offset`), and
 the backward reuses them. Each kernel runs inside ``torch.profiler.record_function`` under its
 name, so a trace shows which path ran.
+
+A call the interface keys (a training step repeats its shapes) comes with a
+:class:`flashtile.replay.Kept`: its forward replays an earlier call's launches, and its backward is
+recorded once and then replayed on ``(dout, *saved tensors)`` (:func:`_gradients`), which skips the
+backend's planning and launch bookkeeping.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from dataclasses import replace
 
 import torch
 
+from . import replay
 from .alloc import empty, empty_like
 from .dispatch import get_backend, profiled, record_kernel
 
@@ -29,17 +35,20 @@ class FlashAttnFunc(torch.autograd.Function):
     ``(total_tokens, nheads, headdim)``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sink, attn_bias, args, plan):
-        out, lse = _forward(ctx, plan, q, k, v, args, sink, attn_bias)
+    def forward(ctx, q, k, v, sink, attn_bias, args, plan, kept):
+        out, lse = _forward(ctx, plan, (q, k, v), q, k, v, args, sink, attn_bias, kept)
         ctx.save_for_backward(q, k, v, out, lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
-        dsink, dbias = _backward(ctx, dout, q, k, v, out, lse, dq, dk, dv, sink_index=3, bias_index=4)
-        return dq, dk, dv, dsink, dbias, None, None
+
+        def run():
+            dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
+            return dq, dk, dv, *_backward(ctx, dout, q, k, v, out, lse, dq, dk, dv, sink_index=3, bias_index=4)
+
+        return *_gradients(ctx, run, dout, (q, k, v, out, lse), 5), None, None, None
 
 
 class FlashAttnQKVPackedFunc(torch.autograd.Function):
@@ -47,17 +56,20 @@ class FlashAttnQKVPackedFunc(torch.autograd.Function):
     the gradient lands in one packed tensor."""
 
     @staticmethod
-    def forward(ctx, qkv, sink, attn_bias, args, plan):
-        out, lse = _forward(ctx, plan, *_unpack(qkv), args, sink, attn_bias)
+    def forward(ctx, qkv, sink, attn_bias, args, plan, kept):
+        out, lse = _forward(ctx, plan, (qkv,), *_unpack(qkv), args, sink, attn_bias, kept)
         ctx.save_for_backward(qkv, out, lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         qkv, out, lse = ctx.saved_tensors
-        dqkv = empty_like(qkv)
-        dsink, dbias = _backward(ctx, dout, *_unpack(qkv), out, lse, *_unpack(dqkv), sink_index=1, bias_index=2)
-        return dqkv, dsink, dbias, None, None
+
+        def run():
+            dqkv = empty_like(qkv)
+            return dqkv, *_backward(ctx, dout, *_unpack(qkv), out, lse, *_unpack(dqkv), sink_index=1, bias_index=2)
+
+        return *_gradients(ctx, run, dout, (qkv, out, lse), 3), None, None, None
 
 
 class FlashAttnKVPackedFunc(torch.autograd.Function):
@@ -65,17 +77,21 @@ class FlashAttnKVPackedFunc(torch.autograd.Function):
     ``(total_k, 2, nheads_kv, headdim)``; dK and dV land in one packed tensor."""
 
     @staticmethod
-    def forward(ctx, q, kv, sink, attn_bias, args, plan):
-        out, lse = _forward(ctx, plan, q, *_unpack(kv), args, sink, attn_bias)
+    def forward(ctx, q, kv, sink, attn_bias, args, plan, kept):
+        out, lse = _forward(ctx, plan, (q, kv), q, *_unpack(kv), args, sink, attn_bias, kept)
         ctx.save_for_backward(q, kv, out, lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, kv, out, lse = ctx.saved_tensors
-        dq, dkv = empty_like(q), empty_like(kv)
-        dsink, dbias = _backward(ctx, dout, q, *_unpack(kv), out, lse, dq, *_unpack(dkv), sink_index=2, bias_index=3)
-        return dq, dkv, dsink, dbias, None, None
+
+        def run():
+            dq, dkv = empty_like(q), empty_like(kv)
+            return dq, dkv, *_backward(ctx, dout, q, *_unpack(kv), out, lse, dq, *_unpack(dkv), sink_index=2,
+                                       bias_index=3)
+
+        return *_gradients(ctx, run, dout, (q, kv, out, lse), 4), None, None, None
 
 
 def _unpack(packed: torch.Tensor) -> tuple:
@@ -108,15 +124,44 @@ def run_forward(plan, q, k, v, args):
     return out, lse, args
 
 
-def _forward(ctx, plan, q, k, v, args, sink, attn_bias):
-    out, lse, ctx.args = run_forward(plan, q, k, v, args)
-    ctx.plan = plan
+def _forward(ctx, plan, inputs, q, k, v, args, sink, attn_bias, kept):
+    """The forward of the Function given ``inputs`` (q, k, v as their views); a call whose ``kept`` replays
+    fit runs as their launches, and one with ``kept`` and no fitting replay is recorded."""
+    ctx.plan, ctx.kept = plan, kept
+    outputs = None if kept is None else replay.replayed(kept.forward, inputs)
+    if outputs is not None:
+        (out, lse), ctx.args = outputs, args
+    elif kept is not None:
+        (out, lse, ctx.args), kept.forward = replay.record(lambda: run_forward(plan, q, k, v, args), inputs,
+                                                           kept.forward)
+    else:
+        out, lse, ctx.args = run_forward(plan, q, k, v, args)
     # What the gradients of sink and attn_bias are reduced and cast to.
     ctx.sink_dtype = None if sink is None else sink.dtype
     ctx.bias_shape = None if attn_bias is None else attn_bias.shape
     ctx.bias_dtype = None if attn_bias is None else attn_bias.dtype
     ctx.mark_non_differentiable(lse)
+    # The lse's gradient is never used: no zeros tensor is made for it.
+    ctx.set_materialize_grads(False)
     return out, lse
+
+
+def _gradients(ctx, run, dout, saved: tuple, count: int) -> tuple:
+    """The first ``count`` gradients the Function returns, from ``run()``; None for each when the output got
+    no gradient. A context with ``kept`` replays runs the backward as the recorded launches of an earlier
+    call like it, on ``(dout, *saved)``, when their layouts fit, else records this one."""
+    if dout is None:
+        return (None,) * count
+    kept = ctx.kept
+    inputs = (dout, *saved)
+    grads = None if kept is None else replay.replayed(kept.backward, inputs)
+    if grads is not None:
+        record_kernel(ctx.plan.bwd_name)
+        return *grads, *(None,) * (count - len(grads))
+    if kept is None:
+        return run()
+    grads, kept.backward = replay.record(run, inputs, kept.backward)
+    return grads
 
 
 def _backward(ctx, dout, q, k, v, out, lse, dq, dk, dv, sink_index: int, bias_index: int):

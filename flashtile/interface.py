@@ -276,12 +276,12 @@ def _attention(function, inputs, qkv, options, sink, attn_bias, return_attn_prob
     compiling = torch.compiler.is_compiling()
     key = None if compiling else _signature(function, qkv, options, sink, attn_bias)
     known = None if key is None else recall(key)
-    replays = ()
+    kept = None
     if known is not None:
-        args, chosen, replays = known
-        if replays and not wants_grad(*inputs):
+        args, chosen, kept = known
+        if kept.forward and not wants_grad(*inputs):
             # A call like an earlier one: its launches again (fastest), when the layouts are the same.
-            outputs = replay.replayed(replays, inputs)
+            outputs = replay.replayed(kept.forward, inputs)
             if outputs is not None:
                 record_choice(chosen)
                 out, lse = outputs
@@ -301,9 +301,9 @@ def _attention(function, inputs, qkv, options, sink, attn_bias, return_attn_prob
             chosen = dispatch(AttentionCall.of(q, k, v, args))
             # Recorded afresh, unless the last recording served no call before the key count changed (one
             # that changes every call: recording would only add to each; the next count is recorded again).
-            replays = None if replays and not replays[0].uses else ()
+            kept = replay.Kept(None if kept.forward and not kept.forward[0].uses else ())
             if chosen.fallback_reason is None:
-                remember(key, (args, chosen, replays))
+                remember(key, (args, chosen, kept))
     else:
         validation.check_qkv(q, k, v, varlen=options.get("varlen", False))
         args = validation.attn_args(q, k, v, sink=sink, attn_bias=attn_bias, **options)
@@ -312,14 +312,16 @@ def _attention(function, inputs, qkv, options, sink, attn_bias, return_attn_prob
             return (out, lse, None) if return_attn_probs else out
         chosen = dispatch(AttentionCall.of(q, k, v, args))
         if key is not None and chosen.fallback_reason is None:
-            remember(key, (args, chosen, replays))
+            kept = replay.Kept()
+            remember(key, (args, chosen, kept))
+    # Recorded for the next call like it (dropout draws new counters each call; packed sequences take their
+    # lengths per call).
+    if chosen.fallback_reason is not None or args.varlen or args.dropout_p != 0:
+        kept = None
     if wants_grad(*inputs, sink, attn_bias):
-        out, lse = function.apply(*inputs, sink, attn_bias, args, chosen)
-    elif key is not None and chosen.fallback_reason is None and not args.varlen and args.dropout_p == 0:
-        # Recorded for the next call like it (dropout draws new counters each call; packed sequences
-        # take their lengths per call).
-        (out, lse, _), replays = replay.record(lambda: run_forward(chosen, q, k, v, args), inputs, replays)
-        remember(key, (args, chosen, replays))
+        out, lse = function.apply(*inputs, sink, attn_bias, args, chosen, kept)
+    elif kept is not None:
+        (out, lse, _), kept.forward = replay.record(lambda: run_forward(chosen, q, k, v, args), inputs, kept.forward)
     else:
         out, lse, _ = run_forward(chosen, q, k, v, args)
     return (out, lse, None) if return_attn_probs else out

@@ -17,13 +17,17 @@ What this relies on:
 - The caller's key (:mod:`flashtile.interface`) and the replay's own check of the inputs' shapes,
   strides and 16-byte alignment pin everything the launches' non-tensor arguments were computed from
   (the key holds dtypes, devices and options).
-- The recorded call does nothing besides allocating and launching. The interface records only calls
-  that need no gradient, without dropout (new random counters each call) or packed sequences; the
-  Triton backend's routes for those only allocate and launch, and whatever else could happen marks the
-  recording unreplayable: a fallback (it must be counted every call), a launch on a side stream, a TMA
-  descriptor, a tensor argument that is neither an input, a buffer nor a view of one (a copy made on
-  the way), inputs that are one object passed twice or views whose storage two inputs share (a replay
-  could not tell which input to use).
+- The recorded call does nothing besides allocating and launching. The interface records forwards and
+  backwards without dropout (new random counters each call) or packed sequences; the Triton backend's
+  routes for those only allocate and launch, and whatever else could happen marks the recording
+  unreplayable: a fallback (it must be counted every call), other work the backend names
+  (:func:`not_replayable`: a torch reduction, a copy back), a launch on a side stream, a TMA descriptor, a
+  tensor argument that is neither an input, a buffer nor a view of one (a copy made on the way), inputs
+  that are one object passed twice or views whose storage two inputs share (a replay could not tell which
+  input to use).
+
+A training step repeats too: the forward of a call that wants a gradient replays like any other, and
+its backward is recorded and replayed on ``(dout, *saved tensors)`` (:mod:`flashtile.autograd`).
 """
 from __future__ import annotations
 
@@ -66,6 +70,14 @@ def active() -> Recorder | None:
     return getattr(_local, "recorder", None)
 
 
+def not_replayable(reason: str) -> None:
+    """Mark the current recording, if any, as one a replay cannot repeat: the call does ``reason``, work
+    besides allocating and launching."""
+    recorder = active()
+    if recorder is not None:
+        recorder.unreplayable = reason
+
+
 def note_buffer(t: torch.Tensor) -> None:
     """Note a buffer a kernel will fill (:mod:`flashtile.alloc`) in the current recording, if any."""
     recorder = active()
@@ -82,7 +94,7 @@ class Replay:
     def __init__(self, inputs: tuple, layouts: tuple, alignments: tuple, buffers: tuple, views: tuple, pointers: bool,
                  launches: tuple, outputs, device: int | None):
         # The tensors the launches take, in this order: the inputs given (their indices), the buffers
-        # allocated ((shape, dtype, device)), then views of those ((index, shape, stride, offset in elements
+        # allocated ((shape, strides, dtype, device)), then views of those ((index, shape, stride, offset in elements
         # past the storage offset of the one viewed, the same in bytes past its start)).
         self.inputs, self.buffers, self.views = inputs, buffers, views
         # Each given input's (shape, strides) and start modulo 16 when recorded.
@@ -110,7 +122,13 @@ class Replay:
             return None
         if any((t.shape, t.stride()) != layout for t, layout in zip(given, self.layouts)):
             return None
-        tensors = given + [alloc.empty(shape, dtype, device) for shape, dtype, device in self.buffers]
+        # Not through alloc.empty: a replay is never recorded, and poison is asked once.
+        made = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                for shape, stride, dtype, device in self.buffers]
+        if alloc.poisoned():
+            for t in made:
+                t.fill_(float("nan"))
+        tensors = given + made
         if self.pointers:
             arguments = starts + [t.data_ptr() for t in tensors[len(given):]]
             arguments += [arguments[index] + delta for index, _, _, _, delta in self.views]
@@ -146,8 +164,10 @@ def build(recorder: Recorder, inputs: tuple, outputs: tuple) -> Replay | str:
         # A storage that two inputs share cannot say which input a view of it was made from.
         by_storage[storage] = None if storage in by_storage else index
     for t in recorder.buffers:
-        if not t.is_contiguous():
-            return f"a buffer of shape {tuple(t.shape)} has strides {t.stride()}"
+        # A buffer is allocated again with its strides (empty_like keeps a transposed input's): it must
+        # fill its storage exactly, as one empty_strided gives.
+        if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset():
+            return f"a buffer of shape {tuple(t.shape)} with strides {t.stride()} does not fill its storage"
     views: list = []
 
     def index_of(t):
@@ -192,7 +212,7 @@ def build(recorder: Recorder, inputs: tuple, outputs: tuple) -> Replay | str:
                      for launch, slots, constants in recorded)
     layouts = tuple((inputs[i].shape, inputs[i].stride()) for i in given)
     alignments = tuple(inputs[i].data_ptr() & 15 for i in given)
-    buffers = tuple((tuple(t.shape), t.dtype, t.device) for t in recorder.buffers)
+    buffers = tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in recorder.buffers)
     device = inputs[given[0]].device
     pointers = all(getattr(launch, "pointers", False) for launch, _ in recorder.launches)
     return Replay(tuple(given), layouts, alignments, buffers, tuple(views), pointers, launches, _getter(output_indices),
@@ -219,6 +239,17 @@ def replayed(replays: tuple | None, inputs: tuple):
 
 # Replays kept for one key: calls of one kind whose layouts take turns (two caches of other capacities).
 KEEP = 4
+
+
+class Kept:
+    """The replays kept for one kind of call: its forward's and, for calls that want a gradient, its
+    backward's (the call's autograd context takes this along). Each is a tuple as :func:`record` returns it,
+    empty to record the next call, or None not to record."""
+
+    __slots__ = ("forward", "backward")
+
+    def __init__(self, forward: tuple | None = ()):
+        self.forward, self.backward = forward, ()
 
 
 def record(run, inputs: tuple, replays: tuple | None) -> tuple:

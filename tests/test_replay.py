@@ -12,7 +12,9 @@ import torch
 
 import flashtile
 from flashtile import dispatch, interface, replay, validation
-from flashtile.interface import flash_attn_func, flash_attn_qkvpacked_func, flash_attn_with_kvcache
+from flashtile.backends.triton import launch
+from flashtile.interface import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
+                                 flash_attn_with_kvcache)
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -225,20 +227,101 @@ def test_copied_input_is_not_replayed(rng, unchecked, served):
     assert not served
 
 
-def test_gradients_and_dropout_are_never_replayed(rng, unchecked, served):
-    """A call that wants a gradient runs through autograd; dropout draws new counters every call."""
+def _training_step(function, inputs, dout, **kwargs):
+    """``(out, *gradients of inputs)`` of one call of ``function``, ``dout`` the output's gradient."""
+    out = function(*inputs, **kwargs)
+    return (out, *torch.autograd.grad(out, inputs, dout))
+
+
+TRAINING_CASES = {
+    "gqa_causal": (flash_attn_func, ((2, 45, 4, 32), (2, 45, 2, 32), (2, 45, 2, 32)), dict(causal=True)),
+    # transformers' layout: (batch, nheads, seqlen, headdim) tensors seen transposed; the gradients keep it.
+    "transposed": (flash_attn_func, ((2, 4, 45, 32), (2, 2, 45, 32), (2, 2, 45, 32)), dict(causal=True)),
+    "rect_window_dv": (flash_attn_func, ((1, 37, 2, 32), (1, 70, 2, 32), (1, 70, 2, 16)),
+                       dict(window_size=(20, 5))),
+    "softcap_scale": (flash_attn_func, ((2, 33, 3, 32), (2, 33, 1, 32), (2, 33, 1, 32)),
+                      dict(softcap=10.0, softmax_scale=0.3)),
+    "qkvpacked": (flash_attn_qkvpacked_func, ((2, 41, 3, 2, 32),), dict(causal=True)),
+    "kvpacked": (flash_attn_kvpacked_func, ((1, 30, 4, 32), (1, 50, 2, 2, 32)), dict()),
+}
+
+
+@pytest.mark.parametrize("case", TRAINING_CASES)
+def test_training_steps_replay(rng, unchecked, served, case):
+    """Steps after the first replay both the forward and the backward; out and every gradient equal the
+    ordinary path's on copies of the step's inputs."""
+    function, shapes, kwargs = TRAINING_CASES[case]
+    for step in range(3):
+        inputs = tuple(randn(rng, *shape).requires_grad_() for shape in shapes)
+        if case == "transposed":
+            inputs = tuple(t.detach().transpose(1, 2).requires_grad_() for t in inputs)
+        dout = randn(rng, *ordinary(function, *(t.detach() for t in inputs), **kwargs).shape)
+        before = len(served)
+        got = _training_step(function, inputs, dout, **kwargs)
+        assert len(served) - before == (2 if step else 0), f"step {step}: forward and backward replayed"
+        copies = tuple(t.detach().clone().requires_grad_() for t in inputs)
+        expected = ordinary(_training_step, function, copies, dout.clone(), **kwargs)
+        for name, ours, theirs in zip(("out", *(f"grad {i}" for i in range(len(inputs)))), got, expected):
+            assert torch.equal(ours, theirs), f"step {step}: {name} differs from the ordinary call"
+
+
+def test_backward_of_a_copied_gradient_is_not_replayed(rng, unchecked, served):
+    """``out.sum().backward()`` hands the backward an expanded gradient (stride 0), copied on the way to
+    the kernels: the forward replays, the backward does not, and the gradients are right."""
+    for step in range(3):
+        q, k, v = (randn(rng, 1, 24, 2, 32).requires_grad_() for _ in range(3))
+        before = len(served)
+        flash_attn_func(q, k, v).sum().backward()
+        assert len(served) - before == (1 if step else 0)
+        copies = tuple(t.detach().clone().requires_grad_() for t in (q, k, v))
+        ordinary(flash_attn_func, *copies).sum().backward()
+        assert all(torch.equal(t.grad, c.grad) for t, c in zip((q, k, v), copies))
+
+
+def test_split_backward_is_not_replayed(rng, unchecked, served, monkeypatch):
+    """Split key blocks add their partial sums with torch: the backward is marked and runs normally."""
+    monkeypatch.setattr(launch, "bwd_plan", lambda *args: (2, False))
+    for step in range(2):
+        inputs = (randn(rng, 1, 150, 4, 32).requires_grad_(), *(randn(rng, 1, 150, 1, 32).requires_grad_()
+                                                                 for _ in range(2)))
+        dout = randn(rng, 1, 150, 4, 32)
+        got = _training_step(flash_attn_func, inputs, dout, causal=True)
+        copies = tuple(t.detach().clone().requires_grad_() for t in inputs)
+        expected = ordinary(_training_step, flash_attn_func, copies, dout, causal=True)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert len(served) == 1, "the second forward replays, its backward does not"
+    ((_, _, kept),) = dispatch._remembered.values()
+    assert kept.backward is None
+
+
+def test_output_without_gradient_gives_none(rng, unchecked):
+    """Autograd hands the backward no output gradient (an output whose gradient is cut off): the inputs
+    get none from the attention, and no zeros are made for it."""
+    class Cut(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return None
+
+    q, k, v = (randn(rng, 1, 20, 2, 32).requires_grad_() for _ in range(3))
+    (Cut.apply(flash_attn_func(q, k, v)).sum() + q.sum()).backward()
+    assert torch.equal(q.grad, torch.ones_like(q)) and k.grad is None and v.grad is None
+
+
+def test_dropout_is_never_replayed(rng, unchecked, served):
+    """Dropout draws new counters every call: neither its forward nor its backward is replayed."""
     q, k, v = (randn(rng, 1, 24, 2, 32) for _ in range(3))
-    flash_attn_func(q, k, v)
-    q.requires_grad_()
-    out = flash_attn_func(q, k, v)
-    out.sum().backward()
-    assert q.grad is not None and not served
-    q = q.detach()
     torch.manual_seed(0)
     first = flash_attn_func(q, k, v, dropout_p=0.5)
     second = flash_attn_func(q, k, v, dropout_p=0.5)
-    assert not served
     assert not torch.equal(first, second)
+    q.requires_grad_()
+    for _ in range(2):
+        torch.autograd.grad(flash_attn_func(q, k, v, dropout_p=0.5), q, torch.ones_like(q))
+    assert not served
 
 
 def test_profiled_calls_are_not_replayed(rng, unchecked, served):
@@ -295,6 +378,16 @@ def test_build_maps_inputs_buffers_and_views():
     assert again((a2.t().contiguous().t(), None, b2)) is None, "other strides must not replay"
 
 
+def test_buffers_keep_their_strides():
+    """A buffer made like a transposed input (``empty_like`` keeps its strides) is allocated again with them."""
+    a = torch.randn(3, 5).t()
+    buffer = torch.empty_like(a)
+    launch = _Launch()
+    again = replay.build(_recorded((launch, [a, buffer]), buffers=[buffer]), (a,), (buffer,))
+    (out,) = again((torch.randn(3, 5).t(),))
+    assert out.shape == (5, 3) and out.stride() == (1, 5) and launch.calls[0][1] is out
+
+
 def test_compiled_launches_take_addresses():
     """A compiled launch gets each tensor as its address, a view as an address past its base's."""
     a = torch.randn(4, 6)
@@ -308,7 +401,7 @@ def test_compiled_launches_take_addresses():
     assert launch.calls[0] == (a2.data_ptr(), out.data_ptr(), out.data_ptr() + 12, a2.data_ptr() + 24, 5)
 
 
-@pytest.mark.parametrize("reason", ["stranger", "shared", "same", "descriptor", "strided_buffer", "output",
+@pytest.mark.parametrize("reason", ["stranger", "shared", "same", "descriptor", "gapped_buffer", "output",
                                     "nothing", "marked"])
 def test_build_refuses(reason):
     a, b = torch.randn(8), torch.randn(8)
@@ -322,8 +415,8 @@ def test_build_refuses(reason):
         inputs = (a, a)
     elif reason == "descriptor":
         args = [a, type("Descriptor", (), {"base": b})()]
-    elif reason == "strided_buffer":
-        buffers = [torch.empty(4, 4).t()]
+    elif reason == "gapped_buffer":
+        buffers = [torch.empty(4, 8)[:, :4]]
     elif reason == "output":
         outputs = (a[1:],)
     recorder = _recorded() if reason == "nothing" else _recorded((_Launch(), args), buffers=buffers)

@@ -10,7 +10,8 @@ import triton
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ...alloc import empty
+from ... import replay
+from ...alloc import empty, empty_like
 from ...dispatch import record_fallback
 from ...rng import keep_threshold
 from .. import AttnArgs, KVCacheArgs, present_features
@@ -326,8 +327,10 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, head_dim_v = _shape(q, k, v, args)
     if dbias is not None:
         # Pairs outside the window are never visited: their dS is 0.
+        replay.not_replayable("the bias gradient is zeroed")
         dbias.zero_()
     if seqlen_q == 0 or seqlen_k == 0 or batch == 0:
+        replay.not_replayable("empty gradients are zeroed")
         dq.zero_(), dk.zero_(), dv.zero_()
         if dsink is not None:
             dsink.zero_()
@@ -339,8 +342,8 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
             _fill_tail(grad, cu, 0.0)
     cfg = config or bwd_config(max(head_dim, head_dim_v), q.dtype, q.device, head_dim_v)
     varlen = args.varlen
-    delta = torch.empty_like(lse)
-    lse2 = torch.empty_like(lse)
+    delta = empty_like(lse)
+    lse2 = empty_like(lse)
     stride_lse_b, stride_lse_h = lse_strides(lse, varlen)
     splits, alongside = bwd_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, (args.window_left, args.window_right),
                                  cfg.dkdv.BLOCK_N, q.device)
@@ -348,6 +351,7 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
     # Split key blocks store float32 partial sums: one partial head per (KV head, part).
     dk_part, dv_part = dk_out, dv_out
     if splits > 1:
+        replay.not_replayable("split key blocks' partial sums are added by torch")
         dk_part, dv_part = (torch.empty(*g.shape[:-2], nheads_kv * splits, g.shape[-1], dtype=torch.float32,
                                         device=g.device) for g in (dk_out, dv_out))
         if varlen:
@@ -373,6 +377,7 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
                                  HEAD_DIM_ACTUAL=head_dim_v, HEAD_DIM=padded_head_dim(head_dim_v),
                                  BLOCK_M=_PREPROCESS_BLOCK_M))
         if dsink is not None:
+            replay.not_replayable("the sink gradient is reduced by torch")
             dsink.copy_(_sink_grad(args.sink, lse, delta, varlen))
         # An under-filled GPU runs the dK/dV and dQ kernels side by side.
         with fork(q, alongside) as side:
@@ -395,6 +400,7 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
                 torch.sum(part.unflatten(-2, (nheads_kv, splits)), dim=-2, out=grad)
     for given, written in ((dq, dq_out), (dk, dk_out), (dv, dv_out)):
         if given is not written:
+            replay.not_replayable("a gradient is copied back")
             given.copy_(written)
 
 

@@ -39,7 +39,7 @@ def step_ms(model, ids, runs):
         loss.backward()
         torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times), min(times), float(loss)
+    return statistics.median(times), min(times), float(loss.detach())
 
 
 def main():

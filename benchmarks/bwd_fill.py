@@ -1,8 +1,9 @@
 """Backward on shapes that leave the GPU under-filled: few KV heads per GPU (GQA, tensor-parallel
 shards of Llama-3-8B / 70B) and short batches, head dim 128, bf16. flashtile, SDPA's cuDNN backend and
 FlexAttention in the same run, through the suite's own measurement (``flashtile.bench.gpu.measure``:
-``triton.testing.do_bench``, L2 flushed, backward alone on a retained graph), and flashtile once more
-with its key blocks unsplit and the dQ kernel after the dK/dV one (the backward before) for the A/B.
+``triton.testing.do_bench``, L2 flushed, backward alone on a retained graph), and flashtile twice more:
+with its key blocks unsplit and the dQ kernel after the dK/dV one (the backward before splits), and
+split whenever the GPU is under-filled, whatever the work (``configs.BWD_SPLIT_MIN_PAIRS`` = 0).
 
     python benchmarks/bwd_fill.py -> $OUT (default /tmp)/<gpu>-bwd-fill-<date>.json
 """
@@ -14,14 +15,27 @@ import sys
 
 import torch
 
-from flashtile.backends.triton import launch
+from flashtile import dispatch
+from flashtile.backends.triton import configs, launch
 from flashtile.bench import common, gpu, providers
 
 # (batch, seqlen, query heads, KV heads, causal)
 SHAPES = [(1, 8192, 4, 1, True), (1, 8192, 8, 1, True), (1, 16384, 4, 1, True), (1, 4096, 4, 1, True),
           (2, 4096, 8, 2, True), (1, 4096, 32, 8, True), (1, 2048, 32, 8, True), (1, 8192, 4, 4, True),
-          (1, 8192, 4, 1, False), (4, 4096, 32, 8, True)]
-PROVIDERS = ["flashtile", "flashtile-unsplit", "cudnn", "flex"]
+          (1, 8192, 4, 1, False), (4, 4096, 32, 8, True), (1, 2048, 4, 1, True), (1, 4096, 8, 2, False),
+          (2, 2048, 8, 2, True)]
+PROVIDERS = ["flashtile", "flashtile-unsplit", "flashtile-nofloor", "cudnn", "flex"]
+
+
+@contextlib.contextmanager
+def no_floor():
+    """Split key blocks whenever the GPU is under-filled, however little work the backward has."""
+    floor = configs.BWD_SPLIT_MIN_PAIRS
+    configs.BWD_SPLIT_MIN_PAIRS = 0
+    try:
+        yield
+    finally:
+        configs.BWD_SPLIT_MIN_PAIRS = floor
 
 
 @contextlib.contextmanager
@@ -42,7 +56,9 @@ def main():
         shape = providers.DenseShape(batch, seqlen, heads, heads_kv, 128, 128, causal, "bf16")
         inputs = providers.make_inputs(batch, seqlen, heads, heads_kv, 128, 128, torch.bfloat16, "cuda")
         for name in PROVIDERS:
-            scope = unsplit() if name == "flashtile-unsplit" else contextlib.nullcontext()
+            scope = {"flashtile-unsplit": unsplit, "flashtile-nofloor": no_floor}.get(name, contextlib.nullcontext)()
+            # A repeated backward replays its first launches: plan each variant's calls afresh.
+            dispatch.forget_plans()
             with scope:
                 row = gpu.measure(name.split("-")[0], inputs, shape, timer, stages=("fwd", "bwd"), memory=False)
             row["prov"] = name

@@ -21,7 +21,7 @@ What this relies on:
   backwards without dropout (new random counters each call) or packed sequences; the Triton backend's
   routes for those only allocate and launch, and whatever else could happen marks the recording
   unreplayable: a fallback (it must be counted every call), other work the backend names
-  (:func:`not_replayable`: a torch reduction, a copy back), a launch on a side stream, a TMA descriptor, a
+  (:func:`not_replayable`: a torch reduction, a copy back), a TMA descriptor, a
   tensor argument that is neither an input, a buffer nor a view of one (a copy made on the way), inputs
   that are one object passed twice or views whose storage two inputs share (a replay could not tell which
   input to use).
@@ -220,7 +220,10 @@ def build(recorder: Recorder, inputs: tuple, outputs: tuple) -> Replay | str:
 
 
 def _getter(indices: list):
-    """``f(items)``: the tuple of ``items[i]`` for ``i`` in ``indices`` (a tuple of one for one index)."""
+    """``f(items)``: the tuple of ``items[i]`` for ``i`` in ``indices`` (a tuple of one for one index, an empty
+    tuple for none)."""
+    if not indices:
+        return lambda items: ()
     get = operator.itemgetter(*indices)
     return get if len(indices) > 1 else (lambda items: (get(items),))
 

@@ -278,20 +278,26 @@ def test_backward_of_a_copied_gradient_is_not_replayed(rng, unchecked, served):
         assert all(torch.equal(t.grad, c.grad) for t, c in zip((q, k, v), copies))
 
 
-def test_split_backward_is_not_replayed(rng, unchecked, served, monkeypatch):
-    """Split key blocks add their partial sums with torch: the backward is marked and runs normally."""
-    monkeypatch.setattr(launch, "bwd_plan", lambda *args: (2, False))
-    for step in range(2):
-        inputs = (randn(rng, 1, 150, 4, 32).requires_grad_(), *(randn(rng, 1, 150, 1, 32).requires_grad_()
-                                                                 for _ in range(2)))
+@pytest.mark.parametrize("alongside", [False, True], ids=["split", "split_alongside"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["bshd", "bhsd"])
+def test_split_backward_replays(rng, unchecked, served, monkeypatch, alongside, transposed):
+    """Split key blocks (their partial sums added by a kernel into gradients of the inputs' strides), with
+    the dQ kernel on a second stream on a GPU: the fork and join replay with the launches."""
+    monkeypatch.setattr(launch, "bwd_plan", lambda *args: (2, alongside))
+    for step in range(3):
+        shapes = ((1, 150, 4, 32), (1, 150, 1, 32), (1, 150, 1, 32))
+        inputs = tuple(randn(rng, *shape) for shape in shapes)
+        if transposed:
+            inputs = tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in inputs)
+        inputs = tuple(t.requires_grad_() for t in inputs)
         dout = randn(rng, 1, 150, 4, 32)
+        before = len(served)
         got = _training_step(flash_attn_func, inputs, dout, causal=True)
+        assert len(served) - before == (2 if step else 0)
         copies = tuple(t.detach().clone().requires_grad_() for t in inputs)
         expected = ordinary(_training_step, flash_attn_func, copies, dout, causal=True)
         assert all(torch.equal(a, b) for a, b in zip(got, expected))
-    assert len(served) == 1, "the second forward replays, its backward does not"
-    ((_, _, kept),) = dispatch._remembered.values()
-    assert kept.backward is None
+        assert all(t.stride() == g.stride() for t, g in zip(inputs, got[1:]))
 
 
 def test_output_without_gradient_gives_none(rng, unchecked):

@@ -344,18 +344,20 @@ def mean_row_keys(seqlen_k: int, window_left: int, window_right: int) -> int:
 # its GQA group that sees the block. Few KV heads (GQA, tensor-parallel shards) or short batches leave
 # SMs idle. Below BWD_KV_PROGRAMS_PER_SM programs an SM each key block's query rows are split into parts
 # of at least BWD_KV_MIN_ROWS_PER_SPLIT rows, for about that many programs an SM, with float32 partial
-# sums added up after the kernel, and the dQ kernel runs alongside on a second stream. Both cost the host
-# more per call (the fork; two partial buffers and their sum), so they take backwards of at least
-# BWD_SPLIT_MIN_PAIRS (query row, key) pairs over all heads, about 0.3 ms of GPU work. Shorter ones are
-# bound by the host's ~0.5 ms per backward call on the H200 host: 1 x 4096 with 4/1 heads, causal, ran
-# 0.68x split through the API though its kernels took less GPU time, and 1 x 1024, 32/8 heads, 0.69x.
+# sums added up after the kernel (bwd_sum_parts), and the dQ kernel runs alongside on a second stream.
+# Both cost the host more per call (the fork and join; two partial buffers and their sums), so they take
+# backwards of at least BWD_SPLIT_MIN_PAIRS (query row, key) pairs over all heads. The floor was 64 Mi
+# while every backward cost the host ~0.5 ms on the H200 host (1 x 4096 with 4/1 heads, causal, then ran
+# 0.68x split through the API though its kernels took less GPU time). A repeated backward is now replayed
+# (flashtile/replay.py, the fork included), and that row ran 152 TFLOP/s split against 93 unsplit
+# (results/h200-bwd-fill-2026-11-22-replayed.json): the floor is 32 Mi pairs.
 # The dQ kernel alongside without parts (from 2 to 4 programs an SM) was tried and not kept: MHA 4 heads
 # at 1 x 8192 321 against 299 TFLOP/s split, but 1 x 4096 32/8 heads 274 against 300 and 1 x 2048 32/8
 # 162 against 193 unchanged (results/h200-bwd-fill-dq-alongside-only-2026-11-22.json).
 BWD_KV_PROGRAMS_PER_SM = 4
 BWD_KV_MIN_ROWS_PER_SPLIT = 2048
 BWD_KV_MAX_SPLITS = 16
-BWD_SPLIT_MIN_PAIRS = 64 * 1024 * 1024
+BWD_SPLIT_MIN_PAIRS = 32 * 1024 * 1024
 
 
 def bwd_kv_plan(programs: int, rows: int, pairs: int, device: torch.device) -> tuple:

@@ -126,8 +126,6 @@ class CachedLaunch:
             if len(self.dynamic_names) == 1:
                 values = (values, )
         recorder = replay.active()
-        if recorder is not None and stream is not None:
-            recorder.unreplayable = "a launch on a side stream"
         if _interpreting():
             kwargs = self._kwargs(values, static)
             if recorder is not None:
@@ -153,7 +151,8 @@ class CachedLaunch:
                     if hasattr(kernel, "result"):
                         recorder.unreplayable = "a kernel compiled asynchronously"
                     else:
-                        recorder.launches.append((_Bound(kernel, _grid3(grid)), [kwargs[name] for name in self.names]))
+                        recorder.launches.append((_Bound(kernel, _grid3(grid), stream),
+                                                  [kwargs[name] for name in self.names]))
                 return
             if hasattr(entry[0], "result"):  # compiled asynchronously: wait for it once
                 entry = (entry[0].result(), entry[1])
@@ -167,7 +166,7 @@ class CachedLaunch:
             args[slot] = value
         grid = _grid3(grid)
         if recorder is not None:
-            recorder.launches.append((_Bound(kernel, grid), args))
+            recorder.launches.append((_Bound(kernel, grid, stream), args))
         _run(kernel, grid, _current_stream() if stream is None else stream.cuda_stream, args)
 
 
@@ -187,17 +186,18 @@ def _run(kernel, grid: tuple, stream: int, args: list) -> None:
 
 
 class _Bound:
-    """A compiled kernel on its grid: ``launch(args)`` runs it on the current stream (a replay's launch)."""
+    """A compiled kernel on its grid: ``launch(args)`` runs it on the current stream, or on the side stream
+    it was launched on (a replay's launch; see :func:`~flashtile.backends.triton.host.fork`)."""
 
-    __slots__ = ("kernel", "grid")
+    __slots__ = ("kernel", "grid", "stream")
     # A replay passes tensors as their addresses (ints), which Triton's launcher takes as they are.
     pointers = True
 
-    def __init__(self, kernel, grid: tuple):
-        self.kernel, self.grid = kernel, grid
+    def __init__(self, kernel, grid: tuple, stream=None):
+        self.kernel, self.grid, self.stream = kernel, grid, stream
 
     def __call__(self, args: list) -> None:
-        _run(self.kernel, self.grid, _current_stream(), args)
+        _run(self.kernel, self.grid, _current_stream() if self.stream is None else self.stream.cuda_stream, args)
 
 
 class _Interpreted:

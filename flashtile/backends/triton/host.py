@@ -6,6 +6,7 @@ import contextlib
 
 import torch
 
+from ... import replay
 from .configs import capability
 
 
@@ -42,9 +43,20 @@ class _SideStream:
     current stream (reused: a wait takes the event's state when it is issued)."""
 
     def __init__(self, device: torch.device):
+        self.device = device
         self.stream = torch.cuda.Stream(device)
         self.forked = torch.cuda.Event()
         self.joined = torch.cuda.Event()
+
+    def fork(self) -> None:
+        """The side stream waits for the work queued so far on the current stream."""
+        self.forked.record(torch.cuda.current_stream(self.device))
+        self.stream.wait_event(self.forked)
+
+    def join(self) -> None:
+        """The current stream waits for the work queued so far on the side stream."""
+        self.joined.record(self.stream)
+        torch.cuda.current_stream(self.device).wait_event(self.joined)
 
 
 _SIDE_STREAMS: dict = {}
@@ -56,21 +68,38 @@ def fork(t: torch.Tensor, enabled: bool):
     the caller makes on the current stream after the fork (None when not ``enabled`` or on CPU); on
     exit the current stream waits for them. Fits CUDA-graph capture: the side stream joins it through
     the fork and join. Events rather than ``wait_stream`` and an explicit stream rather than
-    ``torch.cuda.stream``: each of those costs the host more per call."""
+    ``torch.cuda.stream``: each of those costs the host more per call. A recorded call notes the fork
+    and the join among its launches, so that its replay forks and joins the same way."""
     if not (enabled and t.is_cuda):
         yield None
         return
     side = _SIDE_STREAMS.get(t.device.index)
     if side is None:
         side = _SIDE_STREAMS[t.device.index] = _SideStream(t.device)
-    main = torch.cuda.current_stream(t.device)
-    side.forked.record(main)
-    side.stream.wait_event(side.forked)
+    side.fork()
+    recorder = replay.active()
+    if recorder is not None:
+        recorder.launches.append((_Step(side.fork), []))
     try:
         yield side.stream
     finally:
-        side.joined.record(side.stream)
-        main.wait_event(side.joined)
+        side.join()
+        if recorder is not None:
+            recorder.launches.append((_Step(side.join), []))
+
+
+class _Step:
+    """A recorded step that takes no argument (a fork or a join), run again by a replay."""
+
+    __slots__ = ("run",)
+    # Nothing to address: fits a replay that passes tensors as addresses.
+    pointers = True
+
+    def __init__(self, run):
+        self.run = run
+
+    def __call__(self, args) -> None:
+        self.run()
 
 
 def input_precision(dtype: torch.dtype) -> str:

@@ -23,7 +23,7 @@ from .configs import (bwd_config, bwd_plan, fixed_row_max, fwd_config, gluon_fwd
 from .decode import append_kv, merge_states  # noqa: F401
 from .fastlaunch import CachedLaunch
 from .host import bsh_strides, cdiv, fast_tanh, fork, input_precision, lse_strides, on_device, unit_stride
-from .kernels.bwd import bwd_dkdv, bwd_dq, bwd_preprocess
+from .kernels.bwd import bwd_dkdv, bwd_dq, bwd_preprocess, bwd_sum_parts
 from .kernels.common import LOG2E as _LOG2E
 from .kernels.fwd import attn_fwd
 from .kernels.fwd_sm90 import attn_fwd_sm90
@@ -351,9 +351,8 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
     # Split key blocks store float32 partial sums: one partial head per (KV head, part).
     dk_part, dv_part = dk_out, dv_out
     if splits > 1:
-        replay.not_replayable("split key blocks' partial sums are added by torch")
-        dk_part, dv_part = (torch.empty(*g.shape[:-2], nheads_kv * splits, g.shape[-1], dtype=torch.float32,
-                                        device=g.device) for g in (dk_out, dv_out))
+        dk_part, dv_part = (empty((*g.shape[:-2], nheads_kv * splits, g.shape[-1]), torch.float32, g.device)
+                            for g in (dk_out, dv_out))
         if varlen:
             for part in (dk_part, dv_part):
                 _fill_tail(part, args.cu_seqlens_k, 0.0)
@@ -397,11 +396,25 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
         if splits > 1:
             # The parts of each KV head, added in a fixed order (run-to-run identical) and cast on the way.
             for part, grad in ((dk_part, dk_out), (dv_part, dv_out)):
-                torch.sum(part.unflatten(-2, (nheads_kv, splits)), dim=-2, out=grad)
+                _sum_parts(part, grad, splits, varlen)
     for given, written in ((dq, dq_out), (dk, dk_out), (dv, dv_out)):
         if given is not written:
             replay.not_replayable("a gradient is copied back")
             given.copy_(written)
+
+
+_SUM_BLOCK_M = 64
+_SUM_PARTS = CachedLaunch(bwd_sum_parts, ("PART", "OUT"))
+
+
+def _sum_parts(part: torch.Tensor, grad: torch.Tensor, splits: int, varlen: bool) -> None:
+    """``grad`` (its dtype and strides) = the sum of ``splits`` consecutive heads of float32 ``part``, per head."""
+    rows, batch = (grad.shape[0], 1) if varlen else (grad.shape[1], grad.shape[0])
+    head_dim = grad.shape[-1]
+    _SUM_PARTS((_layout_key(part, grad), grad.dtype, splits, varlen), (cdiv(rows, _SUM_BLOCK_M), grad.shape[-2], batch),
+               dict(PART=part, OUT=grad),
+               lambda: dict(seqlen=rows, **_strides(varlen, p=part, o=grad), HEAD_DIM_ACTUAL=head_dim,
+                            HEAD_DIM=padded_head_dim(head_dim), SPLITS=splits, BLOCK_M=_SUM_BLOCK_M))
 
 
 _TAIL_BLOCK_ROWS = 64

@@ -5,7 +5,7 @@ Three kernels, no atomics (so gradients are bit-identical run to run):
   * ``bwd_dkdv``: one program per key block; it walks the query blocks of every query
     head in its GQA group, so dK/dV are the group sums without atomics. When that leaves the
     GPU under-filled (few KV heads, short batches), ``split`` programs share a key block's query
-    rows, each storing float32 partial sums that the launcher adds up in a fixed order;
+    rows, each storing float32 partial sums that ``bwd_sum_parts`` adds up in a fixed order;
   * ``bwd_dq``: one program per query block, walking the key blocks like the forward; it
     also writes dS for the bias gradient, each element exactly once.
 With ``dS = P * (dP - delta)``: ``dV = P^T dO``, ``dK = scale * dS^T Q``, ``dQ = scale * dS K``.
@@ -43,6 +43,28 @@ def bwd_preprocess(O, DO, LSE, DELTA, LSE2,
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
     tl.store(DELTA + row, delta, mask=offs_m < seqlen_q)
     tl.store(LSE2 + row, lse2, mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def bwd_sum_parts(PART, OUT, seqlen, stride_pb, stride_pm, stride_ph, stride_ob, stride_om, stride_oh,
+                  HEAD_DIM_ACTUAL: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
+                  BLOCK_M: tl.constexpr):
+    """``OUT[b, m, h] = sum over p of PART[b, m, h * SPLITS + p]``, added in part order and cast to OUT's
+    dtype: the split dK/dV kernel's float32 partial sums of one KV head. One program per ``BLOCK_M`` rows
+    of one (head, sequence); varlen runs over all packed tokens as one sequence."""
+    stride_pb, stride_pm, stride_ph = int64(stride_pb, stride_pm, stride_ph)
+    stride_ob, stride_om, stride_oh = int64(stride_ob, stride_om, stride_oh)
+    start_m, off_b, off_h = program_block(False)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    part_ptrs = tile_ptrs(head_base(PART, off_b, off_h * SPLITS, 0, stride_pb, stride_pm, stride_ph), offs_m,
+                          stride_pm, offs_d)
+    total = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for _ in tl.static_range(SPLITS):
+        total += load_tile(part_ptrs, offs_m, seqlen, offs_d, HEAD_DIM_ACTUAL, HEAD_DIM, True)
+        part_ptrs += stride_ph
+    store_tile(tile_ptrs(head_base(OUT, off_b, off_h, 0, stride_ob, stride_om, stride_oh), offs_m, stride_om, offs_d),
+               total.to(OUT.dtype.element_ty), offs_m, seqlen, offs_d, HEAD_DIM_ACTUAL)
 
 
 @triton.jit

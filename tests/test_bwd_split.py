@@ -34,10 +34,10 @@ def test_split_rule(monkeypatch):
     assert plan(4096, 16384, big, gpu) == (1, False)
     assert plan(16, 2047, big, gpu) == (1, False)
     assert plan(128, 8192, big - 1, gpu) == (1, False)
-    # 1 x 4096 causal with 2 query heads (16 Mi pairs) stays as it was; with 4 (32 Mi) it splits, and so
+    # 1 x 4096 causal with 1 query head (8 Mi pairs) stays as it was; with 2 (16 Mi) it splits, and so
     # does 1 x 8192 with 8/1 heads.
-    assert configs.bwd_plan(1, 2, 1, 4096, 4096, (-1, 0), 64, gpu) == (1, False)
-    assert configs.bwd_plan(1, 4, 1, 4096, 4096, (-1, 0), 64, gpu) == (2, True)
+    assert configs.bwd_plan(1, 1, 1, 4096, 4096, (-1, 0), 64, gpu) == (1, False)
+    assert configs.bwd_plan(1, 2, 1, 4096, 4096, (-1, 0), 64, gpu) == (2, True)
     assert configs.bwd_plan(1, 8, 1, 8192, 8192, (-1, 0), 64, gpu) == (4, True)
     # A sliding window bounds the rows a key block sees.
     assert plan(16, configs.row_keys(16384, 1024, 0), big, gpu) == (1, False)

@@ -210,7 +210,7 @@ def test_packed_steps_reuse_validation_and_replan(device, rng, monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through Triton's interpreter: the CPU suite's test")
-def test_remembered_plan_follows_disabled_backends(rng, monkeypatch):
+def test_remembered_plan_follows_disabled_backends(rng, monkeypatch, clean_dispatch_state):
     """A plan made before a backend was disabled is not reused after (the fallback is recorded)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     q, k, v = small_inputs("cpu", rng)

@@ -349,15 +349,18 @@ def mean_row_keys(seqlen_k: int, window_left: int, window_right: int) -> int:
 # backwards of at least BWD_SPLIT_MIN_PAIRS (query row, key) pairs over all heads. The floor was 64 Mi
 # while every backward cost the host ~0.5 ms on the H200 host (1 x 4096 with 4/1 heads, causal, then ran
 # 0.68x split through the API though its kernels took less GPU time). A repeated backward is now replayed
-# (flashtile/replay.py, the fork included), and that row ran 152 TFLOP/s split against 93 unsplit
-# (results/h200-bwd-fill-2026-11-22-replayed.json): the floor is 32 Mi pairs.
+# (flashtile/replay.py, the fork included), and that row ran 152-167 TFLOP/s split against 93 unsplit
+# (results/h200-bwd-fill-2026-11-22-{replayed,58415a2}.json); 1 x 4096 with 2/1 heads (16 Mi pairs) ran 136
+# split against 77 (benchmarks/bwd_split_rule.py, results/h200-bwd-split-rule-2026-11-22.json): the floor is
+# 16 Mi. Fewer rows per part (1024 or 512) gained 15-40% on some 2048-token rows but lost 3-10% on full
+# (non-causal) rows of 4096-8192 tokens, and single rows moved by 25% between runs: not changed.
 # The dQ kernel alongside without parts (from 2 to 4 programs an SM) was tried and not kept: MHA 4 heads
 # at 1 x 8192 321 against 299 TFLOP/s split, but 1 x 4096 32/8 heads 274 against 300 and 1 x 2048 32/8
 # 162 against 193 unchanged (results/h200-bwd-fill-dq-alongside-only-2026-11-22.json).
 BWD_KV_PROGRAMS_PER_SM = 4
 BWD_KV_MIN_ROWS_PER_SPLIT = 2048
 BWD_KV_MAX_SPLITS = 16
-BWD_SPLIT_MIN_PAIRS = 32 * 1024 * 1024
+BWD_SPLIT_MIN_PAIRS = 16 * 1024 * 1024
 
 
 def bwd_kv_plan(programs: int, rows: int, pairs: int, device: torch.device) -> tuple:

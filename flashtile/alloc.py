@@ -23,4 +23,3 @@ def empty_like(t: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(t)
     replay.note_buffer(out)
     return out.fill_(float("nan")) if poisoned() else out
-

@@ -1,6 +1,7 @@
 """FlashAttention-2 backward, recomputing P tile by tile from Q, K and the saved LSE.
 
-Three kernels, no atomics (so gradients are bit-identical run to run):
+Three kernels, and a fourth for split key blocks, with no atomics (so gradients are bit-identical run
+to run):
   * ``bwd_preprocess``: ``delta = rowsum(dO * O)`` and the LSE moved to the exp2 domain;
   * ``bwd_dkdv``: one program per key block; it walks the query blocks of every query
     head in its GQA group, so dK/dV are the group sums without atomics. When that leaves the

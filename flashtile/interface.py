@@ -485,8 +485,8 @@ def flash_attn_with_kvcache(
     tensors = (q, k_cache, v_cache, k, v, alibi_slopes, sink, *index.values())
     if known is not None:
         # A step like an earlier one: its checks hold (no value is read), only the tensors are new.
-        args, chosen, replays = known
-        outputs = replay.replayed(replays, tensors)
+        args, chosen, kept = known
+        outputs = replay.replayed(kept.forward, tensors)
         if outputs is not None:
             # Its launches again, when the tensors are aligned as before.
             record_choice(chosen)
@@ -503,16 +503,16 @@ def flash_attn_with_kvcache(
         if key is None:
             out, lse, _ = _attention_kvcache(q, k_cache, v_cache, k, v, args)
             return (out, lse) if return_softmax_lse else out
-        chosen, replays = dispatch(AttentionCall.of(q, k_cache, v_cache, args)), ()
+        chosen, kept = dispatch(AttentionCall.of(q, k_cache, v_cache, args)), replay.Kept()
+        if chosen.fallback_reason is None:
+            remember(key, (args, chosen, kept))
 
     def run():
         with torch.no_grad():
             return ops.run_kvcache(chosen, q, k_cache, v_cache, k, v, args)
 
     # Recorded for the next step like it.
-    (out, lse), replays = replay.record(run, tensors, replays)
-    if chosen.fallback_reason is None:
-        remember(key, (args, chosen, replays))
+    (out, lse), kept.forward = replay.record(run, tensors, kept.forward)
     return (out, lse) if return_softmax_lse else out
 
 

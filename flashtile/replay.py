@@ -245,9 +245,10 @@ KEEP = 4
 
 
 class Kept:
-    """The replays kept for one kind of call: its forward's and, for calls that want a gradient, its
-    backward's (the call's autograd context takes this along). Each is a tuple as :func:`record` returns it,
-    empty to record the next call, or None not to record."""
+    """The replays kept for one kind of call (a remembered plan's, :mod:`flashtile.interface`): its forward's
+    and, for calls that want a gradient, its backward's (the call's autograd context takes this along; a
+    KV-cache call has only a forward). Each is a tuple as :func:`record` returns it, empty to record the next
+    call, or None not to record."""
 
     __slots__ = ("forward", "backward")
 

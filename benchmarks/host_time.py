@@ -7,7 +7,8 @@ host's time. ``--label`` names the run (e.g. the commit) in the JSON.
 
     python benchmarks/host_time.py --label after -> $OUT (default /tmp)/h200-host-time-<label>.json
 
-The decode rows take a new cache length every call, as transformers' growing cache gives (``measure_decode``).
+The decode rows take a new cache length every call, as transformers' growing cache gives (``measure_decode``);
+the varlen rows pack 4 sequences into 512 tokens (``measure_varlen``). ``--only dense decode varlen`` picks groups.
 """
 import argparse, json, os, subprocess, time
 import torch
@@ -111,20 +112,75 @@ def measure_decode(passes=5, steps=200, heads=32, heads_kv=8):
     return row
 
 
+def measure_varlen(total=512, count=4, layers=8, steps=30, heads=32, heads_kv=8):
+    """Packed sequences (``flash_attn_varlen_func``), causal, as a training loop over a packed batch runs them:
+    ``count`` sequences filling ``total`` tokens. Rows: one batch called again and again, and training steps
+    that each draw a new batch (new lengths, so a new longest length) and call it ``layers`` times
+    (the offsets are made before timing). Next to them SDPA on one dense sequence of ``total`` tokens."""
+    gen = torch.Generator().manual_seed(0)
+
+    def batch():
+        cuts = torch.randperm(total - 1, generator=gen)[:count - 1].add(1).sort().values.tolist()
+        bounds = [0, *cuts, total]
+        longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+        return torch.tensor(bounds, dtype=torch.int32, device="cuda"), longest
+
+    q = torch.randn(total, heads, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(total, heads_kv, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    dout = torch.randn_like(q)
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    cu, longest = batch()
+
+    def call(a, b, c, offsets=cu, most=longest):
+        return flashtile.flash_attn_varlen_func(a, b, c, offsets, offsets, most, most, causal=True)
+
+    row = {}
+    with torch.no_grad():
+        row["flashtile varlen fwd, no grad, one batch"] = per_call_us(lambda: call(q, k, v))
+    row["flashtile varlen fwd+bwd, one batch"] = per_call_us(lambda: call(qg, kg, vg).backward(dout), 300)
+    batches = [batch() for _ in range(steps)]
+
+    def steps_us():
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for offsets, most in batches:
+            for _ in range(layers):
+                call(qg, kg, vg, offsets, most).backward(dout)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / (steps * layers) * 1e6
+
+    steps_us()
+    row[f"flashtile varlen fwd+bwd, new batch every {layers} calls"] = round(min(steps_us() for _ in range(3)), 1)
+    qt, kt, vt = (x.detach().unsqueeze(0).transpose(1, 2).requires_grad_() for x in (q, k, v))
+    row[f"sdpa fwd+bwd, dense 1x{total}"] = per_call_us(
+        lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True).backward(
+            dout.unsqueeze(0).transpose(1, 2)), 300)
+    return row
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--label", default="run")
+    groups = ["dense", "decode", "varlen"]
+    parser.add_argument("--only", choices=groups, nargs="*", default=groups)
     opts = parser.parse_args()
     result = {"label": opts.label, "commit": git_commit(), "torch": torch.__version__,
               "triton": __import__("triton").__version__, "device": torch.cuda.get_device_name(),
               "unit": "us per call (host-bound)", "rows": {}}
-    for batch, seqlen in [(1, 512), (1, 128)]:
-        row = measure(batch, seqlen)
-        result["rows"][f"{batch}x{seqlen}"] = row
-        print(f"{batch}x{seqlen}", row, flush=True)
-    row = measure_decode()
-    result["rows"]["decode 1x512+"] = row
-    print("decode 1x512+", row, flush=True)
+    if "dense" in opts.only:
+        for batch, seqlen in [(1, 512), (1, 128)]:
+            row = measure(batch, seqlen)
+            result["rows"][f"{batch}x{seqlen}"] = row
+            print(f"{batch}x{seqlen}", row, flush=True)
+    if "decode" in opts.only:
+        row = measure_decode()
+        result["rows"]["decode 1x512+"] = row
+        print("decode 1x512+", row, flush=True)
+    if "varlen" in opts.only:
+        row = measure_varlen()
+        result["rows"]["varlen 4 sequences, 512 tokens"] = row
+        print("varlen 4 sequences, 512 tokens", row, flush=True)
     path = os.path.join(os.environ.get("OUT", "/tmp"), f"h200-host-time-{opts.label}.json")
     json.dump(result, open(path, "w"), indent=1)
     print("wrote", path)

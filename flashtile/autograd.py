@@ -115,6 +115,15 @@ def wants_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def with_offsets(inputs: tuple, cu_seqlens_q, cu_seqlens_k, seqused_k) -> tuple:
+    """What a replay of a call is given (:mod:`flashtile.replay`): ``inputs`` and, for packed sequences
+    (``cu_seqlens_q`` not None), the offsets and key counts its kernels read. ``cu_seqlens_k`` is None when it
+    is ``cu_seqlens_q`` (a replay cannot take one tensor twice; the interface's key tells the cases apart)."""
+    if cu_seqlens_q is None:
+        return inputs
+    return (*inputs, cu_seqlens_q, None if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k, seqused_k)
+
+
 def run_forward(plan, q, k, v, args):
     """The backend's forward alone: ``(out, lse, args)``, ``args`` with its dropout counters drawn.
     Calls that need no gradient run it without an autograd Function (which costs host time)."""
@@ -128,11 +137,12 @@ def _forward(ctx, plan, inputs, q, k, v, args, sink, attn_bias, kept):
     """The forward of the Function given ``inputs`` (q, k, v as their views); a call whose ``kept`` replays
     fit runs as their launches, and one with ``kept`` and no fitting replay is recorded."""
     ctx.plan, ctx.kept = plan, kept
-    outputs = None if kept is None else replay.replayed(kept.forward, inputs)
+    given = with_offsets(inputs, args.cu_seqlens_q, args.cu_seqlens_k, args.seqused_k)
+    outputs = None if kept is None else replay.replayed(kept.forward, given)
     if outputs is not None:
         (out, lse), ctx.args = outputs, args
     elif kept is not None:
-        (out, lse, ctx.args), kept.forward = replay.record(lambda: run_forward(plan, q, k, v, args), inputs,
+        (out, lse, ctx.args), kept.forward = replay.record(lambda: run_forward(plan, q, k, v, args), given,
                                                            kept.forward)
     else:
         out, lse, ctx.args = run_forward(plan, q, k, v, args)
@@ -152,8 +162,8 @@ def _gradients(ctx, run, dout, saved: tuple, count: int) -> tuple:
     call like it, on ``(dout, *saved)``, when their layouts fit, else records this one."""
     if dout is None:
         return (None,) * count
-    kept = ctx.kept
-    inputs = (dout, *saved)
+    kept, args = ctx.kept, ctx.args
+    inputs = with_offsets((dout, *saved), args.cu_seqlens_q, args.cu_seqlens_k, args.seqused_k)
     grads = None if kept is None else replay.replayed(kept.backward, inputs)
     if grads is not None:
         record_kernel(ctx.plan.bwd_name)

@@ -18,7 +18,8 @@ from dataclasses import replace
 import torch
 
 from . import ops, replay, validation
-from .autograd import FlashAttnFunc, FlashAttnKVPackedFunc, FlashAttnQKVPackedFunc, run_forward, wants_grad
+from .autograd import (FlashAttnFunc, FlashAttnKVPackedFunc, FlashAttnQKVPackedFunc, run_forward, wants_grad,
+                       with_offsets)
 from .backends import AttentionCall
 from .dispatch import dispatch, merge_call, recall, record_choice, remember, state_key
 
@@ -231,7 +232,7 @@ def flash_attn_varlen_qkvpacked_func(
     q, k, v = validation.check_packed("qkv", qkv, 3, "(total_tokens, 3, nheads, headdim)", varlen=True)
     options = dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                    softcap=softcap, alibi_slopes=alibi_slopes, varlen=True, cu_seqlens_q=cu_seqlens,
-                   cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
+                   cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, seqused_k=None)
     return _attention(FlashAttnQKVPackedFunc, (qkv,), (q, k, v), options, sink, attn_bias, return_attn_probs)
 
 
@@ -279,22 +280,26 @@ def _attention(function, inputs, qkv, options, sink, attn_bias, return_attn_prob
     kept = None
     if known is not None:
         args, chosen, kept = known
-        if kept.forward and not wants_grad(*inputs):
+        if args.varlen:
+            # Packed sequences: the longest lengths (Python ints, as the key asks) may differ from the plan's.
+            planned = (chosen.call.seqlen_q, chosen.call.seqlen_k) == (options["max_seqlen_q"], options["max_seqlen_k"])
+        else:
+            planned = chosen.call.seqlen_k == k.shape[1]
+        if planned and kept.forward and not wants_grad(*inputs):
             # A call like an earlier one: its launches again (fastest), when the layouts are the same.
-            outputs = replay.replayed(kept.forward, inputs)
+            given = with_offsets(inputs, options.get("cu_seqlens_q"), options.get("cu_seqlens_k"),
+                                 options.get("seqused_k"))
+            outputs = replay.replayed(kept.forward, given)
             if outputs is not None:
                 record_choice(chosen)
                 out, lse = outputs
                 return (out, lse, None) if return_attn_probs else out
         if args.varlen:
-            # Packed sequences: the offsets are this call's, and the longest lengths may differ.
+            # The offsets are this call's.
             args = replace(args, cu_seqlens_q=options["cu_seqlens_q"], cu_seqlens_k=options["cu_seqlens_k"],
                            seqused_k=options["seqused_k"],
                            max_seqlen_q=validation.check_max_seqlen("max_seqlen_q", options["max_seqlen_q"]),
                            max_seqlen_k=validation.check_max_seqlen("max_seqlen_k", options["max_seqlen_k"]))
-            planned = (chosen.call.seqlen_q, chosen.call.seqlen_k) == (args.max_seqlen_q, args.max_seqlen_k)
-        else:
-            planned = chosen.call.seqlen_k == k.shape[1]
         if planned:
             record_choice(chosen)
         else:
@@ -314,14 +319,15 @@ def _attention(function, inputs, qkv, options, sink, attn_bias, return_attn_prob
         if key is not None and chosen.fallback_reason is None:
             kept = replay.Kept()
             remember(key, (args, chosen, kept))
-    # Recorded for the next call like it (dropout draws new counters each call; packed sequences take their
-    # lengths per call).
-    if chosen.fallback_reason is not None or args.varlen or args.dropout_p != 0:
+    # Recorded for the next call like it (dropout draws new counters each call).
+    if chosen.fallback_reason is not None or args.dropout_p != 0:
         kept = None
     if wants_grad(*inputs, sink, attn_bias):
         out, lse = function.apply(*inputs, sink, attn_bias, args, chosen, kept)
     elif kept is not None:
-        (out, lse, _), kept.forward = replay.record(lambda: run_forward(chosen, q, k, v, args), inputs, kept.forward)
+        (out, lse, _), kept.forward = replay.record(lambda: run_forward(chosen, q, k, v, args),
+                                                    with_offsets(inputs, args.cu_seqlens_q, args.cu_seqlens_k,
+                                                                 args.seqused_k), kept.forward)
     else:
         out, lse, _ = run_forward(chosen, q, k, v, args)
     return (out, lse, None) if return_attn_probs else out
@@ -360,9 +366,10 @@ def _signature(function, qkv, options, sink, attn_bias):
 
 def _varlen_signature(qkv, options, common):
     """The key of a packed call: besides ``common``, q's shape, k's and v's but their token counts (whether
-    they agree), and the offsets' (and ``seqused_k``'s) shapes, dtypes and devices, whose checks read no
-    value. None when the call must be validated afresh: values checked on the host (CPU tensors,
-    ``FLASHTILE_VALIDATE_VALUES=1``), or a longest length given as a tensor (read on the host)."""
+    they agree), the offsets' (and ``seqused_k``'s) shapes, dtypes and devices, whose checks read no
+    value, and whether the query and key offsets are one tensor (a replay is then given it once). None when
+    the call must be validated afresh: values checked on the host (CPU tensors, ``FLASHTILE_VALIDATE_VALUES=1``),
+    or a longest length given as a tensor (read on the host)."""
     q, k, v = qkv
     if validation.values_checked(q.device):
         return None
@@ -371,7 +378,8 @@ def _varlen_signature(qkv, options, common):
     index = _layouts((options["cu_seqlens_q"], options["cu_seqlens_k"], options["seqused_k"]), strides=False)
     if index is None:
         return None
-    return (*common, "varlen", q.shape, k.shape[1:], v.shape[1:], k.shape[0] == v.shape[0], index)
+    return (*common, "varlen", q.shape, k.shape[1:], v.shape[1:], k.shape[0] == v.shape[0], index,
+            options["cu_seqlens_q"] is options["cu_seqlens_k"])
 
 
 def _layouts(tensors, strides: bool):

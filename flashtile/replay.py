@@ -18,8 +18,8 @@ What this relies on:
   strides and 16-byte alignment pin everything the launches' non-tensor arguments were computed from
   (the key holds dtypes, devices and options).
 - The recorded call does nothing besides allocating and launching. The interface records forwards and
-  backwards without dropout (new random counters each call) or packed sequences; the Triton backend's
-  routes for those only allocate and launch, and whatever else could happen marks the recording
+  backwards without dropout (new random counters each call); the Triton backend's routes for those only
+  allocate and launch, and whatever else could happen marks the recording
   unreplayable: a fallback (it must be counted every call), other work the backend names
   (:func:`not_replayable`: a torch reduction, a copy back), a TMA descriptor, a
   tensor argument that is neither an input, a buffer nor a view of one (a copy made on the way), inputs
@@ -28,6 +28,9 @@ What this relies on:
 
 A training step repeats too: the forward of a call that wants a gradient replays like any other, and
 its backward is recorded and replayed on ``(dout, *saved tensors)`` (:mod:`flashtile.autograd`).
+Packed sequences are given their offsets (and ``seqused_k``) as inputs besides the tensors, whose values
+the kernels read on the device; the plan they replay was made for the same longest lengths, which size
+the grids (:func:`flashtile.autograd.with_offsets`).
 """
 from __future__ import annotations
 

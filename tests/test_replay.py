@@ -14,7 +14,8 @@ import flashtile
 from flashtile import dispatch, interface, replay, validation
 from flashtile.backends.triton import launch
 from flashtile.interface import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
-                                 flash_attn_with_kvcache)
+                                 flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
+                                 flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache)
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -263,6 +264,115 @@ def test_training_steps_replay(rng, unchecked, served, case):
         expected = ordinary(_training_step, function, copies, dout.clone(), **kwargs)
         for name, ours, theirs in zip(("out", *(f"grad {i}" for i in range(len(inputs)))), got, expected):
             assert torch.equal(ours, theirs), f"step {step}: {name} differs from the ordinary call"
+
+
+def _offsets(rng, count, longest, total):
+    """int32 offsets of ``count`` sequences of new random lengths (one of them empty, one ``longest`` long)
+    that fill at most ``total`` rows, and the longest length: the same ``longest`` every call."""
+    lengths = torch.randint(1, longest + 1, (count,), generator=rng)
+    lengths[torch.randperm(count, generator=rng)[:2]] = torch.tensor([0, longest])
+    while int(lengths.sum()) > total:
+        lengths[int(lengths.argmax())] -= 1
+        lengths[torch.randperm(count, generator=rng)[0]] = longest
+        lengths = lengths.clamp(max=longest)
+    return int32([0, *torch.cumsum(lengths, 0).tolist()])
+
+
+def _varlen_call(rng, kind, *, count=4, longest_q=19, longest_k=23, total_q=60, total_k=70, nheads=4, nheads_kv=2,
+                 headdim=32, headdim_v=None, seqused=False, grad=False, **options):
+    """``(function, tensors, kwargs)`` of one packed call with new values and lengths; the longest lengths and
+    the numbers of rows stay put (the rows past the last sequence hold NaN: they must reach no result)."""
+    headdim_v = headdim_v or headdim
+
+    def rows(*shape):
+        t = randn(rng, *shape)
+        return t.requires_grad_() if grad else t
+
+    cu_q = _offsets(rng, count, longest_q, total_q)
+    if kind == "qkvpacked":
+        qkv = randn(rng, total_q, 3, nheads, headdim)
+        qkv[int(cu_q[-1]):] = float("nan")
+        return (flash_attn_varlen_qkvpacked_func, (qkv.requires_grad_() if grad else qkv,),
+                dict(options, cu_seqlens=cu_q, max_seqlen=longest_q))
+    cu_k = _offsets(rng, count, longest_k, total_k)
+    q = randn(rng, total_q, nheads, headdim)
+    q[int(cu_q[-1]):] = float("nan")
+    kwargs = dict(options, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=longest_q, max_seqlen_k=longest_k)
+    if seqused:
+        used = [int(torch.randint(0, int(n) + 1, (1,), generator=rng)) for n in cu_k.diff().tolist()]
+        kwargs["seqused_k"] = int32(used)
+    if kind == "kvpacked":
+        kv = randn(rng, total_k, 2, nheads_kv, headdim)
+        kv[int(cu_k[-1]):] = float("nan")
+        return flash_attn_varlen_kvpacked_func, (q.requires_grad_() if grad else q, kv.requires_grad_() if grad else kv), kwargs
+    k, v = randn(rng, total_k, nheads_kv, headdim), randn(rng, total_k, nheads_kv, headdim_v)
+    k[int(cu_k[-1]):], v[int(cu_k[-1]):] = float("nan"), float("nan")
+    tensors = (q, k, v)
+    return flash_attn_varlen_func, tuple(t.requires_grad_() for t in tensors) if grad else tensors, kwargs
+
+
+VARLEN_CASES = {
+    "gqa_causal": ("separate", dict(causal=True)),
+    "seqused_window": ("separate", dict(seqused=True, window_size=(6, 2), causal=False)),
+    "softcap_dv": ("separate", dict(softcap=8.0, headdim_v=16, causal=True)),
+    "qkvpacked": ("qkvpacked", dict(causal=True)),
+    "kvpacked": ("kvpacked", dict()),
+    "decode_rows": ("separate", dict(count=5, longest_q=1, total_q=6, causal=True)),
+}
+
+
+def _same_offsets(kwargs):
+    """``kwargs`` with the offsets cloned (the ordinary call gets its own tensors), qkvpacked's one offset once."""
+    return {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in kwargs.items()}
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES)
+def test_varlen_calls_replay(rng, unchecked, served, case):
+    """Packed batches of new lengths (the same longest ones): calls after the first replay, with the ordinary
+    path's out and lse; no-grad calls, then training steps (forward and backward replayed, every gradient equal)."""
+    kind, options = VARLEN_CASES[case]
+    for step in range(3):
+        function, tensors, kwargs = _varlen_call(rng, kind, **options)
+        out, lse, _ = function(*tensors, return_attn_probs=True, **kwargs)
+        expected, expected_lse, _ = ordinary(function, *(t.clone() for t in tensors), return_attn_probs=True,
+                                             **_same_offsets(kwargs))
+        assert len(served) == step, f"step {step}: {len(served)} replayed calls"
+        assert torch.equal(out, expected) and torch.equal(lse, expected_lse), f"step {step}"
+    dispatch.forget_plans()
+    for step in range(3):
+        function, tensors, kwargs = _varlen_call(rng, kind, grad=True, **options)
+        dout = randn(rng, *ordinary(function, *(t.detach() for t in tensors), **kwargs).shape)
+        before = len(served)
+        got = _training_step(function, tensors, dout, **kwargs)
+        assert len(served) - before == (2 if step else 0), f"step {step}: forward and backward replayed"
+        copies = tuple(t.detach().clone().requires_grad_() for t in tensors)
+        expected = ordinary(_training_step, function, copies, dout.clone(), **_same_offsets(kwargs))
+        for name, ours, theirs in zip(("out", *(f"grad {i}" for i in range(len(tensors)))), got, expected):
+            assert torch.equal(ours, theirs), f"step {step}: {name} differs from the ordinary call"
+
+
+def test_varlen_longest_length_change_is_planned_again(rng, unchecked, served):
+    """A batch whose longest sequence differs (its grids differ) is planned and recorded again, and the calls
+    like it after it (the other layers) replay that recording. Offsets given as one tensor (a replay takes it
+    once) and then as two tensors of other values: the second kind is not served by the first's replay."""
+    for longest in (19, 19, 12, 12, 12, 19):
+        function, tensors, kwargs = _varlen_call(rng, "separate", longest_q=longest, longest_k=longest, total_k=60)
+        before = len(served)
+        out = function(*tensors, **kwargs)
+        assert torch.equal(out, ordinary(function, *tensors, **_same_offsets(kwargs)))
+        replayed = len(served) - before
+    assert replayed == 0, "19 after 12: planned again"
+    dispatch.forget_plans()
+    q, k, v = tensors
+    k, v = (randn(rng, q.shape[0], *t.shape[1:]) for t in (k, v))
+    one = dict(kwargs, cu_seqlens_k=kwargs["cu_seqlens_q"], max_seqlen_k=kwargs["max_seqlen_q"])
+    two = dict(one, cu_seqlens_k=_offsets(rng, 4, one["max_seqlen_q"], q.shape[0]))
+    assert not torch.equal(two["cu_seqlens_k"], one["cu_seqlens_q"])
+    before = len(served)
+    for given in (one, one, two, two):
+        out = function(q, k, v, **given)
+        assert torch.equal(out, ordinary(function, q, k, v, **_same_offsets(given)))
+    assert len(served) - before == 2, "the second call of each kind replays"
 
 
 def test_backward_of_a_copied_gradient_is_not_replayed(rng, unchecked, served):

@@ -153,6 +153,7 @@ def forward(q, k, v, args: AttnArgs, config=None):
         lse = empty((batch, nheads, seqlen_q), torch.float32, q.device)
     if seqlen_q == 0 or batch == 0:
         if args.varlen:
+            replay.not_replayable("an empty packed output is filled")
             out.zero_(), lse.fill_(float("-inf"))
         return out, lse
     if decode_step:

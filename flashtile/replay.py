@@ -146,6 +146,10 @@ class Replay:
         return self.outputs(tensors)
 
 
+# Launch arguments of these types are constants; anything else is checked for a tensor or a descriptor.
+_PLAIN = frozenset((int, float, bool, str, type(None)))
+
+
 def build(recorder: Recorder, inputs: tuple, outputs: tuple) -> Replay | str:
     """A :class:`Replay` of the call ``recorder`` saw, or why it cannot be replayed. ``inputs``: the call's
     tensors (None for absent ones), in the order the replay will be given them; ``outputs``: the tensors
@@ -187,10 +191,16 @@ def build(recorder: Recorder, inputs: tuple, outputs: tuple) -> Replay | str:
         return len(tensors) - 1
 
     recorded = []
+    plain = _PLAIN
     for launch, args in recorder.launches:
         slots, constants = [], []
         for value in args:
-            if isinstance(value, torch.Tensor):
+            kind = value.__class__
+            if kind in plain:
+                # Most arguments are numbers (a launch takes ~70): kept as they are.
+                slots.append((False, len(constants)))
+                constants.append(value)
+            elif kind is torch.Tensor or isinstance(value, torch.Tensor):
                 index = index_of(value)
                 if index is None:
                     return (f"a launch argument of shape {tuple(value.shape)} is neither an input, a buffer nor a "

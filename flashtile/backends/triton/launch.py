@@ -129,8 +129,10 @@ _VARIANT_DYNAMIC = ("softcap", "seed", "offset", "dropout_scale", "ALIBI_SLOPES"
 _FWD_LENGTHS = ("seqlen_q", "seqlen_k", "stride_lse_b", "stride_lse_h") + sum(map(_stride_names, "qkvo"), ())
 _FWD = CachedLaunch(attn_fwd, ("Q", "K", "V", "O", "LSE", "SINK") + _VARIANT_DYNAMIC + _FWD_LENGTHS)
 _PREPROCESS = CachedLaunch(bwd_preprocess, ("O", "DO", "LSE", "DELTA", "LSE2"))
-_DKDV = CachedLaunch(bwd_dkdv, ("Q", "K", "V", "DO", "DK", "DV", "LSE2", "DELTA") + _VARIANT_DYNAMIC)
-_DQ = CachedLaunch(bwd_dq, ("Q", "K", "V", "DO", "DQ", "LSE2", "DELTA", "DBIAS") + _VARIANT_DYNAMIC)
+# The backward takes the (longest) lengths per call as well: packed batches of other lengths reuse its launches.
+_BWD_LENGTHS = ("seqlen_q", "seqlen_k")
+_DKDV = CachedLaunch(bwd_dkdv, ("Q", "K", "V", "DO", "DK", "DV", "LSE2", "DELTA") + _VARIANT_DYNAMIC + _BWD_LENGTHS)
+_DQ = CachedLaunch(bwd_dq, ("Q", "K", "V", "DO", "DQ", "LSE2", "DELTA", "DBIAS") + _VARIANT_DYNAMIC + _BWD_LENGTHS)
 
 
 def forward(q, k, v, args: AttnArgs, config=None):
@@ -357,16 +359,17 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
         if varlen:
             for part in (dk_part, dv_part):
                 _fill_tail(part, args.cu_seqlens_k, 0.0)
-    key = (_layout_key(q, k, v, out, dout, lse, dq_out, dk_part, dv_part), q.device, _args_key(args), cfg,
-           dbias is not None, splits)
+    # Varlen lengths are dynamic arguments; dense ones are in the layouts.
+    key = (_layout_key(q, k, v, out, dout, lse, dq_out, dk_part, dv_part), q.device, _args_key(args, lengths=False),
+           cfg, dbias is not None, splits)
 
     def shared():
-        return dict(stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                    group=nheads // nheads_kv, **_head_dims(head_dim, head_dim_v),
-                    **_strides(varlen, q=q, k=k, v=v, do=dout), **_variant_static(q, args, nheads))
+        return dict(stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h, group=nheads // nheads_kv,
+                    **_head_dims(head_dim, head_dim_v), **_strides(varlen, q=q, k=k, v=v, do=dout),
+                    **_variant_static(q, args, nheads))
 
     tensors = dict(Q=q, K=k, V=v, DO=dout, LSE2=lse2, DELTA=delta, softmax_scale=args.softmax_scale,
-                   **_variant_tensors(q, args))
+                   seqlen_q=seqlen_q, seqlen_k=seqlen_k, **_variant_tensors(q, args))
     with on_device(q):
         # Varlen: the preprocess walks all packed tokens as one sequence of a batch of 1.
         rows = q.shape[0] if varlen else seqlen_q

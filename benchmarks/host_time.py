@@ -8,7 +8,8 @@ host's time. ``--label`` names the run (e.g. the commit) in the JSON.
     python benchmarks/host_time.py --label after -> $OUT (default /tmp)/h200-host-time-<label>.json
 
 The decode rows take a new cache length every call, as transformers' growing cache gives (``measure_decode``);
-the varlen rows pack 4 sequences into 512 tokens (``measure_varlen``). ``--only dense decode varlen`` picks groups.
+the varlen rows pack 4 sequences into 512 tokens (``measure_varlen``), the sink rows carry a bf16 sink
+(``measure_sink``). ``--only dense decode varlen sink`` picks groups.
 """
 import argparse, json, os, subprocess, time
 import torch
@@ -112,6 +113,26 @@ def measure_decode(passes=5, steps=200, heads=32, heads_kv=8):
     return row
 
 
+def measure_sink(batch=1, seqlen=512, heads=32, heads_kv=8):
+    """Calls with a sink in the model's dtype (gpt-oss's, bf16): a no-grad forward, and a forward + backward
+    whose sink requires grad, at ``batch x seqlen``, causal; a decode step (one query over the cache)."""
+    q = torch.randn(batch, seqlen, heads, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, seqlen, heads_kv, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    sink = torch.randn(heads, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn_like(q)
+    qg, kg, vg, sg = (x.clone().requires_grad_() for x in (q, k, v, sink))
+    row = {}
+    with torch.no_grad():
+        row["flashtile fwd with sink, no grad"] = per_call_us(
+            lambda: flashtile.flash_attn_func(q, k, v, causal=True, sink=sink))
+        row["flashtile decode step with sink, no grad"] = per_call_us(
+            lambda: flashtile.flash_attn_func(q[:, -1:], k, v, causal=True, sink=sink))
+    row["flashtile fwd+bwd with sink, sink requires grad"] = per_call_us(
+        lambda: flashtile.flash_attn_func(qg, kg, vg, causal=True, sink=sg).backward(dout), 300)
+    return row
+
+
 def measure_varlen(total=512, count=4, layers=8, steps=30, heads=32, heads_kv=8):
     """Packed sequences (``flash_attn_varlen_func``), causal, as a training loop over a packed batch runs them:
     ``count`` sequences filling ``total`` tokens. Rows: one batch called again and again, and training steps
@@ -162,7 +183,7 @@ def measure_varlen(total=512, count=4, layers=8, steps=30, heads=32, heads_kv=8)
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--label", default="run")
-    groups = ["dense", "decode", "varlen"]
+    groups = ["dense", "decode", "varlen", "sink"]
     parser.add_argument("--only", choices=groups, nargs="*", default=groups)
     opts = parser.parse_args()
     result = {"label": opts.label, "commit": git_commit(), "torch": torch.__version__,
@@ -177,6 +198,10 @@ if __name__ == "__main__":
         row = measure_decode()
         result["rows"]["decode 1x512+"] = row
         print("decode 1x512+", row, flush=True)
+    if "sink" in opts.only:
+        row = measure_sink()
+        result["rows"]["sink 1x512"] = row
+        print("sink 1x512", row, flush=True)
     if "varlen" in opts.only:
         row = measure_varlen()
         result["rows"]["varlen 4 sequences, 512 tokens"] = row

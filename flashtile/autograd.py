@@ -6,7 +6,7 @@ into tensors it is handed, so the packed variants can hand it views of one packe
 of stacking copies. The same Functions serve dense and varlen calls (``args.varlen``).
 
 ``sink`` and ``attn_bias`` are inputs of ``.apply`` (not only fields of ``args``) so that autograd
-returns their gradients: ``dsink`` arrives float32 ``(nheads,)`` and is cast to the sink's dtype;
+returns their gradients: ``dsink`` ``(nheads,)`` is made in the sink's dtype for the backend to fill;
 ``dbias`` arrives float32 ``(batch, nheads, seqlen_q, seqlen_k)`` and is summed down to the bias's
 broadcast shape and cast to its dtype. Each is allocated only when its input requires grad.
 
@@ -115,13 +115,14 @@ def wants_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def with_offsets(inputs: tuple, cu_seqlens_q, cu_seqlens_k, seqused_k) -> tuple:
-    """What a replay of a call is given (:mod:`flashtile.replay`): ``inputs`` and, for packed sequences
-    (``cu_seqlens_q`` not None), the offsets and key counts its kernels read. ``cu_seqlens_k`` is None when it
-    is ``cu_seqlens_q`` (a replay cannot take one tensor twice; the interface's key tells the cases apart)."""
+def replay_inputs(inputs: tuple, sink, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None) -> tuple:
+    """What a replay of a call is given (:mod:`flashtile.replay`): ``inputs``, the sink (None without one)
+    and, for packed sequences (``cu_seqlens_q`` not None), the offsets and key counts its kernels read.
+    ``cu_seqlens_k`` is None when it is ``cu_seqlens_q`` (a replay cannot take one tensor twice; the
+    interface's key tells the cases apart)."""
     if cu_seqlens_q is None:
-        return inputs
-    return (*inputs, cu_seqlens_q, None if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k, seqused_k)
+        return (*inputs, sink)
+    return (*inputs, sink, cu_seqlens_q, None if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k, seqused_k)
 
 
 def run_forward(plan, q, k, v, args):
@@ -137,7 +138,7 @@ def _forward(ctx, plan, inputs, q, k, v, args, sink, attn_bias, kept):
     """The forward of the Function given ``inputs`` (q, k, v as their views); a call whose ``kept`` replays
     fit runs as their launches, and one with ``kept`` and no fitting replay is recorded."""
     ctx.plan, ctx.kept = plan, kept
-    given = with_offsets(inputs, args.cu_seqlens_q, args.cu_seqlens_k, args.seqused_k)
+    given = replay_inputs(inputs, args.sink, args.cu_seqlens_q, args.cu_seqlens_k, args.seqused_k)
     outputs = None if kept is None else replay.replayed(kept.forward, given)
     if outputs is not None:
         (out, lse), ctx.args = outputs, args
@@ -163,7 +164,7 @@ def _gradients(ctx, run, dout, saved: tuple, count: int) -> tuple:
     if dout is None:
         return (None,) * count
     kept, args = ctx.kept, ctx.args
-    inputs = with_offsets((dout, *saved), args.cu_seqlens_q, args.cu_seqlens_k, args.seqused_k)
+    inputs = replay_inputs((dout, *saved), args.sink, args.cu_seqlens_q, args.cu_seqlens_k, args.seqused_k)
     grads = None if kept is None else replay.replayed(kept.backward, inputs)
     if grads is not None:
         record_kernel(ctx.plan.bwd_name)
@@ -179,14 +180,13 @@ def _backward(ctx, dout, q, k, v, out, lse, dq, dk, dv, sink_index: int, bias_in
     args, plan = ctx.args, ctx.plan
     dsink = dbias = None
     if ctx.needs_input_grad[sink_index]:
-        dsink = empty((args.sink.shape[0],), torch.float32, q.device)
+        # Summed in float32 and stored in the sink's dtype by the backend.
+        dsink = empty((args.sink.shape[0],), ctx.sink_dtype, q.device)
     if ctx.needs_input_grad[bias_index]:
         dbias = empty(tuple(args.attn_bias.shape), torch.float32, q.device)  # contiguous, as the contract asks
     record_kernel(plan.bwd_name)
     with profiled(plan.bwd_name):
         get_backend(plan.backend).backward(dout, q, k, v, out, lse, args, dq, dk, dv, dsink, dbias)
-    if dsink is not None:
-        dsink = dsink.to(ctx.sink_dtype)
     if dbias is not None:
         dbias = dbias.sum_to_size(ctx.bias_shape).to(ctx.bias_dtype)
     return dsink, dbias

@@ -19,7 +19,7 @@ import torch
 
 from . import ops, replay, validation
 from .autograd import (FlashAttnFunc, FlashAttnKVPackedFunc, FlashAttnQKVPackedFunc, run_forward, wants_grad,
-                       with_offsets)
+                       replay_inputs)
 from .backends import AttentionCall
 from .dispatch import dispatch, merge_call, recall, record_choice, remember, state_key
 
@@ -287,13 +287,16 @@ def _attention(function, inputs, qkv, options, sink, attn_bias, return_attn_prob
             planned = chosen.call.seqlen_k == k.shape[1]
         if planned and kept.forward and not wants_grad(*inputs):
             # A call like an earlier one: its launches again (fastest), when the layouts are the same.
-            given = with_offsets(inputs, options.get("cu_seqlens_q"), options.get("cu_seqlens_k"),
-                                 options.get("seqused_k"))
+            given = replay_inputs(inputs, sink, options.get("cu_seqlens_q"), options.get("cu_seqlens_k"),
+                                  options.get("seqused_k"))
             outputs = replay.replayed(kept.forward, given)
             if outputs is not None:
                 record_choice(chosen)
                 out, lse = outputs
                 return (out, lse, None) if return_attn_probs else out
+        if sink is not None:
+            # This call's sink, checked as the first call's was (the key holds its layout).
+            args = replace(args, sink=validation.check_sink(sink, q.shape[-2], q.device))
         if args.varlen:
             # The offsets are this call's.
             args = replace(args, cu_seqlens_q=options["cu_seqlens_q"], cu_seqlens_k=options["cu_seqlens_k"],
@@ -326,8 +329,8 @@ def _attention(function, inputs, qkv, options, sink, attn_bias, return_attn_prob
         out, lse = function.apply(*inputs, sink, attn_bias, args, chosen, kept)
     elif kept is not None:
         (out, lse, _), kept.forward = replay.record(lambda: run_forward(chosen, q, k, v, args),
-                                                    with_offsets(inputs, args.cu_seqlens_q, args.cu_seqlens_k,
-                                                                 args.seqused_k), kept.forward)
+                                                    replay_inputs(inputs, args.sink, args.cu_seqlens_q,
+                                                                  args.cu_seqlens_k, args.seqused_k), kept.forward)
     else:
         out, lse, _ = run_forward(chosen, q, k, v, args)
     return (out, lse, None) if return_attn_probs else out
@@ -342,11 +345,14 @@ def _plain_window(window) -> bool:
 
 
 def _signature(function, qkv, options, sink, attn_bias):
-    """What validation reads of a call without sink, bias or ALiBi, as a key (with the options' types, so
-    that ``softcap=False`` does not pass for ``softcap=0``); None for other calls. The number of keys is
-    left out (only whether k and v agree on it): the plan made for one is redone for another. Packed
-    sequences: see :func:`_varlen_signature`."""
-    if sink is not None or attn_bias is not None or options["alibi_slopes"] is not None:
+    """What validation reads of a call without bias or ALiBi, as a key (with the options' types, so that
+    ``softcap=False`` does not pass for ``softcap=0``, and the sink's layout); None for other calls. The
+    number of keys is left out (only whether k and v agree on it): the plan made for one is redone for
+    another. Packed sequences: see :func:`_varlen_signature`."""
+    if attn_bias is not None or options["alibi_slopes"] is not None:
+        return None
+    sink_layout = _layouts((sink,), strides=True)
+    if sink_layout is None:
         return None
     window = options["window_size"]
     if not _plain_window(window):
@@ -358,7 +364,8 @@ def _signature(function, qkv, options, sink, attn_bias):
     if not _SCALARS.issuperset(types) or not all(isinstance(t, torch.Tensor) and t.dim() == 4 - varlen
                                                  for t in qkv):
         return None
-    common = (function, window, scalars, types, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, state_key())
+    common = (function, window, scalars, types, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, sink_layout,
+              state_key())
     if varlen:
         return _varlen_signature(qkv, options, common)
     return (*common, q.shape, k.shape[0], k.shape[2:], v.shape[0], v.shape[2:], k.shape[1] == v.shape[1])

@@ -164,12 +164,13 @@ def check_alibi_slopes(alibi_slopes, batch: int, nheads: int, device) -> torch.T
 
 
 def check_sink(sink, nheads: int, device) -> torch.Tensor:
-    """``(nheads,)`` float16/bfloat16/float32; returned as a contiguous float32 copy for the backend."""
+    """``(nheads,)`` float16/bfloat16/float32; returned detached and contiguous, in its dtype (the kernels
+    read it as float32)."""
     expected = f"(nheads,) = ({nheads},), one logit per query head"
     _check_small_tensor("sink", sink, device, SUPPORTED_DTYPES, expected)
     if tuple(sink.shape) != (nheads,):
         raise ValueError(f"sink must have shape {expected}, got {tuple(sink.shape)}")
-    return sink.detach().to(torch.float32).contiguous()
+    return sink.detach().contiguous()
 
 
 def check_attn_bias(attn_bias, shape: tuple, device) -> torch.Tensor:

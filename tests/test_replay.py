@@ -375,6 +375,47 @@ def test_varlen_longest_length_change_is_planned_again(rng, unchecked, served):
     assert len(served) - before == 2, "the second call of each kind replays"
 
 
+@pytest.mark.parametrize("sink_dtype", [torch.float32, torch.float16], ids=["sink_fp32", "sink_fp16"])
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "varlen"])
+def test_sink_steps_replay(rng, unchecked, served, sink_dtype, packed):
+    """Calls with a sink (gpt-oss keeps it in the model's dtype): no-grad calls, then training steps whose
+    sink requires grad (its gradient summed by a kernel), replay after the first; equal to the ordinary path."""
+    def step(grad):
+        if packed:
+            function, tensors, kwargs = _varlen_call(rng, "separate", grad=grad, causal=True)
+        else:
+            function, kwargs = flash_attn_func, dict(causal=True, window_size=(17, 0))
+            tensors = tuple(randn(rng, *shape) for shape in ((2, 33, 4, 32), (2, 40, 2, 32), (2, 40, 2, 32)))
+            tensors = tuple(t.requires_grad_() for t in tensors) if grad else tensors
+        sink = randn(rng, 4, dtype=sink_dtype)
+        return function, (*tensors, sink.requires_grad_() if grad else sink), kwargs
+
+    def call(function, tensors, **kwargs):
+        *qkv, sink = tensors
+        return function(*qkv, sink=sink, **kwargs)
+
+    for step_index in range(3):
+        function, tensors, kwargs = step(grad=False)
+        out = call(function, tensors, **kwargs)
+        copies = tuple(t.clone() for t in tensors)
+        assert torch.equal(out, ordinary(call, function, copies, **_same_offsets(kwargs)))
+        assert len(served) == step_index
+    dispatch.forget_plans()
+    for step_index in range(3):
+        function, tensors, kwargs = step(grad=True)
+        dout = randn(rng, *ordinary(call, function, tuple(t.detach() for t in tensors), **kwargs).shape)
+        before = len(served)
+        out = call(function, tensors, **kwargs)
+        got = (out, *torch.autograd.grad(out, tensors, dout))
+        assert len(served) - before == (2 if step_index else 0), f"step {step_index}: forward and backward replayed"
+        copies = tuple(t.detach().clone().requires_grad_() for t in tensors)
+        out = ordinary(call, function, copies, **_same_offsets(kwargs))
+        expected = (out, *torch.autograd.grad(out, copies, dout))
+        assert got[-1].dtype == sink_dtype
+        for name, ours, theirs in zip(("out", "dq", "dk", "dv", "dsink"), got, expected):
+            assert torch.equal(ours, theirs), f"step {step_index}: {name} differs from the ordinary call"
+
+
 def test_backward_of_a_copied_gradient_is_not_replayed(rng, unchecked, served):
     """``out.sum().backward()`` hands the backward an expanded gradient (stride 0), copied on the way to
     the kernels: the forward replays, the backward does not, and the gradients are right."""

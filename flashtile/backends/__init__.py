@@ -25,9 +25,10 @@ A backend is two modules: a light one that can always be imported (``supports``,
 ``backward(dout, q, k, v, out, lse, args, dq, dk, dv, dsink, dbias) -> None``
     Writes the gradients into ``dq``, ``dk``, ``dv`` (same shapes as q, k, v; possibly strided
     views of one packed tensor). dK/dV of a KV head sum over its query-head group. ``dsink``
-    is None or a float32 ``(nheads,)`` tensor to fill; ``dbias`` is None or a contiguous float32
-    ``(batch, nheads, seqlen_q, seqlen_k)`` tensor to fill with dL/d(score) (the autograd layer
-    sums it down to the bias's broadcast shape). Every backend is deterministic: no atomics.
+    is None or a ``(nheads,)`` tensor to fill (summed in float32, stored in its dtype); ``dbias`` is
+    None or a contiguous float32 ``(batch, nheads, seqlen_q, seqlen_k)`` tensor to fill with
+    dL/d(score) (the autograd layer sums it down to the bias's broadcast shape). Every backend is
+    deterministic: no atomics.
 
 KV-cache attention (``flashtile.flash_attn_with_kvcache``), for backends whose FEATURES hold
 ``"kvcache"`` (and ``"paged"`` for block tables); ``args`` is a :class:`KVCacheArgs`:
@@ -91,7 +92,8 @@ class AttnArgs:
     softcap: float = 0.0
     # float32 (batch, nheads); a (nheads,) input arrives expanded (batch stride 0).
     alibi_slopes: Optional[torch.Tensor] = None
-    # float32 (nheads,): one extra logit per query head in each row's softmax denominator.
+    # (nheads,), contiguous, in any of the inputs' dtypes: one extra logit per query head in each row's
+    # softmax denominator (read as float32).
     sink: Optional[torch.Tensor] = None
     # (batch, nheads, seqlen_q, seqlen_k) view (broadcast dims have stride 0); float: added to
     # the scores, bool: True = keep. Dense calls only.

@@ -23,7 +23,7 @@ from .configs import (bwd_config, bwd_plan, fixed_row_max, fwd_config, gluon_fwd
 from .decode import append_kv, merge_states  # noqa: F401
 from .fastlaunch import CachedLaunch
 from .host import bsh_strides, cdiv, fast_tanh, fork, input_precision, lse_strides, on_device, unit_stride
-from .kernels.bwd import bwd_dkdv, bwd_dq, bwd_preprocess, bwd_sum_parts
+from .kernels.bwd import bwd_dkdv, bwd_dq, bwd_preprocess, bwd_sink_grad, bwd_sum_parts
 from .kernels.common import LOG2E as _LOG2E
 from .kernels.fwd import attn_fwd
 from .kernels.fwd_sm90 import attn_fwd_sm90
@@ -380,8 +380,7 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
                                  HEAD_DIM_ACTUAL=head_dim_v, HEAD_DIM=padded_head_dim(head_dim_v),
                                  BLOCK_M=_PREPROCESS_BLOCK_M))
         if dsink is not None:
-            replay.not_replayable("the sink gradient is reduced by torch")
-            dsink.copy_(_sink_grad(args.sink, lse, delta, varlen))
+            _sink_grad(args.sink, lse, delta, dsink, batch, varlen)
         # An under-filled GPU runs the dK/dV and dQ kernels side by side.
         with fork(q, alongside) as side:
             _DKDV(key, (cdiv(seqlen_k, cfg.dkdv.BLOCK_N), nheads_kv * splits, batch),
@@ -408,6 +407,7 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
 
 
 _SUM_BLOCK_M = 64
+_SINK_BLOCK_M = 1024
 _SUM_PARTS = CachedLaunch(bwd_sum_parts, ("PART", "OUT"))
 
 
@@ -445,11 +445,14 @@ def _fill_tail(x: torch.Tensor, cu_seqlens: torch.Tensor, value: float, lse: tor
                                 BLOCK_H=triton.next_power_of_2(nheads), HAS_LSE=lse is not None))
 
 
-def _sink_grad(sink, lse, delta, varlen: bool) -> torch.Tensor:
-    """``dsink[h] = -sum over rows of exp(sink[h] - lse) * delta``: the sink's softmax share times
-    the row's delta (the sink has no value, so its dP is 0)."""
-    share = torch.exp(sink[:, None] - lse) if varlen else torch.exp(sink[None, :, None] - lse)
-    # Rows outside every sequence have lse = -inf and no gradient.
-    share = torch.where(lse == float("-inf"), 0.0, share)
-    dims = (1,) if varlen else (0, 2)
-    return -(share * delta).sum(dim=dims)
+_SINK_GRAD = CachedLaunch(bwd_sink_grad, ("SINK", "LSE", "DELTA", "DSINK"))
+
+
+def _sink_grad(sink, lse, delta, dsink, batch: int, varlen: bool) -> None:
+    """``dsink`` (its dtype) = the sink's gradient from the forward's ``lse`` and the backward's ``delta``."""
+    stride_lse_b, stride_lse_h = lse_strides(lse, varlen)
+    batch, rows = (1, lse.shape[1]) if varlen else (batch, lse.shape[2])
+    _SINK_GRAD((lse.shape, lse.stride(), lse.device, sink.dtype, dsink.dtype, varlen), (sink.shape[0],),
+               dict(SINK=sink, LSE=lse, DELTA=delta, DSINK=dsink),
+               lambda: dict(batch=batch, rows=rows, stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h,
+                            BLOCK_M=_SINK_BLOCK_M))

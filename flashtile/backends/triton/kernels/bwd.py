@@ -1,14 +1,15 @@
 """FlashAttention-2 backward, recomputing P tile by tile from Q, K and the saved LSE.
 
-Three kernels, and a fourth for split key blocks, with no atomics (so gradients are bit-identical run
-to run):
+Three kernels, a fourth for split key blocks and a fifth for the sink's gradient, with no atomics (so
+gradients are bit-identical run to run):
   * ``bwd_preprocess``: ``delta = rowsum(dO * O)`` and the LSE moved to the exp2 domain;
   * ``bwd_dkdv``: one program per key block; it walks the query blocks of every query
     head in its GQA group, so dK/dV are the group sums without atomics. When that leaves the
     GPU under-filled (few KV heads, short batches), ``split`` programs share a key block's query
     rows, each storing float32 partial sums that ``bwd_sum_parts`` adds up in a fixed order;
   * ``bwd_dq``: one program per query block, walking the key blocks like the forward; it
-    also writes dS for the bias gradient, each element exactly once.
+    also writes dS for the bias gradient, each element exactly once;
+  * ``bwd_sink_grad``: one program per head sums its rows' share of the sink.
 With ``dS = P * (dP - delta)``: ``dV = P^T dO``, ``dK = scale * dS^T Q``, ``dQ = scale * dS K``.
 Softcap multiplies dS by ``1 - tanh^2`` on its way to dQ and dK; dropout scales dP and P by
 the kept mask over ``1 - p`` (regenerated from the same counters as the forward).
@@ -44,6 +45,26 @@ def bwd_preprocess(O, DO, LSE, DELTA, LSE2,
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
     tl.store(DELTA + row, delta, mask=offs_m < seqlen_q)
     tl.store(LSE2 + row, lse2, mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def bwd_sink_grad(SINK, LSE, DELTA, DSINK, batch, rows, stride_lse_b, stride_lse_h, BLOCK_M: tl.constexpr):
+    """``DSINK[h] = -sum over rows of exp(sink[h] - lse) * delta``: the sink's share of each row's softmax
+    times the row's delta (the sink has no value, so its dP is 0). One program per head, adding its rows in
+    a fixed order; a row that saw nothing (lse ``-inf``, rows past the last packed sequence) adds 0."""
+    off_h = tl.program_id(0)
+    sink = tl.load(SINK + off_h).to(tl.float32)
+    stride_lse_b = tl.cast(stride_lse_b, tl.int64)
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for off_b in range(batch):
+        base = off_b * stride_lse_b + off_h * stride_lse_h
+        for start in range(0, rows, BLOCK_M):
+            offs = start + tl.arange(0, BLOCK_M)
+            lse = tl.load(LSE + base + offs, mask=offs < rows, other=float("-inf"))
+            delta = tl.load(DELTA + base + offs, mask=offs < rows, other=0.0)
+            share = tl.where(lse == float("-inf"), 0.0, tl.exp(sink - lse))
+            total += share * delta
+    tl.store(DSINK + off_h, (-tl.sum(total, axis=0)).to(DSINK.dtype.element_ty))
 
 
 @triton.jit

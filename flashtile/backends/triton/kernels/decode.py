@@ -231,7 +231,7 @@ def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 
 
     if HAS_SINK:
         # The sink joins the softmax once: in split 0 (the combine carries it into the others).
-        sink2 = tl.load(SINK + heads) * LOG2E
+        sink2 = tl.load(SINK + heads).to(tl.float32) * LOG2E
         m_i = tl.where(split == 0, sink2, float("-inf"))
         l_i = tl.where(split == 0, 1.0, 0.0) + tl.zeros([BLOCK_M], dtype=tl.float32)
     else:

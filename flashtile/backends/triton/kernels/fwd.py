@@ -104,7 +104,7 @@ def attn_fwd(Q, K, V, O, LSE, softmax_scale, softcap, window_left, window_right,
 
     if HAS_SINK:
         # The sink is one more logit in every row's softmax, with no value: start the row there.
-        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(SINK + off_h) * LOG2E
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(SINK + off_h).to(tl.float32) * LOG2E
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)

@@ -288,7 +288,7 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, qk_s
     offs_n = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     if HAS_SINK:
         # The sink is one more logit in every row's softmax, with no value: start the row there.
-        m_i = gl.full([BLOCK_M], 0.0, gl.float32, rows_s) + gl.load(SINK + off_h) * LOG2E
+        m_i = gl.full([BLOCK_M], 0.0, gl.float32, rows_s) + gl.load(SINK + off_h).to(gl.float32) * LOG2E
         l_i = gl.full([BLOCK_M], 1.0, gl.float32, rows_s)
     else:
         # With FIXED_MAX, row_max stands in for every row's max from the start (see fixed_row_max).

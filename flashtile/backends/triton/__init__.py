@@ -10,7 +10,7 @@ import torch
 from ... import env
 from .. import AttentionCall, missing_features
 from .configs import (MAX_GRID_Y, capability, bwd_config, bwd_plan, decode_plan,
-                      dense_takes_decode, fwd_config, gluon_fwd_config, gluon_kv_config)
+                      dense_takes_decode, fwd_config, gluon_fwd_config, gluon_kv_config, row_keys)
 
 FEATURES = frozenset({"dropout", "window", "softcap", "alibi", "sink", "bias", "varlen", "headdim_v", "kvcache",
                       "paged", "merge"})
@@ -81,7 +81,8 @@ def describe(call: AttentionCall):
     mask = "causal" if call.causal else "full"
     # Features change the kernel that runs (each is a compile-time switch): name them.
     extras = "".join(f" {name}" for name, _ in call.features)
-    bwd = bwd_config(headdim, call.dtype, call.device, call.headdim_v)
+    bwd = bwd_config(headdim, call.dtype, call.device, call.headdim_v, row_keys(call.seqlen_k, left, right),
+                     not {"alibi", "bias", "dropout"} & call.feature_names)
     # On an under-filled GPU: key blocks split among several dK/dV programs (parts=N), and the dQ kernel
     # alongside on a second stream (dq=...+stream; on the GPU only: the CPU has no streams).
     parts, alongside = bwd_plan(call.batch, call.nheads, call.nheads_kv, call.seqlen_q, call.seqlen_k,

@@ -52,7 +52,8 @@ def _bwd(m1, n1, w1, s1, m2, n2, w2, s2) -> BwdConfig:
 #     on 128x128 w8 s3 leads (457 vs 421 at 8k, 496 vs 458 at 16k, 519 vs 467 at 32k). A window
 #     (1024, 0) at 16k rows stays short: 64x64 0.349 ms, 128x128 0.420.
 #   fwd d=64 causal: 128x64 w8 s4 >= s3 at every length (387 / 397 / 416 / 428 vs 373 / 395 / 416 / 420).
-#   backward d=128: no other pair of 11 leads at more than one length (within 3%), so it stays.
+#   backward d=128: no other pair of 11 leads at more than one length (within 3%), so it stays (rows of
+#   4096+ keys now take a 64x128 dK/dV tile, below).
 # d=16/32 reuse the d=64 rows and d=256 the smallest tiles that fit shared memory (not swept).
 LONG_KEYS = 8192
 _FWD_SM90 = {
@@ -94,6 +95,20 @@ _BWD_SM90 = {
     256: _bwd(64, 32, 4, 2, 128, 64, 8, 1),
 }
 _BWD_SM90_V128 = {256: _bwd(64, 32, 4, 2, 128, 64, 8, 2)}
+# Hopper d=128, rows of at least LONG_BWD_KEYS keys: a dK/dV program owns 128 keys (a warpgroup each 64)
+# and walks 64 queries a step, so each Q and dO tile loaded serves twice the keys. It spilled (38-192 B)
+# until the dK/dV loop stopped carrying pointer tiles (2026-11-22). H200, bf16, whole backward TFLOP/s,
+# 32x64 w4 s3 -> 64x128 w8 s3, two rounds (python benchmarks/bwd_dkdv_tiles.py,
+# results/h200-bwd-dkdv-tiles-2026-11-22.json; Flex in brackets): 1 x 16384 16/16 full 394-396 -> 408-414
+# (416), causal 392-405 -> 405-411 (388); 32/8 full 386-393 -> 419-421 (416), causal 382-387 -> 405-406
+# (389); 2 x 8192 32/8 causal 345-363 -> 362-372 (366); 4 x 4096 16/16 ties (392-399, Flex 399); few KV
+# heads (split key blocks) tie or gain. Shorter rows and narrow windows keep 32x64: 16 x 512 32/8 causal
+# 176 -> 163, 4 x 1024 206 -> 195, window (1024, 0) at 1 x 16384 301 -> 284-287, at 4 x 4096 32/8 288-297
+# -> 269-271; 1 x 2048 ties. ALiBi keeps 32x64: on 64x128 its full rows took 1.26-1.28x plain's time
+# (4 x 4096, 2 x 8192; results/h200-variants-window-mods-2026-11-22-wide.json), while softcap stayed at
+# 1.12-1.13x. A bias tile or dropout's counters keep 32x64 too (not measured).
+LONG_BWD_KEYS = 4096
+_BWD_SM90_LONG = {128: _bwd(64, 128, 8, 3, 128, 64, 8, 3)}
 # Ampere (sm_80/86/89), 16-bit inputs: smaller shared memory than Hopper, so shallower pipelines.
 # Not measured yet on an Ampere GPU: conservative tiles that fit its 164 KB of shared memory.
 _FWD_SM80 = {
@@ -384,8 +399,11 @@ def bwd_plan(batch: int, nheads: int, nheads_kv: int, seqlen_q: int, seqlen_k: i
                        batch * nheads * seqlen_q * mean_row_keys(seqlen_k, *window), device)
 
 
-def bwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, head_dim_v: int = 0) -> BwdConfig:
-    """Backward tiles; head dims as in :func:`fwd_config`."""
+def bwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, head_dim_v: int = 0, row_keys: int = 0,
+               wide: bool = True) -> BwdConfig:
+    """Backward tiles; head dims as in :func:`fwd_config`. ``row_keys``: the most keys a query row sees
+    (:func:`row_keys`); ``wide``: whether the call may take the long rows' dK/dV tile (no ALiBi, bias or
+    dropout)."""
     if device.type != "cuda":
         return _BWD_INTERPRET
     if dtype == torch.float32:
@@ -395,6 +413,8 @@ def bwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, head_dim
         return _BWD_SM80[padded]
     if _narrow_values(head_dim, head_dim_v) and padded in _BWD_SM90_V128:
         return _BWD_SM90_V128[padded]
+    if wide and row_keys >= LONG_BWD_KEYS and padded in _BWD_SM90_LONG:
+        return _BWD_SM90_LONG[padded]
     return _BWD_SM90[padded]
 
 

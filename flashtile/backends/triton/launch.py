@@ -17,7 +17,7 @@ from ...rng import keep_threshold
 from .. import AttnArgs, KVCacheArgs, present_features
 from . import configs, decode
 from .configs import (bwd_config, bwd_plan, fixed_row_max, fwd_config, gluon_fwd_config, gluon_kv_config,
-                      gluon_ring, padded_head_dim)
+                      gluon_ring, padded_head_dim, row_keys)
 # The KV-cache part of the backend contract lives in decode.py (attention_kv below picks between it and
 # the Gluon forward); the dispatcher finds it here.
 from .decode import append_kv, merge_states  # noqa: F401
@@ -343,7 +343,9 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
         # Tokens past the last sequence get gradient 0 (the kernels zero keys past seqused_k).
         for grad, cu in ((dq_out, args.cu_seqlens_q), (dk_out, args.cu_seqlens_k), (dv_out, args.cu_seqlens_k)):
             _fill_tail(grad, cu, 0.0)
-    cfg = config or bwd_config(max(head_dim, head_dim_v), q.dtype, q.device, head_dim_v)
+    cfg = config or bwd_config(max(head_dim, head_dim_v), q.dtype, q.device, head_dim_v,
+                               row_keys(seqlen_k, args.window_left, args.window_right),
+                               args.attn_bias is None and args.dropout_p == 0 and args.alibi_slopes is None)
     varlen = args.varlen
     delta = empty_like(lse)
     lse2 = empty_like(lse)

@@ -90,7 +90,7 @@ def bwd_sum_parts(PART, OUT, seqlen, stride_pb, stride_pm, stride_ph, stride_ob,
 
 
 @triton.jit
-def _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptr, delta_ptr, stride_qm, stride_dom,
+def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_ptr, delta_ptr, stride_qm, stride_dom,
                     start_n, offs_n, offs_dk, offs_dv, lo, hi, seqlen_q, seqlen_k, qk_scale, softcap2, slope2,
                     bias_base, stride_bm, stride_bn, window_left, window_right,
                     seed, offset, bh, threshold, dropout_scale,
@@ -100,12 +100,13 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptr, delta_ptr, stride_q
                     SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ALIBI: tl.constexpr, BIAS: tl.constexpr,
                     DROPOUT: tl.constexpr, EVEN_M: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     offs_m = lo + tl.arange(0, BLOCK_M)
-    q_ptrs += lo * stride_qm
-    do_ptrs += lo * stride_dom
     # Only masked runs can reach past seqlen_q (see q_block_range): the unmasked run loads whole blocks.
     CHECK_ROWS: tl.constexpr = MASK and not EVEN_M
     for _ in range(lo, hi, BLOCK_M):
-        q = load_tile(q_ptrs, offs_m, seqlen_q, offs_dk, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, CHECK_ROWS)
+        # Pointers made from the row offsets each step: two pointer tiles carried through the loop would
+        # take a register per element and spill.
+        q = load_tile(tile_ptrs(q_base, offs_m, stride_qm, offs_dk), offs_m, seqlen_q, offs_dk, HEAD_DIM_QK_ACTUAL,
+                      HEAD_DIM_QK, CHECK_ROWS)
         # Rows past seqlen_q read lse = +inf, so their P is 0 and they add nothing.
         if not CHECK_ROWS:
             lse2 = tl.load(lse2_ptr + offs_m)
@@ -119,7 +120,8 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptr, delta_ptr, stride_q
                           slope2, bias_base, stride_bm, stride_bn, window_left, window_right,
                           MASK, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, BIAS)
         p_t = tl.math.exp2(s_t - lse2[None, :])
-        do = load_tile(do_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V_ACTUAL, HEAD_DIM_V, CHECK_ROWS)
+        do = load_tile(tile_ptrs(do_base, offs_m, stride_dom, offs_dv), offs_m, seqlen_q, offs_dv, HEAD_DIM_V_ACTUAL,
+                       HEAD_DIM_V, CHECK_ROWS)
         dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
         if DROPOUT:
             # The output saw P * keep / (1 - p): dV and dP see the same mask and scale.
@@ -134,8 +136,6 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptr, delta_ptr, stride_q
             ds_t = ds_t * (1.0 - t_t * t_t)
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
         offs_m += BLOCK_M
-        q_ptrs += BLOCK_M * stride_qm
-        do_ptrs += BLOCK_M * stride_dom
     return dk, dv
 
 
@@ -182,20 +182,19 @@ def bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, softmax_scale, softcap, window_le
         return
 
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
     offs_dk = tl.arange(0, HEAD_DIM_QK)
     offs_dv = tl.arange(0, HEAD_DIM_V)
-    dk_ptrs = tile_ptrs(head_base(DK, off_b, off_part, k_start, stride_dkb, stride_dkn, stride_dkh), offs_n,
-                        stride_dkn, offs_dk)
-    dv_ptrs = tile_ptrs(head_base(DV, off_b, off_part, k_start, stride_dvb, stride_dvn, stride_dvh), offs_n,
-                        stride_dvn, offs_dv)
+    # Pointer tiles are made where they are used: held across the loops they would take registers the
+    # loops need.
+    dk_base = head_base(DK, off_b, off_part, k_start, stride_dkb, stride_dkn, stride_dkh)
+    dv_base = head_base(DV, off_b, off_part, k_start, stride_dvb, stride_dvn, stride_dvh)
     if HAS_SEQUSED:
         if start_n * BLOCK_N >= seqlen_k:
             # Unused keys: nothing to accumulate.
-            store_tile(dk_ptrs, tl.zeros([BLOCK_N, HEAD_DIM_QK], dtype=DK.dtype.element_ty), offs_n, stored_k, offs_dk,
-                       HEAD_DIM_QK_ACTUAL)
-            store_tile(dv_ptrs, tl.zeros([BLOCK_N, HEAD_DIM_V], dtype=DV.dtype.element_ty), offs_n, stored_k, offs_dv,
-                       HEAD_DIM_V_ACTUAL)
+            store_tile(tile_ptrs(dk_base, offs_n, stride_dkn, offs_dk), tl.zeros([BLOCK_N, HEAD_DIM_QK],
+                       dtype=DK.dtype.element_ty), offs_n, stored_k, offs_dk, HEAD_DIM_QK_ACTUAL)
+            store_tile(tile_ptrs(dv_base, offs_n, stride_dvn, offs_dv), tl.zeros([BLOCK_N, HEAD_DIM_V],
+                       dtype=DV.dtype.element_ty), offs_n, stored_k, offs_dv, HEAD_DIM_V_ACTUAL)
             return
     k = load_tile(tile_ptrs(head_base(K, off_b, off_hk, k_start, stride_kb, stride_kn, stride_kh), offs_n, stride_kn,
                             offs_dk), offs_n, seqlen_k, offs_dk, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, True)
@@ -211,10 +210,8 @@ def bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, softmax_scale, softcap, window_le
     # Sum over the query heads that share this KV head (GQA), in a fixed order.
     for g in range(group):
         off_h = off_hk * group + g
-        q_ptrs = tile_ptrs(head_base(Q, off_b, off_h, q_start, stride_qb, stride_qm, stride_qh), offs_m, stride_qm,
-                           offs_dk)
-        do_ptrs = tile_ptrs(head_base(DO, off_b, off_h, q_start, stride_dob, stride_dom, stride_doh), offs_m,
-                            stride_dom, offs_dv)
+        q_base = head_base(Q, off_b, off_h, q_start, stride_qb, stride_qm, stride_qh)
+        do_base = head_base(DO, off_b, off_h, q_start, stride_dob, stride_dom, stride_doh)
         row = off_b * stride_lse_b + off_h * stride_lse_h + q_start
         slope2, bias_base, bh = head_terms(off_b, off_h, nheads, ALIBI_SLOPES, stride_alibi_b, BIAS_PTR,
                                            stride_bb, stride_bh, ALIBI)
@@ -226,7 +223,7 @@ def bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, softmax_scale, softcap, window_le
             # last query block: leave them out.
             if (run != 0 or MASK_RIGHT) and (run != 2 or MASK_LEFT or not EVEN_M):
                 dk, dv = _bwd_dkdv_inner(
-                    dk, dv, k, v, q_ptrs, do_ptrs, LSE2 + row, DELTA + row, stride_qm, stride_dom,
+                    dk, dv, k, v, q_base, do_base, LSE2 + row, DELTA + row, stride_qm, stride_dom,
                     start_n * BLOCK_N, offs_n, offs_dk, offs_dv, run_lo, run_hi, seqlen_q, seqlen_k, qk_scale, softcap * LOG2E, slope2,
                     bias_base, stride_bm, stride_bn, window_left, window_right,
                     seed, offset, bh, threshold, dropout_scale,
@@ -238,8 +235,10 @@ def bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, softmax_scale, softcap, window_le
         # Unmasked runs do not check the key bound: rows past seqused_k are set to 0 here.
         dk = tl.where(offs_n[:, None] < seqlen_k, dk, 0.0)
         dv = tl.where(offs_n[:, None] < seqlen_k, dv, 0.0)
-    store_tile(dk_ptrs, dk.to(DK.dtype.element_ty), offs_n, stored_k, offs_dk, HEAD_DIM_QK_ACTUAL)
-    store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, stored_k, offs_dv, HEAD_DIM_V_ACTUAL)
+    store_tile(tile_ptrs(dk_base, offs_n, stride_dkn, offs_dk), dk.to(DK.dtype.element_ty), offs_n, stored_k, offs_dk,
+               HEAD_DIM_QK_ACTUAL)
+    store_tile(tile_ptrs(dv_base, offs_n, stride_dvn, offs_dv), dv.to(DV.dtype.element_ty), offs_n, stored_k, offs_dv,
+               HEAD_DIM_V_ACTUAL)
 
 
 @triton.jit

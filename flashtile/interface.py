@@ -285,7 +285,7 @@ def _attention(function, inputs, qkv, options, sink, attn_bias, return_attn_prob
             planned = (chosen.call.seqlen_q, chosen.call.seqlen_k) == (options["max_seqlen_q"], options["max_seqlen_k"])
         else:
             planned = chosen.call.seqlen_k == k.shape[1]
-        if planned and kept.forward and not wants_grad(*inputs):
+        if planned and kept.forward and not wants_grad(*inputs, sink):
             # A call like an earlier one: its launches again (fastest), when the layouts are the same.
             given = replay_inputs(inputs, sink, options.get("cu_seqlens_q"), options.get("cu_seqlens_k"),
                                   options.get("seqused_k"))

@@ -416,6 +416,20 @@ def test_sink_steps_replay(rng, unchecked, served, sink_dtype, packed):
             assert torch.equal(ours, theirs), f"step {step_index}: {name} differs from the ordinary call"
 
 
+def test_sink_alone_requiring_grad_is_not_served_a_no_grad_replay(rng, unchecked, served):
+    """Only the sink requires grad (a frozen model with learnable sinks): each call builds the graph, so its
+    gradient reaches the sink on every call, not only on the first."""
+    q, k, v = (randn(rng, 1, 30, 4, 32) for _ in range(3))
+    for step in range(3):
+        sink = randn(rng, 4, dtype=torch.float32).requires_grad_()
+        out = flash_attn_func(q, k, v, sink=sink, causal=True)
+        assert out.requires_grad, f"step {step}: the output has no graph to the sink"
+        (grad,) = torch.autograd.grad(out, sink, torch.ones_like(out))
+        copy = sink.detach().clone().requires_grad_()
+        expected = ordinary(flash_attn_func, q, k, v, sink=copy, causal=True)
+        assert torch.equal(grad, torch.autograd.grad(expected, copy, torch.ones_like(expected))[0])
+
+
 def test_backward_of_a_copied_gradient_is_not_replayed(rng, unchecked, served):
     """``out.sum().backward()`` hands the backward an expanded gradient (stride 0), copied on the way to
     the kernels: the forward replays, the backward does not, and the gradients are right."""

@@ -125,6 +125,11 @@ def replay_inputs(inputs: tuple, sink, cu_seqlens_q=None, cu_seqlens_k=None, seq
     return (*inputs, sink, cu_seqlens_q, None if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k, seqused_k)
 
 
+def replay_inputs_of(inputs: tuple, args) -> tuple:
+    """:func:`replay_inputs` with the sink and offsets of validated ``args``."""
+    return replay_inputs(inputs, args.sink, args.cu_seqlens_q, args.cu_seqlens_k, args.seqused_k)
+
+
 def run_forward(plan, q, k, v, args):
     """The backend's forward alone: ``(out, lse, args)``, ``args`` with its dropout counters drawn.
     Calls that need no gradient run it without an autograd Function (which costs host time)."""
@@ -138,7 +143,7 @@ def _forward(ctx, plan, inputs, q, k, v, args, sink, attn_bias, kept):
     """The forward of the Function given ``inputs`` (q, k, v as their views); a call whose ``kept`` replays
     fit runs as their launches, and one with ``kept`` and no fitting replay is recorded."""
     ctx.plan, ctx.kept = plan, kept
-    given = replay_inputs(inputs, args.sink, args.cu_seqlens_q, args.cu_seqlens_k, args.seqused_k)
+    given = replay_inputs_of(inputs, args)
     outputs = None if kept is None else replay.replayed(kept.forward, given)
     if outputs is not None:
         (out, lse), ctx.args = outputs, args
@@ -164,7 +169,7 @@ def _gradients(ctx, run, dout, saved: tuple, count: int) -> tuple:
     if dout is None:
         return (None,) * count
     kept, args = ctx.kept, ctx.args
-    inputs = replay_inputs((dout, *saved), args.sink, args.cu_seqlens_q, args.cu_seqlens_k, args.seqused_k)
+    inputs = replay_inputs_of((dout, *saved), args)
     grads = None if kept is None else replay.replayed(kept.backward, inputs)
     if grads is not None:
         record_kernel(ctx.plan.bwd_name)

@@ -282,10 +282,8 @@ def record_fallback(reason: str, backend: str, *, preferred: str = "preferred", 
     """
     if strict_enabled():
         raise FallbackError(f"flashtile strict mode: the {preferred} backend cannot run this call: {reason}")
-    recorder = replay.active()
-    if recorder is not None:
-        # A replay would skip this record: such a call is never replayed.
-        recorder.unreplayable = f"a fallback: {reason}"
+    # A replay would skip this record: such a call is never replayed.
+    replay.not_replayable(f"a fallback: {reason}")
     with _lock:
         _calls[backend] += 1
         _fallbacks[reason] += 1

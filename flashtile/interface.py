@@ -18,8 +18,8 @@ from dataclasses import replace
 import torch
 
 from . import ops, replay, validation
-from .autograd import (FlashAttnFunc, FlashAttnKVPackedFunc, FlashAttnQKVPackedFunc, run_forward, wants_grad,
-                       replay_inputs)
+from .autograd import (FlashAttnFunc, FlashAttnKVPackedFunc, FlashAttnQKVPackedFunc, replay_inputs,
+                       replay_inputs_of, run_forward, wants_grad)
 from .backends import AttentionCall
 from .dispatch import dispatch, merge_call, recall, record_choice, remember, state_key
 
@@ -329,8 +329,7 @@ def _attention(function, inputs, qkv, options, sink, attn_bias, return_attn_prob
         out, lse = function.apply(*inputs, sink, attn_bias, args, chosen, kept)
     elif kept is not None:
         (out, lse, _), kept.forward = replay.record(lambda: run_forward(chosen, q, k, v, args),
-                                                    replay_inputs(inputs, args.sink, args.cu_seqlens_q,
-                                                                  args.cu_seqlens_k, args.seqused_k), kept.forward)
+                                                    replay_inputs_of(inputs, args), kept.forward)
     else:
         out, lse, _ = run_forward(chosen, q, k, v, args)
     return (out, lse, None) if return_attn_probs else out

@@ -12,18 +12,20 @@ from flashtile.testing import assert_results_close, make_qkv, random_like, refer
 HOPPER = torch.device("cuda", 0)
 
 
-@pytest.mark.parametrize("row_keys, wide, dtype, headdim, expected", [
-    (4096, True, torch.bfloat16, 128, (64, 128, 8)),
-    (16384, True, torch.float16, 128, (64, 128, 8)),
-    (4095, True, torch.bfloat16, 128, (32, 64, 4)),  # short rows
-    (1025, True, torch.bfloat16, 128, (32, 64, 4)),  # a window (1024, 0)
-    (16384, False, torch.bfloat16, 128, (32, 64, 4)),  # ALiBi, a bias or dropout
-    (16384, True, torch.bfloat16, 64, (64, 64, 4)),  # other head dims keep their tiles
-    (16384, True, torch.float32, 128, (32, 32, 4)),
+@pytest.mark.parametrize("row_keys, features, dtype, headdim, expected", [
+    (4096, (), torch.bfloat16, 128, (64, 128, 8)),
+    (16384, ("sink", "softcap", "varlen"), torch.float16, 128, (64, 128, 8)),
+    (4095, (), torch.bfloat16, 128, (32, 64, 4)),  # short rows
+    (1025, ("window",), torch.bfloat16, 128, (32, 64, 4)),  # a window (1024, 0)
+    (16384, ("alibi",), torch.bfloat16, 128, (32, 64, 4)),
+    (16384, ("bias",), torch.bfloat16, 128, (32, 64, 4)),
+    (16384, ("dropout",), torch.bfloat16, 128, (32, 64, 4)),
+    (16384, (), torch.bfloat16, 64, (64, 64, 4)),  # other head dims keep their tiles
+    (16384, (), torch.float32, 128, (32, 32, 4)),
 ])
-def test_tile_rule(monkeypatch, row_keys, wide, dtype, headdim, expected):
+def test_tile_rule(monkeypatch, row_keys, features, dtype, headdim, expected):
     monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
-    dkdv = configs.bwd_config(headdim, dtype, HOPPER, headdim, row_keys, wide).dkdv
+    dkdv = configs.bwd_config(headdim, dtype, HOPPER, headdim, row_keys, frozenset(features)).dkdv
     assert (dkdv.BLOCK_M, dkdv.BLOCK_N, dkdv.num_warps) == expected
 
 

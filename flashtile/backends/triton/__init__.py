@@ -82,7 +82,7 @@ def describe(call: AttentionCall):
     # Features change the kernel that runs (each is a compile-time switch): name them.
     extras = "".join(f" {name}" for name, _ in call.features)
     bwd = bwd_config(headdim, call.dtype, call.device, call.headdim_v, row_keys(call.seqlen_k, left, right),
-                     not {"alibi", "bias", "dropout"} & call.feature_names)
+                     call.feature_names)
     # On an under-filled GPU: key blocks split among several dK/dV programs (parts=N), and the dQ kernel
     # alongside on a second stream (dq=...+stream; on the GPU only: the CPU has no streams).
     parts, alongside = bwd_plan(call.batch, call.nheads, call.nheads_kv, call.seqlen_q, call.seqlen_k,

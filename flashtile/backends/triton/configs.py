@@ -109,6 +109,7 @@ _BWD_SM90_V128 = {256: _bwd(64, 32, 4, 2, 128, 64, 8, 2)}
 # 1.12-1.13x. A bias tile or dropout's counters keep 32x64 too (not measured).
 LONG_BWD_KEYS = 4096
 _BWD_SM90_LONG = {128: _bwd(64, 128, 8, 3, 128, 64, 8, 3)}
+_BWD_SHORT_TILE_FEATURES = frozenset({"alibi", "bias", "dropout"})
 # Ampere (sm_80/86/89), 16-bit inputs: smaller shared memory than Hopper, so shallower pipelines.
 # Not measured yet on an Ampere GPU: conservative tiles that fit its 164 KB of shared memory.
 _FWD_SM80 = {
@@ -400,10 +401,10 @@ def bwd_plan(batch: int, nheads: int, nheads_kv: int, seqlen_q: int, seqlen_k: i
 
 
 def bwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, head_dim_v: int = 0, row_keys: int = 0,
-               wide: bool = True) -> BwdConfig:
+               features: frozenset = frozenset()) -> BwdConfig:
     """Backward tiles; head dims as in :func:`fwd_config`. ``row_keys``: the most keys a query row sees
-    (:func:`row_keys`); ``wide``: whether the call may take the long rows' dK/dV tile (no ALiBi, bias or
-    dropout)."""
+    (:func:`row_keys`); ``features``: the call's feature names (ALiBi, bias and dropout keep the short
+    rows' dK/dV tile)."""
     if device.type != "cuda":
         return _BWD_INTERPRET
     if dtype == torch.float32:
@@ -413,7 +414,7 @@ def bwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, head_dim
         return _BWD_SM80[padded]
     if _narrow_values(head_dim, head_dim_v) and padded in _BWD_SM90_V128:
         return _BWD_SM90_V128[padded]
-    if wide and row_keys >= LONG_BWD_KEYS and padded in _BWD_SM90_LONG:
+    if row_keys >= LONG_BWD_KEYS and padded in _BWD_SM90_LONG and not _BWD_SHORT_TILE_FEATURES & features:
         return _BWD_SM90_LONG[padded]
     return _BWD_SM90[padded]
 

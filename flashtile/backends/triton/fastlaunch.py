@@ -149,7 +149,7 @@ class CachedLaunch:
                 self._cache[full_key] = (kernel, args)
                 if recorder is not None:
                     if hasattr(kernel, "result"):
-                        recorder.unreplayable = "a kernel compiled asynchronously"
+                        replay.not_replayable("a kernel compiled asynchronously")
                     else:
                         recorder.launches.append((_Bound(kernel, _grid3(grid), stream),
                                                   [kwargs[name] for name in self.names]))

@@ -345,7 +345,7 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
             _fill_tail(grad, cu, 0.0)
     cfg = config or bwd_config(max(head_dim, head_dim_v), q.dtype, q.device, head_dim_v,
                                row_keys(seqlen_k, args.window_left, args.window_right),
-                               args.attn_bias is None and args.dropout_p == 0 and args.alibi_slopes is None)
+                               frozenset(present_features(args, head_dim, head_dim_v)))
     varlen = args.varlen
     delta = empty_like(lse)
     lse2 = empty_like(lse)
@@ -382,7 +382,7 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
                                  HEAD_DIM_ACTUAL=head_dim_v, HEAD_DIM=padded_head_dim(head_dim_v),
                                  BLOCK_M=_PREPROCESS_BLOCK_M))
         if dsink is not None:
-            _sink_grad(args.sink, lse, delta, dsink, batch, varlen)
+            _sink_grad(args.sink, lse, delta, dsink, varlen)
         # An under-filled GPU runs the dK/dV and dQ kernels side by side.
         with fork(q, alongside) as side:
             _DKDV(key, (cdiv(seqlen_k, cfg.dkdv.BLOCK_N), nheads_kv * splits, batch),
@@ -409,7 +409,6 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
 
 
 _SUM_BLOCK_M = 64
-_SINK_BLOCK_M = 1024
 _SUM_PARTS = CachedLaunch(bwd_sum_parts, ("PART", "OUT"))
 
 
@@ -447,13 +446,15 @@ def _fill_tail(x: torch.Tensor, cu_seqlens: torch.Tensor, value: float, lse: tor
                                 BLOCK_H=triton.next_power_of_2(nheads), HAS_LSE=lse is not None))
 
 
+_SINK_BLOCK_M = 1024
 _SINK_GRAD = CachedLaunch(bwd_sink_grad, ("SINK", "LSE", "DELTA", "DSINK"))
 
 
-def _sink_grad(sink, lse, delta, dsink, batch: int, varlen: bool) -> None:
-    """``dsink`` (its dtype) = the sink's gradient from the forward's ``lse`` and the backward's ``delta``."""
+def _sink_grad(sink, lse, delta, dsink, varlen: bool) -> None:
+    """``dsink`` (its dtype) = the sink's gradient from the forward's ``lse`` ``(batch, nheads, seqlen_q)``,
+    or ``(nheads, tokens)`` packed, and the backward's ``delta``."""
     stride_lse_b, stride_lse_h = lse_strides(lse, varlen)
-    batch, rows = (1, lse.shape[1]) if varlen else (batch, lse.shape[2])
+    batch, rows = (1, lse.shape[1]) if varlen else (lse.shape[0], lse.shape[2])
     _SINK_GRAD((lse.shape, lse.stride(), lse.device, sink.dtype, dsink.dtype, varlen), (sink.shape[0],),
                dict(SINK=sink, LSE=lse, DELTA=delta, DSINK=dsink),
                lambda: dict(batch=batch, rows=rows, stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h,

@@ -32,7 +32,7 @@ SHAPES = [  # (batch, cached, new)
 ]
 # Each row's variants: the call as dispatched, the Gluon route off, and the Gluon route forced (no thresholds).
 VARIANTS = {"dispatched": {}, "kv kernel": {"GLUON_KV_MIN_QUERIES": 1 << 30},
-            "gluon": {"GLUON_KV_MIN_QUERIES": 1, "GLUON_MIN_PAIRS": 0}}
+            "gluon": {"GLUON_KV_MIN_QUERIES": 1, "GLUON_KV_MIN_PAIRS": 0}}
 HEADS, HEADS_KV, D = 32, 8, 128
 
 

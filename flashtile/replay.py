@@ -21,8 +21,8 @@ What this relies on:
   backwards without dropout (new random counters each call); the Triton backend's routes for those only
   allocate and launch, and whatever else could happen marks the recording
   unreplayable: a fallback (it must be counted every call), other work the backend names
-  (:func:`not_replayable`: a torch reduction, a copy back), a TMA descriptor, a
-  tensor argument that is neither an input, a buffer nor a view of one (a copy made on the way), inputs
+  (:func:`not_replayable`: a torch reduction, a copy back), a tensor argument (or a TMA descriptor's
+  tensor) that is neither an input, a buffer nor a view of one (a copy made on the way), inputs
   that are one object passed twice or views whose storage two inputs share (a replay could not tell which
   input to use).
 
@@ -30,7 +30,9 @@ A training step repeats too: the forward of a call that wants a gradient replays
 its backward is recorded and replayed on ``(dout, *saved tensors)`` (:mod:`flashtile.autograd`).
 Packed sequences are given their offsets (and ``seqused_k``) as inputs besides the tensors, whose values
 the kernels read on the device; the plan they replay was made for the same longest lengths, which size
-the grids (:func:`flashtile.autograd.with_offsets`).
+the grids (:func:`flashtile.autograd.with_offsets`). A TMA descriptor (the Gluon Hopper forward's) is
+made again on its tensor's new address with the recorded shape, strides and tile; the launcher encodes it
+on every launch, as it does for a descriptor made afresh.
 """
 from __future__ import annotations
 
@@ -91,15 +93,17 @@ def note_buffer(t: torch.Tensor) -> None:
 class Replay:
     """The launches of a recorded call, run again on new inputs (see the module docstring)."""
 
-    __slots__ = ("inputs", "layouts", "alignments", "buffers", "views", "pointers", "launches", "outputs", "device",
-                 "uses")
+    __slots__ = ("inputs", "layouts", "alignments", "buffers", "views", "descriptors", "pointers", "launches",
+                 "outputs", "device", "uses")
 
-    def __init__(self, inputs: tuple, layouts: tuple, alignments: tuple, buffers: tuple, views: tuple, pointers: bool,
-                 launches: tuple, outputs, device: int | None):
+    def __init__(self, inputs: tuple, layouts: tuple, alignments: tuple, buffers: tuple, views: tuple,
+                 descriptors: tuple, pointers: bool, launches: tuple, outputs, device: int | None):
         # The tensors the launches take, in this order: the inputs given (their indices), the buffers
         # allocated ((shape, strides, dtype, device)), then views of those ((index, shape, stride, offset in elements
         # past the storage offset of the one viewed, the same in bytes past its start)).
         self.inputs, self.buffers, self.views = inputs, buffers, views
+        # TMA descriptors of those tensors: (index of the tensor, the recorded descriptor's layout).
+        self.descriptors = descriptors
         # Each given input's (shape, strides) and start modulo 16 when recorded.
         self.layouts, self.alignments = layouts, alignments
         # Compiled launches take each tensor as its address (an int, which the launcher checks no further):
@@ -140,14 +144,45 @@ class Replay:
             for index, shape, stride, offset, _ in self.views:
                 base = arguments[index]
                 arguments.append(base.as_strided(shape, stride, base.storage_offset() + offset))
+        arguments += [_Descriptor(arguments[index], layout) for index, layout in self.descriptors]
         for launch, constants, gather in self.launches:
             launch(gather(arguments + constants))
         self.uses += 1
         return self.outputs(tensors)
 
 
+class _Address:
+    """A tensor's address where a launcher asks for ``base.data_ptr()``."""
+
+    __slots__ = ("address",)
+
+    def __init__(self, address: int):
+        self.address = address
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+class _Descriptor:
+    """A recorded TMA descriptor over another tensor of its layout: what a compiled launch reads of one (its
+    base's address, shape, strides and padding; the tile and swizzle are in the compiled kernel)."""
+
+    __slots__ = ("base", "shape", "strides", "block_shape", "layout", "padding")
+
+    def __init__(self, base, layout: tuple):
+        self.base = _Address(base) if base.__class__ is int else base
+        self.shape, self.strides, self.block_shape, self.layout, self.padding = layout
+
+    @staticmethod
+    def layout_of(descriptor) -> tuple:
+        """What a replay keeps of a recorded descriptor (not its tensor, which it must not keep alive)."""
+        return (list(descriptor.shape), list(descriptor.strides), list(descriptor.block_shape), descriptor.layout,
+                descriptor.padding)
+
+
 # Launch arguments of these types are constants; anything else is checked for a tensor or a descriptor.
 _PLAIN = frozenset((int, float, bool, str, type(None)))
+_TENSOR, _DESCRIPTOR, _CONSTANT = range(3)
 
 
 def build(recorder: Recorder, inputs: tuple, outputs: tuple) -> Replay | str:
@@ -191,6 +226,7 @@ def build(recorder: Recorder, inputs: tuple, outputs: tuple) -> Replay | str:
         return len(tensors) - 1
 
     recorded = []
+    descriptors: list = []
     plain = _PLAIN
     for launch, args in recorder.launches:
         slots, constants = [], []
@@ -198,18 +234,23 @@ def build(recorder: Recorder, inputs: tuple, outputs: tuple) -> Replay | str:
             kind = value.__class__
             if kind in plain:
                 # Most arguments are numbers (a launch takes ~70): kept as they are.
-                slots.append((False, len(constants)))
+                slots.append((_CONSTANT, len(constants)))
                 constants.append(value)
             elif kind is torch.Tensor or isinstance(value, torch.Tensor):
                 index = index_of(value)
                 if index is None:
                     return (f"a launch argument of shape {tuple(value.shape)} is neither an input, a buffer nor a "
                             "view of one")
-                slots.append((True, index))
+                slots.append((_TENSOR, index))
             elif isinstance(getattr(value, "base", None), torch.Tensor):
-                return "a launch takes a tensor descriptor"
+                index = index_of(value.base)
+                if index is None:
+                    return (f"a tensor descriptor's tensor of shape {tuple(value.base.shape)} is neither an input, "
+                            "a buffer nor a view of one")
+                slots.append((_DESCRIPTOR, len(descriptors)))
+                descriptors.append((index, _Descriptor.layout_of(value)))
             else:
-                slots.append((False, len(constants)))
+                slots.append((_CONSTANT, len(constants)))
                 constants.append(value)
         recorded.append((launch, slots, constants))
     output_indices = []
@@ -218,18 +259,18 @@ def build(recorder: Recorder, inputs: tuple, outputs: tuple) -> Replay | str:
         if index is None or index >= len(given) + len(recorder.buffers):
             return "an output is neither an input nor a buffer"
         output_indices.append(index)
-    # Every tensor is known now: a launch gathers its arguments from the tensors followed by its constants.
-    count = len(tensors)
-    launches = tuple((launch, constants, _getter([index if is_tensor else count + index
-                                                  for is_tensor, index in slots]))
+    # Every tensor is known now: a launch gathers its arguments from the tensors, then the descriptors, then its
+    # constants.
+    starts = (0, len(tensors), len(tensors) + len(descriptors))
+    launches = tuple((launch, constants, _getter([starts[kind] + index for kind, index in slots]))
                      for launch, slots, constants in recorded)
     layouts = tuple((inputs[i].shape, inputs[i].stride()) for i in given)
     alignments = tuple(inputs[i].data_ptr() & 15 for i in given)
     buffers = tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in recorder.buffers)
     device = inputs[given[0]].device
     pointers = all(getattr(launch, "pointers", False) for launch, _ in recorder.launches)
-    return Replay(tuple(given), layouts, alignments, buffers, tuple(views), pointers, launches, _getter(output_indices),
-                  device.index if device.type == "cuda" else None)
+    return Replay(tuple(given), layouts, alignments, buffers, tuple(views), tuple(descriptors), pointers, launches,
+                  _getter(output_indices), device.index if device.type == "cuda" else None)
 
 
 def _getter(indices: list):

@@ -1,5 +1,6 @@
 """The backend registry: explain() reports, strict mode, disabled backends, profiler names and
 per-kernel counts. CPU-only rules are skipped on a GPU machine and the other way round."""
+import functools
 import math
 import warnings
 
@@ -59,7 +60,8 @@ def test_hopper_forward_tiles_follow_mask_row_length_and_features(monkeypatch, w
                              softcap="softcap" in features, bias="bias" in features)
     assert (cfg.BLOCK_M, cfg.BLOCK_N) == tile
     described = tuple((name, f"{name}: test") for name in features)
-    # One head: too few rows for the Gluon kernel, so the Triton table decides.
+    # With the Gluon kernel's floor out of reach, the Triton table decides.
+    monkeypatch.setattr(configs, "GLUON_MIN_PAIRS", 1 << 60)
     call = AttentionCall(cuda, torch.bfloat16, 1, seqlen, seqlen, 1, 1, 128, right == 0, described, window=window)
     name, _, config = triton_backend.describe(call)
     assert f"BM={tile[0]} BN={tile[1]}]" in name and (config["fwd"]["BLOCK_M"], config["fwd"]["BLOCK_N"]) == tile
@@ -89,6 +91,7 @@ def test_hopper_head_dim_256_tiles(monkeypatch, headdim, headdim_v, features, fw
     assert (fwd.BLOCK_M, fwd.BLOCK_N, fwd.num_stages) == fwd_tile
     assert tuple((t.BLOCK_M, t.BLOCK_N, t.num_stages) for t in (bwd.dkdv, bwd.dq)) == bwd_tiles
     described = tuple((name, f"{name}: test") for name in features)
+    monkeypatch.setattr(configs, "GLUON_MIN_PAIRS", 1 << 60)  # the Triton table's tiles
     call = AttentionCall(cuda, torch.bfloat16, 1, 4096, 4096, 1, 1, headdim, False, described, headdim_v=headdim_v)
     name, bwd_name, config = triton_backend.describe(call)
     assert config["fwd"]["num_stages"] == fwd_tile[2] and config["bwd_dq"]["num_stages"] == bwd_tiles[1][2]
@@ -225,7 +228,7 @@ def test_gluon_head_dims(monkeypatch, head_dim, head_dim_v, features, tile):
 
 def test_small_calls_keep_the_triton_kernel_for_its_cheaper_launch(monkeypatch):
     """The Gluon kernel takes calls of at least GLUON_MIN_PAIRS (row, key) pairs: causal rows count half
-    their keys, a window its width."""
+    their keys, a window its width. KV-cache calls have their own floor, GLUON_KV_MIN_PAIRS."""
     from flashtile.backends.triton import configs
     monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
     monkeypatch.setattr(configs, "sm_count", lambda device: 132)
@@ -243,13 +246,18 @@ def test_small_calls_keep_the_triton_kernel_for_its_cheaper_launch(monkeypatch):
     rows = -(-pairs // 1025)
     assert kernel(rows, 16384, 1024, 0) == "gluon"  # a window of 1025 keys
     assert kernel(rows - 1, 16384, 1024, 0) is None
-    assert kernel(32 * 16 * 512, 512, -1, -1) is None  # 32 x 512 at 16 heads: bound by the host
-    assert kernel(1 * 16 * 4096, 4096, -1, 0) is None
+    assert kernel(32 * 16 * 512, 512, -1, -1) == "gluon"  # 32 x 512 at 16 heads: replayed, its kernel leads
+    assert kernel(1 * 32 * 1024, 1024, -1, 0) is None  # 1 x 1024 causal at 32 heads: bound by the host
     # At head dim 256 a pair is twice the work: half as many pairs will do.
     d256 = configs.gluon_fwd_config(256, 256, torch.bfloat16, cuda, pairs // 2048, 1024, -1, -1, frozenset())
     assert d256 == configs._FWD_SM90_GLUON_D256
     assert configs.gluon_fwd_config(256, 256, torch.bfloat16, cuda, pairs // 2048 - 1, 1024, -1, -1,
                                     frozenset()) is None
+    kv_pairs = configs.GLUON_KV_MIN_PAIRS
+    assert kv_pairs > pairs
+    chunk = functools.partial(configs.gluon_kv_config, 128, 128, torch.bfloat16, cuda)
+    assert chunk(1, 128, 32, kv_pairs // (32 * 128), -1, 0, frozenset({"kvcache"})) == configs._FWD_SM90_GLUON_WIDE
+    assert chunk(1, 128, 32, kv_pairs // (32 * 128) - 1, -1, 0, frozenset({"kvcache"})) is None
 
 
 @pytest.mark.parametrize("seqlen_q, features, page_size, window, kernel", [

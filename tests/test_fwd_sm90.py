@@ -31,6 +31,7 @@ TEST_ROWS = 4096
 @pytest.fixture(autouse=True)
 def small_gluon_threshold(monkeypatch):
     monkeypatch.setattr(configs, "GLUON_MIN_PAIRS", TEST_ROWS)
+    monkeypatch.setattr(configs, "GLUON_KV_MIN_PAIRS", TEST_ROWS)
 
 
 WIDE, NARROW = "gluon-sm90 BN=128", "gluon-sm90 BN=64"

@@ -266,6 +266,80 @@ def test_training_steps_replay(rng, unchecked, served, case):
             assert torch.equal(ours, theirs), f"step {step}: {name} differs from the ordinary call"
 
 
+HOPPER = HAS_CUDA and torch.cuda.get_device_capability()[0] == 9
+GLUON_CASES = {
+    "causal_gqa": (flash_attn_func, ((2, 70, 4, 128), (2, 70, 2, 128), (2, 70, 2, 128)), dict(causal=True)),
+    "transposed": (flash_attn_func, ((2, 4, 45, 128), (2, 2, 45, 128), (2, 2, 45, 128)), dict(causal=True)),
+    "qkvpacked": (flash_attn_qkvpacked_func, ((1, 41, 3, 2, 128),), dict(window_size=(17, 3))),
+    "tail_192_128": (flash_attn_func, ((1, 50, 2, 192), (1, 90, 2, 192), (1, 90, 2, 128)), dict(softcap=9.0)),
+}
+
+
+@pytest.fixture
+def gluon_everywhere(monkeypatch):
+    """Every 16-bit call the Gluon forward can run takes it, however small; kernel names described under the
+    usual thresholds are forgotten before and after."""
+    from flashtile.backends.triton import configs
+
+    monkeypatch.setattr(configs, "GLUON_MIN_PAIRS", 0)
+    monkeypatch.setattr(configs, "GLUON_KV_MIN_QUERIES", 1)
+    monkeypatch.setattr(configs, "GLUON_KV_MIN_PAIRS", 0)
+    dispatch._describe.cache_clear()
+    yield
+    dispatch._describe.cache_clear()
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon forward runs on sm_90 only")
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "training"])
+@pytest.mark.parametrize("case", GLUON_CASES)
+def test_gluon_forward_replays(rng, unchecked, served, gluon_everywhere, clean_dispatch_state, case, grad):
+    """Calls on the Gluon Hopper forward (TMA descriptors, remade on each replay's tensors; views of one packed
+    input among them) replay after the first, no-grad calls and training steps alike, with the ordinary path's
+    out, lse and gradients."""
+    function, shapes, kwargs = GLUON_CASES[case]
+    for step in range(3):
+        inputs = tuple(randn(rng, *shape) for shape in shapes)
+        if case == "transposed":
+            inputs = tuple(t.transpose(1, 2) for t in inputs)
+        before = len(served)
+        if grad:
+            inputs = tuple(t.requires_grad_() for t in inputs)
+            dout = randn(rng, *ordinary(function, *(t.detach() for t in inputs), **kwargs).shape)
+            got = _training_step(function, inputs, dout, **kwargs)
+            copies = tuple(t.detach().clone().requires_grad_() for t in inputs)
+            expected = ordinary(_training_step, function, copies, dout.clone(), **kwargs)
+        else:
+            got = function(*inputs, return_attn_probs=True, **kwargs)[:2]
+            expected = ordinary(function, *(t.clone() for t in inputs), return_attn_probs=True, **kwargs)[:2]
+        assert len(served) - before == (1 + grad if step else 0), f"step {step}: {len(served) - before} replayed"
+        for i, (ours, theirs) in enumerate(zip(got, expected)):
+            assert torch.equal(ours, theirs), f"step {step}: output {i} differs from the ordinary call"
+    assert any("gluon-sm90" in name for name in flashtile.stats()["kernels"])
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon forward runs on sm_90 only")
+def test_gluon_varlen_and_chunked_prefill_replay(rng, unchecked, served, gluon_everywhere, clean_dispatch_state):
+    """Packed sequences (descriptors of the packed tensors seen as one batch row) and a chunked prefill into a
+    contiguous cache (descriptors of the caches) replay on the Gluon forward."""
+    for step in range(3):
+        function, tensors, kwargs = _varlen_call(rng, "separate", headdim=128, causal=True)
+        out = function(*tensors, **kwargs)
+        assert torch.equal(out, ordinary(function, *(t.clone() for t in tensors), **_same_offsets(kwargs)))
+        assert len(served) == step
+    for step in range(3):
+        tensors, kwargs = _kvcache_case(rng, seqlen_q=9, seqlen_new=9, headdim=128, causal=True,
+                                        return_softmax_lse=True)
+        expected_tensors, expected_kwargs = _copies(tensors, kwargs)
+        got = flash_attn_with_kvcache(*tensors, **kwargs)
+        expected = ordinary(flash_attn_with_kvcache, *expected_tensors, **expected_kwargs)
+        assert len(served) == 2 + step
+        assert all(torch.equal(ours, theirs) for ours, theirs in zip(got, expected)), f"step {step}"
+        assert torch.equal(tensors[1], expected_tensors[1]) and torch.equal(tensors[2], expected_tensors[2])
+    names = flashtile.stats()["kernels"]
+    assert any(name.startswith("flashtile.fwd[gluon-sm90") for name in names), names
+    assert any(name.startswith("flashtile.decode[gluon-sm90") for name in names), names
+
+
 def _offsets(rng, count, longest, total):
     """int32 offsets of ``count`` sequences of new random lengths (one of them empty, one ``longest`` long)
     that fill at most ``total`` rows, and the longest length: the same ``longest`` every call."""
@@ -572,6 +646,32 @@ def test_compiled_launches_take_addresses():
     assert launch.calls[0] == (a2.data_ptr(), out.data_ptr(), out.data_ptr() + 12, a2.data_ptr() + 24, 5)
 
 
+def _descriptor(base, tile=(4,)):
+    """A stand-in for a TMA descriptor of ``base``: the attributes a launcher reads of one."""
+    fields = dict(base=base, shape=list(base.shape), strides=list(base.stride()), block_shape=list(tile),
+                  layout="nvmma", padding="zero")
+    return type("TensorDescriptor", (), fields)()
+
+
+def test_descriptors_are_made_again_on_the_new_addresses():
+    """A TMA descriptor of an input or of a view of one is replayed as a descriptor of the same layout on the
+    new tensor's address, and holds none of the recorded tensors."""
+    a = torch.randn(4, 6)
+    buffer = torch.empty(10)
+    launch = _Launch()
+    launch.pointers = True
+    recorder = _recorded((launch, [_descriptor(a), buffer, _descriptor(a[1:, 2:], (2, 2)), 7]), buffers=[buffer])
+    again = replay.build(recorder, (a,), (buffer,))
+    a2 = torch.randn(4, 6)
+    (out,) = again((a2,))
+    whole, pointer, view, seven = launch.calls[0]
+    assert (pointer, seven) == (out.data_ptr(), 7)
+    assert whole.base.data_ptr() == a2.data_ptr() and view.base.data_ptr() == a2.data_ptr() + 8 * 4
+    assert (whole.shape, whole.strides, whole.block_shape) == ([4, 6], [6, 1], [4])
+    assert (view.shape, view.strides, view.block_shape, view.padding) == ([3, 4], [6, 1], [2, 2], "zero")
+    assert not any(isinstance(item, torch.Tensor) for _, layout in again.descriptors for item in layout)
+
+
 @pytest.mark.parametrize("reason", ["stranger", "shared", "same", "descriptor", "gapped_buffer", "output",
                                     "nothing", "marked"])
 def test_build_refuses(reason):
@@ -585,7 +685,7 @@ def test_build_refuses(reason):
     elif reason == "same":
         inputs = (a, a)
     elif reason == "descriptor":
-        args = [a, type("Descriptor", (), {"base": b})()]
+        args = [a, _descriptor(torch.randn(8))]
     elif reason == "gapped_buffer":
         buffers = [torch.empty(4, 8)[:, :4]]
     elif reason == "output":

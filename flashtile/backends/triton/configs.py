@@ -240,15 +240,20 @@ def gluon_ring(cfg: TileConfig, head_dim: int) -> dict:
                 Q_IN_REGS=not wide and head_dim < 256)
 
 
-# Its launch costs more host time than the Triton kernel's: 70-120 us against 55-65 through
-# launch.forward (H200 host, scratch A/B of 2026-11-22, after CachedLaunch), and the public API adds
-# the same ~100 us to both. A call whose kernel runs for less than that is bound by the host, and
-# benchmarks that time each call alone (triton.testing.do_bench) see it: 32 x 512 full rows through
-# the API, 16 heads, 575 us against 182 us for the Gluon kernel launched alone, the unexplained
-# 0.458 ms of an earlier 1 x 4096 causal run. So the Gluon kernel takes calls with at least
-# GLUON_MIN_PAIRS (query row, key) pairs over all heads, about 0.3 ms of work: 16 x 1024 full rows or
-# 8 x 2048 causal ones at 16 heads.
-GLUON_MIN_PAIRS = 16 * 16 * 1024 * 1024
+# Host time: repeated calls replay their launches (flashtile.replay, TMA descriptors made again on the new
+# tensors), and a replayed Gluon call costs the host 5-18 us more than a replayed Triton one: 39-43 / 24-38 us
+# a no-grad forward, 255-265 / 230-248 us a training step (fwd + bwd), against 104 / 76-83 and 630-813 /
+# 600-649 unreplayed (H200 host, 1 x 128 tokens, 32/8 heads, causal; three runs). Kernel time on short calls,
+# Gluon against the Triton table tile, through the API, replayed, two rounds (`python
+# benchmarks/gluon_short.py` -> results/h200-gluon-short-2026-11-23.json), fwd TFLOP/s: 32 x 512 16/16 full
+# 323-337 -> 385-398, causal 227-232 -> 241-247; 16 x 1024 16/16 full 400-415 -> 432-458, causal 288-294 ->
+# 314-338; 8 x 2048 16/16 causal 357-363 -> 391-402; 4 x 4096 16/16 causal 395-398 -> 472-479; 8 x 512 32/8
+# causal 225-226 -> 234; 1 x 1024 32/8 causal 196-221 -> 226-234. The Gluon kernel leads or ties everywhere,
+# so it takes every call of at least GLUON_MIN_PAIRS (query row, key) pairs over all heads, about 0.05 ms of
+# work (1 x 1024 causal at 32 heads is half of it): below that a call is bound by the host, where the Gluon
+# launch's extra microseconds count for more than its kernel's gain. (Until replays took TMA descriptors the
+# floor was 8x higher, 16 x 1024 full rows at 16 heads: an unreplayed Gluon call cost 20-30 us more.)
+GLUON_MIN_PAIRS = 32 * 1024 * 1024
 # Head dims (q/k, v) the Gluon kernel takes; a pair's work grows with the head dims, so the threshold
 # above counts pairs of d=128 (a call at d=256 needs half as many).
 GLUON_HEAD_DIMS = ((128, 128), (256, 256), (192, 128))
@@ -268,17 +273,18 @@ GLUON_FEATURES = frozenset({"window", "softcap", "alibi", "sink", "headdim_v", "
 
 def gluon_fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device: torch.device, rows: int,
                      seqlen_k: int, window_left: int, window_right: int, features: frozenset,
-                     softcap: float = 0.0, keys_per_row: int | None = None):
+                     softcap: float = 0.0, keys_per_row: int | None = None, min_pairs: int | None = None):
     """The Gluon Hopper forward's tiles when it runs this call (``rows``: batch x heads x seqlen_q;
     ``features``: the call's feature names, as in ``AttentionCall``; ``keys_per_row``: the keys a row sees
-    on average, when the square-mask estimate ``mean_row_keys`` does not hold), else None."""
+    on average, when the square-mask estimate ``mean_row_keys`` does not hold; ``min_pairs``: the floor of
+    (row, key) pairs, GLUON_MIN_PAIRS unless given), else None."""
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or _arch(device) != 90:
         return None
     if (head_dim, head_dim_v) not in GLUON_HEAD_DIMS or not features <= GLUON_FEATURES:
         return None
     keys = mean_row_keys(seqlen_k, window_left, window_right) if keys_per_row is None else keys_per_row
     work = rows * keys * (head_dim + head_dim_v)
-    if seqlen_k == 0 or work < GLUON_MIN_PAIRS * 256:
+    if seqlen_k == 0 or work < (GLUON_MIN_PAIRS if min_pairs is None else min_pairs) * 256:
         return None
     if head_dim != 128:
         return _FWD_SM90_GLUON_D256 if head_dim == 256 else _FWD_SM90_GLUON
@@ -295,7 +301,7 @@ def gluon_fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device:
 
 
 # KV-cache calls (flash_attn_with_kvcache) with many query rows -- chunked prefill -- on a contiguous cache
-# take the Gluon forward too, under the dense calls' GLUON_MIN_PAIRS, each row counted as seeing the whole
+# take the Gluon forward too, from GLUON_KV_MIN_PAIRS (row, key) pairs, each row counted as seeing the whole
 # capacity (a chunk's rows see the cache before it; the lengths are on the device). The KV-cache kernel packs
 # the query heads of one KV head into its rows, which wins for the few rows of a decode step; below
 # GLUON_KV_MIN_QUERIES rows or that work, calls are bound by the host and the two tie or the KV-cache kernel
@@ -304,6 +310,7 @@ def gluon_fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device:
 # 1 x (30000 + 2048) 1.86 / 2.64, 8 x (2048 + 1024) 0.82 / 0.99, 4 x (8192 + 256) 0.43 / 0.48, 4 x (8192 + 128)
 # 0.32 / 0.32, 1 x (8192 + 128) 0.46 / 0.39, 16 x (2048 + 128) 0.41 / 0.36, 4 x (8192 + 64) 0.30 / 0.26.
 GLUON_KV_MIN_QUERIES = 128
+GLUON_KV_MIN_PAIRS = 16 * 16 * 1024 * 1024
 
 
 def gluon_kv_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device: torch.device, batch: int,
@@ -315,7 +322,7 @@ def gluon_kv_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device: 
         return None
     return gluon_fwd_config(head_dim, head_dim_v, dtype, device, batch * nheads * seqlen_q, capacity, window_left,
                             window_right, frozenset(features) - {"kvcache"}, softcap,
-                            keys_per_row=row_keys(capacity, window_left, window_right))
+                            keys_per_row=row_keys(capacity, window_left, window_right), min_pairs=GLUON_KV_MIN_PAIRS)
 
 
 # Softcap bounds every score to [-C, C], C = softcap * log2(e) (scores in log2 units), so the Gluon

@@ -277,8 +277,9 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, features
     tail = main != q.shape[3]
     q_desc = _tma_desc(q[..., :main] if tail else q, cfg.BLOCK_M)
     k_desc = _tma_desc(k[..., :main] if tail else k, cfg.BLOCK_N)
-    q_tail = _tma_desc(q[..., main:], cfg.BLOCK_M) if tail else q_desc
-    k_tail = _tma_desc(k[..., main:], cfg.BLOCK_N) if tail else k_desc
+    # Without a tail the kernel reads no tail descriptor: None spares the launcher encoding one per call.
+    q_tail = _tma_desc(q[..., main:], cfg.BLOCK_M) if tail else None
+    k_tail = _tma_desc(k[..., main:], cfg.BLOCK_N) if tail else None
     key = (_layout_key(q, k, v, out, lse), q.device, _args_key(args), cfg, row_max is not None,
            decode.cache_key(args) if kvcache else None)
     with on_device(q):

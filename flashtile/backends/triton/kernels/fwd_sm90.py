@@ -207,7 +207,8 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, qk_s
     """``q_desc``/``k_desc``/``v_desc``: TMA descriptors of the ``(batch, seqlen, heads, headdim)``
     inputs with ``[1, rows, 1, headdim]`` tiles; one program per (query block, head, batch) as in
     the Triton kernel. With ``TAIL`` a head dim that is no power of two (192) is read in two parts:
-    ``q_desc``/``k_desc`` cover its first 128 columns, ``q_tail_desc``/``k_tail_desc`` the rest.
+    ``q_desc``/``k_desc`` cover its first 128 columns, ``q_tail_desc``/``k_tail_desc`` the rest (None
+    without ``TAIL``).
     With ``IS_VARLEN`` the inputs are packed ``(1, tokens, heads, headdim)``, ``off_b`` is a sequence
     (``CU_SEQLENS_*``, ``SEQUSED_K`` as in the Triton kernel) and ``seqlen_q`` its longest length.
     With ``KVCACHE`` k and v are a contiguous KV cache of capacity ``seqlen_k`` whose rows the KV-cache

@@ -9,7 +9,8 @@ host's time. ``--label`` names the run (e.g. the commit) in the JSON.
 
 The decode rows take a new cache length every call, as transformers' growing cache gives (``measure_decode``);
 the varlen rows pack 4 sequences into 512 tokens (``measure_varlen``), the sink rows carry a bf16 sink
-(``measure_sink``). ``--only dense decode varlen sink`` picks groups.
+(``measure_sink``), the mods rows ALiBi slopes or a bias (``measure_mods``). ``--only dense decode varlen sink
+mods`` picks groups.
 """
 import argparse, json, os, subprocess, time
 import torch
@@ -133,6 +134,26 @@ def measure_sink(batch=1, seqlen=512, heads=32, heads_kv=8):
     return row
 
 
+def measure_mods(batch=1, seqlen=512, heads=32, heads_kv=8):
+    """Calls with ALiBi slopes ``(nheads,)``, float32, or an additive bf16 bias ``(1, nheads, seqlen, seqlen)`` that
+    wants no gradient: a no-grad forward and a forward + backward each, at ``batch x seqlen``, causal."""
+    q = torch.randn(batch, seqlen, heads, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, seqlen, heads_kv, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    slopes = torch.rand(heads, device="cuda")
+    bias = torch.randn(1, heads, seqlen, seqlen, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn_like(q)
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    row = {}
+    for name, mod in (("alibi", dict(alibi_slopes=slopes)), ("bias", dict(attn_bias=bias))):
+        with torch.no_grad():
+            row[f"flashtile fwd with {name}, no grad"] = per_call_us(
+                lambda: flashtile.flash_attn_func(q, k, v, causal=True, **mod))
+        row[f"flashtile fwd+bwd with {name}"] = per_call_us(
+            lambda: flashtile.flash_attn_func(qg, kg, vg, causal=True, **mod).backward(dout), 300)
+    return row
+
+
 def measure_varlen(total=512, count=4, layers=8, steps=30, heads=32, heads_kv=8):
     """Packed sequences (``flash_attn_varlen_func``), causal, as a training loop over a packed batch runs them:
     ``count`` sequences filling ``total`` tokens. Rows: one batch called again and again, and training steps
@@ -183,7 +204,7 @@ def measure_varlen(total=512, count=4, layers=8, steps=30, heads=32, heads_kv=8)
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--label", default="run")
-    groups = ["dense", "decode", "varlen", "sink"]
+    groups = ["dense", "decode", "varlen", "sink", "mods"]
     parser.add_argument("--only", choices=groups, nargs="*", default=groups)
     opts = parser.parse_args()
     result = {"label": opts.label, "commit": git_commit(), "torch": torch.__version__,
@@ -202,6 +223,10 @@ if __name__ == "__main__":
         row = measure_sink()
         result["rows"]["sink 1x512"] = row
         print("sink 1x512", row, flush=True)
+    if "mods" in opts.only:
+        row = measure_mods()
+        result["rows"]["alibi or bias 1x512"] = row
+        print("alibi or bias 1x512", row, flush=True)
     if "varlen" in opts.only:
         row = measure_varlen()
         result["rows"]["varlen 4 sequences, 512 tokens"] = row

@@ -115,19 +115,23 @@ def wants_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def replay_inputs(inputs: tuple, sink, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None) -> tuple:
-    """What a replay of a call is given (:mod:`flashtile.replay`): ``inputs``, the sink (None without one)
-    and, for packed sequences (``cu_seqlens_q`` not None), the offsets and key counts its kernels read.
-    ``cu_seqlens_k`` is None when it is ``cu_seqlens_q`` (a replay cannot take one tensor twice; the
-    interface's key tells the cases apart)."""
+def replay_inputs(inputs: tuple, sink, alibi_slopes=None, attn_bias=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                  seqused_k=None) -> tuple:
+    """What a replay of a call is given (:mod:`flashtile.replay`): ``inputs``, the sink, ALiBi slopes and bias
+    (None where the call has none; the kernels read the latter two as broadcast views of them) and, for packed
+    sequences (``cu_seqlens_q`` not None), the offsets and key counts its kernels read. ``cu_seqlens_k`` is
+    None when it is ``cu_seqlens_q`` (a replay cannot take one tensor twice; the interface's key tells the
+    cases apart)."""
     if cu_seqlens_q is None:
-        return (*inputs, sink)
-    return (*inputs, sink, cu_seqlens_q, None if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k, seqused_k)
+        return (*inputs, sink, alibi_slopes, attn_bias)
+    return (*inputs, sink, alibi_slopes, attn_bias, cu_seqlens_q,
+            None if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k, seqused_k)
 
 
 def replay_inputs_of(inputs: tuple, args) -> tuple:
-    """:func:`replay_inputs` with the sink and offsets of validated ``args``."""
-    return replay_inputs(inputs, args.sink, args.cu_seqlens_q, args.cu_seqlens_k, args.seqused_k)
+    """:func:`replay_inputs` with the sink, ALiBi slopes, bias and offsets of validated ``args``."""
+    return replay_inputs(inputs, args.sink, args.alibi_slopes, args.attn_bias, args.cu_seqlens_q, args.cu_seqlens_k,
+                         args.seqused_k)
 
 
 def run_forward(plan, q, k, v, args):

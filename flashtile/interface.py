@@ -18,8 +18,8 @@ from dataclasses import replace
 import torch
 
 from . import ops, replay, validation
-from .autograd import (FlashAttnFunc, FlashAttnKVPackedFunc, FlashAttnQKVPackedFunc, replay_inputs,
-                       replay_inputs_of, run_forward, wants_grad)
+from .autograd import (FlashAttnFunc, FlashAttnKVPackedFunc, FlashAttnQKVPackedFunc, replay_inputs, run_forward,
+                       wants_grad)
 from .backends import AttentionCall
 from .dispatch import dispatch, merge_call, recall, record_choice, remember, state_key
 
@@ -285,11 +285,9 @@ def _attention(function, inputs, qkv, options, sink, attn_bias, return_attn_prob
             planned = (chosen.call.seqlen_q, chosen.call.seqlen_k) == (options["max_seqlen_q"], options["max_seqlen_k"])
         else:
             planned = chosen.call.seqlen_k == k.shape[1]
-        if planned and kept.forward and not wants_grad(*inputs, sink):
+        if planned and kept.forward and not wants_grad(*inputs, sink, attn_bias):
             # A call like an earlier one: its launches again (fastest), when the layouts are the same.
-            given = replay_inputs(inputs, sink, options.get("cu_seqlens_q"), options.get("cu_seqlens_k"),
-                                  options.get("seqused_k"))
-            outputs = replay.replayed(kept.forward, given)
+            outputs = replay.replayed(kept.forward, _given(inputs, options, sink, attn_bias))
             if outputs is not None:
                 record_choice(chosen)
                 out, lse = outputs
@@ -297,6 +295,13 @@ def _attention(function, inputs, qkv, options, sink, attn_bias, return_attn_prob
         if sink is not None:
             # This call's sink, checked as the first call's was (the key holds its layout).
             args = replace(args, sink=validation.check_sink(sink, q.shape[-2], q.device))
+        if options["alibi_slopes"] is not None:
+            args = replace(args, alibi_slopes=validation.check_alibi_slopes(options["alibi_slopes"],
+                                                                            *args.alibi_slopes.shape, q.device))
+        if attn_bias is not None:
+            # Dense calls only: (batch, nheads, seqlen_q, seqlen_k) of this call.
+            shape = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+            args = replace(args, attn_bias=validation.check_attn_bias(attn_bias, shape, q.device))
         if args.varlen:
             # The offsets are this call's.
             args = replace(args, cu_seqlens_q=options["cu_seqlens_q"], cu_seqlens_k=options["cu_seqlens_k"],
@@ -329,10 +334,18 @@ def _attention(function, inputs, qkv, options, sink, attn_bias, return_attn_prob
         out, lse = function.apply(*inputs, sink, attn_bias, args, chosen, kept)
     elif kept is not None:
         (out, lse, _), kept.forward = replay.record(lambda: run_forward(chosen, q, k, v, args),
-                                                    replay_inputs_of(inputs, args), kept.forward)
+                                                    _given(inputs, options, sink, attn_bias), kept.forward)
     else:
         out, lse, _ = run_forward(chosen, q, k, v, args)
     return (out, lse, None) if return_attn_probs else out
+
+
+def _given(inputs: tuple, options: dict, sink, attn_bias) -> tuple:
+    """What a no-grad call's replay is given: the tensors as the caller passed them (the kernels read the
+    validated ALiBi slopes and bias as views of them), so that the call is recorded as it is replayed, before
+    any validation."""
+    return replay_inputs(inputs, sink, options["alibi_slopes"], attn_bias, options.get("cu_seqlens_q"),
+                         options.get("cu_seqlens_k"), options.get("seqused_k"))
 
 
 _SCALARS = frozenset((int, float, bool, type(None)))
@@ -344,14 +357,12 @@ def _plain_window(window) -> bool:
 
 
 def _signature(function, qkv, options, sink, attn_bias):
-    """What validation reads of a call without bias or ALiBi, as a key (with the options' types, so that
-    ``softcap=False`` does not pass for ``softcap=0``, and the sink's layout); None for other calls. The
-    number of keys is left out (only whether k and v agree on it): the plan made for one is redone for
-    another. Packed sequences: see :func:`_varlen_signature`."""
-    if attn_bias is not None or options["alibi_slopes"] is not None:
-        return None
-    sink_layout = _layouts((sink,), strides=True)
-    if sink_layout is None:
+    """What validation reads of a call, as a key (with the options' types, so that ``softcap=False`` does not
+    pass for ``softcap=0``, and the layouts of the sink, ALiBi slopes and bias); None for calls validated
+    afresh. The number of keys is left out (only whether k and v agree on it): the plan made for one is redone
+    for another. Packed sequences: see :func:`_varlen_signature`."""
+    extras = _layouts((sink, options["alibi_slopes"], attn_bias), strides=True)
+    if extras is None:
         return None
     window = options["window_size"]
     if not _plain_window(window):
@@ -363,7 +374,7 @@ def _signature(function, qkv, options, sink, attn_bias):
     if not _SCALARS.issuperset(types) or not all(isinstance(t, torch.Tensor) and t.dim() == 4 - varlen
                                                  for t in qkv):
         return None
-    common = (function, window, scalars, types, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, sink_layout,
+    common = (function, window, scalars, types, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, extras,
               state_key())
     if varlen:
         return _varlen_signature(qkv, options, common)

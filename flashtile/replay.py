@@ -100,7 +100,7 @@ class Replay:
                  descriptors: tuple, pointers: bool, launches: tuple, outputs, device: int | None):
         # The tensors the launches take, in this order: the inputs given (their indices), the buffers
         # allocated ((shape, strides, dtype, device)), then views of those ((index, shape, stride, offset in elements
-        # past the storage offset of the one viewed, the same in bytes past its start)).
+        # past the storage offset of the one viewed, the same in bytes past its start, dtype)).
         self.inputs, self.buffers, self.views = inputs, buffers, views
         # TMA descriptors of those tensors: (index of the tensor, the recorded descriptor's layout).
         self.descriptors = descriptors
@@ -138,11 +138,12 @@ class Replay:
         tensors = given + made
         if self.pointers:
             arguments = starts + [t.data_ptr() for t in tensors[len(given):]]
-            arguments += [arguments[index] + delta for index, _, _, _, delta in self.views]
+            arguments += [arguments[index] + delta for index, _, _, _, delta, _ in self.views]
         else:
             arguments = list(tensors)
-            for index, shape, stride, offset, _ in self.views:
+            for index, shape, stride, offset, _, dtype in self.views:
                 base = arguments[index]
+                base = base if base.dtype == dtype else base.view(dtype)
                 arguments.append(base.as_strided(shape, stride, base.storage_offset() + offset))
         arguments += [_Descriptor(arguments[index], layout) for index, layout in self.descriptors]
         for launch, constants, gather in self.launches:
@@ -217,10 +218,11 @@ def build(recorder: Recorder, inputs: tuple, outputs: tuple) -> Replay | str:
         if index is not None:
             return index
         owner = by_storage.get(t.untyped_storage().data_ptr())
-        if owner is None or tensors[owner].dtype != t.dtype:
+        # A view may read its base's bytes as another dtype of the same width (a bool mask as uint8).
+        if owner is None or tensors[owner].element_size() != t.element_size():
             return None
         views.append((owner, tuple(t.shape), t.stride(), t.storage_offset() - tensors[owner].storage_offset(),
-                      t.data_ptr() - tensors[owner].data_ptr()))
+                      t.data_ptr() - tensors[owner].data_ptr(), t.dtype))
         tensors.append(t)
         by_id[id(t)] = len(tensors) - 1
         return len(tensors) - 1

@@ -266,6 +266,73 @@ def test_training_steps_replay(rng, unchecked, served, case):
             assert torch.equal(ours, theirs), f"step {step}: {name} differs from the ordinary call"
 
 
+BIAS_CASES = {
+    "alibi_heads": dict(alibi=(4,), causal=True),
+    "alibi_batch_heads_window": dict(alibi=(2, 4), window_size=(9, 3)),
+    "bias_broadcast": dict(bias=(1, 4, 1, 45)),
+    "bias_full_softcap": dict(bias=(2, 4, 45, 45), softcap=6.0, causal=True),
+    "mask_bool": dict(bias=(2, 1, 45, 45), mask=True, causal=True),
+    "bias_with_grad": dict(bias=(2, 4, 45, 45), bias_grad=True),
+}
+
+
+def _bias_call(rng, grad, alibi=None, bias=None, mask=False, bias_grad=False, **options):
+    """q, k, v (GQA 4/2, 45 tokens) and the options of one call with new ALiBi slopes or bias values."""
+    inputs = tuple(randn(rng, 2, 45, heads, 32) for heads in (4, 2, 2))
+    if grad:
+        inputs = tuple(t.requires_grad_() for t in inputs)
+    if alibi:
+        options["alibi_slopes"] = torch.rand(*alibi, generator=rng).to(DEVICE)
+    if bias and mask:
+        options["attn_bias"] = (torch.rand(*bias, generator=rng) > 0.3).to(DEVICE)
+    elif bias:
+        options["attn_bias"] = randn(rng, *bias).requires_grad_(bias_grad)
+    return inputs, options
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "training"])
+@pytest.mark.parametrize("case", BIAS_CASES)
+def test_alibi_and_bias_calls_replay(rng, unchecked, served, case, grad):
+    """Calls with ALiBi slopes or a bias (float, broadcast; a bool mask, read as bytes) replay with this call's
+    slopes or bias, no-grad calls and training steps alike; a bias that wants its gradient replays the forward
+    only (the backward zeroes the gradient first). Out, lse and every gradient equal the ordinary path's."""
+    bias_grad = BIAS_CASES[case].get("bias_grad", False)
+    if bias_grad and not grad:
+        pytest.skip("a bias that wants a gradient makes a training call")
+    for step in range(3):
+        inputs, options = _bias_call(rng, grad, **BIAS_CASES[case])
+        before = len(served)
+        if grad:
+            dout = randn(rng, 2, 45, 4, 32)
+            wrt = (*inputs, options["attn_bias"]) if bias_grad else inputs
+            out = flash_attn_func(*inputs, **options)
+            got = (out, *torch.autograd.grad(out, wrt, dout))
+            copies = _copies(tuple(t.detach().requires_grad_() for t in inputs), options)
+            if bias_grad:
+                copies[1]["attn_bias"].requires_grad_()
+            expected_out = ordinary(flash_attn_func, *copies[0], **copies[1])
+            expected_wrt = (*copies[0], copies[1]["attn_bias"]) if bias_grad else copies[0]
+            expected = (expected_out, *torch.autograd.grad(expected_out, expected_wrt, dout))
+        else:
+            got = flash_attn_func(*inputs, return_attn_probs=True, **options)[:2]
+            expected = ordinary(flash_attn_func, *_copies(inputs, options)[0], return_attn_probs=True,
+                                **_copies(inputs, options)[1])[:2]
+        replayed = 0 if not step else (1 if bias_grad or not grad else 2)
+        assert len(served) - before == replayed, f"step {step}: {len(served) - before} replayed"
+        for i, (ours, theirs) in enumerate(zip(got, expected)):
+            assert torch.equal(ours, theirs), f"step {step}: output {i} differs from the ordinary call"
+
+
+def test_packed_alibi_calls_replay(rng, unchecked, served):
+    """Packed sequences with ALiBi slopes, new slopes and lengths each call, replay as dense ones do."""
+    for step in range(3):
+        function, tensors, kwargs = _varlen_call(rng, "separate", causal=True)
+        kwargs["alibi_slopes"] = torch.rand(4, generator=rng).to(DEVICE)
+        out = function(*tensors, **kwargs)
+        assert torch.equal(out, ordinary(function, *(t.clone() for t in tensors), **_same_offsets(kwargs)))
+        assert len(served) == step
+
+
 HOPPER = HAS_CUDA and torch.cuda.get_device_capability()[0] == 9
 GLUON_CASES = {
     "causal_gqa": (flash_attn_func, ((2, 70, 4, 128), (2, 70, 2, 128), (2, 70, 2, 128)), dict(causal=True)),

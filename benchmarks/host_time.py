@@ -9,7 +9,7 @@ host's time. ``--label`` names the run (e.g. the commit) in the JSON.
 
 The decode rows take a new cache length every call, as transformers' growing cache gives (``measure_decode``);
 the varlen rows pack 4 sequences into 512 tokens (``measure_varlen``), the sink rows carry a bf16 sink
-(``measure_sink``), the mods rows ALiBi slopes or a bias (``measure_mods``). ``--only dense decode varlen sink
+(``measure_sink``), the mods rows ALiBi slopes, a bias or dropout (``measure_mods``). ``--only dense decode varlen sink
 mods`` picks groups.
 """
 import argparse, json, os, subprocess, time
@@ -135,8 +135,8 @@ def measure_sink(batch=1, seqlen=512, heads=32, heads_kv=8):
 
 
 def measure_mods(batch=1, seqlen=512, heads=32, heads_kv=8):
-    """Calls with ALiBi slopes ``(nheads,)``, float32, or an additive bf16 bias ``(1, nheads, seqlen, seqlen)`` that
-    wants no gradient: a no-grad forward and a forward + backward each, at ``batch x seqlen``, causal."""
+    """Calls with ALiBi slopes ``(nheads,)``, float32, an additive bf16 bias ``(1, nheads, seqlen, seqlen)`` that
+    wants no gradient, or dropout: a no-grad forward and a forward + backward each, at ``batch x seqlen``, causal."""
     q = torch.randn(batch, seqlen, heads, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(batch, seqlen, heads_kv, 128, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
@@ -145,7 +145,8 @@ def measure_mods(batch=1, seqlen=512, heads=32, heads_kv=8):
     dout = torch.randn_like(q)
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
     row = {}
-    for name, mod in (("alibi", dict(alibi_slopes=slopes)), ("bias", dict(attn_bias=bias))):
+    for name, mod in (("alibi", dict(alibi_slopes=slopes)), ("bias", dict(attn_bias=bias)),
+                      ("dropout 0.1", dict(dropout_p=0.1))):
         with torch.no_grad():
             row[f"flashtile fwd with {name}, no grad"] = per_call_us(
                 lambda: flashtile.flash_attn_func(q, k, v, causal=True, **mod))

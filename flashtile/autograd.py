@@ -10,8 +10,8 @@ returns their gradients: ``dsink`` ``(nheads,)`` is made in the sink's dtype for
 ``dbias`` arrives float32 ``(batch, nheads, seqlen_q, seqlen_k)`` and is summed down to the bias's
 broadcast shape and cast to its dtype. Each is allocated only when its input requires grad.
 
-Dropout counters are drawn here, once per forward (:func:`flashtile.rng.draw_seed_offset`), and
-the backward reuses them. Each kernel runs inside ``torch.profiler.record_function`` under its
+Dropout counters are drawn once per forward (:func:`flashtile.rng.draw_seed_offset`; here, or by the
+interface for a call without autograd), and the backward reuses them; a replay is given them. Each kernel runs inside ``torch.profiler.record_function`` under its
 name, so a trace shows which path ran.
 
 A call the interface keys (a training step repeats its shapes) comes with a
@@ -134,28 +134,34 @@ def replay_inputs_of(inputs: tuple, args) -> tuple:
                          args.seqused_k)
 
 
+def dropout_counters(args) -> tuple:
+    """The dropout (seed, offset) of ``args`` as a replay is given them: empty without dropout."""
+    return (args.seed, args.offset) if args.dropout_p else ()
+
+
 def run_forward(plan, q, k, v, args):
-    """The backend's forward alone: ``(out, lse, args)``, ``args`` with its dropout counters drawn.
-    Calls that need no gradient run it without an autograd Function (which costs host time)."""
-    args = draw_dropout_counters(args)
+    """The backend's forward alone, ``(out, lse)``, on ``args`` whose dropout counters are drawn
+    (:func:`draw_dropout_counters`). Calls that need no gradient run it without an autograd Function (which
+    costs host time)."""
     with profiled(plan.fwd_name):
-        out, lse = get_backend(plan.backend).forward(q, k, v, args)
-    return out, lse, args
+        return get_backend(plan.backend).forward(q, k, v, args)
 
 
 def _forward(ctx, plan, inputs, q, k, v, args, sink, attn_bias, kept):
     """The forward of the Function given ``inputs`` (q, k, v as their views); a call whose ``kept`` replays
     fit runs as their launches, and one with ``kept`` and no fitting replay is recorded."""
     ctx.plan, ctx.kept = plan, kept
-    given = replay_inputs_of(inputs, args)
-    outputs = None if kept is None else replay.replayed(kept.forward, given)
+    # This call's dropout counters: the backward regenerates the same mask from them.
+    ctx.args = args = draw_dropout_counters(args)
+    given, counters = replay_inputs_of(inputs, args), dropout_counters(args)
+    outputs = None if kept is None else replay.replayed(kept.forward, given, counters)
     if outputs is not None:
-        (out, lse), ctx.args = outputs, args
+        out, lse = outputs
     elif kept is not None:
-        (out, lse, ctx.args), kept.forward = replay.record(lambda: run_forward(plan, q, k, v, args), given,
-                                                           kept.forward)
+        (out, lse), kept.forward = replay.record(lambda: run_forward(plan, q, k, v, args), given, kept.forward,
+                                                 counters)
     else:
-        out, lse, ctx.args = run_forward(plan, q, k, v, args)
+        out, lse = run_forward(plan, q, k, v, args)
     # What the gradients of sink and attn_bias are reduced and cast to.
     ctx.sink_dtype = None if sink is None else sink.dtype
     ctx.bias_shape = None if attn_bias is None else attn_bias.shape
@@ -173,14 +179,14 @@ def _gradients(ctx, run, dout, saved: tuple, count: int) -> tuple:
     if dout is None:
         return (None,) * count
     kept, args = ctx.kept, ctx.args
-    inputs = replay_inputs_of((dout, *saved), args)
-    grads = None if kept is None else replay.replayed(kept.backward, inputs)
+    inputs, counters = replay_inputs_of((dout, *saved), args), dropout_counters(args)
+    grads = None if kept is None else replay.replayed(kept.backward, inputs, counters)
     if grads is not None:
         record_kernel(ctx.plan.bwd_name)
         return *grads, *(None,) * (count - len(grads))
     if kept is None:
         return run()
-    grads, kept.backward = replay.record(run, inputs, kept.backward)
+    grads, kept.backward = replay.record(run, inputs, kept.backward, counters)
     return grads
 
 

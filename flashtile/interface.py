@@ -18,8 +18,8 @@ from dataclasses import replace
 import torch
 
 from . import ops, replay, validation
-from .autograd import (FlashAttnFunc, FlashAttnKVPackedFunc, FlashAttnQKVPackedFunc, replay_inputs, run_forward,
-                       wants_grad)
+from .autograd import (FlashAttnFunc, FlashAttnKVPackedFunc, FlashAttnQKVPackedFunc, draw_dropout_counters,
+                       dropout_counters, replay_inputs, run_forward, wants_grad)
 from .backends import AttentionCall
 from .dispatch import dispatch, merge_call, recall, record_choice, remember, state_key
 
@@ -278,6 +278,7 @@ def _attention(function, inputs, qkv, options, sink, attn_bias, return_attn_prob
     key = None if compiling else _signature(function, qkv, options, sink, attn_bias)
     known = None if key is None else recall(key)
     kept = None
+    drawn = False
     if known is not None:
         args, chosen, kept = known
         if args.varlen:
@@ -286,8 +287,10 @@ def _attention(function, inputs, qkv, options, sink, attn_bias, return_attn_prob
         else:
             planned = chosen.call.seqlen_k == k.shape[1]
         if planned and kept.forward and not wants_grad(*inputs, sink, attn_bias):
-            # A call like an earlier one: its launches again (fastest), when the layouts are the same.
-            outputs = replay.replayed(kept.forward, _given(inputs, options, sink, attn_bias))
+            # A call like an earlier one: its launches again (fastest), when the layouts are the same; with
+            # this call's dropout counters, which the ordinary path below takes if no replay fits.
+            args, drawn = draw_dropout_counters(args), True
+            outputs = replay.replayed(kept.forward, _given(inputs, options, sink, attn_bias), dropout_counters(args))
             if outputs is not None:
                 record_choice(chosen)
                 out, lse = outputs
@@ -327,16 +330,20 @@ def _attention(function, inputs, qkv, options, sink, attn_bias, return_attn_prob
         if key is not None and chosen.fallback_reason is None:
             kept = replay.Kept()
             remember(key, (args, chosen, kept))
-    # Recorded for the next call like it (dropout draws new counters each call).
-    if chosen.fallback_reason is not None or args.dropout_p != 0:
+    # Recorded for the next call like it; a fallback is counted every call, so it is not.
+    if chosen.fallback_reason is not None:
         kept = None
     if wants_grad(*inputs, sink, attn_bias):
         out, lse = function.apply(*inputs, sink, attn_bias, args, chosen, kept)
-    elif kept is not None:
-        (out, lse, _), kept.forward = replay.record(lambda: run_forward(chosen, q, k, v, args),
-                                                    _given(inputs, options, sink, attn_bias), kept.forward)
+        return (out, lse, None) if return_attn_probs else out
+    if not drawn:
+        args = draw_dropout_counters(args)
+    if kept is not None:
+        (out, lse), kept.forward = replay.record(lambda: run_forward(chosen, q, k, v, args),
+                                                 _given(inputs, options, sink, attn_bias), kept.forward,
+                                                 dropout_counters(args))
     else:
-        out, lse, _ = run_forward(chosen, q, k, v, args)
+        out, lse = run_forward(chosen, q, k, v, args)
     return (out, lse, None) if return_attn_probs else out
 
 

@@ -17,9 +17,10 @@ What this relies on:
 - The caller's key (:mod:`flashtile.interface`) and the replay's own check of the inputs' shapes,
   strides and 16-byte alignment pin everything the launches' non-tensor arguments were computed from
   (the key holds dtypes, devices and options).
-- The recorded call does nothing besides allocating and launching. The interface records forwards and
-  backwards without dropout (new random counters each call); the Triton backend's routes for those only
-  allocate and launch, and whatever else could happen marks the recording
+- The recorded call does nothing besides allocating and launching. A call with dropout draws new random
+  counters each call: its replay is given them, and its launches take them where the recorded call's were
+  (by argument name, :data:`COUNTER_NAMES`). The Triton backend's routes only allocate and launch, and
+  whatever else could happen marks the recording
   unreplayable: a fallback (it must be counted every call), other work the backend names
   (:func:`not_replayable`: a torch reduction, a copy back), a tensor argument (or a TMA descriptor's
   tensor) that is neither an input, a buffer nor a view of one (a copy made on the way), inputs
@@ -93,17 +94,19 @@ def note_buffer(t: torch.Tensor) -> None:
 class Replay:
     """The launches of a recorded call, run again on new inputs (see the module docstring)."""
 
-    __slots__ = ("inputs", "layouts", "alignments", "buffers", "views", "descriptors", "pointers", "launches",
-                 "outputs", "device", "uses")
+    __slots__ = ("inputs", "layouts", "alignments", "buffers", "views", "descriptors", "counters", "pointers",
+                 "launches", "outputs", "device", "uses")
 
     def __init__(self, inputs: tuple, layouts: tuple, alignments: tuple, buffers: tuple, views: tuple,
-                 descriptors: tuple, pointers: bool, launches: tuple, outputs, device: int | None):
+                 descriptors: tuple, counters: int, pointers: bool, launches: tuple, outputs, device: int | None):
         # The tensors the launches take, in this order: the inputs given (their indices), the buffers
         # allocated ((shape, strides, dtype, device)), then views of those ((index, shape, stride, offset in elements
         # past the storage offset of the one viewed, the same in bytes past its start, dtype)).
         self.inputs, self.buffers, self.views = inputs, buffers, views
         # TMA descriptors of those tensors: (index of the tensor, the recorded descriptor's layout).
         self.descriptors = descriptors
+        # How many dropout counters (seed, offset) each replay is given: 0 for a call without dropout.
+        self.counters = counters
         # Each given input's (shape, strides) and start modulo 16 when recorded.
         self.layouts, self.alignments = layouts, alignments
         # Compiled launches take each tensor as its address (an int, which the launcher checks no further):
@@ -118,10 +121,13 @@ class Replay:
         # The calls it served.
         self.uses = 0
 
-    def __call__(self, inputs: tuple):
+    def __call__(self, inputs: tuple, counters: tuple = ()):
         """The call's outputs, or None when an input's layout or alignment differs from the recorded one,
-        or another CUDA device is current (the caller then runs the call normally)."""
+        or another CUDA device is current (the caller then runs the call normally). ``counters``: this call's
+        dropout seed and offset, which the launches take where the recorded call's were."""
         if self.device is not None and torch._C._cuda_getDevice() != self.device:
+            return None
+        if len(counters) != self.counters:
             return None
         given = [inputs[i] for i in self.inputs]
         starts = [t.data_ptr() for t in given]
@@ -146,6 +152,7 @@ class Replay:
                 base = base if base.dtype == dtype else base.view(dtype)
                 arguments.append(base.as_strided(shape, stride, base.storage_offset() + offset))
         arguments += [_Descriptor(arguments[index], layout) for index, layout in self.descriptors]
+        arguments += counters
         for launch, constants, gather in self.launches:
             launch(gather(arguments + constants))
         self.uses += 1
@@ -183,14 +190,17 @@ class _Descriptor:
 
 # Launch arguments of these types are constants; anything else is checked for a tensor or a descriptor.
 _PLAIN = frozenset((int, float, bool, str, type(None)))
-_TENSOR, _DESCRIPTOR, _CONSTANT = range(3)
+_TENSOR, _DESCRIPTOR, _COUNTER, _CONSTANT = range(4)
+# Launch arguments by these names are the dropout counters, given afresh to each replay of a call with dropout.
+COUNTER_NAMES = ("seed", "offset")
 
 
-def build(recorder: Recorder, inputs: tuple, outputs: tuple) -> Replay | str:
+def build(recorder: Recorder, inputs: tuple, outputs: tuple, counters: tuple = ()) -> Replay | str:
     """A :class:`Replay` of the call ``recorder`` saw, or why it cannot be replayed. ``inputs``: the call's
     tensors (None for absent ones), in the order the replay will be given them; ``outputs``: the tensors
-    it returns. The replay compares each input's shape, strides and 16-byte alignment (Triton specializes
-    a pointer on it) with the recorded ones."""
+    it returns; ``counters``: the call's dropout (seed, offset), empty without dropout, which each launch
+    must take by the names COUNTER_NAMES (the launch says its argument names). The replay compares each
+    input's shape, strides and 16-byte alignment (Triton specializes a pointer on it) with the recorded ones."""
     if recorder.unreplayable:
         return recorder.unreplayable
     if not recorder.launches:
@@ -230,11 +240,20 @@ def build(recorder: Recorder, inputs: tuple, outputs: tuple) -> Replay | str:
     recorded = []
     descriptors: list = []
     plain = _PLAIN
+    taken = 0
     for launch, args in recorder.launches:
         slots, constants = [], []
-        for value in args:
+        # Where this launch takes the dropout counters, by argument name.
+        names = getattr(launch, "names", ()) if counters else ()
+        counter_at = {names.index(name): i for i, name in enumerate(COUNTER_NAMES) if name in names}
+        for position, value in enumerate(args):
             kind = value.__class__
-            if kind in plain:
+            if position in counter_at:
+                if value != counters[counter_at[position]]:
+                    return f"a launch takes {value} for the dropout counter {COUNTER_NAMES[counter_at[position]]}"
+                slots.append((_COUNTER, counter_at[position]))
+                taken += 1
+            elif kind in plain:
                 # Most arguments are numbers (a launch takes ~70): kept as they are.
                 slots.append((_CONSTANT, len(constants)))
                 constants.append(value)
@@ -255,15 +274,17 @@ def build(recorder: Recorder, inputs: tuple, outputs: tuple) -> Replay | str:
                 slots.append((_CONSTANT, len(constants)))
                 constants.append(value)
         recorded.append((launch, slots, constants))
+    if counters and not taken:
+        return "no launch takes the dropout counters by name"
     output_indices = []
     for t in outputs:
         index = by_id.get(id(t))
         if index is None or index >= len(given) + len(recorder.buffers):
             return "an output is neither an input nor a buffer"
         output_indices.append(index)
-    # Every tensor is known now: a launch gathers its arguments from the tensors, then the descriptors, then its
-    # constants.
-    starts = (0, len(tensors), len(tensors) + len(descriptors))
+    # Every tensor is known now: a launch gathers its arguments from the tensors, then the descriptors, the
+    # dropout counters and its constants.
+    starts = (0, len(tensors), len(tensors) + len(descriptors), len(tensors) + len(descriptors) + len(counters))
     launches = tuple((launch, constants, _getter([starts[kind] + index for kind, index in slots]))
                      for launch, slots, constants in recorded)
     layouts = tuple((inputs[i].shape, inputs[i].stride()) for i in given)
@@ -271,8 +292,8 @@ def build(recorder: Recorder, inputs: tuple, outputs: tuple) -> Replay | str:
     buffers = tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in recorder.buffers)
     device = inputs[given[0]].device
     pointers = all(getattr(launch, "pointers", False) for launch, _ in recorder.launches)
-    return Replay(tuple(given), layouts, alignments, buffers, tuple(views), tuple(descriptors), pointers, launches,
-                  _getter(output_indices), device.index if device.type == "cuda" else None)
+    return Replay(tuple(given), layouts, alignments, buffers, tuple(views), tuple(descriptors), len(counters), pointers,
+                  launches, _getter(output_indices), device.index if device.type == "cuda" else None)
 
 
 def _getter(indices: list):
@@ -284,13 +305,13 @@ def _getter(indices: list):
     return get if len(indices) > 1 else (lambda items: (get(items),))
 
 
-def replayed(replays: tuple | None, inputs: tuple):
-    """The outputs of the first of ``replays`` that fits ``inputs``, or None. Never while a profiler runs,
-    so that the call's profiler ranges are recorded."""
+def replayed(replays: tuple | None, inputs: tuple, counters: tuple = ()):
+    """The outputs of the first of ``replays`` that fits ``inputs`` (and ``counters``, a call's dropout seed and
+    offset), or None. Never while a profiler runs, so that the call's profiler ranges are recorded."""
     if not replays or torch.autograd._profiler_enabled():
         return None
     for again in replays:
-        outputs = again(inputs)
+        outputs = again(inputs, counters)
         if outputs is not None:
             return outputs
     return None
@@ -312,16 +333,17 @@ class Kept:
         self.forward, self.backward = forward, ()
 
 
-def record(run, inputs: tuple, replays: tuple | None) -> tuple:
+def record(run, inputs: tuple, replays: tuple | None, counters: tuple = ()) -> tuple:
     """``run()``'s result (a tuple whose first items are the call's output tensors), and the replays to keep
     for its key: ``replays`` with this call's in front; None when ``replays`` is None (not recorded) or the
-    call cannot be replayed, which its key's later calls then need not try."""
+    call cannot be replayed, which its key's later calls then need not try. ``counters``: the dropout seed
+    and offset ``run`` launches with (:func:`build`)."""
     if replays is None:
         return run(), None
     recorder = Recorder()
     with recording(recorder):
         result = run()
-    again = build(recorder, inputs, tuple(t for t in result if isinstance(t, torch.Tensor)))
+    again = build(recorder, inputs, tuple(t for t in result if isinstance(t, torch.Tensor)), counters)
     if not isinstance(again, Replay):
         logger.debug("flashtile: not replayable: %s", again)
         return result, None

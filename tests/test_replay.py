@@ -37,8 +37,8 @@ def served(monkeypatch):
     calls = []
     run = replay.Replay.__call__
 
-    def counted(self, inputs):
-        outputs = run(self, inputs)
+    def counted(self, inputs, counters=()):
+        outputs = run(self, inputs, counters)
         if outputs is not None:
             calls.append(self)
         return outputs
@@ -175,8 +175,8 @@ def test_length_changing_every_call_is_recorded_every_other_call(rng, unchecked,
     at the next count, and the one after is recorded again; every call is right."""
     recorded = []
     record = replay.record
-    monkeypatch.setattr(replay, "record", lambda run, inputs, replays, **kw: (
-        recorded.append(replays is not None), record(run, inputs, replays, **kw))[1])
+    monkeypatch.setattr(replay, "record", lambda run, inputs, replays, *counters: (
+        recorded.append(replays is not None), record(run, inputs, replays, *counters))[1])
     q = randn(rng, 1, 1, 4, 32)
     for length in range(60, 66):
         k, v = randn(rng, 1, length, 2, 32), randn(rng, 1, length, 2, 32)
@@ -623,17 +623,44 @@ def test_output_without_gradient_gives_none(rng, unchecked):
     assert torch.equal(q.grad, torch.ones_like(q)) and k.grad is None and v.grad is None
 
 
-def test_dropout_is_never_replayed(rng, unchecked, served):
-    """Dropout draws new counters every call: neither its forward nor its backward is replayed."""
-    q, k, v = (randn(rng, 1, 24, 2, 32) for _ in range(3))
-    torch.manual_seed(0)
-    first = flash_attn_func(q, k, v, dropout_p=0.5)
-    second = flash_attn_func(q, k, v, dropout_p=0.5)
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "training"])
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "varlen"])
+def test_dropout_calls_replay_with_new_counters(rng, unchecked, served, grad, packed):
+    """A call with dropout replays on the counters drawn for it: under one torch seed the replayed call keeps
+    the same elements as the ordinary path (out and every gradient bit-equal), and calls in a row keep other
+    elements (a replay that kept the recorded counters would repeat the first call's mask)."""
+    outs = []
+    for step in range(3):
+        if packed:
+            function, tensors, kwargs = _varlen_call(rng, "separate", grad=grad, causal=True, dropout_p=0.3)
+            copies = lambda: (tuple(t.detach().clone().requires_grad_(grad) for t in tensors),  # noqa: E731
+                              _same_offsets(kwargs))
+        else:
+            function, kwargs = flash_attn_func, dict(dropout_p=0.3, window_size=(20, 0))
+            tensors = tuple(randn(rng, 2, 37, heads, 32).requires_grad_(grad) for heads in (4, 2, 2))
+            copies = lambda: (tuple(t.detach().clone().requires_grad_(grad) for t in tensors), kwargs)  # noqa: E731
+        before = len(served)
+        torch.manual_seed(1000 + step)
+        if grad:
+            dout = randn(rng, *ordinary(function, *(t.detach() for t in tensors), **kwargs).shape)
+            torch.manual_seed(1000 + step)
+            got = _training_step(function, tensors, dout, **kwargs)
+            expected_tensors, expected_kwargs = copies()
+            torch.manual_seed(1000 + step)
+            expected = ordinary(_training_step, function, expected_tensors, dout.clone(), **expected_kwargs)
+        else:
+            got = (function(*tensors, **kwargs),)
+            expected_tensors, expected_kwargs = copies()
+            torch.manual_seed(1000 + step)
+            expected = (ordinary(function, *expected_tensors, **expected_kwargs),)
+        assert len(served) - before == (0 if not step else 1 + grad), f"step {step}: {len(served) - before} replayed"
+        for i, (ours, theirs) in enumerate(zip(got, expected)):
+            assert torch.equal(ours, theirs), f"step {step}: output {i} differs from the ordinary call"
+        outs.append(got[0])
+    # The same inputs twice in a row: two draws of counters, two masks.
+    first, second = (function(*tensors, **kwargs) for _ in range(2))
+    assert len(served) == 2 * (1 + grad) + 2  # the forwards of the last two (no backward asked)
     assert not torch.equal(first, second)
-    q.requires_grad_()
-    for _ in range(2):
-        torch.autograd.grad(flash_attn_func(q, k, v, dropout_p=0.5), q, torch.ones_like(q))
-    assert not served
 
 
 def test_profiled_calls_are_not_replayed(rng, unchecked, served):
@@ -718,6 +745,21 @@ def _descriptor(base, tile=(4,)):
     fields = dict(base=base, shape=list(base.shape), strides=list(base.stride()), block_shape=list(tile),
                   layout="nvmma", padding="zero")
     return type("TensorDescriptor", (), fields)()
+
+
+def test_dropout_counters_are_taken_by_name():
+    """A call's dropout seed and offset are given to each replay and land where the launches take arguments
+    named seed and offset; a call with counters whose launches do not name them is not replayed."""
+    a = torch.randn(8)
+    launch = _Launch()
+    launch.names = ("X", "seed", "n", "offset")
+    again = replay.build(_recorded((launch, [a, 123456789, 8, 77])), (a,), (a,), counters=(123456789, 77))
+    again((a,), (5, 6))
+    assert launch.calls[0][1:] == (5, 8, 6)
+    assert again((a,)) is None, "a replay of a call with dropout needs its counters"
+    unnamed = _Launch()
+    assert isinstance(replay.build(_recorded((unnamed, [a, 123456789, 8, 77])), (a,), (a,), counters=(123456789, 77)),
+                      str)
 
 
 def test_descriptors_are_made_again_on_the_new_addresses():

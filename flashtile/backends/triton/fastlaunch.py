@@ -151,7 +151,7 @@ class CachedLaunch:
                     if hasattr(kernel, "result"):
                         replay.not_replayable("a kernel compiled asynchronously")
                     else:
-                        recorder.launches.append((_Bound(kernel, _grid3(grid), stream),
+                        recorder.launches.append((_Bound(kernel, _grid3(grid), stream, self.names),
                                                   [kwargs[name] for name in self.names]))
                 return
             if hasattr(entry[0], "result"):  # compiled asynchronously: wait for it once
@@ -166,7 +166,7 @@ class CachedLaunch:
             args[slot] = value
         grid = _grid3(grid)
         if recorder is not None:
-            recorder.launches.append((_Bound(kernel, grid, stream), args))
+            recorder.launches.append((_Bound(kernel, grid, stream, self.names), args))
         _run(kernel, grid, _current_stream() if stream is None else stream.cuda_stream, args)
 
 
@@ -187,14 +187,15 @@ def _run(kernel, grid: tuple, stream: int, args: list) -> None:
 
 class _Bound:
     """A compiled kernel on its grid: ``launch(args)`` runs it on the current stream, or on the side stream
-    it was launched on (a replay's launch; see :func:`~flashtile.backends.triton.host.fork`)."""
+    it was launched on (a replay's launch; see :func:`~flashtile.backends.triton.host.fork`). ``names``: the
+    kernel's argument names, in the order ``args`` gives them."""
 
-    __slots__ = ("kernel", "grid", "stream")
+    __slots__ = ("kernel", "grid", "stream", "names")
     # A replay passes tensors as their addresses (ints), which Triton's launcher takes as they are.
     pointers = True
 
-    def __init__(self, kernel, grid: tuple, stream=None):
-        self.kernel, self.grid, self.stream = kernel, grid, stream
+    def __init__(self, kernel, grid: tuple, stream=None, names: tuple = ()):
+        self.kernel, self.grid, self.stream, self.names = kernel, grid, stream, names
 
     def __call__(self, args: list) -> None:
         _run(self.kernel, self.grid, _current_stream() if self.stream is None else self.stream.cuda_stream, args)

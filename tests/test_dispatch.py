@@ -260,6 +260,29 @@ def test_small_calls_keep_the_triton_kernel_for_its_cheaper_launch(monkeypatch):
     assert chunk(1, 128, 32, kv_pairs // (32 * 128) - 1, -1, 0, frozenset({"kvcache"})) is None
 
 
+def test_short_causal_rows_take_the_narrow_gluon_tile(monkeypatch):
+    """Causal rows of fewer than GLUON_SHORT_CAUSAL_KEYS keys take the Gluon 64x64 tile at d=128; at d=64 they
+    are the only calls the Gluon kernel takes (plain ones, not from a KV cache)."""
+    from flashtile.backends.triton import configs
+    monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
+    cuda = torch.device("cuda", 0)
+    keys = configs.GLUON_SHORT_CAUSAL_KEYS
+
+    def tile(head_dim, seqlen_k, right, *features):
+        return configs.gluon_fwd_config(head_dim, head_dim, torch.bfloat16, cuda, 1 << 22, seqlen_k, -1, right,
+                                        frozenset(features))
+
+    assert tile(128, keys - 1, 0) == configs._FWD_SM90_GLUON
+    assert tile(128, keys - 1, 0, "softcap", "sink") == configs._FWD_SM90_GLUON
+    assert tile(128, keys, 0) == configs._FWD_SM90_GLUON_WIDE
+    assert tile(128, keys - 1, -1) == configs._FWD_SM90_GLUON_WIDE  # full rows
+    assert tile(64, keys - 1, 0) == configs._FWD_SM90_GLUON
+    assert tile(64, keys, 0) is None and tile(64, keys - 1, -1) is None
+    assert tile(64, keys - 1, 0, "softcap") is None and tile(64, keys - 1, 0, "varlen") is None
+    assert configs.gluon_kv_config(64, 64, torch.bfloat16, cuda, 64, 512, 32, keys - 1, -1, 0,
+                                   frozenset({"kvcache"})) is None
+
+
 @pytest.mark.parametrize("seqlen_q, features, page_size, window, kernel", [
     (2048, ("kvcache",), 0, (-1, 0), "gluon-sm90 64x128"),  # chunked prefill on a contiguous cache
     (512, ("kvcache",), 0, (-1, 0), "gluon-sm90 64x128"),

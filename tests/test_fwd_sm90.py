@@ -3,7 +3,8 @@
 The dispatcher picks it for 16-bit calls of at least ``GLUON_MIN_PAIRS`` (row, key) pairs at head dim 128
 (half as many at 256): at 128 the 64x128 tile for full and causal rows (ALiBi and softcap too; long full
 rows with softcap only where the row max is held fixed: bf16, softcap <= 51.9), the 64x64 tile for
-sliding windows under 4096 keys and softcap with ALiBi; at 256 and 192/128 the 64x64 tile (configs.py).
+sliding windows under 4096 keys, softcap with ALiBi and causal rows under 1024 keys; at 256 and 192/128 the
+64x64 tile, at 64 the 64x64 tile on plain causal rows under 1024 keys alone (configs.py).
 These tests check which kernel and tile ran (by the kernel counter) and hold out, lse and the gradients
 (the Triton backward on its lse) to the tolerance rule.
 Lengths are awkward: not multiples of the 64-row tiles, seqlen_q != seqlen_k, rows that see no key,
@@ -116,7 +117,24 @@ def test_window_bounded_on_the_right_only(rng):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_softcap(rng, causal):
-    check(rng, 2, TEST_ROWS + 100, 1000, 2, 2, torch.bfloat16, causal=causal, softcap=20.0)
+    # Causal rows of fewer than 1024 keys take the 64x64 tile (configs.GLUON_SHORT_CAUSAL_KEYS).
+    check(rng, 2, TEST_ROWS + 100, 1000, 2, 2, torch.bfloat16, NARROW if causal else WIDE, causal=causal,
+          softcap=20.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("seqlens", [(700, 700), (1000, 333), (257, 900)], ids=["square", "rows-see-none", "more-keys"])
+def test_head_dim_64_short_causal_rows(rng, dtype, seqlens):
+    """At d=64 plain causal rows under 1024 keys take the Gluon 64x64 tile (rows that see no key among them);
+    other d=64 calls keep the Triton kernel."""
+    check(rng, 3, *seqlens, 4, 2, dtype, NARROW, head_dims=(64, 64), causal=True)
+
+
+@pytest.mark.parametrize("options", [dict(causal=True, softcap=20.0), dict(), dict(causal=True, seqlen=1500)],
+                         ids=["softcap", "full", "long-causal"])
+def test_head_dim_64_keeps_the_triton_kernel_elsewhere(rng, options):
+    seqlen = options.pop("seqlen", 700)
+    check(rng, 2, seqlen, seqlen, 4, 2, torch.bfloat16, "fwd[triton", head_dims=(64, 64), **options)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

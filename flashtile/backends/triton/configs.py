@@ -255,8 +255,21 @@ def gluon_ring(cfg: TileConfig, head_dim: int) -> dict:
 # floor was 8x higher, 16 x 1024 full rows at 16 heads: an unreplayed Gluon call cost 20-30 us more.)
 GLUON_MIN_PAIRS = 32 * 1024 * 1024
 # Head dims (q/k, v) the Gluon kernel takes; a pair's work grows with the head dims, so the threshold
-# above counts pairs of d=128 (a call at d=256 needs half as many).
-GLUON_HEAD_DIMS = ((128, 128), (256, 256), (192, 128))
+# above counts pairs of d=128 (a call at d=256 needs half as many). At d=64 it takes short causal rows alone
+# (below); KV-cache calls take it at the first three.
+GLUON_HEAD_DIMS = ((128, 128), (256, 256), (192, 128), (64, 64))
+GLUON_KV_HEAD_DIMS = ((128, 128), (256, 256), (192, 128))
+# Causal rows of fewer than GLUON_SHORT_CAUSAL_KEYS keys take the 64x64 tile: a program walks a few key
+# blocks, and its diagonal block wastes half of a 64-key block instead of half of a 128-key one. H200, bf16,
+# Gluon 64x64 / 64x128, fwd TFLOP/s, two rounds (`python benchmarks/gluon_causal_short.py` ->
+# results/h200-gluon-causal-short-2026-11-23.json; a scratch run before it agreed): d=128 causal 32 x 512
+# 16/16 254-255 / 242-243, 32/8 268-271 / 253-262; 16 x 1024 339 / 331-335 and 305-336 / 325-339 (level:
+# the wide tile keeps it); 8 x 2048 395-404 / 415-416. At d=64 the Triton kernel (128x64 w8 s4) leads the
+# Gluon kernel on full rows and ties it on causal rows of 2048+ keys, but trails it on short causal ones:
+# 32 x 512 32/32 causal Triton 200 against Gluon 64x64 219-222, 16 x 1024 267-273 against 277-279 (full
+# rows at 512: 325-327 against 310-319); so plain causal rows under GLUON_SHORT_CAUSAL_KEYS keys at d=64 take
+# the Gluon 64x64 tile, and nothing else at d=64 does.
+GLUON_SHORT_CAUSAL_KEYS = 1024
 # Sliding windows: a row of fewer keys wastes more of the 64x128 tile at the window's two edges, so it
 # takes 64x64 ((1024, 0): 404 vs 384 TFLOP/s at 1 x 16384, 385 vs 379 at 2 x 8192, though 32/8 heads led
 # on 64x128, 439 vs 408, in this run and the one before). From 4096 keys the wide tile leads: (4096, 0)
@@ -286,6 +299,9 @@ def gluon_fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device:
     work = rows * keys * (head_dim + head_dim_v)
     if seqlen_k == 0 or work < (GLUON_MIN_PAIRS if min_pairs is None else min_pairs) * 256:
         return None
+    short_causal = window_left < 0 and window_right == 0 and seqlen_k < GLUON_SHORT_CAUSAL_KEYS
+    if head_dim == 64:
+        return _FWD_SM90_GLUON if short_causal and not features else None
     if head_dim != 128:
         return _FWD_SM90_GLUON_D256 if head_dim == 256 else _FWD_SM90_GLUON
     if window_left >= 0:
@@ -294,6 +310,8 @@ def gluon_fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device:
     long_rows = row_keys(seqlen_k, window_left, window_right) >= LONG_KEYS
     if "softcap" in features and window_right < 0 and long_rows and fixed_row_max(softcap, dtype, features) is None:
         return None
+    if short_causal:
+        return _FWD_SM90_GLUON
     if {"softcap", "alibi"} <= features:
         # The wide tile's linear ALiBi takes the raw scores, not the capped ones; exact there, it spills.
         return _FWD_SM90_GLUON
@@ -318,7 +336,7 @@ def gluon_kv_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device: 
                     features: frozenset, softcap: float = 0.0):
     """The Gluon Hopper forward's tiles when it runs this KV-cache call (``features`` as in
     ``gluon_fwd_config``, with "kvcache" and "paged"), else None: paged caches keep the KV-cache kernel."""
-    if "paged" in features or seqlen_q < GLUON_KV_MIN_QUERIES:
+    if "paged" in features or seqlen_q < GLUON_KV_MIN_QUERIES or (head_dim, head_dim_v) not in GLUON_KV_HEAD_DIMS:
         return None
     return gluon_fwd_config(head_dim, head_dim_v, dtype, device, batch * nheads * seqlen_q, capacity, window_left,
                             window_right, frozenset(features) - {"kvcache"}, softcap,

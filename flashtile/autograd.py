@@ -11,8 +11,8 @@ returns their gradients: ``dsink`` ``(nheads,)`` is made in the sink's dtype for
 broadcast shape and cast to its dtype. Each is allocated only when its input requires grad.
 
 Dropout counters are drawn once per forward (:func:`flashtile.rng.draw_seed_offset`; here, or by the
-interface for a call without autograd), and the backward reuses them; a replay is given them. Each kernel runs inside ``torch.profiler.record_function`` under its
-name, so a trace shows which path ran.
+interface for a call without autograd), and the backward reuses them; a replay is given them. Each kernel
+runs inside ``torch.profiler.record_function`` under its name, so a trace shows which path ran.
 
 A call the interface keys (a training step repeats its shapes) comes with a
 :class:`flashtile.replay.Kept`: its forward replays an earlier call's launches, and its backward is

@@ -10,7 +10,7 @@ dispatcher picks.
 
     python benchmarks/gluon_short.py --rounds 2 -> $OUT (default /tmp)/h200-gluon-short-<date>.json
 """
-import argparse, json, os, sys, time
+import argparse, json, os, sys
 
 import torch
 import triton
@@ -20,7 +20,7 @@ from flashtile import dispatch, replay
 from flashtile.backends.triton import configs
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from host_time import save_results  # noqa: E402
+from host_time import per_call_us, save_results  # noqa: E402
 
 FLOOR = configs.GLUON_MIN_PAIRS
 SHAPES = [(16384 // s, s, hq, hk, causal) for s in (512, 1024, 2048, 4096) for hq, hk in ((16, 16), (32, 8))
@@ -35,17 +35,6 @@ def use_gluon(gluon: bool) -> None:
     configs.GLUON_MIN_PAIRS = 0 if gluon else 1 << 60
     dispatch.forget_plans()
     dispatch._describe.cache_clear()
-
-
-def host_us(fn, n=400):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / n * 1e6
 
 
 def measure(batch, seqlen, hq, hk, causal, rounds):
@@ -65,7 +54,7 @@ def measure(batch, seqlen, hq, hk, causal, rounds):
             with torch.no_grad():
                 outs[gluon] = fn()
                 ms = triton.testing.do_bench(fn, warmup=25, rep=100)
-                us = host_us(fn)
+                us = per_call_us(fn, 400)
             name = "gluon" if gluon else "triton"
             ran = list(flashtile.stats()["kernels"])
             if not all(("gluon-sm90" in n) == gluon for n in ran):
@@ -90,8 +79,8 @@ def host_time():
             for gluon in (False, True):
                 use_gluon(gluon)
                 with torch.no_grad():
-                    fwd = min(host_us(lambda: flashtile.flash_attn_func(q, k, v, causal=True)) for _ in range(3))
-                step = min(host_us(lambda: flashtile.flash_attn_func(qg, kg, vg, causal=True).backward(dout), 200)
+                    fwd = min(per_call_us(lambda: flashtile.flash_attn_func(q, k, v, causal=True), 400) for _ in range(3))
+                step = min(per_call_us(lambda: flashtile.flash_attn_func(qg, kg, vg, causal=True).backward(dout), 200)
                            for _ in range(3))
                 name = f"{'gluon' if gluon else 'triton'}, {'replayed' if replayed else 'not replayed'}"
                 result[name] = dict(no_grad_fwd_us=round(fwd, 1), fwd_bwd_us=round(step, 1))

@@ -7,7 +7,7 @@ variant's output (the same attention, other tiles).
 
     python benchmarks/gluon_causal_short.py --rounds 2 -> $OUT (default /tmp)/h200-gluon-causal-short-<date>.json
 """
-import argparse, json, os, sys
+import os, sys
 
 import torch
 import triton
@@ -16,7 +16,7 @@ from flashtile.backends.triton import configs, launch
 from flashtile.validation import attn_args
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from host_time import save_results  # noqa: E402
+from host_time import measure_all, rounds_option, save_results  # noqa: E402
 
 NARROW, WIDE = configs._FWD_SM90_GLUON, configs._FWD_SM90_GLUON_WIDE
 CASES = [(128, 16384 // s, s, hq, hk, True) for s in (512, 1024, 2048, 4096) for hq, hk in ((16, 16), (32, 8))]
@@ -49,15 +49,9 @@ def measure(head_dim, batch, seqlen, hq, hk, causal, rounds):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=2)
-    opts = parser.parse_args()
-    torch.manual_seed(0)
-    rows = []
-    for case in CASES:
-        rows.append(measure(*case, opts.rounds))
-        print(json.dumps(rows[-1]), flush=True)
-    path = save_results("gluon-causal-short", rows, f"python benchmarks/gluon_causal_short.py --rounds {opts.rounds}")
+    rounds = rounds_option()
+    rows = measure_all(lambda *case: measure(*case, rounds), CASES)
+    path = save_results("gluon-causal-short", rows, f"python benchmarks/gluon_causal_short.py --rounds {rounds}")
     for r in rows:
         tiles = "  ".join(f"{name} {r[name]}" for name in ("triton", "gluon 64x64", "gluon 64x128") if name in r)
         print(f"d={r['headdim']:<4} {r['shape']:>8} {r['heads']:>6} {r['mask']:>6}  {tiles}")

@@ -10,7 +10,7 @@ dispatcher picks.
 
     python benchmarks/gluon_short.py --rounds 2 -> $OUT (default /tmp)/h200-gluon-short-<date>.json
 """
-import argparse, json, os, sys
+import os, sys
 
 import torch
 import triton
@@ -20,7 +20,7 @@ from flashtile import dispatch, replay
 from flashtile.backends.triton import configs
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from host_time import per_call_us, save_results  # noqa: E402
+from host_time import measure_all, per_call_us, rounds_option, save_results  # noqa: E402
 
 FLOOR = configs.GLUON_MIN_PAIRS
 SHAPES = [(16384 // s, s, hq, hk, causal) for s in (512, 1024, 2048, 4096) for hq, hk in ((16, 16), (32, 8))
@@ -90,21 +90,15 @@ def host_time():
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=2)
-    opts = parser.parse_args()
-    torch.manual_seed(0)
-    rows = []
+    rounds = rounds_option()
     try:
-        for shape in SHAPES:
-            rows.append(measure(*shape, opts.rounds))
-            print(json.dumps(rows[-1]), flush=True)
+        rows = measure_all(lambda *shape: measure(*shape, rounds), SHAPES)
         host = host_time()
     finally:
         configs.GLUON_MIN_PAIRS = FLOOR
         dispatch.forget_plans()
         dispatch._describe.cache_clear()
-    path = save_results("gluon-short", rows, f"python benchmarks/gluon_short.py --rounds {opts.rounds}",
+    path = save_results("gluon-short", rows, f"python benchmarks/gluon_short.py --rounds {rounds}",
                         host_time_1x128_32_8_causal=host, gluon_min_pairs=FLOOR)
     print(f"{'shape':>8} {'heads':>6} {'mask':>6} {'triton TFLOP/s':>16} {'gluon TFLOP/s':>16} default")
     for r in rows:

@@ -36,6 +36,13 @@ def git_commit():
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 
 
+def rounds_option(default=2) -> int:
+    """The ``--rounds`` a comparison script is run with."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=default)
+    return parser.parse_args().rounds
+
+
 def measure_all(measure, shapes):
     """``measure(*shape)`` of each shape from a fixed seed, each row printed as it comes."""
     torch.manual_seed(0)
@@ -216,22 +223,13 @@ if __name__ == "__main__":
             row = measure(batch, seqlen)
             result["rows"][f"{batch}x{seqlen}"] = row
             print(f"{batch}x{seqlen}", row, flush=True)
-    if "decode" in opts.only:
-        row = measure_decode()
-        result["rows"]["decode 1x512+"] = row
-        print("decode 1x512+", row, flush=True)
-    if "sink" in opts.only:
-        row = measure_sink()
-        result["rows"]["sink 1x512"] = row
-        print("sink 1x512", row, flush=True)
-    if "mods" in opts.only:
-        row = measure_mods()
-        result["rows"]["alibi or bias 1x512"] = row
-        print("alibi or bias 1x512", row, flush=True)
-    if "varlen" in opts.only:
-        row = measure_varlen()
-        result["rows"]["varlen 4 sequences, 512 tokens"] = row
-        print("varlen 4 sequences, 512 tokens", row, flush=True)
+    # The other groups: one row each, under these names.
+    for group, name, measure_group in (("decode", "decode 1x512+", measure_decode), ("sink", "sink 1x512", measure_sink),
+                                       ("mods", "alibi or bias 1x512", measure_mods),
+                                       ("varlen", "varlen 4 sequences, 512 tokens", measure_varlen)):
+        if group in opts.only:
+            result["rows"][name] = row = measure_group()
+            print(name, row, flush=True)
     path = os.path.join(os.environ.get("OUT", "/tmp"), f"h200-host-time-{opts.label}.json")
     json.dump(result, open(path, "w"), indent=1)
     print("wrote", path)

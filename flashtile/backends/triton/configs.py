@@ -257,8 +257,8 @@ GLUON_MIN_PAIRS = 32 * 1024 * 1024
 # Head dims (q/k, v) the Gluon kernel takes; a pair's work grows with the head dims, so the threshold
 # above counts pairs of d=128 (a call at d=256 needs half as many). At d=64 it takes short causal rows alone
 # (below); KV-cache calls take it at the first three.
-GLUON_HEAD_DIMS = ((128, 128), (256, 256), (192, 128), (64, 64))
 GLUON_KV_HEAD_DIMS = ((128, 128), (256, 256), (192, 128))
+GLUON_HEAD_DIMS = GLUON_KV_HEAD_DIMS + ((64, 64),)
 # Causal rows of fewer than GLUON_SHORT_CAUSAL_KEYS keys take the 64x64 tile: a program walks a few key
 # blocks, and its diagonal block wastes half of a 64-key block instead of half of a 128-key one. H200, bf16,
 # Gluon 64x64 / 64x128, fwd TFLOP/s, two rounds (`python benchmarks/gluon_causal_short.py` ->

@@ -200,6 +200,22 @@ def test_softcap_with_a_fixed_row_max(rng, softcap, options):
     check(rng, 1, TEST_ROWS + 33, 2 * TEST_ROWS + 100, 4, 2, torch.bfloat16, softcap=softcap, **options)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_softcap_below_the_softmax_scale_leaves_q_unscaled(rng, dtype):
+    """The kernel folds softcap's scale (softmax_scale / softcap) into Q only when it is at most 1: a larger
+    one could overflow 16-bit Q. Here it is 1.77 and Q's entries reach 6e4, which fp16 holds and 1.77 x 6e4
+    does not: the output must be finite and right (the tanh saturates, so the softmax is near uniform)."""
+    q, k, v = make_qkv(1, TEST_ROWS + 7, TEST_ROWS + 7, 2, 2, 128, dtype, "cuda", requires_grad=False,
+                       generator=rng)
+    q = (q.float().clamp(-3, 3) * 2e4).to(dtype)
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, softcap=0.05, causal=True, return_attn_probs=True)
+    assert ran(WIDE)
+    ref_out, ref_lse = attention_ref(q, k, v, softcap=0.05, causal=True)
+    assert torch.isfinite(out).all()
+    assert (out.float() - ref_out).abs().max() <= ATOL[dtype][0]
+    assert (lse.float() - ref_lse).abs().max() <= ATOL[dtype][0]
+
+
 @pytest.mark.parametrize("sign", [-1.0, 1.0], ids=["floor", "ceiling"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_fixed_row_max_rows_pinned_at_the_cap(rng, sign, causal):

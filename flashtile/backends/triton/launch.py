@@ -267,7 +267,8 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, features
             seqlen_new=args.seqlen_new if kvcache else 0,
             MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0, SOFTCAP=args.softcap > 0,
             ALIBI=alibi is not None, HAS_SINK=args.sink is not None, **gluon_ring(cfg, q.shape[3]),
-            FIXED_MAX=row_max is not None, TAIL=tail, IS_VARLEN=args.varlen, HAS_SEQUSED=args.seqused_k is not None,
+            FIXED_MAX=row_max is not None, SCALE_Q=args.softcap > 0 and qk_scale <= 1.0, TAIL=tail,
+            IS_VARLEN=args.varlen, HAS_SEQUSED=args.seqused_k is not None,
             KVCACHE=kvcache,
             **dict(zip(("HAS_SEQLENS", "HAS_LEFTPAD", "HAS_BATCH_IDX"), (t is not None for t in cache_tensors))),
             num_warps=cfg.num_warps)

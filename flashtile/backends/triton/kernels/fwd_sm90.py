@@ -16,9 +16,10 @@ one's softmax also overlaps the other's matmuls. With 64-key blocks Q sits in re
 blocks need those registers for the scores, so Q stays in shared memory and one key slot (refilled
 right after S_j, a whole softmax ahead of its use) keeps two programs within an SM's shared memory.
 With softcap the scores are bounded, and ``FIXED_MAX`` (configs.fixed_row_max) holds every row's max
-at one value from the start: no row max, no rescaling of O. With ALiBi on 128-key blocks, a block wholly on
-one side of the rows' diagonal keys takes the bias as linear (``_alibi_linear_step``): one FMA an element
-more than plain. Scores, masks and the online softmax are
+at one value from the start: no row max, no rescaling of O. ``SCALE_Q`` folds softcap's scale (at most 1)
+into Q once, rounded to Q's dtype, so the tanh takes ``q . k`` with no multiply a score. With ALiBi on
+128-key blocks, a block wholly on one side of the rows' diagonal keys takes the bias as linear
+(``_alibi_linear_step``): one FMA an element more than plain. Scores, masks and the online softmax are
 the Triton kernel's helpers (common.py). Inputs: 16-bit, head dims 128 or 256 for q, k and v alike, or
 192 for q and k with 128 for v (``TAIL``); no bias or dropout (the launcher takes the Triton kernel for
 those). Packed sequences (``IS_VARLEN``) read through descriptors of the whole ``(1, tokens, heads, headdim)``
@@ -81,6 +82,16 @@ def _zero_tail(tile, rows, num_warps: gl.constexpr):
     offs = gl.arange(0, tile.shape[0], layout=gl.SliceLayout(1, layout))
     tile.store(gl.where((offs < rows)[:, None], values, gl.zeros_like(values)))
     # Make the generic-proxy stores visible to the tensor cores' async proxy, then wait for every thread's.
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _scale_tile(tile, scale, num_warps: gl.constexpr):
+    """Multiply a ``[rows, headdim]`` shared-memory tile by ``scale`` in place, before a wgmma reads it."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    values = tile.load(layout)
+    tile.store((values.to(gl.float32) * scale).to(values.dtype))
     fence_async_shared()
     gl.thread_barrier()
 
@@ -201,7 +212,8 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, qk_s
                   stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group,
                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                   HAS_SINK: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, Q_IN_REGS: gl.constexpr,
-                  FIXED_MAX: gl.constexpr, TAIL: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
+                  FIXED_MAX: gl.constexpr, SCALE_Q: gl.constexpr, TAIL: gl.constexpr, IS_VARLEN: gl.constexpr,
+                  HAS_SEQUSED: gl.constexpr,
                   KVCACHE: gl.constexpr, HAS_SEQLENS: gl.constexpr, HAS_LEFTPAD: gl.constexpr,
                   HAS_BATCH_IDX: gl.constexpr, num_warps: gl.constexpr):
     """``q_desc``/``k_desc``/``v_desc``: TMA descriptors of the ``(batch, seqlen, heads, headdim)``
@@ -303,6 +315,14 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, qk_s
     mbarrier.wait(q_bar, 0)
     q = q_smem.reshape([BLOCK_M, HEAD_DIM])
     q_tail = q_tail_smem.reshape([BLOCK_M, q_tail_smem.shape[3]])
+    if SCALE_Q:
+        # Fold softcap's scale (at most 1) into Q once: the tanh then takes q . k with no multiply a score.
+        _scale_tile(q, qk_scale, num_warps)
+        if TAIL:
+            _scale_tile(q_tail, qk_scale, num_warps)
+        score_scale = 1.0
+    else:
+        score_scale = qk_scale
     if Q_IN_REGS:
         # Q as the register operand: each QK^T then reads only K from shared memory.
         q = q.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
@@ -317,7 +337,7 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, qk_s
                  k_start + lo + K_STAGES * BLOCK_N, off_hk, K_STAGES < n_blocks, TAIL)
         p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n, lo,
                                             (lo < full_lo) | (lo >= full_hi),
-                                            seqlen_q, seqlen_k, qk_scale, softcap2, slope2,
+                                            seqlen_q, seqlen_k, score_scale, softcap2, slope2,
                                             window_left, window_right, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX)
         for j in range(1, n_blocks):
             slot = j % K_STAGES
@@ -335,7 +355,7 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, qk_s
             # The softmax of S_j runs while the PV product is still in flight.
             p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n + j * BLOCK_N, start_n,
                                                 (start_n < full_lo) | (start_n >= full_hi), seqlen_q, seqlen_k,
-                                                qk_scale, softcap2, slope2, window_left, window_right,
+                                                score_scale, softcap2, slope2, window_left, window_right,
                                                 MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             _load(v_desc, v_bar.index(prev), v_smem.index(prev), kv_b, k_start + start_n + (V_STAGES - 1) * BLOCK_N,

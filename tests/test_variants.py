@@ -121,6 +121,14 @@ def test_softcap(backend, device, rng, dtype, causal):
     check(q, k, v, rng, causal=causal, softcap=5.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=dtype_id)
+def test_softcap_below_the_softmax_scale(backend, device, rng, dtype):
+    """softmax_scale / softcap = 2.5 > 1: a cap far below the scores (the Gluon forward keeps its multiply a
+    score here rather than fold the scale into Q: see test_fwd_sm90)."""
+    q, k, v = make_qkv(1, 75, 130, 2, 1, 64, dtype, device, generator=rng)
+    check(q, k, v, rng, causal=True, softcap=0.05)
+
+
 @pytest.mark.parametrize("slopes_shape", ["nheads", "batch-nheads"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_alibi(backend, device, rng, slopes_shape, causal):

@@ -114,6 +114,14 @@ def dependent_launch(t: torch.Tensor) -> bool:
     return t.is_cuda and capability(t.device)[0] >= 9
 
 
+def fold_scale(args) -> bool:
+    """Whether the Gluon forward folds softcap's scale (``softmax_scale / softcap``) into its Q tile, rounded
+    to Q's dtype like the inputs: the tanh then takes ``q . k`` with no multiply a score. Not for a scale above
+    1, where the larger Q could overflow fp16. (The Triton kernels keep the multiply: the same fold there
+    measured slower, its backward 1.2-1.4x.)"""
+    return 0 < args.softcap and args.softmax_scale <= args.softcap
+
+
 def fast_tanh(q: torch.Tensor) -> bool:
     # The GPU's tanh.approx is within a 16-bit input's rounding; fp32 inputs get the exact formula.
     return q.is_cuda and q.dtype != torch.float32

@@ -22,7 +22,7 @@ from .configs import (bwd_config, bwd_plan, fixed_row_max, fwd_config, gluon_fwd
 # the Gluon forward); the dispatcher finds it here.
 from .decode import append_kv, merge_states  # noqa: F401
 from .fastlaunch import CachedLaunch
-from .host import bsh_strides, cdiv, fast_tanh, fork, input_precision, lse_strides, on_device, unit_stride
+from .host import bsh_strides, cdiv, fast_tanh, fold_scale, fork, input_precision, lse_strides, on_device, unit_stride
 from .kernels.bwd import bwd_dkdv, bwd_dq, bwd_preprocess, bwd_sink_grad, bwd_sum_parts
 from .kernels.common import LOG2E as _LOG2E
 from .kernels.fwd import attn_fwd
@@ -104,7 +104,7 @@ def _args_key(args: AttnArgs, lengths: bool = True) -> tuple:
     """Everything of ``args`` that the static kernel arguments depend on (see fastlaunch.py); without
     ``lengths``, for a launch that takes the sequence lengths as dynamic arguments."""
     bias, alibi = args.attn_bias, args.alibi_slopes
-    key = (args.window_left, args.window_right, args.softcap > 0, args.dropout_p,
+    key = (args.window_left, args.window_right, args.softcap > 0, fold_scale(args), args.dropout_p,
            None if alibi is None else alibi.stride(), args.sink is not None,
            None if bias is None else (bias.dtype, bias.shape, bias.stride()), args.varlen, args.seqused_k is not None)
     if lengths:
@@ -267,7 +267,7 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, features
             seqlen_new=args.seqlen_new if kvcache else 0,
             MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0, SOFTCAP=args.softcap > 0,
             ALIBI=alibi is not None, HAS_SINK=args.sink is not None, **gluon_ring(cfg, q.shape[3]),
-            FIXED_MAX=row_max is not None, SCALE_Q=args.softcap > 0 and qk_scale <= 1.0, TAIL=tail,
+            FIXED_MAX=row_max is not None, FOLD_SCALE=fold_scale(args), TAIL=tail,
             IS_VARLEN=args.varlen, HAS_SEQUSED=args.seqused_k is not None,
             KVCACHE=kvcache,
             **dict(zip(("HAS_SEQLENS", "HAS_LEFTPAD", "HAS_BATCH_IDX"), (t is not None for t in cache_tensors))),

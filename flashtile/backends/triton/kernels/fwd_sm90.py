@@ -16,7 +16,7 @@ one's softmax also overlaps the other's matmuls. With 64-key blocks Q sits in re
 blocks need those registers for the scores, so Q stays in shared memory and one key slot (refilled
 right after S_j, a whole softmax ahead of its use) keeps two programs within an SM's shared memory.
 With softcap the scores are bounded, and ``FIXED_MAX`` (configs.fixed_row_max) holds every row's max
-at one value from the start: no row max, no rescaling of O. ``SCALE_Q`` folds softcap's scale (at most 1)
+at one value from the start: no row max, no rescaling of O. ``FOLD_SCALE`` folds softcap's scale (at most 1)
 into Q once, rounded to Q's dtype, so the tanh takes ``q . k`` with no multiply a score. With ALiBi on
 128-key blocks, a block wholly on one side of the rows' diagonal keys takes the bias as linear
 (``_alibi_linear_step``): one FMA an element more than plain. Scores, masks and the online softmax are
@@ -212,7 +212,7 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, qk_s
                   stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group,
                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                   HAS_SINK: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, Q_IN_REGS: gl.constexpr,
-                  FIXED_MAX: gl.constexpr, SCALE_Q: gl.constexpr, TAIL: gl.constexpr, IS_VARLEN: gl.constexpr,
+                  FIXED_MAX: gl.constexpr, FOLD_SCALE: gl.constexpr, TAIL: gl.constexpr, IS_VARLEN: gl.constexpr,
                   HAS_SEQUSED: gl.constexpr,
                   KVCACHE: gl.constexpr, HAS_SEQLENS: gl.constexpr, HAS_LEFTPAD: gl.constexpr,
                   HAS_BATCH_IDX: gl.constexpr, num_warps: gl.constexpr):
@@ -315,7 +315,7 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, qk_s
     mbarrier.wait(q_bar, 0)
     q = q_smem.reshape([BLOCK_M, HEAD_DIM])
     q_tail = q_tail_smem.reshape([BLOCK_M, q_tail_smem.shape[3]])
-    if SCALE_Q:
+    if FOLD_SCALE:
         # Fold softcap's scale (at most 1) into Q once: the tanh then takes q . k with no multiply a score.
         _scale_tile(q, qk_scale, num_warps)
         if TAIL:

@@ -9,6 +9,8 @@ softcap, ALiBi, sinks, seqlen_q != seqlen_k), then timed in three interleaved ro
 
 ``short``: shorter rows (32 x 512 .. 4 x 4096, plain) and ALiBi on all three tiles instead.
 ``window``: sliding windows of 512 to 8192 keys (plain, softcap, ALiBi, sink, GQA), writes $OUT/gsweep-window.json.
+``softcap``: the softcap calls whose row max is not held fixed (fp16, softcap 60, with a sink) on long full rows,
+and softcap windows, writes $OUT/gsweep-softcap.json.
 """
 import json
 import math
@@ -136,15 +138,24 @@ if MODE == "window":
               (2, 8192, 4096), (1, 16384, 8192))]
     cases += [(1, 16384, H, H, False, (w, 0), feat) for w in (1024, 4096) for feat in ("softcap", "alibi", "sink")]
     cases += [(4, 4096, 32, 8, False, (w, 0), "plain") for w in (1024, 2048)]
+if MODE == "softcap":
+    cases = [(B, S, H, H, False, (-1, -1), feat) for feat in ("softcap-fp16", "softcap60", "softcap-sink")
+             for B, S in ((4, 4096), (2, 8192), (1, 16384))]
+    cases += [(1, 16384, H, H, False, (w, 0), "softcap") for w in (2048, 4096, 8192)]
+# Feature name -> (dtype, softcap, sink): "softcap" is 30 in bf16, where the row max is held fixed.
+FEATURES = {"softcap": (torch.bfloat16, 30.0, False), "softcap-fp16": (torch.float16, 30.0, False),
+            "softcap60": (torch.bfloat16, 60.0, False), "softcap-sink": (torch.bfloat16, 30.0, True),
+            "sink": (torch.bfloat16, 0.0, True)}
 table = []
 for (B, S, h, hk, causal, window, feat) in cases:
+    dt, softcap, sink = FEATURES.get(feat, (torch.bfloat16, 0.0, False))
     q = torch.randn(B, S, h, D, device="cuda", dtype=dt)
     k, v = (torch.randn(B, S, hk, D, device="cuda", dtype=dt) for _ in range(2))
-    a = args_for(h, B, causal, window, 30.0 if feat == "softcap" else 0.0, feat == "alibi", feat == "sink", D ** -0.5)
+    a = args_for(h, B, causal, window, softcap, feat == "alibi", sink, D ** -0.5)
     flops = 4 * B * h * S * S * D / (2 if causal else 1)
     if window[0] >= 0:
         flops = 4 * B * h * D * sum(min(i, window[0]) + 1 for i in range(S))
-    table_tile = fwd_config(128, dt, q.device, S, a.window_left, a.window_right, feat == "softcap")
+    table_tile = fwd_config(128, dt, q.device, S, a.window_left, a.window_right, softcap > 0)
     cfgs = [("triton", table_tile)] + list(CFG.items())
     if feat == "alibi" and not SHORT and MODE != "window":
         cfgs = cfgs[:2]

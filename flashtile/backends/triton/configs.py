@@ -196,6 +196,10 @@ def fwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, seqlen_k
 #   sink:    full 494 / 510 / 534 .. 514 / 507 / 550; causal 432 / 463 / 498 .. 524 / 488 / 541
 #   softcap full:   399 / 410 / 433,  440 / 417 / 422,  440 / 416 / 437  (long full rows: Triton)
 #   softcap causal: 391 / 409 / 395,  382 / 400 / 414,  397 / 414 / 427
+#   With the scale folded into Q (2026-11-23, gluon_tiles.py softcap -> results/h200-gluon-tiles-softcap-
+#   2026-11-23.json), long full rows with a running max still tie: fp16 425 / 414 / 415 (2 x 8192), 425 / 412 /
+#   427 (1 x 16384); softcap 60 439 / 429 / 429, 443 / 427 / 444; with a sink 436 / 437 / 428, 442 / 437 / 443.
+#   Softcap windows tie too: (2048, 0) 370 / 471 / 477, (4096, 0) 371 / 464 / 453, (8192, 0) 378 / 481 / 472.
 #   ALiBi full 451 / 458 .. 467 / 469; causal 381 / 427 .. 461 / 473 (Triton / Gluon 64x64); with
 #     64x128 (gluon_tiles.py short): 4 x 4096 full 445 / 457 / 433, causal 377 / 417 / 351. Since the
 #     64x128 tile takes blocks on one side of the diagonal as a linear bias (fwd_sm90._alibi_linear_step),

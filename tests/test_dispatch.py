@@ -99,11 +99,12 @@ def test_hopper_head_dim_256_tiles(monkeypatch, headdim, headdim_v, features, fw
 
 
 @pytest.mark.parametrize("window, seqlen, features, headdim, kernel", [
-    ((1024, 0), 16384, (), 128, "gluon-sm90 64x64"),  # a narrow window: its edge blocks waste less of 64x64
+    ((1024, 0), 16384, (), 128, "gluon-sm90-slim 64x64"),  # a narrow window: its edge blocks waste less of 64x64
     ((4096, 0), 16384, (), 128, "gluon-sm90 64x128"),  # a wide one leads on 64x128
     ((4096, 0), 16384, ("sink", "alibi"), 128, "gluon-sm90 64x128"),
     ((4096, 0), 16384, ("softcap",), 128, "gluon-sm90 64x64"),
     ((2048, 2048), 16384, (), 128, "gluon-sm90 64x128"),
+    ((-1, 0), 2048, (), 128, "gluon-sm90-slim 64x64"),  # short causal rows: three programs an SM
     ((-1, 0), 4096, (), 128, "gluon-sm90 64x128"),  # causal rows
     ((-1, 0), 16384, (), 128, "gluon-sm90 64x128"),
     ((-1, -1), 4096, (), 128, "gluon-sm90 64x128"),  # full rows
@@ -137,7 +138,7 @@ def test_hopper_forward_kernel_is_gluon_where_it_leads(monkeypatch, window, seql
     name, _, config = triton_backend.describe(call)
     family = kernel.split()[0]
     assert name.startswith(f"flashtile.fwd[{family} d={headdim}")
-    assert config["fwd"]["kernel"] == ("gluon" if family == "gluon-sm90" else "triton")
+    assert config["fwd"]["kernel"] == {"gluon-sm90": "gluon", "gluon-sm90-slim": "gluon-slim"}.get(family, "triton")
     if family == "gluon-sm90":
         tile = kernel.split()[1]
         assert name.endswith(f"BM={tile.split('x')[0]} BN={tile.split('x')[1]}]")
@@ -192,6 +193,7 @@ def test_long_full_softcap_rows_take_gluon_when_the_row_max_is_fixed(monkeypatch
 
 @pytest.mark.parametrize("tile, head_dim, head_dim_v, q_in_regs", [
     ("_FWD_SM90_GLUON", 128, 128, True), ("_FWD_SM90_GLUON_WIDE", 128, 128, False),
+    ("_FWD_SM90_GLUON_SLIM", 128, 128, False),
     ("_FWD_SM90_GLUON_D256", 256, 256, False), ("_FWD_SM90_GLUON", 192, 128, True),
 ])
 def test_gluon_tiles_fit_two_programs_per_sm(tile, head_dim, head_dim_v, q_in_regs):
@@ -236,15 +238,16 @@ def test_small_calls_keep_the_triton_kernel_for_its_cheaper_launch(monkeypatch):
     pairs = configs.GLUON_MIN_PAIRS
 
     def kernel(rows, seqlen_k, left, right):
-        cfg = configs.gluon_fwd_config(128, 128, torch.bfloat16, cuda, rows, seqlen_k, left, right, frozenset())
+        features = frozenset({"window"} if left >= 0 else ())
+        cfg = configs.gluon_fwd_config(128, 128, torch.bfloat16, cuda, rows, seqlen_k, left, right, features)
         return cfg and cfg.kernel
 
     assert kernel(pairs // 1024, 1024, -1, -1) == "gluon"
     assert kernel(pairs // 1024 - 1, 1024, -1, -1) is None
-    assert kernel(pairs // 1024, 2048, -1, 0) == "gluon"  # causal: 1024 keys a row on average
+    assert kernel(pairs // 1024, 2048, -1, 0) == "gluon-slim"  # causal: 1024 keys a row on average
     assert kernel(pairs // 1024, 2047, -1, 0) is None
     rows = -(-pairs // 1025)
-    assert kernel(rows, 16384, 1024, 0) == "gluon"  # a window of 1025 keys
+    assert kernel(rows, 16384, 1024, 0) == "gluon-slim"  # a window of 1025 keys
     assert kernel(rows - 1, 16384, 1024, 0) is None
     assert kernel(32 * 16 * 512, 512, -1, -1) == "gluon"  # 32 x 512 at 16 heads: replayed, its kernel leads
     assert kernel(1 * 32 * 1024, 1024, -1, 0) is None  # 1 x 1024 causal at 32 heads: bound by the host
@@ -261,8 +264,9 @@ def test_small_calls_keep_the_triton_kernel_for_its_cheaper_launch(monkeypatch):
 
 
 def test_short_causal_rows_take_the_narrow_gluon_tile(monkeypatch):
-    """Causal rows of fewer than GLUON_SHORT_CAUSAL_KEYS keys take the Gluon 64x64 tile at d=128; at d=64 they
-    are the only calls the Gluon kernel takes (plain ones, not from a KV cache)."""
+    """Causal rows of fewer than GLUON_SHORT_CAUSAL_KEYS keys take the Gluon 64x64 tile at d=128 (slimmed to
+    three programs an SM for plain rows, as plain rows under GLUON_SLIM_CAUSAL_KEYS are); at d=64 they are the
+    only calls the Gluon kernel takes (plain ones, not from a KV cache)."""
     from flashtile.backends.triton import configs
     monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
     cuda = torch.device("cuda", 0)
@@ -272,9 +276,12 @@ def test_short_causal_rows_take_the_narrow_gluon_tile(monkeypatch):
         return configs.gluon_fwd_config(head_dim, head_dim, torch.bfloat16, cuda, 1 << 22, seqlen_k, -1, right,
                                         frozenset(features))
 
-    assert tile(128, keys - 1, 0) == configs._FWD_SM90_GLUON
+    assert tile(128, keys - 1, 0) == configs._FWD_SM90_GLUON_SLIM
     assert tile(128, keys - 1, 0, "softcap", "sink") == configs._FWD_SM90_GLUON
-    assert tile(128, keys, 0) == configs._FWD_SM90_GLUON_WIDE
+    assert tile(128, keys, 0, "softcap") == configs._FWD_SM90_GLUON_WIDE
+    slim_keys = configs.GLUON_SLIM_CAUSAL_KEYS
+    assert tile(128, slim_keys - 1, 0) == configs._FWD_SM90_GLUON_SLIM
+    assert tile(128, slim_keys, 0) == configs._FWD_SM90_GLUON_WIDE
     assert tile(128, keys - 1, -1) == configs._FWD_SM90_GLUON_WIDE  # full rows
     assert tile(64, keys - 1, 0) == configs._FWD_SM90_GLUON
     assert tile(64, keys, 0) is None and tile(64, keys - 1, -1) is None
@@ -289,7 +296,7 @@ def test_short_causal_rows_take_the_narrow_gluon_tile(monkeypatch):
     (127, ("kvcache",), 0, (-1, 0), "triton"),  # fewer rows: the KV-cache kernel packs the GQA heads
     (1, ("kvcache",), 0, (-1, 0), "triton"),  # a decode step
     (2048, ("kvcache", "paged"), 16, (-1, 0), "triton"),  # pages: no TMA box spans them
-    (2048, ("kvcache", "window"), 0, (1024, 0), "gluon-sm90 64x64"),
+    (2048, ("kvcache", "window"), 0, (1024, 0), "gluon-sm90-slim 64x64"),
     (2048, ("kvcache", "softcap", "alibi", "sink"), 0, (-1, 0), "gluon-sm90 64x64"),
 ])
 def test_kvcache_chunked_prefill_takes_the_gluon_forward(monkeypatch, seqlen_q, features, page_size, window, kernel):
@@ -305,10 +312,10 @@ def test_kvcache_chunked_prefill_takes_the_gluon_forward(monkeypatch, seqlen_q, 
     name, _, config = triton_backend.describe(call)
     family = kernel.split()[0]
     assert name.startswith(f"flashtile.decode[{family} d=128")
-    if family == "gluon-sm90":
+    if family.startswith("gluon-sm90"):
         tile = kernel.split()[1]
         assert name.endswith(f"BM={tile.split('x')[0]} BN={tile.split('x')[1]}]")
-        assert config["decode"]["kernel"] == "gluon"
+        assert config["decode"]["kernel"] == family.replace("-sm90", "")
 
 
 @pytest.mark.parametrize("options", [

@@ -35,7 +35,7 @@ def small_gluon_threshold(monkeypatch):
     monkeypatch.setattr(configs, "GLUON_KV_MIN_PAIRS", TEST_ROWS)
 
 
-WIDE, NARROW = "gluon-sm90 BN=128", "gluon-sm90 BN=64"
+WIDE, NARROW, SLIM = "gluon-sm90 BN=128", "gluon-sm90 BN=64", "gluon-sm90-slim BN=64"
 
 
 def ran(kernel: str) -> bool:
@@ -178,6 +178,15 @@ def test_softcap_with_alibi_on_the_wide_tile_is_exact(rng, causal):
                       for hi in (True, False))
     assert_results_close({"out": out, "lse": lse}, *({n: r[n] for n in ("out", "lse")} for r in (ref_hi, ref_lo)),
                          torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("options", [dict(causal=True), dict(window_size=(300, 0)), dict(window_size=(200, 40))],
+                         ids=["causal", "window", "two-sided-window"])
+def test_short_plain_rows_take_the_slim_tile(rng, dtype, options):
+    """Plain causal rows under GLUON_SLIM_CAUSAL_KEYS keys and plain windows under GLUON_WIDE_WINDOW_KEYS keys
+    run the slim 64x64 tile (Q in shared memory, one key slot: three programs an SM)."""
+    check(rng, 2, TEST_ROWS // 2 + 37, 2000, 4, 2, dtype, SLIM, **options)
 
 
 def test_rows_that_see_no_key(rng):

@@ -69,6 +69,10 @@ def _window(call: AttentionCall) -> tuple:
     return left, 0 if call.causal and right < 0 else right
 
 
+# The forward kernels' names by TileConfig.kernel.
+_KERNEL_LABELS = {"triton": "triton", "gluon": "gluon-sm90", "gluon-slim": "gluon-sm90-slim"}
+
+
 def describe(call: AttentionCall):
     """Profiler names of the forward and backward kernels, and their tile configs. A KV-cache call
     and a merge of partial results (``merge_attention_states``) have no backward (its name is empty)."""
@@ -105,7 +109,7 @@ def describe(call: AttentionCall):
                          head_dim_v=call.headdim_v))
     # The Gluon kernel needs TMA-readable inputs; a call whose strides are not takes the Triton one
     # and says so (a recorded fallback).
-    kernel = "gluon-sm90" if fwd.kernel == "gluon" else "triton"
+    kernel = _KERNEL_LABELS[fwd.kernel]
     fwd_name = f"flashtile.fwd[{kernel} d={call.headdim} {mask}{extras} BM={fwd.BLOCK_M} BN={fwd.BLOCK_N}]"
     return fwd_name, bwd_name, {"fwd": vars(fwd), **bwd_tiles}
 
@@ -120,7 +124,8 @@ def _describe_kvcache(call: AttentionCall):
                             call.nheads, call.seqlen_k, left, right, call.feature_names, call.softcap)
     if gluon is not None:
         # Chunked prefill on a contiguous cache: the Gluon Hopper forward (launch.attention_kv).
-        name = f"flashtile.decode[gluon-sm90 d={call.headdim} {mask}{extras} BM={gluon.BLOCK_M} BN={gluon.BLOCK_N}]"
+        name = (f"flashtile.decode[{_KERNEL_LABELS[gluon.kernel]} d={call.headdim} {mask}{extras} "
+                f"BM={gluon.BLOCK_M} BN={gluon.BLOCK_N}]")
         return name, "", {"decode": vars(gluon), "auto_num_splits": 1}
     name, config = _decode_name(call, extras, call.page_size)
     return name, "", config

@@ -15,7 +15,8 @@ import torch
 @dataclass(frozen=True)
 class TileConfig:
     """One kernel's launch: query tile, key tile, warps, software-pipeline depth, and which forward
-    kernel: ``"triton"`` (kernels/fwd.py) or ``"gluon"`` (the Hopper kernel in kernels/fwd_sm90.py)."""
+    kernel: ``"triton"`` (kernels/fwd.py), ``"gluon"`` (the Hopper kernel in kernels/fwd_sm90.py) or
+    ``"gluon-slim"`` (that kernel with Q in shared memory and one key slot: see gluon_ring)."""
     BLOCK_M: int
     BLOCK_N: int
     num_warps: int
@@ -214,6 +215,19 @@ def fwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, seqlen_k
 # causal 4 x 4096 653-675 vs 557-644; softcap 4 x 4096 full 1384-1400 vs 1302-1353.
 _FWD_SM90_GLUON = TileConfig(64, 64, 4, 2, kernel="gluon")
 _FWD_SM90_GLUON_WIDE = TileConfig(64, 128, 4, 2, kernel="gluon")
+# The 64x64 tile slimmed to three programs an SM (gluon_ring): Q in shared memory, one key slot and two
+# value slots, 161 registers and 66 KB (the plain 64x64 plan takes 195 and 82 KB: two programs). Short
+# programs spend much of their time filling and draining their pipeline; a third program on the SM keeps
+# the tensor cores busy meanwhile. H200, bf16, 16 heads, fwd TFLOP/s, median of 5 interleaved rounds, the
+# table's tile / 64x64 / slim (`python benchmarks/gluon_slim.py` -> results/h200-gluon-slim-2026-11-23.json):
+#   causal 32 x 512 238 (64x64) / 238 / 266; 16 x 1024 319 (64x128) / 319 / 354; 8 x 2048 396 (64x128) / 374 /
+#   419; 4 x 4096 458 (64x128) / 428 / 451; 2 x 8192 483 / 467 / 483.
+#   windows at 1 x 16384, (512, 0) 282 (64x64) / 291 / 325; (1024, 0) 352 / 372 / 404; (2048, 0) 412 / 423 /
+#   442; (4096, 0) 491 (64x128) / 466 / 490; (1024, 0) at 2 x 8192 358 / 371 / 407, at 4 x 4096 347 / 362 / 398.
+# So plain causal rows under GLUON_SLIM_CAUSAL_KEYS keys and plain windows under GLUON_WIDE_WINDOW_KEYS keys
+# take it; with softcap, ALiBi or sinks (more registers: unmeasured) they keep the 64x64 tile.
+_FWD_SM90_GLUON_SLIM = TileConfig(64, 64, 4, 2, kernel="gluon-slim")
+GLUON_SLIM_CAUSAL_KEYS = 4096
 # Head dim 256: 64x64 with one key and one value slot (see gluon_ring). TFLOP/s against the Triton
 # kernel's 128x64 tile and cuDNN (H200, bf16, 8 heads, interleaved rounds; `python
 # benchmarks/gluon_head_dims.py` -> results/h200-gluon-head-dims-2026-11-22.json): 2 x 8192 full
@@ -239,9 +253,10 @@ def gluon_ring(cfg: TileConfig, head_dim: int) -> dict:
     128 registers: Q stays in shared memory, and one slot each (96 KB, 231-240 registers) keeps two
     programs an SM (``cfg.num_stages`` = 1). At 192/128 Q fits in registers (209) and two slots each in
     104 KB."""
-    wide = cfg.BLOCK_N >= 128
-    return dict(K_STAGES=1 if wide else cfg.num_stages, V_STAGES=cfg.num_stages,
-                Q_IN_REGS=not wide and head_dim < 256)
+    # The slim tile (_FWD_SM90_GLUON_SLIM) keeps Q in shared memory and one key slot: three programs an SM.
+    narrow_ring = cfg.BLOCK_N >= 128 or cfg.kernel == "gluon-slim"
+    return dict(K_STAGES=1 if narrow_ring else cfg.num_stages, V_STAGES=cfg.num_stages,
+                Q_IN_REGS=not narrow_ring and head_dim < 256)
 
 
 # Host time: repeated calls replay their launches (flashtile.replay, TMA descriptors made again on the new
@@ -309,8 +324,11 @@ def gluon_fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device:
     if head_dim != 128:
         return _FWD_SM90_GLUON_D256 if head_dim == 256 else _FWD_SM90_GLUON
     if window_left >= 0:
-        wide = row_keys(seqlen_k, window_left, window_right) >= GLUON_WIDE_WINDOW_KEYS and "softcap" not in features
-        return _FWD_SM90_GLUON_WIDE if wide else _FWD_SM90_GLUON
+        if row_keys(seqlen_k, window_left, window_right) >= GLUON_WIDE_WINDOW_KEYS and "softcap" not in features:
+            return _FWD_SM90_GLUON_WIDE
+        return _FWD_SM90_GLUON_SLIM if features <= {"window"} else _FWD_SM90_GLUON
+    if window_right == 0 and seqlen_k < GLUON_SLIM_CAUSAL_KEYS and not features:
+        return _FWD_SM90_GLUON_SLIM
     long_rows = row_keys(seqlen_k, window_left, window_right) >= LONG_KEYS
     if "softcap" in features and window_right < 0 and long_rows and fixed_row_max(softcap, dtype, features) is None:
         return None

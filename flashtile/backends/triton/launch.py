@@ -163,7 +163,7 @@ def forward(q, k, v, args: AttnArgs, config=None):
         return out, lse
     cfg = config or gluon_fwd_config(head_dim, head_dim_v, q.dtype, q.device, batch * nheads * seqlen_q, seqlen_k,
                                      args.window_left, args.window_right, features, args.softcap)
-    if cfg is not None and cfg.kernel == "gluon":
+    if cfg is not None and cfg.kernel.startswith("gluon"):
         reason = tma_unfit(q, k, v)
         if reason is None:
             _forward_sm90(q, k, v, out, lse, args, cfg, (batch, seqlen_q, seqlen_k, nheads // nheads_kv), features)

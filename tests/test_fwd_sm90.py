@@ -407,17 +407,18 @@ def check_kvcache(rng, seqlens, seqlen_q, seqlen_new, capacity, nheads, nheads_k
     assert_close_to_ref("lse", lse, ref_hi[1], ref_lo[1], ATOL[dtype][0])
 
 
-KV_WIDE, KV_NARROW = "decode[gluon-sm90 BN=128", "decode[gluon-sm90 BN=64"
+KV_WIDE, KV_NARROW, KV_SLIM = "decode[gluon-sm90 BN=128", "decode[gluon-sm90 BN=64", "decode[gluon-sm90-slim BN=64"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_kvcache_chunked_prefill(rng, dtype):
-    """Chunked prefill: 300 new tokens after an empty cache, after 1200 (filling the capacity) and after 517."""
-    check_kvcache(rng, [0, 1200, 517], 300, 300, 1500, 4, 2, dtype, KV_WIDE, causal=True)
+    """Chunked prefill: 300 new tokens after an empty cache, after 1200 (filling the capacity) and after 517
+    (causal rows of under GLUON_SLIM_CAUSAL_KEYS keys: the slim tile)."""
+    check_kvcache(rng, [0, 1200, 517], 300, 300, 1500, 4, 2, dtype, KV_SLIM, causal=True)
 
 
 def test_kvcache_leftpad_and_batch_idx(rng):
-    check_kvcache(rng, [40, 900, 517], 200, 200, 1500, 4, 1, torch.bfloat16, KV_WIDE, leftpad=[0, 333, 517],
+    check_kvcache(rng, [40, 900, 517], 200, 200, 1500, 4, 1, torch.bfloat16, KV_SLIM, leftpad=[0, 333, 517],
                   batch_idx=True, causal=True)
 
 

@@ -219,11 +219,15 @@ _FWD_SM90_GLUON_WIDE = TileConfig(64, 128, 4, 2, kernel="gluon")
 # value slots, 161 registers and 66 KB (the plain 64x64 plan takes 195 and 82 KB: two programs). Short
 # programs spend much of their time filling and draining their pipeline; a third program on the SM keeps
 # the tensor cores busy meanwhile. H200, bf16, 16 heads, fwd TFLOP/s, median of 5 interleaved rounds, the
-# table's tile / 64x64 / slim (`python benchmarks/gluon_slim.py` -> results/h200-gluon-slim-2026-11-23.json):
+# tile table before it / 64x64 / slim (probe: results/h200-gluon-slim-probe-2026-11-23.json):
 #   causal 32 x 512 238 (64x64) / 238 / 266; 16 x 1024 319 (64x128) / 319 / 354; 8 x 2048 396 (64x128) / 374 /
 #   419; 4 x 4096 458 (64x128) / 428 / 451; 2 x 8192 483 / 467 / 483.
 #   windows at 1 x 16384, (512, 0) 282 (64x64) / 291 / 325; (1024, 0) 352 / 372 / 404; (2048, 0) 412 / 423 /
 #   442; (4096, 0) 491 (64x128) / 466 / 490; (1024, 0) at 2 x 8192 358 / 371 / 407, at 4 x 4096 347 / 362 / 398.
+# Re-run with the rule in place (`python benchmarks/gluon_slim.py --rounds 5` -> results/h200-gluon-slim-
+# 2026-11-23.json), 64x64 / slim: causal 32 x 512 227 / 258, 16 x 1024 300 / 349, 8 x 2048 366 / 409; windows
+# (1024, 0) 352 / 397, 2 x 8192 349 / 397, 32/8 heads at 4 x 4096 368 / 398; the 64x128 tile keeps causal rows
+# of 4096+ keys (453 / 453 slim, 488 / 469 at 8192) and windows of 4096+ (478 / 475).
 # So plain causal rows under GLUON_SLIM_CAUSAL_KEYS keys and plain windows under GLUON_WIDE_WINDOW_KEYS keys
 # take it; with softcap, ALiBi or sinks (more registers: unmeasured) they keep the 64x64 tile.
 _FWD_SM90_GLUON_SLIM = TileConfig(64, 64, 4, 2, kernel="gluon-slim")
@@ -252,7 +256,8 @@ def gluon_ring(cfg: TileConfig, head_dim: int) -> dict:
     S_j has read it, a whole softmax before the next block needs it. At d=256 the accumulator alone takes
     128 registers: Q stays in shared memory, and one slot each (96 KB, 231-240 registers) keeps two
     programs an SM (``cfg.num_stages`` = 1). At 192/128 Q fits in registers (209) and two slots each in
-    104 KB."""
+    104 KB. The slim 64x64 tile (``kernel="gluon-slim"``) keeps Q in shared memory and one key slot: 161
+    registers and 66 KB, three programs an SM."""
     # The slim tile (_FWD_SM90_GLUON_SLIM) keeps Q in shared memory and one key slot: three programs an SM.
     narrow_ring = cfg.BLOCK_N >= 128 or cfg.kernel == "gluon-slim"
     return dict(K_STAGES=1 if narrow_ring else cfg.num_stages, V_STAGES=cfg.num_stages,
@@ -278,7 +283,8 @@ GLUON_MIN_PAIRS = 32 * 1024 * 1024
 # (below); KV-cache calls take it at the first three.
 GLUON_KV_HEAD_DIMS = ((128, 128), (256, 256), (192, 128))
 GLUON_HEAD_DIMS = GLUON_KV_HEAD_DIMS + ((64, 64),)
-# Causal rows of fewer than GLUON_SHORT_CAUSAL_KEYS keys take the 64x64 tile: a program walks a few key
+# Causal rows of fewer than GLUON_SHORT_CAUSAL_KEYS keys take the 64x64 tile (plain ones its slim plan, as
+# every plain causal row under GLUON_SLIM_CAUSAL_KEYS keys does: above): a program walks a few key
 # blocks, and its diagonal block wastes half of a 64-key block instead of half of a 128-key one. H200, bf16,
 # Gluon 64x64 / 64x128, fwd TFLOP/s, two rounds (`python benchmarks/gluon_causal_short.py` ->
 # results/h200-gluon-causal-short-2026-11-23.json; a scratch run before it agreed): d=128 causal 32 x 512

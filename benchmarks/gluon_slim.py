@@ -17,30 +17,13 @@ from flashtile.backends import AttnArgs
 from flashtile.backends.triton import configs, launch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from host_time import measure_all, rounds_option, save_results  # noqa: E402
+from host_time import events_us, measure_all, rounds_option, save_results  # noqa: E402
 
 # (batch, seqlen, query heads, KV heads, causal, window left or -1)
 SHAPES = [(b, s, 16, 16, True, -1) for b, s in ((32, 512), (16, 1024), (8, 2048), (4, 4096), (2, 8192))]
 SHAPES += [(1, 16384, 16, 16, False, w) for w in (512, 1024, 2048, 4096)]
 SHAPES += [(2, 8192, 16, 16, False, 1024), (4, 4096, 16, 16, False, 1024), (4, 4096, 32, 8, False, 1024)]
 TILES = {"64x64": configs._FWD_SM90_GLUON, "slim": configs._FWD_SM90_GLUON_SLIM}
-
-
-def events_us(fn, n=20):
-    """Median over 7 repeats of the mean time of ``n`` back-to-back calls, in us."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(7):
-        start.record()
-        for _ in range(n):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / n * 1e3)
-    return sorted(times)[3]
 
 
 def measure(batch, seqlen, heads, heads_kv, causal, left, rounds):

@@ -22,25 +22,7 @@ import torch
 from flashtile.backends import AttnArgs
 from flashtile.backends.triton import launch
 from flashtile.backends.triton.configs import fwd_config, _FWD_SM90_GLUON, _FWD_SM90_GLUON_WIDE
-
-
-
-def bench(fn, n=20):
-    """Median over 7 repeats of the mean time of ``n`` back-to-back calls, in us."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(7):
-        start.record()
-        for _ in range(n):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / n * 1e3)
-    return sorted(times)[3]
-
+from host_time import events_us
 
 dt = torch.bfloat16
 CFG = {"gluon64": _FWD_SM90_GLUON, "gluon128": _FWD_SM90_GLUON_WIDE}
@@ -164,7 +146,7 @@ for (B, S, h, hk, causal, window, feat) in cases:
     times = {n: [] for n, _ in cfgs}
     for rnd in range(3):
         for n, cfg in cfgs:
-            times[n].append(bench(lambda: launch.forward(q, k, v, a, config=cfg), 20))
+            times[n].append(events_us(lambda: launch.forward(q, k, v, a, config=cfg), 20))
     row = dict(B=B, S=S, h=h, hk=hk, causal=causal, window=window, feat=feat,
                us={n: [round(x, 1) for x in t] for n, t in times.items()},
                tflops={n: round(flops / min(t) / 1e6) for n, t in times.items()})

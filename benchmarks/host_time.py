@@ -30,6 +30,24 @@ def per_call_us(fn, n=1000):
     return round((time.perf_counter() - start) / n * 1e6, 1)
 
 
+def events_us(fn, n=20):
+    """GPU time of ``fn`` in us: the median over 7 repeats of the mean of ``n`` back-to-back calls (CUDA events,
+    so the host's time is hidden behind the queue)."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(7):
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / n * 1e3)
+    return sorted(times)[3]
+
+
 def git_commit():
     """The commit under test: ``FLASHTILE_GIT_COMMIT`` (the device copy has no .git), else git's."""
     return os.environ.get("FLASHTILE_GIT_COMMIT") or subprocess.run(

@@ -258,7 +258,6 @@ def gluon_ring(cfg: TileConfig, head_dim: int) -> dict:
     programs an SM (``cfg.num_stages`` = 1). At 192/128 Q fits in registers (209) and two slots each in
     104 KB. The slim 64x64 tile (``kernel="gluon-slim"``) keeps Q in shared memory and one key slot: 161
     registers and 66 KB, three programs an SM."""
-    # The slim tile (_FWD_SM90_GLUON_SLIM) keeps Q in shared memory and one key slot: three programs an SM.
     narrow_ring = cfg.BLOCK_N >= 128 or cfg.kernel == "gluon-slim"
     return dict(K_STAGES=1 if narrow_ring else cfg.num_stages, V_STAGES=cfg.num_stages,
                 Q_IN_REGS=not narrow_ring and head_dim < 256)

@@ -22,7 +22,8 @@ from .configs import (bwd_config, bwd_plan, fixed_row_max, fwd_config, gluon_fwd
 # the Gluon forward); the dispatcher finds it here.
 from .decode import append_kv, merge_states  # noqa: F401
 from .fastlaunch import CachedLaunch
-from .host import bsh_strides, cdiv, fast_tanh, fold_scale, fork, input_precision, lse_strides, on_device, unit_stride
+from .host import (bsh_strides, cdiv, fast_tanh, fold_scale, fork, input_precision, lse_strides, on_device,
+                   unit_stride)
 from .kernels.bwd import bwd_dkdv, bwd_dq, bwd_preprocess, bwd_sink_grad, bwd_sum_parts
 from .kernels.common import LOG2E as _LOG2E
 from .kernels.fwd import attn_fwd

@@ -102,7 +102,7 @@ def test_hopper_head_dim_256_tiles(monkeypatch, headdim, headdim_v, features, fw
     ((1024, 0), 16384, (), 128, "gluon-sm90-slim 64x64"),  # a narrow window: its edge blocks waste less of 64x64
     ((4096, 0), 16384, (), 128, "gluon-sm90 64x128"),  # a wide one leads on 64x128
     ((4096, 0), 16384, ("sink", "alibi"), 128, "gluon-sm90 64x128"),
-    ((4096, 0), 16384, ("softcap",), 128, "gluon-sm90 64x64"),
+    ((4096, 0), 16384, ("softcap",), 128, "gluon-sm90-slim 64x64"),
     ((2048, 2048), 16384, (), 128, "gluon-sm90 64x128"),
     ((-1, 0), 2048, (), 128, "gluon-sm90-slim 64x64"),  # short causal rows: three programs an SM
     ((-1, 0), 4096, (), 128, "gluon-sm90 64x128"),  # causal rows
@@ -265,7 +265,7 @@ def test_small_calls_keep_the_triton_kernel_for_its_cheaper_launch(monkeypatch):
 
 def test_short_causal_rows_take_the_narrow_gluon_tile(monkeypatch):
     """Causal rows of fewer than GLUON_SHORT_CAUSAL_KEYS keys take the Gluon 64x64 tile at d=128 (slimmed to
-    three programs an SM for plain rows, as plain rows under GLUON_SLIM_CAUSAL_KEYS are); at d=64 they are the
+    three programs an SM unless they have ALiBi, as rows under GLUON_SLIM_CAUSAL_KEYS are); at d=64 they are the
     only calls the Gluon kernel takes (plain ones, not from a KV cache)."""
     from flashtile.backends.triton import configs
     monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
@@ -277,10 +277,13 @@ def test_short_causal_rows_take_the_narrow_gluon_tile(monkeypatch):
                                         frozenset(features))
 
     assert tile(128, keys - 1, 0) == configs._FWD_SM90_GLUON_SLIM
-    assert tile(128, keys - 1, 0, "softcap", "sink") == configs._FWD_SM90_GLUON
+    assert tile(128, keys - 1, 0, "softcap", "sink") == configs._FWD_SM90_GLUON_SLIM
+    assert tile(128, keys - 1, 0, "softcap", "alibi") == configs._FWD_SM90_GLUON
     assert tile(128, keys, 0, "softcap") == configs._FWD_SM90_GLUON_WIDE
     slim_keys = configs.GLUON_SLIM_CAUSAL_KEYS
     assert tile(128, slim_keys - 1, 0) == configs._FWD_SM90_GLUON_SLIM
+    assert tile(128, slim_keys - 1, 0, "sink") == configs._FWD_SM90_GLUON_SLIM
+    assert tile(128, slim_keys - 1, 0, "alibi") == configs._FWD_SM90_GLUON_WIDE
     assert tile(128, slim_keys, 0) == configs._FWD_SM90_GLUON_WIDE
     assert tile(128, keys - 1, -1) == configs._FWD_SM90_GLUON_WIDE  # full rows
     assert tile(64, keys - 1, 0) == configs._FWD_SM90_GLUON

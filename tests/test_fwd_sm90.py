@@ -183,10 +183,19 @@ def test_softcap_with_alibi_on_the_wide_tile_is_exact(rng, causal):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("options", [dict(causal=True), dict(window_size=(300, 0)), dict(window_size=(200, 40))],
                          ids=["causal", "window", "two-sided-window"])
-def test_short_plain_rows_take_the_slim_tile(rng, dtype, options):
-    """Plain causal rows under GLUON_SLIM_CAUSAL_KEYS keys and plain windows under GLUON_WIDE_WINDOW_KEYS keys
-    run the slim 64x64 tile (Q in shared memory, one key slot: three programs an SM)."""
-    check(rng, 2, TEST_ROWS // 2 + 37, 2000, 4, 2, dtype, SLIM, **options)
+@pytest.mark.parametrize("feature", ["", "softcap", "sink"])
+def test_short_rows_take_the_slim_tile(rng, dtype, options, feature):
+    """Causal rows under GLUON_SLIM_CAUSAL_KEYS keys and windows under GLUON_WIDE_WINDOW_KEYS keys, plain or with
+    softcap or a sink, run the slim 64x64 tile (Q in shared memory, one key slot: three programs an SM)."""
+    extra = feature_options(rng, 4, softcap=feature == "softcap", sink=feature == "sink")
+    check(rng, 2, TEST_ROWS // 2 + 37, 2000, 4, 2, dtype, SLIM, **options, **extra)
+
+
+def test_alibi_keeps_the_64x64_tile_on_short_rows(rng):
+    """ALiBi takes more registers than three programs an SM leave: its short causal rows keep the 64x64 plan."""
+    check(rng, 1, TEST_ROWS // 2 + 5, 700, 4, 2, torch.bfloat16, NARROW, causal=True,
+          **feature_options(rng, 4, alibi=True))
+    assert not ran(SLIM)
 
 
 def test_rows_that_see_no_key(rng):

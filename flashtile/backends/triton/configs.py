@@ -228,10 +228,16 @@ _FWD_SM90_GLUON_WIDE = TileConfig(64, 128, 4, 2, kernel="gluon")
 # 2026-11-23.json), 64x64 / slim: causal 32 x 512 227 / 258, 16 x 1024 300 / 349, 8 x 2048 366 / 409; windows
 # (1024, 0) 352 / 397, 2 x 8192 349 / 397, 32/8 heads at 4 x 4096 368 / 398; the 64x128 tile keeps causal rows
 # of 4096+ keys (453 / 453 slim, 488 / 469 at 8192) and windows of 4096+ (478 / 475).
-# So plain causal rows under GLUON_SLIM_CAUSAL_KEYS keys and plain windows under GLUON_WIDE_WINDOW_KEYS keys
-# take it; with softcap, ALiBi or sinks (more registers: unmeasured) they keep the 64x64 tile.
+# With softcap or a sink it fits three programs too (159-162 registers) and leads by more, table / 64x64 /
+# slim, median of 3 (results/h200-gluon-slim-features-2026-11-23.json): causal softcap 16 x 1024 300 (64x128)
+# / 313 / 349, 8 x 2048 372 / 390 / 425; causal sink 322 / 312 / 349, 382 / 377 / 409; softcap windows (1024,
+# 0) 361 (64x64) / 380 / 427, (4096, 0) 468 / 468 / 483; sink windows (128, 0) at 64/8 heads 154 / 156 / 178,
+# (1024, 0) 365 / 378 / 418. ALiBi takes 182 registers (two programs): it keeps the 64x64 tile.
+# So causal rows under GLUON_SLIM_CAUSAL_KEYS keys and windows under GLUON_WIDE_WINDOW_KEYS keys (softcap
+# windows of any width) take it, plain or with GLUON_SLIM_FEATURES.
 _FWD_SM90_GLUON_SLIM = TileConfig(64, 64, 4, 2, kernel="gluon-slim")
 GLUON_SLIM_CAUSAL_KEYS = 4096
+GLUON_SLIM_FEATURES = frozenset({"window", "softcap", "sink"})
 # Head dim 256: 64x64 with one key and one value slot (see gluon_ring). TFLOP/s against the Triton
 # kernel's 128x64 tile and cuDNN (H200, bf16, 8 heads, interleaved rounds; `python
 # benchmarks/gluon_head_dims.py` -> results/h200-gluon-head-dims-2026-11-22.json): 2 x 8192 full
@@ -282,8 +288,8 @@ GLUON_MIN_PAIRS = 32 * 1024 * 1024
 # (below); KV-cache calls take it at the first three.
 GLUON_KV_HEAD_DIMS = ((128, 128), (256, 256), (192, 128))
 GLUON_HEAD_DIMS = GLUON_KV_HEAD_DIMS + ((64, 64),)
-# Causal rows of fewer than GLUON_SHORT_CAUSAL_KEYS keys take the 64x64 tile (plain ones its slim plan, as
-# every plain causal row under GLUON_SLIM_CAUSAL_KEYS keys does: above): a program walks a few key
+# Causal rows of fewer than GLUON_SHORT_CAUSAL_KEYS keys take the 64x64 tile (its slim plan unless they have
+# ALiBi, as every causal row under GLUON_SLIM_CAUSAL_KEYS keys does: above): a program walks a few key
 # blocks, and its diagonal block wastes half of a 64-key block instead of half of a 128-key one. H200, bf16,
 # Gluon 64x64 / 64x128, fwd TFLOP/s, two rounds (`python benchmarks/gluon_causal_short.py` ->
 # results/h200-gluon-causal-short-2026-11-23.json; a scratch run before it agreed): d=128 causal 32 x 512
@@ -331,8 +337,8 @@ def gluon_fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device:
     if window_left >= 0:
         if row_keys(seqlen_k, window_left, window_right) >= GLUON_WIDE_WINDOW_KEYS and "softcap" not in features:
             return _FWD_SM90_GLUON_WIDE
-        return _FWD_SM90_GLUON_SLIM if features <= {"window"} else _FWD_SM90_GLUON
-    if window_right == 0 and seqlen_k < GLUON_SLIM_CAUSAL_KEYS and not features:
+        return _FWD_SM90_GLUON_SLIM if features <= GLUON_SLIM_FEATURES else _FWD_SM90_GLUON
+    if window_right == 0 and seqlen_k < GLUON_SLIM_CAUSAL_KEYS and features <= GLUON_SLIM_FEATURES:
         return _FWD_SM90_GLUON_SLIM
     long_rows = row_keys(seqlen_k, window_left, window_right) >= LONG_KEYS
     if "softcap" in features and window_right < 0 and long_rows and fixed_row_max(softcap, dtype, features) is None:

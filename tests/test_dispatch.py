@@ -279,7 +279,7 @@ def test_short_causal_rows_take_the_narrow_gluon_tile(monkeypatch):
     assert tile(128, keys - 1, 0) == configs._FWD_SM90_GLUON_SLIM
     assert tile(128, keys - 1, 0, "softcap", "sink") == configs._FWD_SM90_GLUON_SLIM
     assert tile(128, keys - 1, 0, "softcap", "alibi") == configs._FWD_SM90_GLUON
-    assert tile(128, keys, 0, "softcap") == configs._FWD_SM90_GLUON_WIDE
+    assert tile(128, keys, 0, "alibi") == configs._FWD_SM90_GLUON_WIDE
     slim_keys = configs.GLUON_SLIM_CAUSAL_KEYS
     assert tile(128, slim_keys - 1, 0) == configs._FWD_SM90_GLUON_SLIM
     assert tile(128, slim_keys - 1, 0, "sink") == configs._FWD_SM90_GLUON_SLIM

@@ -261,9 +261,11 @@ def test_fixed_row_max_rows_pinned_at_the_cap(rng, sign, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("sink_dtype", [torch.float32, torch.bfloat16], ids=["sink_fp32", "sink_bf16"])
 def test_sink_on_the_wide_tile(rng, causal, sink_dtype):
-    """A sink in float32 or in the model's bf16 (read as float32 by the kernel; dsink comes back in bf16)."""
+    """A sink in float32 or in the model's bf16 (read as float32 by the kernel; dsink comes back in bf16). Rows
+    of GLUON_SLIM_CAUSAL_KEYS keys or more: shorter causal ones take the slim tile."""
     sink = torch.randn(4, generator=rng).to("cuda", sink_dtype).requires_grad_()
-    ours = check(rng, 1, TEST_ROWS + 11, TEST_ROWS - 50, 4, 4, torch.bfloat16, WIDE, sink=sink, causal=causal)
+    seqlen_k = configs.GLUON_SLIM_CAUSAL_KEYS + 50
+    ours = check(rng, 1, seqlen_k + 61, seqlen_k, 4, 4, torch.bfloat16, WIDE, sink=sink, causal=causal)
     assert ours["dsink"].dtype == sink_dtype
 
 

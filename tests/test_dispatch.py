@@ -119,8 +119,10 @@ def test_hopper_head_dim_256_tiles(monkeypatch, headdim, headdim_v, features, fw
     ((-1, -1), 4096, ("softcap", "alibi"), 128, "gluon-sm90 64x64"),
     ((1024, 0), 16384, ("dropout",), 128, "triton"),  # features the Gluon kernel lacks
     ((1024, 0), 16384, ("bias",), 128, "triton"),
-    ((1024, 0), 16384, ("varlen",), 128, "gluon-sm90 64x64"),  # packed sequences
+    ((1024, 0), 16384, ("varlen",), 128, "gluon-sm90-slim 64x64"),  # packed sequences
+    ((-1, 0), 2048, ("varlen",), 128, "gluon-sm90-slim 64x64"),
     ((-1, 0), 16384, ("varlen",), 128, "gluon-sm90 64x128"),
+    ((1024, 0), 16384, ("varlen", "alibi"), 128, "gluon-sm90 64x64"),
     ((-1, 0), 16384, ("varlen", "dropout"), 128, "triton"),
     ((1024, 0), 16384, (), 64, "triton"),  # head dim other than 128
 ])

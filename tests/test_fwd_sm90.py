@@ -350,14 +350,15 @@ LENGTHS_K = [300, 7, 130, 1000, 0, 200, 65, 1400]
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_varlen(rng, dtype, causal):
-    check_packed(rng, LENGTHS_Q, LENGTHS_K, 4, 2, dtype, WIDE, causal=causal)
+    """Causal rows of these lengths (under GLUON_SLIM_CAUSAL_KEYS keys) take the slim tile, full rows the wide one."""
+    check_packed(rng, LENGTHS_Q, LENGTHS_K, 4, 2, dtype, SLIM if causal else WIDE, causal=causal)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_varlen_seqused_k(rng, causal):
     """The keys past seqused_k hold NaN and infinite values, read by the TMA in the last key block."""
-    check_packed(rng, LENGTHS_Q, LENGTHS_K, 4, 2, torch.bfloat16, WIDE, seqused_k=[299, 0, 1, 1000, 0, 77, 65, 1337],
-                 causal=causal)
+    check_packed(rng, LENGTHS_Q, LENGTHS_K, 4, 2, torch.bfloat16, SLIM if causal else WIDE,
+                 seqused_k=[299, 0, 1, 1000, 0, 77, 65, 1337], causal=causal)
 
 
 @pytest.mark.parametrize("softcap, alibi, sink", [(False, False, False), (True, True, True), (False, True, True)],

@@ -232,12 +232,15 @@ _FWD_SM90_GLUON_WIDE = TileConfig(64, 128, 4, 2, kernel="gluon")
 # slim, median of 3 (results/h200-gluon-slim-features-2026-11-23.json): causal softcap 16 x 1024 300 (64x128)
 # / 313 / 349, 8 x 2048 372 / 390 / 425; causal sink 322 / 312 / 349, 382 / 377 / 409; softcap windows (1024,
 # 0) 361 (64x64) / 380 / 427, (4096, 0) 468 / 468 / 483; sink windows (128, 0) at 64/8 heads 154 / 156 / 178,
-# (1024, 0) 365 / 378 / 418. ALiBi takes 182 registers (two programs): it keeps the 64x64 tile.
+# (1024, 0) 365 / 378 / 418. ALiBi takes 182 registers (two programs): it keeps the 64x64 tile. Packed
+# causal batches (flash_attn_varlen_func, two-round A/B, ms, 64x128 -> slim; results/h200-varlen-slim-
+# 2026-11-23.json): 16 x 2048 0.662-0.664 -> 0.642, 16 lengths of 516..3890 1.062-1.063 -> 1.041-1.042, 64 x 512
+# 0.275-0.279 -> 0.256-0.259, 32 lengths of 64..1023 0.187-0.188 -> 0.175.
 # So causal rows under GLUON_SLIM_CAUSAL_KEYS keys and windows under GLUON_WIDE_WINDOW_KEYS keys (softcap
 # windows of any width) take it, plain or with GLUON_SLIM_FEATURES.
 _FWD_SM90_GLUON_SLIM = TileConfig(64, 64, 4, 2, kernel="gluon-slim")
 GLUON_SLIM_CAUSAL_KEYS = 4096
-GLUON_SLIM_FEATURES = frozenset({"window", "softcap", "sink"})
+GLUON_SLIM_FEATURES = frozenset({"window", "softcap", "sink", "varlen"})
 # Head dim 256: 64x64 with one key and one value slot (see gluon_ring). TFLOP/s against the Triton
 # kernel's 128x64 tile and cuDNN (H200, bf16, 8 heads, interleaved rounds; `python
 # benchmarks/gluon_head_dims.py` -> results/h200-gluon-head-dims-2026-11-22.json): 2 x 8192 full

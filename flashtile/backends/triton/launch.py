@@ -105,7 +105,7 @@ def _args_key(args: AttnArgs, lengths: bool = True) -> tuple:
     """Everything of ``args`` that the static kernel arguments depend on (see fastlaunch.py); without
     ``lengths``, for a launch that takes the sequence lengths as dynamic arguments."""
     bias, alibi = args.attn_bias, args.alibi_slopes
-    key = (args.window_left, args.window_right, args.softcap > 0, fold_scale(args), args.dropout_p,
+    key = (args.window_left, args.window_right, args.softcap > 0, args.dropout_p,
            None if alibi is None else alibi.stride(), args.sink is not None,
            None if bias is None else (bias.dtype, bias.shape, bias.stride()), args.varlen, args.seqused_k is not None)
     if lengths:
@@ -282,7 +282,7 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, features
     # Without a tail the kernel reads no tail descriptor: None spares the launcher encoding one per call.
     q_tail = _tma_desc(q[..., main:], cfg.BLOCK_M) if tail else None
     k_tail = _tma_desc(k[..., main:], cfg.BLOCK_N) if tail else None
-    key = (_layout_key(q, k, v, out, lse), q.device, _args_key(args), cfg, row_max is not None,
+    key = (_layout_key(q, k, v, out, lse), q.device, _args_key(args), cfg, row_max is not None, fold_scale(args),
            decode.cache_key(args) if kvcache else None)
     with on_device(q):
         _FWD_SM90(key, (cdiv(seqlen_q, cfg.BLOCK_M), nheads, batch),

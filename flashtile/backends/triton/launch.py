@@ -255,6 +255,7 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, features
     else:
         qk_scale, softcap2 = args.softmax_scale * LOG2E, 0.0
     row_max = fixed_row_max(args.softcap, q.dtype, features)
+    fold = fold_scale(args)
 
     cache_tensors = (args.cache_seqlens, args.cache_leftpad, args.cache_batch_idx) if kvcache else (None,) * 3
 
@@ -268,7 +269,7 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, features
             seqlen_new=args.seqlen_new if kvcache else 0,
             MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0, SOFTCAP=args.softcap > 0,
             ALIBI=alibi is not None, HAS_SINK=args.sink is not None, **gluon_ring(cfg, q.shape[3]),
-            FIXED_MAX=row_max is not None, FOLD_SCALE=fold_scale(args), TAIL=tail,
+            FIXED_MAX=row_max is not None, FOLD_SCALE=fold, TAIL=tail,
             IS_VARLEN=args.varlen, HAS_SEQUSED=args.seqused_k is not None,
             KVCACHE=kvcache,
             **dict(zip(("HAS_SEQLENS", "HAS_LEFTPAD", "HAS_BATCH_IDX"), (t is not None for t in cache_tensors))),
@@ -282,7 +283,7 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, features
     # Without a tail the kernel reads no tail descriptor: None spares the launcher encoding one per call.
     q_tail = _tma_desc(q[..., main:], cfg.BLOCK_M) if tail else None
     k_tail = _tma_desc(k[..., main:], cfg.BLOCK_N) if tail else None
-    key = (_layout_key(q, k, v, out, lse), q.device, _args_key(args), cfg, row_max is not None, fold_scale(args),
+    key = (_layout_key(q, k, v, out, lse), q.device, _args_key(args), cfg, row_max is not None, fold,
            decode.cache_key(args) if kvcache else None)
     with on_device(q):
         _FWD_SM90(key, (cdiv(seqlen_q, cfg.BLOCK_M), nheads, batch),

@@ -106,9 +106,11 @@ def test_hopper_head_dim_256_tiles(monkeypatch, headdim, headdim_v, features, fw
     ((2048, 2048), 16384, (), 128, "gluon-sm90 64x128"),
     ((-1, 0), 2048, (), 128, "gluon-sm90-slim 64x64"),  # short causal rows: three programs an SM
     ((-1, 0), 4096, (), 128, "gluon-sm90 64x128"),  # causal rows
-    ((-1, 0), 16384, (), 128, "gluon-sm90 64x128"),
-    ((-1, -1), 4096, (), 128, "gluon-sm90 64x128"),  # full rows
-    ((-1, -1), 4096, ("sink",), 128, "gluon-sm90 64x128"),
+    ((-1, 0), 8192, (), 128, "gluon-sm90-ws 64x128"),  # long causal rows: warp-specialized
+    ((-1, 0), 16384, ("sink",), 128, "gluon-sm90-ws 64x128"),
+    ((-1, -1), 1024, (), 128, "gluon-sm90 64x128"),  # full rows
+    ((-1, -1), 2048, (), 128, "gluon-sm90-ws 64x128"),
+    ((-1, -1), 4096, ("sink",), 128, "gluon-sm90-ws 64x128"),
     ((-1, -1), 4096, ("softcap",), 128, "gluon-sm90 64x128"),  # softcap overlaps tanh with the PV matmul
     ((-1, -1), 8192, ("softcap",), 128, "triton"),  # ...but not on long full rows
     ((-1, 0), 16384, ("softcap",), 128, "gluon-sm90 64x128"),
@@ -140,7 +142,8 @@ def test_hopper_forward_kernel_is_gluon_where_it_leads(monkeypatch, window, seql
     name, _, config = triton_backend.describe(call)
     family = kernel.split()[0]
     assert name.startswith(f"flashtile.fwd[{family} d={headdim}")
-    assert config["fwd"]["kernel"] == {"gluon-sm90": "gluon", "gluon-sm90-slim": "gluon-slim"}.get(family, "triton")
+    kernels = {"gluon-sm90": "gluon", "gluon-sm90-slim": "gluon-slim", "gluon-sm90-ws": "gluon-ws"}
+    assert config["fwd"]["kernel"] == kernels.get(family, "triton")
     if family.startswith("gluon-sm90"):
         tile = kernel.split()[1]
         assert name.endswith(f"BM={tile.split('x')[0]} BN={tile.split('x')[1]}]")
@@ -212,7 +215,8 @@ def test_gluon_tiles_fit_their_programs_per_sm(tile, head_dim, head_dim_v, q_in_
 @pytest.mark.parametrize("head_dim, head_dim_v, features, tile", [
     (256, 256, (), "_FWD_SM90_GLUON_D256"),
     (256, 256, ("window", "softcap", "alibi", "sink"), "_FWD_SM90_GLUON_D256"),
-    (128, 128, (), "_FWD_SM90_GLUON_WIDE"),
+    (128, 128, (), "_FWD_SM90_GLUON_WS"),
+    (128, 128, ("sink", "softcap"), "_FWD_SM90_GLUON_WIDE"),
     (64, 64, (), None),
     (192, 128, ("headdim_v",), "_FWD_SM90_GLUON"),  # q and k read as 128 + 64 columns
     (192, 128, ("headdim_v", "window", "softcap", "alibi", "sink"), "_FWD_SM90_GLUON"),

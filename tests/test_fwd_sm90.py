@@ -33,14 +33,20 @@ TEST_ROWS = 4096
 def small_gluon_threshold(monkeypatch):
     monkeypatch.setattr(configs, "GLUON_MIN_PAIRS", TEST_ROWS)
     monkeypatch.setattr(configs, "GLUON_KV_MIN_PAIRS", TEST_ROWS)
+    # The tests of the one-warpgroup kernel keep it on the long rows the warp-specialized one takes;
+    # that one's tests (ws_rows) lower its floors instead.
+    monkeypatch.setattr(configs, "GLUON_WS_FULL_KEYS", 1 << 30)
+    monkeypatch.setattr(configs, "GLUON_WS_CAUSAL_KEYS", 1 << 30)
 
 
-WIDE, NARROW, SLIM = "gluon-sm90 BN=128", "gluon-sm90 BN=64", "gluon-sm90-slim BN=64"
+WIDE, NARROW, SLIM, WS = "gluon-sm90 BN=128", "gluon-sm90 BN=64", "gluon-sm90-slim BN=64", "gluon-sm90-ws BN=128"
 
 
 def ran(kernel: str) -> bool:
-    """Whether a forward named like ``kernel`` ("<family> BN=<tile>") has run."""
+    """Whether a forward named like ``kernel`` ("<family> BN=<tile>", or a prefix of a name) has run."""
     family, *tile = kernel.split()
+    # "gluon-sm90" names one family, not every one that starts with it.
+    family = f"[{family} " if family.startswith("gluon") else family
     return any(family in name and all(t + "]" in name for t in tile) for name in flashtile.stats()["kernels"])
 
 
@@ -267,6 +273,67 @@ def test_sink_on_the_wide_tile(rng, causal, sink_dtype):
     seqlen_k = configs.GLUON_SLIM_CAUSAL_KEYS + 50
     ours = check(rng, 1, seqlen_k + 61, seqlen_k, 4, 4, torch.bfloat16, WIDE, sink=sink, causal=causal)
     assert ours["dsink"].dtype == sink_dtype
+
+
+@pytest.fixture
+def ws_rows(monkeypatch):
+    """Rows of these tests' lengths take the warp-specialized kernel (its key floors lowered, and the short
+    causal rows' tiles' ceilings)."""
+    for floor in ("GLUON_WS_FULL_KEYS", "GLUON_WS_CAUSAL_KEYS"):
+        monkeypatch.setattr(configs, floor, 128)
+    for ceiling in ("GLUON_SLIM_CAUSAL_KEYS", "GLUON_SHORT_CAUSAL_KEYS"):
+        monkeypatch.setattr(configs, ceiling, 0)
+
+
+@pytest.mark.usefixtures("ws_rows")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal", [
+    (2, 1000, 1000, 4, 4, False),
+    (1, 1037, 1037, 4, 2, True),  # the last tile: 13 rows of consumer 1's 64
+    (2, 700, 1290, 6, 2, True),  # more keys than queries: the diagonal moves right
+    (1, 1290, 700, 4, 4, True),  # fewer: the first 590 rows see no key
+    (3, 40, 900, 4, 1, False),  # one tile, consumer 1's rows all past the end
+    (1, 300, 4100, 2, 2, False),  # a partial last key block
+], ids=["full", "causal", "causal-more-keys", "causal-rows-see-none", "short-q", "partial-block"])
+def test_warp_specialized_forward(rng, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal):
+    """Full and causal rows at head dim 128 take the warp-specialized kernel (fwd_sm90_ws.py): out, lse and the
+    gradients (the Triton backward on its lse) against the reference."""
+    ours = check(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, WS, causal=causal)
+    if causal and seqlen_q > seqlen_k:
+        none = seqlen_q - seqlen_k
+        assert torch.all(ours["out"][:, :none] == 0) and torch.all(ours["lse"][:, :, :none] == float("-inf"))
+
+
+@pytest.mark.usefixtures("ws_rows")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sink_dtype", [torch.float32, torch.bfloat16], ids=["sink_fp32", "sink_bf16"])
+def test_warp_specialized_forward_with_a_sink(rng, causal, sink_dtype):
+    sink = torch.randn(4, generator=rng).to("cuda", sink_dtype).requires_grad_()
+    ours = check(rng, 2, 900, 1100, 4, 2, torch.bfloat16, WS, sink=sink, causal=causal)
+    assert ours["dsink"].dtype == sink_dtype
+
+
+@pytest.mark.usefixtures("ws_rows")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_warp_specialized_forward_walks_many_tiles_per_cta(rng, monkeypatch, causal):
+    """Three CTAs walk every tile (persistent): each consumer carries its ring position and Q buffer across
+    tiles of different lengths, heads and batch rows."""
+    monkeypatch.setattr(configs, "ws_ctas", lambda causal, tiles, sms: min(tiles, 3))
+    check(rng, 2, 777, 777 if causal else 1500, 6, 3, torch.bfloat16, WS, causal=causal,
+          **feature_options(rng, 6, sink=True))
+
+
+WS_FLOORS = {False: configs.GLUON_WS_FULL_KEYS, True: configs.GLUON_WS_CAUSAL_KEYS}
+
+
+@pytest.mark.parametrize("causal, extra, kernel", [(False, 0, WS), (False, -1, WIDE), (True, 0, WS), (True, -1, WIDE)],
+                         ids=["full", "full-short", "causal", "causal-short"])
+def test_warp_specialized_forward_takes_long_rows(rng, monkeypatch, causal, extra, kernel):
+    """At its own floors: full rows of GLUON_WS_FULL_KEYS keys and causal rows of GLUON_WS_CAUSAL_KEYS
+    (the rule looks at the keys: 300 queries keep the reference small)."""
+    monkeypatch.setattr(configs, "GLUON_WS_FULL_KEYS", WS_FLOORS[False])
+    monkeypatch.setattr(configs, "GLUON_WS_CAUSAL_KEYS", WS_FLOORS[True])
+    check(rng, 1, 300, WS_FLOORS[causal] + extra, 2, 2, torch.bfloat16, kernel, causal=causal)
 
 
 def test_inputs_the_tma_cannot_read_fall_back_to_triton_and_are_recorded(rng):

@@ -70,7 +70,8 @@ def _window(call: AttentionCall) -> tuple:
 
 
 # The forward kernels' names by TileConfig.kernel.
-_KERNEL_LABELS = {"triton": "triton", "gluon": "gluon-sm90", "gluon-slim": "gluon-sm90-slim"}
+_KERNEL_LABELS = {"triton": "triton", "gluon": "gluon-sm90", "gluon-slim": "gluon-sm90-slim",
+                  "gluon-ws": "gluon-sm90-ws"}
 
 
 def describe(call: AttentionCall):

@@ -15,8 +15,9 @@ import torch
 @dataclass(frozen=True)
 class TileConfig:
     """One kernel's launch: query tile, key tile, warps, software-pipeline depth, and which forward
-    kernel: ``"triton"`` (kernels/fwd.py), ``"gluon"`` (the Hopper kernel in kernels/fwd_sm90.py) or
-    ``"gluon-slim"`` (that kernel with Q in shared memory and one key slot: see gluon_ring)."""
+    kernel: ``"triton"`` (kernels/fwd.py), ``"gluon"`` (the Hopper kernel in kernels/fwd_sm90.py),
+    ``"gluon-slim"`` (that kernel with Q in shared memory and one key slot: see gluon_ring) or
+    ``"gluon-ws"`` (the warp-specialized one in kernels/fwd_sm90_ws.py)."""
     BLOCK_M: int
     BLOCK_N: int
     num_warps: int
@@ -241,6 +242,34 @@ _FWD_SM90_GLUON_WIDE = TileConfig(64, 128, 4, 2, kernel="gluon")
 _FWD_SM90_GLUON_SLIM = TileConfig(64, 64, 4, 2, kernel="gluon-slim")
 GLUON_SLIM_CAUSAL_KEYS = 4096
 GLUON_SLIM_FEATURES = frozenset({"window", "softcap", "sink", "varlen"})
+# Long rows at head dim 128 (16-bit, plain or with a sink; no window, softcap, ALiBi, packed sequences or
+# cache) take the warp-specialized forward (kernels/fwd_sm90_ws.py): CTAs of 128 query rows, two consumer
+# warpgroups of 64 and a TMA producer warp, a ring of two 128-key slots (``BLOCK_M``: one consumer's rows).
+# H200, bf16, 16 heads, fwd TFLOP/s, median of 3 interleaved rounds, 64x128 tile / warp-specialized persistent
+# / a CTA per tile / cuDNN (`python benchmarks/gluon_ws.py` -> results/h200-gluon-ws-2026-11-23.json):
+#   full 32 x 512 392 / 383 / 316 / 520; 16 x 1024 451 / 436 / 396 / 531; 8 x 2048 512 / 516 / 479 / 533;
+#   4 x 4096 532 / 560 / 540 / 570; 2 x 8192 542 / 583 / 577 / 602; 1 x 16384 548 / 596 / 590 / 609;
+#   32/8 heads 4 x 4096 513 / 570 / 557 / 595; with a sink 4 x 4096 520 / 556 / 548.
+#   causal 8 x 2048 412 / 378 / 367 / 452; 4 x 4096 473 / 466 / 418 / 491; 2 x 8192 505 / 521 / 525 / 527;
+#   1 x 16384 551 / 432 / 588 / 555; 32/8 heads 4 x 4096 481 / 494 / 498 / 515, 1 x 16384 540 / 571 / 586 / 564;
+#   with a sink 2 x 8192 513 / 502 / 526.
+# So full rows of GLUON_WS_FULL_KEYS keys and more take it persistent (rows cost alike; the next tile's Q
+# loads under this one), causal rows of GLUON_WS_CAUSAL_KEYS and more a CTA per tile (ws_ctas). Tiles heads
+# first instead of query blocks first (every head's longest rows at once) lost 2-14%: the CTAs running at
+# once then share fewer keys in L2.
+_FWD_SM90_GLUON_WS = TileConfig(64, 128, 4, 2, kernel="gluon-ws")
+GLUON_WS_FULL_KEYS = 2048
+GLUON_WS_CAUSAL_KEYS = 8192
+GLUON_WS_FEATURES = frozenset({"sink"})
+
+
+def ws_ctas(causal: bool, tiles: int, sms: int) -> int:
+    """The warp-specialized forward's grid. Full rows cost alike: one CTA an SM walks them round robin.
+    Causal rows differ in length, and round robin leaves SMs idle at the end (1 x 16384: 432 TFLOP/s against
+    588): a CTA per tile, launched longest first, lets the hardware hand the next tile to the first SM free."""
+    return tiles if causal else min(tiles, sms)
+
+
 # Head dim 256: 64x64 with one key and one value slot (see gluon_ring). TFLOP/s against the Triton
 # kernel's 128x64 tile and cuDNN (H200, bf16, 8 heads, interleaved rounds; `python
 # benchmarks/gluon_head_dims.py` -> results/h200-gluon-head-dims-2026-11-22.json): 2 x 8192 full
@@ -319,11 +348,13 @@ GLUON_FEATURES = frozenset({"window", "softcap", "alibi", "sink", "headdim_v", "
 
 def gluon_fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device: torch.device, rows: int,
                      seqlen_k: int, window_left: int, window_right: int, features: frozenset,
-                     softcap: float = 0.0, keys_per_row: int | None = None, min_pairs: int | None = None):
+                     softcap: float = 0.0, keys_per_row: int | None = None, min_pairs: int | None = None,
+                     warp_specialized: bool = True):
     """The Gluon Hopper forward's tiles when it runs this call (``rows``: batch x heads x seqlen_q;
     ``features``: the call's feature names, as in ``AttentionCall``; ``keys_per_row``: the keys a row sees
     on average, when the square-mask estimate ``mean_row_keys`` does not hold; ``min_pairs``: the floor of
-    (row, key) pairs, GLUON_MIN_PAIRS unless given), else None."""
+    (row, key) pairs, GLUON_MIN_PAIRS unless given; ``warp_specialized``: whether the warp-specialized
+    kernel may take it (it reads no KV cache)), else None."""
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or _arch(device) != 90:
         return None
     if (head_dim, head_dim_v) not in GLUON_HEAD_DIMS or not features <= GLUON_FEATURES:
@@ -348,6 +379,10 @@ def gluon_fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device:
         return None
     if short_causal:
         return _FWD_SM90_GLUON
+    ws_keys = GLUON_WS_FULL_KEYS if window_right < 0 else GLUON_WS_CAUSAL_KEYS
+    if (warp_specialized and head_dim_v == 128 and features <= GLUON_WS_FEATURES and window_left < 0
+            and seqlen_k >= ws_keys):
+        return _FWD_SM90_GLUON_WS
     if {"softcap", "alibi"} <= features:
         # The wide tile's linear ALiBi takes the raw scores, not the capped ones; exact there, it spills.
         return _FWD_SM90_GLUON
@@ -376,7 +411,8 @@ def gluon_kv_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device: 
         return None
     return gluon_fwd_config(head_dim, head_dim_v, dtype, device, batch * nheads * seqlen_q, capacity, window_left,
                             window_right, frozenset(features) - {"kvcache"}, softcap,
-                            keys_per_row=row_keys(capacity, window_left, window_right), min_pairs=GLUON_KV_MIN_PAIRS)
+                            keys_per_row=row_keys(capacity, window_left, window_right), min_pairs=GLUON_KV_MIN_PAIRS,
+                            warp_specialized=False)
 
 
 # Softcap bounds every score to [-C, C], C = softcap * log2(e) (scores in log2 units), so the Gluon

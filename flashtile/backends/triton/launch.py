@@ -28,6 +28,7 @@ from .kernels.bwd import bwd_dkdv, bwd_dq, bwd_preprocess, bwd_sink_grad, bwd_su
 from .kernels.common import LOG2E as _LOG2E
 from .kernels.fwd import attn_fwd
 from .kernels.fwd_sm90 import attn_fwd_sm90
+from .kernels.fwd_sm90_ws import attn_fwd_sm90_ws
 from .kernels.tail import fill_tail
 
 _PREPROCESS_BLOCK_M = 64
@@ -167,7 +168,8 @@ def forward(q, k, v, args: AttnArgs, config=None):
     if cfg is not None and cfg.kernel.startswith("gluon"):
         reason = tma_unfit(q, k, v)
         if reason is None:
-            _forward_sm90(q, k, v, out, lse, args, cfg, (batch, seqlen_q, seqlen_k, nheads // nheads_kv), features)
+            sm90 = _forward_sm90_ws if cfg.kernel == "gluon-ws" else _forward_sm90
+            sm90(q, k, v, out, lse, args, cfg, (batch, seqlen_q, seqlen_k, nheads // nheads_kv), features)
             return out, lse
         record_fallback(f"the Gluon Hopper forward needs TMA-compatible inputs ({reason})", "triton",
                         preferred="triton (Gluon Hopper kernel)")
@@ -294,6 +296,39 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, features
                        **dict(zip(("CACHE_SEQLENS", "CACHE_LEFTPAD", "CACHE_BATCH_IDX"),
                                   (t if t is not None else q for t in cache_tensors)))),
                   static)
+
+
+_FWD_SM90_WS = CachedLaunch(attn_fwd_sm90_ws, ("q_desc", "k_desc", "v_desc", "O", "LSE", "SINK", "qk_scale"))
+# The consumers' registers after ``setmaxnreg``, and the cap the kernel is compiled under (what each warp
+# holds before the partitions resize): 2 x 4 consumer warps at 240 and the producer warp at 24 fit the
+# SM's 64K registers.
+_WS_CONSUMER_REGS = 240
+_WS_MAXNREG = 168
+
+
+def _forward_sm90_ws(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, features: frozenset):
+    """Launch the warp-specialized Hopper forward (kernels/fwd_sm90_ws.py) on dense ``(batch, seqlen, heads,
+    128)`` inputs; ``shape``: ``(batch, seqlen_q, seqlen_k, group)``."""
+    batch, seqlen_q, seqlen_k, group = shape
+    nheads = q.shape[2]
+    causal = args.window_right >= 0
+    tiles = cdiv(seqlen_q, 2 * cfg.BLOCK_M) * nheads * batch
+    ctas = configs.ws_ctas(causal, tiles, configs.sm_count(q.device))
+
+    def static():
+        stride_lse_b, stride_lse_h = lse_strides(lse, False)
+        return dict(window_left=args.window_left, window_right=args.window_right, **_strides(False, o=out),
+                    stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                    group=group, nheads=nheads, num_tiles=tiles, MASK_LEFT=args.window_left >= 0,
+                    MASK_RIGHT=causal, HAS_SINK=args.sink is not None, STAGES=cfg.num_stages,
+                    CONSUMER_REGS=_WS_CONSUMER_REGS, num_warps=cfg.num_warps, maxnreg=_WS_MAXNREG)
+
+    key = (_layout_key(q, k, v, out, lse), q.device, _args_key(args), cfg, ctas)
+    with on_device(q):
+        _FWD_SM90_WS(key, (ctas, ), dict(q_desc=_tma_desc(q, cfg.BLOCK_M), k_desc=_tma_desc(k, cfg.BLOCK_N),
+                                         v_desc=_tma_desc(v, cfg.BLOCK_N), O=out, LSE=lse,
+                                         SINK=args.sink if args.sink is not None else q,
+                                         qk_scale=args.softmax_scale * LOG2E), static)
 
 
 def attention_kv(q, k_cache, v_cache, args: KVCacheArgs, config=None):

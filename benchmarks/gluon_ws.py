@@ -1,0 +1,101 @@
+"""The warp-specialized Hopper forward (kernels/fwd_sm90_ws.py) against the one-warpgroup 64x128 tile it
+replaces on long rows and against cuDNN (SDPA's backend), in one run: evidence for configs._FWD_SM90_GLUON_WS,
+its key floors and its grid (``configs.ws_ctas``: persistent CTAs or a CTA per tile).
+
+Through ``launch.forward(config=...)``, bf16, d=128; each variant is first checked against float32 attention
+on the same inputs (two heads), then timed in ``--rounds`` interleaved rounds (CUDA events over 20
+back-to-back calls). Reports median and best TFLOP/s of visible pairs.
+
+    python benchmarks/gluon_ws.py --rounds 3 -> $OUT (default /tmp)/h200-gluon-ws-<date>.json
+"""
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from flashtile.backends import AttnArgs
+from flashtile.backends.triton import configs, launch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from host_time import events_us, measure_all, rounds_option, save_results  # noqa: E402
+
+# (batch, seqlen, query heads, KV heads, causal, sink)
+SHAPES = [(b, s, 16, 16, False, False) for b, s in ((32, 512), (16, 1024), (8, 2048), (4, 4096), (2, 8192),
+                                                   (1, 16384))]
+SHAPES += [(b, s, 16, 16, True, False) for b, s in ((8, 2048), (4, 4096), (2, 8192), (1, 16384))]
+SHAPES += [(4, 4096, 32, 8, False, False), (4, 4096, 32, 8, True, False), (1, 16384, 32, 8, True, False)]
+SHAPES += [(4, 4096, 16, 16, False, True), (2, 8192, 16, 16, True, True)]
+# The grids tried, CTAs from (causal, tiles, SMs): one CTA an SM walking tiles round robin, or a CTA per tile.
+SCHEDULES = {
+    "ws persistent": lambda causal, tiles, sms: min(tiles, sms),
+    "ws per-tile": lambda causal, tiles, sms: tiles,
+}
+
+
+def reference(q, k, v, causal, sink):
+    """float32 attention of the first two query heads."""
+    kv_heads = [0, 1 // (q.shape[2] // k.shape[2])]
+    qf = q[:, :, :2].float().transpose(1, 2)
+    kf, vf = (t[:, :, kv_heads].float().transpose(1, 2) for t in (k, v))
+    s = qf @ kf.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    if sink is not None:
+        s = torch.cat([s, sink[:2].view(1, 2, 1, 1).expand(*s.shape[:3], 1)], dim=-1)
+    p = s.softmax(-1)[..., :kf.shape[2]]
+    return (p @ vf).transpose(1, 2)
+
+
+def measure(batch, seqlen, heads, heads_kv, causal, with_sink, rounds):
+    q = torch.randn(batch, seqlen, heads, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, seqlen, heads_kv, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    sink = torch.randn(heads, device="cuda") if with_sink else None
+    args = AttnArgs(softmax_scale=128 ** -0.5, causal=causal, window_left=-1, window_right=0 if causal else -1,
+                    sink=sink)
+    rule = configs.ws_ctas
+
+    def run(name):
+        if name == "wide":
+            return launch.forward(q, k, v, args, config=configs._FWD_SM90_GLUON_WIDE)
+        configs.ws_ctas = SCHEDULES[name]
+        try:
+            return launch.forward(q, k, v, args, config=configs._FWD_SM90_GLUON_WS)
+        finally:
+            configs.ws_ctas = rule
+
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=heads != heads_kv)
+
+    providers = {name: (lambda name=name: run(name)) for name in ("wide", *SCHEDULES)}
+    if not with_sink:
+        providers["cudnn"] = cudnn
+    row = dict(shape=f"{batch}x{seqlen}", heads=f"{heads}/{heads_kv}", mask="causal" if causal else "full",
+               sink=with_sink, rule="per-tile" if rule(causal, 2, 1) == 2 else "persistent")
+    expected = reference(q[:1], k[:1], v[:1], causal, sink)
+    for name in ("wide", *SCHEDULES):
+        out, _ = providers[name]()
+        row[f"{name} max err"] = float((out[:1, :, :2].float() - expected).abs().max())
+    pairs = seqlen * (seqlen + 1) // 2 if causal else seqlen * seqlen
+    flops = 4 * batch * heads * 128 * pairs
+    times = {name: [] for name in providers}
+    for _ in range(rounds):
+        for name, fn in providers.items():
+            times[name].append(events_us(fn))
+    row["us"] = {name: [round(t, 1) for t in ts] for name, ts in times.items()}
+    row["median TFLOP/s"] = {name: round(flops / sorted(ts)[len(ts) // 2] / 1e6) for name, ts in times.items()}
+    row["best TFLOP/s"] = {name: round(flops / min(ts) / 1e6) for name, ts in times.items()}
+    return row
+
+
+if __name__ == "__main__":
+    rounds = rounds_option(3)
+    rows = measure_all(lambda *shape: measure(*shape, rounds), SHAPES)
+    save_results("gluon-ws", rows, f"python benchmarks/gluon_ws.py --rounds {rounds}")
+    for row in rows:
+        print(f"{row['shape']:>9} {row['heads']:>5} {row['mask']:>6} {'sink' if row['sink'] else '':4}",
+              " ".join(f"{name}={tf}" for name, tf in row["median TFLOP/s"].items()))

@@ -1,0 +1,252 @@
+"""Hopper forward, warp-specialized (FA3's plan in Gluon), for long rows at head dim 128.
+
+fwd_sm90.py runs one warpgroup a program: it issues its own TMA loads and waits on them between its
+matmuls, and a program's fill and drain (Q's load, the first key blocks, the last PV product, the output
+store) leave the tensor cores to the SM's other program. Here a CTA splits its warps by role:
+
+    producer (1 warp, 24 registers)      TMA: Q of the next tile, then K_j and V_j into a ring of slots
+    consumer 0 (4 warps, 240 registers)  query rows 0..63 of the tile: S = Q K^T, softmax, O += P V
+    consumer 1 (4 warps, 240 registers)  query rows 64..127, on the same K/V slots
+
+Each consumer runs fwd_sm90's loop (the softmax of block j under the PV product of block j - 1) and,
+instead of loading, waits on a slot's ``ready`` barrier and arrives on its ``empty`` barrier once its
+wgmma has read the slot; the producer refills a slot when both consumers have released it (``empty``
+counts 2). A consumer walks only the key blocks its own rows see (a causal tile's upper half sees one
+block more) and releases the others unread. The register budget moves to the consumers (``setmaxnreg``),
+so S and O of a 64 x 128 block each fit without Q in registers.
+
+The CTA walks tiles of 128 rows, query blocks fastest (causal ones from the last block down, so each
+head's longest rows go first): with ``grid`` below the tile count each CTA takes every grid-th tile
+(persistent: the producer loads the next tile's Q, double-buffered, while the consumers finish this one).
+Inputs: 16-bit, head dim 128 for q, k and v; full rows or causal (a window is kept general in the
+masks); a sink; no softcap, ALiBi, packed sequences or KV cache (the launcher takes fwd_sm90 for those).
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from .common import LOG2E, kv_range
+from .fwd_sm90 import LN2, _softmax_block, _tile
+
+
+@gluon.jit
+def _tile_of(t, num_m, nheads, LONGEST_FIRST: gl.constexpr):
+    """Tile ``t``'s (query block, head, batch row)."""
+    start_m = t % num_m
+    if LONGEST_FIRST:
+        start_m = num_m - 1 - start_m
+    return start_m, (t // num_m) % nheads, t // (num_m * nheads)
+
+
+@gluon.jit
+def _blocks(start_m, wg, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: gl.constexpr,
+            BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """The tile's first key ``lo`` and block count ``n`` (what the producer loads), and consumer ``wg``'s
+    blocks ``[jb, je)`` of them, its first row and its own unmasked run ``[full_lo, full_hi)``."""
+    first = start_m * 2 * BLOCK_M
+    lo, _, _, hi = kv_range(first, first + 2 * BLOCK_M - 1, seqlen_q, seqlen_k, window_left, window_right,
+                            BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    n = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+    row = first + wg * BLOCK_M
+    lo_w, full_lo, full_hi, hi_w = kv_range(row, row + BLOCK_M - 1, seqlen_q, seqlen_k, window_left, window_right,
+                                            BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    jb = gl.minimum((lo_w - lo) // BLOCK_N, n)
+    je = gl.maximum(gl.minimum(gl.cdiv(gl.maximum(hi_w - lo, 0), BLOCK_N), n), jb)
+    return lo, n, jb, je, row, full_lo, full_hi
+
+
+@gluon.jit
+def _slot(c, STAGES: gl.constexpr):
+    """Ring position ``c`` (counted over the CTA's whole walk) as (slot, phase of its barriers)."""
+    return c % STAGES, (c // STAGES) & 1
+
+
+@gluon.jit
+def _release_unread(k_ready, k_empty, v_ready, v_empty, c, STAGES: gl.constexpr):
+    """Release ring position ``c`` without reading it: wait until it has landed (its slot's earlier use is
+    over), then count this consumer's release of K and V."""
+    s, ph = _slot(c, STAGES)
+    mbarrier.wait(k_ready.index(s), ph)
+    mbarrier.arrive(k_empty.index(s), count=1)
+    mbarrier.wait(v_ready.index(s), ph)
+    mbarrier.arrive(v_empty.index(s), count=1)
+
+
+@gluon.jit
+def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
+              STAGES: gl.constexpr):
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, O, LSE,
+     SINK, qk_scale, window_left, window_right, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q,
+     seqlen_k, nheads, num_tiles) = args
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
+    dtype: gl.constexpr = q_desc.dtype
+    # Accumulator layouts of the two matmuls (one warpgroup), and P as the register operand of the second.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    num_m = gl.cdiv(seqlen_q, 2 * BLOCK_M)
+    base = 0
+    i = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        start_m, off_h, off_b = _tile_of(t, num_m, nheads, MASK_RIGHT and not MASK_LEFT)
+        lo, n, jb, je, first_row, full_lo, full_hi = _blocks(start_m, WG, seqlen_q, seqlen_k, window_left,
+                                                             window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+        for j in range(0, jb):
+            _release_unread(k_ready, k_empty, v_ready, v_empty, base + j, STAGES)
+
+        offs_m = first_row + gl.arange(0, BLOCK_M, layout=rows_s)
+        offs_n = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        if HAS_SINK:
+            # The sink is one more logit in every row's softmax, with no value: start the row there.
+            m_i = gl.full([BLOCK_M], 0.0, gl.float32, rows_s) + gl.load(SINK + off_h).to(gl.float32) * LOG2E
+            l_i = gl.full([BLOCK_M], 1.0, gl.float32, rows_s)
+        else:
+            m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, rows_s)
+            l_i = gl.zeros([BLOCK_M], gl.float32, rows_s)
+        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        qb = i % 2
+        mbarrier.wait(q_ready.index(qb * 2 + WG), (i // 2) & 1)
+        q = q_smem.index(qb * 2 + WG).reshape([BLOCK_M, HEAD_DIM])
+        if je > jb:
+            # Block jb: scores and probabilities; its PV product joins the next step.
+            s, ph = _slot(base + jb, STAGES)
+            mbarrier.wait(k_ready.index(s), ph)
+            qk = warpgroup_mma(q, _tile(k_smem, s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            qk = warpgroup_mma_wait(0, deps=(qk, ))
+            mbarrier.arrive(k_empty.index(s), count=1)
+            start_n = lo + jb * BLOCK_N
+            p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n + jb * BLOCK_N, start_n,
+                                                (start_n < full_lo) | (start_n >= full_hi), seqlen_q, seqlen_k,
+                                                qk_scale, 0.0, 0.0, window_left, window_right, MASK_LEFT, MASK_RIGHT,
+                                                False, False, False)
+            for j in range(jb + 1, je):
+                s, ph = _slot(base + j, STAGES)
+                prev, ph_prev = _slot(base + j - 1, STAGES)
+                start_n = lo + j * BLOCK_N
+                # S_j = Q K_j^T and O += P_{j-1} V_{j-1} both go to the tensor cores...
+                mbarrier.wait(k_ready.index(s), ph)
+                qk = warpgroup_mma(q, _tile(k_smem, s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                mbarrier.wait(v_ready.index(prev), ph_prev)
+                acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), _tile(v_smem, prev), acc, is_async=True)
+                # ...S_j is waited for alone (wgmma groups retire in order), and K_j's slot released.
+                qk = warpgroup_mma_wait(1, deps=(qk, ))
+                mbarrier.arrive(k_empty.index(s), count=1)
+                # The softmax of S_j runs while the PV product is still in flight.
+                p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n + j * BLOCK_N, start_n,
+                                                    (start_n < full_lo) | (start_n >= full_hi), seqlen_q, seqlen_k,
+                                                    qk_scale, 0.0, 0.0, window_left, window_right, MASK_LEFT,
+                                                    MASK_RIGHT, False, False, False)
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                mbarrier.arrive(v_empty.index(prev), count=1)
+                # O now holds blocks up to j - 1 under the old row max: move it to the new one.
+                acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
+            last, ph_last = _slot(base + je - 1, STAGES)
+            mbarrier.wait(v_ready.index(last), ph_last)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), _tile(v_smem, last), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(v_empty.index(last), count=1)
+        # This Q buffer is free for the tile after next.
+        mbarrier.arrive(q_empty.index(qb), count=1)
+        for j in range(je, n):
+            _release_unread(k_ready, k_empty, v_ready, v_empty, base + j, STAGES)
+        base += n
+        i += 1
+
+        # A row that saw no key has l = 0: its output is 0 and its lse is -inf.
+        seen = l_i > 0.0
+        l_safe = gl.where(seen, l_i, 1.0)
+        acc = acc / gl.convert_layout(l_safe, rows_o)[:, None]
+        lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
+        offs_mo = first_row + gl.arange(0, BLOCK_M, layout=rows_o)
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        o_ptrs = (O + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
+                  + offs_mo[:, None].to(gl.int64) * stride_om + offs_d[None, :])
+        gl.store(o_ptrs, acc.to(dtype), mask=offs_mo[:, None] < seqlen_q)
+        gl.store(LSE + off_b.to(gl.int64) * stride_lse_b + off_h * stride_lse_h + offs_m, lse, mask=offs_m < seqlen_q)
+
+
+@gluon.jit
+def _producer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr, group):
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, O, LSE,
+     SINK, qk_scale, window_left, window_right, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q,
+     seqlen_k, nheads, num_tiles) = args
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
+    num_m = gl.cdiv(seqlen_q, 2 * BLOCK_M)
+    c = 0
+    i = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        start_m, off_h, off_b = _tile_of(t, num_m, nheads, MASK_RIGHT and not MASK_LEFT)
+        off_hk = off_h // group
+        lo, n, _, _, _, _, _ = _blocks(start_m, 0, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
+                                       MASK_LEFT, MASK_RIGHT)
+        # Q of both consumers' rows into the buffer the tile before last has released (rows past the
+        # sequence arrive as zeros).
+        qb = i % 2
+        mbarrier.wait(q_empty.index(qb), ((i // 2) & 1) ^ 1)
+        for w in gl.static_range(2):
+            mbarrier.expect(q_ready.index(qb * 2 + w), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [off_b, start_m * 2 * BLOCK_M + w * BLOCK_M, off_h, 0],
+                                            q_ready.index(qb * 2 + w), q_smem.index(qb * 2 + w))
+        for j in range(n):
+            # Each slot is refilled once both consumers have released its last use (the first pass waits
+            # on the phase before the barrier's first, which counts as done).
+            s, ph = _slot(c, STAGES)
+            row = lo + j * BLOCK_N
+            mbarrier.wait(k_empty.index(s), ph ^ 1)
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [off_b, row, off_hk, 0], k_ready.index(s), k_smem.index(s))
+            mbarrier.wait(v_empty.index(s), ph ^ 1)
+            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [off_b, row, off_hk, 0], v_ready.index(s), v_smem.index(s))
+            c += 1
+        i += 1
+
+
+@gluon.jit
+def attn_fwd_sm90_ws(q_desc, k_desc, v_desc, O, LSE, SINK, qk_scale, window_left, window_right, stride_ob, stride_om,
+                     stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group, nheads, num_tiles,
+                     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr, STAGES: gl.constexpr,
+                     CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """``q_desc``/``k_desc``/``v_desc``: TMA descriptors of the ``(batch, seqlen, heads, headdim)`` inputs with
+    ``[1, 64, 1, 128]`` (Q: one consumer's rows) and ``[1, BLOCK_N, 1, 128]`` tiles; ``num_tiles``: batch x
+    heads x 128-row query blocks, walked by ``grid`` CTAs."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
+    dtype: gl.constexpr = q_desc.dtype
+    gl.static_assert(num_warps == 4, "the default partition is consumer 0, one warpgroup")
+    # Two Q buffers (this tile's and the next's) of two consumers' rows each, and the K/V ring.
+    q_smem = gl.allocate_shared_memory(dtype, [4, 1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(4):
+        mbarrier.init(q_ready.index(b), count=1)
+    for b in gl.static_range(2):
+        mbarrier.init(q_empty.index(b), count=2)
+    for b in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(b), count=1)
+        mbarrier.init(v_ready.index(b), count=1)
+        # Both consumers release every slot, read or not.
+        mbarrier.init(k_empty.index(b), count=2)
+        mbarrier.init(v_empty.index(b), count=2)
+    args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, O,
+            LSE, SINK, qk_scale, window_left, window_right, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h,
+            seqlen_q, seqlen_k, nheads, num_tiles)
+    gl.warp_specialize([(_consumer, (args, 0, MASK_LEFT, MASK_RIGHT, HAS_SINK, STAGES)),
+                        (_consumer, (args, 1, MASK_LEFT, MASK_RIGHT, HAS_SINK, STAGES)),
+                        (_producer, (args, MASK_LEFT, MASK_RIGHT, STAGES, group))], [4, 1],
+                       [CONSUMER_REGS, 24])

@@ -43,10 +43,11 @@ WIDE, NARROW, SLIM, WS = "gluon-sm90 BN=128", "gluon-sm90 BN=64", "gluon-sm90-sl
 
 
 def ran(kernel: str) -> bool:
-    """Whether a forward named like ``kernel`` ("<family> BN=<tile>", or a prefix of a name) has run."""
+    """Whether a forward named like ``kernel`` has run: "<family> BN=<tile>" (that family exactly), or a
+    prefix of names ("gluon-sm90": any of the Gluon Hopper kernels)."""
     family, *tile = kernel.split()
-    # "gluon-sm90" names one family, not every one that starts with it.
-    family = f"[{family} " if family.startswith("gluon") else family
+    if tile and family.startswith("gluon"):
+        family = f"[{family} "
     return any(family in name and all(t + "]" in name for t in tile) for name in flashtile.stats()["kernels"])
 
 
@@ -94,7 +95,7 @@ def test_full_rows_gqa(rng, dtype):
     check(rng, 2, TEST_ROWS + 70, 1500, 4, 1, dtype)
 
 
-@pytest.mark.parametrize("window, kernel", [((300, 0), NARROW), ((257, 33), NARROW), ((0, 0), NARROW),
+@pytest.mark.parametrize("window, kernel", [((300, 0), SLIM), ((257, 33), SLIM), ((0, 0), SLIM),
                                             ((1000, -1), WIDE)])  # a left edge alone leaves rows of 4496 keys
 def test_window_with_more_keys_than_queries(rng, window, kernel):
     check(rng, 1, TEST_ROWS + 5, TEST_ROWS + 400, 2, 1, torch.bfloat16, kernel, window_size=window)
@@ -123,8 +124,8 @@ def test_window_bounded_on_the_right_only(rng):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_softcap(rng, causal):
-    # Causal rows of fewer than 1024 keys take the 64x64 tile (configs.GLUON_SHORT_CAUSAL_KEYS).
-    check(rng, 2, TEST_ROWS + 100, 1000, 2, 2, torch.bfloat16, NARROW if causal else WIDE, causal=causal,
+    # Causal rows of fewer than GLUON_SLIM_CAUSAL_KEYS keys take the slim 64x64 tile.
+    check(rng, 2, TEST_ROWS + 100, 1000, 2, 2, torch.bfloat16, SLIM if causal else WIDE, causal=causal,
           softcap=20.0)
 
 
@@ -434,7 +435,9 @@ def test_varlen_window_and_features(rng, softcap, alibi, sink):
     options = feature_options(rng, 4, softcap, alibi, sink)
     if alibi:
         options["alibi_slopes"] = torch.rand(len(LENGTHS_Q), 4, generator=rng).to("cuda") * 0.3  # per sequence
-    check_packed(rng, LENGTHS_Q, LENGTHS_K, 4, 2, torch.bfloat16, NARROW, window_size=(200, 0), **options)
+    # Plain windows take the slim 64x64 tile; ALiBi keeps the two-program one.
+    check_packed(rng, LENGTHS_Q, LENGTHS_K, 4, 2, torch.bfloat16, NARROW if alibi else SLIM, window_size=(200, 0),
+                 **options)
 
 
 @pytest.mark.parametrize("head_dims", [(256, 256), (192, 128)], ids=["256", "192-128"])

@@ -7,6 +7,8 @@ on the same inputs (two heads), then timed in ``--rounds`` interleaved rounds (C
 back-to-back calls). Reports median and best TFLOP/s of visible pairs.
 
     python benchmarks/gluon_ws.py --rounds 3 -> $OUT (default /tmp)/h200-gluon-ws-<date>.json
+    python benchmarks/gluon_ws.py mods      -> ...-gluon-ws-mods-<date>.json: softcap 50 and ALiBi against
+                                               plain on the variants suite's mods shapes
 """
 import os
 import sys
@@ -21,12 +23,14 @@ from flashtile.backends.triton import configs, launch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from host_time import events_us, measure_all, rounds_option, save_results  # noqa: E402
 
-# (batch, seqlen, query heads, KV heads, causal, sink)
-SHAPES = [(b, s, 16, 16, False, False) for b, s in ((32, 512), (16, 1024), (8, 2048), (4, 4096), (2, 8192),
-                                                   (1, 16384))]
-SHAPES += [(b, s, 16, 16, True, False) for b, s in ((8, 2048), (4, 4096), (2, 8192), (1, 16384))]
-SHAPES += [(4, 4096, 32, 8, False, False), (4, 4096, 32, 8, True, False), (1, 16384, 32, 8, True, False)]
-SHAPES += [(4, 4096, 16, 16, False, True), (2, 8192, 16, 16, True, True)]
+# (batch, seqlen, query heads, KV heads, causal, feature: "", "sink", "softcap" (50) or "alibi")
+SHAPES = [(b, s, 16, 16, False, "") for b, s in ((32, 512), (16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384))]
+SHAPES += [(b, s, 16, 16, True, "") for b, s in ((8, 2048), (4, 4096), (2, 8192), (1, 16384))]
+SHAPES += [(4, 4096, 32, 8, False, ""), (4, 4096, 32, 8, True, ""), (1, 16384, 32, 8, True, "")]
+SHAPES += [(4, 4096, 16, 16, False, "sink"), (2, 8192, 16, 16, True, "sink")]
+# The variants suite's mods shapes (batch x seqlen = 16384): softcap and ALiBi against plain.
+MODS = [(b, s, 16, 16, causal, feature) for feature in ("", "softcap", "alibi") for causal in (False, True)
+        for b, s in ((4, 4096), (2, 8192))]
 # The grids tried, CTAs from (causal, tiles, SMs): one CTA an SM walking tiles round robin, or a CTA per tile.
 SCHEDULES = {
     "ws persistent": lambda causal, tiles, sms: min(tiles, sms),
@@ -34,12 +38,17 @@ SCHEDULES = {
 }
 
 
-def reference(q, k, v, causal, sink):
+def reference(q, k, v, causal, sink, softcap, slopes):
     """float32 attention of the first two query heads."""
     kv_heads = [0, 1 // (q.shape[2] // k.shape[2])]
     qf = q[:, :, :2].float().transpose(1, 2)
     kf, vf = (t[:, :, kv_heads].float().transpose(1, 2) for t in (k, v))
     s = qf @ kf.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if slopes is not None:
+        idx = torch.arange(s.shape[-1], device=s.device)
+        s = s - slopes[:2].view(1, 2, 1, 1) * (idx[:, None] - idx[None, :]).abs()
     if causal:
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     if sink is not None:
@@ -48,12 +57,14 @@ def reference(q, k, v, causal, sink):
     return (p @ vf).transpose(1, 2)
 
 
-def measure(batch, seqlen, heads, heads_kv, causal, with_sink, rounds):
+def measure(batch, seqlen, heads, heads_kv, causal, feature, rounds):
     q = torch.randn(batch, seqlen, heads, 128, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(batch, seqlen, heads_kv, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    sink = torch.randn(heads, device="cuda") if with_sink else None
+    sink = torch.randn(heads, device="cuda") if feature == "sink" else None
+    softcap = 50.0 if feature == "softcap" else 0.0
+    slopes = (2.0 ** (-8.0 * torch.arange(1, heads + 1, device="cuda") / heads)) if feature == "alibi" else None
     args = AttnArgs(softmax_scale=128 ** -0.5, causal=causal, window_left=-1, window_right=0 if causal else -1,
-                    sink=sink)
+                    sink=sink, softcap=softcap, alibi_slopes=None if slopes is None else slopes.expand(batch, -1))
     rule = configs.ws_ctas
 
     def run(name):
@@ -72,11 +83,11 @@ def measure(batch, seqlen, heads, heads_kv, causal, with_sink, rounds):
             return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=heads != heads_kv)
 
     providers = {name: (lambda name=name: run(name)) for name in ("wide", *SCHEDULES)}
-    if not with_sink:
+    if not feature:
         providers["cudnn"] = cudnn
     row = dict(shape=f"{batch}x{seqlen}", heads=f"{heads}/{heads_kv}", mask="causal" if causal else "full",
-               sink=with_sink, rule="per-tile" if rule(causal, 2, 1) == 2 else "persistent")
-    expected = reference(q[:1], k[:1], v[:1], causal, sink)
+               feature=feature, rule="per-tile" if rule(causal, 2, 1) == 2 else "persistent")
+    expected = reference(q[:1], k[:1], v[:1], causal, sink, softcap, slopes)
     for name in ("wide", *SCHEDULES):
         out, _ = providers[name]()
         row[f"{name} max err"] = float((out[:1, :, :2].float() - expected).abs().max())
@@ -93,9 +104,13 @@ def measure(batch, seqlen, heads, heads_kv, causal, with_sink, rounds):
 
 
 if __name__ == "__main__":
+    mods = "mods" in sys.argv[1:]
+    if mods:
+        sys.argv.remove("mods")
     rounds = rounds_option(3)
-    rows = measure_all(lambda *shape: measure(*shape, rounds), SHAPES)
-    save_results("gluon-ws", rows, f"python benchmarks/gluon_ws.py --rounds {rounds}")
+    rows = measure_all(lambda *shape: measure(*shape, rounds), MODS if mods else SHAPES)
+    save_results("gluon-ws-mods" if mods else "gluon-ws", rows,
+                 f"python benchmarks/gluon_ws.py{' mods' if mods else ''} --rounds {rounds}")
     for row in rows:
-        print(f"{row['shape']:>9} {row['heads']:>5} {row['mask']:>6} {'sink' if row['sink'] else '':4}",
+        print(f"{row['shape']:>9} {row['heads']:>5} {row['mask']:>6} {row['feature']:7}",
               " ".join(f"{name}={tf}" for name, tf in row["median TFLOP/s"].items()))

@@ -316,6 +316,19 @@ def test_warp_specialized_forward_with_a_sink(rng, causal, sink_dtype):
 
 @pytest.mark.usefixtures("ws_rows")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype, softcap, alibi, sink", [
+    (torch.bfloat16, True, False, False),  # bf16 softcap 30: the row max held fixed, the scale folded into Q
+    (torch.float16, True, False, False),  # fp16: a running max
+    (torch.bfloat16, True, False, True),
+    (torch.bfloat16, False, True, False),
+    (torch.float16, False, True, True),
+], ids=["softcap-fixed-max", "softcap-fp16", "softcap-sink", "alibi", "alibi-sink-fp16"])
+def test_warp_specialized_forward_with_softcap_and_alibi(rng, causal, dtype, softcap, alibi, sink):
+    check(rng, 2, 900, 1100, 4, 2, dtype, WS, causal=causal, **feature_options(rng, 4, softcap, alibi, sink))
+
+
+@pytest.mark.usefixtures("ws_rows")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_warp_specialized_forward_walks_many_tiles_per_cta(rng, monkeypatch, causal):
     """Three CTAs walk every tile (persistent): each consumer carries its ring position and Q buffer across
     tiles of different lengths, heads and batch rows."""

@@ -260,7 +260,7 @@ GLUON_SLIM_FEATURES = frozenset({"window", "softcap", "sink", "varlen"})
 _FWD_SM90_GLUON_WS = TileConfig(64, 128, 4, 2, kernel="gluon-ws")
 GLUON_WS_FULL_KEYS = 2048
 GLUON_WS_CAUSAL_KEYS = 8192
-GLUON_WS_FEATURES = frozenset({"sink"})
+GLUON_WS_FEATURES = frozenset({"sink", "softcap", "alibi"})
 
 
 def ws_ctas(causal: bool, tiles: int, sms: int) -> int:
@@ -381,7 +381,7 @@ def gluon_fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device:
         return _FWD_SM90_GLUON
     ws_keys = GLUON_WS_FULL_KEYS if window_right < 0 else GLUON_WS_CAUSAL_KEYS
     if (warp_specialized and head_dim_v == 128 and features <= GLUON_WS_FEATURES and window_left < 0
-            and seqlen_k >= ws_keys):
+            and seqlen_k >= ws_keys and not {"softcap", "alibi"} <= features):
         return _FWD_SM90_GLUON_WS
     if {"softcap", "alibi"} <= features:
         # The wide tile's linear ALiBi takes the raw scores, not the capped ones; exact there, it spills.

@@ -242,6 +242,17 @@ _FWD_SM90 = CachedLaunch(attn_fwd_sm90, ("q_desc", "k_desc", "v_desc", "q_tail_d
                                          "CACHE_BATCH_IDX"))
 
 
+def _score_constants(args: AttnArgs, dtype: torch.dtype, features: frozenset) -> tuple:
+    """The Gluon forwards' score constants: ``(qk_scale, softcap2, row_max, fold)``. With softcap the scores
+    are ``softcap2 * tanh(q.k * qk_scale)`` in log2 units, without it ``q.k * qk_scale``; ``row_max``: the
+    fixed row max (configs.fixed_row_max) or None; ``fold``: whether Q takes ``qk_scale`` (host.fold_scale)."""
+    if args.softcap > 0:
+        qk_scale, softcap2 = args.softmax_scale / args.softcap, args.softcap * LOG2E
+    else:
+        qk_scale, softcap2 = args.softmax_scale * LOG2E, 0.0
+    return qk_scale, softcap2, fixed_row_max(args.softcap, dtype, features), fold_scale(args)
+
+
 def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, features: frozenset):
     """Launch the Gluon Hopper forward (kernels/fwd_sm90.py); ``shape``: ``(batch, seqlen_q, seqlen_k, group)``,
     the seqlens of packed sequences their maxima, a KV cache's ``seqlen_k`` its capacity."""
@@ -252,12 +263,7 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, features
         # Packed (tokens, heads, headdim) tensors are one batch row of the TMA's 4-d view.
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
     alibi = args.alibi_slopes  # (batch, nheads), maybe broadcast
-    if args.softcap > 0:
-        qk_scale, softcap2 = args.softmax_scale / args.softcap, args.softcap * LOG2E
-    else:
-        qk_scale, softcap2 = args.softmax_scale * LOG2E, 0.0
-    row_max = fixed_row_max(args.softcap, q.dtype, features)
-    fold = fold_scale(args)
+    qk_scale, softcap2, row_max, fold = _score_constants(args, q.dtype, features)
 
     cache_tensors = (args.cache_seqlens, args.cache_leftpad, args.cache_batch_idx) if kvcache else (None,) * 3
 
@@ -298,7 +304,8 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, features
                   static)
 
 
-_FWD_SM90_WS = CachedLaunch(attn_fwd_sm90_ws, ("q_desc", "k_desc", "v_desc", "O", "LSE", "SINK", "qk_scale"))
+_FWD_SM90_WS = CachedLaunch(attn_fwd_sm90_ws, ("q_desc", "k_desc", "v_desc", "O", "LSE", "SINK", "ALIBI_SLOPES",
+                                               "qk_scale", "softcap2", "row_max"))
 # The consumers' registers after ``setmaxnreg``, and the cap the kernel is compiled under (what each warp
 # holds before the partitions resize): 2 x 4 consumer warps at 240 and the producer warp at 24 fit the
 # SM's 64K registers.
@@ -314,21 +321,26 @@ def _forward_sm90_ws(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, featu
     causal = args.window_right >= 0
     tiles = cdiv(seqlen_q, 2 * cfg.BLOCK_M) * nheads * batch
     ctas = configs.ws_ctas(causal, tiles, configs.sm_count(q.device))
+    alibi = args.alibi_slopes  # (batch, nheads), maybe broadcast
+    qk_scale, softcap2, row_max, fold = _score_constants(args, q.dtype, features)
 
     def static():
         stride_lse_b, stride_lse_h = lse_strides(lse, False)
-        return dict(window_left=args.window_left, window_right=args.window_right, **_strides(False, o=out),
-                    stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                    group=group, nheads=nheads, num_tiles=tiles, MASK_LEFT=args.window_left >= 0,
-                    MASK_RIGHT=causal, HAS_SINK=args.sink is not None, STAGES=cfg.num_stages,
-                    CONSUMER_REGS=_WS_CONSUMER_REGS, num_warps=cfg.num_warps, maxnreg=_WS_MAXNREG)
+        return dict(stride_alibi_b=alibi.stride(0) if alibi is not None else 0, window_left=args.window_left,
+                    window_right=args.window_right, **_strides(False, o=out), stride_lse_b=stride_lse_b,
+                    stride_lse_h=stride_lse_h, seqlen_q=seqlen_q, seqlen_k=seqlen_k, group=group, nheads=nheads,
+                    num_tiles=tiles, MASK_LEFT=args.window_left >= 0, MASK_RIGHT=causal, SOFTCAP=args.softcap > 0,
+                    ALIBI=alibi is not None, HAS_SINK=args.sink is not None, FIXED_MAX=row_max is not None,
+                    FOLD_SCALE=fold, STAGES=cfg.num_stages, CONSUMER_REGS=_WS_CONSUMER_REGS,
+                    num_warps=cfg.num_warps, maxnreg=_WS_MAXNREG)
 
-    key = (_layout_key(q, k, v, out, lse), q.device, _args_key(args), cfg, ctas)
+    key = (_layout_key(q, k, v, out, lse), q.device, _args_key(args), cfg, ctas, row_max is not None, fold)
     with on_device(q):
         _FWD_SM90_WS(key, (ctas, ), dict(q_desc=_tma_desc(q, cfg.BLOCK_M), k_desc=_tma_desc(k, cfg.BLOCK_N),
                                          v_desc=_tma_desc(v, cfg.BLOCK_N), O=out, LSE=lse,
                                          SINK=args.sink if args.sink is not None else q,
-                                         qk_scale=args.softmax_scale * LOG2E), static)
+                                         ALIBI_SLOPES=alibi if alibi is not None else q, qk_scale=qk_scale,
+                                         softcap2=softcap2, row_max=row_max or 0.0), static)
 
 
 def attention_kv(q, k_cache, v_cache, args: KVCacheArgs, config=None):

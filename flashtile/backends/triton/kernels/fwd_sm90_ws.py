@@ -19,14 +19,15 @@ The CTA walks tiles of 128 rows, query blocks fastest (causal ones from the last
 head's longest rows go first): with ``grid`` below the tile count each CTA takes every grid-th tile
 (persistent: the producer loads the next tile's Q, double-buffered, while the consumers finish this one).
 Inputs: 16-bit, head dim 128 for q, k and v; full rows or causal (a window is kept general in the
-masks); a sink; no softcap, ALiBi, packed sequences or KV cache (the launcher takes fwd_sm90 for those).
+masks); softcap (``FIXED_MAX``, ``FOLD_SCALE``: as in fwd_sm90, each consumer folds the scale into its own
+Q rows), ALiBi and a sink; no packed sequences or KV cache (the launcher takes fwd_sm90 for those).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .common import LOG2E, kv_range
-from .fwd_sm90 import LN2, _softmax_block, _tile
+from .fwd_sm90 import LN2, _scale_tile, _softmax_block, _tile
 
 
 @gluon.jit
@@ -73,11 +74,12 @@ def _release_unread(k_ready, k_empty, v_ready, v_empty, c, STAGES: gl.constexpr)
 
 
 @gluon.jit
-def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
+def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+              ALIBI: gl.constexpr, HAS_SINK: gl.constexpr, FIXED_MAX: gl.constexpr, FOLD_SCALE: gl.constexpr,
               STAGES: gl.constexpr):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, O, LSE,
-     SINK, qk_scale, window_left, window_right, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q,
-     seqlen_k, nheads, num_tiles) = args
+     SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, row_max, window_left, window_right, stride_ob, stride_om,
+     stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, num_tiles) = args
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
@@ -107,13 +109,22 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
             m_i = gl.full([BLOCK_M], 0.0, gl.float32, rows_s) + gl.load(SINK + off_h).to(gl.float32) * LOG2E
             l_i = gl.full([BLOCK_M], 1.0, gl.float32, rows_s)
         else:
-            m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, rows_s)
+            # With FIXED_MAX, row_max stands in for every row's max from the start (configs.fixed_row_max).
+            m_i = gl.full([BLOCK_M], row_max if FIXED_MAX else float("-inf"), gl.float32, rows_s)
             l_i = gl.zeros([BLOCK_M], gl.float32, rows_s)
+        slope2 = 0.0
+        if ALIBI:
+            slope2 = gl.load(ALIBI_SLOPES + off_b * stride_alibi_b + off_h) * LOG2E
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
         qb = i % 2
         mbarrier.wait(q_ready.index(qb * 2 + WG), (i // 2) & 1)
         q = q_smem.index(qb * 2 + WG).reshape([BLOCK_M, HEAD_DIM])
+        score_scale = qk_scale
+        if FOLD_SCALE:
+            # Softcap's scale (at most 1) into this consumer's Q rows: the tanh then takes q . k as it is.
+            _scale_tile(q, qk_scale, 4)
+            score_scale = 1.0
         if je > jb:
             # Block jb: scores and probabilities; its PV product joins the next step.
             s, ph = _slot(base + jb, STAGES)
@@ -124,8 +135,8 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
             start_n = lo + jb * BLOCK_N
             p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n + jb * BLOCK_N, start_n,
                                                 (start_n < full_lo) | (start_n >= full_hi), seqlen_q, seqlen_k,
-                                                qk_scale, 0.0, 0.0, window_left, window_right, MASK_LEFT, MASK_RIGHT,
-                                                False, False, False)
+                                                score_scale, softcap2, slope2, window_left, window_right, MASK_LEFT,
+                                                MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX)
             for j in range(jb + 1, je):
                 s, ph = _slot(base + j, STAGES)
                 prev, ph_prev = _slot(base + j - 1, STAGES)
@@ -141,12 +152,13 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
                 # The softmax of S_j runs while the PV product is still in flight.
                 p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n + j * BLOCK_N, start_n,
                                                     (start_n < full_lo) | (start_n >= full_hi), seqlen_q, seqlen_k,
-                                                    qk_scale, 0.0, 0.0, window_left, window_right, MASK_LEFT,
-                                                    MASK_RIGHT, False, False, False)
+                                                    score_scale, softcap2, slope2, window_left, window_right,
+                                                    MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX)
                 acc = warpgroup_mma_wait(0, deps=(acc, ))
                 mbarrier.arrive(v_empty.index(prev), count=1)
-                # O now holds blocks up to j - 1 under the old row max: move it to the new one.
-                acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
+                if not FIXED_MAX:
+                    # O now holds blocks up to j - 1 under the old row max: move it to the new one.
+                    acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
             last, ph_last = _slot(base + je - 1, STAGES)
             mbarrier.wait(v_ready.index(last), ph_last)
             acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), _tile(v_smem, last), acc, is_async=True)
@@ -175,8 +187,8 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
 @gluon.jit
 def _producer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr, group):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, O, LSE,
-     SINK, qk_scale, window_left, window_right, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q,
-     seqlen_k, nheads, num_tiles) = args
+     SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, row_max, window_left, window_right, stride_ob, stride_om,
+     stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, num_tiles) = args
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     num_m = gl.cdiv(seqlen_q, 2 * BLOCK_M)
@@ -211,10 +223,12 @@ def _producer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: g
 
 
 @gluon.jit
-def attn_fwd_sm90_ws(q_desc, k_desc, v_desc, O, LSE, SINK, qk_scale, window_left, window_right, stride_ob, stride_om,
-                     stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group, nheads, num_tiles,
-                     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr, STAGES: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+def attn_fwd_sm90_ws(q_desc, k_desc, v_desc, O, LSE, SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, row_max,
+                     window_left, window_right, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q,
+                     seqlen_k, group, nheads, num_tiles, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                     SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, HAS_SINK: gl.constexpr, FIXED_MAX: gl.constexpr,
+                     FOLD_SCALE: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                     num_warps: gl.constexpr):
     """``q_desc``/``k_desc``/``v_desc``: TMA descriptors of the ``(batch, seqlen, heads, headdim)`` inputs with
     ``[1, 64, 1, 128]`` (Q: one consumer's rows) and ``[1, BLOCK_N, 1, 128]`` tiles; ``num_tiles``: batch x
     heads x 128-row query blocks, walked by ``grid`` CTAs."""
@@ -244,9 +258,11 @@ def attn_fwd_sm90_ws(q_desc, k_desc, v_desc, O, LSE, SINK, qk_scale, window_left
         mbarrier.init(k_empty.index(b), count=2)
         mbarrier.init(v_empty.index(b), count=2)
     args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, O,
-            LSE, SINK, qk_scale, window_left, window_right, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h,
-            seqlen_q, seqlen_k, nheads, num_tiles)
-    gl.warp_specialize([(_consumer, (args, 0, MASK_LEFT, MASK_RIGHT, HAS_SINK, STAGES)),
-                        (_consumer, (args, 1, MASK_LEFT, MASK_RIGHT, HAS_SINK, STAGES)),
+            LSE, SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, row_max, window_left, window_right, stride_ob,
+            stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, num_tiles)
+    gl.warp_specialize([(_consumer, (args, 0, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_SINK, FIXED_MAX, FOLD_SCALE,
+                                     STAGES)),
+                        (_consumer, (args, 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_SINK, FIXED_MAX, FOLD_SCALE,
+                                     STAGES)),
                         (_producer, (args, MASK_LEFT, MASK_RIGHT, STAGES, group))], [4, 1],
                        [CONSUMER_REGS, 24])

@@ -111,11 +111,13 @@ def test_hopper_head_dim_256_tiles(monkeypatch, headdim, headdim_v, features, fw
     ((-1, -1), 1024, (), 128, "gluon-sm90 64x128"),  # full rows
     ((-1, -1), 2048, (), 128, "gluon-sm90-ws 64x128"),
     ((-1, -1), 4096, ("sink",), 128, "gluon-sm90-ws 64x128"),
-    ((-1, -1), 4096, ("softcap",), 128, "gluon-sm90 64x128"),  # softcap overlaps tanh with the PV matmul
+    ((-1, -1), 4096, ("softcap",), 128, "gluon-sm90-ws 64x128"),  # softcap overlaps tanh with the PV matmul
     ((-1, -1), 8192, ("softcap",), 128, "triton"),  # ...but not on long full rows
-    ((-1, 0), 16384, ("softcap",), 128, "gluon-sm90 64x128"),
-    ((-1, -1), 4096, ("alibi",), 128, "gluon-sm90 64x128"),  # ALiBi: a linear bias off the diagonal
-    ((-1, 0), 8192, ("alibi",), 128, "gluon-sm90 64x128"),
+    ((-1, 0), 16384, ("softcap",), 128, "gluon-sm90-ws 64x128"),
+    ((-1, 0), 4096, ("softcap",), 128, "gluon-sm90 64x128"),
+    ((-1, -1), 4096, ("alibi",), 128, "gluon-sm90-ws 64x128"),  # ALiBi: a linear bias off the diagonal
+    ((-1, 0), 8192, ("alibi",), 128, "gluon-sm90-ws 64x128"),
+    ((-1, 0), 4096, ("alibi",), 128, "gluon-sm90 64x128"),
     ((1024, 0), 16384, ("alibi", "sink"), 128, "gluon-sm90 64x64"),
     ((-1, 0), 4096, ("softcap", "alibi"), 128, "gluon-sm90 64x64"),  # the linear ALiBi cannot take softcap
     ((-1, -1), 4096, ("softcap", "alibi"), 128, "gluon-sm90 64x64"),
@@ -180,7 +182,7 @@ def test_softcap_holds_the_row_max_fixed_only_where_exp2_stays_in_range(softcap,
 
 
 @pytest.mark.parametrize("softcap, dtype, kernel", [
-    (50.0, torch.bfloat16, "gluon-sm90"),  # fixed row max: the Gluon kernel leads on long full rows too
+    (50.0, torch.bfloat16, "gluon-sm90-ws"),  # fixed row max: the Gluon kernel leads on long full rows too
     (60.0, torch.bfloat16, "triton"),
     (50.0, torch.float16, "triton"),
 ])
@@ -216,7 +218,7 @@ def test_gluon_tiles_fit_their_programs_per_sm(tile, head_dim, head_dim_v, q_in_
     (256, 256, (), "_FWD_SM90_GLUON_D256"),
     (256, 256, ("window", "softcap", "alibi", "sink"), "_FWD_SM90_GLUON_D256"),
     (128, 128, (), "_FWD_SM90_GLUON_WS"),
-    (128, 128, ("sink", "softcap"), "_FWD_SM90_GLUON_WIDE"),
+    (128, 128, ("softcap", "alibi"), "_FWD_SM90_GLUON"),
     (64, 64, (), None),
     (192, 128, ("headdim_v",), "_FWD_SM90_GLUON"),  # q and k read as 128 + 64 columns
     (192, 128, ("headdim_v", "window", "softcap", "alibi", "sink"), "_FWD_SM90_GLUON"),

@@ -5,6 +5,9 @@ The dispatcher picks it for 16-bit calls of at least ``GLUON_MIN_PAIRS`` (row, k
 rows with softcap only where the row max is held fixed: bf16, softcap <= 51.9), the 64x64 tile for
 sliding windows under 4096 keys, softcap with ALiBi and causal rows under 1024 keys; at 256 and 192/128 the
 64x64 tile, at 64 the 64x64 tile on plain causal rows under 1024 keys alone (configs.py).
+Full rows of GLUON_WS_FULL_KEYS keys and more and causal rows of GLUON_WS_CAUSAL_KEYS take the warp-specialized
+kernel (kernels/fwd_sm90_ws.py) instead; the tests of the one-warpgroup kernel raise those floors, its own tests
+(``ws_rows``) lower them.
 These tests check which kernel and tile ran (by the kernel counter) and hold out, lse and the gradients
 (the Triton backward on its lse) to the tolerance rule.
 Lengths are awkward: not multiples of the 64-row tiles, seqlen_q != seqlen_k, rows that see no key,

@@ -242,8 +242,8 @@ _FWD_SM90_GLUON_WIDE = TileConfig(64, 128, 4, 2, kernel="gluon")
 _FWD_SM90_GLUON_SLIM = TileConfig(64, 64, 4, 2, kernel="gluon-slim")
 GLUON_SLIM_CAUSAL_KEYS = 4096
 GLUON_SLIM_FEATURES = frozenset({"window", "softcap", "sink", "varlen"})
-# Long rows at head dim 128 (16-bit, plain or with a sink; no window, softcap, ALiBi, packed sequences or
-# cache) take the warp-specialized forward (kernels/fwd_sm90_ws.py): CTAs of 128 query rows, two consumer
+# Long rows at head dim 128 (16-bit; plain, softcap, ALiBi or a sink, not softcap with ALiBi; no window, packed
+# sequences or cache) take the warp-specialized forward (kernels/fwd_sm90_ws.py): CTAs of 128 query rows, two consumer
 # warpgroups of 64 and a TMA producer warp, a ring of two 128-key slots (``BLOCK_M``: one consumer's rows).
 # H200, bf16, 16 heads, fwd TFLOP/s, median of 3 interleaved rounds, 64x128 tile / warp-specialized persistent
 # / a CTA per tile / cuDNN (`python benchmarks/gluon_ws.py` -> results/h200-gluon-ws-2026-11-23.json):
@@ -253,6 +253,9 @@ GLUON_SLIM_FEATURES = frozenset({"window", "softcap", "sink", "varlen"})
 #   causal 8 x 2048 412 / 378 / 367 / 452; 4 x 4096 473 / 466 / 418 / 491; 2 x 8192 505 / 521 / 525 / 527;
 #   1 x 16384 551 / 432 / 588 / 555; 32/8 heads 4 x 4096 481 / 494 / 498 / 515, 1 x 16384 540 / 571 / 586 / 564;
 #   with a sink 2 x 8192 513 / 502 / 526.
+#   The mods shapes (`python benchmarks/gluon_ws.py mods` -> results/h200-gluon-ws-mods-2026-11-23.json), softcap 50
+#   full 4 x 4096 489 / 561 / 546, 2 x 8192 507 / 575 / 564; causal 2 x 8192 453 / 505 / 533; ALiBi full 508 / 509
+#   / 501, 523 / 522 / 519 (it spills 50 registers' worth: a tie), causal 2 x 8192 454 / 466 / 479.
 # So full rows of GLUON_WS_FULL_KEYS keys and more take it persistent (rows cost alike; the next tile's Q
 # loads under this one), causal rows of GLUON_WS_CAUSAL_KEYS and more a CTA per tile (ws_ctas). Tiles heads
 # first instead of query blocks first (every head's longest rows at once) lost 2-14%: the CTAs running at

@@ -108,8 +108,8 @@ def test_hopper_head_dim_256_tiles(monkeypatch, headdim, headdim_v, features, fw
     ((-1, 0), 4096, (), 128, "gluon-sm90 64x128"),  # causal rows
     ((-1, 0), 8192, (), 128, "gluon-sm90-ws 64x128"),  # long causal rows: warp-specialized
     ((-1, 0), 16384, ("sink",), 128, "gluon-sm90-ws 64x128"),
-    ((-1, -1), 1024, (), 128, "gluon-sm90 64x128"),  # full rows
-    ((-1, -1), 2048, (), 128, "gluon-sm90-ws 64x128"),
+    ((-1, -1), 2048, (), 128, "gluon-sm90 64x128"),  # full rows
+    ((-1, -1), 4096, (), 128, "gluon-sm90-ws 64x128"),
     ((-1, -1), 4096, ("sink",), 128, "gluon-sm90-ws 64x128"),
     ((-1, -1), 4096, ("softcap",), 128, "gluon-sm90-ws 64x128"),  # softcap overlaps tanh with the PV matmul
     ((-1, -1), 8192, ("softcap",), 128, "triton"),  # ...but not on long full rows

@@ -258,10 +258,10 @@ GLUON_SLIM_FEATURES = frozenset({"window", "softcap", "sink", "varlen"})
 #   / 501, 523 / 522 / 519 (it spills 50 registers' worth: a tie), causal 2 x 8192 454 / 466 / 479.
 # So full rows of GLUON_WS_FULL_KEYS keys and more take it persistent (rows cost alike; the next tile's Q
 # loads under this one), causal rows of GLUON_WS_CAUSAL_KEYS and more a CTA per tile (ws_ctas). Full rows of
-# 2048 keys gain 1-2%, within the spread, and packed sequences (which keep the 64x128 tile) would then trail
-# the dense batch by 12% at 16 x 2048 (the variants suite's varlen_equal bar is 10%): they keep the 64x128 tile. Tiles heads
-# first instead of query blocks first (every head's longest rows at once) lost 2-14%: the CTAs running at
-# once then share fewer keys in L2.
+# 2048 keys would gain 1-2%, within the spread, and packed sequences (which keep the 64x128 tile) would then
+# trail the dense batch by 12% at 16 x 2048 (the variants suite's varlen_equal bar is 10%): they stay on it.
+# Tiles ordered heads first (every head's longest rows at once; a switch measured in the first run,
+# results/h200-gluon-ws-orders-2026-11-23.json) lost 2-14%: the CTAs running at once share fewer keys in L2.
 _FWD_SM90_GLUON_WS = TileConfig(64, 128, 4, 2, kernel="gluon-ws")
 GLUON_WS_FULL_KEYS = 4096
 GLUON_WS_CAUSAL_KEYS = 8192

@@ -8,8 +8,7 @@ back-to-back calls). Reports median and best TFLOP/s of visible pairs.
 
     python benchmarks/gluon_ws.py --rounds 3 -> $OUT (default /tmp)/h200-gluon-ws-<date>.json
     python benchmarks/gluon_ws.py mods      -> ...-gluon-ws-mods-<date>.json: softcap 50 and ALiBi against
-                                               plain on the variants suite's mods shapes (ALiBi also on
-                                               the 64-key plan, the rule's grid)
+                                               plain on the variants suite's mods shapes
 """
 import os
 import sys
@@ -71,8 +70,6 @@ def measure(batch, seqlen, heads, heads_kv, causal, feature, rounds):
     def run(name):
         if name == "wide":
             return launch.forward(q, k, v, args, config=configs._FWD_SM90_GLUON_WIDE)
-        if name == "ws 64-key":
-            return launch.forward(q, k, v, args, config=configs._FWD_SM90_GLUON_WS_ALIBI)
         configs.ws_ctas = SCHEDULES[name]
         try:
             return launch.forward(q, k, v, args, config=configs._FWD_SM90_GLUON_WS)
@@ -85,14 +82,13 @@ def measure(batch, seqlen, heads, heads_kv, causal, feature, rounds):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=heads != heads_kv)
 
-    variants = ("wide", *SCHEDULES) + (("ws 64-key", ) if feature == "alibi" else ())
-    providers = {name: (lambda name=name: run(name)) for name in variants}
+    providers = {name: (lambda name=name: run(name)) for name in ("wide", *SCHEDULES)}
     if not feature:
         providers["cudnn"] = cudnn
     row = dict(shape=f"{batch}x{seqlen}", heads=f"{heads}/{heads_kv}", mask="causal" if causal else "full",
                feature=feature, rule="per-tile" if rule(causal, 2, 1) == 2 else "persistent")
     expected = reference(q[:1], k[:1], v[:1], causal, sink, softcap, slopes)
-    for name in variants:
+    for name in ("wide", *SCHEDULES):
         out, _ = providers[name]()
         row[f"{name} max err"] = float((out[:1, :, :2].float() - expected).abs().max())
     pairs = seqlen * (seqlen + 1) // 2 if causal else seqlen * seqlen

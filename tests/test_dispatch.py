@@ -115,8 +115,8 @@ def test_hopper_head_dim_256_tiles(monkeypatch, headdim, headdim_v, features, fw
     ((-1, -1), 8192, ("softcap",), 128, "triton"),  # ...but not on long full rows
     ((-1, 0), 16384, ("softcap",), 128, "gluon-sm90-ws 64x128"),
     ((-1, 0), 4096, ("softcap",), 128, "gluon-sm90 64x128"),
-    ((-1, -1), 4096, ("alibi",), 128, "gluon-sm90-ws 64x64"),  # ALiBi: no spills on 64-key blocks
-    ((-1, 0), 8192, ("alibi",), 128, "gluon-sm90-ws 64x64"),
+    ((-1, -1), 4096, ("alibi",), 128, "gluon-sm90-ws 64x128"),  # ALiBi: a linear bias off the diagonal
+    ((-1, 0), 8192, ("alibi",), 128, "gluon-sm90-ws 64x128"),
     ((-1, 0), 4096, ("alibi",), 128, "gluon-sm90 64x128"),
     ((1024, 0), 16384, ("alibi", "sink"), 128, "gluon-sm90 64x64"),
     ((-1, 0), 4096, ("softcap", "alibi"), 128, "gluon-sm90 64x64"),  # the linear ALiBi cannot take softcap

@@ -327,9 +327,7 @@ def test_warp_specialized_forward_with_a_sink(rng, causal, sink_dtype):
     (torch.float16, False, True, True),
 ], ids=["softcap-fixed-max", "softcap-fp16", "softcap-sink", "alibi", "alibi-sink-fp16"])
 def test_warp_specialized_forward_with_softcap_and_alibi(rng, causal, dtype, softcap, alibi, sink):
-    """ALiBi runs 64-key blocks (configs._FWD_SM90_GLUON_WS_ALIBI), the others 128-key ones."""
-    kernel = "gluon-sm90-ws BN=64" if alibi else WS
-    check(rng, 2, 900, 1100, 4, 2, dtype, kernel, causal=causal, **feature_options(rng, 4, softcap, alibi, sink))
+    check(rng, 2, 900, 1100, 4, 2, dtype, WS, causal=causal, **feature_options(rng, 4, softcap, alibi, sink))
 
 
 @pytest.mark.usefixtures("ws_rows")

@@ -263,9 +263,6 @@ GLUON_SLIM_FEATURES = frozenset({"window", "softcap", "sink", "varlen"})
 # Tiles ordered heads first (every head's longest rows at once; a switch measured in the first run,
 # results/h200-gluon-ws-orders-2026-11-23.json) lost 2-14%: the CTAs running at once share fewer keys in L2.
 _FWD_SM90_GLUON_WS = TileConfig(64, 128, 4, 2, kernel="gluon-ws")
-# ALiBi on 128-key blocks spills (the linear bias's column terms: about 50 spill instructions at 240 registers a
-# consumer thread); on 64-key blocks, three slots, it spills none.
-_FWD_SM90_GLUON_WS_ALIBI = TileConfig(64, 64, 4, 3, kernel="gluon-ws")
 GLUON_WS_FULL_KEYS = 4096
 GLUON_WS_CAUSAL_KEYS = 8192
 GLUON_WS_FEATURES = frozenset({"sink", "softcap", "alibi"})
@@ -390,7 +387,7 @@ def gluon_fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device:
     ws_keys = GLUON_WS_FULL_KEYS if window_right < 0 else GLUON_WS_CAUSAL_KEYS
     if (warp_specialized and head_dim_v == 128 and features <= GLUON_WS_FEATURES and window_left < 0
             and seqlen_k >= ws_keys and not {"softcap", "alibi"} <= features):
-        return _FWD_SM90_GLUON_WS_ALIBI if "alibi" in features else _FWD_SM90_GLUON_WS
+        return _FWD_SM90_GLUON_WS
     if {"softcap", "alibi"} <= features:
         # The wide tile's linear ALiBi takes the raw scores, not the capped ones; exact there, it spills.
         return _FWD_SM90_GLUON

@@ -339,6 +339,8 @@ GLUON_CASES = {
     "transposed": (flash_attn_func, ((2, 4, 45, 128), (2, 2, 45, 128), (2, 2, 45, 128)), dict(causal=True)),
     "qkvpacked": (flash_attn_qkvpacked_func, ((1, 41, 3, 2, 128),), dict(window_size=(17, 3))),
     "tail_192_128": (flash_attn_func, ((1, 50, 2, 192), (1, 90, 2, 192), (1, 90, 2, 128)), dict(softcap=9.0)),
+    # Full rows take the warp-specialized forward here (gluon_everywhere lowers its floor): a persistent grid.
+    "warp_specialized": (flash_attn_func, ((2, 300, 4, 128), (2, 333, 2, 128), (2, 333, 2, 128)), dict(softcap=9.0)),
 }
 
 
@@ -351,6 +353,7 @@ def gluon_everywhere(monkeypatch):
     monkeypatch.setattr(configs, "GLUON_MIN_PAIRS", 0)
     monkeypatch.setattr(configs, "GLUON_KV_MIN_QUERIES", 1)
     monkeypatch.setattr(configs, "GLUON_KV_MIN_PAIRS", 0)
+    monkeypatch.setattr(configs, "GLUON_WS_FULL_KEYS", 0)
     dispatch._describe.cache_clear()
     yield
     dispatch._describe.cache_clear()
@@ -381,7 +384,8 @@ def test_gluon_forward_replays(rng, unchecked, served, gluon_everywhere, clean_d
         assert len(served) - before == (1 + grad if step else 0), f"step {step}: {len(served) - before} replayed"
         for i, (ours, theirs) in enumerate(zip(got, expected)):
             assert torch.equal(ours, theirs), f"step {step}: output {i} differs from the ordinary call"
-    assert any("gluon-sm90" in name for name in flashtile.stats()["kernels"])
+    family = "[gluon-sm90-ws " if case == "warp_specialized" else "gluon-sm90"
+    assert any(family in name for name in flashtile.stats()["kernels"])
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon forward runs on sm_90 only")

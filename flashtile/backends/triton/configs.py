@@ -247,15 +247,16 @@ GLUON_SLIM_FEATURES = frozenset({"window", "softcap", "sink", "varlen"})
 # warpgroups of 64 and a TMA producer warp, a ring of two 128-key slots (``BLOCK_M``: one consumer's rows).
 # H200, bf16, 16 heads, fwd TFLOP/s, median of 3 interleaved rounds, 64x128 tile / warp-specialized persistent
 # / a CTA per tile / cuDNN (`python benchmarks/gluon_ws.py` -> results/h200-gluon-ws-2026-11-23.json):
-#   full 32 x 512 392 / 383 / 316 / 520; 16 x 1024 451 / 436 / 396 / 531; 8 x 2048 512 / 516 / 479 / 533;
-#   4 x 4096 532 / 560 / 540 / 570; 2 x 8192 542 / 583 / 577 / 602; 1 x 16384 548 / 596 / 590 / 609;
-#   32/8 heads 4 x 4096 513 / 570 / 557 / 595; with a sink 4 x 4096 520 / 556 / 548.
-#   causal 8 x 2048 412 / 378 / 367 / 452; 4 x 4096 473 / 466 / 418 / 491; 2 x 8192 505 / 521 / 525 / 527;
-#   1 x 16384 551 / 432 / 588 / 555; 32/8 heads 4 x 4096 481 / 494 / 498 / 515, 1 x 16384 540 / 571 / 586 / 564;
-#   with a sink 2 x 8192 513 / 502 / 526.
-#   The mods shapes (`python benchmarks/gluon_ws.py mods` -> results/h200-gluon-ws-mods-2026-11-23.json), softcap 50
-#   full 4 x 4096 489 / 561 / 546, 2 x 8192 507 / 575 / 564; causal 2 x 8192 453 / 505 / 533; ALiBi full 508 / 509
-#   / 501, 523 / 522 / 519 (it spills 50 registers' worth: a tie), causal 2 x 8192 454 / 466 / 479.
+#   full 32 x 512 393 / 382 / 308 / 517; 16 x 1024 449 / 458 / 411 / 576; 8 x 2048 506 / 517 / 491 / 594;
+#   4 x 4096 521 / 527 / 549 / 592; 2 x 8192 544 / 577 / 569 / 605; 1 x 16384 539 / 594 / 580 / 608;
+#   32/8 heads 4 x 4096 534 / 572 / 558 / 596; with a sink 4 x 4096 529 / 562 / 552.
+#   causal 8 x 2048 411 / 373 / 398 / 485; 4 x 4096 472 / 457 / 472 / 510; 2 x 8192 491 / 507 / 531 / 533;
+#   1 x 16384 542 / 423 / 575 / 552; 32/8 heads 4 x 4096 484 / 491 / 494 / 522, 1 x 16384 537 / 578 / 578 / 570;
+#   with a sink 2 x 8192 514 / 520 / 531.
+#   The mods shapes (`python benchmarks/gluon_ws.py mods` -> results/h200-gluon-ws-mods-2026-11-23.json): plain full
+#   4 x 4096 544 / 570 / 558 / 599; softcap 50 full 4 x 4096 489 / 561 / 546, 2 x 8192 507 / 575 / 564; causal
+#   2 x 8192 453 / 505 / 533; ALiBi full 508 / 509 / 501, 523 / 522 / 519 (its linear bias spills about 50
+#   instructions' worth at 240 registers a thread: a tie), causal 2 x 8192 454 / 466 / 479.
 # So full rows of GLUON_WS_FULL_KEYS keys and more take it persistent (rows cost alike; the next tile's Q
 # loads under this one), causal rows of GLUON_WS_CAUSAL_KEYS and more a CTA per tile (ws_ctas). Full rows of
 # 2048 keys would gain 1-2%, within the spread, and packed sequences (which keep the 64x128 tile) would then
@@ -270,8 +271,8 @@ GLUON_WS_FEATURES = frozenset({"sink", "softcap", "alibi"})
 
 def ws_ctas(causal: bool, tiles: int, sms: int) -> int:
     """The warp-specialized forward's grid. Full rows cost alike: one CTA an SM walks them round robin.
-    Causal rows differ in length, and round robin leaves SMs idle at the end (1 x 16384: 432 TFLOP/s against
-    588): a CTA per tile, launched longest first, lets the hardware hand the next tile to the first SM free."""
+    Causal rows differ in length, and round robin leaves SMs idle at the end (1 x 16384: 423 TFLOP/s against
+    575): a CTA per tile, launched longest first, lets the hardware hand the next tile to the first SM free."""
     return tiles if causal else min(tiles, sms)
 
 

@@ -18,8 +18,8 @@ so S and O of a 64 x 128 block each fit without Q in registers.
 The CTA walks tiles of 128 rows, query blocks fastest (causal ones from the last block down, so each
 head's longest rows go first): with ``grid`` below the tile count each CTA takes every grid-th tile
 (persistent: the producer loads the next tile's Q, double-buffered, while the consumers finish this one).
-Inputs: 16-bit, head dim 128 for q, k and v; full rows or causal (a window is kept general in the
-masks); softcap (``FIXED_MAX``, ``FOLD_SCALE``: as in fwd_sm90, each consumer folds the scale into its own
+Inputs: 16-bit, head dim 128 for q, k and v; full rows or causal (the masks are fwd_sm90's, windows
+included, but the dispatcher keeps windows on that kernel's tiles); softcap (``FIXED_MAX``, ``FOLD_SCALE``: as in fwd_sm90, each consumer folds the scale into its own
 Q rows), ALiBi and a sink; no packed sequences or KV cache (the launcher takes fwd_sm90 for those).
 """
 from triton.experimental import gluon

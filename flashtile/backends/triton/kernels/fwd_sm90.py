@@ -194,6 +194,46 @@ def _visible(qk, offs_m, start_n, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @gluon.jit
+def row_start(SINK, row_max, ALIBI_SLOPES, stride_alibi_b, off_b, off_h, BLOCK_M: gl.constexpr,
+              layout: gl.constexpr, HAS_SINK: gl.constexpr, FIXED_MAX: gl.constexpr, ALIBI: gl.constexpr):
+    """Head ``off_h``'s rows before their first key block: ``(m_i, l_i, slope2)``, the running max and sum
+    (log2 units, in ``layout``) and the ALiBi slope in log2 units (0 without ALiBi)."""
+    if HAS_SINK:
+        # The sink is one more logit in every row's softmax, with no value: start the row there.
+        m_i = gl.full([BLOCK_M], 0.0, gl.float32, layout) + gl.load(SINK + off_h).to(gl.float32) * LOG2E
+        l_i = gl.full([BLOCK_M], 1.0, gl.float32, layout)
+    else:
+        # With FIXED_MAX, row_max stands in for every row's max from the start (see fixed_row_max).
+        m_i = gl.full([BLOCK_M], row_max if FIXED_MAX else float("-inf"), gl.float32, layout)
+        l_i = gl.zeros([BLOCK_M], gl.float32, layout)
+    slope2 = 0.0
+    if ALIBI:
+        slope2 = gl.load(ALIBI_SLOPES + off_b * stride_alibi_b + off_h) * LOG2E
+    return m_i, l_i, slope2
+
+
+@gluon.jit
+def store_rows(acc, m_i, l_i, offs_m, O, LSE, off_b, off_h, first_row, q_start, seqlen_q, stride_ob, stride_om,
+               stride_oh, stride_lse_b, stride_lse_h, dtype: gl.constexpr):
+    """Divide O by each row's sum and store it (as ``dtype``) and the rows' lse: rows ``first_row..`` of a
+    sequence whose row 0 is row ``q_start`` of O (``offs_m``: the rows in ``m_i``'s layout). A row that saw
+    no key has l = 0: its output is 0 and its lse is -inf."""
+    BLOCK_M: gl.constexpr = acc.shape[0]
+    rows_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    seen = l_i > 0.0
+    l_safe = gl.where(seen, l_i, 1.0)
+    acc = acc / gl.convert_layout(l_safe, rows_o)[:, None]
+    lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
+    offs_mo = first_row + gl.arange(0, BLOCK_M, layout=rows_o)
+    offs_d = gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, acc.type.layout))
+    o_ptrs = (O + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
+              + (q_start + offs_mo[:, None]).to(gl.int64) * stride_om + offs_d[None, :])
+    gl.store(o_ptrs, acc.to(dtype), mask=offs_mo[:, None] < seqlen_q)
+    gl.store(LSE + off_b.to(gl.int64) * stride_lse_b + off_h * stride_lse_h + q_start + offs_m, lse,
+             mask=offs_m < seqlen_q)
+
+
+@gluon.jit
 def _softmax_step(qk, s, m_i, qk_scale, MODIFIED: gl.constexpr, FIXED_MAX: gl.constexpr):
     """``softmax_step``, or with ``FIXED_MAX`` the probabilities against the row max ``m_i`` held fixed."""
     if FIXED_MAX:
@@ -299,17 +339,8 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, qk_s
 
     offs_m = first_row + gl.arange(0, BLOCK_M, layout=rows_s)
     offs_n = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    if HAS_SINK:
-        # The sink is one more logit in every row's softmax, with no value: start the row there.
-        m_i = gl.full([BLOCK_M], 0.0, gl.float32, rows_s) + gl.load(SINK + off_h).to(gl.float32) * LOG2E
-        l_i = gl.full([BLOCK_M], 1.0, gl.float32, rows_s)
-    else:
-        # With FIXED_MAX, row_max stands in for every row's max from the start (see fixed_row_max).
-        m_i = gl.full([BLOCK_M], row_max if FIXED_MAX else float("-inf"), gl.float32, rows_s)
-        l_i = gl.zeros([BLOCK_M], gl.float32, rows_s)
-    slope2 = 0.0
-    if ALIBI:
-        slope2 = gl.load(ALIBI_SLOPES + off_b * stride_alibi_b + off_h) * LOG2E
+    m_i, l_i, slope2 = row_start(SINK, row_max, ALIBI_SLOPES, stride_alibi_b, off_b, off_h, BLOCK_M, rows_s,
+                                 HAS_SINK, FIXED_MAX, ALIBI)
     acc = gl.zeros([BLOCK_M, HEAD_DIM_V], gl.float32, o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     mbarrier.wait(q_bar, 0)
@@ -374,18 +405,8 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, qk_s
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), _tile(v_smem, last), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
 
-    # A row that saw no key has l = 0: its output is 0 and its lse is -inf.
-    seen = l_i > 0.0
-    l_safe = gl.where(seen, l_i, 1.0)
-    acc = acc / gl.convert_layout(l_safe, rows_o)[:, None]
-    lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
-    offs_mo = first_row + gl.arange(0, BLOCK_M, layout=rows_o)
-    offs_d = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, o_layout))
-    o_ptrs = (O + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
-              + (q_start + offs_mo[:, None]).to(gl.int64) * stride_om + offs_d[None, :])
-    gl.store(o_ptrs, acc.to(dtype), mask=offs_mo[:, None] < seqlen_q)
-    gl.store(LSE + off_b.to(gl.int64) * stride_lse_b + off_h * stride_lse_h + q_start + offs_m, lse,
-             mask=offs_m < seqlen_q)
+    store_rows(acc, m_i, l_i, offs_m, O, LSE, off_b, off_h, first_row, q_start, seqlen_q, stride_ob, stride_om,
+               stride_oh, stride_lse_b, stride_lse_h, dtype)
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(K_STAGES):
         mbarrier.invalidate(k_bar.index(i))

@@ -26,8 +26,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .common import LOG2E, kv_range
-from .fwd_sm90 import LN2, _scale_tile, _softmax_block, _tile
+from .common import kv_range
+from .fwd_sm90 import _scale_tile, _softmax_block, _tile, row_start, store_rows
 
 
 @gluon.jit
@@ -104,17 +104,8 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
 
         offs_m = first_row + gl.arange(0, BLOCK_M, layout=rows_s)
         offs_n = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        if HAS_SINK:
-            # The sink is one more logit in every row's softmax, with no value: start the row there.
-            m_i = gl.full([BLOCK_M], 0.0, gl.float32, rows_s) + gl.load(SINK + off_h).to(gl.float32) * LOG2E
-            l_i = gl.full([BLOCK_M], 1.0, gl.float32, rows_s)
-        else:
-            # With FIXED_MAX, row_max stands in for every row's max from the start (configs.fixed_row_max).
-            m_i = gl.full([BLOCK_M], row_max if FIXED_MAX else float("-inf"), gl.float32, rows_s)
-            l_i = gl.zeros([BLOCK_M], gl.float32, rows_s)
-        slope2 = 0.0
-        if ALIBI:
-            slope2 = gl.load(ALIBI_SLOPES + off_b * stride_alibi_b + off_h) * LOG2E
+        m_i, l_i, slope2 = row_start(SINK, row_max, ALIBI_SLOPES, stride_alibi_b, off_b, off_h, BLOCK_M, rows_s,
+                                     HAS_SINK, FIXED_MAX, ALIBI)
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
         qb = i % 2
@@ -171,17 +162,8 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
         base += n
         i += 1
 
-        # A row that saw no key has l = 0: its output is 0 and its lse is -inf.
-        seen = l_i > 0.0
-        l_safe = gl.where(seen, l_i, 1.0)
-        acc = acc / gl.convert_layout(l_safe, rows_o)[:, None]
-        lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
-        offs_mo = first_row + gl.arange(0, BLOCK_M, layout=rows_o)
-        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        o_ptrs = (O + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
-                  + offs_mo[:, None].to(gl.int64) * stride_om + offs_d[None, :])
-        gl.store(o_ptrs, acc.to(dtype), mask=offs_mo[:, None] < seqlen_q)
-        gl.store(LSE + off_b.to(gl.int64) * stride_lse_b + off_h * stride_lse_h + offs_m, lse, mask=offs_m < seqlen_q)
+        store_rows(acc, m_i, l_i, offs_m, O, LSE, off_b, off_h, first_row, 0, seqlen_q, stride_ob, stride_om,
+                   stride_oh, stride_lse_b, stride_lse_h, dtype)
 
 
 @gluon.jit

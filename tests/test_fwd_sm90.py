@@ -331,6 +331,22 @@ def test_warp_specialized_forward_with_softcap_and_alibi(rng, causal, dtype, sof
 
 
 @pytest.mark.usefixtures("ws_rows")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("seqlen_q, seqlen_k, causal", [
+    (1000, 1000, False),  # linear blocks left of the diagonal, the exact ones on it, linear right, a partial last
+    (1290, 700, False),  # fewer keys: the diagonal moves left (before key 0 for the first 590 rows)
+    (700, 1290, False),  # more keys: it moves right
+    (300, 4100, False),  # a long right run, then the partial block
+    (1037, 1037, True),  # causal: every visible key is left of (or on) the diagonal
+], ids=["square", "fewer-keys", "more-keys", "long-right", "causal"])
+def test_warp_specialized_alibi_runs(rng, dtype, seqlen_q, seqlen_k, causal):
+    """The consumers walk ALiBi rows in runs (linear left, exact, linear right, exact): slopes per batch row and
+    head, geometric as models set them (1/4 .. 1/256, halved in the second row), so far keys still count."""
+    slopes = 2.0 ** (-8.0 * torch.arange(1, 5) / 4) * torch.tensor([[1.0], [0.5]])
+    check(rng, 2, seqlen_q, seqlen_k, 4, 2, dtype, WS, causal=causal, alibi_slopes=slopes.to("cuda"))
+
+
+@pytest.mark.usefixtures("ws_rows")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_warp_specialized_forward_walks_many_tiles_per_cta(rng, monkeypatch, causal):
     """Three CTAs walk every tile (persistent): each consumer carries its ring position and Q buffer across

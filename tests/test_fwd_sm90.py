@@ -333,15 +333,16 @@ def test_warp_specialized_forward_with_softcap_and_alibi(rng, causal, dtype, sof
 @pytest.mark.usefixtures("ws_rows")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("seqlen_q, seqlen_k, causal", [
-    (1000, 1000, False),  # linear blocks left of the diagonal, the exact ones on it, linear right, a partial last
+    (1000, 1000, False),  # linear blocks left of the diagonal, exact ones on it, linear right, a partial last
     (1290, 700, False),  # fewer keys: the diagonal moves left (before key 0 for the first 590 rows)
     (700, 1290, False),  # more keys: it moves right
-    (300, 4100, False),  # a long right run, then the partial block
+    (300, 4100, False),  # many blocks right of the diagonal, then the partial block
     (1037, 1037, True),  # causal: every visible key is left of (or on) the diagonal
 ], ids=["square", "fewer-keys", "more-keys", "long-right", "causal"])
-def test_warp_specialized_alibi_runs(rng, dtype, seqlen_q, seqlen_k, causal):
-    """The consumers walk ALiBi rows in runs (linear left, exact, linear right, exact): slopes per batch row and
-    head, geometric as models set them (1/4 .. 1/256, halved in the second row), so far keys still count."""
+def test_warp_specialized_alibi_with_model_slopes(rng, dtype, seqlen_q, seqlen_k, causal):
+    """ALiBi on the warp-specialized kernel with slopes per batch row and head, geometric as models set them
+    (1/4 .. 1/256, halved in the second row), so far keys still count and the linear blocks' bound on the row
+    max is tested where it matters."""
     slopes = 2.0 ** (-8.0 * torch.arange(1, 5) / 4) * torch.tensor([[1.0], [0.5]])
     check(rng, 2, seqlen_q, seqlen_k, 4, 2, dtype, WS, causal=causal, alibi_slopes=slopes.to("cuda"))
 

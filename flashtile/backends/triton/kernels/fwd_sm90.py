@@ -99,10 +99,9 @@ def _scale_tile(tile, scale, num_warps: gl.constexpr):
 @gluon.jit
 def _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n, start_n, masked, seqlen_q, seqlen_k, qk_scale, softcap2,
                    slope2, window_left, window_right, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, FIXED_MAX: gl.constexpr, EXACT: gl.constexpr = False):
+                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, FIXED_MAX: gl.constexpr):
     """The online softmax of key block ``start_n``: ``(p, alpha, m_new, l_new)``; ``masked`` (uniform
-    across the program) says whether the block straddles a window edge or the sequence end. ``EXACT``
-    keeps ALiBi's bias exact on every block (the caller has taken the linear ones elsewhere).
+    across the program) says whether the block straddles a window edge or the sequence end.
 
     ``FIXED_MAX``: softcap bounds the scores (``|s| <= softcap2``), so every row keeps the launcher's
     fixed max ``m_i`` (``fixed_row_max``): no max, no rescale."""
@@ -110,7 +109,7 @@ def _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n, start_n, masked, seq
     BLOCK_N: gl.constexpr = qk.shape[1]
     # 64-key blocks keep ALiBi's column terms in registers, so the exact bias costs them no more. The
     # linear form takes the raw scores: with softcap the bias follows the tanh and must be exact.
-    LINEAR: gl.constexpr = ALIBI and not SOFTCAP and BLOCK_N >= 128 and not EXACT
+    LINEAR: gl.constexpr = ALIBI and not SOFTCAP and BLOCK_N >= 128
     left = False
     linear = False
     if LINEAR:

@@ -27,7 +27,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .common import kv_range
-from .fwd_sm90 import _alibi_linear_step, _scale_tile, _softmax_block, _tile, row_start, store_rows
+from .fwd_sm90 import _scale_tile, _softmax_block, _tile, row_start, store_rows
 
 
 @gluon.jit
@@ -74,77 +74,6 @@ def _release_unread(k_ready, k_empty, v_ready, v_empty, c, STAGES: gl.constexpr)
 
 
 @gluon.jit
-def _alibi_runs(jb, je, lo, first_row, full_lo, full_hi, seqlen_q, seqlen_k, window_right, BLOCK_M: gl.constexpr,
-                BLOCK_N: gl.constexpr, MASK_RIGHT: gl.constexpr):
-    """Split a consumer's blocks after ``jb`` into runs ``[jb + 1, j1)`` unmasked and wholly left of its rows'
-    diagonal keys (a causal row's keys all are), ``[j1, j2)`` any, ``[j2, j3)`` unmasked and wholly right of
-    them, ``[j3, je)`` any."""
-    diag = seqlen_k - seqlen_q
-    unmasked_lo = (full_lo - lo) // BLOCK_N
-    unmasked_hi = (full_hi - lo) // BLOCK_N
-    left_hi = gl.maximum(first_row + diag + 1 - lo, 0) // BLOCK_N
-    if MASK_RIGHT and window_right <= 0:
-        left_hi = je
-    right_lo = gl.cdiv(gl.maximum(first_row + BLOCK_M - 1 + diag - lo, 0), BLOCK_N)
-    j1 = gl.maximum(gl.minimum(gl.minimum(left_hi, unmasked_hi), je), jb + 1)
-    if unmasked_lo > jb + 1:
-        j1 = jb + 1
-    j2 = gl.minimum(gl.maximum(gl.maximum(right_lo, unmasked_lo), j1), je)
-    j3 = gl.maximum(gl.minimum(unmasked_hi, je), j2)
-    return j1, j2, j3
-
-
-@gluon.jit
-def _run(j0, j1, state, walk, PATH: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-         SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, FIXED_MAX: gl.constexpr, STAGES: gl.constexpr):
-    """Key blocks ``[j0, j1)`` of a consumer's walk, fwd_sm90's loop, on ``state = (p, acc, m_i, l_i)``: ``p``
-    holds block ``j0 - 1``'s probabilities, whose PV product joins the first step. ``PATH``: 0 any block (``_softmax_block``), 1 an
-    unmasked ALiBi block wholly left of its rows' diagonal keys, 2 wholly right (``_alibi_linear_step``), 3 any
-    block with ALiBi's exact bias and the masks (one path, so the fewest registers)."""
-    p, acc, m_i, l_i = state
-    q, s_zero, ring, base, sc = walk
-    k_smem, v_smem, k_ready, k_empty, v_ready, v_empty = ring
-    (first_row, offs_m, offs_n, lo, full_lo, full_hi, seqlen_q, seqlen_k, score_scale, softcap2, slope2, window_left,
-     window_right) = sc
-    BLOCK_N: gl.constexpr = s_zero.shape[1]
-    dtype: gl.constexpr = q.dtype
-    rows_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
-    for j in range(j0, j1):
-        s, ph = _slot(base + j, STAGES)
-        prev, ph_prev = _slot(base + j - 1, STAGES)
-        start_n = lo + j * BLOCK_N
-        # S_j = Q K_j^T and O += P_{j-1} V_{j-1} both go to the tensor cores...
-        mbarrier.wait(k_ready.index(s), ph)
-        qk = warpgroup_mma(q, _tile(k_smem, s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(prev), ph_prev)
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), _tile(v_smem, prev), acc, is_async=True)
-        # ...S_j is waited for alone (wgmma groups retire in order), and K_j's slot released.
-        qk = warpgroup_mma_wait(1, deps=(qk, ))
-        mbarrier.arrive(k_empty.index(s), count=1)
-        # The softmax of S_j runs while the PV product is still in flight.
-        if PATH == 0:
-            p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n + j * BLOCK_N, start_n,
-                                                (start_n < full_lo) | (start_n >= full_hi), seqlen_q, seqlen_k,
-                                                score_scale, softcap2, slope2, window_left, window_right, MASK_LEFT,
-                                                MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX)
-        elif PATH == 3:
-            p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n + j * BLOCK_N, start_n, True,
-                                                seqlen_q, seqlen_k, score_scale, softcap2, slope2, window_left,
-                                                window_right, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX, True)
-        else:
-            p, alpha, m_i = _alibi_linear_step(qk, m_i, offs_m, start_n, seqlen_q, seqlen_k, score_scale, slope2,
-                                               PATH == 1, window_left, window_right, False, MASK_LEFT, MASK_RIGHT)
-            l_i = l_i * alpha + gl.sum(p, 1)
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
-        mbarrier.arrive(v_empty.index(prev), count=1)
-        if not FIXED_MAX:
-            # O now holds blocks up to j - 1 under the old row max: move it to the new one.
-            acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
-    return (p, acc, m_i, l_i)
-
-
-@gluon.jit
 def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
               ALIBI: gl.constexpr, HAS_SINK: gl.constexpr, FIXED_MAX: gl.constexpr, FOLD_SCALE: gl.constexpr,
               STAGES: gl.constexpr):
@@ -162,6 +91,7 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
                                                        instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     num_m = gl.cdiv(seqlen_q, 2 * BLOCK_M)
     base = 0
     i = 0
@@ -198,23 +128,28 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
                                                 (start_n < full_lo) | (start_n >= full_hi), seqlen_q, seqlen_k,
                                                 score_scale, softcap2, slope2, window_left, window_right, MASK_LEFT,
                                                 MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX)
-            # What each run of blocks reads: Q, the ring and this tile's place in it, the score inputs.
-            walk = (q, s_zero, (k_smem, v_smem, k_ready, k_empty, v_ready, v_empty), base,
-                    (first_row, offs_m, offs_n, lo, full_lo, full_hi, seqlen_q, seqlen_k, score_scale, softcap2,
-                     slope2, window_left, window_right))
-            state = (p, acc, m_i, l_i)
-            if ALIBI and not SOFTCAP and BLOCK_N >= 128:
-                # ALiBi's linear blocks left and right of the rows' diagonal keys run in loops of their own,
-                # so the exact path's registers do not crowd theirs.
-                j1, j2, j3 = _alibi_runs(jb, je, lo, first_row, full_lo, full_hi, seqlen_q, seqlen_k, window_right,
-                                         BLOCK_M, BLOCK_N, MASK_RIGHT)
-                state = _run(jb + 1, j1, state, walk, 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX, STAGES)
-                state = _run(j1, j2, state, walk, 3, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX, STAGES)
-                state = _run(j2, j3, state, walk, 2, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX, STAGES)
-                state = _run(j3, je, state, walk, 3, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX, STAGES)
-            else:
-                state = _run(jb + 1, je, state, walk, 0, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX, STAGES)
-            p, acc, m_i, l_i = state
+            for j in range(jb + 1, je):
+                s, ph = _slot(base + j, STAGES)
+                prev, ph_prev = _slot(base + j - 1, STAGES)
+                start_n = lo + j * BLOCK_N
+                # S_j = Q K_j^T and O += P_{j-1} V_{j-1} both go to the tensor cores...
+                mbarrier.wait(k_ready.index(s), ph)
+                qk = warpgroup_mma(q, _tile(k_smem, s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                mbarrier.wait(v_ready.index(prev), ph_prev)
+                acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), _tile(v_smem, prev), acc, is_async=True)
+                # ...S_j is waited for alone (wgmma groups retire in order), and K_j's slot released.
+                qk = warpgroup_mma_wait(1, deps=(qk, ))
+                mbarrier.arrive(k_empty.index(s), count=1)
+                # The softmax of S_j runs while the PV product is still in flight.
+                p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n + j * BLOCK_N, start_n,
+                                                    (start_n < full_lo) | (start_n >= full_hi), seqlen_q, seqlen_k,
+                                                    score_scale, softcap2, slope2, window_left, window_right,
+                                                    MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX)
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                mbarrier.arrive(v_empty.index(prev), count=1)
+                if not FIXED_MAX:
+                    # O now holds blocks up to j - 1 under the old row max: move it to the new one.
+                    acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
             last, ph_last = _slot(base + je - 1, STAGES)
             mbarrier.wait(v_ready.index(last), ph_last)
             acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), _tile(v_smem, last), acc, is_async=True)

@@ -10,7 +10,8 @@ import torch
 from ... import env
 from .. import AttentionCall, missing_features
 from .configs import (MAX_GRID_Y, capability, bwd_config, bwd_plan, decode_plan,
-                      dense_takes_decode, fwd_config, gluon_fwd_config, gluon_kv_config, row_keys)
+                      dense_takes_decode, fwd_config, gluon_dkdv_config, gluon_fwd_config, gluon_kv_config, row_keys,
+                      with_gluon_dkdv)
 
 FEATURES = frozenset({"dropout", "window", "softcap", "alibi", "sink", "bias", "varlen", "headdim_v", "kvcache",
                       "paged", "merge"})
@@ -89,13 +90,16 @@ def describe(call: AttentionCall):
     bwd = bwd_config(headdim, call.dtype, call.device, call.headdim_v, row_keys(call.seqlen_k, left, right),
                      call.feature_names)
     # On an under-filled GPU: key blocks split among several dK/dV programs (parts=N), and the dQ kernel
-    # alongside on a second stream (dq=...+stream; on the GPU only: the CPU has no streams).
-    parts, alongside = bwd_plan(call.batch, call.nheads, call.nheads_kv, call.seqlen_q, call.seqlen_k,
-                                (left, right), bwd.dkdv.BLOCK_N, call.device)
+    # alongside on a second stream (dq=...+stream; on the GPU only: the CPU has no streams). Unsplit key
+    # blocks may take the Gluon dK/dV kernel (dkdv=gluon-sm90 ...).
+    gluon = gluon_dkdv_config(call.headdim, call.headdim_v, call.dtype, call.device, call.feature_names)
+    bwd, parts, alongside = with_gluon_dkdv(bwd, gluon, lambda block_n: bwd_plan(
+        call.batch, call.nheads, call.nheads_kv, call.seqlen_q, call.seqlen_k, (left, right), block_n, call.device))
     alongside = alongside and call.device.type == "cuda"
     split = f" parts={parts}" if parts > 1 else ""
-    bwd_name = (f"flashtile.bwd[triton d={call.headdim} {mask}{extras} dkdv=BM{bwd.dkdv.BLOCK_M}xBN{bwd.dkdv.BLOCK_N}"
-                f"{split} dq=BM{bwd.dq.BLOCK_M}xBN{bwd.dq.BLOCK_N}{'+stream' if alongside else ''}]")
+    dkdv = f"{_KERNEL_LABELS[bwd.dkdv.kernel]} " if bwd.dkdv.kernel != "triton" else ""
+    bwd_name = (f"flashtile.bwd[triton d={call.headdim} {mask}{extras} dkdv={dkdv}BM{bwd.dkdv.BLOCK_M}"
+                f"xBN{bwd.dkdv.BLOCK_N}{split} dq=BM{bwd.dq.BLOCK_M}xBN{bwd.dq.BLOCK_N}{'+stream' if alongside else ''}]")
     bwd_tiles = {"bwd_dkdv": {**vars(bwd.dkdv), "parts": parts}, "bwd_dq": {**vars(bwd.dq), "alongside": alongside}}
     if dense_takes_decode(call.batch, call.seqlen_q, call.seqlen_k, call.nheads, call.nheads_kv, call.feature_names,
                           call.dtype, call.device):

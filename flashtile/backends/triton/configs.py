@@ -112,6 +112,37 @@ _BWD_SM90_V128 = {256: _bwd(64, 32, 4, 2, 128, 64, 8, 2)}
 LONG_BWD_KEYS = 4096
 _BWD_SM90_LONG = {128: _bwd(64, 128, 8, 3, 128, 64, 8, 3)}
 _BWD_SHORT_TILE_FEATURES = frozenset({"alibi", "bias", "dropout"})
+# Hopper d=128, 16-bit: the Gluon dK/dV kernel (kernels/bwd_sm90.py), 64 keys a program walking 64 queries a
+# step, Q and dO double-buffered (98 KB, 248 registers: two programs an SM). Against the Triton tiles above
+# (dK/dV kernel alone, H200, bf16, scratch probe 2026-11-23, results/h200-bwd-dkdv-gluon-probe-2026-11-23.json):
+# 4 x 4096 16/16 full 2046 -> 1928 us, causal 1186 -> 1020; 1 x 16384 causal 4224 -> 3651; 16 x 1024 full
+# 600 -> 530; 4 x 4096 32/8 causal 2627 -> 2049; window (1024, 0) at 1 x 16384 653 -> 544. Three Q/dO slots
+# (one program an SM) ran 2478 us on 4 x 4096 full. Not with dropout, a bias, packed sequences, other head
+# dims, or split key blocks (configs.bwd_kv_plan): those keep the Triton kernel.
+_BWD_DKDV_SM90_GLUON = TileConfig(64, 64, 4, 2, kernel="gluon")
+GLUON_DKDV_FEATURES = frozenset({"window", "softcap", "alibi", "sink"})
+
+
+def gluon_dkdv_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device: torch.device,
+                      features: frozenset) -> TileConfig | None:
+    """The Gluon dK/dV kernel's tile where it serves the call, else None."""
+    if (device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or _arch(device) != 90
+            or head_dim != 128 or head_dim_v != 128 or not features <= GLUON_DKDV_FEATURES):
+        return None
+    return _BWD_DKDV_SM90_GLUON
+
+
+def with_gluon_dkdv(cfg: BwdConfig, gluon: TileConfig | None, plan) -> tuple:
+    """``(cfg, parts, alongside)``: the Gluon dK/dV tile in ``cfg`` when ``gluon`` is given and its key blocks
+    fill the GPU unsplit (``plan(block_n)`` gives the parts and whether dQ runs alongside), else ``cfg``'s
+    Triton tile with its own plan."""
+    if gluon is not None:
+        parts, alongside = plan(gluon.BLOCK_N)
+        if parts == 1:
+            return replace(cfg, dkdv=gluon), 1, alongside
+    return (cfg, *plan(cfg.dkdv.BLOCK_N))
+
+
 # Ampere (sm_80/86/89), 16-bit inputs: smaller shared memory than Hopper, so shallower pipelines.
 # Not measured yet on an Ampere GPU: conservative tiles that fit its 164 KB of shared memory.
 _FWD_SM80 = {

@@ -16,8 +16,8 @@ from ...dispatch import record_fallback
 from ...rng import keep_threshold
 from .. import AttnArgs, KVCacheArgs, present_features
 from . import configs, decode
-from .configs import (bwd_config, bwd_plan, fixed_row_max, fwd_config, gluon_fwd_config, gluon_kv_config,
-                      gluon_ring, padded_head_dim, row_keys)
+from .configs import (bwd_config, bwd_plan, fixed_row_max, fwd_config, gluon_dkdv_config, gluon_fwd_config,
+                      gluon_kv_config, gluon_ring, padded_head_dim, row_keys, with_gluon_dkdv)
 # The KV-cache part of the backend contract lives in decode.py (attention_kv below picks between it and
 # the Gluon forward); the dispatcher finds it here.
 from .decode import append_kv, merge_states  # noqa: F401
@@ -25,6 +25,7 @@ from .fastlaunch import CachedLaunch
 from .host import (bsh_strides, cdiv, fast_tanh, fold_scale, fork, input_precision, lse_strides, on_device,
                    unit_stride)
 from .kernels.bwd import bwd_dkdv, bwd_dq, bwd_preprocess, bwd_sink_grad, bwd_sum_parts
+from .kernels.bwd_sm90 import attn_bwd_dkdv_sm90
 from .kernels.common import LOG2E as _LOG2E
 from .kernels.fwd import attn_fwd
 from .kernels.fwd_sm90 import attn_fwd_sm90
@@ -394,15 +395,21 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
         # Tokens past the last sequence get gradient 0 (the kernels zero keys past seqused_k).
         for grad, cu in ((dq_out, args.cu_seqlens_q), (dk_out, args.cu_seqlens_k), (dv_out, args.cu_seqlens_k)):
             _fill_tail(grad, cu, 0.0)
+    features = frozenset(present_features(args, head_dim, head_dim_v))
     cfg = config or bwd_config(max(head_dim, head_dim_v), q.dtype, q.device, head_dim_v,
-                               row_keys(seqlen_k, args.window_left, args.window_right),
-                               frozenset(present_features(args, head_dim, head_dim_v)))
+                               row_keys(seqlen_k, args.window_left, args.window_right), features)
     varlen = args.varlen
     delta = empty_like(lse)
     lse2 = empty_like(lse)
     stride_lse_b, stride_lse_h = lse_strides(lse, varlen)
-    splits, alongside = bwd_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, (args.window_left, args.window_right),
-                                 cfg.dkdv.BLOCK_N, q.device)
+    gluon = None if config is not None or kv_splits else gluon_dkdv_config(head_dim, head_dim_v, q.dtype, q.device,
+                                                                          features)
+    if gluon is not None and (reason := tma_unfit(q, k, v, dout)) is not None:
+        record_fallback(f"the Gluon Hopper dK/dV backward needs TMA-compatible inputs ({reason})", "triton",
+                        preferred="triton (Gluon Hopper kernel)")
+        gluon = None
+    cfg, splits, alongside = with_gluon_dkdv(cfg, gluon, lambda block_n: bwd_plan(
+        batch, nheads, nheads_kv, seqlen_q, seqlen_k, (args.window_left, args.window_right), block_n, q.device))
     splits = kv_splits or splits
     # Split key blocks store float32 partial sums: one partial head per (KV head, part).
     dk_part, dv_part = dk_out, dv_out
@@ -436,13 +443,16 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
             _sink_grad(args.sink, lse, delta, dsink, varlen)
         # An under-filled GPU runs the dK/dV and dQ kernels side by side.
         with fork(q, alongside) as side:
-            _DKDV(key, (cdiv(seqlen_k, cfg.dkdv.BLOCK_N), nheads_kv * splits, batch),
-                  dict(DK=dk_part, DV=dv_part, **tensors),
-                  lambda: dict(**shared(), **_strides(varlen, dk=dk_part, dv=dv_part), split=splits,
-                               BLOCK_M=cfg.dkdv.BLOCK_M, BLOCK_N=cfg.dkdv.BLOCK_N,
-                               EVEN_M=not varlen and seqlen_q % cfg.dkdv.BLOCK_M == 0,
-                               num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages),
-                  stream=side)
+            if cfg.dkdv.kernel == "gluon":
+                _backward_dkdv_sm90(q, k, v, dout, dk_out, dv_out, lse2, delta, args, cfg.dkdv, features, key, side)
+            else:
+                _DKDV(key, (cdiv(seqlen_k, cfg.dkdv.BLOCK_N), nheads_kv * splits, batch),
+                      dict(DK=dk_part, DV=dv_part, **tensors),
+                      lambda: dict(**shared(), **_strides(varlen, dk=dk_part, dv=dv_part), split=splits,
+                                   BLOCK_M=cfg.dkdv.BLOCK_M, BLOCK_N=cfg.dkdv.BLOCK_N,
+                                   EVEN_M=not varlen and seqlen_q % cfg.dkdv.BLOCK_M == 0,
+                                   num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages),
+                      stream=side)
             _DQ(key, (cdiv(seqlen_q, cfg.dq.BLOCK_M), nheads, batch),
                 dict(DQ=dq_out, DBIAS=dbias if dbias is not None else q, **tensors),
                 lambda: dict(**shared(), **_strides(varlen, dq=dq_out), BLOCK_M=cfg.dq.BLOCK_M,
@@ -457,6 +467,34 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
         if given is not written:
             replay.not_replayable("a gradient is copied back")
             given.copy_(written)
+
+
+_DKDV_SM90 = CachedLaunch(attn_bwd_dkdv_sm90, ("q_desc", "k_desc", "v_desc", "do_desc", "DK", "DV", "LSE2", "DELTA",
+                                               "ALIBI_SLOPES", "qk_scale", "softcap2", "softmax_scale"))
+
+
+def _backward_dkdv_sm90(q, k, v, dout, dk, dv, lse2, delta, args: AttnArgs, cfg, features: frozenset, key, stream):
+    """Launch the Gluon Hopper dK/dV kernel (kernels/bwd_sm90.py) on dense ``(batch, seqlen, heads, 128)`` inputs,
+    on ``stream``; ``key``: the backward's launch key."""
+    batch, seqlen_q, nheads = q.shape[0], q.shape[1], q.shape[2]
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    alibi = args.alibi_slopes  # (batch, nheads), maybe broadcast
+    qk_scale, softcap2, _, _ = _score_constants(args, q.dtype, features)
+
+    def static():
+        stride_lse_b, stride_lse_h = lse_strides(lse2, False)
+        return dict(stride_alibi_b=alibi.stride(0) if alibi is not None else 0, window_left=args.window_left,
+                    window_right=args.window_right, **_strides(False, dk=dk, dv=dv), stride_lse_b=stride_lse_b,
+                    stride_lse_h=stride_lse_h, seqlen_q=seqlen_q, seqlen_k=seqlen_k, group=nheads // nheads_kv,
+                    MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0, SOFTCAP=args.softcap > 0,
+                    FAST_TANH=fast_tanh(q), ALIBI=alibi is not None, STAGES=cfg.num_stages,
+                    num_warps=cfg.num_warps)
+
+    _DKDV_SM90(key, (cdiv(seqlen_k, cfg.BLOCK_N), nheads_kv, batch),
+               dict(q_desc=_tma_desc(q, cfg.BLOCK_M), k_desc=_tma_desc(k, cfg.BLOCK_N), v_desc=_tma_desc(v, cfg.BLOCK_N),
+                    do_desc=_tma_desc(dout, cfg.BLOCK_M), DK=dk, DV=dv, LSE2=lse2, DELTA=delta,
+                    ALIBI_SLOPES=alibi if alibi is not None else lse2, qk_scale=qk_scale, softcap2=softcap2,
+                    softmax_scale=args.softmax_scale), static, stream=stream)
 
 
 _SUM_BLOCK_M = 64

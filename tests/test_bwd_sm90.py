@@ -1,0 +1,127 @@
+"""The Gluon Hopper dK/dV backward (kernels/bwd_sm90.py) through the public API, on an sm_90 GPU only.
+
+The dispatcher gives it 16-bit calls at head dim 128 (q, k and v) whose key blocks of 64 fill the GPU unsplit
+(configs.with_gluon_dkdv), with windows, softcap, ALiBi and sinks; dropout, a bias, packed sequences, other
+head dims, split key blocks and inputs the TMA cannot read keep the Triton kernel (the last one recorded).
+These tests check which dK/dV kernel ran (by the backward's name in the kernel counter) and hold out, lse and
+every gradient to the tolerance rule against the float32 reference. Lengths are awkward: not multiples of
+64, seqlen_q != seqlen_k, rows that see no key, a last key block past the sequence end (the TMA zero-fills
+it), GQA groups of 1 to 4.
+"""
+import pytest
+import torch
+
+import flashtile
+from flashtile.backends.triton import configs
+from flashtile.testing import assert_results_close, make_qkv, reference_results
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+pytestmark = [pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only"),
+              pytest.mark.usefixtures("clean_dispatch_state")]
+GLUON, TRITON = "dkdv=gluon-sm90 BM64xBN64", "dkdv=BM"
+
+
+@pytest.fixture(autouse=True)
+def unsplit(monkeypatch):
+    """These small shapes would split their key blocks on a GPU this size: keep them whole."""
+    monkeypatch.setattr(configs, "BWD_SPLIT_MIN_PAIRS", 1 << 62)
+
+
+def ran(dkdv: str) -> bool:
+    return any(name.startswith("flashtile.bwd[") and dkdv in name for name in flashtile.stats()["kernels"])
+
+
+def check(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype=torch.bfloat16, kernel=GLUON, dout=None,
+          **options):
+    """Run forward and backward, assert ``kernel`` computed dK/dV (unless None), hold every result to the
+    tolerance rule."""
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, 128, dtype, "cuda", requires_grad=True,
+                       generator=rng)
+    if dout is None:
+        dout = torch.randn(*q.shape, generator=rng).to("cuda", dtype)
+    sink = options.get("sink")
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, return_attn_probs=True, **options)
+    leaves = (q, k, v) if sink is None else (q, k, v, sink)
+    grads = torch.autograd.grad(out, leaves, dout)
+    assert kernel is None or ran(kernel), flashtile.stats()["kernels"]
+    ours = {"out": out, "lse": lse, **dict(zip(("dq", "dk", "dv", "dsink"), grads))}
+    options = {name: value for name, value in options.items() if name != "sink"}
+    ref_hi = reference_results(q, k, v, dout, hi=True, sink=sink, **options)
+    ref_lo = reference_results(q, k, v, dout, hi=False, sink=sink, **options)
+    assert_results_close(ours, ref_hi, ref_lo, dtype)
+    return ours
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal", [
+    (2, 1000, 1000, 4, 4, False),
+    (1, 1037, 1037, 4, 2, True),  # the last key and query blocks partial
+    (2, 700, 1290, 6, 2, True),  # more keys than queries: the diagonal moves right
+    (1, 1290, 700, 4, 4, True),  # fewer: the first 590 rows see no key (lse -inf, P 0)
+    (3, 40, 900, 4, 1, False),  # one query block for 15 key blocks, a group of 4
+    (1, 300, 4100, 2, 2, False),  # a key block of 4 keys past 4096
+], ids=["full", "causal", "causal-more-keys", "causal-rows-see-none", "short-q", "partial-block"])
+def test_gluon_dkdv(rng, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal):
+    check(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, causal=causal)
+
+
+@pytest.mark.parametrize("window, causal", [((300, 0), False), ((257, 33), False), ((0, 0), False),
+                                            ((100, -1), False), ((500, 0), True)],
+                         ids=["left-300", "two-sided", "diagonal-only", "left-only", "causal-left-500"])
+def test_gluon_dkdv_windows(rng, window, causal):
+    """Query blocks wholly outside a key block's window are skipped; the ones straddling an edge are masked."""
+    check(rng, 2, 777, 900, 4, 2, window_size=window, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("feature", ["softcap", "alibi", "alibi-per-batch", "sink"])
+def test_gluon_dkdv_features(rng, causal, feature):
+    """Softcap's tanh (dS takes 1 - tanh^2), ALiBi's bias (slopes per head or per batch row and head, geometric
+    as models set them), a sink (only through the lse)."""
+    options = {}
+    if feature == "softcap":
+        options["softcap"] = 30.0
+    elif feature.startswith("alibi"):
+        slopes = 2.0 ** (-8.0 * torch.arange(1, 5) / 4)
+        if feature == "alibi-per-batch":
+            slopes = slopes * torch.tensor([[1.0], [0.5]])
+        options["alibi_slopes"] = slopes.to("cuda")
+    else:
+        options["sink"] = torch.randn(4, generator=rng).to("cuda").requires_grad_()
+    check(rng, 2, 900, 1100, 4, 2, causal=causal, **options)
+
+
+@pytest.mark.parametrize("case", ["dropout", "varlen", "head-dim-64", "split", "unaligned-dout"])
+def test_other_calls_keep_the_triton_dkdv(rng, monkeypatch, case):
+    """What the Gluon kernel does not serve runs bwd.py's dK/dV kernel; a dO the TMA cannot read is recorded."""
+    if case == "dropout":
+        q, k, v = make_qkv(1, 300, 300, 2, 2, 128, torch.bfloat16, "cuda", requires_grad=True, generator=rng)
+        out = flashtile.flash_attn_func(q, k, v, dropout_p=0.1)
+        out.backward(torch.randn_like(out))
+        assert ran(TRITON) and not ran("gluon")
+        return
+    if case == "varlen":
+        q = torch.randn(700, 4, 128, generator=rng).to("cuda", torch.bfloat16).requires_grad_()
+        cu = torch.tensor([0, 300, 700], dtype=torch.int32, device="cuda")
+        out = flashtile.flash_attn_varlen_func(q, q, q, cu, cu, 400, 400, causal=True)
+        out.backward(torch.randn_like(out))
+        assert ran(TRITON) and not ran("gluon")
+        return
+    if case == "head-dim-64":
+        q, k, v = make_qkv(1, 300, 300, 2, 2, 64, torch.bfloat16, "cuda", requires_grad=True, generator=rng)
+        out = flashtile.flash_attn_func(q, k, v)
+        out.backward(torch.randn_like(out))
+        assert ran(TRITON) and not ran("gluon")
+        return
+    if case == "split":
+        # One KV head of 65 key blocks: split in parts of 2048 query rows.
+        monkeypatch.setattr(configs, "BWD_SPLIT_MIN_PAIRS", 0)
+        check(rng, 1, 4200, 4100, 2, 1, kernel=TRITON)
+        assert any("parts=" in name for name in flashtile.stats()["kernels"]) and not ran("gluon")
+        return
+    # dO with rows of 130 elements (260 bytes): its strides are no multiple of 16 bytes. (The backward's
+    # recorded name is the plan's; the fallback is what says the Triton kernel ran.)
+    dout = torch.randn(2, 300, 4, 130, generator=rng).to("cuda", torch.bfloat16)[..., :128]
+    with pytest.warns(RuntimeWarning, match="Gluon Hopper dK/dV backward needs TMA-compatible inputs"):
+        check(rng, 2, 300, 300, 4, 2, kernel=None, dout=dout, causal=True)
+    assert any("Gluon Hopper dK/dV" in reason for reason in flashtile.stats()["fallbacks"])

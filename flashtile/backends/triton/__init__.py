@@ -111,7 +111,7 @@ def describe(call: AttentionCall):
                             call.softcap)
            or fwd_config(headdim, call.dtype, call.device, call.seqlen_k, left, right,
                          softcap="softcap" in call.feature_names, bias="bias" in call.feature_names,
-                         head_dim_v=call.headdim_v))
+                         head_dim_v=call.headdim_v, dropout="dropout" in call.feature_names))
     # The Gluon kernel needs TMA-readable inputs; a call whose strides are not takes the Triton one
     # and says so (a recorded fallback).
     kernel = _KERNEL_LABELS[fwd.kernel]

@@ -177,7 +177,7 @@ def forward(q, k, v, args: AttnArgs, config=None):
         cfg = None
     cfg = cfg or fwd_config(max(head_dim, head_dim_v), q.dtype, q.device, seqlen_k, args.window_left,
                             args.window_right, softcap=args.softcap > 0, bias=args.attn_bias is not None,
-                            head_dim_v=head_dim_v)
+                            head_dim_v=head_dim_v, dropout=args.dropout_p > 0)
     grid = (cdiv(seqlen_q, cfg.BLOCK_M), nheads, batch)
     even_m = not args.varlen and seqlen_q % cfg.BLOCK_M == 0
 

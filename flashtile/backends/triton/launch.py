@@ -216,9 +216,9 @@ def _packed_cache_args(args: AttnArgs) -> KVCacheArgs:
 
 
 def tma_unfit(*tensors) -> str | None:
-    """Why the TMA cannot read these ``(batch, seqlen, heads, headdim)`` tensors (it needs a 16-byte
-    aligned start and strides), or None."""
-    for name, t in zip("qkv", tensors):
+    """Why the TMA cannot read these ``(batch, seqlen, heads, headdim)`` tensors (q, k, v and maybe dO; it needs
+    a 16-byte aligned start and strides), or None."""
+    for name, t in zip(("q", "k", "v", "dO"), tensors):
         if t.data_ptr() % 16 or any(stride * t.element_size() % 16 for stride in t.stride()[:-1]):
             return f"{name} starts at {t.data_ptr() % 16} bytes past 16-byte alignment with strides {t.stride()}"
     return None

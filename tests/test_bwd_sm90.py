@@ -1,7 +1,7 @@
 """The Gluon Hopper dK/dV backward (kernels/bwd_sm90.py) through the public API, on an sm_90 GPU only.
 
 The dispatcher gives it 16-bit calls at head dim 128 (q, k and v) whose key blocks of 64 fill the GPU unsplit
-(configs.with_gluon_dkdv), with windows, softcap, ALiBi and sinks; dropout, a bias, packed sequences, other
+(configs.with_gluon_dkdv), with windows, softcap and sinks; ALiBi, dropout, a bias, packed sequences, other
 head dims, split key blocks and inputs the TMA cannot read keep the Triton kernel (the last one recorded).
 These tests check which dK/dV kernel ran (by the backward's name in the kernel counter) and hold out, lse and
 every gradient to the tolerance rule against the float32 reference. Lengths are awkward: not multiples of
@@ -74,26 +74,25 @@ def test_gluon_dkdv_windows(rng, window, causal):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("feature", ["softcap", "alibi", "alibi-per-batch", "sink"])
+@pytest.mark.parametrize("feature", ["softcap", "sink"])
 def test_gluon_dkdv_features(rng, causal, feature):
-    """Softcap's tanh (dS takes 1 - tanh^2), ALiBi's bias (slopes per head or per batch row and head, geometric
-    as models set them), a sink (only through the lse)."""
+    """Softcap's tanh (dS takes 1 - tanh^2), a sink (only through the lse)."""
     options = {}
     if feature == "softcap":
         options["softcap"] = 30.0
-    elif feature.startswith("alibi"):
-        slopes = 2.0 ** (-8.0 * torch.arange(1, 5) / 4)
-        if feature == "alibi-per-batch":
-            slopes = slopes * torch.tensor([[1.0], [0.5]])
-        options["alibi_slopes"] = slopes.to("cuda")
     else:
         options["sink"] = torch.randn(4, generator=rng).to("cuda").requires_grad_()
     check(rng, 2, 900, 1100, 4, 2, causal=causal, **options)
 
 
-@pytest.mark.parametrize("case", ["dropout", "varlen", "head-dim-64", "split", "unaligned-dout"])
+@pytest.mark.parametrize("case", ["alibi", "dropout", "varlen", "head-dim-64", "split", "unaligned-dout"])
 def test_other_calls_keep_the_triton_dkdv(rng, monkeypatch, case):
     """What the Gluon kernel does not serve runs bwd.py's dK/dV kernel; a dO the TMA cannot read is recorded."""
+    if case == "alibi":
+        slopes = 2.0 ** (-8.0 * torch.arange(1, 5) / 4) * torch.tensor([[1.0], [0.5]])
+        check(rng, 2, 900, 1100, 4, 2, kernel=TRITON, causal=True, alibi_slopes=slopes.to("cuda"))
+        assert not ran("gluon")
+        return
     if case == "dropout":
         q, k, v = make_qkv(1, 300, 300, 2, 2, 128, torch.bfloat16, "cuda", requires_grad=True, generator=rng)
         out = flashtile.flash_attn_func(q, k, v, dropout_p=0.1)

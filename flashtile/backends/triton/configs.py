@@ -113,14 +113,18 @@ LONG_BWD_KEYS = 4096
 _BWD_SM90_LONG = {128: _bwd(64, 128, 8, 3, 128, 64, 8, 3)}
 _BWD_SHORT_TILE_FEATURES = frozenset({"alibi", "bias", "dropout"})
 # Hopper d=128, 16-bit: the Gluon dK/dV kernel (kernels/bwd_sm90.py), 64 keys a program walking 64 queries a
-# step, Q and dO double-buffered (98 KB, 248 registers: two programs an SM). Against the Triton tiles above
-# (dK/dV kernel alone, H200, bf16, scratch probe 2026-11-23, results/h200-bwd-dkdv-gluon-probe-2026-11-23.json):
-# 4 x 4096 16/16 full 2046 -> 1928 us, causal 1186 -> 1020; 1 x 16384 causal 4224 -> 3651; 16 x 1024 full
-# 600 -> 530; 4 x 4096 32/8 causal 2627 -> 2049; window (1024, 0) at 1 x 16384 653 -> 544. Three Q/dO slots
-# (one program an SM) ran 2478 us on 4 x 4096 full. Not with dropout, a bias, packed sequences, other head
-# dims, or split key blocks (configs.bwd_kv_plan): those keep the Triton kernel.
+# step, Q and dO double-buffered (98 KB, 248 registers: two programs an SM). The dK/dV kernel's own time
+# against the Triton tiles above (H200, bf16, profiler; python benchmarks/bwd_dkdv_gluon.py at 57e9840,
+# results/h200-bwd-dkdv-gluon-2026-11-23.json), us: 4 x 4096 16/16 full 1974 -> 1673, causal 1162 -> 902;
+# 2 x 8192 causal 2267 -> 1690; 1 x 16384 causal 4196 -> 3419; 16 x 1024 full 558 -> 495; 32/8 4 x 4096 causal
+# 2417 -> 1821; window (1024, 0) at 1 x 16384 616 -> 500; softcap 50 full 4 x 4096 2226 -> 1971. ALiBi stays on
+# the Triton kernel (it spills here: causal 2 x 8192 2248 -> 3049). The whole backward gains 0-3% in steady
+# state: it runs at the H200's 700 W power cap, the SM clock down from 1980 to 1710-1770 MHz with either kernel
+# (benchmarks/bwd_power.py, results/h200-bwd-power-2026-11-23.json: 3390-3404 against 3397-3400 us a call).
+# Three Q/dO slots (one program an SM) took 2478 us on 4 x 4096 full, alone (scratch probe). Not with dropout,
+# a bias, packed sequences, other head dims, or split key blocks (configs.bwd_kv_plan).
 _BWD_DKDV_SM90_GLUON = TileConfig(64, 64, 4, 2, kernel="gluon")
-GLUON_DKDV_FEATURES = frozenset({"window", "softcap", "alibi", "sink"})
+GLUON_DKDV_FEATURES = frozenset({"window", "softcap", "sink"})
 
 
 def gluon_dkdv_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device: torch.device,

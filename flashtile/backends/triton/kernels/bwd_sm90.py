@@ -14,17 +14,17 @@ block of ``BLOCK_M`` queries, on the transposed tiles (keys x queries):
     issue dK  += dS^T Q             (dS^T from registers)
 
 Q and dO arrive through the TMA into rings of ``STAGES`` slots, each slot refilled once the products
-that read it are done. The scores are common.py's (masks, softcap, ALiBi); ``LSE2`` and ``DELTA`` are
+that read it are done. The scores are common.py's (masks, softcap); ``LSE2`` and ``DELTA`` are
 bwd_preprocess's (the row's lse in log2 units, +inf for a row that saw no key, and rowsum(dO * O)), read
 with rows past ``seqlen_q`` as +inf and 0, so the zero rows the TMA fills there add nothing. Keys past
 ``seqlen_k`` (zero rows too) are computed and never stored. Inputs: dense ``(batch, seqlen, heads, 128)``,
-16-bit; no dropout, bias or packed sequences (the launcher takes bwd.py's kernel for those).
+16-bit; no ALiBi, dropout, bias or packed sequences (the launcher takes bwd.py's kernel for those).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from .common import LOG2E, q_block_range, scores
+from .common import q_block_range, scores
 from .fwd_sm90 import _load, _tile
 
 
@@ -47,11 +47,11 @@ def _load_step(q_desc, do_desc, q_bar, do_bar, q_smem, do_smem, it, n_it, n_q, l
 
 
 @gluon.jit
-def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, LSE2, DELTA, ALIBI_SLOPES, stride_alibi_b, qk_scale,
-                       softcap2, softmax_scale, window_left, window_right, stride_dkb, stride_dkn, stride_dkh,
-                       stride_dvb, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group,
-                       MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                       FAST_TANH: gl.constexpr, ALIBI: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, LSE2, DELTA, qk_scale, softcap2, softmax_scale,
+                       window_left, window_right, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
+                       stride_dvh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group, MASK_LEFT: gl.constexpr,
+                       MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, FAST_TANH: gl.constexpr,
+                       STAGES: gl.constexpr, num_warps: gl.constexpr):
     """``q_desc``/``do_desc``: TMA descriptors of ``(batch, seqlen, heads, 128)`` q and dO with ``[1, BLOCK_M,
     1, 128]`` tiles, ``k_desc``/``v_desc`` of k and v with ``[1, BLOCK_N, 1, 128]``; one program per (key
     block, KV head, batch row). ``qk_scale``/``softcap2`` as common.scores takes them."""
@@ -115,9 +115,6 @@ def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, LSE2, DELTA, ALI
         lse_rows = off_b * stride_lse_b + off_h * stride_lse_h + offs_m
         lse2 = gl.load(LSE2 + lse_rows, mask=offs_m < seqlen_q, other=float("inf"))
         delta = gl.load(DELTA + lse_rows, mask=offs_m < seqlen_q, other=0.0)
-        slope2 = 0.0
-        if ALIBI:
-            slope2 = gl.load(ALIBI_SLOPES + off_b * stride_alibi_b + off_h) * LOG2E
         q = _tile(q_smem, slot)
         do = _tile(do_smem, slot)
         # S^T and dP^T go to the tensor cores together; S^T is waited for alone.
@@ -129,12 +126,12 @@ def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, LSE2, DELTA, ALI
         # The exponentials run under the dP^T product. Blocks straddling the window's edges are masked.
         if (row < full_lo) | (row >= full_hi):
             s_t, t_t = scores(qk_t, offs_m[None, :], offs_n[:, None], first_key, seqlen_q, seqlen_k, qk_scale,
-                              softcap2, slope2, 0, 0, 0, window_left, window_right, True, MASK_LEFT, MASK_RIGHT,
-                              SOFTCAP, FAST_TANH, ALIBI, "")
+                              softcap2, 0.0, 0, 0, 0, window_left, window_right, True, MASK_LEFT, MASK_RIGHT,
+                              SOFTCAP, FAST_TANH, False, "")
         else:
             s_t, t_t = scores(qk_t, offs_m[None, :], offs_n[:, None], first_key, seqlen_q, seqlen_k, qk_scale,
-                              softcap2, slope2, 0, 0, 0, window_left, window_right, False, MASK_LEFT, MASK_RIGHT,
-                              SOFTCAP, FAST_TANH, ALIBI, "")
+                              softcap2, 0.0, 0, 0, 0, window_left, window_right, False, MASK_LEFT, MASK_RIGHT,
+                              SOFTCAP, FAST_TANH, False, "")
         p_t = gl.exp2(s_t - lse2[None, :])
         dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), op_layout), do, dv, is_async=True)
         # dS^T under the dV product.

@@ -66,13 +66,16 @@ def rng(request):
 
 @pytest.fixture(autouse=True)
 def fresh_plans():
-    """Each test plans its calls afresh: tests change what backends support (monkeypatched FEATURES,
-    capabilities), which the remembered plans of repeated calls would not see."""
+    """Each test plans and names its calls afresh: tests change what backends support (monkeypatched FEATURES,
+    capabilities) and which kernels they pick (monkeypatched thresholds), which the remembered plans and kernel
+    names of repeated calls would not see."""
     from flashtile import dispatch
 
     dispatch.forget_plans()
+    dispatch._describe.cache_clear()
     yield
     dispatch.forget_plans()
+    dispatch._describe.cache_clear()
 
 
 @pytest.fixture

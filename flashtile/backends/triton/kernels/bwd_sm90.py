@@ -22,7 +22,8 @@ with rows past ``seqlen_q`` as +inf and 0, so the zero rows the TMA fills there 
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                               warpgroup_mma_wait)
 
 from .common import q_block_range, scores
 from .fwd_sm90 import _load, _tile
@@ -47,11 +48,12 @@ def _load_step(q_desc, do_desc, q_bar, do_bar, q_smem, do_smem, it, n_it, n_q, l
 
 
 @gluon.jit
-def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, LSE2, DELTA, qk_scale, softcap2, softmax_scale,
+def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, DQ, LSE2, DELTA, qk_scale, softcap2, softmax_scale,
                        window_left, window_right, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
-                       stride_dvh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group, MASK_LEFT: gl.constexpr,
-                       MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, FAST_TANH: gl.constexpr,
-                       STAGES: gl.constexpr, num_warps: gl.constexpr):
+                       stride_dvh, stride_dqb, stride_dqm, stride_dqh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k,
+                       group, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                       FAST_TANH: gl.constexpr, FUSED_DQ: gl.constexpr, STAGES: gl.constexpr,
+                       num_warps: gl.constexpr):
     """``q_desc``/``do_desc``: TMA descriptors of ``(batch, seqlen, heads, 128)`` q and dO with ``[1, BLOCK_M,
     1, 128]`` tiles, ``k_desc``/``v_desc`` of k and v with ``[1, BLOCK_N, 1, 128]``; one program per (key
     block, KV head, batch row). ``qk_scale``/``softcap2`` as common.scores takes them."""
@@ -68,6 +70,7 @@ def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, LSE2, DELTA, qk_
                                                          instr_shape=[16, HEAD_DIM, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     keys_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     queries_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
 
     start_n = gl.program_id(0)
@@ -87,6 +90,7 @@ def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, LSE2, DELTA, qk_
     v_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
     mbarrier.init(k_bar, count=1)
     mbarrier.init(v_bar, count=1)
     for i in gl.static_range(STAGES):
@@ -102,6 +106,8 @@ def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, LSE2, DELTA, qk_
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
     st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
+    dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
+    offs_dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
     k = k_smem.reshape([BLOCK_N, HEAD_DIM])
     v = v_smem.reshape([BLOCK_N, HEAD_DIM])
     mbarrier.wait(k_bar, 0)
@@ -140,8 +146,21 @@ def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, LSE2, DELTA, qk_
         if SOFTCAP:
             # d(c * tanh(x / c)) / dx = 1 - tanh^2.
             ds_t = ds_t * (1.0 - t_t * t_t)
-        dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), op_layout), q, dk, is_async=True)
-        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+        ds_t = ds_t.to(dtype)
+        dk = warpgroup_mma(gl.convert_layout(ds_t, op_layout), q, dk, is_async=True)
+        if FUSED_DQ:
+            # dQ += dS K: dS^T goes through shared memory, read transposed as the left operand.
+            ds_smem.store(ds_t)
+            fence_async_shared()
+            gl.thread_barrier()
+            dq = warpgroup_mma(ds_smem.permute((1, 0)), k, dq_zero, use_acc=False, is_async=True)
+            dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))
+            rows_dq = row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+            dq_ptrs = (DQ + off_b.to(gl.int64) * stride_dqb + off_h.to(gl.int64) * stride_dqh
+                       + rows_dq[:, None].to(gl.int64) * stride_dqm + offs_dq[None, :])
+            gl.atomic_add(dq_ptrs, dq, mask=rows_dq[:, None] < seqlen_q, sem="relaxed")
+        else:
+            dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         # Both products have read this slot: refill it STAGES steps ahead.
         _load_step(q_desc, do_desc, q_bar, do_bar, q_smem, do_smem, it + STAGES, n_it, n_q, lo, off_b, off_hk, group,
                    STAGES)

@@ -235,6 +235,14 @@ def _tma_desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(tile), _tma_layout(tile, t.dtype))
 
 
+def _tma_reduce_desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A TMA descriptor of float32 ``(batch, seqlen, heads, headdim)`` ``t`` that adds ``rows`` rows of one head
+    (unswizzled: a float32 row of 128 is wider than the 128-byte swizzle)."""
+    tile = [1, rows, 1, t.shape[3]]
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), tile,
+                            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4))
+
+
 # The descriptors carry the data pointers (the launcher encodes them per call); their shapes and strides
 # are in the launch key.
 _FWD_SM90 = CachedLaunch(attn_fwd_sm90, ("q_desc", "k_desc", "v_desc", "q_tail_desc", "k_tail_desc", "O", "LSE",
@@ -493,7 +501,7 @@ def _backward_dkdv_sm90(q, k, v, dout, dk, dv, dq_acc, lse2, delta, args: AttnAr
     def static():
         stride_lse_b, stride_lse_h = lse_strides(lse2, False)
         return dict(window_left=args.window_left, window_right=args.window_right,
-                    **_strides(False, dk=dk, dv=dv, dq=dq_acc if dq_acc is not None else dk),
+                    **_strides(False, dk=dk, dv=dv),
                     stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                     group=nheads // nheads_kv, MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0,
                     SOFTCAP=args.softcap > 0, FAST_TANH=fast_tanh(q), FUSED_DQ=dq_acc is not None,
@@ -501,7 +509,8 @@ def _backward_dkdv_sm90(q, k, v, dout, dk, dv, dq_acc, lse2, delta, args: AttnAr
 
     _DKDV_SM90(key, (cdiv(seqlen_k, cfg.BLOCK_N), nheads_kv, batch),
                dict(q_desc=_tma_desc(q, cfg.BLOCK_M), k_desc=_tma_desc(k, cfg.BLOCK_N), v_desc=_tma_desc(v, cfg.BLOCK_N),
-                    do_desc=_tma_desc(dout, cfg.BLOCK_M), DK=dk, DV=dv, DQ=dq_acc if dq_acc is not None else dk,
+                    do_desc=_tma_desc(dout, cfg.BLOCK_M), DK=dk, DV=dv,
+                    DQ=_tma_reduce_desc(dq_acc, cfg.BLOCK_M) if dq_acc is not None else dk,
                     LSE2=lse2, DELTA=delta, qk_scale=qk_scale, softcap2=softcap2, softmax_scale=args.softmax_scale), static, stream=stream)
 
 

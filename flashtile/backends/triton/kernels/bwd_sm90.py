@@ -20,13 +20,24 @@ with rows past ``seqlen_q`` as +inf and 0, so the zero rows the TMA fills there 
 ``seqlen_k`` (zero rows too) are computed and never stored. Inputs: dense ``(batch, seqlen, heads, 128)``,
 16-bit; no ALiBi, dropout, bias or packed sequences (the launcher takes bwd.py's kernel for those).
 """
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
 from .common import q_block_range, scores
 from .fwd_sm90 import _load, _tile
+
+
+@builtin
+def _reduce_add(desc, offsets, value, _semantic=None):
+    """``desc[offsets] += value`` by the TMA's bulk reduce (value staged in shared memory by the compiler)."""
+    offsets = _semantic._convert_to_ir_values(offsets, require_i64=False)
+    handle = _semantic.builder.create_descriptor_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, value.handle,
+                                                        offsets)
+    return gl.tensor(handle, gl.void)
 
 
 @gluon.jit
@@ -50,7 +61,7 @@ def _load_step(q_desc, do_desc, q_bar, do_bar, q_smem, do_smem, it, n_it, n_q, l
 @gluon.jit
 def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, DQ, LSE2, DELTA, qk_scale, softcap2, softmax_scale,
                        window_left, window_right, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
-                       stride_dvh, stride_dqb, stride_dqm, stride_dqh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k,
+                       stride_dvh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k,
                        group, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                        FAST_TANH: gl.constexpr, FUSED_DQ: gl.constexpr, STAGES: gl.constexpr,
                        num_warps: gl.constexpr):
@@ -107,7 +118,6 @@ def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, DQ, LSE2, DELTA,
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
     st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
     dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
-    offs_dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
     k = k_smem.reshape([BLOCK_N, HEAD_DIM])
     v = v_smem.reshape([BLOCK_N, HEAD_DIM])
     mbarrier.wait(k_bar, 0)
@@ -155,10 +165,7 @@ def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, DQ, LSE2, DELTA,
             gl.thread_barrier()
             dq = warpgroup_mma(ds_smem.permute((1, 0)), k, dq_zero, use_acc=False, is_async=True)
             dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))
-            rows_dq = row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-            dq_ptrs = (DQ + off_b.to(gl.int64) * stride_dqb + off_h.to(gl.int64) * stride_dqh
-                       + rows_dq[:, None].to(gl.int64) * stride_dqm + offs_dq[None, :])
-            gl.atomic_add(dq_ptrs, dq, mask=rows_dq[:, None] < seqlen_q, sem="relaxed")
+            _reduce_add(DQ, [off_b, row, off_h, 0], dq.reshape([1, BLOCK_M, 1, HEAD_DIM]))
         else:
             dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         # Both products have read this slot: refill it STAGES steps ahead.

@@ -41,18 +41,21 @@ def _reduce_add(desc, offsets, value, _semantic=None):
 
 
 @gluon.jit
-def _query_block(it, n_q, lo, off_hk, group, BLOCK_M: gl.constexpr):
-    """Step ``it`` of the walk: (query head, first row) of its block; each head's blocks in turn."""
+def _query_block(it, shift, n_it, n_q, lo, off_hk, group, BLOCK_M: gl.constexpr):
+    """Step ``it`` of the walk: (query head, first row) of its block; each head's blocks in turn, starting
+    ``shift`` blocks in (so that programs adding into dQ at once add into different rows)."""
+    it = it + shift
+    it = gl.where(it >= n_it, it - n_it, it)
     g = it // n_q
     return off_hk * group + g, lo + (it - g * n_q) * BLOCK_M
 
 
 @gluon.jit
-def _load_step(q_desc, do_desc, q_bar, do_bar, q_smem, do_smem, it, n_it, n_q, lo, off_b, off_hk, group,
+def _load_step(q_desc, do_desc, q_bar, do_bar, q_smem, do_smem, it, shift, n_it, n_q, lo, off_b, off_hk, group,
                STAGES: gl.constexpr):
     """TMA loads of step ``it``'s Q and dO rows into ring slot ``it % STAGES`` (nothing past the walk)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
-    off_h, row = _query_block(it, n_q, lo, off_hk, group, BLOCK_M)
+    off_h, row = _query_block(it, shift, n_it, n_q, lo, off_hk, group, BLOCK_M)
     slot = it % STAGES
     _load(q_desc, q_bar.index(slot), q_smem.index(slot), off_b, row, off_h, it < n_it)
     _load(do_desc, do_bar.index(slot), do_smem.index(slot), off_b, row, off_h, it < n_it)
@@ -92,6 +95,9 @@ def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, DQ, LSE2, DELTA,
                                              BLOCK_N, MASK_LEFT, MASK_RIGHT, True)
     n_q = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_M)
     n_it = n_q * group
+    shift = 0
+    if FUSED_DQ:
+        shift = start_n % gl.maximum(n_it, 1)
 
     k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
@@ -111,7 +117,7 @@ def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, DQ, LSE2, DELTA,
     _load(k_desc, k_bar, k_smem, off_b, first_key, off_hk, True)
     _load(v_desc, v_bar, v_smem, off_b, first_key, off_hk, True)
     for i in gl.static_range(STAGES):
-        _load_step(q_desc, do_desc, q_bar, do_bar, q_smem, do_smem, i, n_it, n_q, lo, off_b, off_hk, group, STAGES)
+        _load_step(q_desc, do_desc, q_bar, do_bar, q_smem, do_smem, i, shift, n_it, n_q, lo, off_b, off_hk, group, STAGES)
 
     offs_n = first_key + gl.arange(0, BLOCK_N, layout=keys_layout)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
@@ -125,7 +131,7 @@ def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, DQ, LSE2, DELTA,
     for it in range(n_it):
         slot = it % STAGES
         phase = (it // STAGES) & 1
-        off_h, row = _query_block(it, n_q, lo, off_hk, group, BLOCK_M)
+        off_h, row = _query_block(it, shift, n_it, n_q, lo, off_hk, group, BLOCK_M)
         offs_m = row + gl.arange(0, BLOCK_M, layout=queries_layout)
         # Rows past the sequence: lse +inf makes their P exactly 0.
         lse_rows = off_b * stride_lse_b + off_h * stride_lse_h + offs_m
@@ -169,7 +175,7 @@ def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, DQ, LSE2, DELTA,
         else:
             dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         # Both products have read this slot: refill it STAGES steps ahead.
-        _load_step(q_desc, do_desc, q_bar, do_bar, q_smem, do_smem, it + STAGES, n_it, n_q, lo, off_b, off_hk, group,
+        _load_step(q_desc, do_desc, q_bar, do_bar, q_smem, do_smem, it + STAGES, shift, n_it, n_q, lo, off_b, off_hk, group,
                    STAGES)
 
     offs_nd = first_key + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))

@@ -24,7 +24,7 @@ from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
 from .common import q_block_range, scores
@@ -32,12 +32,11 @@ from .fwd_sm90 import _load, _tile
 
 
 @builtin
-def _reduce_add(desc, offsets, value, _semantic=None):
-    """``desc[offsets] += value`` by the TMA's bulk reduce (value staged in shared memory by the compiler)."""
-    offsets = _semantic._convert_to_ir_values(offsets, require_i64=False)
-    handle = _semantic.builder.create_descriptor_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, value.handle,
-                                                        offsets)
-    return gl.tensor(handle, gl.void)
+def _reduce_add(desc, coord, src, _semantic=None):
+    """``desc[coord] += src`` (a shared memory tile) by the TMA's bulk reduce, asynchronously: ``tma.store_wait``
+    says when ``src`` has been read. (Gluon's Hopper TMA module wraps copies, not this reduce.)"""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
 
 
 @gluon.jit
@@ -107,7 +106,9 @@ def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, DQ, LSE2, DELTA,
     v_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
+    if FUSED_DQ:
+        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [1, BLOCK_M, 1, HEAD_DIM], DQ.layout)
     mbarrier.init(k_bar, count=1)
     mbarrier.init(v_bar, count=1)
     for i in gl.static_range(STAGES):
@@ -171,13 +172,21 @@ def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, DQ, LSE2, DELTA,
             gl.thread_barrier()
             dq = warpgroup_mma(ds_smem.permute((1, 0)), k, dq_zero, use_acc=False, is_async=True)
             dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))
-            _reduce_add(DQ, [off_b, row, off_h, 0], dq.reshape([1, BLOCK_M, 1, HEAD_DIM]))
+            # The last step's reduce has read the staging tile by now; this step's goes out unawaited.
+            tma.store_wait(0)
+            gl.thread_barrier()
+            dq_smem.reshape([BLOCK_M, HEAD_DIM]).store(dq)
+            fence_async_shared()
+            gl.thread_barrier()
+            _reduce_add(DQ, [off_b, row, off_h, 0], dq_smem)
         else:
             dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         # Both products have read this slot: refill it STAGES steps ahead.
         _load_step(q_desc, do_desc, q_bar, do_bar, q_smem, do_smem, it + STAGES, shift, n_it, n_q, lo, off_b, off_hk, group,
                    STAGES)
 
+    if FUSED_DQ:
+        tma.store_wait(0)
     offs_nd = first_key + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
     keep = offs_nd[:, None] < seqlen_k

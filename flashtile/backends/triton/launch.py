@@ -237,10 +237,10 @@ def _tma_desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
 
 def _tma_reduce_desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """A TMA descriptor of float32 ``(batch, seqlen, heads, headdim)`` ``t`` that adds ``rows`` rows of one head
-    (unswizzled: a float32 row of 128 is wider than the 128-byte swizzle)."""
+    (128-byte swizzle, so that registers store into the staging tile without bank conflicts)."""
     tile = [1, rows, 1, t.shape[3]]
     return TensorDescriptor(t, list(t.shape), list(t.stride()), tile,
-                            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4))
+                            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=4))
 
 
 # The descriptors carry the data pointers (the launcher encodes them per call); their shapes and strides

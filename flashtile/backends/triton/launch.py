@@ -504,7 +504,7 @@ def _backward_dkdv_sm90(q, k, v, dout, dk, dv, dq_acc, lse2, delta, args: AttnAr
                     **_strides(False, dk=dk, dv=dv),
                     stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                     group=nheads // nheads_kv, MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0,
-                    SOFTCAP=args.softcap > 0, FAST_TANH=fast_tanh(q), FUSED_DQ=dq_acc is not None, DQ_MODE=int(__import__('os').environ.get('DQ_MODE', 0)),
+                    SOFTCAP=args.softcap > 0, FAST_TANH=fast_tanh(q), FUSED_DQ=dq_acc is not None,
                     STAGES=cfg.num_stages, num_warps=cfg.num_warps)
 
     _DKDV_SM90(key, (cdiv(seqlen_k, cfg.BLOCK_N), nheads_kv, batch),

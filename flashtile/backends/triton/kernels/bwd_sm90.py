@@ -65,7 +65,7 @@ def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, DQ, LSE2, DELTA,
                        window_left, window_right, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
                        stride_dvh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k,
                        group, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                       FAST_TANH: gl.constexpr, FUSED_DQ: gl.constexpr, STAGES: gl.constexpr, DQ_MODE: gl.constexpr,
+                       FAST_TANH: gl.constexpr, FUSED_DQ: gl.constexpr, STAGES: gl.constexpr,
                        num_warps: gl.constexpr):
     """``q_desc``/``do_desc``: TMA descriptors of ``(batch, seqlen, heads, 128)`` q and dO with ``[1, BLOCK_M,
     1, 128]`` tiles, ``k_desc``/``v_desc`` of k and v with ``[1, BLOCK_N, 1, 128]``; one program per (key
@@ -172,20 +172,13 @@ def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, DQ, LSE2, DELTA,
             gl.thread_barrier()
             dq = warpgroup_mma(ds_smem.permute((1, 0)), k, dq_zero, use_acc=False, is_async=True)
             dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))
-            if DQ_MODE == 0:
-                tma.store_wait(0)
-                gl.thread_barrier()
-                dq_smem.reshape([BLOCK_M, HEAD_DIM]).store(dq)
-                fence_async_shared()
-                gl.thread_barrier()
-                _reduce_add(DQ, [off_b, row, off_h, 0], dq_smem)
-            elif DQ_MODE == 1:
-                gl.thread_barrier()
-                dq_smem.reshape([BLOCK_M, HEAD_DIM]).store(dq)
-                fence_async_shared()
-                gl.thread_barrier()
-            else:
-                dk = dk + dq * 1e-30
+            # The last step's reduce has read the staging tile by now; this step's goes out unawaited.
+            tma.store_wait(0)
+            gl.thread_barrier()
+            dq_smem.reshape([BLOCK_M, HEAD_DIM]).store(dq)
+            fence_async_shared()
+            gl.thread_barrier()
+            _reduce_add(DQ, [off_b, row, off_h, 0], dq_smem)
         else:
             dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         # Both products have read this slot: refill it STAGES steps ahead.

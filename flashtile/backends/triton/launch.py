@@ -505,7 +505,7 @@ def _backward_dkdv_sm90(q, k, v, dout, dk, dv, dq_acc, lse2, delta, args: AttnAr
                     stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                     group=nheads // nheads_kv, MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0,
                     SOFTCAP=args.softcap > 0, FAST_TANH=fast_tanh(q), FUSED_DQ=dq_acc is not None,
-                    STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+                    STAGES=1 if dq_acc is not None else cfg.num_stages, num_warps=cfg.num_warps)
 
     _DKDV_SM90(key, (cdiv(seqlen_k, cfg.BLOCK_N), nheads_kv, batch),
                dict(q_desc=_tma_desc(q, cfg.BLOCK_M), k_desc=_tma_desc(k, cfg.BLOCK_N), v_desc=_tma_desc(v, cfg.BLOCK_N),

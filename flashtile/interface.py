@@ -96,7 +96,7 @@ def flash_attn_func(
         ``(out, softmax_lse, None)`` when ``return_attn_probs``.
     """
     options = dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                   softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
+                   softcap=softcap, alibi_slopes=alibi_slopes)
     return _attention(FlashAttnFunc, (q, k, v), (q, k, v), options, sink, attn_bias, return_attn_probs)
 
 
@@ -120,7 +120,7 @@ def flash_attn_qkvpacked_func(
     """
     q, k, v = validation.check_packed("qkv", qkv, 3, "(batch, seqlen, 3, nheads, headdim)")
     options = dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                   softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
+                   softcap=softcap, alibi_slopes=alibi_slopes)
     return _attention(FlashAttnQKVPackedFunc, (qkv,), (q, k, v), options, sink, attn_bias, return_attn_probs)
 
 
@@ -144,7 +144,7 @@ def flash_attn_kvpacked_func(
     """
     k, v = validation.check_packed("kv", kv, 2, "(batch, seqlen_k, 2, nheads_kv, headdim)")
     options = dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                   softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
+                   softcap=softcap, alibi_slopes=alibi_slopes)
     return _attention(FlashAttnKVPackedFunc, (q, kv), (q, k, v), options, sink, attn_bias, return_attn_probs)
 
 
@@ -203,8 +203,8 @@ def flash_attn_varlen_func(
         when ``return_attn_probs``, with ``softmax_lse`` float32 ``(nheads, total_q)``.
     """
     options = dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                   softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic, varlen=True,
-                   cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k)
+                   softcap=softcap, alibi_slopes=alibi_slopes, varlen=True, cu_seqlens_q=cu_seqlens_q,
+                   cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k)
     return _attention(FlashAttnFunc, (q, k, v), (q, k, v), options, sink, attn_bias, return_attn_probs)
 
 
@@ -231,8 +231,8 @@ def flash_attn_varlen_qkvpacked_func(
     """
     q, k, v = validation.check_packed("qkv", qkv, 3, "(total_tokens, 3, nheads, headdim)", varlen=True)
     options = dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                   softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic, varlen=True,
-                   cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, seqused_k=None)
+                   softcap=softcap, alibi_slopes=alibi_slopes, varlen=True, cu_seqlens_q=cu_seqlens,
+                   cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, seqused_k=None)
     return _attention(FlashAttnQKVPackedFunc, (qkv,), (q, k, v), options, sink, attn_bias, return_attn_probs)
 
 
@@ -262,8 +262,8 @@ def flash_attn_varlen_kvpacked_func(
     """
     k, v = validation.check_packed("kv", kv, 2, "(total_k, 2, nheads_kv, headdim)", varlen=True)
     options = dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                   softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic, varlen=True,
-                   cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k)
+                   softcap=softcap, alibi_slopes=alibi_slopes, varlen=True, cu_seqlens_q=cu_seqlens_q,
+                   cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k)
     return _attention(FlashAttnKVPackedFunc, (q, kv), (q, k, v), options, sink, attn_bias, return_attn_probs)
 
 
@@ -374,8 +374,7 @@ def _signature(function, qkv, options, sink, attn_bias):
     window = options["window_size"]
     if not _plain_window(window):
         return None
-    scalars = (options["dropout_p"], options["softmax_scale"], options["causal"], options["softcap"],
-               options["deterministic"])
+    scalars = (options["dropout_p"], options["softmax_scale"], options["causal"], options["softcap"])
     types = tuple(map(type, scalars))
     q, k, v = qkv
     varlen = options.get("varlen", False)

@@ -27,9 +27,8 @@ A backend is two modules: a light one that can always be imported (``supports``,
     views of one packed tensor). dK/dV of a KV head sum over its query-head group. ``dsink``
     is None or a ``(nheads,)`` tensor to fill (summed in float32, stored in its dtype); ``dbias`` is
     None or a contiguous float32 ``(batch, nheads, seqlen_q, seqlen_k)`` tensor to fill with
-    dL/d(score) (the autograd layer sums it down to the bias's broadcast shape). With
-    ``args.deterministic`` the gradients are bit-identical run to run (no atomics); without it a
-    backend may add them up by atomics (the Triton backend's Hopper kernel does, for dQ).
+    dL/d(score) (the autograd layer sums it down to the bias's broadcast shape). Every backend is
+    deterministic: no atomics.
 
 KV-cache attention (``flashtile.flash_attn_with_kvcache``), for backends whose FEATURES hold
 ``"kvcache"`` (and ``"paged"`` for block tables); ``args`` is a :class:`KVCacheArgs`:
@@ -111,8 +110,6 @@ class AttnArgs:
     max_seqlen_k: int = 0
     # int32 (batch,): sequence b uses only its first seqused_k[b] keys.
     seqused_k: Optional[torch.Tensor] = None
-    # The backward's gradients must be bit-identical run to run (no atomics).
-    deterministic: bool = False
 
     @property
     def varlen(self) -> bool:
@@ -192,8 +189,6 @@ class AttentionCall:
     window: tuple = (-1, -1)
     # AttnArgs.softcap (0: none); its value decides how the Hopper forward runs the softmax.
     softcap: float = 0.0
-    # AttnArgs.deterministic: the backward may not add gradients by atomics.
-    deterministic: bool = False
 
     def __post_init__(self):
         if self.headdim_v is None:
@@ -230,7 +225,7 @@ class AttentionCall:
         page_size = args.page_size if isinstance(args, KVCacheArgs) and args.paged else 0
         return cls(q.device, q.dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, bool(args.causal),
                    _features(args, headdim, headdim_v), headdim_v, page_size,
-                   (args.window_left, args.window_right), args.softcap, args.deterministic)
+                   (args.window_left, args.window_right), args.softcap)
 
 
 def _shape(t: torch.Tensor) -> str:

@@ -98,13 +98,9 @@ def describe(call: AttentionCall):
     alongside = alongside and call.device.type == "cuda"
     split = f" parts={parts}" if parts > 1 else ""
     dkdv = f"{_KERNEL_LABELS[bwd.dkdv.kernel]} " if bwd.dkdv.kernel != "triton" else ""
-    # Unless asked to be deterministic, the Gluon dK/dV kernel adds dQ by atomics itself (dq=atomic).
-    fused_dq = bwd.dkdv.kernel == "gluon" and not call.deterministic
-    dq = "atomic" if fused_dq else f"BM{bwd.dq.BLOCK_M}xBN{bwd.dq.BLOCK_N}{'+stream' if alongside else ''}"
     bwd_name = (f"flashtile.bwd[triton d={call.headdim} {mask}{extras} dkdv={dkdv}BM{bwd.dkdv.BLOCK_M}"
-                f"xBN{bwd.dkdv.BLOCK_N}{split} dq={dq}]")
-    bwd_tiles = {"bwd_dkdv": {**vars(bwd.dkdv), "parts": parts},
-                 "bwd_dq": {"fused": True} if fused_dq else {**vars(bwd.dq), "alongside": alongside}}
+                f"xBN{bwd.dkdv.BLOCK_N}{split} dq=BM{bwd.dq.BLOCK_M}xBN{bwd.dq.BLOCK_N}{'+stream' if alongside else ''}]")
+    bwd_tiles = {"bwd_dkdv": {**vars(bwd.dkdv), "parts": parts}, "bwd_dq": {**vars(bwd.dq), "alongside": alongside}}
     if dense_takes_decode(call.batch, call.seqlen_q, call.seqlen_k, call.nheads, call.nheads_kv, call.feature_names,
                           call.dtype, call.device):
         # Few query rows per KV head (a decode step): the KV-cache kernel over a full cache of seqlen_k keys.

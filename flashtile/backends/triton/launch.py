@@ -131,7 +131,7 @@ _VARIANT_DYNAMIC = ("softcap", "seed", "offset", "dropout_scale", "ALIBI_SLOPES"
 # batches of other lengths, then reuse one launch (fastlaunch.py keys them by Triton's specialization).
 _FWD_LENGTHS = ("seqlen_q", "seqlen_k", "stride_lse_b", "stride_lse_h") + sum(map(_stride_names, "qkvo"), ())
 _FWD = CachedLaunch(attn_fwd, ("Q", "K", "V", "O", "LSE", "SINK") + _VARIANT_DYNAMIC + _FWD_LENGTHS)
-_PREPROCESS = CachedLaunch(bwd_preprocess, ("O", "DO", "LSE", "DELTA", "LSE2", "DQ_ACC"))
+_PREPROCESS = CachedLaunch(bwd_preprocess, ("O", "DO", "LSE", "DELTA", "LSE2"))
 # The backward takes the (longest) lengths per call as well: packed batches of other lengths reuse its launches.
 _BWD_LENGTHS = ("seqlen_q", "seqlen_k")
 _DKDV = CachedLaunch(bwd_dkdv, ("Q", "K", "V", "DO", "DK", "DV", "LSE2", "DELTA") + _VARIANT_DYNAMIC + _BWD_LENGTHS)
@@ -233,14 +233,6 @@ def _tma_desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """A TMA descriptor of ``(batch, seqlen, heads, headdim)`` tensor ``t`` that reads ``rows`` rows of one head."""
     tile = (1, rows, 1, t.shape[3])
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(tile), _tma_layout(tile, t.dtype))
-
-
-def _tma_reduce_desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """A TMA descriptor of float32 ``(batch, seqlen, heads, headdim)`` ``t`` that adds ``rows`` rows of one head
-    (128-byte swizzle, so that registers store into the staging tile without bank conflicts)."""
-    tile = [1, rows, 1, t.shape[3]]
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), tile,
-                            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=4))
 
 
 # The descriptors carry the data pointers (the launcher encodes them per call); their shapes and strides
@@ -427,13 +419,9 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
         if varlen:
             for part in (dk_part, dv_part):
                 _fill_tail(part, args.cu_seqlens_k, 0.0)
-    # The Gluon dK/dV kernel adds dQ into a float32 buffer by atomics (unless asked for run-to-run identical
-    # gradients): one product fewer per block pair than recomputing S and dP in a dQ kernel.
-    fused_dq = cfg.dkdv.kernel == "gluon" and not args.deterministic
-    dq_acc = empty((batch, seqlen_q, nheads, head_dim), torch.float32, q.device) if fused_dq else None
     # Varlen lengths are dynamic arguments; dense ones are in the layouts.
     key = (_layout_key(q, k, v, out, dout, lse, dq_out, dk_part, dv_part), q.device, _args_key(args, lengths=False),
-           cfg, dbias is not None, splits, fused_dq)
+           cfg, dbias is not None, splits)
 
     def shared():
         return dict(stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h, group=nheads // nheads_kv,
@@ -446,18 +434,17 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
         # Varlen: the preprocess walks all packed tokens as one sequence of a batch of 1.
         rows = q.shape[0] if varlen else seqlen_q
         _PREPROCESS(key, (cdiv(rows, _PREPROCESS_BLOCK_M), nheads, 1 if varlen else batch),
-                    dict(O=out, DO=dout, LSE=lse, DELTA=delta, LSE2=lse2, DQ_ACC=dq_acc if fused_dq else delta),
-                    lambda: dict(**_strides(varlen, o=out, do=dout, qa=dq_acc if fused_dq else out),
+                    dict(O=out, DO=dout, LSE=lse, DELTA=delta, LSE2=lse2),
+                    lambda: dict(**_strides(varlen, o=out, do=dout),
                                  stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h, seqlen_q=rows,
                                  HEAD_DIM_ACTUAL=head_dim_v, HEAD_DIM=padded_head_dim(head_dim_v),
-                                 BLOCK_M=_PREPROCESS_BLOCK_M, ZERO_DQ=fused_dq))
+                                 BLOCK_M=_PREPROCESS_BLOCK_M))
         if dsink is not None:
             _sink_grad(args.sink, lse, delta, dsink, varlen)
         # An under-filled GPU runs the dK/dV and dQ kernels side by side.
         with fork(q, alongside) as side:
             if cfg.dkdv.kernel == "gluon":
-                _backward_dkdv_sm90(q, k, v, dout, dk_out, dv_out, dq_acc, lse2, delta, args, cfg.dkdv, features,
-                                    key, side)
+                _backward_dkdv_sm90(q, k, v, dout, dk_out, dv_out, lse2, delta, args, cfg.dkdv, features, key, side)
             else:
                 _DKDV(key, (cdiv(seqlen_k, cfg.dkdv.BLOCK_N), nheads_kv * splits, batch),
                       dict(DK=dk_part, DV=dv_part, **tensors),
@@ -466,15 +453,12 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
                                    EVEN_M=not varlen and seqlen_q % cfg.dkdv.BLOCK_M == 0,
                                    num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages),
                       stream=side)
-            if not fused_dq:
-                _DQ(key, (cdiv(seqlen_q, cfg.dq.BLOCK_M), nheads, batch),
-                    dict(DQ=dq_out, DBIAS=dbias if dbias is not None else q, **tensors),
-                    lambda: dict(**shared(), **_strides(varlen, dq=dq_out), BLOCK_M=cfg.dq.BLOCK_M,
-                                 BLOCK_N=cfg.dq.BLOCK_N, WRITE_DBIAS=dbias is not None,
-                                 EVEN_M=not varlen and seqlen_q % cfg.dq.BLOCK_M == 0,
-                                 num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages))
-        if fused_dq:
-            _sum_parts(dq_acc, dq_out, 1, varlen, args.softmax_scale)
+            _DQ(key, (cdiv(seqlen_q, cfg.dq.BLOCK_M), nheads, batch),
+                dict(DQ=dq_out, DBIAS=dbias if dbias is not None else q, **tensors),
+                lambda: dict(**shared(), **_strides(varlen, dq=dq_out), BLOCK_M=cfg.dq.BLOCK_M,
+                             BLOCK_N=cfg.dq.BLOCK_N, WRITE_DBIAS=dbias is not None,
+                             EVEN_M=not varlen and seqlen_q % cfg.dq.BLOCK_M == 0,
+                             num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages))
         if splits > 1:
             # The parts of each KV head, added in a fixed order (run-to-run identical) and cast on the way.
             for part, grad in ((dk_part, dk_out), (dv_part, dv_out)):
@@ -485,46 +469,41 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
             given.copy_(written)
 
 
-_DKDV_SM90 = CachedLaunch(attn_bwd_dkdv_sm90, ("q_desc", "k_desc", "v_desc", "do_desc", "DK", "DV", "DQ", "LSE2",
-                                               "DELTA", "qk_scale", "softcap2", "softmax_scale"))
+_DKDV_SM90 = CachedLaunch(attn_bwd_dkdv_sm90, ("q_desc", "k_desc", "v_desc", "do_desc", "DK", "DV", "LSE2", "DELTA",
+                                               "qk_scale", "softcap2", "softmax_scale"))
 
 
-def _backward_dkdv_sm90(q, k, v, dout, dk, dv, dq_acc, lse2, delta, args: AttnArgs, cfg, features: frozenset, key,
-                        stream):
+def _backward_dkdv_sm90(q, k, v, dout, dk, dv, lse2, delta, args: AttnArgs, cfg, features: frozenset, key, stream):
     """Launch the Gluon Hopper dK/dV kernel (kernels/bwd_sm90.py) on dense ``(batch, seqlen, heads, 128)`` inputs,
-    on ``stream``; ``key``: the backward's launch key. With ``dq_acc`` (float32, q's shape, zeroed) it also adds
-    the unscaled dQ into it."""
+    on ``stream``; ``key``: the backward's launch key."""
     batch, seqlen_q, nheads = q.shape[0], q.shape[1], q.shape[2]
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     qk_scale, softcap2, _, _ = _score_constants(args, q.dtype, features)
 
     def static():
         stride_lse_b, stride_lse_h = lse_strides(lse2, False)
-        return dict(window_left=args.window_left, window_right=args.window_right,
-                    **_strides(False, dk=dk, dv=dv),
+        return dict(window_left=args.window_left, window_right=args.window_right, **_strides(False, dk=dk, dv=dv),
                     stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                     group=nheads // nheads_kv, MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0,
-                    SOFTCAP=args.softcap > 0, FAST_TANH=fast_tanh(q), FUSED_DQ=dq_acc is not None,
-                    STAGES=1 if dq_acc is not None else cfg.num_stages, num_warps=cfg.num_warps)
+                    SOFTCAP=args.softcap > 0, FAST_TANH=fast_tanh(q), STAGES=cfg.num_stages,
+                    num_warps=cfg.num_warps)
 
     _DKDV_SM90(key, (cdiv(seqlen_k, cfg.BLOCK_N), nheads_kv, batch),
                dict(q_desc=_tma_desc(q, cfg.BLOCK_M), k_desc=_tma_desc(k, cfg.BLOCK_N), v_desc=_tma_desc(v, cfg.BLOCK_N),
-                    do_desc=_tma_desc(dout, cfg.BLOCK_M), DK=dk, DV=dv,
-                    DQ=_tma_reduce_desc(dq_acc, cfg.BLOCK_M) if dq_acc is not None else dk,
-                    LSE2=lse2, DELTA=delta, qk_scale=qk_scale, softcap2=softcap2, softmax_scale=args.softmax_scale), static, stream=stream)
+                    do_desc=_tma_desc(dout, cfg.BLOCK_M), DK=dk, DV=dv, LSE2=lse2, DELTA=delta, qk_scale=qk_scale,
+                    softcap2=softcap2, softmax_scale=args.softmax_scale), static, stream=stream)
 
 
 _SUM_BLOCK_M = 64
-_SUM_PARTS = CachedLaunch(bwd_sum_parts, ("PART", "OUT", "scale"))
+_SUM_PARTS = CachedLaunch(bwd_sum_parts, ("PART", "OUT"))
 
 
-def _sum_parts(part: torch.Tensor, grad: torch.Tensor, splits: int, varlen: bool, scale: float = 1.0) -> None:
-    """``grad`` (its dtype and strides) = ``scale`` times the sum of ``splits`` consecutive heads of float32
-    ``part``, per head."""
+def _sum_parts(part: torch.Tensor, grad: torch.Tensor, splits: int, varlen: bool) -> None:
+    """``grad`` (its dtype and strides) = the sum of ``splits`` consecutive heads of float32 ``part``, per head."""
     rows, batch = (grad.shape[0], 1) if varlen else (grad.shape[1], grad.shape[0])
     head_dim = grad.shape[-1]
     _SUM_PARTS((_layout_key(part, grad), grad.dtype, splits, varlen), (cdiv(rows, _SUM_BLOCK_M), grad.shape[-2], batch),
-               dict(PART=part, OUT=grad, scale=scale),
+               dict(PART=part, OUT=grad),
                lambda: dict(seqlen=rows, **_strides(varlen, p=part, o=grad), HEAD_DIM_ACTUAL=head_dim,
                             HEAD_DIM=padded_head_dim(head_dim), SPLITS=splits, BLOCK_M=_SUM_BLOCK_M))
 

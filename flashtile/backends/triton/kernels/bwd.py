@@ -22,15 +22,12 @@ from .common import (LOG2E, dropout_keep, head_base, head_terms, int64, kv_block
 
 
 @triton.jit
-def bwd_preprocess(O, DO, LSE, DELTA, LSE2, DQ_ACC,
+def bwd_preprocess(O, DO, LSE, DELTA, LSE2,
                    stride_ob, stride_om, stride_oh,
                    stride_dob, stride_dom, stride_doh,
-                   stride_qab, stride_qam, stride_qah,
                    stride_lse_b, stride_lse_h, seqlen_q,
-                   HEAD_DIM_ACTUAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                   ZERO_DQ: tl.constexpr):
-    """Runs over the rows of (batch, seqlen_q) or, for varlen, of all packed tokens (batch 1). With
-    ``ZERO_DQ`` it also zeroes those rows of the float32 ``DQ_ACC`` that the fused backward adds dQ into."""
+                   HEAD_DIM_ACTUAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Runs over the rows of (batch, seqlen_q) or, for varlen, of all packed tokens (batch 1)."""
     # Offsets of long sequences can pass 2**31 elements: do the index math in int64.
     stride_ob, stride_om, stride_oh = int64(stride_ob, stride_om, stride_oh)
     stride_dob, stride_dom, stride_doh = int64(stride_dob, stride_dom, stride_doh)
@@ -48,12 +45,6 @@ def bwd_preprocess(O, DO, LSE, DELTA, LSE2, DQ_ACC,
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
     tl.store(DELTA + row, delta, mask=offs_m < seqlen_q)
     tl.store(LSE2 + row, lse2, mask=offs_m < seqlen_q)
-    if ZERO_DQ:
-        stride_qab, stride_qam, stride_qah = int64(stride_qab, stride_qam, stride_qah)
-        dq_ptrs = tile_ptrs(head_base(DQ_ACC, off_b, off_h, 0, stride_qab, stride_qam, stride_qah), offs_m,
-                            stride_qam, offs_d)
-        store_tile(dq_ptrs, tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32), offs_m, seqlen_q, offs_d,
-                   HEAD_DIM_ACTUAL)
 
 
 @triton.jit
@@ -77,11 +68,11 @@ def bwd_sink_grad(SINK, LSE, DELTA, DSINK, batch, rows, stride_lse_b, stride_lse
 
 
 @triton.jit
-def bwd_sum_parts(PART, OUT, scale, seqlen, stride_pb, stride_pm, stride_ph, stride_ob, stride_om, stride_oh,
+def bwd_sum_parts(PART, OUT, seqlen, stride_pb, stride_pm, stride_ph, stride_ob, stride_om, stride_oh,
                   HEAD_DIM_ACTUAL: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
                   BLOCK_M: tl.constexpr):
-    """``OUT[b, m, h] = scale * sum over p of PART[b, m, h * SPLITS + p]``, added in part order and cast to
-    OUT's dtype: the split dK/dV kernel's float32 partial sums of one KV head (or the fused backward's dQ). One program per ``BLOCK_M`` rows
+    """``OUT[b, m, h] = sum over p of PART[b, m, h * SPLITS + p]``, added in part order and cast to OUT's
+    dtype: the split dK/dV kernel's float32 partial sums of one KV head. One program per ``BLOCK_M`` rows
     of one (head, sequence); varlen runs over all packed tokens as one sequence."""
     stride_pb, stride_pm, stride_ph = int64(stride_pb, stride_pm, stride_ph)
     stride_ob, stride_om, stride_oh = int64(stride_ob, stride_om, stride_oh)
@@ -95,7 +86,7 @@ def bwd_sum_parts(PART, OUT, scale, seqlen, stride_pb, stride_pm, stride_ph, str
         total += load_tile(part_ptrs, offs_m, seqlen, offs_d, HEAD_DIM_ACTUAL, HEAD_DIM, True)
         part_ptrs += stride_ph
     store_tile(tile_ptrs(head_base(OUT, off_b, off_h, 0, stride_ob, stride_om, stride_oh), offs_m, stride_om, offs_d),
-               (total * scale).to(OUT.dtype.element_ty), offs_m, seqlen, offs_d, HEAD_DIM_ACTUAL)
+               total.to(OUT.dtype.element_ty), offs_m, seqlen, offs_d, HEAD_DIM_ACTUAL)
 
 
 @triton.jit

@@ -20,53 +20,38 @@ with rows past ``seqlen_q`` as +inf and 0, so the zero rows the TMA fills there 
 ``seqlen_k`` (zero rows too) are computed and never stored. Inputs: dense ``(batch, seqlen, heads, 128)``,
 16-bit; no ALiBi, dropout, bias or packed sequences (the launcher takes bwd.py's kernel for those).
 """
-from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from .common import q_block_range, scores
 from .fwd_sm90 import _load, _tile
 
 
-@builtin
-def _reduce_add(desc, coord, src, _semantic=None):
-    """``desc[coord] += src`` (a shared memory tile) by the TMA's bulk reduce, asynchronously: ``tma.store_wait``
-    says when ``src`` has been read. (Gluon's Hopper TMA module wraps copies, not this reduce.)"""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
-
-
 @gluon.jit
-def _query_block(it, shift, n_it, n_q, lo, off_hk, group, BLOCK_M: gl.constexpr):
-    """Step ``it`` of the walk: (query head, first row) of its block; each head's blocks in turn, starting
-    ``shift`` blocks in (so that programs adding into dQ at once add into different rows)."""
-    it = it + shift
-    it = gl.where(it >= n_it, it - n_it, it)
+def _query_block(it, n_q, lo, off_hk, group, BLOCK_M: gl.constexpr):
+    """Step ``it`` of the walk: (query head, first row) of its block; each head's blocks in turn."""
     g = it // n_q
     return off_hk * group + g, lo + (it - g * n_q) * BLOCK_M
 
 
 @gluon.jit
-def _load_step(q_desc, do_desc, q_bar, do_bar, q_smem, do_smem, it, shift, n_it, n_q, lo, off_b, off_hk, group,
+def _load_step(q_desc, do_desc, q_bar, do_bar, q_smem, do_smem, it, n_it, n_q, lo, off_b, off_hk, group,
                STAGES: gl.constexpr):
     """TMA loads of step ``it``'s Q and dO rows into ring slot ``it % STAGES`` (nothing past the walk)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
-    off_h, row = _query_block(it, shift, n_it, n_q, lo, off_hk, group, BLOCK_M)
+    off_h, row = _query_block(it, n_q, lo, off_hk, group, BLOCK_M)
     slot = it % STAGES
     _load(q_desc, q_bar.index(slot), q_smem.index(slot), off_b, row, off_h, it < n_it)
     _load(do_desc, do_bar.index(slot), do_smem.index(slot), off_b, row, off_h, it < n_it)
 
 
 @gluon.jit
-def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, DQ, LSE2, DELTA, qk_scale, softcap2, softmax_scale,
+def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, LSE2, DELTA, qk_scale, softcap2, softmax_scale,
                        window_left, window_right, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
-                       stride_dvh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k,
-                       group, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                       FAST_TANH: gl.constexpr, FUSED_DQ: gl.constexpr, STAGES: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       stride_dvh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group, MASK_LEFT: gl.constexpr,
+                       MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, FAST_TANH: gl.constexpr,
+                       STAGES: gl.constexpr, num_warps: gl.constexpr):
     """``q_desc``/``do_desc``: TMA descriptors of ``(batch, seqlen, heads, 128)`` q and dO with ``[1, BLOCK_M,
     1, 128]`` tiles, ``k_desc``/``v_desc`` of k and v with ``[1, BLOCK_N, 1, 128]``; one program per (key
     block, KV head, batch row). ``qk_scale``/``softcap2`` as common.scores takes them."""
@@ -83,7 +68,6 @@ def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, DQ, LSE2, DELTA,
                                                          instr_shape=[16, HEAD_DIM, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     keys_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     queries_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
 
     start_n = gl.program_id(0)
@@ -94,9 +78,6 @@ def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, DQ, LSE2, DELTA,
                                              BLOCK_N, MASK_LEFT, MASK_RIGHT, True)
     n_q = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_M)
     n_it = n_q * group
-    shift = 0
-    if FUSED_DQ:
-        shift = start_n % gl.maximum(n_it, 1)
 
     k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
@@ -106,9 +87,6 @@ def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, DQ, LSE2, DELTA,
     v_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    if FUSED_DQ:
-        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
-        dq_smem = gl.allocate_shared_memory(gl.float32, [1, BLOCK_M, 1, HEAD_DIM], DQ.layout)
     mbarrier.init(k_bar, count=1)
     mbarrier.init(v_bar, count=1)
     for i in gl.static_range(STAGES):
@@ -118,13 +96,12 @@ def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, DQ, LSE2, DELTA,
     _load(k_desc, k_bar, k_smem, off_b, first_key, off_hk, True)
     _load(v_desc, v_bar, v_smem, off_b, first_key, off_hk, True)
     for i in gl.static_range(STAGES):
-        _load_step(q_desc, do_desc, q_bar, do_bar, q_smem, do_smem, i, shift, n_it, n_q, lo, off_b, off_hk, group, STAGES)
+        _load_step(q_desc, do_desc, q_bar, do_bar, q_smem, do_smem, i, n_it, n_q, lo, off_b, off_hk, group, STAGES)
 
     offs_n = first_key + gl.arange(0, BLOCK_N, layout=keys_layout)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
     st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
-    dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
     k = k_smem.reshape([BLOCK_N, HEAD_DIM])
     v = v_smem.reshape([BLOCK_N, HEAD_DIM])
     mbarrier.wait(k_bar, 0)
@@ -132,7 +109,7 @@ def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, DQ, LSE2, DELTA,
     for it in range(n_it):
         slot = it % STAGES
         phase = (it // STAGES) & 1
-        off_h, row = _query_block(it, shift, n_it, n_q, lo, off_hk, group, BLOCK_M)
+        off_h, row = _query_block(it, n_q, lo, off_hk, group, BLOCK_M)
         offs_m = row + gl.arange(0, BLOCK_M, layout=queries_layout)
         # Rows past the sequence: lse +inf makes their P exactly 0.
         lse_rows = off_b * stride_lse_b + off_h * stride_lse_h + offs_m
@@ -163,30 +140,12 @@ def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, DQ, LSE2, DELTA,
         if SOFTCAP:
             # d(c * tanh(x / c)) / dx = 1 - tanh^2.
             ds_t = ds_t * (1.0 - t_t * t_t)
-        ds_t = ds_t.to(dtype)
-        dk = warpgroup_mma(gl.convert_layout(ds_t, op_layout), q, dk, is_async=True)
-        if FUSED_DQ:
-            # dQ += dS K: dS^T goes through shared memory, read transposed as the left operand.
-            ds_smem.store(ds_t)
-            fence_async_shared()
-            gl.thread_barrier()
-            dq = warpgroup_mma(ds_smem.permute((1, 0)), k, dq_zero, use_acc=False, is_async=True)
-            dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))
-            # The last step's reduce has read the staging tile by now; this step's goes out unawaited.
-            tma.store_wait(0)
-            gl.thread_barrier()
-            dq_smem.reshape([BLOCK_M, HEAD_DIM]).store(dq)
-            fence_async_shared()
-            gl.thread_barrier()
-            _reduce_add(DQ, [off_b, row, off_h, 0], dq_smem)
-        else:
-            dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+        dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), op_layout), q, dk, is_async=True)
+        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         # Both products have read this slot: refill it STAGES steps ahead.
-        _load_step(q_desc, do_desc, q_bar, do_bar, q_smem, do_smem, it + STAGES, shift, n_it, n_q, lo, off_b, off_hk, group,
+        _load_step(q_desc, do_desc, q_bar, do_bar, q_smem, do_smem, it + STAGES, n_it, n_q, lo, off_b, off_hk, group,
                    STAGES)
 
-    if FUSED_DQ:
-        tma.store_wait(0)
     offs_nd = first_key + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
     keep = offs_nd[:, None] < seqlen_k

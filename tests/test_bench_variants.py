@@ -151,6 +151,49 @@ def test_criteria_verdicts():
     assert results["bias"]["checks"][0]["value"] == pytest.approx(0.5)
 
 
+def test_bars_are_judged_on_paired_ratios_where_measured():
+    """A row timed in alternation with its baseline carries ``paired_*`` ratios; the bar takes them over the
+    ratio of the two medians (kept as ``unpaired_value``), stage by stage."""
+    rows = [_row("mods", "flashtile", "plain", 1.0, 2.0, N=4096, B=4),
+            {**_row("mods", "flashtile", "alibi", 1.22, 2.1, N=4096, B=4), "paired_fwd": 1.1}]
+    alibi = next(c for c in variants.evaluate(rows) if c["id"] == "alibi")
+    check = {ch["stage"]: ch for ch in alibi["checks"]}
+    assert check["fwd"]["paired"] and check["fwd"]["value"] == pytest.approx(1.1)
+    assert check["fwd"]["unpaired_value"] == pytest.approx(1.22) and check["fwd"]["ok"]
+    assert not check["bwd"]["paired"] and check["bwd"]["value"] == pytest.approx(1.05)
+    rows[1]["paired_bwd"] = 1.2
+    assert _verdicts(rows)["alibi"] == "FAIL"
+    # A speedup bar inverts the ratio: window / causal time 0.1 -> 10x.
+    window = [_row("window", "flashtile", "causal", 1.0, 1.0), {**_row("window", "flashtile", "window", 0.2, 0.2),
+                                                                 "paired_fwd": 0.1, "paired_bwd": 0.1}]
+    assert [ch["value"] for ch in variants.evaluate(window)[0]["checks"]] == [pytest.approx(10.0)] * 2
+    report = variants.format_report(rows, variants.evaluate(rows))
+    assert "1.22 / 1.05 (paired 1.10 / 1.20)" in next(line for line in report.splitlines() if "flashtile alibi" in line)
+
+
+def test_alternate_cancels_a_steady_drift():
+    """Two equal functions on a clock that slows by 0.05 ms per timing: back to back, the second looks 4-5%
+    slower; alternating the order each round, the median ratio is 1 (to a few tenths of a percent)."""
+    clock = {"t": 0}
+
+    def timer(fn, grad_to_none=None):
+        clock["t"] += 1
+        return [1.0 + 0.05 * clock["t"]] * 3
+
+    first, second = (lambda: None, None), (lambda: None, None)
+    assert variants.alternate(timer, first, second, 6) == pytest.approx(1.0, abs=0.005)
+    clock["t"] = 0
+    assert variants.alternate(timer, first, second, 1) == pytest.approx(1.10 / 1.05)
+
+
+def test_only_flashtile_rows_with_a_bar_are_paired():
+    case = variants.Case("mods", "flashtile", "alibi", 4096, 4, 16, 128, False)
+    assert variants.bar_baselines(case) == [("flashtile", "plain")]
+    assert variants.bar_baselines(variants.Case("mods", "flex", "alibi", 4096, 4, 16, 128, False)) == []
+    assert variants.bar_baselines(variants.Case("mods", "flashtile", "plain", 4096, 4, 16, 128, False)) == []
+    assert variants.bar_baselines(variants.Case("bias", "flashtile", "bias", 4096, 4, 16, 128, False)) == []
+
+
 def test_failed_or_skipped_baseline_gives_no_verdict():
     rows = [_row("mods", "flashtile", "plain", None, None, N=4096, B=4, fwd_err="OOM: x"),
             _row("mods", "flashtile", "sink", 1.0, 1.0, N=4096, B=4)]
@@ -216,6 +259,13 @@ def test_smoke_run_measures_every_row_and_judges_every_criterion(tmp_path, fake_
     assert all(v in ("pass", "FAIL") for k, v in verdicts.items() if k != "bias")  # every check measured
     assert verdicts["bias"] == "info"
     assert "Criteria" in table and "wrote " in table
+    # Every row a flashtile bar compares with another flashtile row was timed again in alternation with it.
+    for r in rows:
+        case = variants.Case(r["group"], r["prov"], r["variant"], r["N"], r["B"], r["H"], r["D"], r["causal"])
+        if variants.bar_baselines(case):
+            assert r["paired_rounds"] == 2 and r["paired_fwd"] > 0 and r["paired_bwd"] > 0, r
+        else:
+            assert "paired_fwd" not in r
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

@@ -576,7 +576,8 @@ def _run_variants(run: _Run, timer, device) -> None:
 
     variants.run_cases(_variant_cases(opts), common.DTYPES[opts.grid.dtype], device, timer,
                        sizes.ref_heads if opts.check else None, on_row,
-                       flex_budget_s=opts.grid.variant_flex_budget_s, profile=True)
+                       flex_budget_s=opts.grid.variant_flex_budget_s, profile=True,
+                       paired_rounds=2 if torch.device(device).type == "cpu" else variants.PAIRED_ROUNDS)
     run.payload["variant_criteria"] = [c for c in variants.evaluate(run.payload["variants"]) if c["verdict"] != "no data"]
 
 

@@ -73,13 +73,23 @@ def test_gluon_dkdv_windows(rng, window, causal):
     check(rng, 2, 777, 900, 4, 2, window_size=window, causal=causal)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gluon_dkdv_softcap_window(rng, dtype):
+    """Softcap with K scaled in place and a two-sided window's masked blocks, GQA 3."""
+    check(rng, 1, 1000, 1000, 6, 2, dtype, softcap=20.0, window_size=(200, 70))
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("feature", ["softcap", "sink"])
+@pytest.mark.parametrize("feature", ["softcap", "softcap-below-scale", "sink"])
 def test_gluon_dkdv_features(rng, causal, feature):
-    """Softcap's tanh (dS takes 1 - tanh^2), a sink (only through the lse)."""
+    """Softcap's tanh (dS takes 1 - tanh^2), with its scale folded into K (softcap 30) and not (a softcap below
+    the softmax scale, 1/sqrt(128), keeps the multiply; the same shapes, so a launch made for one must not
+    serve the other), a sink (only through the lse)."""
     options = {}
     if feature == "softcap":
         options["softcap"] = 30.0
+    elif feature == "softcap-below-scale":
+        options["softcap"] = 0.05
     else:
         options["sink"] = torch.randn(4, generator=rng).to("cuda").requires_grad_()
     check(rng, 2, 900, 1100, 4, 2, causal=causal, **options)

@@ -478,17 +478,18 @@ def _backward_dkdv_sm90(q, k, v, dout, dk, dv, lse2, delta, args: AttnArgs, cfg,
     on ``stream``; ``key``: the backward's launch key."""
     batch, seqlen_q, nheads = q.shape[0], q.shape[1], q.shape[2]
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    qk_scale, softcap2, _, _ = _score_constants(args, q.dtype, features)
+    qk_scale, softcap2, _, fold = _score_constants(args, q.dtype, features)
 
     def static():
         stride_lse_b, stride_lse_h = lse_strides(lse2, False)
         return dict(window_left=args.window_left, window_right=args.window_right, **_strides(False, dk=dk, dv=dv),
                     stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                     group=nheads // nheads_kv, MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0,
-                    SOFTCAP=args.softcap > 0, FAST_TANH=fast_tanh(q), STAGES=cfg.num_stages,
+                    SOFTCAP=args.softcap > 0, FAST_TANH=fast_tanh(q), FOLD_SCALE=fold, STAGES=cfg.num_stages,
                     num_warps=cfg.num_warps)
 
-    _DKDV_SM90(key, (cdiv(seqlen_k, cfg.BLOCK_N), nheads_kv, batch),
+    # Whether the scale folds depends on the values of the scale and softcap, which the backward's key leaves out.
+    _DKDV_SM90((key, fold), (cdiv(seqlen_k, cfg.BLOCK_N), nheads_kv, batch),
                dict(q_desc=_tma_desc(q, cfg.BLOCK_M), k_desc=_tma_desc(k, cfg.BLOCK_N), v_desc=_tma_desc(v, cfg.BLOCK_N),
                     do_desc=_tma_desc(dout, cfg.BLOCK_M), DK=dk, DV=dv, LSE2=lse2, DELTA=delta, qk_scale=qk_scale,
                     softcap2=softcap2, softmax_scale=args.softmax_scale), static, stream=stream)

@@ -22,9 +22,10 @@ with rows past ``seqlen_q`` as +inf and 0, so the zero rows the TMA fills there 
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                               warpgroup_mma_wait)
 
-from .common import q_block_range, scores
+from .common import q_block_range, scores, visible
 from .fwd_sm90 import _load, _tile
 
 
@@ -51,7 +52,7 @@ def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, LSE2, DELTA, qk_
                        window_left, window_right, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
                        stride_dvh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group, MASK_LEFT: gl.constexpr,
                        MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, FAST_TANH: gl.constexpr,
-                       STAGES: gl.constexpr, num_warps: gl.constexpr):
+                       FOLD_SCALE: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     """``q_desc``/``do_desc``: TMA descriptors of ``(batch, seqlen, heads, 128)`` q and dO with ``[1, BLOCK_M,
     1, 128]`` tiles, ``k_desc``/``v_desc`` of k and v with ``[1, BLOCK_N, 1, 128]``; one program per (key
     block, KV head, batch row). ``qk_scale``/``softcap2`` as common.scores takes them."""
@@ -106,6 +107,13 @@ def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, LSE2, DELTA, qk_
     v = v_smem.reshape([BLOCK_N, HEAD_DIM])
     mbarrier.wait(k_bar, 0)
     mbarrier.wait(v_bar, 0)
+    if FOLD_SCALE:
+        # Softcap's scale goes into K once (rounded to its dtype, as the forward rounds it into Q): the tanh
+        # then takes K Q^T with no multiply an element.
+        k_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        k.store((k.load(k_layout).to(gl.float32) * qk_scale).to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
     for it in range(n_it):
         slot = it % STAGES
         phase = (it // STAGES) & 1
@@ -123,16 +131,20 @@ def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, LSE2, DELTA, qk_
         mbarrier.wait(do_bar.index(slot), phase)
         dp_t = warpgroup_mma(v, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         qk_t = warpgroup_mma_wait(1, deps=(qk_t, ))
-        # The exponentials run under the dP^T product. Blocks straddling the window's edges are masked.
-        if (row < full_lo) | (row >= full_hi):
-            s_t, t_t = scores(qk_t, offs_m[None, :], offs_n[:, None], first_key, seqlen_q, seqlen_k, qk_scale,
-                              softcap2, 0.0, 0, 0, 0, window_left, window_right, True, MASK_LEFT, MASK_RIGHT,
-                              SOFTCAP, FAST_TANH, False, "")
+        # The exponentials run under the dP^T product, scale and lse in one FMA an element (with FOLD_SCALE K
+        # holds the scale); blocks straddling the window's edges zero the pairs they do not see afterwards.
+        if FOLD_SCALE:
+            s_t, t_t = scores(qk_t, offs_m[None, :], offs_n[:, None], first_key, seqlen_q, seqlen_k, 1.0, softcap2,
+                              0.0, 0, 0, 0, window_left, window_right, False, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                              FAST_TANH, False, "")
         else:
             s_t, t_t = scores(qk_t, offs_m[None, :], offs_n[:, None], first_key, seqlen_q, seqlen_k, qk_scale,
                               softcap2, 0.0, 0, 0, 0, window_left, window_right, False, MASK_LEFT, MASK_RIGHT,
                               SOFTCAP, FAST_TANH, False, "")
         p_t = gl.exp2(s_t - lse2[None, :])
+        if (row < full_lo) | (row >= full_hi):
+            p_t = gl.where(visible(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, window_left, window_right,
+                                   MASK_LEFT, MASK_RIGHT), p_t, 0.0)
         dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), op_layout), do, dv, is_async=True)
         # dS^T under the dV product.
         dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))

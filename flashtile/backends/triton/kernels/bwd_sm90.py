@@ -17,7 +17,9 @@ Q and dO arrive through the TMA into rings of ``STAGES`` slots, each slot refill
 that read it are done. The scores are common.py's (masks, softcap); ``LSE2`` and ``DELTA`` are
 bwd_preprocess's (the row's lse in log2 units, +inf for a row that saw no key, and rowsum(dO * O)), read
 with rows past ``seqlen_q`` as +inf and 0, so the zero rows the TMA fills there add nothing. Keys past
-``seqlen_k`` (zero rows too) are computed and never stored. Inputs: dense ``(batch, seqlen, heads, 128)``,
+``seqlen_k`` (zero rows too) are computed and never stored. Blocks straddling a window's edge zero the
+probabilities of the pairs they do not see after the exponential, so every block takes the scale and the lse in
+one FMA an element; with softcap the scale is folded into K once (``FOLD_SCALE``). Inputs: dense ``(batch, seqlen, heads, 128)``,
 16-bit; no ALiBi, dropout, bias or packed sequences (the launcher takes bwd.py's kernel for those).
 """
 from triton.experimental import gluon

@@ -24,11 +24,10 @@ one FMA an element; with softcap the scale is folded into K once (``FOLD_SCALE``
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
-                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from .common import q_block_range, scores, visible
-from .fwd_sm90 import _load, _tile
+from .fwd_sm90 import _load, _scale_tile, _tile
 
 
 @gluon.jit
@@ -112,10 +111,7 @@ def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, LSE2, DELTA, qk_
     if FOLD_SCALE:
         # Softcap's scale goes into K once (rounded to its dtype, as the forward rounds it into Q): the tanh
         # then takes K Q^T with no multiply an element.
-        k_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-        k.store((k.load(k_layout).to(gl.float32) * qk_scale).to(dtype))
-        fence_async_shared()
-        gl.thread_barrier()
+        _scale_tile(k, qk_scale, num_warps)
     for it in range(n_it):
         slot = it % STAGES
         phase = (it // STAGES) & 1

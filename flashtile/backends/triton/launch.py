@@ -470,29 +470,38 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
 
 
 _DKDV_SM90 = CachedLaunch(attn_bwd_dkdv_sm90, ("q_desc", "k_desc", "v_desc", "do_desc", "DK", "DV", "LSE2", "DELTA",
-                                               "qk_scale", "softcap2", "softmax_scale"))
+                                               "CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_K", "qk_scale", "softcap2",
+                                               "softmax_scale") + _BWD_LENGTHS)
 
 
 def _backward_dkdv_sm90(q, k, v, dout, dk, dv, lse2, delta, args: AttnArgs, cfg, features: frozenset, key, stream):
-    """Launch the Gluon Hopper dK/dV kernel (kernels/bwd_sm90.py) on dense ``(batch, seqlen, heads, 128)`` inputs,
-    on ``stream``; ``key``: the backward's launch key."""
-    batch, seqlen_q, nheads = q.shape[0], q.shape[1], q.shape[2]
-    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    """Launch the Gluon Hopper dK/dV kernel (kernels/bwd_sm90.py) on ``(batch, seqlen, heads, 128)`` inputs, or
+    packed ``(tokens, heads, 128)`` ones (varlen), on ``stream``; ``key``: the backward's launch key (which holds
+    no lengths: they are dynamic arguments)."""
+    varlen = args.varlen
+    batch, seqlen_q, seqlen_k, nheads, nheads_kv, _, _ = _shape(q, k, v, args)
     qk_scale, softcap2, _, fold = _score_constants(args, q.dtype, features)
 
     def static():
-        stride_lse_b, stride_lse_h = lse_strides(lse2, False)
-        return dict(window_left=args.window_left, window_right=args.window_right, **_strides(False, dk=dk, dv=dv),
-                    stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                    group=nheads // nheads_kv, MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0,
-                    SOFTCAP=args.softcap > 0, FAST_TANH=fast_tanh(q), FOLD_SCALE=fold, STAGES=cfg.num_stages,
-                    num_warps=cfg.num_warps)
+        stride_lse_b, stride_lse_h = lse_strides(lse2, varlen)
+        return dict(window_left=args.window_left, window_right=args.window_right, **_strides(varlen, dk=dk, dv=dv),
+                    stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h, group=nheads // nheads_kv,
+                    MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0, SOFTCAP=args.softcap > 0,
+                    FAST_TANH=fast_tanh(q), FOLD_SCALE=fold, IS_VARLEN=varlen,
+                    HAS_SEQUSED=args.seqused_k is not None, STAGES=cfg.num_stages, num_warps=cfg.num_warps)
 
+    if varlen:
+        # One batch row of all tokens for the TMA; each program finds its sequence's rows.
+        q, k, v, dout = (t.unsqueeze(0) for t in (q, k, v, dout))
     # Whether the scale folds depends on the values of the scale and softcap, which the backward's key leaves out.
     _DKDV_SM90((key, fold), (cdiv(seqlen_k, cfg.BLOCK_N), nheads_kv, batch),
                dict(q_desc=_tma_desc(q, cfg.BLOCK_M), k_desc=_tma_desc(k, cfg.BLOCK_N), v_desc=_tma_desc(v, cfg.BLOCK_N),
-                    do_desc=_tma_desc(dout, cfg.BLOCK_M), DK=dk, DV=dv, LSE2=lse2, DELTA=delta, qk_scale=qk_scale,
-                    softcap2=softcap2, softmax_scale=args.softmax_scale), static, stream=stream)
+                    do_desc=_tma_desc(dout, cfg.BLOCK_M), DK=dk, DV=dv, LSE2=lse2, DELTA=delta,
+                    CU_SEQLENS_Q=args.cu_seqlens_q if varlen else lse2,
+                    CU_SEQLENS_K=args.cu_seqlens_k if varlen else lse2,
+                    SEQUSED_K=args.seqused_k if args.seqused_k is not None else lse2, qk_scale=qk_scale,
+                    softcap2=softcap2, softmax_scale=args.softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k),
+               static, stream=stream)
 
 
 _SUM_BLOCK_M = 64

@@ -17,17 +17,21 @@ Q and dO arrive through the TMA into rings of ``STAGES`` slots, each slot refill
 that read it are done. The scores are common.py's (masks, softcap); ``LSE2`` and ``DELTA`` are
 bwd_preprocess's (the row's lse in log2 units, +inf for a row that saw no key, and rowsum(dO * O)), read
 with rows past ``seqlen_q`` as +inf and 0, so the zero rows the TMA fills there add nothing. Keys past
-``seqlen_k`` (zero rows too) are computed and never stored. Blocks straddling a window's edge zero the
-probabilities of the pairs they do not see after the exponential, so every block takes the scale and the lse in
-one FMA an element; with softcap the scale is folded into K once (``FOLD_SCALE``). Inputs: dense ``(batch, seqlen, heads, 128)``,
-16-bit; no ALiBi, dropout, bias or packed sequences (the launcher takes bwd.py's kernel for those).
+``seqlen_k`` (zero rows too) are computed and never stored. The masked blocks (straddling a window's edge)
+zero the probabilities of the pairs they do not see after the exponential, so the others take the scale and
+the lse in one FMA an element; with softcap the scale is folded into K once (``FOLD_SCALE``).
+
+Packed sequences (``IS_VARLEN``) read through descriptors of the whole ``(1, tokens, heads, 128)`` tensors. A
+tile past a sequence's end holds the next sequence's rows: key rows there only feed their own dK/dV rows,
+which are not stored; query and dO rows there are zeroed in shared memory first (``_zero_tail``). Inputs:
+16-bit, head dim 128; no ALiBi, dropout or bias (the launcher takes bwd.py's kernel for those).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from .common import q_block_range, scores, visible
-from .fwd_sm90 import _load, _scale_tile, _tile
+from .common import q_block_range, scores, sequence, visible
+from .fwd_sm90 import _load, _scale_tile, _tile, _zero_tail
 
 
 @gluon.jit
@@ -38,25 +42,29 @@ def _query_block(it, n_q, lo, off_hk, group, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _load_step(q_desc, do_desc, q_bar, do_bar, q_smem, do_smem, it, n_it, n_q, lo, off_b, off_hk, group,
+def _load_step(q_desc, do_desc, q_bar, do_bar, q_smem, do_smem, it, n_it, n_q, lo, tma_b, q_start, off_hk, group,
                STAGES: gl.constexpr):
-    """TMA loads of step ``it``'s Q and dO rows into ring slot ``it % STAGES`` (nothing past the walk)."""
+    """TMA loads of step ``it``'s Q and dO rows into ring slot ``it % STAGES`` (nothing past the walk); the
+    sequence's queries start at row ``q_start`` of batch row ``tma_b``."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     off_h, row = _query_block(it, n_q, lo, off_hk, group, BLOCK_M)
     slot = it % STAGES
-    _load(q_desc, q_bar.index(slot), q_smem.index(slot), off_b, row, off_h, it < n_it)
-    _load(do_desc, do_bar.index(slot), do_smem.index(slot), off_b, row, off_h, it < n_it)
+    _load(q_desc, q_bar.index(slot), q_smem.index(slot), tma_b, q_start + row, off_h, it < n_it)
+    _load(do_desc, do_bar.index(slot), do_smem.index(slot), tma_b, q_start + row, off_h, it < n_it)
 
 
 @gluon.jit
-def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, LSE2, DELTA, qk_scale, softcap2, softmax_scale,
-                       window_left, window_right, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
-                       stride_dvh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group, MASK_LEFT: gl.constexpr,
-                       MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, FAST_TANH: gl.constexpr,
-                       FOLD_SCALE: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, LSE2, DELTA, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
+                       qk_scale, softcap2, softmax_scale, window_left, window_right, stride_dkb, stride_dkn,
+                       stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k,
+                       group, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                       FAST_TANH: gl.constexpr, FOLD_SCALE: gl.constexpr, IS_VARLEN: gl.constexpr,
+                       HAS_SEQUSED: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     """``q_desc``/``do_desc``: TMA descriptors of ``(batch, seqlen, heads, 128)`` q and dO with ``[1, BLOCK_M,
     1, 128]`` tiles, ``k_desc``/``v_desc`` of k and v with ``[1, BLOCK_N, 1, 128]``; one program per (key
-    block, KV head, batch row). ``qk_scale``/``softcap2`` as common.scores takes them."""
+    block, KV head, batch row). ``qk_scale``/``softcap2`` as common.scores takes them. With ``IS_VARLEN`` the
+    tensors are packed ``(1, tokens, heads, 128)``, a batch row is a sequence (``CU_SEQLENS_*``, ``SEQUSED_K``
+    as in bwd.py's kernels) and the lengths are the longest ones."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -76,9 +84,24 @@ def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, LSE2, DELTA, qk_
     off_hk = gl.program_id(1)
     off_b = gl.program_id(2)
     first_key = start_n * BLOCK_N
+    # This sequence's query rows start at q_start of batch row tma_b, its keys at k_start; key_rows of them are
+    # its own (past seqused_k, seqlen_k, they get zero gradients).
+    q_start, seqlen_q, k_start, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
+                                                    IS_VARLEN, HAS_SEQUSED)
+    key_rows = seqlen_k
+    tma_b = off_b
+    if IS_VARLEN:
+        key_rows = gl.load(CU_SEQLENS_K + off_b + 1) - k_start
+        # Varlen grids are sized for the longest sequence; packed tensors are one batch row for the TMA.
+        if first_key >= key_rows:
+            return
+        tma_b = 0
     lo, full_lo, full_hi, hi = q_block_range(start_n, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M,
                                              BLOCK_N, MASK_LEFT, MASK_RIGHT, True)
     n_q = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_M)
+    if HAS_SEQUSED:
+        # A key block wholly past the keys used sees no query.
+        n_q = gl.where(first_key < seqlen_k, n_q, 0)
     n_it = n_q * group
 
     k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
@@ -95,10 +118,11 @@ def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, LSE2, DELTA, qk_
         mbarrier.init(q_bar.index(i), count=1)
         mbarrier.init(do_bar.index(i), count=1)
 
-    _load(k_desc, k_bar, k_smem, off_b, first_key, off_hk, True)
-    _load(v_desc, v_bar, v_smem, off_b, first_key, off_hk, True)
+    _load(k_desc, k_bar, k_smem, tma_b, k_start + first_key, off_hk, True)
+    _load(v_desc, v_bar, v_smem, tma_b, k_start + first_key, off_hk, True)
     for i in gl.static_range(STAGES):
-        _load_step(q_desc, do_desc, q_bar, do_bar, q_smem, do_smem, i, n_it, n_q, lo, off_b, off_hk, group, STAGES)
+        _load_step(q_desc, do_desc, q_bar, do_bar, q_smem, do_smem, i, n_it, n_q, lo, tma_b, q_start, off_hk, group,
+                   STAGES)
 
     offs_n = first_key + gl.arange(0, BLOCK_N, layout=keys_layout)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
@@ -118,13 +142,20 @@ def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, LSE2, DELTA, qk_
         off_h, row = _query_block(it, n_q, lo, off_hk, group, BLOCK_M)
         offs_m = row + gl.arange(0, BLOCK_M, layout=queries_layout)
         # Rows past the sequence: lse +inf makes their P exactly 0.
-        lse_rows = off_b * stride_lse_b + off_h * stride_lse_h + offs_m
+        lse_rows = off_b * stride_lse_b + off_h * stride_lse_h + q_start + offs_m
         lse2 = gl.load(LSE2 + lse_rows, mask=offs_m < seqlen_q, other=float("inf"))
         delta = gl.load(DELTA + lse_rows, mask=offs_m < seqlen_q, other=0.0)
         q = _tile(q_smem, slot)
         do = _tile(do_smem, slot)
         # S^T and dP^T go to the tensor cores together; S^T is waited for alone.
         mbarrier.wait(q_bar.index(slot), phase)
+        if IS_VARLEN:
+            if row + BLOCK_M > seqlen_q:
+                # The rows past this sequence's queries are the next sequence's: zeros instead, so that not
+                # even an infinity there meets this one's zero probabilities.
+                mbarrier.wait(do_bar.index(slot), phase)
+                _zero_tail(q, seqlen_q - row, num_warps)
+                _zero_tail(do, seqlen_q - row, num_warps)
         qk_t = warpgroup_mma(k, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         mbarrier.wait(do_bar.index(slot), phase)
         dp_t = warpgroup_mma(v, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
@@ -153,17 +184,23 @@ def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, LSE2, DELTA, qk_
         dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), op_layout), q, dk, is_async=True)
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         # Both products have read this slot: refill it STAGES steps ahead.
-        _load_step(q_desc, do_desc, q_bar, do_bar, q_smem, do_smem, it + STAGES, n_it, n_q, lo, off_b, off_hk, group,
-                   STAGES)
+        _load_step(q_desc, do_desc, q_bar, do_bar, q_smem, do_smem, it + STAGES, n_it, n_q, lo, tma_b, q_start, off_hk,
+                   group, STAGES)
 
+    # Keys past those used (seqused_k) get zeros; rows past the sequence's keys are not this program's.
     offs_nd = first_key + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-    keep = offs_nd[:, None] < seqlen_k
-    dk_ptrs = (DK + off_b.to(gl.int64) * stride_dkb + off_hk.to(gl.int64) * stride_dkh
-               + offs_nd[:, None].to(gl.int64) * stride_dkn + offs_d[None, :])
-    dv_ptrs = (DV + off_b.to(gl.int64) * stride_dvb + off_hk.to(gl.int64) * stride_dvh
-               + offs_nd[:, None].to(gl.int64) * stride_dvn + offs_d[None, :])
-    gl.store(dk_ptrs, (dk * softmax_scale).to(dtype), mask=keep)
+    keep = offs_nd[:, None] < key_rows
+    dk = dk * softmax_scale
+    if HAS_SEQUSED:
+        dk = gl.where(offs_nd[:, None] < seqlen_k, dk, 0.0)
+        dv = gl.where(offs_nd[:, None] < seqlen_k, dv, 0.0)
+    rows_k = (k_start + offs_nd[:, None]).to(gl.int64)
+    dk_ptrs = (DK + off_b.to(gl.int64) * stride_dkb + off_hk.to(gl.int64) * stride_dkh + rows_k * stride_dkn
+               + offs_d[None, :])
+    dv_ptrs = (DV + off_b.to(gl.int64) * stride_dvb + off_hk.to(gl.int64) * stride_dvh + rows_k * stride_dvn
+               + offs_d[None, :])
+    gl.store(dk_ptrs, dk.to(dtype), mask=keep)
     gl.store(dv_ptrs, dv.to(dtype), mask=keep)
     mbarrier.invalidate(k_bar)
     mbarrier.invalidate(v_bar)

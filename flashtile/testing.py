@@ -28,6 +28,7 @@ __all__ = [
     "cu_seqlens_of",
     "reference_results",
     "assert_results_close",
+    "check_packed",
 ]
 
 
@@ -233,6 +234,46 @@ def assert_results_close(ours: dict, ref_hi: dict, ref_lo: dict, dtype) -> None:
     atol_out, atol_grad = ATOL[dtype]
     for name in ref_hi:
         assert_close_to_ref(name, ours[name], ref_hi[name], ref_lo[name], atol_out if name in ("out", "lse") else atol_grad)
+
+
+def check_packed(generator, lengths_q, lengths_k, nheads, nheads_kv, dtype, head_dims=(128, 128), seqused_k=None,
+                 sink=None, device="cuda", **options) -> dict:
+    """Run :func:`flashtile.flash_attn_varlen_func` forward and backward on packed sequences of these lengths
+    and hold every result to the tolerance rule; returns ours.
+
+    Five rows past ``cu_seqlens[-1]`` hold NaN (and infinite values), and so do the keys ``seqused_k`` (a list)
+    leaves out: a tile that reads them must hide them. out and lse are compared on the sequences' rows, the
+    gradients on all (0 past the end).
+    """
+    import flashtile
+
+    cu_q, cu_k = cu_seqlens_of(lengths_q, device), cu_seqlens_of(lengths_k, device)
+    end_q, end_k = sum(lengths_q), sum(lengths_k)
+    q, k, v = (torch.randn(end + 5, heads, dim, generator=generator).to(device, dtype)
+               for end, heads, dim in ((end_q, nheads, head_dims[0]), (end_k, nheads_kv, head_dims[0]),
+                                       (end_k, nheads_kv, head_dims[1])))
+    unused = [slice(end_k, None)]
+    if seqused_k is not None:
+        unused += [slice(start + used, end) for start, used, end in zip(cu_k[:-1].tolist(), seqused_k, cu_k[1:].tolist())]
+        seqused_k = torch.tensor(seqused_k, dtype=torch.int32, device=device)
+    q[end_q:] = float("nan")
+    for rows in unused:
+        k[rows], v[rows] = float("nan"), float("inf")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    dout = torch.randn(end_q + 5, nheads, head_dims[1], generator=generator).to(device, dtype)
+    if sink is not None:
+        options["sink"] = sink
+    out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                                   seqused_k=seqused_k, return_attn_probs=True, **options)
+    leaves = (q, k, v) if sink is None else (q, k, v, sink)
+    grads = torch.autograd.grad(out, leaves, dout)
+    ours = {"out": out[:end_q], "lse": lse[:, :end_q], **dict(zip(("dq", "dk", "dv", "dsink"), grads))}
+    refs = [reference_results(q, k, v, dout, hi=hi, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=seqused_k,
+                              **options) for hi in (True, False)]
+    for ref in refs:
+        ref["out"], ref["lse"] = ref["out"][:end_q], ref["lse"][:, :end_q]
+    assert_results_close(ours, *refs, dtype)
+    return ours
 
 
 def make_qkv(

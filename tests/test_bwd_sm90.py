@@ -1,18 +1,20 @@
 """The Gluon Hopper dK/dV backward (kernels/bwd_sm90.py) through the public API, on an sm_90 GPU only.
 
 The dispatcher gives it 16-bit calls at head dim 128 (q, k and v) whose key blocks of 64 fill the GPU unsplit
-(configs.with_gluon_dkdv), with windows, softcap and sinks; ALiBi, dropout, a bias, packed sequences, other
+(configs.with_gluon_dkdv), with windows, softcap, sinks and packed sequences; ALiBi, dropout, a bias, other
 head dims, split key blocks and inputs the TMA cannot read keep the Triton kernel (the last one recorded).
 These tests check which dK/dV kernel ran (by the backward's name in the kernel counter) and hold out, lse and
 every gradient to the tolerance rule against the float32 reference. Lengths are awkward: not multiples of
 64, seqlen_q != seqlen_k, rows that see no key, a last key block past the sequence end (the TMA zero-fills
-it), GQA groups of 1 to 4.
+it), GQA groups of 1 to 4; packed sequences of length 0, 1 and either side of a 64-row tile, NaN in the rows past
+the last one and in the keys seqused_k leaves out.
 """
 import pytest
 import torch
 
 import flashtile
 from flashtile.backends.triton import configs
+from flashtile import testing
 from flashtile.testing import assert_results_close, make_qkv, reference_results
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -95,7 +97,39 @@ def test_gluon_dkdv_features(rng, causal, feature):
     check(rng, 2, 900, 1100, 4, 2, causal=causal, **options)
 
 
-@pytest.mark.parametrize("case", ["alibi", "dropout", "varlen", "head-dim-64", "split", "unaligned-dout"])
+# Empty sequences, one row, a tile's width and one either side, and long ones: a key block past a sequence's end
+# holds the next one's keys, a query block its queries.
+LENGTHS_Q = [300, 0, 1, 1000, 63, 64, 65, 1500]
+LENGTHS_K = [300, 7, 130, 1000, 0, 200, 65, 1400]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("nheads, nheads_kv", [(4, 2), (3, 3), (4, 1)], ids=["gqa-2", "mha", "gqa-4"])
+def test_gluon_dkdv_varlen(rng, dtype, causal, nheads, nheads_kv):
+    testing.check_packed(rng, LENGTHS_Q, LENGTHS_K, nheads, nheads_kv, dtype, causal=causal)
+    assert ran(GLUON), flashtile.stats()["kernels"]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gluon_dkdv_varlen_seqused_k(rng, causal):
+    """Keys past seqused_k (NaN, infinite values) get zero gradients; whole key blocks of them see no query."""
+    testing.check_packed(rng, LENGTHS_Q, LENGTHS_K, 4, 2, torch.bfloat16, causal=causal,
+                         seqused_k=[299, 0, 1, 1000, 0, 77, 65, 1337])
+    assert ran(GLUON), flashtile.stats()["kernels"]
+
+
+@pytest.mark.parametrize("options", [dict(window_size=(200, 0)), dict(window_size=(150, 40), softcap=20.0),
+                                     dict(causal=True, softcap=30.0, sink=True)],
+                         ids=["window", "two-sided-softcap", "causal-softcap-sink"])
+def test_gluon_dkdv_varlen_features(rng, options):
+    if options.pop("sink", False):
+        options["sink"] = torch.randn(4, generator=rng).to("cuda").requires_grad_()
+    testing.check_packed(rng, LENGTHS_Q, LENGTHS_K, 4, 2, torch.bfloat16, **options)
+    assert ran(GLUON), flashtile.stats()["kernels"]
+
+
+@pytest.mark.parametrize("case", ["alibi", "dropout", "head-dim-64", "split", "unaligned-dout"])
 def test_other_calls_keep_the_triton_dkdv(rng, monkeypatch, case):
     """What the Gluon kernel does not serve runs bwd.py's dK/dV kernel; a dO the TMA cannot read is recorded."""
     if case == "alibi":
@@ -106,13 +140,6 @@ def test_other_calls_keep_the_triton_dkdv(rng, monkeypatch, case):
     if case == "dropout":
         q, k, v = make_qkv(1, 300, 300, 2, 2, 128, torch.bfloat16, "cuda", requires_grad=True, generator=rng)
         out = flashtile.flash_attn_func(q, k, v, dropout_p=0.1)
-        out.backward(torch.randn_like(out))
-        assert ran(TRITON) and not ran("gluon")
-        return
-    if case == "varlen":
-        q = torch.randn(700, 4, 128, generator=rng).to("cuda", torch.bfloat16).requires_grad_()
-        cu = torch.tensor([0, 300, 700], dtype=torch.int32, device="cuda")
-        out = flashtile.flash_attn_varlen_func(q, q, q, cu, cu, 400, 400, causal=True)
         out.backward(torch.randn_like(out))
         assert ran(TRITON) and not ran("gluon")
         return

@@ -20,9 +20,10 @@ import pytest
 import torch
 
 import flashtile
+from flashtile import testing
 from flashtile.backends import AttnArgs
 from flashtile.backends.triton import configs, launch
-from flashtile.testing import ATOL, assert_close_to_ref, assert_results_close, attention_ref, cu_seqlens_of, make_qkv
+from flashtile.testing import ATOL, assert_close_to_ref, assert_results_close, attention_ref, make_qkv
 from flashtile.testing import reference_results
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -409,38 +410,10 @@ def test_head_dims_256_and_192_features(rng, head_dims, mask, softcap, alibi, si
           **feature_options(rng, 4, softcap, alibi, sink))
 
 
-def check_packed(rng, lengths_q, lengths_k, nheads, nheads_kv, dtype, kernel, head_dims=(128, 128), seqused_k=None,
-                 sink=None, **options):
-    """``check`` for packed sequences: 5 rows past ``cu_seqlens[-1]`` hold NaN (infinite values), and so do
-    the keys ``seqused_k`` leaves out; out and lse are compared on the sequences' rows, the gradients on all
-    (0 past the end)."""
-    cu_q, cu_k = cu_seqlens_of(lengths_q, "cuda"), cu_seqlens_of(lengths_k, "cuda")
-    end_q, end_k = sum(lengths_q), sum(lengths_k)
-    q, k, v = (torch.randn(end + 5, heads, dim, generator=rng).to("cuda", dtype)
-               for end, heads, dim in ((end_q, nheads, head_dims[0]), (end_k, nheads_kv, head_dims[0]),
-                                       (end_k, nheads_kv, head_dims[1])))
-    unused = [slice(end_k, None)]
-    if seqused_k is not None:
-        unused += [slice(start + used, end) for start, used, end in zip(cu_k[:-1].tolist(), seqused_k, cu_k[1:].tolist())]
-        seqused_k = torch.tensor(seqused_k, dtype=torch.int32, device="cuda")
-    q[end_q:] = float("nan")
-    for rows in unused:
-        k[rows], v[rows] = float("nan"), float("inf")
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    dout = torch.randn(end_q + 5, nheads, head_dims[1], generator=rng).to("cuda", dtype)
-    if sink is not None:
-        options["sink"] = sink
-    out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
-                                                   seqused_k=seqused_k, return_attn_probs=True, **options)
+def check_packed(rng, lengths_q, lengths_k, nheads, nheads_kv, dtype, kernel, **options):
+    """testing.check_packed, and ``kernel`` ran the forward."""
+    testing.check_packed(rng, lengths_q, lengths_k, nheads, nheads_kv, dtype, **options)
     assert ran(kernel), flashtile.stats()["kernels"]
-    leaves = (q, k, v) if sink is None else (q, k, v, sink)
-    grads = torch.autograd.grad(out, leaves, dout)
-    ours = {"out": out[:end_q], "lse": lse[:, :end_q], **dict(zip(("dq", "dk", "dv", "dsink"), grads))}
-    refs = [reference_results(q, k, v, dout, hi=hi, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=seqused_k,
-                              **options) for hi in (True, False)]
-    for ref in refs:
-        ref["out"], ref["lse"] = ref["out"][:end_q], ref["lse"][:, :end_q]
-    assert_results_close(ours, *refs, dtype)
 
 
 # Empty sequences, one row, a tile's width and one either side, and long ones.

@@ -121,9 +121,10 @@ _BWD_SHORT_TILE_FEATURES = frozenset({"alibi", "bias", "dropout"})
 # the Triton kernel (it spills here: causal 2 x 8192 2248 -> 3049). The whole backward gains 0-3% in steady
 # state: it runs at the H200's 700 W power cap, the SM clock down from 1980 to 1710-1770 MHz with either kernel
 # (benchmarks/bwd_power.py, results/h200-bwd-power-2026-11-23.json: 3390-3404 against 3397-3400 us a call).
-# Three Q/dO slots would leave one program an SM (131 KB). Packed sequences take it too (since 2026-11-23: the
-# varlen bar's backward had gone from 1.03-1.06x to 1.13-1.14x the padded batch's, which takes it). Not with
-# dropout, a bias, other head dims, or split key blocks (configs.bwd_kv_plan).
+# Three Q/dO slots would leave one program an SM (131 KB). Packed sequences take it too (2026-11-23): on the
+# Triton kernel their backward had fallen to 1.13-1.14x the padded batch's (which runs this one), on it 1.02-1.04x
+# (paired; results/h200-variants-varlen-2026-11-23-gluon-dkdv.json). Not with dropout, a bias, other head dims,
+# or split key blocks (configs.bwd_kv_plan).
 _BWD_DKDV_SM90_GLUON = TileConfig(64, 64, 4, 2, kernel="gluon")
 GLUON_DKDV_FEATURES = frozenset({"window", "softcap", "sink", "varlen"})
 

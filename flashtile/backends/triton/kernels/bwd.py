@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 
 from .common import (LOG2E, dropout_keep, head_base, head_terms, int64, kv_block_range, load_tile, part_range,
-                     program_block, q_block_range, run_bounds, score_scale, scores, sequence, store_tile, tile_ptrs)
+                     program_block, q_block_range, run_bounds, score_scale, scores, sequence, store_tile, stored_keys,
+                     tile_ptrs)
 
 
 @triton.jit
@@ -174,9 +175,7 @@ def bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, softmax_scale, softcap, window_le
     q_start, seqlen_q, k_start, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
                                                     IS_VARLEN, HAS_SEQUSED)
     # Keys this program stores: with seqused_k the sequence's keys past seqused_k get gradient 0.
-    stored_k = seqlen_k
-    if HAS_SEQUSED:
-        stored_k = tl.load(CU_SEQLENS_K + off_b + 1) - k_start
+    stored_k = stored_keys(off_b, k_start, seqlen_k, CU_SEQLENS_K, HAS_SEQUSED)
     # Varlen grids are sized for the longest sequence.
     if start_n * BLOCK_N >= stored_k:
         return

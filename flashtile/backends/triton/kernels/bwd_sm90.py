@@ -30,7 +30,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from .common import q_block_range, scores, sequence, visible
+from .common import q_block_range, scores, sequence, stored_keys, visible
 from .fwd_sm90 import _load, _scale_tile, _tile, _zero_tail
 
 
@@ -88,10 +88,9 @@ def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, LSE2, DELTA, CU_
     # its own (past seqused_k, seqlen_k, they get zero gradients).
     q_start, seqlen_q, k_start, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
                                                     IS_VARLEN, HAS_SEQUSED)
-    key_rows = seqlen_k
+    key_rows = stored_keys(off_b, k_start, seqlen_k, CU_SEQLENS_K, HAS_SEQUSED)
     tma_b = off_b
     if IS_VARLEN:
-        key_rows = gl.load(CU_SEQLENS_K + off_b + 1) - k_start
         # Varlen grids are sized for the longest sequence; packed tensors are one batch row for the TMA.
         if first_key >= key_rows:
             return

@@ -51,6 +51,16 @@ def sequence(off_b, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
 
 
 @triton.jit
+def stored_keys(off_b, k_start, seqlen_k, CU_SEQLENS_K, HAS_SEQUSED: tl.constexpr):
+    """The keys of sequence ``off_b`` whose dK/dV a program stores: ``seqlen_k`` as :func:`sequence` gives it, or
+    with ``seqused_k`` all the sequence's keys (those past the used ones get gradient 0)."""
+    stored = seqlen_k
+    if HAS_SEQUSED:
+        stored = tl.load(CU_SEQLENS_K + off_b + 1) - k_start
+    return stored
+
+
+@triton.jit
 def packed_queries(off_b, seqlen_q, CU_SEQLENS_Q, IS_VARLEN: tl.constexpr):
     """``(q_start, seqlen_q)`` of batch row ``off_b``: with ``IS_VARLEN`` q is packed and the row's queries
     are ``cu_seqlens_q[b]..cu_seqlens_q[b + 1]``, at most ``seqlen_q`` of them (``max_seqlen_q``, the grid's

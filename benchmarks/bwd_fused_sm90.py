@@ -18,22 +18,16 @@ import sys
 import torch
 import triton
 
-from flashtile.backends import AttnArgs
 from flashtile.backends.triton import launch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bwd_fused_dq  # noqa: E402
 from d256_fwd_tiles import time_it  # noqa: E402
 
 
 def make(B, S, H, Hk, causal, softcap, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(B, S, H, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v = (torch.randn(B, S, Hk, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-    do = torch.randn(B, S, H, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-    args = AttnArgs(softmax_scale=128 ** -0.5, causal=causal, window_left=-1, window_right=0 if causal else -1,
-                    softcap=softcap)
-    out, lse = launch.forward(q, k, v, args)
-    return q, k, v, do, out, lse, args
+    """bwd_fused_dq's inputs (bf16, d=128, forward run) for full or causal rows."""
+    return bwd_fused_dq.make(B, S, H, Hk, (-1, 0 if causal else -1), torch.bfloat16, seed=seed, softcap=softcap)
 
 
 def backward(t, fused):

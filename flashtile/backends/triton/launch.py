@@ -497,7 +497,8 @@ def _backward_dkdv_sm90(q, k, v, dout, dk, dv, lse2, delta, args: AttnArgs, cfg,
     _DKDV_SM90((key, fold), (cdiv(seqlen_k, cfg.BLOCK_N), nheads_kv, batch),
                dict(q_desc=_tma_desc(q, cfg.BLOCK_M), k_desc=_tma_desc(k, cfg.BLOCK_N), v_desc=_tma_desc(v, cfg.BLOCK_N),
                     do_desc=_tma_desc(dout, cfg.BLOCK_M), DK=dk, DV=dv, LSE2=lse2, DELTA=delta,
-                    **_sequence_tensors(lse2, args), qk_scale=qk_scale, softcap2=softcap2, softmax_scale=args.softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k),
+                    **_sequence_tensors(lse2, args), qk_scale=qk_scale, softcap2=softcap2,
+                    softmax_scale=args.softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k),
                static, stream=stream)
 
 

@@ -1,7 +1,8 @@
 """Tried and not kept: a one-pass Gluon backward, kernels/bwd_sm90.py given a dQ descriptor. A program of two
 warpgroups owns 128 keys; per 64-query step dS^T goes to shared memory, dQ's share dS K is a wgmma, staged in
 float32 shared memory and added into a float32 buffer by the TMA's bulk reduce (a cast follows). The kernel
-and launcher are a patch on main (measured at 6e110c8; applies since eb70625; ``FLASHTILE_FUSED_BWD=1`` switches it on):
+and launcher are a patch on main (measured at 6e110c8; applies since eb70625; ``FLASHTILE_FUSED_BWD=1``
+switches it on):
 
     git apply benchmarks/results/h200-bwd-fused-sm90-2026-11-23.diff
     FLASHTILE_NO_VENV=1 PYTHONPATH=$PWD python benchmarks/bwd_fused_sm90.py          # A/B against the pair

@@ -156,9 +156,10 @@ def fused(t, cfg, info=None):
         desc = TensorDescriptor.from_tensor(dq_acc, [1, BM, 1, D])
     delta = torch.empty_like(lse)
     lse2 = torch.empty_like(lse)
-    bwd_preprocess[(triton.cdiv(S, 64), H, B)](out, do, lse, delta, lse2, out.stride(0), out.stride(1), out.stride(2),
-                                               do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1), S,
-                                               HEAD_DIM_ACTUAL=D, HEAD_DIM=D, BLOCK_M=64)
+    bwd_preprocess[(triton.cdiv(S, 64), H, B)](out, do, lse, delta, lse2, out, out.stride(0), out.stride(1),
+                                               out.stride(2), do.stride(0), do.stride(1), do.stride(2), 0, 0, 0,
+                                               lse.stride(0), lse.stride(1), S, HEAD_DIM_ACTUAL=D, HEAD_DIM=D,
+                                               BLOCK_M=64, ZERO_DQ=False)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     left, right = args.window_left, args.window_right
     kern = bwd_fused[(S // BN, Hk, B)](q, k, v, do, dk, dv, lse2, delta, desc, dq_acc, args.softmax_scale,

@@ -65,7 +65,7 @@ def explain(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_siz
             q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
             alibi_slopes=alibi_slopes, sink=sink, attn_bias=attn_bias, dropout_p=dropout_p, varlen=varlen,
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k, seqused_k=seqused_k)
+            max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, deterministic=deterministic)
     except (TypeError, ValueError, NotImplementedError) as error:
         return Explanation(None, "", "", {}, None, None, {name: "invalid call" for name in BACKENDS}, str(error))
     result = plan(AttentionCall.of(q, k, v, args))

@@ -74,8 +74,11 @@ def flash_attn_func(
         softcap: ``> 0`` caps the scaled scores: ``s = softcap * tanh(s / softcap)`` (Gemma-2); 0 = off.
         alibi_slopes: float32 ``(nheads,)`` or ``(batch, nheads)``: adds
             ``-slope * |i + seqlen_k - seqlen_q - j|`` to the scores (after the softcap).
-        deterministic: accepted for compatibility; the backward never uses atomics, so
-            gradients are bit-identical run to run either way.
+        deterministic: gradients bit-identical run to run. By default (as in flash-attn) the
+            Hopper backward at head dim 128 may add dQ's partial sums in the order its programs
+            finish, which moves dQ by float32 rounding between runs; ``True`` (or
+            ``torch.use_deterministic_algorithms(True)``) takes a backward whose sums have a fixed
+            order, about 1.1-1.2x slower there. Elsewhere the backward is deterministic either way.
         return_attn_probs: also return ``softmax_lse`` ``(batch, nheads, seqlen_q)`` float32
             (natural log) and ``None`` in place of the probabilities, as flash-attn does.
         attn_bias: a tensor broadcastable to ``(batch, nheads, seqlen_q, seqlen_k)`` (e.g.
@@ -96,7 +99,7 @@ def flash_attn_func(
         ``(out, softmax_lse, None)`` when ``return_attn_probs``.
     """
     options = dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                   softcap=softcap, alibi_slopes=alibi_slopes)
+                   softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
     return _attention(FlashAttnFunc, (q, k, v), (q, k, v), options, sink, attn_bias, return_attn_probs)
 
 
@@ -120,7 +123,7 @@ def flash_attn_qkvpacked_func(
     """
     q, k, v = validation.check_packed("qkv", qkv, 3, "(batch, seqlen, 3, nheads, headdim)")
     options = dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                   softcap=softcap, alibi_slopes=alibi_slopes)
+                   softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
     return _attention(FlashAttnQKVPackedFunc, (qkv,), (q, k, v), options, sink, attn_bias, return_attn_probs)
 
 
@@ -144,7 +147,7 @@ def flash_attn_kvpacked_func(
     """
     k, v = validation.check_packed("kv", kv, 2, "(batch, seqlen_k, 2, nheads_kv, headdim)")
     options = dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                   softcap=softcap, alibi_slopes=alibi_slopes)
+                   softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
     return _attention(FlashAttnKVPackedFunc, (q, kv), (q, k, v), options, sink, attn_bias, return_attn_probs)
 
 
@@ -204,7 +207,8 @@ def flash_attn_varlen_func(
     """
     options = dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                    softcap=softcap, alibi_slopes=alibi_slopes, varlen=True, cu_seqlens_q=cu_seqlens_q,
-                   cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k)
+                   cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k,
+                   deterministic=deterministic)
     return _attention(FlashAttnFunc, (q, k, v), (q, k, v), options, sink, attn_bias, return_attn_probs)
 
 
@@ -232,7 +236,8 @@ def flash_attn_varlen_qkvpacked_func(
     q, k, v = validation.check_packed("qkv", qkv, 3, "(total_tokens, 3, nheads, headdim)", varlen=True)
     options = dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                    softcap=softcap, alibi_slopes=alibi_slopes, varlen=True, cu_seqlens_q=cu_seqlens,
-                   cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, seqused_k=None)
+                   cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, seqused_k=None,
+                   deterministic=deterministic)
     return _attention(FlashAttnQKVPackedFunc, (qkv,), (q, k, v), options, sink, attn_bias, return_attn_probs)
 
 
@@ -263,7 +268,8 @@ def flash_attn_varlen_kvpacked_func(
     k, v = validation.check_packed("kv", kv, 2, "(total_k, 2, nheads_kv, headdim)", varlen=True)
     options = dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                    softcap=softcap, alibi_slopes=alibi_slopes, varlen=True, cu_seqlens_q=cu_seqlens_q,
-                   cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k)
+                   cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k,
+                   deterministic=deterministic)
     return _attention(FlashAttnKVPackedFunc, (q, kv), (q, k, v), options, sink, attn_bias, return_attn_probs)
 
 
@@ -374,7 +380,8 @@ def _signature(function, qkv, options, sink, attn_bias):
     window = options["window_size"]
     if not _plain_window(window):
         return None
-    scalars = (options["dropout_p"], options["softmax_scale"], options["causal"], options["softcap"])
+    scalars = (options["dropout_p"], options["softmax_scale"], options["causal"], options["softcap"],
+               options["deterministic"])
     types = tuple(map(type, scalars))
     q, k, v = qkv
     varlen = options.get("varlen", False)

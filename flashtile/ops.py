@@ -36,7 +36,8 @@ Tensor = torch.Tensor
 
 
 def _args(q, k, sink, attn_bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-          softmax_scale, causal, window_left, window_right, softcap, dropout_p, seed=0, offset=0) -> AttnArgs:
+          softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic, seed=0,
+          offset=0) -> AttnArgs:
     """The AttnArgs of an op call (its arguments were validated by the public function)."""
     nheads = q.shape[-2]
     if cu_seqlens_q is not None:
@@ -49,7 +50,7 @@ def _args(q, k, sink, attn_bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, sequs
         sink=None if sink is None else sink.to(torch.float32).contiguous(),
         attn_bias=None if attn_bias is None else attn_bias.expand(shape),
         dropout_p=dropout_p, seed=seed, offset=offset, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, deterministic=deterministic,
     )
 
 
@@ -57,13 +58,13 @@ def _args(q, k, sink, attn_bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, sequs
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], attn_bias: Optional[Tensor],
                   alibi_slopes: Optional[Tensor], cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
                   seqused_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
-                  causal: bool, window_left: int, window_right: int, softcap: float,
-                  dropout_p: float) -> tuple[Tensor, Tensor, Tensor]:
+                  causal: bool, window_left: int, window_right: int, softcap: float, dropout_p: float,
+                  deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
     """``(out, lse, rng_state)`` of the call; the backend is chosen (and recorded) when it runs.
     ``rng_state`` is int64 ``[seed, offset]`` of the dropout RNG (zeros without dropout)."""
     args = draw_dropout_counters(_args(q, k, sink, attn_bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k,
                                        max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
-                                       softcap, dropout_p))
+                                       softcap, dropout_p, deterministic))
     chosen = dispatch(AttentionCall.of(q, k, v, args))
     with torch.profiler.record_function(chosen.fwd_name):
         out, lse = get_backend(chosen.backend).forward(q, k, v, args)
@@ -72,9 +73,10 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], attn_
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, sink, attn_bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
-                        max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p):
+                        max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p,
+                        deterministic):
     args = _args(q, k, sink, attn_bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
-                 max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p)
+                 max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic)
     check_features(AttentionCall.of(q, k, v, args))
     out = q.new_empty(q.shape[:-1] + v.shape[-1:])
     if args.varlen:
@@ -89,13 +91,14 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
                   sink: Optional[Tensor], attn_bias: Optional[Tensor], alibi_slopes: Optional[Tensor],
                   cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], seqused_k: Optional[Tensor],
                   max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
-                  window_right: int, softcap: float, dropout_p: float, need_dsink: bool,
+                  window_right: int, softcap: float, dropout_p: float, deterministic: bool, need_dsink: bool,
                   need_dbias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(dq, dk, dv, dsink, dbias)`` on the backend the forward's dispatch rules pick for the same
     call; ``dsink`` / ``dbias`` are float32, and empty unless asked for."""
     seed, offset = rng_state.tolist()
     args = _args(q, k, sink, attn_bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
-                 max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p, seed, offset)
+                 max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic, seed,
+                 offset)
     chosen = plan(AttentionCall.of(q, k, v, args))
     record_kernel(chosen.bwd_name)
     dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
@@ -111,7 +114,7 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
 @attention_bwd.register_fake
 def _attention_bwd_fake(dout, q, k, v, out, lse, rng_state, sink, attn_bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                         seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
-                        softcap, dropout_p, need_dsink, need_dbias):
+                        softcap, dropout_p, deterministic, need_dsink, need_dbias):
     dsink = q.new_empty((q.shape[-2] if need_dsink else 0,), dtype=torch.float32)
     if need_dbias:
         dbias = q.new_empty((q.shape[0], q.shape[2], q.shape[1], k.shape[1]), dtype=torch.float32)
@@ -152,7 +155,7 @@ def attention(q, k, v, args: AttnArgs, sink=None, attn_bias=None):
     out, lse, _ = attention_fwd(
         q, k, v, sink, attn_bias, args.alibi_slopes, args.cu_seqlens_q, args.cu_seqlens_k, args.seqused_k,
         args.max_seqlen_q, args.max_seqlen_k, args.softmax_scale, args.causal, args.window_left, args.window_right,
-        args.softcap, args.dropout_p)
+        args.softcap, args.dropout_p, args.deterministic)
     return out, lse
 
 

@@ -298,7 +298,7 @@ def _check_varlen_values(q, k, cu_q, cu_k, max_q, max_k, seqused_k) -> None:
 
 def attn_args(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
               sink=None, attn_bias=None, dropout_p=0.0, varlen=False, cu_seqlens_q=None, cu_seqlens_k=None,
-              max_seqlen_q=None, max_seqlen_k=None, seqused_k=None) -> AttnArgs:
+              max_seqlen_q=None, max_seqlen_k=None, seqused_k=None, deterministic=False) -> AttnArgs:
     """Validate every argument of a call but q, k and v (checked by :func:`check_qkv` first) and
     return the normalised :class:`AttnArgs` (dropout counters not drawn yet: seed = offset = 0).
 
@@ -333,7 +333,7 @@ def attn_args(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
         alibi_slopes=None if alibi_slopes is None else check_alibi_slopes(alibi_slopes, batch, nheads, q.device),
         sink=None if sink is None else check_sink(sink, nheads, q.device),
         attn_bias=None if attn_bias is None else check_attn_bias(attn_bias, (batch, nheads, seqlen_q, seqlen_k), q.device),
-        dropout_p=dropout_p, **varlen_args,
+        dropout_p=dropout_p, deterministic=bool(deterministic), **varlen_args,
     )
 
 

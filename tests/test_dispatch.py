@@ -472,3 +472,53 @@ def test_profiler_trace_names_the_kernels_that_ran(rng, backend):
     names = {event.name for event in trace.events()}
     assert report.kernel in names and report.backward_kernel in names
     assert f"flashtile.fwd[{backend} d=64 causal" in report.kernel
+
+
+@pytest.mark.parametrize("case, one_pass", [
+    ("plain", True), ("causal", True), ("window", True), ("softcap", True), ("sink", True), ("gqa-4", True),
+    ("deterministic", False), ("few-ctas", False), ("alibi", False), ("dropout", False), ("fp32", False),
+    ("head-dim-64", False), ("varlen", False), ("ampere", False),
+])
+def test_one_pass_backward_where_it_serves(monkeypatch, case, one_pass):
+    """The one-pass Hopper backward takes dense 16-bit calls at head dim 128 (windows, softcap, sinks) whose
+    128-key CTAs fill the SMs, unless deterministic; the rest keep the dK/dV + dQ pair."""
+    from dataclasses import replace
+
+    from flashtile.backends import AttentionCall
+    from flashtile.backends import triton as triton_backend
+    from flashtile.backends.triton import configs
+    monkeypatch.setattr(configs, "capability", lambda device: (8, 0) if case == "ampere" else (9, 0))
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)
+    cuda = torch.device("cuda", 0)
+    features = {"window": ("window",), "softcap": ("softcap",), "sink": ("sink",), "alibi": ("alibi",),
+                "dropout": ("dropout",), "varlen": ("varlen",)}.get(case, ())
+    call = AttentionCall(cuda, torch.float32 if case == "fp32" else torch.bfloat16, 1 if case == "few-ctas" else 4,
+                         4096, 4096, 16, 4 if case == "gqa-4" else 16, 64 if case == "head-dim-64" else 128,
+                         case != "plain", tuple((name, f"{name}: test") for name in features),
+                         window=(1024, 0) if case == "window" else (-1, -1 if case == "plain" else 0),
+                         softcap=30.0 if case == "softcap" else 0.0)
+    if case == "deterministic":
+        call = replace(call, deterministic=True)
+    if case == "few-ctas":
+        call = replace(call, nheads=4, nheads_kv=4)  # 32 key blocks x 4 heads: 128 CTAs for 132 SMs
+    _, bwd_name, config = triton_backend.describe(call)
+    assert ("one-pass" in bwd_name) == one_pass, bwd_name
+    assert ("bwd_one_pass" in config) == one_pass, config
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_deterministic_reaches_the_backward(rng, monkeypatch, deterministic):
+    """``deterministic`` travels with the call's arguments to the backend's backward."""
+    from flashtile.dispatch import get_backend
+    module = get_backend(flashtile.explain(*inputs(rng), causal=True).backend)
+    seen = []
+    original = module.backward
+
+    def spy(dout, q, k, v, out, lse, args, *rest, **kwargs):
+        seen.append(args.deterministic)
+        return original(dout, q, k, v, out, lse, args, *rest, **kwargs)
+
+    monkeypatch.setattr(module, "backward", spy)
+    q, k, v = inputs(rng, requires_grad=True)
+    flashtile.flash_attn_func(q, k, v, causal=True, deterministic=deterministic).sum().backward()
+    assert seen == [deterministic]

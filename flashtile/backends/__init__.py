@@ -27,8 +27,11 @@ A backend is two modules: a light one that can always be imported (``supports``,
     views of one packed tensor). dK/dV of a KV head sum over its query-head group. ``dsink``
     is None or a ``(nheads,)`` tensor to fill (summed in float32, stored in its dtype); ``dbias`` is
     None or a contiguous float32 ``(batch, nheads, seqlen_q, seqlen_k)`` tensor to fill with
-    dL/d(score) (the autograd layer sums it down to the bias's broadcast shape). Every backend is
-    deterministic: no atomics.
+    dL/d(score) (the autograd layer sums it down to the bias's broadcast shape). With
+    ``args.deterministic`` (or ``torch.use_deterministic_algorithms(True)``) the gradients are
+    bit-identical run to run; without, a backend may add partial sums in the order its programs finish
+    (the Triton backend's one-pass Hopper kernel adds dQ that way; dK, dV and every other kernel's
+    gradients are identical run to run either way).
 
 KV-cache attention (``flashtile.flash_attn_with_kvcache``), for backends whose FEATURES hold
 ``"kvcache"`` (and ``"paged"`` for block tables); ``args`` is a :class:`KVCacheArgs`:
@@ -110,6 +113,8 @@ class AttnArgs:
     max_seqlen_k: int = 0
     # int32 (batch,): sequence b uses only its first seqused_k[b] keys.
     seqused_k: Optional[torch.Tensor] = None
+    # Gradients bit-identical run to run: no kernel whose float sums depend on the order its programs finish.
+    deterministic: bool = False
 
     @property
     def varlen(self) -> bool:
@@ -189,6 +194,8 @@ class AttentionCall:
     window: tuple = (-1, -1)
     # AttnArgs.softcap (0: none); its value decides how the Hopper forward runs the softmax.
     softcap: float = 0.0
+    # AttnArgs.deterministic: whether the backward must add its sums in a fixed order.
+    deterministic: bool = False
 
     def __post_init__(self):
         if self.headdim_v is None:
@@ -225,7 +232,7 @@ class AttentionCall:
         page_size = args.page_size if isinstance(args, KVCacheArgs) and args.paged else 0
         return cls(q.device, q.dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, bool(args.causal),
                    _features(args, headdim, headdim_v), headdim_v, page_size,
-                   (args.window_left, args.window_right), args.softcap)
+                   (args.window_left, args.window_right), args.softcap, bool(args.deterministic))
 
 
 def _shape(t: torch.Tensor) -> str:

@@ -9,9 +9,9 @@ import torch
 
 from ... import env
 from .. import AttentionCall, missing_features
-from .configs import (MAX_GRID_Y, capability, bwd_config, bwd_plan, decode_plan,
-                      dense_takes_decode, fwd_config, gluon_dkdv_config, gluon_fwd_config, gluon_kv_config, row_keys,
-                      with_gluon_dkdv)
+from .configs import (MAX_GRID_Y, ONE_PASS_KEYS, capability, bwd_config, bwd_plan, decode_plan,
+                      dense_takes_decode, deterministic, fwd_config, gluon_dkdv_config, gluon_fwd_config,
+                      gluon_kv_config, one_pass_bwd, row_keys, with_gluon_dkdv)
 
 FEATURES = frozenset({"dropout", "window", "softcap", "alibi", "sink", "bias", "varlen", "headdim_v", "kvcache",
                       "paged", "merge"})
@@ -101,6 +101,10 @@ def describe(call: AttentionCall):
     bwd_name = (f"flashtile.bwd[triton d={call.headdim} {mask}{extras} dkdv={dkdv}BM{bwd.dkdv.BLOCK_M}"
                 f"xBN{bwd.dkdv.BLOCK_N}{split} dq=BM{bwd.dq.BLOCK_M}xBN{bwd.dq.BLOCK_N}{'+stream' if alongside else ''}]")
     bwd_tiles = {"bwd_dkdv": {**vars(bwd.dkdv), "parts": parts}, "bwd_dq": {**vars(bwd.dq), "alongside": alongside}}
+    if one_pass_bwd(bwd.dkdv.kernel, call.varlen, parts, call.batch, call.nheads_kv, call.seqlen_k, call.device,
+                    deterministic(call.deterministic)):
+        bwd_name = f"flashtile.bwd[gluon-sm90-ws d={call.headdim} {mask}{extras} one-pass BM64xBN{ONE_PASS_KEYS}]"
+        bwd_tiles = {"bwd_one_pass": {"BLOCK_M": 64, "BLOCK_N": ONE_PASS_KEYS, "kernel": "gluon-ws"}}
     if dense_takes_decode(call.batch, call.seqlen_q, call.seqlen_k, call.nheads, call.nheads_kv, call.feature_names,
                           call.dtype, call.device):
         # Few query rows per KV head (a decode step): the KV-cache kernel over a full cache of seqlen_k keys.

@@ -651,6 +651,27 @@ _INTERPRET_MIN_KEYS_PER_SPLIT = 32
 _INTERPRET_MIN_ROWS_PER_SPLIT = 64
 
 
+# The one-pass Hopper backward (kernels/bwd_sm90_ws.py): CTAs of 128 keys that compute P and dS once for dK, dV
+# and dQ, adding dQ into float32 with the TMA's reduce (in whatever order the CTAs get there). It serves what
+# the Gluon dK/dV kernel serves unsplit, on dense batches, once its CTAs fill the SMs: bf16 d=128 on the H200,
+# 0.81-0.93x the time of the dK/dV + dQ pair, softcap 0.91-0.99x (benchmarks/bwd_ws.py, BENCHMARKS.md).
+ONE_PASS_KEYS = 128
+
+
+def deterministic(asked: bool) -> bool:
+    """Whether a backward must add its sums in a fixed order: the call asked (``deterministic=True``), or
+    torch does (``torch.use_deterministic_algorithms(True)``)."""
+    return asked or torch.are_deterministic_algorithms_enabled()
+
+
+def one_pass_bwd(dkdv_kernel: str, varlen: bool, parts: int, batch: int, nheads_kv: int, seqlen_k: int,
+                 device: torch.device, deterministic: bool) -> bool:
+    """Whether a backward takes the one-pass kernel: ``dkdv_kernel``/``parts`` as :func:`with_gluon_dkdv` gives
+    them, ``deterministic`` whether the call's gradients must be bit-identical run to run."""
+    return (dkdv_kernel == "gluon" and not varlen and parts == 1 and not deterministic
+            and -(-seqlen_k // ONE_PASS_KEYS) * nheads_kv * batch >= sm_count(device))
+
+
 @functools.lru_cache(maxsize=None)
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of the GPU (asked once per device); a fixed small count on CPU."""

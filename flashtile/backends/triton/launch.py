@@ -26,6 +26,7 @@ from .host import (bsh_strides, cdiv, fast_tanh, fold_scale, fork, input_precisi
                    unit_stride)
 from .kernels.bwd import bwd_dkdv, bwd_dq, bwd_preprocess, bwd_sink_grad, bwd_sum_parts
 from .kernels.bwd_sm90 import attn_bwd_dkdv_sm90
+from .kernels.bwd_sm90_ws import attn_bwd_sm90_ws
 from .kernels.common import LOG2E as _LOG2E
 from .kernels.fwd import attn_fwd
 from .kernels.fwd_sm90 import attn_fwd_sm90
@@ -131,7 +132,7 @@ _VARIANT_DYNAMIC = ("softcap", "seed", "offset", "dropout_scale", "ALIBI_SLOPES"
 # batches of other lengths, then reuse one launch (fastlaunch.py keys them by Triton's specialization).
 _FWD_LENGTHS = ("seqlen_q", "seqlen_k", "stride_lse_b", "stride_lse_h") + sum(map(_stride_names, "qkvo"), ())
 _FWD = CachedLaunch(attn_fwd, ("Q", "K", "V", "O", "LSE", "SINK") + _VARIANT_DYNAMIC + _FWD_LENGTHS)
-_PREPROCESS = CachedLaunch(bwd_preprocess, ("O", "DO", "LSE", "DELTA", "LSE2"))
+_PREPROCESS = CachedLaunch(bwd_preprocess, ("O", "DO", "LSE", "DELTA", "LSE2", "DQ_ACC"))
 # The backward takes the (longest) lengths per call as well: packed batches of other lengths reuse its launches.
 _BWD_LENGTHS = ("seqlen_q", "seqlen_k")
 _DKDV = CachedLaunch(bwd_dkdv, ("Q", "K", "V", "DO", "DK", "DV", "LSE2", "DELTA") + _VARIANT_DYNAMIC + _BWD_LENGTHS)
@@ -411,6 +412,12 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
     cfg, splits, alongside = with_gluon_dkdv(cfg, gluon, lambda block_n: bwd_plan(
         batch, nheads, nheads_kv, seqlen_q, seqlen_k, (args.window_left, args.window_right), block_n, q.device))
     splits = kv_splits or splits
+    # Dense calls the Gluon dK/dV kernel serves unsplit take the one-pass kernel instead when it fills the GPU
+    # and the call allows dQ's reduce order to vary.
+    one_pass = configs.one_pass_bwd(cfg.dkdv.kernel, varlen, splits, batch, nheads_kv, seqlen_k, q.device,
+                                    configs.deterministic(args.deterministic))
+    # Its dQ is added up in float32 (zeroed by the preprocess), then cast into dq.
+    dq_acc = empty(q.shape, torch.float32, q.device) if one_pass else None
     # Split key blocks store float32 partial sums: one partial head per (KV head, part).
     dk_part, dv_part = dk_out, dv_out
     if splits > 1:
@@ -433,32 +440,20 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
     with on_device(q):
         # Varlen: the preprocess walks all packed tokens as one sequence of a batch of 1.
         rows = q.shape[0] if varlen else seqlen_q
-        _PREPROCESS(key, (cdiv(rows, _PREPROCESS_BLOCK_M), nheads, 1 if varlen else batch),
-                    dict(O=out, DO=dout, LSE=lse, DELTA=delta, LSE2=lse2),
-                    lambda: dict(**_strides(varlen, o=out, do=dout),
+        _PREPROCESS((key, one_pass), (cdiv(rows, _PREPROCESS_BLOCK_M), nheads, 1 if varlen else batch),
+                    dict(O=out, DO=dout, LSE=lse, DELTA=delta, LSE2=lse2, DQ_ACC=out if dq_acc is None else dq_acc),
+                    lambda: dict(**_strides(varlen, o=out, do=dout, dq=out if dq_acc is None else dq_acc),
                                  stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h, seqlen_q=rows,
                                  HEAD_DIM_ACTUAL=head_dim_v, HEAD_DIM=padded_head_dim(head_dim_v),
-                                 BLOCK_M=_PREPROCESS_BLOCK_M))
+                                 BLOCK_M=_PREPROCESS_BLOCK_M, ZERO_DQ=one_pass))
         if dsink is not None:
             _sink_grad(args.sink, lse, delta, dsink, varlen)
-        # An under-filled GPU runs the dK/dV and dQ kernels side by side.
-        with fork(q, alongside) as side:
-            if cfg.dkdv.kernel == "gluon":
-                _backward_dkdv_sm90(q, k, v, dout, dk_out, dv_out, lse2, delta, args, cfg.dkdv, features, key, side)
-            else:
-                _DKDV(key, (cdiv(seqlen_k, cfg.dkdv.BLOCK_N), nheads_kv * splits, batch),
-                      dict(DK=dk_part, DV=dv_part, **tensors),
-                      lambda: dict(**shared(), **_strides(varlen, dk=dk_part, dv=dv_part), split=splits,
-                                   BLOCK_M=cfg.dkdv.BLOCK_M, BLOCK_N=cfg.dkdv.BLOCK_N,
-                                   EVEN_M=not varlen and seqlen_q % cfg.dkdv.BLOCK_M == 0,
-                                   num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages),
-                      stream=side)
-            _DQ(key, (cdiv(seqlen_q, cfg.dq.BLOCK_M), nheads, batch),
-                dict(DQ=dq_out, DBIAS=dbias if dbias is not None else q, **tensors),
-                lambda: dict(**shared(), **_strides(varlen, dq=dq_out), BLOCK_M=cfg.dq.BLOCK_M,
-                             BLOCK_N=cfg.dq.BLOCK_N, WRITE_DBIAS=dbias is not None,
-                             EVEN_M=not varlen and seqlen_q % cfg.dq.BLOCK_M == 0,
-                             num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages))
+        if one_pass:
+            _backward_sm90_ws(q, k, v, dout, dq_acc, dk_out, dv_out, lse2, delta, args, key)
+            _sum_parts(dq_acc, dq_out, 1, False)
+        else:
+            _backward_pair(cfg, key, tensors, shared, (batch, seqlen_q, seqlen_k, nheads, nheads_kv), splits, alongside,
+                           q, k, v, dout, dq_out, dk_out, dv_out, dk_part, dv_part, lse2, delta, args, features, dbias)
         if splits > 1:
             # The parts of each KV head, added in a fixed order (run-to-run identical) and cast on the way.
             for part, grad in ((dk_part, dk_out), (dv_part, dv_out)):
@@ -467,6 +462,31 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
         if given is not written:
             replay.not_replayable("a gradient is copied back")
             given.copy_(written)
+
+
+def _backward_pair(cfg, key, tensors: dict, shared, shape: tuple, splits: int, alongside: bool, q, k, v, dout, dq, dk,
+                   dv, dk_part, dv_part, lse2, delta, args: AttnArgs, features: frozenset, dbias):
+    """The two-kernel backward: dK/dV (the Gluon kernel, or bwd.py's into ``dk_part``/``dv_part`` with ``splits``
+    parts a key block) and bwd.py's dQ kernel; side by side on an under-filled GPU (``alongside``)."""
+    batch, seqlen_q, seqlen_k, nheads, nheads_kv = shape
+    varlen = args.varlen
+    with fork(q, alongside) as side:
+        if cfg.dkdv.kernel == "gluon":
+            _backward_dkdv_sm90(q, k, v, dout, dk, dv, lse2, delta, args, cfg.dkdv, features, key, side)
+        else:
+            _DKDV(key, (cdiv(seqlen_k, cfg.dkdv.BLOCK_N), nheads_kv * splits, batch),
+                  dict(DK=dk_part, DV=dv_part, **tensors),
+                  lambda: dict(**shared(), **_strides(varlen, dk=dk_part, dv=dv_part), split=splits,
+                               BLOCK_M=cfg.dkdv.BLOCK_M, BLOCK_N=cfg.dkdv.BLOCK_N,
+                               EVEN_M=not varlen and seqlen_q % cfg.dkdv.BLOCK_M == 0,
+                               num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages),
+                  stream=side)
+        _DQ(key, (cdiv(seqlen_q, cfg.dq.BLOCK_M), nheads, batch),
+            dict(DQ=dq, DBIAS=dbias if dbias is not None else q, **tensors),
+            lambda: dict(**shared(), **_strides(varlen, dq=dq), BLOCK_M=cfg.dq.BLOCK_M,
+                         BLOCK_N=cfg.dq.BLOCK_N, WRITE_DBIAS=dbias is not None,
+                         EVEN_M=not varlen and seqlen_q % cfg.dq.BLOCK_M == 0,
+                         num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages))
 
 
 _DKDV_SM90 = CachedLaunch(attn_bwd_dkdv_sm90, ("q_desc", "k_desc", "v_desc", "do_desc", "DK", "DV", "LSE2", "DELTA",
@@ -500,6 +520,43 @@ def _backward_dkdv_sm90(q, k, v, dout, dk, dv, lse2, delta, args: AttnArgs, cfg,
                     **_sequence_tensors(lse2, args), qk_scale=qk_scale, softcap2=softcap2,
                     softmax_scale=args.softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k),
                static, stream=stream)
+
+
+_BWD_WS = CachedLaunch(attn_bwd_sm90_ws, ("q_desc", "k_desc", "v_desc", "do_desc", "dq_desc", "DK", "DV", "LSE2",
+                                          "DELTA", "qk_scale", "softcap2", "softmax_scale"))
+# The one-pass backward's consumer warpgroups after ``setmaxnreg`` (240 each, the producer and reducer warps' group
+# 24: the SM's 64K registers), and the cap the kernel is compiled under (12 warps at 168).
+_BWD_WS_CONSUMER_REGS = 240
+_BWD_WS_MAXNREG = 168
+
+
+@functools.lru_cache(maxsize=None)
+def _dq_acc_layout():
+    return gl.NVMMASharedLayout.get_default_for([1, 64, 1, 64], gl.float32)
+
+
+def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs, key):
+    """Launch the one-pass Hopper backward (kernels/bwd_sm90_ws.py) on dense ``(batch, seqlen, heads, 128)``
+    inputs: dK and dV into ``dk``/``dv``, dQ (scaled) added into the zeroed float32 ``dq_acc``."""
+    batch, seqlen_q, seqlen_k, nheads, nheads_kv, _, _ = _shape(q, k, v, args)
+    # Softcap's scale stays a multiply an element: folded into K (as the dK/dV kernel does) it would round
+    # the K that dQ's product reads.
+    qk_scale, softcap2 = ((args.softmax_scale / args.softcap, args.softcap * LOG2E) if args.softcap > 0
+                          else (args.softmax_scale * LOG2E, 0.0))
+
+    def static():
+        stride_lse_b, stride_lse_h = lse_strides(lse2, False)
+        return dict(window_left=args.window_left, window_right=args.window_right, **_strides(False, dk=dk, dv=dv),
+                    stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                    group=nheads // nheads_kv, MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0,
+                    SOFTCAP=args.softcap > 0, FAST_TANH=fast_tanh(q), STAGES=2,
+                    CONSUMER_REGS=_BWD_WS_CONSUMER_REGS, num_warps=4, maxnreg=_BWD_WS_MAXNREG)
+
+    dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [1, 64, 1, 64], _dq_acc_layout())
+    _BWD_WS(key, (cdiv(seqlen_k, 2 * 64), nheads_kv, batch),
+            dict(q_desc=_tma_desc(q, 64), k_desc=_tma_desc(k, 64), v_desc=_tma_desc(v, 64), do_desc=_tma_desc(dout, 64),
+                 dq_desc=dq_desc, DK=dk, DV=dv, LSE2=lse2, DELTA=delta, qk_scale=qk_scale, softcap2=softcap2,
+                 softmax_scale=args.softmax_scale), static)
 
 
 _SUM_BLOCK_M = 64

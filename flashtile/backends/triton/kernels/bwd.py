@@ -23,12 +23,15 @@ from .common import (LOG2E, dropout_keep, head_base, head_terms, int64, kv_block
 
 
 @triton.jit
-def bwd_preprocess(O, DO, LSE, DELTA, LSE2,
+def bwd_preprocess(O, DO, LSE, DELTA, LSE2, DQ_ACC,
                    stride_ob, stride_om, stride_oh,
                    stride_dob, stride_dom, stride_doh,
+                   stride_dqb, stride_dqm, stride_dqh,
                    stride_lse_b, stride_lse_h, seqlen_q,
-                   HEAD_DIM_ACTUAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Runs over the rows of (batch, seqlen_q) or, for varlen, of all packed tokens (batch 1)."""
+                   HEAD_DIM_ACTUAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                   ZERO_DQ: tl.constexpr):
+    """Runs over the rows of (batch, seqlen_q) or, for varlen, of all packed tokens (batch 1). With
+    ``ZERO_DQ`` it also zeroes these rows of the one-pass backward's float32 dQ buffer ``DQ_ACC``."""
     # Offsets of long sequences can pass 2**31 elements: do the index math in int64.
     stride_ob, stride_om, stride_oh = int64(stride_ob, stride_om, stride_oh)
     stride_dob, stride_dom, stride_doh = int64(stride_dob, stride_dom, stride_doh)
@@ -46,6 +49,11 @@ def bwd_preprocess(O, DO, LSE, DELTA, LSE2,
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
     tl.store(DELTA + row, delta, mask=offs_m < seqlen_q)
     tl.store(LSE2 + row, lse2, mask=offs_m < seqlen_q)
+    if ZERO_DQ:
+        stride_dqb, stride_dqm, stride_dqh = int64(stride_dqb, stride_dqm, stride_dqh)
+        store_tile(tile_ptrs(head_base(DQ_ACC, off_b, off_h, 0, stride_dqb, stride_dqm, stride_dqh), offs_m, stride_dqm,
+                             offs_d), tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32), offs_m, seqlen_q, offs_d,
+                   HEAD_DIM_ACTUAL)
 
 
 @triton.jit

@@ -1,0 +1,113 @@
+"""The one-pass warp-specialized backward (kernels/bwd_sm90_ws.py) against the pair (Gluon dK/dV + Triton dQ):
+gradient differences on awkward shapes, then whole-backward times (preprocess, zeroing and cast included),
+bf16, d=128, median of alternating rounds.
+
+    FLASHTILE_NO_VENV=1 PYTHONPATH=$PWD python benchmarks/bwd_ws.py [check] [time] [ROUNDS=3]
+
+The pair is what ``deterministic=True`` runs. Results: BENCHMARKS.md, results/h200-bwd-one-pass-*.json.
+"""
+import json
+import os
+import sys
+from dataclasses import replace
+
+import torch
+import triton
+
+from flashtile.backends.triton import launch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bwd_fused_dq  # noqa: E402
+from d256_fwd_tiles import time_it  # noqa: E402
+
+
+def make(B, S, H, Hk, window, softcap, seed=0, dtype=torch.bfloat16):
+    return bwd_fused_dq.make(B, S, H, Hk, window, dtype, seed=seed, softcap=softcap)
+
+
+def backward(t, one_pass):
+    """The whole backward as the launcher runs it: the one-pass kernel, or (``deterministic``) the pair."""
+    q, k, v, do, out, lse, args = t
+    grads = tuple(torch.full_like(x, float("nan")) for x in (q, k, v))
+    launch.backward(do, q, k, v, out, lse, replace(args, deterministic=not one_pass), *grads)
+    return grads
+
+
+def reference(t):
+    """float32 attention's gradients on upcast inputs (small shapes only)."""
+    q, k, v, do, out, lse, args = t
+    qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
+    B, S, H, D = q.shape
+    g = H // k.shape[2]
+    kr, vr = (x.repeat_interleave(g, dim=2) for x in (kf, vf))
+    s = torch.einsum("bqhd,bkhd->bhqk", qf, kr) * args.softmax_scale
+    if args.softcap > 0:
+        s = args.softcap * torch.tanh(s / args.softcap)
+    i = torch.arange(S, device=q.device)[:, None]
+    j = torch.arange(S, device=q.device)[None, :]
+    keep = torch.ones(S, S, dtype=torch.bool, device=q.device)
+    if args.window_right >= 0:
+        keep &= j <= i + args.window_right
+    if args.window_left >= 0:
+        keep &= j >= i - args.window_left
+    s = s.masked_fill(~keep, float("-inf"))
+    o = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), vr)
+    o.backward(do.float())
+    return qf.grad, kf.grad, vf.grad
+
+
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+if __name__ == "__main__":
+    res = dict(torch=torch.__version__, triton=triton.__version__, device=torch.cuda.get_device_name(),
+               commit=os.environ.get("FLASHTILE_GIT_COMMIT", ""), check=[], time=[])
+    modes = [a for a in sys.argv[1:] if "=" not in a] or ["check", "time"]
+    rounds = int(dict(a.split("=") for a in sys.argv[1:] if "=" in a).get("ROUNDS", 3))
+    ok = True
+    if "check" in modes:
+        for shape in [(2, 1000, 4, 4), (1, 1037, 4, 2), (2, 384, 8, 2), (1, 77, 2, 1), (1, 2048, 4, 4)]:
+            for window in ((-1, -1), (-1, 0), (200, 0), (100, 37)):
+                for cap in (0.0, 30.0):
+                    t = make(*shape, window, cap, seed=1)
+                    ref = reference(t) if shape[1] <= 1100 else None
+                    pair, one = backward(t, False), backward(t, True)
+                    d_pair = [rel(a, b) for a, b in zip(one, pair)]
+                    row = dict(shape=shape, window=window, softcap=cap, one_vs_pair=d_pair)
+                    if ref is not None:
+                        row["one_vs_ref"] = [rel(a, r) for a, r in zip(one, ref)]
+                        row["pair_vs_ref"] = [rel(a, r) for a, r in zip(pair, ref)]
+                        bad = any(not (e <= 2 * p + 1e-3) for e, p in zip(row["one_vs_ref"], row["pair_vs_ref"]))
+                    else:
+                        bad = any(not (e <= 2e-2) for e in d_pair)
+                    bad = bad or any(torch.isnan(x).any().item() for x in one)
+                    ok &= not bad
+                    row["ok"] = not bad
+                    res["check"].append(row)
+                    print("check", shape, window, cap, "one/pair", ["%.1e" % e for e in d_pair],
+                          "one/ref", ["%.1e" % e for e in row.get("one_vs_ref", [])],
+                          "pair/ref", ["%.1e" % e for e in row.get("pair_vs_ref", [])], "BAD" if bad else "", flush=True)
+        print("checks", "pass" if ok else "FAIL", flush=True)
+    if "time" in modes:
+        variants = [("pair", False, 0.0), ("pair_sc", False, 50.0), ("one", True, 0.0), ("one_sc", True, 50.0)]
+        shapes = [(shape, window) for shape in [(4, 4096, 16, 16), (2, 8192, 16, 16), (4, 4096, 32, 8),
+                                                (8, 2048, 16, 16)] for window in ((-1, -1), (-1, 0))]
+        shapes += [((1, 16384, 16, 16), (-1, 0)), ((1, 16384, 16, 16), (1024, 0))]
+        for shape, window in shapes:
+            inputs = {c: make(*shape, window, c) for c in (0.0, 50.0)}
+            times = {v[0]: [] for v in variants}
+            for _ in range(rounds):
+                for name, o, c in variants:
+                    times[name].append(time_it(lambda: backward(inputs[c], o), n=5, calls=10))
+            med = {key: sorted(ts)[rounds // 2] for key, ts in times.items()}
+            B, S, H, _ = shape
+            # Visible pairs: all, half (causal), or about a window's width a row.
+            keys = S if window[0] < 0 else window[0] + 1
+            flops = 2.5 * 4 * B * H * S * keys * 128 / (2 if window == (-1, 0) else 1)
+            row = dict(shape=shape, window=window, ms=med, tflops={k: flops / v / 1e9 for k, v in med.items()})
+            res["time"].append(row)
+            print("time", shape, window, "  ".join(
+                f"{k}={v:.3f}({row['tflops'][k]:.0f}, x{v / med['pair']:.2f})" for k, v in med.items()),
+                "| sc/one %.2f" % (med["one_sc"] / med["one"]), flush=True)
+    json.dump(res, open(os.path.join(os.environ.get("OUT", "/tmp"), "bwd_ws.json"), "w"), indent=1)

@@ -1,0 +1,71 @@
+"""Compile a Gluon kernel for sm_90 on a machine without a GPU and report what ptxas made of it: registers,
+spills, shared memory and the main loop's SASS instruction count. Uses the ptxas and cuobjdump that Triton's
+wheel ships, so kernels can be checked for register pressure before a GPU run.
+
+    python benchmarks/sm90_compile.py [dkdv|fused] [causal] [softcap]
+"""
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+
+from flashtile.backends.triton import launch
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def compile_gluon(fn, args: dict, constexprs: dict, **options):
+    """``fn`` compiled for sm_90 with runtime ``args`` (their types taken as Triton's JIT would) and
+    ``constexprs``; returns the compiled kernel."""
+    signature = {name: mangle_type(value) for name, value in args.items()}
+    signature.update({name: "constexpr" for name in constexprs})
+    src = GluonASTSource(fn, signature, constexprs={(list(fn.arg_names).index(k), ): v
+                                                     for k, v in constexprs.items()})
+    return triton.compile(src, target=TARGET, options=options)
+
+
+def report(kernel, name: str) -> dict:
+    """Registers, spills and shared memory of ``kernel`` (from ptxas) and the SASS instruction count."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        open(path, "wb").write(kernel.asm["cubin"])
+        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+        sass = subprocess.run([os.path.join(ptxas, "cuobjdump"), "--dump-sass", path], capture_output=True,
+                              text=True).stdout
+        usage = subprocess.run([os.path.join(ptxas, "cuobjdump"), "--dump-resource-usage", path],
+                               capture_output=True, text=True).stdout
+    meta = kernel.metadata
+    ptx = kernel.asm["ptx"]
+    insts = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
+    spill_st = sum("STL" in line for line in insts)
+    spill_ld = sum("LDL" in line for line in insts)
+    regs = re.search(r"REG:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)
+    out = dict(name=name, registers=int(regs.group(1)) if regs else None,
+               stack=int(stack.group(1)) if stack else None, shared=meta.shared, instructions=len(insts), stl=spill_st, ldl=spill_ld,
+               hgmma=sum("HGMMA" in line for line in insts), ptx_lines=ptx.count("\n"))
+    print(out)
+    return out
+
+
+def _setmaxnreg(kernel):
+    return re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32 (\d+)", kernel.asm["ptx"])
+
+
+if __name__ == "__main__":
+    which = sys.argv[1] if len(sys.argv) > 1 else "dkdv"
+    causal = "causal" in sys.argv
+    softcap = "softcap" in sys.argv
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from sm90_cases import case  # noqa: E402
+    fn, args, constexprs, options = case(which, causal, softcap)
+    k = compile_gluon(fn, args, constexprs, **options)
+    report(k, f"{which} causal={causal} softcap={softcap}")
+    print("setmaxnreg", _setmaxnreg(k))

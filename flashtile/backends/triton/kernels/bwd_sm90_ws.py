@@ -1,0 +1,290 @@
+"""Hopper one-pass backward, warp-specialized (FA3's plan in Gluon): dK, dV and dQ from one computation of P
+and dS, five matmuls a tile instead of the pair's seven (bwd_sm90.py's dK/dV and bwd.py's dQ kernel).
+
+A CTA owns ``2 * BLOCK_N = 128`` keys of one KV head and walks the query blocks that see them, of every query
+head of its GQA group. Its warps split by role:
+
+    producer (1 warp)    TMA: the CTA's K and V once, then Q and dO of each step into a ring of slots
+    consumer 0 (4 warps) keys 0..63:   S^T, dP^T, dV, dK as bwd_sm90.py, on the transposed tiles
+    consumer 1 (4 warps) keys 64..127: the same; then both meet on dS^T in shared memory and each takes
+                         half of dQ's columns, dS K[:, half] (a 64 x 64 x 128 product), into float32
+    reducer (1 warp)     adds each step's staged dQ into a float32 buffer with the TMA's bulk reduce
+
+Per step (64 queries), each consumer:
+
+    issue S^T = K Q^T and dP^T = V dO^T; wait for S^T -> P^T = exp2(S^T - lse) under the dP^T product
+    issue dV += P^T dO (P^T from registers); wait for dP^T -> dS^T = P^T (dP^T - delta)
+    store dS^T (16-bit) to its half of a shared tile; issue dK += dS^T Q from there
+    wait for the other consumer's half -> issue dQ[:, half] = dS K[:, half]; wait for all three
+    stage dQ (float32, scaled) in shared memory for the reducer
+
+dS^T and the staging tiles are double-buffered, so a consumer never waits on the reduce of the step it just
+staged. Everything a consumer stores or reads goes through mbarriers: ``ds_ready`` (both halves of dS^T are
+in place; count 2), ``dq_full``/``dq_empty`` (a staging buffer is filled / has been read by the reduce),
+``q_empty`` (both consumers are done with a Q/dO slot). The reduce order varies from run to run, so dQ is not
+bit-identical between runs (the launcher never takes this kernel for ``deterministic=True``).
+
+Inputs: dense ``(batch, seqlen, heads, 128)`` 16-bit tensors, full rows, causal or windowed, with softcap; no
+packed sequences, ALiBi, dropout or bias. Scores and masks are common.py's, as in bwd_sm90.py.
+"""
+from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from .bwd_sm90 import _query_block
+from .common import q_block_range, scores, visible
+from .fwd_sm90 import _load, _tile
+
+
+@builtin
+def _reduce_add(tensor_desc, coord, src, _semantic=None):
+    """TMA bulk reduce: add shared-memory tile ``src`` into the global tile at ``coord`` (asynchronous like
+    ``tma.async_copy_shared_to_global``; ``tma.store_wait`` waits for it). Gluon 3.6's Hopper module has no
+    wrapper for it."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def _walk(seqlen_q, seqlen_k, window_left, window_right, group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+          MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """This CTA's query walk: its first query row ``lo``, the unmasked run ``[full_lo, full_hi)``, the query
+    blocks a head ``n_q`` and the steps ``n_it`` (``n_q`` for each head of the group)."""
+    lo, full_lo, full_hi, hi = q_block_range(gl.program_id(0), seqlen_q, seqlen_k, window_left, window_right,
+                                             BLOCK_M, 2 * BLOCK_N, MASK_LEFT, MASK_RIGHT, True)
+    n_q = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_M)
+    return lo, full_lo, full_hi, n_q, n_q * group
+
+
+@gluon.jit
+def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+              FAST_TANH: gl.constexpr, STAGES: gl.constexpr):
+    (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_ready,
+     q_ready, do_ready, q_empty, ds_ready, dq_full, dq_empty, DK, DV, LSE2, DELTA, qk_scale, softcap2, softmax_scale,
+     window_left, window_right, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lse_b,
+     stride_lse_h, seqlen_q, seqlen_k, group) = args
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    HALF_D: gl.constexpr = HEAD_DIM // 2
+    dtype: gl.constexpr = q_desc.dtype
+    # Accumulator layouts of one warpgroup: the transposed scores (keys x queries), dK/dV (keys x head dim),
+    # dQ's half (queries x half the head dim); P^T as the register operand of the dV product.
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HALF_D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    keys_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
+    queries_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+
+    off_hk = gl.program_id(1)
+    off_b = gl.program_id(2)
+    first_key = gl.program_id(0) * 2 * BLOCK_N + WG * BLOCK_N
+    lo, full_lo, full_hi, n_q, n_it = _walk(seqlen_q, seqlen_k, window_left, window_right, group, BLOCK_M, BLOCK_N,
+                                            MASK_LEFT, MASK_RIGHT)
+    offs_n = first_key + gl.arange(0, BLOCK_N, layout=keys_layout)
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+    st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
+    dq_zero = gl.zeros([BLOCK_M, HALF_D], gl.float32, dq_layout)
+    k = _tile(k_smem, WG)
+    v = _tile(v_smem, WG)
+    mbarrier.wait(kv_ready, 0)
+    for it in range(n_it):
+        slot = it % STAGES
+        phase = (it // STAGES) & 1
+        buf = it % 2
+        buf_phase = (it // 2) & 1
+        off_h, row = _query_block(it, n_q, lo, off_hk, group, BLOCK_M)
+        offs_m = row + gl.arange(0, BLOCK_M, layout=queries_layout)
+        q = _tile(q_smem, slot)
+        do = _tile(do_smem, slot)
+        # S^T and dP^T go to the tensor cores together; S^T is waited for alone.
+        mbarrier.wait(q_ready.index(slot), phase)
+        qk_t = warpgroup_mma(k, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        mbarrier.wait(do_ready.index(slot), phase)
+        dp_t = warpgroup_mma(v, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        qk_t = warpgroup_mma_wait(1, deps=(qk_t, ))
+        # The exponentials run under the dP^T product; blocks straddling a window edge zero the pairs they do
+        # not see afterwards.
+        s_t, t_t = scores(qk_t, offs_m[None, :], offs_n[:, None], first_key, seqlen_q, seqlen_k, qk_scale,
+                          softcap2, 0.0, 0, 0, 0, window_left, window_right, False, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                          FAST_TANH, False, "")
+        # The rows' lse and delta come from shared memory where they are used, not held through the step.
+        lse2 = rows_smem.index(slot * 2).load(queries_layout)
+        if SOFTCAP:
+            # d(c * tanh(x / c)) / dx = 1 - tanh^2, held in float16 (computed in float32: no cancellation).
+            w16 = (1.0 - t_t * t_t).to(gl.float16)
+        p_t = gl.exp2(s_t - lse2[None, :])
+        if (row < full_lo) | (row >= full_hi):
+            p_t = gl.where(visible(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, window_left, window_right,
+                                   MASK_LEFT, MASK_RIGHT), p_t, 0.0)
+        p_op = gl.convert_layout(p_t.to(dtype), op_layout)
+        dv = warpgroup_mma(p_op, do, dv, is_async=True)
+        # dS^T under the dV product.
+        dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
+        delta = rows_smem.index(slot * 2 + 1).load(queries_layout)
+        ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP:
+            ds_t = ds_t * w16.to(gl.float32)
+        # This consumer's half of dS^T goes to shared memory: dK's operand here, dQ's in both consumers.
+        ds_own = ds_smem.index(buf * 2 + WG)
+        ds_own.store(ds_t.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(ds_ready.index(buf), count=1)
+        dk = warpgroup_mma(ds_own, q, dk, is_async=True)
+        # dQ[:, half] = dS K[:, half], over both consumers' keys.
+        mbarrier.wait(ds_ready.index(buf), buf_phase)
+        dq = warpgroup_mma(ds_smem.index(buf * 2).permute((1, 0)), _tile(k_smem, 0).slice(WG * HALF_D, HALF_D, 1),
+                           dq_zero, use_acc=False, is_async=True)
+        dq = warpgroup_mma(ds_smem.index(buf * 2 + 1).permute((1, 0)),
+                           _tile(k_smem, 1).slice(WG * HALF_D, HALF_D, 1), dq, is_async=True)
+        dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
+        # Both consumers release the Q/dO slot; the producer refills it.
+        mbarrier.arrive(q_empty.index(slot), count=1)
+        # Stage dQ's half once the reduce of two steps back has read this buffer.
+        mbarrier.wait(dq_empty.index(buf), buf_phase ^ 1)
+        dq_smem.index(buf * 2 + WG).reshape([BLOCK_M, HALF_D]).store(dq * softmax_scale)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(dq_full.index(buf), count=1)
+
+    # Rows past the sequence's keys are not stored.
+    offs_nd = first_key + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+    keep = offs_nd[:, None] < seqlen_k
+    rows_k = offs_nd[:, None].to(gl.int64)
+    dk_ptrs = (DK + off_b.to(gl.int64) * stride_dkb + off_hk.to(gl.int64) * stride_dkh + rows_k * stride_dkn
+               + offs_d[None, :])
+    dv_ptrs = (DV + off_b.to(gl.int64) * stride_dvb + off_hk.to(gl.int64) * stride_dvh + rows_k * stride_dvn
+               + offs_d[None, :])
+    gl.store(dk_ptrs, (dk * softmax_scale).to(dtype), mask=keep)
+    gl.store(dv_ptrs, dv.to(dtype), mask=keep)
+
+
+@gluon.jit
+def _producer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr):
+    (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_ready,
+     q_ready, do_ready, q_empty, ds_ready, dq_full, dq_empty, DK, DV, LSE2, DELTA, qk_scale, softcap2, softmax_scale,
+     window_left, window_right, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lse_b,
+     stride_lse_h, seqlen_q, seqlen_k, group) = args
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
+    rows_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+    off_hk = gl.program_id(1)
+    off_b = gl.program_id(2)
+    first_key = gl.program_id(0) * 2 * BLOCK_N
+    lo, _, _, n_q, n_it = _walk(seqlen_q, seqlen_k, window_left, window_right, group, BLOCK_M, BLOCK_N, MASK_LEFT,
+                                MASK_RIGHT)
+    # Both consumers' K and V rows (rows past the sequence arrive as zeros) complete one barrier.
+    mbarrier.expect(kv_ready, 4 * k_desc.block_type.nbytes)
+    for w in gl.static_range(2):
+        tma.async_copy_global_to_shared(k_desc, [off_b, first_key + w * BLOCK_N, off_hk, 0], kv_ready,
+                                        k_smem.index(w))
+        tma.async_copy_global_to_shared(v_desc, [off_b, first_key + w * BLOCK_N, off_hk, 0], kv_ready,
+                                        v_smem.index(w))
+    for it in range(n_it):
+        # A slot is refilled once both consumers have released its last use (the first pass waits on the
+        # phase before the barrier's first, which counts as done).
+        slot = it % STAGES
+        phase = (it // STAGES) & 1
+        off_h, row = _query_block(it, n_q, lo, off_hk, group, BLOCK_M)
+        mbarrier.wait(q_empty.index(slot), phase ^ 1)
+        _load(q_desc, q_ready.index(slot), q_smem.index(slot), off_b, row, off_h, True)
+        _load(do_desc, do_ready.index(slot), do_smem.index(slot), off_b, row, off_h, True)
+        # The rows' lse and delta (rows past the sequence: lse +inf makes their P exactly 0) go to shared
+        # memory beside them; q_ready counts this warp's arrival too.
+        offs_m = row + gl.arange(0, BLOCK_M, layout=rows_layout)
+        lse_rows = off_b * stride_lse_b + off_h * stride_lse_h + offs_m
+        rows_smem.index(slot * 2).store(gl.load(LSE2 + lse_rows, mask=offs_m < seqlen_q, other=float("inf")))
+        rows_smem.index(slot * 2 + 1).store(gl.load(DELTA + lse_rows, mask=offs_m < seqlen_q, other=0.0))
+        gl.thread_barrier()
+        mbarrier.arrive(q_ready.index(slot), count=1)
+
+
+@gluon.jit
+def _reducer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_ready,
+     q_ready, do_ready, q_empty, ds_ready, dq_full, dq_empty, DK, DV, LSE2, DELTA, qk_scale, softcap2, softmax_scale,
+     window_left, window_right, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lse_b,
+     stride_lse_h, seqlen_q, seqlen_k, group) = args
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
+    HALF_D: gl.constexpr = dq_desc.block_type.shape[3]
+    off_hk = gl.program_id(1)
+    off_b = gl.program_id(2)
+    lo, _, _, n_q, n_it = _walk(seqlen_q, seqlen_k, window_left, window_right, group, BLOCK_M, BLOCK_N, MASK_LEFT,
+                                MASK_RIGHT)
+    for it in range(n_it):
+        buf = it % 2
+        off_h, row = _query_block(it, n_q, lo, off_hk, group, BLOCK_M)
+        # Both halves staged: add them into dQ's float32 buffer (rows past the sequence are clipped), and hand
+        # the buffer back once the reduce has read it.
+        mbarrier.wait(dq_full.index(buf), (it // 2) & 1)
+        for w in gl.static_range(2):
+            _reduce_add(dq_desc, [off_b, row, off_h, w * HALF_D], dq_smem.index(buf * 2 + w))
+        tma.store_wait(0)
+        mbarrier.arrive(dq_empty.index(buf), count=1)
+
+
+@gluon.jit
+def attn_bwd_sm90_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE2, DELTA, qk_scale, softcap2,
+                     softmax_scale, window_left, window_right, stride_dkb, stride_dkn, stride_dkh, stride_dvb,
+                     stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group,
+                     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                     FAST_TANH: gl.constexpr, STAGES: gl.constexpr,
+                     CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """``q_desc``/``do_desc``: TMA descriptors of ``(batch, seqlen, heads, 128)`` q and dO with ``[1, 64, 1,
+    128]`` tiles, ``k_desc``/``v_desc`` of k and v with ``[1, 64, 1, 128]`` (one consumer's keys), ``dq_desc``
+    of the zeroed float32 dQ buffer with ``[1, 64, 1, 64]`` (one consumer's half); one CTA per (128 keys, KV
+    head, batch row). ``qk_scale``/``softcap2`` as common.scores takes them; LSE2 and DELTA are
+    bwd_preprocess's. dQ arrives in its buffer scaled, to be cast."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    HALF_D: gl.constexpr = HEAD_DIM // 2
+    dtype: gl.constexpr = q_desc.dtype
+    gl.static_assert(num_warps == 4, "the default partition is consumer 0, one warpgroup")
+    gl.static_assert(BLOCK_N == 64, "a consumer warpgroup owns 64 keys")
+    gl.static_assert(dq_desc.block_type.shape[3] == HALF_D, "a consumer adds half of dQ's columns")
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, 1, HEAD_DIM], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
+    # dS^T halves (keys x queries) and dQ staging halves (queries x half the head dim), two steps of each.
+    ds_smem = gl.allocate_shared_memory(dtype, [4, BLOCK_N, BLOCK_M],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
+    dq_smem = gl.allocate_shared_memory(gl.float32, [4, 1, BLOCK_M, 1, HALF_D], dq_desc.layout)
+    # Each ring slot's rows: their lse (log2 units) and delta.
+    rows_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=2)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i), count=2)
+        mbarrier.init(dq_full.index(i), count=2)
+        mbarrier.init(dq_empty.index(i), count=1)
+    args = (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem,
+            kv_ready, q_ready, do_ready, q_empty, ds_ready, dq_full, dq_empty, DK, DV, LSE2, DELTA, qk_scale, softcap2,
+            softmax_scale, window_left, window_right, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
+            stride_dvh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group)
+    gl.warp_specialize([(_consumer, (args, 0, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, STAGES)),
+                        (_consumer, (args, 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, STAGES)),
+                        (_producer, (args, MASK_LEFT, MASK_RIGHT, STAGES)),
+                        (_reducer, (args, MASK_LEFT, MASK_RIGHT))], [4, 1, 1], [CONSUMER_REGS, 24, 24])

@@ -1,0 +1,144 @@
+"""The one-pass Hopper backward (kernels/bwd_sm90_ws.py) through the public API, on an sm_90 GPU only.
+
+The dispatcher gives it what the Gluon dK/dV kernel serves unsplit on dense batches (16-bit, head dim 128,
+windows, softcap, sinks) once its 128-key CTAs fill the GPU, unless the call is deterministic. These shapes
+are small, so the GPU is made to look one SM wide. The tests check which backward ran (by its name in the
+kernel counter) and hold out, lse and every gradient to the tolerance rule against the float32 reference,
+on awkward lengths: not multiples of 64 or 128, seqlen_q != seqlen_k, rows that see no key, a last key block
+past the sequence end, GQA groups of 1 to 4. Its dQ is added up in float32 in an order that varies; dK and dV
+do not, and ``deterministic=True`` takes the dK/dV + dQ pair, bit-identical run to run.
+"""
+import pytest
+import torch
+
+import flashtile
+from flashtile.backends.triton import configs
+from flashtile.testing import assert_results_close, make_qkv, reference_results
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+pytestmark = [pytest.mark.skipif(not HOPPER, reason="the one-pass backward runs on sm_90 only"),
+              pytest.mark.usefixtures("clean_dispatch_state")]
+ONE_PASS, PAIR = "one-pass", "dkdv=gluon-sm90 BM64xBN64"
+
+
+@pytest.fixture(autouse=True)
+def one_sm(monkeypatch):
+    """Small shapes fill a GPU of one SM, unsplit."""
+    monkeypatch.setattr(configs, "sm_count", lambda device: 1)
+    monkeypatch.setattr(configs, "BWD_SPLIT_MIN_PAIRS", 1 << 62)
+
+
+def ran(name: str) -> bool:
+    return any(kernel.startswith("flashtile.bwd[") and name in kernel for kernel in flashtile.stats()["kernels"])
+
+
+def run(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype=torch.bfloat16, kernel=ONE_PASS, **options):
+    """Forward and backward; assert ``kernel`` ran the backward, hold every result to the tolerance rule."""
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, 128, dtype, "cuda", requires_grad=True,
+                       generator=rng)
+    dout = torch.randn(*q.shape, generator=rng).to("cuda", dtype)
+    sink = options.get("sink")
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, return_attn_probs=True, **options)
+    leaves = (q, k, v) if sink is None else (q, k, v, sink)
+    grads = torch.autograd.grad(out, leaves, dout)
+    assert ran(kernel), flashtile.stats()["kernels"]
+    ours = {"out": out, "lse": lse, **dict(zip(("dq", "dk", "dv", "dsink"), grads))}
+    options = {name: value for name, value in options.items() if name not in ("sink", "deterministic")}
+    ref_hi = reference_results(q, k, v, dout, hi=True, sink=sink, **options)
+    ref_lo = reference_results(q, k, v, dout, hi=False, sink=sink, **options)
+    assert_results_close(ours, ref_hi, ref_lo, dtype)
+    return ours
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal", [
+    (2, 1000, 1000, 4, 4, False),
+    (1, 1037, 1037, 4, 2, True),  # the last query block and both consumers' last keys partial
+    (2, 700, 1290, 6, 2, True),  # more keys than queries: the diagonal moves right
+    (1, 1290, 700, 4, 4, True),  # fewer: the first 590 rows see no key (lse -inf, P 0)
+    (3, 40, 900, 4, 1, False),  # one query block for 8 CTAs, a group of 4
+    (1, 300, 4100, 2, 2, False),  # a CTA of 4 keys past 4096: its second consumer sees none
+    (1, 77, 77, 2, 1, True),  # one CTA, one partial query block
+], ids=["full", "causal", "causal-more-keys", "causal-rows-see-none", "short-q", "partial-block", "tiny"])
+def test_one_pass(rng, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal):
+    run(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, causal=causal)
+
+
+@pytest.mark.parametrize("window, causal", [((300, 0), False), ((257, 33), False), ((0, 0), False),
+                                            ((100, -1), False), ((500, 0), True)],
+                         ids=["left-300", "two-sided", "diagonal-only", "left-only", "causal-left-500"])
+def test_one_pass_windows(rng, window, causal):
+    """Query blocks wholly outside a CTA's window are skipped; the ones straddling an edge are masked."""
+    run(rng, 2, 777, 900, 4, 2, window_size=window, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("feature", ["softcap", "softcap-below-scale", "softcap-window", "sink"])
+def test_one_pass_features(rng, dtype, causal, feature):
+    """Softcap (dS takes 1 - tanh^2, kept in float16), below the softmax scale too, with a two-sided window and
+    GQA 3; a sink (only through the lse; its gradient comes from the preprocess's delta)."""
+    options = {}
+    nheads, nheads_kv = 4, 2
+    if feature == "softcap":
+        options["softcap"] = 30.0
+    elif feature == "softcap-below-scale":
+        options["softcap"] = 0.05
+    elif feature == "softcap-window":
+        options.update(softcap=20.0, window_size=(150, 40) if not causal else (150, 0))
+        nheads, nheads_kv = 6, 2
+    else:
+        options["sink"] = torch.randn(nheads, generator=rng).to("cuda").requires_grad_()
+    run(rng, 2, 900, 1100, nheads, nheads_kv, dtype, causal=causal, **options)
+
+
+def test_one_pass_large_logits(rng):
+    """q x 30: logits near +-100, where only the saved lse keeps exp2 finite."""
+    q, k, v = make_qkv(1, 513, 513, 2, 2, 128, torch.bfloat16, "cuda", generator=rng)
+    q = (q * 30).requires_grad_()
+    k.requires_grad_(), v.requires_grad_()
+    dout = torch.randn(*q.shape, generator=rng).to("cuda", torch.bfloat16)
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert ran(ONE_PASS), flashtile.stats()["kernels"]
+    ours = {"out": out, "lse": lse, **dict(zip(("dq", "dk", "dv"), grads))}
+    assert_results_close(ours, reference_results(q, k, v, dout, hi=True, causal=True),
+                         reference_results(q, k, v, dout, hi=False, causal=True), torch.bfloat16)
+
+
+def test_one_pass_dk_dv_repeat_exactly(rng):
+    """dK and dV have no reduce between CTAs: bit-identical run to run; dQ only up to float32 rounding."""
+    q, k, v = make_qkv(2, 1100, 1100, 8, 2, 128, torch.bfloat16, "cuda", requires_grad=True, generator=rng)
+    dout = torch.randn(*q.shape, generator=rng).to("cuda", torch.bfloat16)
+    first = torch.autograd.grad(flashtile.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
+    assert ran(ONE_PASS)
+    for _ in range(3):
+        again = torch.autograd.grad(flashtile.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
+        assert torch.equal(first[1], again[1]) and torch.equal(first[2], again[2])
+        assert torch.allclose(first[0].float(), again[0].float(), rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("how", ["argument", "torch"])
+def test_deterministic_takes_the_pair(rng, how):
+    """``deterministic=True``, or torch's deterministic mode, runs the dK/dV + dQ pair: every gradient
+    bit-identical run to run."""
+    q, k, v = make_qkv(2, 1100, 1100, 8, 2, 128, torch.bfloat16, "cuda", requires_grad=True, generator=rng)
+    dout = torch.randn(*q.shape, generator=rng).to("cuda", torch.bfloat16)
+    options = dict(causal=True, deterministic=how == "argument")
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(how == "torch")
+    try:
+        first = torch.autograd.grad(flashtile.flash_attn_func(q, k, v, **options), (q, k, v), dout)
+        for _ in range(2):
+            again = torch.autograd.grad(flashtile.flash_attn_func(q, k, v, **options), (q, k, v), dout)
+            assert all(torch.equal(a, b) for a, b in zip(first, again))
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert ran(PAIR) and not ran(ONE_PASS), flashtile.stats()["kernels"]
+    run(rng, 1, 500, 600, 4, 2, kernel=PAIR, causal=True, deterministic=True)
+
+
+def test_unfilled_gpu_keeps_the_pair(rng, monkeypatch):
+    """Fewer 128-key CTAs than SMs: the pair, whose 64-key blocks (and dQ kernel) spread wider."""
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)
+    run(rng, 1, 1000, 1000, 4, 4, kernel=PAIR)

@@ -21,8 +21,15 @@ import bwd_fused_dq  # noqa: E402
 from d256_fwd_tiles import time_it  # noqa: E402
 
 
-def make(B, S, H, Hk, window, softcap, seed=0, dtype=torch.bfloat16):
-    return bwd_fused_dq.make(B, S, H, Hk, window, dtype, seed=seed, softcap=softcap)
+def make(B, S, H, Hk, window, softcap, seed=0, dtype=torch.bfloat16, alibi=False):
+    t = bwd_fused_dq.make(B, S, H, Hk, window, dtype, seed=seed, softcap=softcap)
+    if not alibi:
+        return t
+    # ALiBi: geometric slopes per head, the forward run again with them.
+    q, k, v, do, _, _, args = t
+    slopes = (2.0 ** (-8.0 * torch.arange(1, H + 1, device=q.device) / H)).expand(B, H)
+    args = replace(args, alibi_slopes=slopes)
+    return (q, k, v, do, *launch.forward(q, k, v, args), args)
 
 
 def backward(t, one_pass):
@@ -90,12 +97,14 @@ if __name__ == "__main__":
                           "pair/ref", ["%.1e" % e for e in row.get("pair_vs_ref", [])], "BAD" if bad else "", flush=True)
         print("checks", "pass" if ok else "FAIL", flush=True)
     if "time" in modes:
-        variants = [("pair", False, 0.0), ("pair_sc", False, 50.0), ("one", True, 0.0), ("one_sc", True, 50.0)]
+        variants = [("pair", False, 0.0), ("pair_sc", False, 50.0), ("one", True, 0.0), ("one_sc", True, 50.0),
+                    ("pair_alibi", False, "alibi"), ("one_alibi", True, "alibi")]
         shapes = [(shape, window) for shape in [(4, 4096, 16, 16), (2, 8192, 16, 16), (4, 4096, 32, 8),
                                                 (8, 2048, 16, 16)] for window in ((-1, -1), (-1, 0))]
         shapes += [((1, 16384, 16, 16), (-1, 0)), ((1, 16384, 16, 16), (1024, 0))]
         for shape, window in shapes:
-            inputs = {c: make(*shape, window, c) for c in (0.0, 50.0)}
+            inputs = {c: make(*shape, window, 0.0 if c == "alibi" else c, alibi=c == "alibi")
+                      for c in (0.0, 50.0, "alibi")}
             times = {v[0]: [] for v in variants}
             for _ in range(rounds):
                 for name, o, c in variants:
@@ -109,5 +118,6 @@ if __name__ == "__main__":
             res["time"].append(row)
             print("time", shape, window, "  ".join(
                 f"{k}={v:.3f}({row['tflops'][k]:.0f}, x{v / med['pair']:.2f})" for k, v in med.items()),
-                "| sc/one %.2f" % (med["one_sc"] / med["one"]), flush=True)
+                "| sc/one %.2f alibi/one %.2f" % (med["one_sc"] / med["one"], med["one_alibi"] / med["one"]),
+                flush=True)
     json.dump(res, open(os.path.join(os.environ.get("OUT", "/tmp"), "bwd_ws.json"), "w"), indent=1)

@@ -1,7 +1,7 @@
 """The one-pass Hopper backward (kernels/bwd_sm90_ws.py) through the public API, on an sm_90 GPU only.
 
-The dispatcher gives it what the Gluon dK/dV kernel serves unsplit on dense batches (16-bit, head dim 128,
-windows, softcap, sinks) once its 128-key CTAs fill the GPU, unless the call is deterministic. These shapes
+The dispatcher gives it dense 16-bit calls at head dim 128 (windows, softcap, ALiBi, sinks) once its 128-key
+CTAs fill the GPU, unless the call is deterministic. These shapes
 are small, so the GPU is made to look one SM wide. The tests check which backward ran (by its name in the
 kernel counter) and hold out, lse and every gradient to the tolerance rule against the float32 reference,
 on awkward lengths: not multiples of 64 or 128, seqlen_q != seqlen_k, rows that see no key, a last key block
@@ -90,6 +90,15 @@ def test_one_pass_features(rng, dtype, causal, feature):
     else:
         options["sink"] = torch.randn(nheads, generator=rng).to("cuda").requires_grad_()
     run(rng, 2, 900, 1100, nheads, nheads_kv, dtype, causal=causal, **options)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_one_pass_alibi(rng, causal):
+    """ALiBi with geometric slopes per (batch row, head), as models use them, and with a window; GQA 2."""
+    slopes = 2.0 ** (-8.0 * torch.arange(1, 5) / 4) * torch.tensor([[1.0], [0.5]])
+    run(rng, 2, 900, 1100, 4, 2, causal=causal, alibi_slopes=slopes.to("cuda"))
+    run(rng, 1, 700, 700, 4, 2, causal=causal, window_size=(200, -1 if not causal else 0),
+        alibi_slopes=slopes[0].to("cuda"))
 
 
 def test_one_pass_large_logits(rng):

@@ -475,12 +475,12 @@ def test_profiler_trace_names_the_kernels_that_ran(rng, backend):
 
 
 @pytest.mark.parametrize("case, one_pass", [
-    ("plain", True), ("causal", True), ("window", True), ("softcap", True), ("sink", True), ("gqa-4", True),
-    ("deterministic", False), ("few-ctas", False), ("alibi", False), ("dropout", False), ("fp32", False),
+    ("plain", True), ("causal", True), ("window", True), ("softcap", True), ("sink", True), ("alibi", True),
+    ("gqa-4", True), ("deterministic", False), ("few-ctas", False), ("dropout", False), ("fp32", False),
     ("head-dim-64", False), ("varlen", False), ("ampere", False),
 ])
 def test_one_pass_backward_where_it_serves(monkeypatch, case, one_pass):
-    """The one-pass Hopper backward takes dense 16-bit calls at head dim 128 (windows, softcap, sinks) whose
+    """The one-pass Hopper backward takes dense 16-bit calls at head dim 128 (windows, softcap, ALiBi, sinks) whose
     128-key CTAs fill the SMs, unless deterministic; the rest keep the dK/dV + dQ pair."""
     from dataclasses import replace
 

@@ -652,10 +652,12 @@ _INTERPRET_MIN_ROWS_PER_SPLIT = 64
 
 
 # The one-pass Hopper backward (kernels/bwd_sm90_ws.py): CTAs of 128 keys that compute P and dS once for dK, dV
-# and dQ, adding dQ into float32 with the TMA's reduce (in whatever order the CTAs get there). It serves what
-# the Gluon dK/dV kernel serves unsplit, on dense batches, once its CTAs fill the SMs: bf16 d=128 on the H200,
-# 0.81-0.93x the time of the dK/dV + dQ pair, softcap 0.91-0.99x (benchmarks/bwd_ws.py, BENCHMARKS.md).
+# and dQ, adding dQ into float32 with the TMA's reduce (in whatever order the CTAs get there). It takes dense
+# 16-bit calls at head dim 128 with windows, softcap, ALiBi or a sink, once its CTAs fill the SMs: bf16 on the
+# H200, 0.82-0.94x the time of the dK/dV + dQ pair (softcap 0.93-1.04x of the pair's plain rows;
+# benchmarks/bwd_ws.py, BENCHMARKS.md). Deterministic calls keep the pair.
 ONE_PASS_KEYS = 128
+ONE_PASS_FEATURES = frozenset({"window", "softcap", "alibi", "sink"})
 
 
 def deterministic(asked: bool) -> bool:
@@ -664,11 +666,12 @@ def deterministic(asked: bool) -> bool:
     return asked or torch.are_deterministic_algorithms_enabled()
 
 
-def one_pass_bwd(dkdv_kernel: str, varlen: bool, parts: int, batch: int, nheads_kv: int, seqlen_k: int,
-                 device: torch.device, deterministic: bool) -> bool:
-    """Whether a backward takes the one-pass kernel: ``dkdv_kernel``/``parts`` as :func:`with_gluon_dkdv` gives
-    them, ``deterministic`` whether the call's gradients must be bit-identical run to run."""
-    return (dkdv_kernel == "gluon" and not varlen and parts == 1 and not deterministic
+def one_pass_bwd(head_dim: int, head_dim_v: int, dtype: torch.dtype, device: torch.device, features: frozenset,
+                 batch: int, nheads_kv: int, seqlen_k: int, deterministic: bool) -> bool:
+    """Whether a backward takes the one-pass kernel; ``features``: the call's feature names (packed sequences
+    are one), ``deterministic`` whether its gradients must be bit-identical run to run."""
+    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _arch(device) == 90
+            and head_dim == 128 and head_dim_v == 128 and features <= ONE_PASS_FEATURES and not deterministic
             and -(-seqlen_k // ONE_PASS_KEYS) * nheads_kv * batch >= sm_count(device))
 
 

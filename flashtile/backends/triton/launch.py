@@ -412,10 +412,14 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
     cfg, splits, alongside = with_gluon_dkdv(cfg, gluon, lambda block_n: bwd_plan(
         batch, nheads, nheads_kv, seqlen_q, seqlen_k, (args.window_left, args.window_right), block_n, q.device))
     splits = kv_splits or splits
-    # Dense calls the Gluon dK/dV kernel serves unsplit take the one-pass kernel instead when it fills the GPU
-    # and the call allows dQ's reduce order to vary.
-    one_pass = configs.one_pass_bwd(cfg.dkdv.kernel, varlen, splits, batch, nheads_kv, seqlen_k, q.device,
-                                    configs.deterministic(args.deterministic))
+    # Dense calls whose 128-key CTAs fill the GPU take the one-pass kernel when they allow dQ's reduce order to vary.
+    one_pass = config is None and not kv_splits and configs.one_pass_bwd(
+        head_dim, head_dim_v, q.dtype, q.device, features, batch, nheads_kv, seqlen_k,
+        configs.deterministic(args.deterministic))
+    if one_pass and (reason := tma_unfit(q, k, v, dout)) is not None:
+        record_fallback(f"the one-pass Hopper backward needs TMA-compatible inputs ({reason})", "triton",
+                        preferred="triton (one-pass Gluon Hopper backward)")
+        one_pass = False
     # Its dQ is added up in float32 (zeroed by the preprocess), then cast into dq.
     dq_acc = empty(q.shape, torch.float32, q.device) if one_pass else None
     # Split key blocks store float32 partial sums: one partial head per (KV head, part).
@@ -523,7 +527,7 @@ def _backward_dkdv_sm90(q, k, v, dout, dk, dv, lse2, delta, args: AttnArgs, cfg,
 
 
 _BWD_WS = CachedLaunch(attn_bwd_sm90_ws, ("q_desc", "k_desc", "v_desc", "do_desc", "dq_desc", "DK", "DV", "LSE2",
-                                          "DELTA", "qk_scale", "softcap2", "softmax_scale"))
+                                          "DELTA", "ALIBI_SLOPES", "qk_scale", "softcap2", "softmax_scale"))
 # The one-pass backward's consumer warpgroups after ``setmaxnreg`` (240 each, the producer and reducer warps' group
 # 24: the SM's 64K registers), and the cap the kernel is compiled under (12 warps at 168).
 _BWD_WS_CONSUMER_REGS = 240
@@ -543,19 +547,22 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
     # the K that dQ's product reads.
     qk_scale, softcap2 = ((args.softmax_scale / args.softcap, args.softcap * LOG2E) if args.softcap > 0
                           else (args.softmax_scale * LOG2E, 0.0))
+    alibi = args.alibi_slopes  # (batch, nheads), maybe broadcast
 
     def static():
         stride_lse_b, stride_lse_h = lse_strides(lse2, False)
         return dict(window_left=args.window_left, window_right=args.window_right, **_strides(False, dk=dk, dv=dv),
                     stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                     group=nheads // nheads_kv, MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0,
-                    SOFTCAP=args.softcap > 0, FAST_TANH=fast_tanh(q), STAGES=2,
+                    stride_alibi_b=alibi.stride(0) if alibi is not None else 0, SOFTCAP=args.softcap > 0,
+                    FAST_TANH=fast_tanh(q), ALIBI=alibi is not None, STAGES=2,
                     CONSUMER_REGS=_BWD_WS_CONSUMER_REGS, num_warps=4, maxnreg=_BWD_WS_MAXNREG)
 
     dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [1, 64, 1, 64], _dq_acc_layout())
     _BWD_WS(key, (cdiv(seqlen_k, 2 * 64), nheads_kv, batch),
             dict(q_desc=_tma_desc(q, 64), k_desc=_tma_desc(k, 64), v_desc=_tma_desc(v, 64), do_desc=_tma_desc(dout, 64),
-                 dq_desc=dq_desc, DK=dk, DV=dv, LSE2=lse2, DELTA=delta, qk_scale=qk_scale, softcap2=softcap2,
+                 dq_desc=dq_desc, DK=dk, DV=dv, LSE2=lse2, DELTA=delta,
+                 ALIBI_SLOPES=alibi if alibi is not None else lse2, qk_scale=qk_scale, softcap2=softcap2,
                  softmax_scale=args.softmax_scale), static)
 
 

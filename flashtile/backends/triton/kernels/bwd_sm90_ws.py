@@ -61,11 +61,11 @@ def _walk(seqlen_q, seqlen_k, window_left, window_right, group, BLOCK_M: gl.cons
 
 @gluon.jit
 def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-              FAST_TANH: gl.constexpr, STAGES: gl.constexpr):
-    (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_ready,
-     q_ready, do_ready, q_empty, ds_ready, dq_full, dq_empty, DK, DV, LSE2, DELTA, qk_scale, softcap2, softmax_scale,
-     window_left, window_right, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lse_b,
-     stride_lse_h, seqlen_q, seqlen_k, group) = args
+              FAST_TANH: gl.constexpr, ALIBI: gl.constexpr, STAGES: gl.constexpr):
+    (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem,
+     kv_ready, q_ready, do_ready, q_empty, ds_ready, dq_full, dq_empty, DK, DV, LSE2, DELTA, ALIBI_SLOPES,
+     stride_alibi_b, qk_scale, softcap2, softmax_scale, window_left, window_right, stride_dkb, stride_dkn,
+     stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group) = args
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -103,6 +103,10 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
         buf_phase = (it // 2) & 1
         off_h, row = _query_block(it, n_q, lo, off_hk, group, BLOCK_M)
         offs_m = row + gl.arange(0, BLOCK_M, layout=queries_layout)
+        slope2 = 0.0
+        if ALIBI:
+            # This head's ALiBi slope in log2 units.
+            slope2 = gl.load(ALIBI_SLOPES + off_b * stride_alibi_b + off_h) * 1.4426950408889634
         q = _tile(q_smem, slot)
         do = _tile(do_smem, slot)
         # S^T and dP^T go to the tensor cores together; S^T is waited for alone.
@@ -114,8 +118,8 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
         # The exponentials run under the dP^T product; blocks straddling a window edge zero the pairs they do
         # not see afterwards.
         s_t, t_t = scores(qk_t, offs_m[None, :], offs_n[:, None], first_key, seqlen_q, seqlen_k, qk_scale,
-                          softcap2, 0.0, 0, 0, 0, window_left, window_right, False, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                          FAST_TANH, False, "")
+                          softcap2, slope2, 0, 0, 0, window_left, window_right, False, MASK_LEFT, MASK_RIGHT,
+                          SOFTCAP, FAST_TANH, ALIBI, "")
         # The rows' lse and delta come from shared memory where they are used, not held through the step.
         lse2 = rows_smem.index(slot * 2).load(queries_layout)
         if SOFTCAP:
@@ -171,10 +175,10 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
 
 @gluon.jit
 def _producer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr):
-    (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_ready,
-     q_ready, do_ready, q_empty, ds_ready, dq_full, dq_empty, DK, DV, LSE2, DELTA, qk_scale, softcap2, softmax_scale,
-     window_left, window_right, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lse_b,
-     stride_lse_h, seqlen_q, seqlen_k, group) = args
+    (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem,
+     kv_ready, q_ready, do_ready, q_empty, ds_ready, dq_full, dq_empty, DK, DV, LSE2, DELTA, ALIBI_SLOPES,
+     stride_alibi_b, qk_scale, softcap2, softmax_scale, window_left, window_right, stride_dkb, stride_dkn,
+     stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group) = args
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     rows_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
@@ -211,10 +215,10 @@ def _producer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: g
 
 @gluon.jit
 def _reducer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
-    (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_ready,
-     q_ready, do_ready, q_empty, ds_ready, dq_full, dq_empty, DK, DV, LSE2, DELTA, qk_scale, softcap2, softmax_scale,
-     window_left, window_right, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lse_b,
-     stride_lse_h, seqlen_q, seqlen_k, group) = args
+    (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem,
+     kv_ready, q_ready, do_ready, q_empty, ds_ready, dq_full, dq_empty, DK, DV, LSE2, DELTA, ALIBI_SLOPES,
+     stride_alibi_b, qk_scale, softcap2, softmax_scale, window_left, window_right, stride_dkb, stride_dkn,
+     stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group) = args
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HALF_D: gl.constexpr = dq_desc.block_type.shape[3]
@@ -235,11 +239,11 @@ def _reducer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
 
 
 @gluon.jit
-def attn_bwd_sm90_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE2, DELTA, qk_scale, softcap2,
-                     softmax_scale, window_left, window_right, stride_dkb, stride_dkn, stride_dkh, stride_dvb,
-                     stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group,
+def attn_bwd_sm90_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE2, DELTA, ALIBI_SLOPES, stride_alibi_b,
+                     qk_scale, softcap2, softmax_scale, window_left, window_right, stride_dkb, stride_dkn, stride_dkh,
+                     stride_dvb, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group,
                      MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                     FAST_TANH: gl.constexpr, STAGES: gl.constexpr,
+                     FAST_TANH: gl.constexpr, ALIBI: gl.constexpr, STAGES: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """``q_desc``/``do_desc``: TMA descriptors of ``(batch, seqlen, heads, 128)`` q and dO with ``[1, 64, 1,
     128]`` tiles, ``k_desc``/``v_desc`` of k and v with ``[1, 64, 1, 128]`` (one consumer's keys), ``dq_desc``
@@ -281,10 +285,10 @@ def attn_bwd_sm90_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE2, DEL
         mbarrier.init(dq_full.index(i), count=2)
         mbarrier.init(dq_empty.index(i), count=1)
     args = (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem,
-            kv_ready, q_ready, do_ready, q_empty, ds_ready, dq_full, dq_empty, DK, DV, LSE2, DELTA, qk_scale, softcap2,
-            softmax_scale, window_left, window_right, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
-            stride_dvh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group)
-    gl.warp_specialize([(_consumer, (args, 0, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, STAGES)),
-                        (_consumer, (args, 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, STAGES)),
+            kv_ready, q_ready, do_ready, q_empty, ds_ready, dq_full, dq_empty, DK, DV, LSE2, DELTA, ALIBI_SLOPES,
+            stride_alibi_b, qk_scale, softcap2, softmax_scale, window_left, window_right, stride_dkb, stride_dkn,
+            stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group)
+    gl.warp_specialize([(_consumer, (args, 0, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, STAGES)),
+                        (_consumer, (args, 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, STAGES)),
                         (_producer, (args, MASK_LEFT, MASK_RIGHT, STAGES)),
                         (_reducer, (args, MASK_LEFT, MASK_RIGHT))], [4, 1, 1], [CONSUMER_REGS, 24, 24])

@@ -47,5 +47,6 @@ def _fused_case(causal: bool, softcap: bool, alibi: bool = False):
                 stride_dvh=k.stride(2), stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1), seqlen_q=4096,
                 seqlen_k=4096, group=1)
     constexprs = dict(MASK_LEFT=False, MASK_RIGHT=causal, SOFTCAP=softcap, FAST_TANH=True, ALIBI=alibi, STAGES=2,
+                      ALIBI_LINEAR=alibi and causal,
                       CONSUMER_REGS=240, num_warps=4)
     return attn_bwd_sm90_ws, args, constexprs, dict(num_warps=4, maxnreg=168)

@@ -92,13 +92,25 @@ def test_one_pass_features(rng, dtype, causal, feature):
     run(rng, 2, 900, 1100, nheads, nheads_kv, dtype, causal=causal, **options)
 
 
-def test_one_pass_alibi(rng):
-    """ALiBi with geometric slopes per (batch row, head), as models use them, and with a left window; GQA 2.
-    With a right bound (causal) it keeps the pair, where it runs faster."""
-    slopes = 2.0 ** (-8.0 * torch.arange(1, 5) / 4) * torch.tensor([[1.0], [0.5]])
-    run(rng, 2, 900, 1100, 4, 2, alibi_slopes=slopes.to("cuda"))
-    run(rng, 1, 700, 700, 4, 2, window_size=(200, -1), alibi_slopes=slopes[0].to("cuda"))
-    run(rng, 1, 700, 700, 4, 2, kernel="dkdv=BM", causal=True, alibi_slopes=slopes[0].to("cuda"))
+@pytest.mark.parametrize("case", ["full", "causal", "causal-more-keys", "causal-rows-see-none", "left-window",
+                                  "causal-window-softcap"])
+def test_one_pass_alibi(rng, case):
+    """ALiBi with geometric slopes per (batch row, head), as models use them, GQA 2: full rows take the absolute
+    distance; causal ones (keys past the diagonal never seen) the bias as a key term and a query term in the lse,
+    with the diagonal moved either way."""
+    slopes = (2.0 ** (-8.0 * torch.arange(1, 5) / 4) * torch.tensor([[1.0], [0.5]])).to("cuda")
+    shape, options = {"full": ((2, 900, 1100), {}), "causal": ((2, 1037, 1037), dict(causal=True)),
+                      "causal-more-keys": ((2, 700, 1290), dict(causal=True)),
+                      "causal-rows-see-none": ((2, 1290, 700), dict(causal=True)),
+                      "left-window": ((2, 700, 700), dict(window_size=(200, -1))),
+                      "causal-window-softcap": ((2, 900, 1000), dict(window_size=(300, 0), softcap=30.0))}[case]
+    run(rng, *shape, 4, 2, alibi_slopes=slopes, **options)
+
+
+def test_alibi_right_window_keeps_the_pair(rng):
+    """A right bound past the diagonal: ALiBi's distance changes sign inside the window; the pair runs it."""
+    slopes = (2.0 ** (-8.0 * torch.arange(1, 5) / 4)).to("cuda")
+    run(rng, 1, 700, 700, 4, 2, kernel="dkdv=BM", window_size=(100, 50), alibi_slopes=slopes)
 
 
 def test_one_pass_large_logits(rng):

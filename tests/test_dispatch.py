@@ -476,12 +476,13 @@ def test_profiler_trace_names_the_kernels_that_ran(rng, backend):
 
 @pytest.mark.parametrize("case, one_pass", [
     ("plain", True), ("causal", True), ("window", True), ("softcap", True), ("sink", True), ("alibi", True),
-    ("alibi-causal", False), ("gqa-4", True), ("deterministic", False), ("few-ctas", False), ("dropout", False), ("fp32", False),
+    ("alibi-causal", True), ("alibi-two-sided", False), ("gqa-4", True), ("deterministic", False), ("few-ctas", False), ("dropout", False), ("fp32", False),
     ("head-dim-64", False), ("varlen", False), ("ampere", False),
 ])
 def test_one_pass_backward_where_it_serves(monkeypatch, case, one_pass):
     """The one-pass Hopper backward takes dense 16-bit calls at head dim 128 (windows, softcap, sinks; ALiBi
-    without a right bound) whose 128-key CTAs fill the SMs, unless deterministic; the rest keep the pair."""
+    unless a right bound lies past the diagonal) whose 128-key CTAs fill the SMs, unless deterministic; the
+    rest keep the pair."""
     from dataclasses import replace
 
     from flashtile.backends import AttentionCall
@@ -491,11 +492,14 @@ def test_one_pass_backward_where_it_serves(monkeypatch, case, one_pass):
     monkeypatch.setattr(configs, "sm_count", lambda device: 132)
     cuda = torch.device("cuda", 0)
     features = {"window": ("window",), "softcap": ("softcap",), "sink": ("sink",), "alibi": ("alibi",),
-                "alibi-causal": ("alibi",), "dropout": ("dropout",), "varlen": ("varlen",)}.get(case, ())
+                "alibi-causal": ("alibi",), "alibi-two-sided": ("alibi", "window"), "dropout": ("dropout",),
+                "varlen": ("varlen",)}.get(case, ())
     call = AttentionCall(cuda, torch.float32 if case == "fp32" else torch.bfloat16, 1 if case == "few-ctas" else 4,
                          4096, 4096, 16, 4 if case == "gqa-4" else 16, 64 if case == "head-dim-64" else 128,
-                         case not in ("plain", "alibi"), tuple((name, f"{name}: test") for name in features),
-                         window=(1024, 0) if case == "window" else (-1, -1 if case in ("plain", "alibi") else 0),
+                         case not in ("plain", "alibi", "alibi-two-sided"),
+                         tuple((name, f"{name}: test") for name in features),
+                         window={"window": (1024, 0), "alibi-two-sided": (512, 512)}.get(
+                             case, (-1, -1 if case in ("plain", "alibi") else 0)),
                          softcap=30.0 if case == "softcap" else 0.0)
     if case == "deterministic":
         call = replace(call, deterministic=True)

@@ -655,9 +655,8 @@ _INTERPRET_MIN_ROWS_PER_SPLIT = 64
 # and dQ, adding dQ into float32 with the TMA's reduce (in whatever order the CTAs get there). It takes dense
 # 16-bit calls at head dim 128 with windows, softcap, ALiBi or a sink, once its CTAs fill the SMs: bf16 on the
 # H200, 0.82-0.94x the time of the dK/dV + dQ pair (softcap 0.93-1.04x of the pair's plain rows;
-# benchmarks/bwd_ws.py, BENCHMARKS.md). ALiBi only without a right bound: its full rows ran 0.86-0.91x the
-# pair's ALiBi, its causal rows 1.19-1.23x (the bias and the mask spill in the masked blocks). Deterministic
-# calls keep the pair.
+# benchmarks/bwd_ws.py, BENCHMARKS.md). ALiBi with no right bound, or causal (the bias is linear where keys are
+# seen); a right bound past the diagonal keeps the pair. Deterministic calls keep the pair.
 ONE_PASS_KEYS = 128
 ONE_PASS_FEATURES = frozenset({"window", "softcap", "alibi", "sink"})
 
@@ -675,7 +674,7 @@ def one_pass_bwd(head_dim: int, head_dim_v: int, dtype: torch.dtype, device: tor
     gradients must be bit-identical run to run."""
     return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _arch(device) == 90
             and head_dim == 128 and head_dim_v == 128 and features <= ONE_PASS_FEATURES
-            and not ("alibi" in features and window_right >= 0) and not deterministic
+            and not ("alibi" in features and window_right > 0) and not deterministic
             and -(-seqlen_k // ONE_PASS_KEYS) * nheads_kv * batch >= sm_count(device))
 
 

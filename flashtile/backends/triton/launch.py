@@ -555,7 +555,8 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
                     stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                     group=nheads // nheads_kv, MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0,
                     stride_alibi_b=alibi.stride(0) if alibi is not None else 0, SOFTCAP=args.softcap > 0,
-                    FAST_TANH=fast_tanh(q), ALIBI=alibi is not None, STAGES=2,
+                    FAST_TANH=fast_tanh(q), ALIBI=alibi is not None,
+                    ALIBI_LINEAR=alibi is not None and args.window_right == 0, STAGES=2,
                     CONSUMER_REGS=_BWD_WS_CONSUMER_REGS, num_warps=4, maxnreg=_BWD_WS_MAXNREG)
 
     dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [1, 64, 1, 64], _dq_acc_layout())

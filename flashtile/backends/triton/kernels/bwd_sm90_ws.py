@@ -60,8 +60,17 @@ def _walk(seqlen_q, seqlen_k, window_left, window_right, group, BLOCK_M: gl.cons
 
 
 @gluon.jit
+def _alibi_linear(s_t, lse2, offs_m, offs_n, first_key, diag, slope2):
+    """ALiBi's bias ``-slope * (i + diag - j)`` on a transposed tile (keys x queries) where no key right of the
+    diagonal is seen (causal): a key term added to the scores and a query term taken into the lse, one add an
+    element and no query vector of offsets held through the step; both counted from the first key, so small."""
+    return (s_t + ((offs_n - first_key).to(gl.float32) * slope2)[:, None],
+            lse2 + (offs_m + diag - first_key).to(gl.float32) * slope2)
+
+
+@gluon.jit
 def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-              FAST_TANH: gl.constexpr, ALIBI: gl.constexpr, STAGES: gl.constexpr):
+              FAST_TANH: gl.constexpr, ALIBI: gl.constexpr, ALIBI_LINEAR: gl.constexpr, STAGES: gl.constexpr):
     (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem,
      kv_ready, q_ready, do_ready, q_empty, ds_ready, dq_full, dq_empty, DK, DV, LSE2, DELTA, ALIBI_SLOPES,
      stride_alibi_b, qk_scale, softcap2, softmax_scale, window_left, window_right, stride_dkb, stride_dkn,
@@ -119,9 +128,11 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
         # not see afterwards.
         s_t, t_t = scores(qk_t, offs_m[None, :], offs_n[:, None], first_key, seqlen_q, seqlen_k, qk_scale,
                           softcap2, slope2, 0, 0, 0, window_left, window_right, False, MASK_LEFT, MASK_RIGHT,
-                          SOFTCAP, FAST_TANH, ALIBI, "")
+                          SOFTCAP, FAST_TANH, ALIBI and not ALIBI_LINEAR, "")
         # The rows' lse and delta come from shared memory where they are used, not held through the step.
         lse2 = rows_smem.index(slot * 2).load(queries_layout)
+        if ALIBI_LINEAR:
+            s_t, lse2 = _alibi_linear(s_t, lse2, offs_m, offs_n, first_key, seqlen_k - seqlen_q, slope2)
         if SOFTCAP:
             # d(c * tanh(x / c)) / dx = 1 - tanh^2, held in float16 (computed in float32: no cancellation).
             w16 = (1.0 - t_t * t_t).to(gl.float16)
@@ -243,8 +254,8 @@ def attn_bwd_sm90_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE2, DEL
                      qk_scale, softcap2, softmax_scale, window_left, window_right, stride_dkb, stride_dkn, stride_dkh,
                      stride_dvb, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group,
                      MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                     FAST_TANH: gl.constexpr, ALIBI: gl.constexpr, STAGES: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                     FAST_TANH: gl.constexpr, ALIBI: gl.constexpr, ALIBI_LINEAR: gl.constexpr,
+                     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """``q_desc``/``do_desc``: TMA descriptors of ``(batch, seqlen, heads, 128)`` q and dO with ``[1, 64, 1,
     128]`` tiles, ``k_desc``/``v_desc`` of k and v with ``[1, 64, 1, 128]`` (one consumer's keys), ``dq_desc``
     of the zeroed float32 dQ buffer with ``[1, 64, 1, 64]`` (one consumer's half); one CTA per (128 keys, KV
@@ -288,7 +299,9 @@ def attn_bwd_sm90_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE2, DEL
             kv_ready, q_ready, do_ready, q_empty, ds_ready, dq_full, dq_empty, DK, DV, LSE2, DELTA, ALIBI_SLOPES,
             stride_alibi_b, qk_scale, softcap2, softmax_scale, window_left, window_right, stride_dkb, stride_dkn,
             stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group)
-    gl.warp_specialize([(_consumer, (args, 0, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, STAGES)),
-                        (_consumer, (args, 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, STAGES)),
+    gl.warp_specialize([(_consumer, (args, 0, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, ALIBI_LINEAR,
+                                     STAGES)),
+                        (_consumer, (args, 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, ALIBI_LINEAR,
+                                     STAGES)),
                         (_producer, (args, MASK_LEFT, MASK_RIGHT, STAGES)),
                         (_reducer, (args, MASK_LEFT, MASK_RIGHT))], [4, 1, 1], [CONSUMER_REGS, 24, 24])

@@ -25,28 +25,30 @@ def case(which: str, causal: bool, softcap: bool):
                     stride_dvb=k.stride(0), stride_dvn=k.stride(1), stride_dvh=k.stride(2),
                     stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1), seqlen_q=4096, seqlen_k=4096, group=1)
         return attn_bwd_dkdv_sm90, args, dict(common, STAGES=2, num_warps=4), dict(num_warps=4)
-    if which in ("fused", "fused-alibi"):
-        return _fused_case(causal, softcap, which == "fused-alibi")
+    if which in ("fused", "fused-alibi", "fused-varlen"):
+        return _fused_case(causal, softcap, which == "fused-alibi", which == "fused-varlen")
     raise ValueError(which)
 
 
-def _fused_case(causal: bool, softcap: bool, alibi: bool = False):
+def _fused_case(causal: bool, softcap: bool, alibi: bool = False, varlen: bool = False):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from flashtile.backends.triton.kernels.bwd_sm90_ws import attn_bwd_sm90_ws
     q, k, lse = _inputs()
     dq = torch.empty(q.shape, dtype=torch.float32)
+    cu = torch.zeros(3, dtype=torch.int32)
     dq_desc = TensorDescriptor(dq, list(dq.shape), list(dq.stride()), [1, 64, 1, 64],
                                gl.NVMMASharedLayout.get_default_for([1, 64, 1, 64], gl.float32))
     args = dict(q_desc=launch._tma_desc(q, 64), k_desc=launch._tma_desc(k, 64), v_desc=launch._tma_desc(k, 64),
-                do_desc=launch._tma_desc(q, 64), dq_desc=dq_desc, DK=k, DV=k, LSE2=lse, DELTA=lse, ALIBI_SLOPES=lse,
+                do_desc=launch._tma_desc(q, 64), dq_desc=dq_desc, DK=k, DV=k, LSE2=lse, DELTA=lse, CU_SEQLENS_Q=cu,
+                CU_SEQLENS_K=cu, SEQUSED_K=cu, ALIBI_SLOPES=lse,
                 stride_alibi_b=16, qk_scale=0.1,
                 softcap2=1.0, softmax_scale=0.1, window_left=-1, window_right=0, stride_dkb=k.stride(0),
                 stride_dkn=k.stride(1), stride_dkh=k.stride(2), stride_dvb=k.stride(0), stride_dvn=k.stride(1),
                 stride_dvh=k.stride(2), stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1), seqlen_q=4096,
                 seqlen_k=4096, group=1)
     constexprs = dict(MASK_LEFT=False, MASK_RIGHT=causal, SOFTCAP=softcap, FAST_TANH=True, ALIBI=alibi, STAGES=2,
-                      ALIBI_LINEAR=alibi and causal,
+                      ALIBI_LINEAR=alibi and causal, IS_VARLEN=varlen, HAS_SEQUSED=varlen,
                       CONSUMER_REGS=240, num_warps=4)
     return attn_bwd_sm90_ws, args, constexprs, dict(num_warps=4, maxnreg=168)

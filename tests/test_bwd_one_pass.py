@@ -1,17 +1,19 @@
 """The one-pass Hopper backward (kernels/bwd_sm90_ws.py) through the public API, on an sm_90 GPU only.
 
-The dispatcher gives it dense 16-bit calls at head dim 128 (windows, softcap, ALiBi, sinks) once its 128-key
-CTAs fill the GPU, unless the call is deterministic. These shapes
+The dispatcher gives it 16-bit calls at head dim 128 (packed sequences, windows, softcap, ALiBi, sinks) once its
+128-key CTAs fill the GPU, unless the call is deterministic. These shapes
 are small, so the GPU is made to look one SM wide. The tests check which backward ran (by its name in the
 kernel counter) and hold out, lse and every gradient to the tolerance rule against the float32 reference,
 on awkward lengths: not multiples of 64 or 128, seqlen_q != seqlen_k, rows that see no key, a last key block
-past the sequence end, GQA groups of 1 to 4. Its dQ is added up in float32 in an order that varies; dK and dV
+past the sequence end, GQA groups of 1 to 4; packed sequences of length 0, 1 and either side of a 64-row tile, NaN
+in the rows past the last one and in the keys seqused_k leaves out. Its dQ is added up in float32 in an order that varies; dK and dV
 do not, and ``deterministic=True`` takes the dK/dV + dQ pair, bit-identical run to run.
 """
 import pytest
 import torch
 
 import flashtile
+from flashtile import testing
 from flashtile.backends.triton import configs
 from flashtile.testing import assert_results_close, make_qkv, reference_results
 
@@ -113,6 +115,40 @@ def test_alibi_right_window_keeps_the_pair(rng):
     run(rng, 1, 700, 700, 4, 2, kernel="dkdv=BM", window_size=(100, 50), alibi_slopes=slopes)
 
 
+# Empty sequences, one row, a tile's width and one either side, and long ones: a CTA's keys past a sequence's end
+# are the next one's (zeroed for dQ's product), a query block's rows past it too (zeroed by consumer 0).
+LENGTHS_Q = [300, 0, 1, 1000, 63, 64, 65, 1500]
+LENGTHS_K = [300, 7, 130, 1000, 0, 200, 65, 1400]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("nheads, nheads_kv", [(4, 2), (3, 3), (4, 1)], ids=["gqa-2", "mha", "gqa-4"])
+def test_one_pass_varlen(rng, dtype, causal, nheads, nheads_kv):
+    testing.check_packed(rng, LENGTHS_Q, LENGTHS_K, nheads, nheads_kv, dtype, causal=causal)
+    assert ran(ONE_PASS), flashtile.stats()["kernels"]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_one_pass_varlen_seqused_k(rng, causal):
+    """Keys past seqused_k (NaN, infinite values) get zero gradients and add nothing to dQ."""
+    testing.check_packed(rng, LENGTHS_Q, LENGTHS_K, 4, 2, torch.bfloat16, causal=causal,
+                         seqused_k=[299, 0, 1, 1000, 0, 77, 65, 1337])
+    assert ran(ONE_PASS), flashtile.stats()["kernels"]
+
+
+@pytest.mark.parametrize("options", [dict(window_size=(200, 0)), dict(window_size=(150, 40), softcap=20.0),
+                                     dict(causal=True, softcap=30.0, sink=True), dict(causal=True, alibi=True)],
+                         ids=["window", "two-sided-softcap", "causal-softcap-sink", "causal-alibi"])
+def test_one_pass_varlen_features(rng, options):
+    if options.pop("sink", False):
+        options["sink"] = torch.randn(4, generator=rng).to("cuda").requires_grad_()
+    if options.pop("alibi", False):
+        options["alibi_slopes"] = (2.0 ** (-8.0 * torch.arange(1, 5) / 4)).to("cuda")
+    testing.check_packed(rng, LENGTHS_Q, LENGTHS_K, 4, 2, torch.bfloat16, **options)
+    assert ran(ONE_PASS), flashtile.stats()["kernels"]
+
+
 def test_one_pass_large_logits(rng):
     """q x 30: logits near +-100, where only the saved lse keeps exp2 finite."""
     q, k, v = make_qkv(1, 513, 513, 2, 2, 128, torch.bfloat16, "cuda", generator=rng)
@@ -163,3 +199,23 @@ def test_unfilled_gpu_keeps_the_pair(rng, monkeypatch):
     """Fewer 128-key CTAs than SMs: the pair, whose 64-key blocks (and dQ kernel) spread wider."""
     monkeypatch.setattr(configs, "sm_count", lambda device: 132)
     run(rng, 1, 1000, 1000, 4, 4, kernel=PAIR)
+
+
+def test_one_pass_training_steps_replay(rng, monkeypatch):
+    """Repeated training steps replay the backward's launches (the preprocess zeroes the float32 dQ buffer, whose
+    TMA descriptor is made again on the new buffer): every step's results meet the tolerance rule."""
+    from flashtile import replay
+    served = []
+    original = replay.Replay.__call__
+
+    def counted(self, inputs, counters=()):
+        outputs = original(self, inputs, counters)
+        if outputs is not None:
+            served.append(self)
+        return outputs
+
+    monkeypatch.setattr(replay.Replay, "__call__", counted)
+    for step in range(3):
+        before = len(served)
+        run(rng, 2, 333, 333, 4, 2, causal=True, softcap=20.0)
+        assert len(served) - before == (2 if step else 0), f"step {step}: forward and backward replayed"

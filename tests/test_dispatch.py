@@ -477,11 +477,11 @@ def test_profiler_trace_names_the_kernels_that_ran(rng, backend):
 @pytest.mark.parametrize("case, one_pass", [
     ("plain", True), ("causal", True), ("window", True), ("softcap", True), ("sink", True), ("alibi", True),
     ("alibi-causal", True), ("alibi-two-sided", False), ("gqa-4", True), ("deterministic", False), ("few-ctas", False), ("dropout", False), ("fp32", False),
-    ("head-dim-64", False), ("varlen", False), ("ampere", False),
+    ("head-dim-64", False), ("varlen", True), ("ampere", False),
 ])
 def test_one_pass_backward_where_it_serves(monkeypatch, case, one_pass):
-    """The one-pass Hopper backward takes dense 16-bit calls at head dim 128 (windows, softcap, sinks; ALiBi
-    unless a right bound lies past the diagonal) whose 128-key CTAs fill the SMs, unless deterministic; the
+    """The one-pass Hopper backward takes 16-bit calls at head dim 128 (packed sequences, windows, softcap, sinks;
+    ALiBi unless a right bound lies past the diagonal) whose 128-key CTAs fill the SMs, unless deterministic; the
     rest keep the pair."""
     from dataclasses import replace
 

@@ -652,13 +652,13 @@ _INTERPRET_MIN_ROWS_PER_SPLIT = 64
 
 
 # The one-pass Hopper backward (kernels/bwd_sm90_ws.py): CTAs of 128 keys that compute P and dS once for dK, dV
-# and dQ, adding dQ into float32 with the TMA's reduce (in whatever order the CTAs get there). It takes dense
-# 16-bit calls at head dim 128 with windows, softcap, ALiBi or a sink, once its CTAs fill the SMs: bf16 on the
-# H200, 0.82-0.94x the time of the dK/dV + dQ pair (softcap 0.93-1.04x of the pair's plain rows;
-# benchmarks/bwd_ws.py, BENCHMARKS.md). ALiBi with no right bound, or causal (the bias is linear where keys are
+# and dQ, adding dQ into float32 with the TMA's reduce (in whatever order the CTAs get there). It takes 16-bit
+# calls at head dim 128, packed sequences too, with windows, softcap, ALiBi or a sink, once its CTAs fill the
+# SMs: bf16 on the H200, 0.81-0.93x the time of the dK/dV + dQ pair, softcap 0.93-1.01x of the pair's plain rows
+# (benchmarks/bwd_ws.py, BENCHMARKS.md). ALiBi with no right bound, or causal (the bias is linear where keys are
 # seen); a right bound past the diagonal keeps the pair. Deterministic calls keep the pair.
 ONE_PASS_KEYS = 128
-ONE_PASS_FEATURES = frozenset({"window", "softcap", "alibi", "sink"})
+ONE_PASS_FEATURES = frozenset({"window", "softcap", "alibi", "sink", "varlen"})
 
 
 def deterministic(asked: bool) -> bool:

@@ -454,7 +454,7 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
             _sink_grad(args.sink, lse, delta, dsink, varlen)
         if one_pass:
             _backward_sm90_ws(q, k, v, dout, dq_acc, dk_out, dv_out, lse2, delta, args, key)
-            _sum_parts(dq_acc, dq_out, 1, False)
+            _sum_parts(dq_acc, dq_out, 1, varlen)
         else:
             _backward_pair(cfg, key, tensors, shared, (batch, seqlen_q, seqlen_k, nheads, nheads_kv), splits, alongside,
                            q, k, v, dout, dq_out, dk_out, dv_out, dk_part, dv_part, lse2, delta, args, features, dbias)
@@ -527,7 +527,8 @@ def _backward_dkdv_sm90(q, k, v, dout, dk, dv, lse2, delta, args: AttnArgs, cfg,
 
 
 _BWD_WS = CachedLaunch(attn_bwd_sm90_ws, ("q_desc", "k_desc", "v_desc", "do_desc", "dq_desc", "DK", "DV", "LSE2",
-                                          "DELTA", "ALIBI_SLOPES", "qk_scale", "softcap2", "softmax_scale"))
+                                          "DELTA", "CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_K", "ALIBI_SLOPES",
+                                          "qk_scale", "softcap2", "softmax_scale") + _BWD_LENGTHS)
 # The one-pass backward's consumer warpgroups after ``setmaxnreg`` (240 each, the producer and reducer warps' group
 # 24: the SM's 64K registers), and the cap the kernel is compiled under (12 warps at 168).
 _BWD_WS_CONSUMER_REGS = 240
@@ -540,8 +541,11 @@ def _dq_acc_layout():
 
 
 def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs, key):
-    """Launch the one-pass Hopper backward (kernels/bwd_sm90_ws.py) on dense ``(batch, seqlen, heads, 128)``
-    inputs: dK and dV into ``dk``/``dv``, dQ (scaled) added into the zeroed float32 ``dq_acc``."""
+    """Launch the one-pass Hopper backward (kernels/bwd_sm90_ws.py) on ``(batch, seqlen, heads, 128)`` inputs, or
+    packed ``(tokens, heads, 128)`` ones (varlen): dK and dV into ``dk``/``dv``, dQ (scaled) added into the zeroed
+    float32 ``dq_acc`` (q's shape); ``key``: the backward's launch key (which holds no lengths: they are dynamic
+    arguments)."""
+    varlen = args.varlen
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, _, _ = _shape(q, k, v, args)
     # Softcap's scale stays a multiply an element: folded into K (as the dK/dV kernel does) it would round
     # the K that dQ's product reads.
@@ -550,21 +554,25 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
     alibi = args.alibi_slopes  # (batch, nheads), maybe broadcast
 
     def static():
-        stride_lse_b, stride_lse_h = lse_strides(lse2, False)
-        return dict(window_left=args.window_left, window_right=args.window_right, **_strides(False, dk=dk, dv=dv),
-                    stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                    group=nheads // nheads_kv, MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0,
+        stride_lse_b, stride_lse_h = lse_strides(lse2, varlen)
+        return dict(window_left=args.window_left, window_right=args.window_right, **_strides(varlen, dk=dk, dv=dv),
+                    stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h, group=nheads // nheads_kv,
+                    MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0,
                     stride_alibi_b=alibi.stride(0) if alibi is not None else 0, SOFTCAP=args.softcap > 0,
                     FAST_TANH=fast_tanh(q), ALIBI=alibi is not None,
-                    ALIBI_LINEAR=alibi is not None and args.window_right == 0, STAGES=2,
-                    CONSUMER_REGS=_BWD_WS_CONSUMER_REGS, num_warps=4, maxnreg=_BWD_WS_MAXNREG)
+                    ALIBI_LINEAR=alibi is not None and args.window_right == 0, IS_VARLEN=varlen,
+                    HAS_SEQUSED=args.seqused_k is not None, STAGES=2, CONSUMER_REGS=_BWD_WS_CONSUMER_REGS,
+                    num_warps=4, maxnreg=_BWD_WS_MAXNREG)
 
+    if varlen:
+        # One batch row of all tokens for the TMA; each CTA finds its sequence's rows.
+        q, k, v, dout, dq_acc = (t.unsqueeze(0) for t in (q, k, v, dout, dq_acc))
     dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [1, 64, 1, 64], _dq_acc_layout())
     _BWD_WS(key, (cdiv(seqlen_k, 2 * 64), nheads_kv, batch),
             dict(q_desc=_tma_desc(q, 64), k_desc=_tma_desc(k, 64), v_desc=_tma_desc(v, 64), do_desc=_tma_desc(dout, 64),
-                 dq_desc=dq_desc, DK=dk, DV=dv, LSE2=lse2, DELTA=delta,
+                 dq_desc=dq_desc, DK=dk, DV=dv, LSE2=lse2, DELTA=delta, **_sequence_tensors(lse2, args),
                  ALIBI_SLOPES=alibi if alibi is not None else lse2, qk_scale=qk_scale, softcap2=softcap2,
-                 softmax_scale=args.softmax_scale), static)
+                 softmax_scale=args.softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k), static)
 
 
 _SUM_BLOCK_M = 64

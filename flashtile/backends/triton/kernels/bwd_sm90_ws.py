@@ -35,8 +35,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .bwd_sm90 import _query_block
-from .common import q_block_range, scores, visible
-from .fwd_sm90 import _load, _tile
+from .common import q_block_range, scores, sequence, stored_keys, visible
+from .fwd_sm90 import _load, _tile, _zero_tail
 
 
 @builtin
@@ -49,14 +49,27 @@ def _reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _walk(seqlen_q, seqlen_k, window_left, window_right, group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-          MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
-    """This CTA's query walk: its first query row ``lo``, the unmasked run ``[full_lo, full_hi)``, the query
-    blocks a head ``n_q`` and the steps ``n_it`` (``n_q`` for each head of the group)."""
+def _walk(seqlen_q, seqlen_k, window_left, window_right, group, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
+          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+          IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr):
+    """This CTA's sequence and query walk, the same in every partition: ``(tma_b, q_start, seqlen_q, k_start,
+    seqlen_k, key_rows)`` as bwd_sm90.py has them (packed tensors are one batch row for the TMA; ``key_rows``:
+    the sequence's keys, of which the first ``seqlen_k`` are used), the first query row ``lo``, the unmasked
+    run ``[full_lo, full_hi)``, the query blocks a head ``n_q`` and the steps ``n_it`` (``n_q`` a group head; 0
+    for a CTA past its sequence's keys)."""
+    off_b = gl.program_id(2)
+    cta_key = gl.program_id(0) * 2 * BLOCK_N
+    q_start, seqlen_q, k_start, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
+                                                    IS_VARLEN, HAS_SEQUSED)
+    key_rows = stored_keys(off_b, k_start, seqlen_k, CU_SEQLENS_K, HAS_SEQUSED)
+    tma_b = off_b
+    if IS_VARLEN:
+        tma_b = 0
     lo, full_lo, full_hi, hi = q_block_range(gl.program_id(0), seqlen_q, seqlen_k, window_left, window_right,
                                              BLOCK_M, 2 * BLOCK_N, MASK_LEFT, MASK_RIGHT, True)
-    n_q = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_M)
-    return lo, full_lo, full_hi, n_q, n_q * group
+    # Grids are sized for the longest sequence: CTAs past this one's (used) keys see no query.
+    n_q = gl.where(cta_key < seqlen_k, gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_M), 0)
+    return (tma_b, q_start, seqlen_q, k_start, seqlen_k, key_rows), lo, full_lo, full_hi, n_q, n_q * group
 
 
 @gluon.jit
@@ -70,11 +83,13 @@ def _alibi_linear(s_t, lse2, offs_m, offs_n, first_key, diag, slope2):
 
 @gluon.jit
 def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-              FAST_TANH: gl.constexpr, ALIBI: gl.constexpr, ALIBI_LINEAR: gl.constexpr, STAGES: gl.constexpr):
+              FAST_TANH: gl.constexpr, ALIBI: gl.constexpr, ALIBI_LINEAR: gl.constexpr, IS_VARLEN: gl.constexpr,
+              HAS_SEQUSED: gl.constexpr, STAGES: gl.constexpr):
     (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem,
-     kv_ready, q_ready, do_ready, q_empty, ds_ready, dq_full, dq_empty, DK, DV, LSE2, DELTA, ALIBI_SLOPES,
-     stride_alibi_b, qk_scale, softcap2, softmax_scale, window_left, window_right, stride_dkb, stride_dkn,
-     stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group) = args
+     kv_ready, q_ready, do_ready, q_empty, ds_ready, dq_full, dq_empty, tail_ready, DK, DV, LSE2, DELTA,
+     CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, softmax_scale,
+     window_left, window_right, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+     stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group) = args
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -95,8 +110,10 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
     off_hk = gl.program_id(1)
     off_b = gl.program_id(2)
     first_key = gl.program_id(0) * 2 * BLOCK_N + WG * BLOCK_N
-    lo, full_lo, full_hi, n_q, n_it = _walk(seqlen_q, seqlen_k, window_left, window_right, group, BLOCK_M, BLOCK_N,
-                                            MASK_LEFT, MASK_RIGHT)
+    seq, lo, full_lo, full_hi, n_q, n_it = _walk(seqlen_q, seqlen_k, window_left, window_right, group, CU_SEQLENS_Q,
+                                                 CU_SEQLENS_K, SEQUSED_K, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT,
+                                                 IS_VARLEN, HAS_SEQUSED)
+    _, q_start, seqlen_q, k_start, seqlen_k, key_rows = seq
     offs_n = first_key + gl.arange(0, BLOCK_N, layout=keys_layout)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
@@ -105,6 +122,13 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
     k = _tile(k_smem, WG)
     v = _tile(v_smem, WG)
     mbarrier.wait(kv_ready, 0)
+    if IS_VARLEN:
+        if first_key + BLOCK_N > key_rows:
+            # Key rows past the sequence hold the next one's keys, which dQ's product would read: zeros instead
+            # (the other consumer reads these rows only after the first ds_ready, which this one arrives at later).
+            _zero_tail(k, key_rows - first_key, 4)
+            _zero_tail(v, key_rows - first_key, 4)
+    n_tail = 0
     for it in range(n_it):
         slot = it % STAGES
         phase = (it // STAGES) & 1
@@ -120,6 +144,18 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
         do = _tile(do_smem, slot)
         # S^T and dP^T go to the tensor cores together; S^T is waited for alone.
         mbarrier.wait(q_ready.index(slot), phase)
+        if IS_VARLEN:
+            if row + BLOCK_M > seqlen_q:
+                # The rows past this sequence's queries are the next sequence's: consumer 0 zeroes them, so that
+                # not even an infinity there meets this one's zero probabilities, and consumer 1 waits for it.
+                if WG == 0:
+                    mbarrier.wait(do_ready.index(slot), phase)
+                    _zero_tail(q, seqlen_q - row, 4)
+                    _zero_tail(do, seqlen_q - row, 4)
+                    mbarrier.arrive(tail_ready, count=1)
+                else:
+                    mbarrier.wait(tail_ready, n_tail & 1)
+                n_tail += 1
         qk_t = warpgroup_mma(k, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         mbarrier.wait(do_ready.index(slot), phase)
         dp_t = warpgroup_mma(v, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
@@ -137,7 +173,12 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
             # d(c * tanh(x / c)) / dx = 1 - tanh^2, held in float16 (computed in float32: no cancellation).
             w16 = (1.0 - t_t * t_t).to(gl.float16)
         p_t = gl.exp2(s_t - lse2[None, :])
-        if (row < full_lo) | (row >= full_hi):
+        masked = (row < full_lo) | (row >= full_hi)
+        if HAS_SEQUSED:
+            # Keys past those used (seqused_k) are real ones: their probabilities are zeroed, so dQ does not see
+            # them.
+            masked = masked | (first_key + BLOCK_N > seqlen_k)
+        if masked:
             p_t = gl.where(visible(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, window_left, window_right,
                                    MASK_LEFT, MASK_RIGHT), p_t, 0.0)
         p_op = gl.convert_layout(p_t.to(dtype), op_layout)
@@ -171,11 +212,14 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
         gl.thread_barrier()
         mbarrier.arrive(dq_full.index(buf), count=1)
 
-    # Rows past the sequence's keys are not stored.
+    # Keys past those used get zeros; rows past the sequence's keys are not this CTA's.
     offs_nd = first_key + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-    keep = offs_nd[:, None] < seqlen_k
-    rows_k = offs_nd[:, None].to(gl.int64)
+    keep = offs_nd[:, None] < key_rows
+    if HAS_SEQUSED:
+        dk = gl.where(offs_nd[:, None] < seqlen_k, dk, 0.0)
+        dv = gl.where(offs_nd[:, None] < seqlen_k, dv, 0.0)
+    rows_k = (k_start + offs_nd[:, None]).to(gl.int64)
     dk_ptrs = (DK + off_b.to(gl.int64) * stride_dkb + off_hk.to(gl.int64) * stride_dkh + rows_k * stride_dkn
                + offs_d[None, :])
     dv_ptrs = (DV + off_b.to(gl.int64) * stride_dvb + off_hk.to(gl.int64) * stride_dvh + rows_k * stride_dvn
@@ -185,25 +229,29 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
 
 
 @gluon.jit
-def _producer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr):
+def _producer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
+              HAS_SEQUSED: gl.constexpr, STAGES: gl.constexpr):
     (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem,
-     kv_ready, q_ready, do_ready, q_empty, ds_ready, dq_full, dq_empty, DK, DV, LSE2, DELTA, ALIBI_SLOPES,
-     stride_alibi_b, qk_scale, softcap2, softmax_scale, window_left, window_right, stride_dkb, stride_dkn,
-     stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group) = args
+     kv_ready, q_ready, do_ready, q_empty, ds_ready, dq_full, dq_empty, tail_ready, DK, DV, LSE2, DELTA,
+     CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, softmax_scale,
+     window_left, window_right, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+     stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group) = args
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     rows_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     off_hk = gl.program_id(1)
     off_b = gl.program_id(2)
     first_key = gl.program_id(0) * 2 * BLOCK_N
-    lo, _, _, n_q, n_it = _walk(seqlen_q, seqlen_k, window_left, window_right, group, BLOCK_M, BLOCK_N, MASK_LEFT,
-                                MASK_RIGHT)
-    # Both consumers' K and V rows (rows past the sequence arrive as zeros) complete one barrier.
+    seq, lo, _, _, n_q, n_it = _walk(seqlen_q, seqlen_k, window_left, window_right, group, CU_SEQLENS_Q,
+                                     CU_SEQLENS_K, SEQUSED_K, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, IS_VARLEN,
+                                     HAS_SEQUSED)
+    tma_b, q_start, seqlen_q, k_start, _, _ = seq
+    # Both consumers' K and V rows (rows past the tensor arrive as zeros) complete one barrier.
     mbarrier.expect(kv_ready, 4 * k_desc.block_type.nbytes)
     for w in gl.static_range(2):
-        tma.async_copy_global_to_shared(k_desc, [off_b, first_key + w * BLOCK_N, off_hk, 0], kv_ready,
+        tma.async_copy_global_to_shared(k_desc, [tma_b, k_start + first_key + w * BLOCK_N, off_hk, 0], kv_ready,
                                         k_smem.index(w))
-        tma.async_copy_global_to_shared(v_desc, [off_b, first_key + w * BLOCK_N, off_hk, 0], kv_ready,
+        tma.async_copy_global_to_shared(v_desc, [tma_b, k_start + first_key + w * BLOCK_N, off_hk, 0], kv_ready,
                                         v_smem.index(w))
     for it in range(n_it):
         # A slot is refilled once both consumers have released its last use (the first pass waits on the
@@ -212,12 +260,12 @@ def _producer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: g
         phase = (it // STAGES) & 1
         off_h, row = _query_block(it, n_q, lo, off_hk, group, BLOCK_M)
         mbarrier.wait(q_empty.index(slot), phase ^ 1)
-        _load(q_desc, q_ready.index(slot), q_smem.index(slot), off_b, row, off_h, True)
-        _load(do_desc, do_ready.index(slot), do_smem.index(slot), off_b, row, off_h, True)
+        _load(q_desc, q_ready.index(slot), q_smem.index(slot), tma_b, q_start + row, off_h, True)
+        _load(do_desc, do_ready.index(slot), do_smem.index(slot), tma_b, q_start + row, off_h, True)
         # The rows' lse and delta (rows past the sequence: lse +inf makes their P exactly 0) go to shared
         # memory beside them; q_ready counts this warp's arrival too.
         offs_m = row + gl.arange(0, BLOCK_M, layout=rows_layout)
-        lse_rows = off_b * stride_lse_b + off_h * stride_lse_h + offs_m
+        lse_rows = off_b * stride_lse_b + off_h * stride_lse_h + q_start + offs_m
         rows_smem.index(slot * 2).store(gl.load(LSE2 + lse_rows, mask=offs_m < seqlen_q, other=float("inf")))
         rows_smem.index(slot * 2 + 1).store(gl.load(DELTA + lse_rows, mask=offs_m < seqlen_q, other=0.0))
         gl.thread_barrier()
@@ -225,36 +273,41 @@ def _producer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: g
 
 
 @gluon.jit
-def _reducer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+def _reducer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
+             HAS_SEQUSED: gl.constexpr):
     (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem,
-     kv_ready, q_ready, do_ready, q_empty, ds_ready, dq_full, dq_empty, DK, DV, LSE2, DELTA, ALIBI_SLOPES,
-     stride_alibi_b, qk_scale, softcap2, softmax_scale, window_left, window_right, stride_dkb, stride_dkn,
-     stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group) = args
+     kv_ready, q_ready, do_ready, q_empty, ds_ready, dq_full, dq_empty, tail_ready, DK, DV, LSE2, DELTA,
+     CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, softmax_scale,
+     window_left, window_right, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+     stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group) = args
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HALF_D: gl.constexpr = dq_desc.block_type.shape[3]
     off_hk = gl.program_id(1)
     off_b = gl.program_id(2)
-    lo, _, _, n_q, n_it = _walk(seqlen_q, seqlen_k, window_left, window_right, group, BLOCK_M, BLOCK_N, MASK_LEFT,
-                                MASK_RIGHT)
+    seq, lo, _, _, n_q, n_it = _walk(seqlen_q, seqlen_k, window_left, window_right, group, CU_SEQLENS_Q,
+                                     CU_SEQLENS_K, SEQUSED_K, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, IS_VARLEN,
+                                     HAS_SEQUSED)
+    tma_b, q_start, _, _, _, _ = seq
     for it in range(n_it):
         buf = it % 2
         off_h, row = _query_block(it, n_q, lo, off_hk, group, BLOCK_M)
-        # Both halves staged: add them into dQ's float32 buffer (rows past the sequence are clipped), and hand
-        # the buffer back once the reduce has read it.
+        # Both halves staged: add them into dQ's float32 buffer (rows past the tensor are clipped; rows past a
+        # packed sequence, the next one's, get zeros added), and hand the buffer back once the reduce has read it.
         mbarrier.wait(dq_full.index(buf), (it // 2) & 1)
         for w in gl.static_range(2):
-            _reduce_add(dq_desc, [off_b, row, off_h, w * HALF_D], dq_smem.index(buf * 2 + w))
+            _reduce_add(dq_desc, [tma_b, q_start + row, off_h, w * HALF_D], dq_smem.index(buf * 2 + w))
         tma.store_wait(0)
         mbarrier.arrive(dq_empty.index(buf), count=1)
 
 
 @gluon.jit
-def attn_bwd_sm90_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE2, DELTA, ALIBI_SLOPES, stride_alibi_b,
-                     qk_scale, softcap2, softmax_scale, window_left, window_right, stride_dkb, stride_dkn, stride_dkh,
-                     stride_dvb, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group,
-                     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                     FAST_TANH: gl.constexpr, ALIBI: gl.constexpr, ALIBI_LINEAR: gl.constexpr,
+def attn_bwd_sm90_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE2, DELTA, CU_SEQLENS_Q, CU_SEQLENS_K,
+                     SEQUSED_K, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, softmax_scale, window_left,
+                     window_right, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+                     stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group, MASK_LEFT: gl.constexpr,
+                     MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, FAST_TANH: gl.constexpr, ALIBI: gl.constexpr,
+                     ALIBI_LINEAR: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
                      STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """``q_desc``/``do_desc``: TMA descriptors of ``(batch, seqlen, heads, 128)`` q and dO with ``[1, 64, 1,
     128]`` tiles, ``k_desc``/``v_desc`` of k and v with ``[1, 64, 1, 128]`` (one consumer's keys), ``dq_desc``
@@ -286,7 +339,9 @@ def attn_bwd_sm90_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE2, DEL
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    tail_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
+    mbarrier.init(tail_ready, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=2)
         mbarrier.init(do_ready.index(i), count=1)
@@ -296,12 +351,14 @@ def attn_bwd_sm90_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE2, DEL
         mbarrier.init(dq_full.index(i), count=2)
         mbarrier.init(dq_empty.index(i), count=1)
     args = (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem,
-            kv_ready, q_ready, do_ready, q_empty, ds_ready, dq_full, dq_empty, DK, DV, LSE2, DELTA, ALIBI_SLOPES,
-            stride_alibi_b, qk_scale, softcap2, softmax_scale, window_left, window_right, stride_dkb, stride_dkn,
-            stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group)
+            kv_ready, q_ready, do_ready, q_empty, ds_ready, dq_full, dq_empty, tail_ready, DK, DV, LSE2, DELTA,
+            CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, softmax_scale,
+            window_left, window_right, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+            stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group)
     gl.warp_specialize([(_consumer, (args, 0, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, ALIBI_LINEAR,
-                                     STAGES)),
+                                     IS_VARLEN, HAS_SEQUSED, STAGES)),
                         (_consumer, (args, 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, ALIBI_LINEAR,
-                                     STAGES)),
-                        (_producer, (args, MASK_LEFT, MASK_RIGHT, STAGES)),
-                        (_reducer, (args, MASK_LEFT, MASK_RIGHT))], [4, 1, 1], [CONSUMER_REGS, 24, 24])
+                                     IS_VARLEN, HAS_SEQUSED, STAGES)),
+                        (_producer, (args, MASK_LEFT, MASK_RIGHT, IS_VARLEN, HAS_SEQUSED, STAGES)),
+                        (_reducer, (args, MASK_LEFT, MASK_RIGHT, IS_VARLEN, HAS_SEQUSED))], [4, 1, 1],
+                       [CONSUMER_REGS, 24, 24])

@@ -477,7 +477,7 @@ def test_profiler_trace_names_the_kernels_that_ran(rng, backend):
 @pytest.mark.parametrize("case, one_pass", [
     ("plain", True), ("causal", True), ("window", True), ("softcap", True), ("sink", True), ("alibi", True),
     ("alibi-causal", True), ("alibi-two-sided", False), ("gqa-4", True), ("deterministic", False), ("few-ctas", False), ("dropout", False), ("fp32", False),
-    ("head-dim-64", False), ("varlen", True), ("ampere", False),
+    ("head-dim-64", False), ("varlen", True), ("varlen-seqused", False), ("ampere", False),
 ])
 def test_one_pass_backward_where_it_serves(monkeypatch, case, one_pass):
     """The one-pass Hopper backward takes 16-bit calls at head dim 128 (packed sequences, windows, softcap, sinks;
@@ -493,11 +493,12 @@ def test_one_pass_backward_where_it_serves(monkeypatch, case, one_pass):
     cuda = torch.device("cuda", 0)
     features = {"window": ("window",), "softcap": ("softcap",), "sink": ("sink",), "alibi": ("alibi",),
                 "alibi-causal": ("alibi",), "alibi-two-sided": ("alibi", "window"), "dropout": ("dropout",),
-                "varlen": ("varlen",)}.get(case, ())
+                "varlen": ("varlen",), "varlen-seqused": ("varlen",)}.get(case, ())
     call = AttentionCall(cuda, torch.float32 if case == "fp32" else torch.bfloat16, 1 if case == "few-ctas" else 4,
                          4096, 4096, 16, 4 if case == "gqa-4" else 16, 64 if case == "head-dim-64" else 128,
                          case not in ("plain", "alibi", "alibi-two-sided"),
-                         tuple((name, f"{name}: test") for name in features),
+                         tuple((name, f"{name}: test{' with seqused_k' if case == 'varlen-seqused' else ''}")
+                               for name in features),
                          window={"window": (1024, 0), "alibi-two-sided": (512, 512)}.get(
                              case, (-1, -1 if case in ("plain", "alibi") else 0)),
                          softcap=30.0 if case == "softcap" else 0.0)

@@ -123,11 +123,13 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
     v = _tile(v_smem, WG)
     mbarrier.wait(kv_ready, 0)
     if IS_VARLEN:
-        if first_key + BLOCK_N > key_rows:
-            # Key rows past the sequence hold the next one's keys, which dQ's product would read: zeros instead
-            # (the other consumer reads these rows only after the first ds_ready, which this one arrives at later).
-            _zero_tail(k, key_rows - first_key, 4)
-            _zero_tail(v, key_rows - first_key, 4)
+        if first_key + BLOCK_N > seqlen_k:
+            # Key rows past the sequence's used keys hold the next sequence's keys or ones seqused_k leaves out,
+            # which S^T, dP^T and dQ's product would read: zeros instead, so they add nothing to dQ (their own dK
+            # and dV rows are stored as zeros or not at all). The other consumer reads these rows only after the
+            # first ds_ready, which this one arrives at later.
+            _zero_tail(k, seqlen_k - first_key, 4)
+            _zero_tail(v, seqlen_k - first_key, 4)
     n_tail = 0
     for it in range(n_it):
         slot = it % STAGES
@@ -173,12 +175,7 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
             # d(c * tanh(x / c)) / dx = 1 - tanh^2, held in float16 (computed in float32: no cancellation).
             w16 = (1.0 - t_t * t_t).to(gl.float16)
         p_t = gl.exp2(s_t - lse2[None, :])
-        masked = (row < full_lo) | (row >= full_hi)
-        if HAS_SEQUSED:
-            # Keys past those used (seqused_k) are real ones: their probabilities are zeroed, so dQ does not see
-            # them.
-            masked = masked | (first_key + BLOCK_N > seqlen_k)
-        if masked:
+        if (row < full_lo) | (row >= full_hi):
             p_t = gl.where(visible(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, window_left, window_right,
                                    MASK_LEFT, MASK_RIGHT), p_t, 0.0)
         p_op = gl.convert_layout(p_t.to(dtype), op_layout)

@@ -477,7 +477,8 @@ def test_profiler_trace_names_the_kernels_that_ran(rng, backend):
 @pytest.mark.parametrize("case, one_pass", [
     ("plain", True), ("causal", True), ("window", True), ("softcap", True), ("sink", True), ("alibi", True),
     ("alibi-causal", True), ("alibi-two-sided", False), ("gqa-4", True), ("deterministic", False), ("few-ctas", False), ("dropout", False), ("fp32", False),
-    ("head-dim-64", False), ("varlen", True), ("varlen-seqused", False), ("ampere", False),
+    ("head-dim-64", False), ("varlen", True), ("varlen-seqused", False), ("varlen-softcap", False),
+    ("ampere", False),
 ])
 def test_one_pass_backward_where_it_serves(monkeypatch, case, one_pass):
     """The one-pass Hopper backward takes 16-bit calls at head dim 128 (packed sequences, windows, softcap, sinks;
@@ -493,7 +494,8 @@ def test_one_pass_backward_where_it_serves(monkeypatch, case, one_pass):
     cuda = torch.device("cuda", 0)
     features = {"window": ("window",), "softcap": ("softcap",), "sink": ("sink",), "alibi": ("alibi",),
                 "alibi-causal": ("alibi",), "alibi-two-sided": ("alibi", "window"), "dropout": ("dropout",),
-                "varlen": ("varlen",), "varlen-seqused": ("varlen",)}.get(case, ())
+                "varlen": ("varlen",), "varlen-seqused": ("varlen",), "varlen-softcap": ("varlen", "softcap")}.get(
+        case, ())
     call = AttentionCall(cuda, torch.float32 if case == "fp32" else torch.bfloat16, 1 if case == "few-ctas" else 4,
                          4096, 4096, 16, 4 if case == "gqa-4" else 16, 64 if case == "head-dim-64" else 128,
                          case not in ("plain", "alibi", "alibi-two-sided"),

@@ -21,11 +21,21 @@ Per step (64 queries), each consumer:
 dS^T and the staging tiles are double-buffered, so a consumer never waits on the reduce of the step it just
 staged. Everything a consumer stores or reads goes through mbarriers: ``ds_ready`` (both halves of dS^T are
 in place; count 2), ``dq_full``/``dq_empty`` (a staging buffer is filled / has been read by the reduce),
-``q_empty`` (both consumers are done with a Q/dO slot). The reduce order varies from run to run, so dQ is not
-bit-identical between runs (the launcher never takes this kernel for ``deterministic=True``).
+``q_empty`` (both consumers are done with a Q/dO slot), ``q_ready`` (Q has landed and the producer has put the
+rows' lse and delta in shared memory). The reduce order varies from run to run, so dQ is not bit-identical
+between runs (the launcher never takes this kernel for deterministic calls).
 
-Inputs: dense ``(batch, seqlen, heads, 128)`` 16-bit tensors, full rows, causal or windowed, with softcap; no
-packed sequences, ALiBi, dropout or bias. Scores and masks are common.py's, as in bwd_sm90.py.
+What keeps the consumers' 240 registers enough (sm_90 ptxas; benchmarks/sm90_compile.py): the rows' lse and
+delta are read from shared memory where they are used; softcap's 1 - tanh^2 is held in float16, computed in
+float32 (no cancellation; its 2^-11 error is far under dS's 16-bit rounding); causal ALiBi is a key term on the
+scores and a query term in the lse (no absolute value, no query offsets held). Softcap's scale stays a multiply
+an element: folded into K it would round the K that dQ's product reads.
+
+Packed sequences (``IS_VARLEN``) read through descriptors of the whole ``(1, tokens, heads, 128)`` tensors, as
+bwd_sm90.py does. Key rows past a sequence's used keys are zeroed in shared memory by their consumer (dQ's product
+reads every key of the CTA), query and dO rows past its queries by consumer 0, which the other waits for
+(``tail_ready``); dQ's rows there get zeros added. Inputs: 16-bit, head dim 128; full rows, causal or windowed,
+softcap, ALiBi, sinks (through the lse); no dropout or bias. Scores and masks are common.py's.
 """
 from triton._C.libtriton import ir
 from triton.experimental import gluon

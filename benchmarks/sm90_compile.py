@@ -1,8 +1,14 @@
 """Compile a Gluon kernel for sm_90 on a machine without a GPU and report what ptxas made of it: registers,
-spills, shared memory and the main loop's SASS instruction count. Uses the ptxas and cuobjdump that Triton's
-wheel ships, so kernels can be checked for register pressure before a GPU run.
+spills, shared memory and SASS instruction counts, in all and for each warp-specialized partition (the code
+between two ``setmaxnreg``s: the consumers' loops are the ones with HGMMAs). Uses the ptxas and cuobjdump that
+Triton's wheel ships, so kernels can be checked for register pressure before a GPU run.
 
-    python benchmarks/sm90_compile.py [dkdv|fused] [causal] [softcap]
+    python benchmarks/sm90_compile.py dkdv [causal] [softcap]          # kernels/bwd_sm90.py
+    python benchmarks/sm90_compile.py fused [causal] [softcap]         # kernels/bwd_sm90_ws.py, dense
+    python benchmarks/sm90_compile.py fused-alibi|fused-varlen [causal] [softcap]
+
+The one-pass kernel's spills quoted in BENCHMARKS.md and kernels/bwd_sm90_ws.py come from the partitions'
+STL/LDL counts here. Kernel arguments: benchmarks/sm90_cases.py.
 """
 import os
 import re
@@ -10,13 +16,10 @@ import subprocess
 import sys
 import tempfile
 
-import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
-
-from flashtile.backends.triton import launch
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -52,11 +55,28 @@ def report(kernel, name: str) -> dict:
                stack=int(stack.group(1)) if stack else None, shared=meta.shared, instructions=len(insts), stl=spill_st, ldl=spill_ld,
                hgmma=sum("HGMMA" in line for line in insts), ptx_lines=ptx.count("\n"))
     print(out)
+    for region in _regions(insts):
+        print("  ", region)
     return out
 
 
+def _regions(insts: list) -> list:
+    """Instruction counts between consecutive ``USETMAXREG``s (a warp-specialized partition's code)."""
+    regions, current = [], None
+    for line in insts:
+        if "USETMAXREG" in line:
+            current = dict(setmaxreg=re.search(r"USETMAXREG\S* [^;]*", line).group(0), n=0, stl=0, ldl=0, hgmma=0,
+                           mufu=0)
+            regions.append(current)
+        if current is not None:
+            current["n"] += 1
+            for name, op in (("stl", "STL"), ("ldl", "LDL"), ("hgmma", "HGMMA"), ("mufu", "MUFU")):
+                current[name] += op in line
+    return [r for r in regions if r["hgmma"]]
+
+
 def _setmaxnreg(kernel):
-    return re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32 (\d+)", kernel.asm["ptx"])
+    return re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned\.u32\s+(\d+)", kernel.asm["ptx"])
 
 
 if __name__ == "__main__":

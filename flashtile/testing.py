@@ -236,6 +236,60 @@ def assert_results_close(ours: dict, ref_hi: dict, ref_lo: dict, dtype) -> None:
         assert_close_to_ref(name, ours[name], ref_hi[name], ref_lo[name], atol_out if name in ("out", "lse") else atol_grad)
 
 
+def ran_backward(name: str) -> bool:
+    """Whether a backward whose profiler name contains ``name`` has run (the kernel counter of flashtile.stats)."""
+    import flashtile
+
+    return any(kernel.startswith("flashtile.bwd[") and name in kernel for kernel in flashtile.stats()["kernels"])
+
+
+def check_dense_16bit(generator, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype=torch.bfloat16, kernel=None,
+                      dout=None, head_dim=128, **options) -> dict:
+    """Run :func:`flashtile.flash_attn_func` forward and backward on CUDA inputs, assert a backward named with
+    ``kernel`` ran (unless None), hold out, lse and every gradient (the sink's too) to the tolerance rule against
+    the float32 reference; returns ours. ``deterministic`` goes to flashtile alone."""
+    import flashtile
+
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype, "cuda", requires_grad=True,
+                       generator=generator)
+    if dout is None:
+        dout = torch.randn(*q.shape, generator=generator).to("cuda", dtype)
+    sink = options.get("sink")
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, return_attn_probs=True, **options)
+    leaves = (q, k, v) if sink is None else (q, k, v, sink)
+    grads = torch.autograd.grad(out, leaves, dout)
+    assert kernel is None or ran_backward(kernel), flashtile.stats()["kernels"]
+    ours = {"out": out, "lse": lse, **dict(zip(("dq", "dk", "dv", "dsink"), grads))}
+    options = {name: value for name, value in options.items() if name not in ("sink", "deterministic")}
+    ref_hi = reference_results(q, k, v, dout, hi=True, sink=sink, **options)
+    ref_lo = reference_results(q, k, v, dout, hi=False, sink=sink, **options)
+    assert_results_close(ours, ref_hi, ref_lo, dtype)
+    return ours
+
+
+# Dense shapes for the Hopper backward kernels' tests, (batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal), and
+# windows, (window_size, causal).
+SM90_BWD_SHAPES = [
+    (2, 1000, 1000, 4, 4, False),
+    (1, 1037, 1037, 4, 2, True),  # the last key and query blocks partial
+    (2, 700, 1290, 6, 2, True),  # more keys than queries: the diagonal moves right
+    (1, 1290, 700, 4, 4, True),  # fewer: the first 590 rows see no key (lse -inf, P 0)
+    (3, 40, 900, 4, 1, False),  # one query block for many key blocks, a group of 4
+    (1, 300, 4100, 2, 2, False),  # a key block of 4 keys past 4096
+]
+SM90_BWD_SHAPE_IDS = ["full", "causal", "causal-more-keys", "causal-rows-see-none", "short-q", "partial-block"]
+SM90_BWD_WINDOWS = [((300, 0), False), ((257, 33), False), ((0, 0), False), ((100, -1), False), ((500, 0), True)]
+SM90_BWD_WINDOW_IDS = ["left-300", "two-sided", "diagonal-only", "left-only", "causal-left-500"]
+
+
+# Packed-sequence lengths for the GPU kernels' tests: empty sequences, one row, a tile's width and one either side,
+# and long ones, so that a key block past a sequence's end holds the next one's keys and a query block its queries.
+PACKED_LENGTHS_Q = [300, 0, 1, 1000, 63, 64, 65, 1500]
+PACKED_LENGTHS_K = [300, 7, 130, 1000, 0, 200, 65, 1400]
+# seqused_k for those lengths: some keys of most sequences left out, none of one, all of another.
+PACKED_SEQUSED_K = [299, 0, 1, 1000, 0, 77, 65, 1337]
+
+
 def check_packed(generator, lengths_q, lengths_k, nheads, nheads_kv, dtype, head_dims=(128, 128), seqused_k=None,
                  sink=None, device="cuda", **options) -> dict:
     """Run :func:`flashtile.flash_attn_varlen_func` forward and backward on packed sequences of these lengths

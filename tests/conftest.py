@@ -104,3 +104,21 @@ def no_dense_decode_threshold(monkeypatch):
     dispatch._describe.cache_clear()
     yield
     dispatch._describe.cache_clear()
+
+
+@pytest.fixture
+def served(monkeypatch):
+    """The replays that served a call, in order."""
+    from flashtile import replay
+
+    calls = []
+    run = replay.Replay.__call__
+
+    def counted(self, inputs, counters=()):
+        outputs = run(self, inputs, counters)
+        if outputs is not None:
+            calls.append(self)
+        return outputs
+
+    monkeypatch.setattr(replay.Replay, "__call__", counted)
+    return calls

@@ -1,13 +1,13 @@
 """The one-pass Hopper backward (kernels/bwd_sm90_ws.py) through the public API, on an sm_90 GPU only.
 
-The dispatcher gives it 16-bit calls at head dim 128 (packed sequences, windows, softcap, ALiBi, sinks) once its
-128-key CTAs fill the GPU, unless the call is deterministic. These shapes
-are small, so the GPU is made to look one SM wide. The tests check which backward ran (by its name in the
-kernel counter) and hold out, lse and every gradient to the tolerance rule against the float32 reference,
-on awkward lengths: not multiples of 64 or 128, seqlen_q != seqlen_k, rows that see no key, a last key block
-past the sequence end, GQA groups of 1 to 4; packed sequences of length 0, 1 and either side of a 64-row tile, NaN
-in the rows past the last one and in the keys seqused_k leaves out. Its dQ is added up in float32 in an order that varies; dK and dV
-do not, and ``deterministic=True`` takes the dK/dV + dQ pair, bit-identical run to run.
+The dispatcher gives it 16-bit calls at head dim 128 (windows, softcap, ALiBi, sinks; packed sequences without
+seqused_k or another feature) once its 128-key CTAs fill the GPU, unless the call is deterministic. These shapes
+are small, so the GPU is made to look one SM wide. The tests check which backward ran (by its name in the kernel
+counter) and hold out, lse and every gradient to the tolerance rule against the float32 reference, on awkward
+lengths: not multiples of 64 or 128, seqlen_q != seqlen_k, rows that see no key, a last key block past the
+sequence end, GQA groups of 1 to 4; packed sequences of length 0, 1 and either side of a 64-row tile, NaN in the
+rows past the last one and in the keys seqused_k leaves out. Its dQ is added up in float32 in an order that
+varies; dK and dV do not, and ``deterministic=True`` takes the dK/dV + dQ pair, bit-identical run to run.
 """
 import pytest
 import torch
@@ -23,6 +23,10 @@ pytestmark = [pytest.mark.skipif(not HOPPER, reason="the one-pass backward runs 
 ONE_PASS, PAIR = "one-pass", "dkdv=gluon-sm90 BM64xBN64"
 
 
+# Lengths of 0, 1, either side of a tile and long (flashtile.testing), NaN past the last sequence.
+PACKED = (testing.PACKED_LENGTHS_Q, testing.PACKED_LENGTHS_K)
+
+
 @pytest.fixture(autouse=True)
 def one_sm(monkeypatch):
     """Small shapes fill a GPU of one SM, unsplit."""
@@ -31,44 +35,23 @@ def one_sm(monkeypatch):
 
 
 def ran(name: str) -> bool:
-    return any(kernel.startswith("flashtile.bwd[") and name in kernel for kernel in flashtile.stats()["kernels"])
+    return testing.ran_backward(name)
 
 
 def run(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype=torch.bfloat16, kernel=ONE_PASS, **options):
     """Forward and backward; assert ``kernel`` ran the backward, hold every result to the tolerance rule."""
-    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, 128, dtype, "cuda", requires_grad=True,
-                       generator=rng)
-    dout = torch.randn(*q.shape, generator=rng).to("cuda", dtype)
-    sink = options.get("sink")
-    out, lse, _ = flashtile.flash_attn_func(q, k, v, return_attn_probs=True, **options)
-    leaves = (q, k, v) if sink is None else (q, k, v, sink)
-    grads = torch.autograd.grad(out, leaves, dout)
-    assert ran(kernel), flashtile.stats()["kernels"]
-    ours = {"out": out, "lse": lse, **dict(zip(("dq", "dk", "dv", "dsink"), grads))}
-    options = {name: value for name, value in options.items() if name not in ("sink", "deterministic")}
-    ref_hi = reference_results(q, k, v, dout, hi=True, sink=sink, **options)
-    ref_lo = reference_results(q, k, v, dout, hi=False, sink=sink, **options)
-    assert_results_close(ours, ref_hi, ref_lo, dtype)
-    return ours
+    return testing.check_dense_16bit(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, kernel, **options)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal", [
-    (2, 1000, 1000, 4, 4, False),
-    (1, 1037, 1037, 4, 2, True),  # the last query block and both consumers' last keys partial
-    (2, 700, 1290, 6, 2, True),  # more keys than queries: the diagonal moves right
-    (1, 1290, 700, 4, 4, True),  # fewer: the first 590 rows see no key (lse -inf, P 0)
-    (3, 40, 900, 4, 1, False),  # one query block for 8 CTAs, a group of 4
-    (1, 300, 4100, 2, 2, False),  # a CTA of 4 keys past 4096: its second consumer sees none
-    (1, 77, 77, 2, 1, True),  # one CTA, one partial query block
-], ids=["full", "causal", "causal-more-keys", "causal-rows-see-none", "short-q", "partial-block", "tiny"])
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal",
+                         testing.SM90_BWD_SHAPES + [(1, 77, 77, 2, 1, True)],
+                         ids=testing.SM90_BWD_SHAPE_IDS + ["tiny"])  # tiny: one CTA, one partial query block
 def test_one_pass(rng, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal):
     run(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, causal=causal)
 
 
-@pytest.mark.parametrize("window, causal", [((300, 0), False), ((257, 33), False), ((0, 0), False),
-                                            ((100, -1), False), ((500, 0), True)],
-                         ids=["left-300", "two-sided", "diagonal-only", "left-only", "causal-left-500"])
+@pytest.mark.parametrize("window, causal", testing.SM90_BWD_WINDOWS, ids=testing.SM90_BWD_WINDOW_IDS)
 def test_one_pass_windows(rng, window, causal):
     """Query blocks wholly outside a CTA's window are skipped; the ones straddling an edge are masked."""
     run(rng, 2, 777, 900, 4, 2, window_size=window, causal=causal)
@@ -115,17 +98,13 @@ def test_alibi_right_window_keeps_the_pair(rng):
     run(rng, 1, 700, 700, 4, 2, kernel="dkdv=BM", window_size=(100, 50), alibi_slopes=slopes)
 
 
-# Empty sequences, one row, a tile's width and one either side, and long ones: a CTA's keys past a sequence's end
-# are the next one's (zeroed for dQ's product), a query block's rows past it too (zeroed by consumer 0).
-LENGTHS_Q = [300, 0, 1, 1000, 63, 64, 65, 1500]
-LENGTHS_K = [300, 7, 130, 1000, 0, 200, 65, 1400]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("nheads, nheads_kv", [(4, 2), (3, 3), (4, 1)], ids=["gqa-2", "mha", "gqa-4"])
 def test_one_pass_varlen(rng, dtype, causal, nheads, nheads_kv):
-    testing.check_packed(rng, LENGTHS_Q, LENGTHS_K, nheads, nheads_kv, dtype, causal=causal)
+    testing.check_packed(rng, *PACKED, nheads, nheads_kv, dtype, causal=causal)
     assert ran(ONE_PASS), flashtile.stats()["kernels"]
 
 
@@ -133,8 +112,8 @@ def test_one_pass_varlen(rng, dtype, causal, nheads, nheads_kv):
 def test_varlen_seqused_k_keeps_the_pair(rng, causal):
     """Packed sequences with seqused_k run the pair (keys past seqused_k, NaN and infinite values, get zero
     gradients and add nothing to dQ): the one-pass kernel's path for them is not enabled yet."""
-    testing.check_packed(rng, LENGTHS_Q, LENGTHS_K, 4, 2, torch.bfloat16, causal=causal,
-                         seqused_k=[299, 0, 1, 1000, 0, 77, 65, 1337])
+    testing.check_packed(rng, *PACKED, 4, 2, torch.bfloat16, causal=causal,
+                         seqused_k=testing.PACKED_SEQUSED_K)
     assert ran(PAIR) and not ran(ONE_PASS), flashtile.stats()["kernels"]
 
 
@@ -148,7 +127,7 @@ def test_varlen_features_keep_the_pair(rng, options):
         options["sink"] = torch.randn(4, generator=rng).to("cuda").requires_grad_()
     if options.pop("alibi", False):
         options["alibi_slopes"] = (2.0 ** (-8.0 * torch.arange(1, 5) / 4)).to("cuda")
-    testing.check_packed(rng, LENGTHS_Q, LENGTHS_K, 4, 2, torch.bfloat16, **options)
+    testing.check_packed(rng, *PACKED, 4, 2, torch.bfloat16, **options)
     assert not ran(ONE_PASS), flashtile.stats()["kernels"]
 
 
@@ -204,20 +183,9 @@ def test_unfilled_gpu_keeps_the_pair(rng, monkeypatch):
     run(rng, 1, 1000, 1000, 4, 4, kernel=PAIR)
 
 
-def test_one_pass_training_steps_replay(rng, monkeypatch):
+def test_one_pass_training_steps_replay(rng, served):
     """Repeated training steps replay the backward's launches (the preprocess zeroes the float32 dQ buffer, whose
     TMA descriptor is made again on the new buffer): every step's results meet the tolerance rule."""
-    from flashtile import replay
-    served = []
-    original = replay.Replay.__call__
-
-    def counted(self, inputs, counters=()):
-        outputs = original(self, inputs, counters)
-        if outputs is not None:
-            served.append(self)
-        return outputs
-
-    monkeypatch.setattr(replay.Replay, "__call__", counted)
     for step in range(3):
         before = len(served)
         run(rng, 2, 333, 333, 4, 2, causal=True, softcap=20.0)

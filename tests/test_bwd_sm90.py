@@ -15,12 +15,16 @@ import torch
 import flashtile
 from flashtile.backends.triton import configs
 from flashtile import testing
-from flashtile.testing import assert_results_close, make_qkv, reference_results
+from flashtile.testing import make_qkv
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 pytestmark = [pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only"),
               pytest.mark.usefixtures("clean_dispatch_state")]
 GLUON, TRITON = "dkdv=gluon-sm90 BM64xBN64", "dkdv=BM"
+
+
+# Lengths of 0, 1, either side of a tile and long (flashtile.testing), NaN past the last sequence.
+PACKED = (testing.PACKED_LENGTHS_Q, testing.PACKED_LENGTHS_K)
 
 
 @pytest.fixture(autouse=True)
@@ -30,46 +34,25 @@ def unsplit(monkeypatch):
 
 
 def ran(dkdv: str) -> bool:
-    return any(name.startswith("flashtile.bwd[") and dkdv in name for name in flashtile.stats()["kernels"])
+    return testing.ran_backward(dkdv)
 
 
 def check(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype=torch.bfloat16, kernel=GLUON, dout=None,
           **options):
     """Run forward and backward, assert ``kernel`` computed dK/dV (unless None), hold every result to the
     tolerance rule."""
-    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, 128, dtype, "cuda", requires_grad=True,
-                       generator=rng)
-    if dout is None:
-        dout = torch.randn(*q.shape, generator=rng).to("cuda", dtype)
-    sink = options.get("sink")
-    out, lse, _ = flashtile.flash_attn_func(q, k, v, return_attn_probs=True, **options)
-    leaves = (q, k, v) if sink is None else (q, k, v, sink)
-    grads = torch.autograd.grad(out, leaves, dout)
-    assert kernel is None or ran(kernel), flashtile.stats()["kernels"]
-    ours = {"out": out, "lse": lse, **dict(zip(("dq", "dk", "dv", "dsink"), grads))}
-    options = {name: value for name, value in options.items() if name != "sink"}
-    ref_hi = reference_results(q, k, v, dout, hi=True, sink=sink, **options)
-    ref_lo = reference_results(q, k, v, dout, hi=False, sink=sink, **options)
-    assert_results_close(ours, ref_hi, ref_lo, dtype)
-    return ours
+    return testing.check_dense_16bit(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, kernel, dout,
+                                     **options)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal", [
-    (2, 1000, 1000, 4, 4, False),
-    (1, 1037, 1037, 4, 2, True),  # the last key and query blocks partial
-    (2, 700, 1290, 6, 2, True),  # more keys than queries: the diagonal moves right
-    (1, 1290, 700, 4, 4, True),  # fewer: the first 590 rows see no key (lse -inf, P 0)
-    (3, 40, 900, 4, 1, False),  # one query block for 15 key blocks, a group of 4
-    (1, 300, 4100, 2, 2, False),  # a key block of 4 keys past 4096
-], ids=["full", "causal", "causal-more-keys", "causal-rows-see-none", "short-q", "partial-block"])
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal", testing.SM90_BWD_SHAPES,
+                         ids=testing.SM90_BWD_SHAPE_IDS)
 def test_gluon_dkdv(rng, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal):
     check(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, causal=causal)
 
 
-@pytest.mark.parametrize("window, causal", [((300, 0), False), ((257, 33), False), ((0, 0), False),
-                                            ((100, -1), False), ((500, 0), True)],
-                         ids=["left-300", "two-sided", "diagonal-only", "left-only", "causal-left-500"])
+@pytest.mark.parametrize("window, causal", testing.SM90_BWD_WINDOWS, ids=testing.SM90_BWD_WINDOW_IDS)
 def test_gluon_dkdv_windows(rng, window, causal):
     """Query blocks wholly outside a key block's window are skipped; the ones straddling an edge are masked."""
     check(rng, 2, 777, 900, 4, 2, window_size=window, causal=causal)
@@ -97,25 +80,21 @@ def test_gluon_dkdv_features(rng, causal, feature):
     check(rng, 2, 900, 1100, 4, 2, causal=causal, **options)
 
 
-# Empty sequences, one row, a tile's width and one either side, and long ones: a key block past a sequence's end
-# holds the next one's keys, a query block its queries.
-LENGTHS_Q = [300, 0, 1, 1000, 63, 64, 65, 1500]
-LENGTHS_K = [300, 7, 130, 1000, 0, 200, 65, 1400]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("nheads, nheads_kv", [(4, 2), (3, 3), (4, 1)], ids=["gqa-2", "mha", "gqa-4"])
 def test_gluon_dkdv_varlen(rng, dtype, causal, nheads, nheads_kv):
-    testing.check_packed(rng, LENGTHS_Q, LENGTHS_K, nheads, nheads_kv, dtype, causal=causal)
+    testing.check_packed(rng, *PACKED, nheads, nheads_kv, dtype, causal=causal)
     assert ran(GLUON), flashtile.stats()["kernels"]
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_gluon_dkdv_varlen_seqused_k(rng, causal):
     """Keys past seqused_k (NaN, infinite values) get zero gradients; whole key blocks of them see no query."""
-    testing.check_packed(rng, LENGTHS_Q, LENGTHS_K, 4, 2, torch.bfloat16, causal=causal,
-                         seqused_k=[299, 0, 1, 1000, 0, 77, 65, 1337])
+    testing.check_packed(rng, *PACKED, 4, 2, torch.bfloat16, causal=causal,
+                         seqused_k=testing.PACKED_SEQUSED_K)
     assert ran(GLUON), flashtile.stats()["kernels"]
 
 
@@ -125,7 +104,7 @@ def test_gluon_dkdv_varlen_seqused_k(rng, causal):
 def test_gluon_dkdv_varlen_features(rng, options):
     if options.pop("sink", False):
         options["sink"] = torch.randn(4, generator=rng).to("cuda").requires_grad_()
-    testing.check_packed(rng, LENGTHS_Q, LENGTHS_K, 4, 2, torch.bfloat16, **options)
+    testing.check_packed(rng, *PACKED, 4, 2, torch.bfloat16, **options)
     assert ran(GLUON), flashtile.stats()["kernels"]
 
 

@@ -31,22 +31,6 @@ def unchecked(monkeypatch):
         monkeypatch.setattr(validation, "values_checked", lambda device: False)
 
 
-@pytest.fixture
-def served(monkeypatch):
-    """The replays that served a call, in order."""
-    calls = []
-    run = replay.Replay.__call__
-
-    def counted(self, inputs, counters=()):
-        outputs = run(self, inputs, counters)
-        if outputs is not None:
-            calls.append(self)
-        return outputs
-
-    monkeypatch.setattr(replay.Replay, "__call__", counted)
-    return calls
-
-
 def ordinary(function, *args, **kwargs):
     """``function`` through the ordinary path: a call without a key is validated and dispatched afresh,
     and never recorded or replayed."""

@@ -54,6 +54,28 @@ def _load_step(q_desc, do_desc, q_bar, do_bar, q_smem, do_smem, it, n_it, n_q, l
 
 
 @gluon.jit
+def store_dkdv(dk, dv, first_key, k_start, seqlen_k, key_rows, DK, DV, off_b, off_hk, stride_dkb, stride_dkn,
+               stride_dkh, stride_dvb, stride_dvn, stride_dvh, HAS_SEQUSED: gl.constexpr):
+    """Store a program's ``[keys, head dim]`` dK and dV accumulators (dK scaled already) at key ``first_key`` of
+    the sequence whose keys start at row ``k_start``: keys past those used (``seqlen_k``, seqused_k) get zeros;
+    rows past the sequence's keys (``key_rows``) are not this program's."""
+    layout: gl.constexpr = dk.type.layout
+    offs_nd = first_key + gl.arange(0, dk.shape[0], layout=gl.SliceLayout(1, layout))
+    offs_d = gl.arange(0, dk.shape[1], layout=gl.SliceLayout(0, layout))
+    keep = offs_nd[:, None] < key_rows
+    if HAS_SEQUSED:
+        dk = gl.where(offs_nd[:, None] < seqlen_k, dk, 0.0)
+        dv = gl.where(offs_nd[:, None] < seqlen_k, dv, 0.0)
+    rows_k = (k_start + offs_nd[:, None]).to(gl.int64)
+    dk_ptrs = (DK + off_b.to(gl.int64) * stride_dkb + off_hk.to(gl.int64) * stride_dkh + rows_k * stride_dkn
+               + offs_d[None, :])
+    dv_ptrs = (DV + off_b.to(gl.int64) * stride_dvb + off_hk.to(gl.int64) * stride_dvh + rows_k * stride_dvn
+               + offs_d[None, :])
+    gl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=keep)
+    gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=keep)
+
+
+@gluon.jit
 def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, LSE2, DELTA, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
                        qk_scale, softcap2, softmax_scale, window_left, window_right, stride_dkb, stride_dkn,
                        stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k,
@@ -186,21 +208,8 @@ def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, LSE2, DELTA, CU_
         _load_step(q_desc, do_desc, q_bar, do_bar, q_smem, do_smem, it + STAGES, n_it, n_q, lo, tma_b, q_start, off_hk,
                    group, STAGES)
 
-    # Keys past those used (seqused_k) get zeros; rows past the sequence's keys are not this program's.
-    offs_nd = first_key + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-    keep = offs_nd[:, None] < key_rows
-    dk = dk * softmax_scale
-    if HAS_SEQUSED:
-        dk = gl.where(offs_nd[:, None] < seqlen_k, dk, 0.0)
-        dv = gl.where(offs_nd[:, None] < seqlen_k, dv, 0.0)
-    rows_k = (k_start + offs_nd[:, None]).to(gl.int64)
-    dk_ptrs = (DK + off_b.to(gl.int64) * stride_dkb + off_hk.to(gl.int64) * stride_dkh + rows_k * stride_dkn
-               + offs_d[None, :])
-    dv_ptrs = (DV + off_b.to(gl.int64) * stride_dvb + off_hk.to(gl.int64) * stride_dvh + rows_k * stride_dvn
-               + offs_d[None, :])
-    gl.store(dk_ptrs, dk.to(dtype), mask=keep)
-    gl.store(dv_ptrs, dv.to(dtype), mask=keep)
+    store_dkdv(dk * softmax_scale, dv, first_key, k_start, seqlen_k, key_rows, DK, DV, off_b, off_hk, stride_dkb,
+               stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, HAS_SEQUSED)
     mbarrier.invalidate(k_bar)
     mbarrier.invalidate(v_bar)
     for i in gl.static_range(STAGES):

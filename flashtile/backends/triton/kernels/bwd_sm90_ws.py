@@ -44,7 +44,7 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .bwd_sm90 import _query_block
+from .bwd_sm90 import _query_block, store_dkdv
 from .common import q_block_range, scores, sequence, stored_keys, visible
 from .fwd_sm90 import _load, _tile, _zero_tail
 
@@ -59,14 +59,14 @@ def _reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _walk(seqlen_q, seqlen_k, window_left, window_right, group, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
-          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+def _walk(walk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
           IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr):
     """This CTA's sequence and query walk, the same in every partition: ``(tma_b, q_start, seqlen_q, k_start,
     seqlen_k, key_rows)`` as bwd_sm90.py has them (packed tensors are one batch row for the TMA; ``key_rows``:
     the sequence's keys, of which the first ``seqlen_k`` are used), the first query row ``lo``, the unmasked
     run ``[full_lo, full_hi)``, the query blocks a head ``n_q`` and the steps ``n_it`` (``n_q`` a group head; 0
-    for a CTA past its sequence's keys)."""
+    for a CTA past its sequence's keys). ``walk``: the kernel's lengths, window, group and sequence tensors."""
+    seqlen_q, seqlen_k, window_left, window_right, group, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K = walk
     off_b = gl.program_id(2)
     cta_key = gl.program_id(0) * 2 * BLOCK_N
     q_start, seqlen_q, k_start, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
@@ -92,14 +92,13 @@ def _alibi_linear(s_t, lse2, offs_m, offs_n, first_key, diag, slope2):
 
 
 @gluon.jit
-def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
               FAST_TANH: gl.constexpr, ALIBI: gl.constexpr, ALIBI_LINEAR: gl.constexpr, IS_VARLEN: gl.constexpr,
               HAS_SEQUSED: gl.constexpr, STAGES: gl.constexpr):
-    (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem,
-     kv_ready, q_ready, do_ready, q_empty, ds_ready, dq_full, dq_empty, tail_ready, DK, DV, LSE2, DELTA,
-     CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, softmax_scale,
-     window_left, window_right, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-     stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group) = args
+    (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_ready, q_ready,
+     do_ready, q_empty, ds_ready, dq_full, dq_empty, tail_ready, DK, DV, ALIBI_SLOPES, stride_alibi_b, qk_scale,
+     softcap2, softmax_scale, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh) = args
+    window_left, window_right = walk[2], walk[3]
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -120,10 +119,9 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
     off_hk = gl.program_id(1)
     off_b = gl.program_id(2)
     first_key = gl.program_id(0) * 2 * BLOCK_N + WG * BLOCK_N
-    seq, lo, full_lo, full_hi, n_q, n_it = _walk(seqlen_q, seqlen_k, window_left, window_right, group, CU_SEQLENS_Q,
-                                                 CU_SEQLENS_K, SEQUSED_K, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT,
-                                                 IS_VARLEN, HAS_SEQUSED)
+    seq, lo, full_lo, full_hi, n_q, n_it = _walk(walk, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, IS_VARLEN, HAS_SEQUSED)
     _, q_start, seqlen_q, k_start, seqlen_k, key_rows = seq
+    group = walk[4]
     offs_n = first_key + gl.arange(0, BLOCK_N, layout=keys_layout)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
@@ -219,40 +217,24 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
         gl.thread_barrier()
         mbarrier.arrive(dq_full.index(buf), count=1)
 
-    # Keys past those used get zeros; rows past the sequence's keys are not this CTA's.
-    offs_nd = first_key + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-    keep = offs_nd[:, None] < key_rows
-    if HAS_SEQUSED:
-        dk = gl.where(offs_nd[:, None] < seqlen_k, dk, 0.0)
-        dv = gl.where(offs_nd[:, None] < seqlen_k, dv, 0.0)
-    rows_k = (k_start + offs_nd[:, None]).to(gl.int64)
-    dk_ptrs = (DK + off_b.to(gl.int64) * stride_dkb + off_hk.to(gl.int64) * stride_dkh + rows_k * stride_dkn
-               + offs_d[None, :])
-    dv_ptrs = (DV + off_b.to(gl.int64) * stride_dvb + off_hk.to(gl.int64) * stride_dvh + rows_k * stride_dvn
-               + offs_d[None, :])
-    gl.store(dk_ptrs, (dk * softmax_scale).to(dtype), mask=keep)
-    gl.store(dv_ptrs, dv.to(dtype), mask=keep)
+    store_dkdv(dk * softmax_scale, dv, first_key, k_start, seqlen_k, key_rows, DK, DV, off_b, off_hk, stride_dkb,
+               stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, HAS_SEQUSED)
 
 
 @gluon.jit
-def _producer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
+def _producer(args, walk, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
               HAS_SEQUSED: gl.constexpr, STAGES: gl.constexpr):
-    (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem,
-     kv_ready, q_ready, do_ready, q_empty, ds_ready, dq_full, dq_empty, tail_ready, DK, DV, LSE2, DELTA,
-     CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, softmax_scale,
-     window_left, window_right, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-     stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group) = args
+    (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, rows_smem, kv_ready, q_ready, do_ready, q_empty,
+     LSE2, DELTA, stride_lse_b, stride_lse_h) = args
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     rows_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     off_hk = gl.program_id(1)
     off_b = gl.program_id(2)
     first_key = gl.program_id(0) * 2 * BLOCK_N
-    seq, lo, _, _, n_q, n_it = _walk(seqlen_q, seqlen_k, window_left, window_right, group, CU_SEQLENS_Q,
-                                     CU_SEQLENS_K, SEQUSED_K, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, IS_VARLEN,
-                                     HAS_SEQUSED)
+    seq, lo, _, _, n_q, n_it = _walk(walk, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, IS_VARLEN, HAS_SEQUSED)
     tma_b, q_start, seqlen_q, k_start, _, _ = seq
+    group = walk[4]
     # Both consumers' K and V rows (rows past the tensor arrive as zeros) complete one barrier.
     mbarrier.expect(kv_ready, 4 * k_desc.block_type.nbytes)
     for w in gl.static_range(2):
@@ -280,22 +262,16 @@ def _producer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_VARLEN
 
 
 @gluon.jit
-def _reducer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
+def _reducer(args, walk, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
              HAS_SEQUSED: gl.constexpr):
-    (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem,
-     kv_ready, q_ready, do_ready, q_empty, ds_ready, dq_full, dq_empty, tail_ready, DK, DV, LSE2, DELTA,
-     CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, softmax_scale,
-     window_left, window_right, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-     stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group) = args
+    q_desc, k_desc, dq_desc, dq_smem, dq_full, dq_empty = args
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HALF_D: gl.constexpr = dq_desc.block_type.shape[3]
     off_hk = gl.program_id(1)
-    off_b = gl.program_id(2)
-    seq, lo, _, _, n_q, n_it = _walk(seqlen_q, seqlen_k, window_left, window_right, group, CU_SEQLENS_Q,
-                                     CU_SEQLENS_K, SEQUSED_K, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, IS_VARLEN,
-                                     HAS_SEQUSED)
+    seq, lo, _, _, n_q, n_it = _walk(walk, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, IS_VARLEN, HAS_SEQUSED)
     tma_b, q_start, _, _, _, _ = seq
+    group = walk[4]
     for it in range(n_it):
         buf = it % 2
         off_h, row = _query_block(it, n_q, lo, off_hk, group, BLOCK_M)
@@ -357,15 +333,18 @@ def attn_bwd_sm90_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE2, DEL
         mbarrier.init(ds_ready.index(i), count=2)
         mbarrier.init(dq_full.index(i), count=2)
         mbarrier.init(dq_empty.index(i), count=1)
-    args = (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem,
-            kv_ready, q_ready, do_ready, q_empty, ds_ready, dq_full, dq_empty, tail_ready, DK, DV, LSE2, DELTA,
-            CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, softmax_scale,
-            window_left, window_right, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-            stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group)
-    gl.warp_specialize([(_consumer, (args, 0, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, ALIBI_LINEAR,
-                                     IS_VARLEN, HAS_SEQUSED, STAGES)),
-                        (_consumer, (args, 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, ALIBI_LINEAR,
-                                     IS_VARLEN, HAS_SEQUSED, STAGES)),
-                        (_producer, (args, MASK_LEFT, MASK_RIGHT, IS_VARLEN, HAS_SEQUSED, STAGES)),
-                        (_reducer, (args, MASK_LEFT, MASK_RIGHT, IS_VARLEN, HAS_SEQUSED))], [4, 1, 1],
+    walk = (seqlen_q, seqlen_k, window_left, window_right, group, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K)
+    consumer = (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem,
+                kv_ready, q_ready, do_ready, q_empty, ds_ready, dq_full, dq_empty, tail_ready, DK, DV, ALIBI_SLOPES,
+                stride_alibi_b, qk_scale, softcap2, softmax_scale, stride_dkb, stride_dkn, stride_dkh, stride_dvb,
+                stride_dvn, stride_dvh)
+    producer = (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, rows_smem, kv_ready, q_ready,
+                do_ready, q_empty, LSE2, DELTA, stride_lse_b, stride_lse_h)
+    reducer = (q_desc, k_desc, dq_desc, dq_smem, dq_full, dq_empty)
+    gl.warp_specialize([(_consumer, (consumer, walk, 0, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI,
+                                     ALIBI_LINEAR, IS_VARLEN, HAS_SEQUSED, STAGES)),
+                        (_consumer, (consumer, walk, 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI,
+                                     ALIBI_LINEAR, IS_VARLEN, HAS_SEQUSED, STAGES)),
+                        (_producer, (producer, walk, MASK_LEFT, MASK_RIGHT, IS_VARLEN, HAS_SEQUSED, STAGES)),
+                        (_reducer, (reducer, walk, MASK_LEFT, MASK_RIGHT, IS_VARLEN, HAS_SEQUSED))], [4, 1, 1],
                        [CONSUMER_REGS, 24, 24])

@@ -64,8 +64,9 @@ def _walk(walk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.cons
     """This CTA's sequence and query walk, the same in every partition: ``(tma_b, q_start, seqlen_q, k_start,
     seqlen_k, key_rows)`` as bwd_sm90.py has them (packed tensors are one batch row for the TMA; ``key_rows``:
     the sequence's keys, of which the first ``seqlen_k`` are used), the first query row ``lo``, the unmasked
-    run ``[full_lo, full_hi)``, the query blocks a head ``n_q`` and the steps ``n_it`` (``n_q`` a group head; 0
-    for a CTA past its sequence's keys). ``walk``: the kernel's lengths, window, group and sequence tensors."""
+    run ``[full_lo, full_hi)``, the query blocks of one head ``n_q`` (0 for a CTA past its sequence's used keys)
+    and the steps ``n_it`` (``n_q`` for each head of the GQA group). ``walk``: the kernel's lengths, window, group
+    and sequence tensors."""
     seqlen_q, seqlen_k, window_left, window_right, group, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K = walk
     off_b = gl.program_id(2)
     cta_key = gl.program_id(0) * 2 * BLOCK_N

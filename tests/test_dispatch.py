@@ -499,13 +499,14 @@ def test_one_pass_backward_where_it_serves(monkeypatch, case, one_pass):
     call = AttentionCall(cuda, torch.float32 if case == "fp32" else torch.bfloat16, 1 if case == "few-ctas" else 4,
                          4096, 4096, 16, 4 if case == "gqa-4" else 16, 64 if case == "head-dim-64" else 128,
                          case not in ("plain", "alibi", "alibi-two-sided"),
-                         tuple((name, f"{name}: test{' with seqused_k' if case == 'varlen-seqused' else ''}")
-                               for name in features),
+                         tuple((name, f"{name}: test") for name in features),
                          window={"window": (1024, 0), "alibi-two-sided": (512, 512)}.get(
                              case, (-1, -1 if case in ("plain", "alibi") else 0)),
                          softcap=30.0 if case == "softcap" else 0.0)
     if case == "deterministic":
         call = replace(call, deterministic=True)
+    if case == "varlen-seqused":
+        call = replace(call, seqused=True)
     if case == "few-ctas":
         call = replace(call, nheads=4, nheads_kv=4)  # 32 key blocks x 4 heads: 128 CTAs for 132 SMs
     _, bwd_name, config = triton_backend.describe(call)

@@ -225,14 +225,18 @@ def tma_unfit(*tensors) -> str | None:
     return None
 
 
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+
+
 @functools.lru_cache(maxsize=None)
 def _tma_layout(tile: tuple, dtype: torch.dtype):
-    return gl.NVMMASharedLayout.get_default_for(list(tile), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+    return gl.NVMMASharedLayout.get_default_for(list(tile), _GL_DTYPES[dtype])
 
 
-def _tma_desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """A TMA descriptor of ``(batch, seqlen, heads, headdim)`` tensor ``t`` that reads ``rows`` rows of one head."""
-    tile = (1, rows, 1, t.shape[3])
+def _tma_desc(t: torch.Tensor, rows: int, cols: int | None = None) -> TensorDescriptor:
+    """A TMA descriptor of ``(batch, seqlen, heads, headdim)`` tensor ``t`` that reads ``rows`` rows of one head
+    (their first ``cols`` columns; all without)."""
+    tile = (1, rows, 1, cols or t.shape[3])
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(tile), _tma_layout(tile, t.dtype))
 
 
@@ -412,7 +416,7 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
     cfg, splits, alongside = with_gluon_dkdv(cfg, gluon, lambda block_n: bwd_plan(
         batch, nheads, nheads_kv, seqlen_q, seqlen_k, (args.window_left, args.window_right), block_n, q.device))
     splits = kv_splits or splits
-    # Dense calls whose 128-key CTAs fill the GPU take the one-pass kernel when they allow dQ's reduce order to vary.
+    # Calls whose 128-key CTAs fill the GPU take the one-pass kernel when they allow dQ's reduce order to vary.
     one_pass = config is None and not kv_splits and configs.one_pass_bwd(
         head_dim, head_dim_v, q.dtype, q.device, features, args.window_right, args.seqused_k is not None, batch,
         nheads_kv, seqlen_k, configs.deterministic(args.deterministic))
@@ -535,11 +539,6 @@ _BWD_WS_CONSUMER_REGS = 240
 _BWD_WS_MAXNREG = 168
 
 
-@functools.lru_cache(maxsize=None)
-def _dq_acc_layout():
-    return gl.NVMMASharedLayout.get_default_for([1, 64, 1, 64], gl.float32)
-
-
 def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs, key):
     """Launch the one-pass Hopper backward (kernels/bwd_sm90_ws.py) on ``(batch, seqlen, heads, 128)`` inputs, or
     packed ``(tokens, heads, 128)`` ones (varlen): dK and dV into ``dk``/``dv``, dQ (scaled) added into the zeroed
@@ -547,10 +546,9 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
     arguments)."""
     varlen = args.varlen
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, _, _ = _shape(q, k, v, args)
-    # Softcap's scale stays a multiply an element: folded into K (as the dK/dV kernel does) it would round
-    # the K that dQ's product reads.
-    qk_scale, softcap2 = ((args.softmax_scale / args.softcap, args.softcap * LOG2E) if args.softcap > 0
-                          else (args.softmax_scale * LOG2E, 0.0))
+    # Softcap's scale stays a multiply an element (the fold is not taken): folded into K, as the dK/dV kernel
+    # does, it would round the K that dQ's product reads.
+    qk_scale, softcap2, _, _ = _score_constants(args, q.dtype, frozenset())
     alibi = args.alibi_slopes  # (batch, nheads), maybe broadcast
 
     def static():
@@ -567,10 +565,9 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
     if varlen:
         # One batch row of all tokens for the TMA; each CTA finds its sequence's rows.
         q, k, v, dout, dq_acc = (t.unsqueeze(0) for t in (q, k, v, dout, dq_acc))
-    dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [1, 64, 1, 64], _dq_acc_layout())
     _BWD_WS(key, (cdiv(seqlen_k, 2 * 64), nheads_kv, batch),
             dict(q_desc=_tma_desc(q, 64), k_desc=_tma_desc(k, 64), v_desc=_tma_desc(v, 64), do_desc=_tma_desc(dout, 64),
-                 dq_desc=dq_desc, DK=dk, DV=dv, LSE2=lse2, DELTA=delta, **_sequence_tensors(lse2, args),
+                 dq_desc=_tma_desc(dq_acc, 64, q.shape[3] // 2), DK=dk, DV=dv, LSE2=lse2, DELTA=delta, **_sequence_tensors(lse2, args),
                  ALIBI_SLOPES=alibi if alibi is not None else lse2, qk_scale=qk_scale, softcap2=softcap2,
                  softmax_scale=args.softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k), static)
 

@@ -2,9 +2,10 @@
 gradient differences on awkward shapes, then whole-backward times (preprocess, zeroing and cast included),
 bf16, d=128, median of alternating rounds.
 
-    FLASHTILE_NO_VENV=1 PYTHONPATH=$PWD python benchmarks/bwd_ws.py [check] [time] [ROUNDS=3]
+    FLASHTILE_NO_VENV=1 PYTHONPATH=$PWD python benchmarks/bwd_ws.py [check] [time] [varlen] [ROUNDS=3]
 
-The pair is what ``deterministic=True`` runs. Results: BENCHMARKS.md, results/h200-bwd-one-pass-*.json.
+The pair is what ``deterministic=True`` runs. ``varlen``: packed sequences (16 lengths drawn from 128..4096) with
+the features, through ``flash_attn_varlen_func``'s backward. Results: BENCHMARKS.md, results/h200-bwd-one-pass-*.json.
 """
 import json
 import os
@@ -14,6 +15,7 @@ from dataclasses import replace
 import torch
 import triton
 
+import flashtile
 from flashtile.backends.triton import launch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -61,6 +63,34 @@ def reference(t):
     o = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), vr)
     o.backward(do.float())
     return qf.grad, kf.grad, vf.grad
+
+
+def packed(options, seed=0, nheads=16, nheads_kv=16):
+    """Packed sequences of 16 lengths drawn from 128..4096, their inputs and dO; ``seqused`` in ``options``:
+    each sequence uses 7/8 of its keys."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(128, 4097, (16,), generator=g)
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to("cuda", torch.int32)
+    total, longest = int(lengths.sum()), int(lengths.max())
+    q, k, v, do = (torch.randn(total, h, 128, generator=g).to("cuda", torch.bfloat16)
+                   for h in (nheads, nheads_kv, nheads_kv, nheads))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    options = dict(options)
+    if options.pop("seqused", False):
+        options["seqused_k"] = (lengths * 7 // 8).to("cuda", torch.int32)
+    if options.pop("alibi", False):
+        options["alibi_slopes"] = 2.0 ** (-8.0 * torch.arange(1, nheads + 1, device="cuda") / nheads)
+    visible = sum(min(n, options["window_size"][0] + 1) * n if "window_size" in options else n * (n + 1) // 2
+                  for n in lengths.tolist())
+    return (q, k, v, cu, longest, do, options), visible
+
+
+def packed_backward(t, one_pass):
+    """Forward, then the backward alone (``retain_graph``): one-pass, or (``deterministic``) the pair."""
+    q, k, v, cu, longest, do, options = t
+    out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True,
+                                           deterministic=not one_pass, **options)
+    return lambda: out.backward(do, retain_graph=True)
 
 
 def rel(a, b):
@@ -120,4 +150,26 @@ if __name__ == "__main__":
                 f"{k}={v:.3f}({row['tflops'][k]:.0f}, x{v / med['pair']:.2f})" for k, v in med.items()),
                 "| sc/one %.2f alibi/one %.2f" % (med["one_sc"] / med["one"], med["one_alibi"] / med["one"]),
                 flush=True)
+    if "varlen" in modes:
+        res["varlen"] = []
+        for name, options in [("causal", {}), ("window-1024", dict(window_size=(1024, 0))),
+                              ("softcap-50", dict(softcap=50.0)), ("alibi", dict(alibi=True)),
+                              ("seqused", dict(seqused=True)), ("window-softcap", dict(window_size=(4095, 0), softcap=50.0))]:
+            t, visible = packed(options)
+            runs = {"pair": packed_backward(t, False), "one": packed_backward(t, True)}
+            kernels = {}
+            for key, fn in runs.items():
+                flashtile.reset_stats()
+                fn()
+                kernels[key] = [k for k in flashtile.stats()["kernels"] if k.startswith("flashtile.bwd")]
+            times = {key: [] for key in runs}
+            for _ in range(rounds):
+                for key, fn in runs.items():
+                    times[key].append(time_it(fn, n=5, calls=5))
+            med = {key: sorted(ts)[rounds // 2] for key, ts in times.items()}
+            flops = 2.5 * 4 * 16 * visible * 128
+            row = dict(case=name, ms=med, tflops={key: flops / v / 1e9 for key, v in med.items()}, kernels=kernels)
+            res["varlen"].append(row)
+            print("varlen", name, "  ".join(f"{key}={v:.3f}({row['tflops'][key]:.0f})" for key, v in med.items()),
+                  "one/pair %.2f" % (med["one"] / med["pair"]), kernels, flush=True)
     json.dump(res, open(os.path.join(os.environ.get("OUT", "/tmp"), "bwd_ws.json"), "w"), indent=1)

@@ -71,7 +71,7 @@ def test_default_cases_are_the_issues_shapes():
     window = by_group["window"]
     assert sorted({c.N for c in window}) == [4096, 8192, 16384] and {c.B for c in window} == {1}
     assert {(c.prov, c.variant) for c in window} == {("flashtile", "window"), ("flashtile", "causal"),
-                                                      ("flex", "window"), ("flash", "causal")}
+                                                      ("flex", "window"), ("flex", "causal"), ("flash", "causal")}
     assert all(c.window == 1024 and c.causal for c in window if c.variant == "window")
     assert {c.seqlens for c in by_group["varlen_equal"]} == {(2048,) * 16}
     (mixed,) = {c.seqlens for c in by_group["varlen_mixed"]}

@@ -1,8 +1,8 @@
 """The one-pass Hopper backward (kernels/bwd_sm90_ws.py) through the public API, on an sm_90 GPU only.
 
-The dispatcher gives it 16-bit calls at head dim 128 (windows, softcap, ALiBi, sinks; packed sequences without
-seqused_k or another feature) once its 128-key CTAs fill the GPU, unless the call is deterministic. These shapes
-are small, so the GPU is made to look one SM wide. The tests check which backward ran (by its name in the kernel
+The dispatcher gives it 16-bit calls at head dim 128 (windows, softcap, ALiBi, sinks, packed sequences, alone
+and together) once its 128-key CTAs fill the GPU, unless the call is deterministic. These shapes are small, so
+the GPU is made to look one SM wide. The tests check which backward ran (by its name in the kernel
 counter) and hold out, lse and every gradient to the tolerance rule against the float32 reference, on awkward
 lengths: not multiples of 64 or 128, seqlen_q != seqlen_k, rows that see no key, a last key block past the
 sequence end, GQA groups of 1 to 4; packed sequences of length 0, 1 and either side of a 64-row tile, NaN in the
@@ -109,26 +109,29 @@ def test_one_pass_varlen(rng, dtype, causal, nheads, nheads_kv):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_varlen_seqused_k_keeps_the_pair(rng, causal):
-    """Packed sequences with seqused_k run the pair (keys past seqused_k, NaN and infinite values, get zero
-    gradients and add nothing to dQ): the one-pass kernel's path for them is not enabled yet."""
-    testing.check_packed(rng, *PACKED, 4, 2, torch.bfloat16, causal=causal,
-                         seqused_k=testing.PACKED_SEQUSED_K)
-    assert ran(PAIR) and not ran(ONE_PASS), flashtile.stats()["kernels"]
+def test_one_pass_varlen_seqused_k(rng, causal):
+    """seqused_k: the keys it leaves out (NaN and infinite values) are zeroed in shared memory, so they get zero
+    gradients and add nothing to dQ."""
+    testing.check_packed(rng, *PACKED, 4, 2, torch.bfloat16, causal=causal, seqused_k=testing.PACKED_SEQUSED_K)
+    assert ran(ONE_PASS), flashtile.stats()["kernels"]
 
 
 @pytest.mark.parametrize("options", [dict(window_size=(200, 0)), dict(window_size=(150, 40), softcap=20.0),
-                                     dict(causal=True, softcap=30.0, sink=True), dict(causal=True, alibi=True)],
-                         ids=["window", "two-sided-softcap", "causal-softcap-sink", "causal-alibi"])
-def test_varlen_features_keep_the_pair(rng, options):
-    """Packed sequences with another feature run the pair: the one-pass kernel's combinations of them are
-    written but have not run on a GPU yet."""
+                                     dict(causal=True, softcap=30.0, sink=True), dict(causal=True, alibi=True),
+                                     dict(alibi=True), dict(window_size=(100, 0), seqused=True)],
+                         ids=["window", "two-sided-softcap", "causal-softcap-sink", "causal-alibi", "full-alibi",
+                              "window-seqused"])
+def test_one_pass_varlen_features(rng, options):
+    """Packed sequences with the other features, each sequence's masks and ALiBi distances counted from its own
+    first row and key."""
     if options.pop("sink", False):
         options["sink"] = torch.randn(4, generator=rng).to("cuda").requires_grad_()
     if options.pop("alibi", False):
         options["alibi_slopes"] = (2.0 ** (-8.0 * torch.arange(1, 5) / 4)).to("cuda")
+    if options.pop("seqused", False):
+        options["seqused_k"] = testing.PACKED_SEQUSED_K
     testing.check_packed(rng, *PACKED, 4, 2, torch.bfloat16, **options)
-    assert not ran(ONE_PASS), flashtile.stats()["kernels"]
+    assert ran(ONE_PASS), flashtile.stats()["kernels"]
 
 
 def test_one_pass_large_logits(rng):

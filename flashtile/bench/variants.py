@@ -5,7 +5,8 @@ Groups (``--groups``), bf16, headdim 128, 16 heads:
 
 - ``window``: ``flash_attn_func(causal=True, window_size=(1024, 0))`` against full causal
   ``flash_attn_func(causal=True)`` at batch 1, seqlen 4096 / 8192 / 16384; peers FlexAttention
-  with a sliding-window block mask and SDPA flash (full causal). Criterion: window >= 8x faster
+  with a sliding-window block mask and its own full causal (its ratio in the same run), and SDPA flash
+  (full causal). Criterion: window >= 8x faster
   than full causal at the longest seqlen.
 - ``varlen_equal`` / ``varlen_mixed``: ``flash_attn_varlen_func`` on packed ``(total, H, D)``
   tensors against dense ``flash_attn_func`` on the batch padded to the longest sequence; peer SDPA
@@ -182,6 +183,7 @@ def build_cases(sizes: Sizes = DEFAULT, groups=GROUP_NAMES, providers=PROVIDERS)
             add("window", "flashtile", "window", n, 1, causal=True, window=sizes.window)
             add("window", "flashtile", "causal", n, 1, causal=True)
             add("window", "flex", "window", n, 1, causal=True, window=sizes.window)
+            add("window", "flex", "causal", n, 1, causal=True)
             add("window", "flash", "causal", n, 1, causal=True)
     varlen = {"varlen_equal": (sizes.varlen_equal_len,) * sizes.varlen_count,
               "varlen_mixed": mixed_seqlens(sizes.varlen_count, *sizes.varlen_range)}
@@ -597,7 +599,8 @@ class GroupView(NamedTuple):
 
 VIEWS = {
     "window": GroupView(lambda r: f"Sliding window ({(r.get('window') or ['?'])[0]}, 0) vs full causal, batch {r['B']}",
-                        "speedup vs ft causal", lambda r: ("flashtile", "causal"), True),
+                        "speedup vs causal (own)", lambda r: (r["prov"] if r["prov"] == "flex" else "flashtile", "causal"),
+                        True),
     "varlen_equal": GroupView(lambda r: f"Varlen, {r['B']} sequences of {r['N']} vs padded dense",
                               "time / ft padded", lambda r: ("flashtile", "padded"), False),
     "varlen_mixed": GroupView(lambda r: f"Varlen, {r['B']} lengths drawn uniformly (seed 0) vs padded to the longest",

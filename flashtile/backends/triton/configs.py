@@ -672,12 +672,9 @@ def one_pass_bwd(head_dim: int, head_dim_v: int, dtype: torch.dtype, device: tor
                  deterministic: bool) -> bool:
     """Whether a backward takes the one-pass kernel; ``features``: the call's feature names (packed sequences
     are one), ``window_right`` its right bound (0 when causal, -1 none), ``seqused`` whether packed sequences
-    come with ``seqused_k`` (kept on the pair: the kernel's path for it has not run on a GPU in its present form),
-    ``deterministic`` whether its gradients must be bit-identical run to run. Packed sequences with another
-    feature keep the pair too: those combinations have not run on a GPU yet."""
+    come with ``seqused_k``, ``deterministic`` whether its gradients must be bit-identical run to run."""
     return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _arch(device) == 90
-            and head_dim == 128 and head_dim_v == 128 and features <= ONE_PASS_FEATURES and not seqused
-            and ("varlen" not in features or features == {"varlen"})
+            and head_dim == 128 and head_dim_v == 128 and features <= ONE_PASS_FEATURES
             and not ("alibi" in features and window_right > 0) and not deterministic
             and -(-seqlen_k // ONE_PASS_KEYS) * nheads_kv * batch >= sm_count(device))
 

@@ -2,10 +2,12 @@
 gradient differences on awkward shapes, then whole-backward times (preprocess, zeroing and cast included),
 bf16, d=128, median of alternating rounds.
 
-    FLASHTILE_NO_VENV=1 PYTHONPATH=$PWD python benchmarks/bwd_ws.py [check] [time] [varlen] [ROUNDS=3]
+    FLASHTILE_NO_VENV=1 PYTHONPATH=$PWD python benchmarks/bwd_ws.py [check] [time] [varlen] [ab OLD=path] [ROUNDS=3]
 
 The pair is what ``deterministic=True`` runs. ``varlen``: packed sequences (16 lengths drawn from 128..4096) with
-the features, through ``flash_attn_varlen_func``'s backward. Results: BENCHMARKS.md, results/h200-bwd-one-pass-*.json.
+the features, through ``flash_attn_varlen_func``'s backward. ``ab``: the one-pass kernel against an earlier
+version of kernels/bwd_sm90_ws.py (the file at ``OLD``, e.g. from ``git show REV:path``), whole backwards in
+alternating rounds. Results: BENCHMARKS.md, results/h200-bwd-one-pass-*.json.
 """
 import json
 import os
@@ -17,6 +19,7 @@ import triton
 
 import flashtile
 from flashtile.backends.triton import launch
+from flashtile.bench.variants import visible_pairs
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bwd_fused_dq  # noqa: E402
@@ -80,8 +83,8 @@ def packed(options, seed=0, nheads=16, nheads_kv=16):
         options["seqused_k"] = (lengths * 7 // 8).to("cuda", torch.int32)
     if options.pop("alibi", False):
         options["alibi_slopes"] = 2.0 ** (-8.0 * torch.arange(1, nheads + 1, device="cuda") / nheads)
-    visible = sum(min(n, options["window_size"][0] + 1) * n if "window_size" in options else n * (n + 1) // 2
-                  for n in lengths.tolist())
+    window = options.get("window_size", (-1, 0))[0]
+    visible = sum(visible_pairs(n, True, window) for n in lengths.tolist())
     return (q, k, v, cu, longest, do, options), visible
 
 
@@ -91,6 +94,18 @@ def packed_backward(t, one_pass):
     out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True,
                                            deterministic=not one_pass, **options)
     return lambda: out.backward(do, retain_graph=True)
+
+
+def old_kernel(path: str):
+    """The one-pass launch with the kernel source at ``path`` (imported as a sibling module of the current one)."""
+    import importlib
+    import shutil
+
+    from flashtile.backends.triton import kernels
+    from flashtile.backends.triton.fastlaunch import CachedLaunch
+    shutil.copy(path, os.path.join(os.path.dirname(kernels.__file__), "_bwd_sm90_ws_old.py"))
+    module = importlib.import_module("flashtile.backends.triton.kernels._bwd_sm90_ws_old")
+    return CachedLaunch(module.attn_bwd_sm90_ws, launch._BWD_WS.dynamic_names)
 
 
 def rel(a, b):
@@ -172,4 +187,28 @@ if __name__ == "__main__":
             res["varlen"].append(row)
             print("varlen", name, "  ".join(f"{key}={v:.3f}({row['tflops'][key]:.0f})" for key, v in med.items()),
                   "one/pair %.2f" % (med["one"] / med["pair"]), kernels, flush=True)
+    if "ab" in modes:
+        options = dict(a.split("=") for a in sys.argv[1:] if "=" in a)
+        launches = {"new": launch._BWD_WS, "old": old_kernel(options["OLD"])}
+        res["ab"] = []
+        for shape, window, cap in [((1, 16384, 16, 16), (1024, 0), 0.0), ((1, 16384, 16, 16), (-1, 0), 0.0),
+                                   ((4, 4096, 16, 16), (-1, 0), 0.0), ((4, 4096, 16, 16), (-1, -1), 0.0),
+                                   ((2, 8192, 32, 8), (4095, 0), 50.0), ((8, 2048, 16, 16), (-1, 0), 0.0)]:
+            t = make(*shape, window, cap)
+            grads = {}
+            times = {key: [] for key in launches}
+            for _ in range(rounds):
+                for key, fn in launches.items():
+                    launch._BWD_WS = fn
+                    grads[key] = backward(t, True)
+                    times[key].append(time_it(lambda: backward(t, True), n=5, calls=10))
+            launch._BWD_WS = launches["new"]
+            med = {key: sorted(ts)[rounds // 2] for key, ts in times.items()}
+            # dQ's reduce order varies run to run; dK and dV must not change.
+            same = [rel(a, b) for a, b in zip(grads["new"], grads["old"])]
+            row = dict(shape=shape, window=window, softcap=cap, ms=med, new_over_old=med["new"] / med["old"],
+                       rel_diff_dq_dk_dv=same)
+            res["ab"].append(row)
+            print("ab", shape, window, cap, "  ".join(f"{k}={v:.3f}" for k, v in med.items()),
+                  "new/old %.3f" % row["new_over_old"], "rel diff", ["%.1e" % d for d in same], flush=True)
     json.dump(res, open(os.path.join(os.environ.get("OUT", "/tmp"), "bwd_ws.json"), "w"), indent=1)

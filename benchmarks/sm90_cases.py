@@ -13,7 +13,7 @@ def _inputs(B=2, S=4096, H=16, Hk=16, D=128, dtype=torch.bfloat16):
     return q, k, lse
 
 
-def case(which: str, causal: bool, softcap: bool):
+def case(which: str, causal: bool, softcap: bool, window: bool = False):
     q, k, lse = _inputs()
     common = dict(MASK_LEFT=False, MASK_RIGHT=causal, SOFTCAP=softcap, FAST_TANH=True, FOLD_SCALE=softcap,
                   IS_VARLEN=False, HAS_SEQUSED=False)
@@ -26,11 +26,11 @@ def case(which: str, causal: bool, softcap: bool):
                     stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1), seqlen_q=4096, seqlen_k=4096, group=1)
         return attn_bwd_dkdv_sm90, args, dict(common, STAGES=2, num_warps=4), dict(num_warps=4)
     if which in ("fused", "fused-alibi", "fused-varlen"):
-        return _fused_case(causal, softcap, which == "fused-alibi", which == "fused-varlen")
+        return _fused_case(causal, softcap, which == "fused-alibi", which == "fused-varlen", window)
     raise ValueError(which)
 
 
-def _fused_case(causal: bool, softcap: bool, alibi: bool = False, varlen: bool = False):
+def _fused_case(causal: bool, softcap: bool, alibi: bool = False, varlen: bool = False, window: bool = False):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -48,7 +48,7 @@ def _fused_case(causal: bool, softcap: bool, alibi: bool = False, varlen: bool =
                 stride_dkn=k.stride(1), stride_dkh=k.stride(2), stride_dvb=k.stride(0), stride_dvn=k.stride(1),
                 stride_dvh=k.stride(2), stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1), seqlen_q=4096,
                 seqlen_k=4096, group=1)
-    constexprs = dict(MASK_LEFT=False, MASK_RIGHT=causal, SOFTCAP=softcap, FAST_TANH=True, ALIBI=alibi, STAGES=2,
+    constexprs = dict(MASK_LEFT=window, MASK_RIGHT=causal, SOFTCAP=softcap, FAST_TANH=True, ALIBI=alibi, STAGES=2,
                       ALIBI_LINEAR=alibi and causal, IS_VARLEN=varlen, HAS_SEQUSED=varlen,
                       CONSUMER_REGS=240, num_warps=4)
     return attn_bwd_sm90_ws, args, constexprs, dict(num_warps=4, maxnreg=168)

@@ -4,8 +4,10 @@ between two ``setmaxnreg``s: the consumers' loops are the ones with HGMMAs). Use
 Triton's wheel ships, so kernels can be checked for register pressure before a GPU run.
 
     python benchmarks/sm90_compile.py dkdv [causal] [softcap]          # kernels/bwd_sm90.py
-    python benchmarks/sm90_compile.py fused [causal] [softcap]         # kernels/bwd_sm90_ws.py, dense
-    python benchmarks/sm90_compile.py fused-alibi|fused-varlen [causal] [softcap]
+    python benchmarks/sm90_compile.py fused [causal] [softcap] [window] # kernels/bwd_sm90_ws.py, dense
+    python benchmarks/sm90_compile.py fused-alibi|fused-varlen [causal] [softcap] [window]
+
+``window``: a left bound (the kernel's MASK_LEFT; the fused kernels only).
 
 The one-pass kernel's spills quoted in BENCHMARKS.md and kernels/bwd_sm90_ws.py come from the partitions'
 STL/LDL counts here. Kernel arguments: benchmarks/sm90_cases.py.
@@ -83,9 +85,10 @@ if __name__ == "__main__":
     which = sys.argv[1] if len(sys.argv) > 1 else "dkdv"
     causal = "causal" in sys.argv
     softcap = "softcap" in sys.argv
+    window = "window" in sys.argv
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from sm90_cases import case  # noqa: E402
-    fn, args, constexprs, options = case(which, causal, softcap)
+    fn, args, constexprs, options = case(which, causal, softcap, window)
     k = compile_gluon(fn, args, constexprs, **options)
-    report(k, f"{which} causal={causal} softcap={softcap}")
+    report(k, f"{which} causal={causal} softcap={softcap} window={window}")
     print("setmaxnreg", _setmaxnreg(k))

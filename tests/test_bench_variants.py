@@ -122,6 +122,19 @@ def _verdicts(rows):
     return {c["id"]: c["verdict"] for c in variants.evaluate(rows)}
 
 
+def test_flex_window_is_compared_with_its_own_causal():
+    """The window table's ratio for Flex is Flex's window against Flex's causal (its own ratio, same run); the bar
+    stays on flashtile's rows."""
+    pairs = dict(window=[1024, 0], visible_pairs=variants.visible_pairs(16384, True, 1024))
+    rows = [_row("window", "flashtile", "window", 1.0, 2.0, **pairs), _row("window", "flashtile", "causal", 6.0, 12.0),
+            _row("window", "flex", "window", 2.0, 4.0, **pairs), _row("window", "flex", "causal", 14.0, 30.0)]
+    lines = variants.group_table(rows, "window").splitlines()
+    assert "7.00 / 7.50" in next(line for line in lines if "flex window" in line)
+    assert "6.00 / 6.00" in next(line for line in lines if "flashtile window" in line)
+    (window,) = [c for c in variants.evaluate(rows) if c["id"] == "window"]
+    assert [round(ch["value"], 2) for ch in window["checks"]] == [6.0, 6.0]
+
+
 def test_criteria_verdicts():
     rows = [
         _row("window", "flashtile", "window", 1.0, 3.0),

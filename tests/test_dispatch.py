@@ -477,7 +477,7 @@ def test_profiler_trace_names_the_kernels_that_ran(rng, backend):
 @pytest.mark.parametrize("case, one_pass", [
     ("plain", True), ("causal", True), ("window", True), ("softcap", True), ("sink", True), ("alibi", True),
     ("alibi-causal", True), ("alibi-two-sided", False), ("gqa-4", True), ("deterministic", False), ("few-ctas", False), ("dropout", False), ("fp32", False),
-    ("head-dim-64", False), ("varlen", True), ("varlen-seqused", True), ("varlen-softcap", True),
+    ("head-dim-64", False), ("varlen", True), ("varlen-softcap", True),
     ("ampere", False),
 ])
 def test_one_pass_backward_where_it_serves(monkeypatch, case, one_pass):
@@ -494,7 +494,7 @@ def test_one_pass_backward_where_it_serves(monkeypatch, case, one_pass):
     cuda = torch.device("cuda", 0)
     features = {"window": ("window",), "softcap": ("softcap",), "sink": ("sink",), "alibi": ("alibi",),
                 "alibi-causal": ("alibi",), "alibi-two-sided": ("alibi", "window"), "dropout": ("dropout",),
-                "varlen": ("varlen",), "varlen-seqused": ("varlen",), "varlen-softcap": ("varlen", "softcap")}.get(
+                "varlen": ("varlen",), "varlen-softcap": ("varlen", "softcap")}.get(
         case, ())
     call = AttentionCall(cuda, torch.float32 if case == "fp32" else torch.bfloat16, 1 if case == "few-ctas" else 4,
                          4096, 4096, 16, 4 if case == "gqa-4" else 16, 64 if case == "head-dim-64" else 128,
@@ -505,8 +505,6 @@ def test_one_pass_backward_where_it_serves(monkeypatch, case, one_pass):
                          softcap=30.0 if case == "softcap" else 0.0)
     if case == "deterministic":
         call = replace(call, deterministic=True)
-    if case == "varlen-seqused":
-        call = replace(call, seqused=True)
     if case == "few-ctas":
         call = replace(call, nheads=4, nheads_kv=4)  # 32 key blocks x 4 heads: 128 CTAs for 132 SMs
     _, bwd_name, config = triton_backend.describe(call)

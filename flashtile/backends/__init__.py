@@ -196,8 +196,6 @@ class AttentionCall:
     softcap: float = 0.0
     # AttnArgs.deterministic: whether the backward must add its sums in a fixed order.
     deterministic: bool = False
-    # Packed sequences with seqused_k.
-    seqused: bool = False
 
     def __post_init__(self):
         if self.headdim_v is None:
@@ -234,8 +232,7 @@ class AttentionCall:
         page_size = args.page_size if isinstance(args, KVCacheArgs) and args.paged else 0
         return cls(q.device, q.dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, bool(args.causal),
                    _features(args, headdim, headdim_v), headdim_v, page_size,
-                   (args.window_left, args.window_right), args.softcap, bool(args.deterministic),
-                   args.seqused_k is not None)
+                   (args.window_left, args.window_right), args.softcap, bool(args.deterministic))
 
 
 def _shape(t: torch.Tensor) -> str:

@@ -101,7 +101,7 @@ def describe(call: AttentionCall):
     bwd_name = (f"flashtile.bwd[triton d={call.headdim} {mask}{extras} dkdv={dkdv}BM{bwd.dkdv.BLOCK_M}"
                 f"xBN{bwd.dkdv.BLOCK_N}{split} dq=BM{bwd.dq.BLOCK_M}xBN{bwd.dq.BLOCK_N}{'+stream' if alongside else ''}]")
     bwd_tiles = {"bwd_dkdv": {**vars(bwd.dkdv), "parts": parts}, "bwd_dq": {**vars(bwd.dq), "alongside": alongside}}
-    if one_pass_bwd(call.headdim, call.headdim_v, call.dtype, call.device, call.feature_names, right, call.seqused,
+    if one_pass_bwd(call.headdim, call.headdim_v, call.dtype, call.device, call.feature_names, right,
                     call.batch, call.nheads_kv, call.seqlen_k, deterministic(call.deterministic)):
         bwd_name = f"flashtile.bwd[gluon-sm90-ws d={call.headdim} {mask}{extras} one-pass BM64xBN{ONE_PASS_KEYS}]"
         bwd_tiles = {"bwd_one_pass": {"BLOCK_M": 64, "BLOCK_N": ONE_PASS_KEYS, "kernel": "gluon-ws"}}

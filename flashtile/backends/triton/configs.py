@@ -655,7 +655,8 @@ _INTERPRET_MIN_ROWS_PER_SPLIT = 64
 # and dQ, adding dQ into float32 with the TMA's reduce (in whatever order the CTAs get there). It takes 16-bit
 # calls at head dim 128, packed sequences too, with windows, softcap, ALiBi or a sink, once its CTAs fill the
 # SMs: bf16 on the H200, 0.81-0.93x the time of the dK/dV + dQ pair, softcap 0.93-1.01x of the pair's plain rows
-# (benchmarks/bwd_ws.py, BENCHMARKS.md). ALiBi with no right bound, or causal (the bias is linear where keys are
+# (benchmarks/bwd_ws.py, BENCHMARKS.md); packed sequences 0.84-0.97x with or without the features and seqused_k
+# (benchmarks/bwd_ws.py varlen). ALiBi with no right bound, or causal (the bias is linear where keys are
 # seen); a right bound past the diagonal keeps the pair. Deterministic calls keep the pair.
 ONE_PASS_KEYS = 128
 ONE_PASS_FEATURES = frozenset({"window", "softcap", "alibi", "sink", "varlen"})
@@ -668,11 +669,11 @@ def deterministic(asked: bool) -> bool:
 
 
 def one_pass_bwd(head_dim: int, head_dim_v: int, dtype: torch.dtype, device: torch.device, features: frozenset,
-                 window_right: int, seqused: bool, batch: int, nheads_kv: int, seqlen_k: int,
+                 window_right: int, batch: int, nheads_kv: int, seqlen_k: int,
                  deterministic: bool) -> bool:
     """Whether a backward takes the one-pass kernel; ``features``: the call's feature names (packed sequences
-    are one), ``window_right`` its right bound (0 when causal, -1 none), ``seqused`` whether packed sequences
-    come with ``seqused_k``, ``deterministic`` whether its gradients must be bit-identical run to run."""
+    are one), ``window_right`` its right bound (0 when causal, -1 none), ``deterministic`` whether its gradients
+    must be bit-identical run to run."""
     return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _arch(device) == 90
             and head_dim == 128 and head_dim_v == 128 and features <= ONE_PASS_FEATURES
             and not ("alibi" in features and window_right > 0) and not deterministic

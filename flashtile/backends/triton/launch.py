@@ -418,7 +418,7 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
     splits = kv_splits or splits
     # Calls whose 128-key CTAs fill the GPU take the one-pass kernel when they allow dQ's reduce order to vary.
     one_pass = config is None and not kv_splits and configs.one_pass_bwd(
-        head_dim, head_dim_v, q.dtype, q.device, features, args.window_right, args.seqused_k is not None, batch,
+        head_dim, head_dim_v, q.dtype, q.device, features, args.window_right, batch,
         nheads_kv, seqlen_k, configs.deterministic(args.deterministic))
     if one_pass and (reason := tma_unfit(q, k, v, dout)) is not None:
         record_fallback(f"the one-pass Hopper backward needs TMA-compatible inputs ({reason})", "triton",

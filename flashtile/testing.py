@@ -236,6 +236,10 @@ def assert_results_close(ours: dict, ref_hi: dict, ref_lo: dict, dtype) -> None:
         assert_close_to_ref(name, ours[name], ref_hi[name], ref_lo[name], atol_out if name in ("out", "lse") else atol_grad)
 
 
+# Whether a Hopper (sm_90) GPU is here: the Gluon kernels' tests run on it alone.
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
 def ran_backward(name: str) -> bool:
     """Whether a backward whose profiler name contains ``name`` has run (the kernel counter of flashtile.stats)."""
     import flashtile
@@ -286,6 +290,7 @@ SM90_BWD_WINDOW_IDS = ["left-300", "two-sided", "diagonal-only", "left-only", "c
 # and long ones, so that a key block past a sequence's end holds the next one's keys and a query block its queries.
 PACKED_LENGTHS_Q = [300, 0, 1, 1000, 63, 64, 65, 1500]
 PACKED_LENGTHS_K = [300, 7, 130, 1000, 0, 200, 65, 1400]
+PACKED_LENGTHS = (PACKED_LENGTHS_Q, PACKED_LENGTHS_K)
 # seqused_k for those lengths: some keys of most sequences left out, none of one, all of another.
 PACKED_SEQUSED_K = [299, 0, 1, 1000, 0, 77, 65, 1337]
 

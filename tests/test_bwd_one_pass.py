@@ -17,14 +17,9 @@ from flashtile import testing
 from flashtile.backends.triton import configs
 from flashtile.testing import assert_results_close, make_qkv, reference_results
 
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-pytestmark = [pytest.mark.skipif(not HOPPER, reason="the one-pass backward runs on sm_90 only"),
+pytestmark = [pytest.mark.skipif(not testing.HOPPER, reason="the one-pass backward runs on sm_90 only"),
               pytest.mark.usefixtures("clean_dispatch_state")]
 ONE_PASS, PAIR = "one-pass", "dkdv=gluon-sm90 BM64xBN64"
-
-
-# Lengths of 0, 1, either side of a tile and long (flashtile.testing), NaN past the last sequence.
-PACKED = (testing.PACKED_LENGTHS_Q, testing.PACKED_LENGTHS_K)
 
 
 @pytest.fixture(autouse=True)
@@ -104,7 +99,7 @@ def test_alibi_right_window_keeps_the_pair(rng):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("nheads, nheads_kv", [(4, 2), (3, 3), (4, 1)], ids=["gqa-2", "mha", "gqa-4"])
 def test_one_pass_varlen(rng, dtype, causal, nheads, nheads_kv):
-    testing.check_packed(rng, *PACKED, nheads, nheads_kv, dtype, causal=causal)
+    testing.check_packed(rng, *testing.PACKED_LENGTHS, nheads, nheads_kv, dtype, causal=causal)
     assert ran(ONE_PASS), flashtile.stats()["kernels"]
 
 
@@ -112,7 +107,8 @@ def test_one_pass_varlen(rng, dtype, causal, nheads, nheads_kv):
 def test_one_pass_varlen_seqused_k(rng, causal):
     """seqused_k: the keys it leaves out (NaN and infinite values) are zeroed in shared memory, so they get zero
     gradients and add nothing to dQ."""
-    testing.check_packed(rng, *PACKED, 4, 2, torch.bfloat16, causal=causal, seqused_k=testing.PACKED_SEQUSED_K)
+    testing.check_packed(rng, *testing.PACKED_LENGTHS, 4, 2, torch.bfloat16, causal=causal,
+                         seqused_k=testing.PACKED_SEQUSED_K)
     assert ran(ONE_PASS), flashtile.stats()["kernels"]
 
 
@@ -130,7 +126,7 @@ def test_one_pass_varlen_features(rng, options):
         options["alibi_slopes"] = (2.0 ** (-8.0 * torch.arange(1, 5) / 4)).to("cuda")
     if options.pop("seqused", False):
         options["seqused_k"] = testing.PACKED_SEQUSED_K
-    testing.check_packed(rng, *PACKED, 4, 2, torch.bfloat16, **options)
+    testing.check_packed(rng, *testing.PACKED_LENGTHS, 4, 2, torch.bfloat16, **options)
     assert ran(ONE_PASS), flashtile.stats()["kernels"]
 
 

@@ -17,14 +17,9 @@ from flashtile.backends.triton import configs
 from flashtile import testing
 from flashtile.testing import make_qkv
 
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-pytestmark = [pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only"),
+pytestmark = [pytest.mark.skipif(not testing.HOPPER, reason="the Gluon backward runs on sm_90 only"),
               pytest.mark.usefixtures("clean_dispatch_state")]
 GLUON, TRITON = "dkdv=gluon-sm90 BM64xBN64", "dkdv=BM"
-
-
-# Lengths of 0, 1, either side of a tile and long (flashtile.testing), NaN past the last sequence.
-PACKED = (testing.PACKED_LENGTHS_Q, testing.PACKED_LENGTHS_K)
 
 
 @pytest.fixture(autouse=True)
@@ -87,14 +82,14 @@ def test_gluon_dkdv_features(rng, causal, feature):
 @pytest.mark.parametrize("nheads, nheads_kv", [(4, 2), (3, 3), (4, 1)], ids=["gqa-2", "mha", "gqa-4"])
 def test_gluon_dkdv_varlen(rng, dtype, causal, nheads, nheads_kv):
     """Packed sequences fill the GPU with one-pass CTAs (many short sequences): ``deterministic`` keeps the pair."""
-    testing.check_packed(rng, *PACKED, nheads, nheads_kv, dtype, causal=causal, deterministic=True)
+    testing.check_packed(rng, *testing.PACKED_LENGTHS, nheads, nheads_kv, dtype, causal=causal, deterministic=True)
     assert ran(GLUON), flashtile.stats()["kernels"]
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_gluon_dkdv_varlen_seqused_k(rng, causal):
     """Keys past seqused_k (NaN, infinite values) get zero gradients; whole key blocks of them see no query."""
-    testing.check_packed(rng, *PACKED, 4, 2, torch.bfloat16, causal=causal,
+    testing.check_packed(rng, *testing.PACKED_LENGTHS, 4, 2, torch.bfloat16, causal=causal,
                          seqused_k=testing.PACKED_SEQUSED_K, deterministic=True)
     assert ran(GLUON), flashtile.stats()["kernels"]
 
@@ -105,7 +100,7 @@ def test_gluon_dkdv_varlen_seqused_k(rng, causal):
 def test_gluon_dkdv_varlen_features(rng, options):
     if options.pop("sink", False):
         options["sink"] = torch.randn(4, generator=rng).to("cuda").requires_grad_()
-    testing.check_packed(rng, *PACKED, 4, 2, torch.bfloat16, deterministic=True, **options)
+    testing.check_packed(rng, *testing.PACKED_LENGTHS, 4, 2, torch.bfloat16, deterministic=True, **options)
     assert ran(GLUON), flashtile.stats()["kernels"]
 
 

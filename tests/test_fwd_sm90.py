@@ -26,8 +26,7 @@ from flashtile.backends.triton import configs, launch
 from flashtile.testing import ATOL, assert_close_to_ref, assert_results_close, attention_ref, make_qkv
 from flashtile.testing import reference_results
 
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-pytestmark = [pytest.mark.skipif(not HOPPER, reason="the Gluon forward runs on sm_90 only"),
+pytestmark = [pytest.mark.skipif(not testing.HOPPER, reason="the Gluon forward runs on sm_90 only"),
               pytest.mark.usefixtures("clean_dispatch_state")]
 # Shapes here stay below the launch threshold (query rows x keys): lower it for these tests.
 TEST_ROWS = 4096

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flashtile
-from flashtile import dispatch, interface, replay, validation
+from flashtile import dispatch, interface, replay, testing, validation
 from flashtile.backends.triton import launch
 from flashtile.interface import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
                                  flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
@@ -317,7 +317,6 @@ def test_packed_alibi_calls_replay(rng, unchecked, served):
         assert len(served) == step
 
 
-HOPPER = HAS_CUDA and torch.cuda.get_device_capability()[0] == 9
 GLUON_CASES = {
     "causal_gqa": (flash_attn_func, ((2, 70, 4, 128), (2, 70, 2, 128), (2, 70, 2, 128)), dict(causal=True)),
     "transposed": (flash_attn_func, ((2, 4, 45, 128), (2, 2, 45, 128), (2, 2, 45, 128)), dict(causal=True)),
@@ -343,7 +342,7 @@ def gluon_everywhere(monkeypatch):
     dispatch._describe.cache_clear()
 
 
-@pytest.mark.skipif(not HOPPER, reason="the Gluon forward runs on sm_90 only")
+@pytest.mark.skipif(not testing.HOPPER, reason="the Gluon forward runs on sm_90 only")
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "training"])
 @pytest.mark.parametrize("case", GLUON_CASES)
 def test_gluon_forward_replays(rng, unchecked, served, gluon_everywhere, clean_dispatch_state, case, grad):
@@ -372,7 +371,7 @@ def test_gluon_forward_replays(rng, unchecked, served, gluon_everywhere, clean_d
     assert any(family in name for name in flashtile.stats()["kernels"])
 
 
-@pytest.mark.skipif(not HOPPER, reason="the Gluon forward runs on sm_90 only")
+@pytest.mark.skipif(not testing.HOPPER, reason="the Gluon forward runs on sm_90 only")
 def test_gluon_varlen_and_chunked_prefill_replay(rng, unchecked, served, gluon_everywhere, clean_dispatch_state):
     """Packed sequences (descriptors of the packed tensors seen as one batch row) and a chunked prefill into a
     contiguous cache (descriptors of the caches) replay on the Gluon forward."""

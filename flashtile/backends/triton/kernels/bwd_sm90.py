@@ -31,7 +31,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from .common import q_block_range, scores, sequence, stored_keys, visible
-from .fwd_sm90 import _load, _scale_tile, _tile, _zero_tail
+from .fwd_sm90 import _load, _scale_tile, _tile, _zero_tail, wgmma_layout
 
 
 @gluon.jit
@@ -94,10 +94,8 @@ def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, LSE2, DELTA, CU_
     gl.static_assert(num_warps == 4, "one warpgroup per program")
     # Accumulator layouts: the transposed scores (keys x queries) and dK/dV (keys x head dim), and the
     # probabilities as the register operand of the second.
-    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                        instr_shape=[16, BLOCK_M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
+    st_layout: gl.constexpr = wgmma_layout(BLOCK_M, num_warps)
+    acc_layout: gl.constexpr = wgmma_layout(HEAD_DIM, num_warps)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     keys_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
     queries_layout: gl.constexpr = gl.SliceLayout(0, st_layout)

@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .bwd_sm90 import _query_block, store_dkdv
 from .common import q_block_range, scores, sequence, stored_keys, visible
-from .fwd_sm90 import _load, _tile, _zero_tail
+from .fwd_sm90 import _load, _tile, _zero_tail, wgmma_layout
 
 
 @builtin
@@ -107,12 +107,9 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
     dtype: gl.constexpr = q_desc.dtype
     # Accumulator layouts of one warpgroup: the transposed scores (keys x queries), dK/dV (keys x head dim),
     # dQ's half (queries x half the head dim); P^T as the register operand of the dV product.
-    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, BLOCK_M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, HALF_D, 16])
+    st_layout: gl.constexpr = wgmma_layout(BLOCK_M, 4)
+    acc_layout: gl.constexpr = wgmma_layout(HEAD_DIM, 4)
+    dq_layout: gl.constexpr = wgmma_layout(HALF_D, 4)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     keys_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
     queries_layout: gl.constexpr = gl.SliceLayout(0, st_layout)

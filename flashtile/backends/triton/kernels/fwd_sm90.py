@@ -68,6 +68,12 @@ def _scores_mma(q, q_tail, k_smem, k_tail_smem, slot, s_zero, TAIL: gl.constexpr
     return qk
 
 
+@gluon.constexpr_function
+def wgmma_layout(columns, num_warps):
+    """The accumulator layout of a Hopper wgmma over ``columns`` output columns (rows: 64 a warpgroup)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, columns, 16])
+
+
 @gluon.jit
 def _tile(ring, slot):
     """Slot ``slot`` of a ``[slots, 1, rows, 1, headdim]`` ring as a ``[rows, headdim]`` matrix."""
@@ -272,10 +278,8 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, qk_s
     dtype: gl.constexpr = q_desc.dtype
     gl.static_assert(num_warps == 4, "one warpgroup per program: slots are refilled without a CTA barrier")
     # Accumulator layouts of the two matmuls, and P as the register operand of the second.
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, HEAD_DIM_V, 16])
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_N, num_warps)
+    o_layout: gl.constexpr = wgmma_layout(HEAD_DIM_V, num_warps)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)

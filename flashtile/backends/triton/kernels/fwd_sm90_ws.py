@@ -27,7 +27,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .common import kv_range
-from .fwd_sm90 import _scale_tile, _softmax_block, _tile, row_start, store_rows
+from .fwd_sm90 import _scale_tile, _softmax_block, _tile, row_start, store_rows, wgmma_layout
 
 
 @gluon.jit
@@ -85,10 +85,8 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
     # Accumulator layouts of the two matmuls (one warpgroup), and P as the register operand of the second.
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_N, 4)
+    o_layout: gl.constexpr = wgmma_layout(HEAD_DIM, 4)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)

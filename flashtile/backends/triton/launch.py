@@ -565,9 +565,12 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
     if varlen:
         # One batch row of all tokens for the TMA; each CTA finds its sequence's rows.
         q, k, v, dout, dq_acc = (t.unsqueeze(0) for t in (q, k, v, dout, dq_acc))
-    _BWD_WS(key, (cdiv(seqlen_k, 2 * 64), nheads_kv, batch),
-            dict(q_desc=_tma_desc(q, 64), k_desc=_tma_desc(k, 64), v_desc=_tma_desc(v, 64), do_desc=_tma_desc(dout, 64),
-                 dq_desc=_tma_desc(dq_acc, 64, q.shape[3] // 2), DK=dk, DV=dv, LSE2=lse2, DELTA=delta, **_sequence_tensors(lse2, args),
+    # A CTA's keys, a consumer's half of them; query steps of as many rows.
+    rows = configs.ONE_PASS_KEYS // 2
+    _BWD_WS(key, (cdiv(seqlen_k, configs.ONE_PASS_KEYS), nheads_kv, batch),
+            dict(q_desc=_tma_desc(q, rows), k_desc=_tma_desc(k, rows), v_desc=_tma_desc(v, rows),
+                 do_desc=_tma_desc(dout, rows), dq_desc=_tma_desc(dq_acc, rows, q.shape[3] // 2), DK=dk, DV=dv,
+                 LSE2=lse2, DELTA=delta, **_sequence_tensors(lse2, args),
                  ALIBI_SLOPES=alibi if alibi is not None else lse2, qk_scale=qk_scale, softcap2=softcap2,
                  softmax_scale=args.softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k), static)
 

@@ -9,6 +9,11 @@ back-to-back calls). Reports median and best TFLOP/s of visible pairs.
     python benchmarks/gluon_ws.py --rounds 3 -> $OUT (default /tmp)/h200-gluon-ws-<date>.json
     python benchmarks/gluon_ws.py mods      -> ...-gluon-ws-mods-<date>.json: softcap 50 and ALiBi against
                                                plain on the variants suite's mods shapes
+    python benchmarks/gluon_ws.py window [OLD=path] [TILES=64x4,128x2] [GRIDS=persistent]
+                                            -> ...-gluon-ws-window-<date>.json: sliding windows on the
+                                               dispatched tile against the warp-specialized kernel's key
+                                               tiles and grids (and full rows); with OLD,
+                                               also the kernel source at that path, interleaved
 """
 import os
 import sys
@@ -31,6 +36,13 @@ SHAPES += [(4, 4096, 16, 16, False, "sink"), (2, 8192, 16, 16, True, "sink")]
 # The variants suite's mods shapes (batch x seqlen = 16384): softcap and ALiBi against plain.
 MODS = [(b, s, 16, 16, causal, feature) for feature in ("", "softcap", "alibi") for causal in (False, True)
         for b, s in ((4, 4096), (2, 8192))]
+# Sliding windows (batch, seqlen, query heads, KV heads, (left, right)); right -1: full rows, 0: causal.
+WINDOWS = [(1, 16384, 16, 16, (1024, 0)), (2, 8192, 16, 16, (1024, 0)), (4, 4096, 32, 8, (1024, 0)),
+           (1, 16384, 16, 16, (4096, 0)), (16, 1024, 16, 16, (-1, -1)), (8, 2048, 16, 16, (-1, -1)),
+           (4, 4096, 16, 16, (-1, -1)), (2, 8192, 16, 16, (-1, -1))]
+WS_TILES = {"64x3": configs.TileConfig(64, 64, 4, 3, kernel="gluon-ws"),
+            "64x4": configs.TileConfig(64, 64, 4, 4, kernel="gluon-ws"),
+            "128x2": configs.TileConfig(64, 128, 4, 2, kernel="gluon-ws")}
 # The grids tried, CTAs from (causal, tiles, SMs): one CTA an SM walking tiles round robin, or a CTA per tile.
 SCHEDULES = {
     "ws persistent": lambda causal, tiles, sms: min(tiles, sms),
@@ -103,7 +115,91 @@ def measure(batch, seqlen, heads, heads_kv, causal, feature, rounds):
     return row
 
 
+def window_reference(q, k, v, window):
+    """float32 attention of ``(1, seqlen, heads, 128)`` inputs (k and v: the query heads' KV heads) under
+    ``window`` (-1: that side unbounded)."""
+    qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))
+    s = qf @ kf.transpose(-1, -2) * q.shape[-1] ** -0.5
+    idx = torch.arange(s.shape[-1], device=s.device)
+    offset = idx[None, :] - idx[:, None]
+    keep = offset <= window[1] if window[1] >= 0 else torch.ones_like(offset, dtype=torch.bool)
+    if window[0] >= 0:
+        keep &= offset >= -window[0]
+    return (s.masked_fill(~keep, float("-inf")).softmax(-1) @ vf).transpose(1, 2)
+
+
+def old_launch(path: str):
+    """The warp-specialized launch with the kernel source at ``path`` (imported as a sibling module)."""
+    import importlib
+    import shutil
+
+    from flashtile.backends.triton import kernels
+    from flashtile.backends.triton.fastlaunch import CachedLaunch
+    shutil.copy(path, os.path.join(os.path.dirname(kernels.__file__), "_fwd_sm90_ws_old.py"))
+    module = importlib.import_module("flashtile.backends.triton.kernels._fwd_sm90_ws_old")
+    return CachedLaunch(module.attn_fwd_sm90_ws, launch._FWD_SM90_WS.dynamic_names)
+
+
+def measure_window(batch, seqlen, heads, heads_kv, window, rounds, old=None, tiles=tuple(WS_TILES),
+                   grids=("persistent", "per-tile")):
+    q = torch.randn(batch, seqlen, heads, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, seqlen, heads_kv, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    args = AttnArgs(softmax_scale=128 ** -0.5, causal=window[1] == 0, window_left=window[0], window_right=window[1])
+    rule = configs.ws_ctas
+    new = launch._FWD_SM90_WS
+
+    def run(name):
+        if name == "dispatch":
+            return launch.forward(q, k, v, args)
+        version, tile, grid = name.split(" ")
+        configs.ws_ctas = SCHEDULES["ws " + grid]
+        launch._FWD_SM90_WS = old if version == "old" else new
+        try:
+            return launch.forward(q, k, v, args, config=WS_TILES[tile])
+        finally:
+            configs.ws_ctas = rule
+            launch._FWD_SM90_WS = new
+
+    versions = ("new", "old") if old is not None else ("new", )
+    names = ["dispatch"] + [f"{version} {tile} {grid}" for tile in tiles for grid in grids for version in versions]
+    row = dict(shape=f"{batch}x{seqlen}", heads=f"{heads}/{heads_kv}", mask=f"window {window}")
+    kv_heads = [0, 1 // (heads // heads_kv)]
+    expected = window_reference(q[:1, :, :2], k[:1, :, kv_heads], v[:1, :, kv_heads], window)
+    for name in names:
+        out, _ = run(name)
+        row[f"{name} max err"] = float((out[:1, :, :2].float() - expected).abs().max())
+    i = torch.arange(seqlen, device="cuda")
+    lo = (i - window[0]).clamp(min=0) if window[0] >= 0 else torch.zeros_like(i)
+    hi = (i + window[1]).clamp(max=seqlen - 1) if window[1] >= 0 else torch.full_like(i, seqlen - 1)
+    pairs = int((hi - lo + 1).sum())
+    flops = 4 * batch * heads * 128 * pairs
+    times = {name: [] for name in names}
+    for _ in range(rounds):
+        for name in names:
+            times[name].append(events_us(lambda: run(name)))
+    row["us"] = {name: [round(t, 1) for t in ts] for name, ts in times.items()}
+    row["median us"] = {name: round(sorted(ts)[len(ts) // 2], 1) for name, ts in times.items()}
+    row["median TFLOP/s"] = {name: round(flops / sorted(ts)[len(ts) // 2] / 1e6) for name, ts in times.items()}
+    return row
+
+
 if __name__ == "__main__":
+    if "window" in sys.argv[1:]:
+        command = " ".join(["python benchmarks/gluon_ws.py"] + sys.argv[1:])
+        sys.argv.remove("window")
+        options = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a and not a.startswith("--"))
+        sys.argv = [a for a in sys.argv if "=" not in a or a.startswith("--")]
+        old = old_launch(options["OLD"]) if "OLD" in options else None
+        picks = dict(tiles=options.get("TILES", ",".join(WS_TILES)).split(","),
+                     grids=options.get("GRIDS", "persistent,per-tile").split(","))
+        rounds = rounds_option(3)
+        rows = measure_all(lambda *shape: measure_window(*shape, rounds, old, **picks), WINDOWS)
+        save_results("gluon-ws-window", rows, command)
+        for row in rows:
+            print(f"{row['shape']:>9} {row['heads']:>5} {row['mask']:>18}",
+                  " ".join(f"{name}={tf}" for name, tf in row["median TFLOP/s"].items()))
+            print(" " * 35, " ".join(f"{name} err={row[name + ' max err']:.4f}" for name in row["median us"]))
+        sys.exit(0)
     mods = "mods" in sys.argv[1:]
     if mods:
         sys.argv.remove("mods")

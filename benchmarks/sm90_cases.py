@@ -25,6 +25,8 @@ def case(which: str, causal: bool, softcap: bool, window: bool = False):
                     stride_dvb=k.stride(0), stride_dvn=k.stride(1), stride_dvh=k.stride(2),
                     stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1), seqlen_q=4096, seqlen_k=4096, group=1)
         return attn_bwd_dkdv_sm90, args, dict(common, STAGES=2, num_warps=4), dict(num_warps=4)
+    if which == "fwd-ws":
+        return _fwd_ws_case(causal, softcap, window)
     if which in ("fused", "fused-alibi", "fused-varlen"):
         return _fused_case(causal, softcap, which == "fused-alibi", which == "fused-varlen", window)
     raise ValueError(which)
@@ -52,3 +54,16 @@ def _fused_case(causal: bool, softcap: bool, alibi: bool = False, varlen: bool =
                       ALIBI_LINEAR=alibi and causal, IS_VARLEN=varlen, HAS_SEQUSED=varlen,
                       CONSUMER_REGS=240, num_warps=4)
     return attn_bwd_sm90_ws, args, constexprs, dict(num_warps=4, maxnreg=168)
+
+
+def _fwd_ws_case(causal: bool, softcap: bool, window: bool, block_n: int = 64, stages: int = 4):
+    from flashtile.backends.triton.kernels.fwd_sm90_ws import attn_fwd_sm90_ws
+    q, k, lse = _inputs()
+    args = dict(q_desc=launch._tma_desc(q, 64), k_desc=launch._tma_desc(k, block_n), v_desc=launch._tma_desc(k, block_n),
+                O=q, LSE=lse, SINK=lse, ALIBI_SLOPES=lse, stride_alibi_b=16, qk_scale=0.1, softcap2=1.0, row_max=0.0,
+                window_left=1024 if window else -1, window_right=0 if causal else -1, stride_ob=q.stride(0),
+                stride_om=q.stride(1), stride_oh=q.stride(2), stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1),
+                seqlen_q=4096, seqlen_k=4096, group=1, nheads=16, num_tiles=1024)
+    constexprs = dict(MASK_LEFT=window, MASK_RIGHT=causal, SOFTCAP=softcap, ALIBI=False, HAS_SINK=False,
+                      FIXED_MAX=softcap, FOLD_SCALE=softcap, STAGES=stages, CONSUMER_REGS=240, num_warps=4)
+    return attn_fwd_sm90_ws, args, constexprs, dict(num_warps=4, maxnreg=168)

@@ -6,8 +6,9 @@ Triton's wheel ships, so kernels can be checked for register pressure before a G
     python benchmarks/sm90_compile.py dkdv [causal] [softcap]          # kernels/bwd_sm90.py
     python benchmarks/sm90_compile.py fused [causal] [softcap] [window] # kernels/bwd_sm90_ws.py, dense
     python benchmarks/sm90_compile.py fused-alibi|fused-varlen [causal] [softcap] [window]
+    python benchmarks/sm90_compile.py fwd-ws [causal] [softcap] [window]  # kernels/fwd_sm90_ws.py, 64-key slots
 
-``window``: a left bound (the kernel's MASK_LEFT; the fused kernels only).
+``window``: a left bound (the kernel's MASK_LEFT; the fused and forward kernels).
 
 The one-pass kernel's spills quoted in BENCHMARKS.md and kernels/bwd_sm90_ws.py come from the partitions'
 STL/LDL counts here. Kernel arguments: benchmarks/sm90_cases.py.
@@ -48,7 +49,7 @@ def report(kernel, name: str) -> dict:
                                capture_output=True, text=True).stdout
     meta = kernel.metadata
     ptx = kernel.asm["ptx"]
-    insts = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
+    insts = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line)]
     spill_st = sum("STL" in line for line in insts)
     spill_ld = sum("LDL" in line for line in insts)
     regs = re.search(r"REG:(\d+)", usage)

@@ -24,6 +24,7 @@ from flashtile.bench.variants import visible_pairs
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bwd_fused_dq  # noqa: E402
 from d256_fwd_tiles import time_it  # noqa: E402
+from host_time import kernel_copy  # noqa: E402
 
 
 def make(B, S, H, Hk, window, softcap, seed=0, dtype=torch.bfloat16, alibi=False):
@@ -97,14 +98,9 @@ def packed_backward(t, one_pass):
 
 
 def old_kernel(path: str):
-    """The one-pass launch with the kernel source at ``path`` (imported as a sibling module of the current one)."""
-    import importlib
-    import shutil
-
-    from flashtile.backends.triton import kernels
+    """The one-pass launch with the kernel source at ``path``."""
     from flashtile.backends.triton.fastlaunch import CachedLaunch
-    shutil.copy(path, os.path.join(os.path.dirname(kernels.__file__), "_bwd_sm90_ws_old.py"))
-    module = importlib.import_module("flashtile.backends.triton.kernels._bwd_sm90_ws_old")
+    module = kernel_copy(path, "_bwd_sm90_ws_old")
     return CachedLaunch(module.attn_bwd_sm90_ws, launch._BWD_WS.dynamic_names)
 
 

@@ -26,7 +26,7 @@ from flashtile.backends import AttnArgs
 from flashtile.backends.triton import configs, launch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from host_time import events_us, measure_all, rounds_option, save_results  # noqa: E402
+from host_time import events_us, kernel_copy, measure_all, rounds_option, save_results  # noqa: E402
 
 # (batch, seqlen, query heads, KV heads, causal, feature: "", "sink", "softcap" (50) or "alibi")
 SHAPES = [(b, s, 16, 16, False, "") for b, s in ((32, 512), (16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384))]
@@ -129,14 +129,9 @@ def window_reference(q, k, v, window):
 
 
 def old_launch(path: str):
-    """The warp-specialized launch with the kernel source at ``path`` (imported as a sibling module)."""
-    import importlib
-    import shutil
-
-    from flashtile.backends.triton import kernels
+    """The warp-specialized launch with the kernel source at ``path``."""
     from flashtile.backends.triton.fastlaunch import CachedLaunch
-    shutil.copy(path, os.path.join(os.path.dirname(kernels.__file__), "_fwd_sm90_ws_old.py"))
-    module = importlib.import_module("flashtile.backends.triton.kernels._fwd_sm90_ws_old")
+    module = kernel_copy(path, "_fwd_sm90_ws_old")
     return CachedLaunch(module.attn_fwd_sm90_ws, launch._FWD_SM90_WS.dynamic_names)
 
 

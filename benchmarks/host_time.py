@@ -48,6 +48,17 @@ def events_us(fn, n=20):
     return sorted(times)[3]
 
 
+def kernel_copy(path: str, name: str):
+    """The kernel source at ``path`` (e.g. from ``git show REV:path``) imported as module ``name`` beside the
+    current kernels, so an A/B runs both versions in one process."""
+    import importlib
+    import shutil
+
+    from flashtile.backends.triton import kernels
+    shutil.copy(path, os.path.join(os.path.dirname(kernels.__file__), f"{name}.py"))
+    return importlib.import_module(f"flashtile.backends.triton.kernels.{name}")
+
+
 def git_commit():
     """The commit under test: ``FLASHTILE_GIT_COMMIT`` (the device copy has no .git), else git's."""
     return os.environ.get("FLASHTILE_GIT_COMMIT") or subprocess.run(

@@ -24,6 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashtile.backends import AttnArgs
 from flashtile.backends.triton import configs, launch
+from flashtile.bench.variants import visible_pairs
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from host_time import events_us, kernel_copy, measure_all, rounds_option, save_results  # noqa: E402
@@ -36,7 +37,7 @@ SHAPES += [(4, 4096, 16, 16, False, "sink"), (2, 8192, 16, 16, True, "sink")]
 # The variants suite's mods shapes (batch x seqlen = 16384): softcap and ALiBi against plain.
 MODS = [(b, s, 16, 16, causal, feature) for feature in ("", "softcap", "alibi") for causal in (False, True)
         for b, s in ((4, 4096), (2, 8192))]
-# Sliding windows (batch, seqlen, query heads, KV heads, (left, right)); right -1: full rows, 0: causal.
+# Sliding windows (batch, seqlen, query heads, KV heads, (left, right)): right -1 (full rows, no left bound) or 0.
 WINDOWS = [(1, 16384, 16, 16, (1024, 0)), (2, 8192, 16, 16, (1024, 0)), (4, 4096, 32, 8, (1024, 0)),
            (1, 16384, 16, 16, (4096, 0)), (16, 1024, 16, 16, (-1, -1)), (8, 2048, 16, 16, (-1, -1)),
            (4, 4096, 16, 16, (-1, -1)), (2, 8192, 16, 16, (-1, -1))]
@@ -50,8 +51,9 @@ SCHEDULES = {
 }
 
 
-def reference(q, k, v, causal, sink, softcap, slopes):
-    """float32 attention of the first two query heads."""
+def reference(q, k, v, causal, sink, softcap, slopes, window_left=-1):
+    """float32 attention of the first two query heads (``window_left``: keys more than that before a row's
+    diagonal are hidden, -1 none)."""
     kv_heads = [0, 1 // (q.shape[2] // k.shape[2])]
     qf = q[:, :, :2].float().transpose(1, 2)
     kf, vf = (t[:, :, kv_heads].float().transpose(1, 2) for t in (k, v))
@@ -63,6 +65,9 @@ def reference(q, k, v, causal, sink, softcap, slopes):
         s = s - slopes[:2].view(1, 2, 1, 1) * (idx[:, None] - idx[None, :]).abs()
     if causal:
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    if window_left >= 0:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(-window_left - 1),
+                          float("-inf"))
     if sink is not None:
         s = torch.cat([s, sink[:2].view(1, 2, 1, 1).expand(*s.shape[:3], 1)], dim=-1)
     p = s.softmax(-1)[..., :kf.shape[2]]
@@ -115,19 +120,6 @@ def measure(batch, seqlen, heads, heads_kv, causal, feature, rounds):
     return row
 
 
-def window_reference(q, k, v, window):
-    """float32 attention of ``(1, seqlen, heads, 128)`` inputs (k and v: the query heads' KV heads) under
-    ``window`` (-1: that side unbounded)."""
-    qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))
-    s = qf @ kf.transpose(-1, -2) * q.shape[-1] ** -0.5
-    idx = torch.arange(s.shape[-1], device=s.device)
-    offset = idx[None, :] - idx[:, None]
-    keep = offset <= window[1] if window[1] >= 0 else torch.ones_like(offset, dtype=torch.bool)
-    if window[0] >= 0:
-        keep &= offset >= -window[0]
-    return (s.masked_fill(~keep, float("-inf")).softmax(-1) @ vf).transpose(1, 2)
-
-
 def old_launch(path: str):
     """The warp-specialized launch with the kernel source at ``path``."""
     from flashtile.backends.triton.fastlaunch import CachedLaunch
@@ -158,16 +150,11 @@ def measure_window(batch, seqlen, heads, heads_kv, window, rounds, old=None, til
     versions = ("new", "old") if old is not None else ("new", )
     names = ["dispatch"] + [f"{version} {tile} {grid}" for tile in tiles for grid in grids for version in versions]
     row = dict(shape=f"{batch}x{seqlen}", heads=f"{heads}/{heads_kv}", mask=f"window {window}")
-    kv_heads = [0, 1 // (heads // heads_kv)]
-    expected = window_reference(q[:1, :, :2], k[:1, :, kv_heads], v[:1, :, kv_heads], window)
+    expected = reference(q[:1], k[:1], v[:1], window[1] == 0, None, 0.0, None, window[0])
     for name in names:
         out, _ = run(name)
         row[f"{name} max err"] = float((out[:1, :, :2].float() - expected).abs().max())
-    i = torch.arange(seqlen, device="cuda")
-    lo = (i - window[0]).clamp(min=0) if window[0] >= 0 else torch.zeros_like(i)
-    hi = (i + window[1]).clamp(max=seqlen - 1) if window[1] >= 0 else torch.full_like(i, seqlen - 1)
-    pairs = int((hi - lo + 1).sum())
-    flops = 4 * batch * heads * 128 * pairs
+    flops = 4 * batch * heads * 128 * visible_pairs(seqlen, window[1] == 0, window[0])
     times = {name: [] for name in names}
     for _ in range(rounds):
         for name in names:

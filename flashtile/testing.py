@@ -296,7 +296,7 @@ PACKED_SEQUSED_K = [299, 0, 1, 1000, 0, 77, 65, 1337]
 
 
 def check_packed(generator, lengths_q, lengths_k, nheads, nheads_kv, dtype, head_dims=(128, 128), seqused_k=None,
-                 sink=None, device="cuda", **options) -> dict:
+                 sink=None, device="cuda", deterministic=False, **options) -> dict:
     """Run :func:`flashtile.flash_attn_varlen_func` forward and backward on packed sequences of these lengths
     and hold every result to the tolerance rule; returns ours. ``deterministic`` goes to flashtile alone.
 
@@ -323,11 +323,11 @@ def check_packed(generator, lengths_q, lengths_k, nheads, nheads_kv, dtype, head
     if sink is not None:
         options["sink"] = sink
     out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
-                                                   seqused_k=seqused_k, return_attn_probs=True, **options)
+                                                   seqused_k=seqused_k, deterministic=deterministic,
+                                                   return_attn_probs=True, **options)
     leaves = (q, k, v) if sink is None else (q, k, v, sink)
     grads = torch.autograd.grad(out, leaves, dout)
     ours = {"out": out[:end_q], "lse": lse[:, :end_q], **dict(zip(("dq", "dk", "dv", "dsink"), grads))}
-    options = {name: value for name, value in options.items() if name != "deterministic"}
     refs = [reference_results(q, k, v, dout, hi=hi, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=seqused_k,
                               **options) for hi in (True, False)]
     for ref in refs:

@@ -416,8 +416,7 @@ def check_packed(rng, lengths_q, lengths_k, nheads, nheads_kv, dtype, kernel, **
 
 
 # Empty sequences, one row, a tile's width and one either side, and long ones.
-LENGTHS_Q = [300, 0, 1, 1000, 63, 64, 65, 1500]
-LENGTHS_K = [300, 7, 130, 1000, 0, 200, 65, 1400]
+LENGTHS_Q, LENGTHS_K = testing.PACKED_LENGTHS
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

@@ -19,10 +19,11 @@ selected=()
 for i in "${!files[@]}"; do
   if (( i % count == index - 1 )); then selected+=("${files[$i]}"); fi
 done
-commit="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+# FLASHTILE_COMMIT names the commit when the checkout's git does not (a copied tree).
+commit="${FLASHTILE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 gpu="$(python3 -c 'import torch; print(torch.cuda.get_device_name())' 2>/dev/null || echo "no GPU")"
 FLASHTILE_NO_VENV=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -q -p no:cacheprovider \
-  -n "${FLASHTILE_GPU_WORKERS:-8}" --junitxml="$out/gpu-tests-${index}of${count}.xml" "${selected[@]}" "$@" \
+  -n "${FLASHTILE_GPU_WORKERS:-8}" --dist loadgroup --junitxml="$out/gpu-tests-${index}of${count}.xml" "${selected[@]}" "$@" \
   2>&1 | tee "$out/gpu-tests-${index}of${count}.log"
 status=${PIPESTATUS[0]}
 summary="$(grep -E '^(=+ )?[0-9]+ (passed|failed)|no tests ran' "$out/gpu-tests-${index}of${count}.log" | tail -n 1)"

@@ -76,3 +76,11 @@ def test_snippet_runs(path, line, code, gpu_only, clean_state, capsys):
     if gpu_only and not torch.cuda.is_available():
         pytest.skip("GPU-only snippet; no CUDA here")
     exec(compile(code, f"{path.relative_to(ROOT)}:{line}", "exec"), {"__name__": "__doc_snippet__"})
+
+
+def test_api_reference_covers_the_public_names():
+    """docs/api.md documents every name of ``flashtile.__all__`` and ``flashtile.nn.__all__``."""
+    text = (ROOT / "docs" / "api.md").read_text()
+    names = [name for name in flashtile.__all__ if name not in ("nn", "__version__")]
+    names += [f"flashtile.nn.{name}" for name in flashtile.nn.__all__]
+    assert [name for name in names if f"`{name}" not in text] == []

@@ -183,6 +183,12 @@ def error_kind(label: str) -> str:
     return "error"
 
 
+def invalid_cell(row: dict) -> str:
+    """The table cell of a row whose results broke the tolerance rule: ``invalid (err 2.7e+00)``."""
+    err = row.get("invalid_err")
+    return f"invalid (err {err:.1e})" if isinstance(err, (int, float)) else "invalid"
+
+
 def short_error(label: str) -> str:
     """A table cell for an error label: ``OOM``, ``n/a``, ``unsupported`` or ``ERR(<exception type>)``."""
     kind = error_kind(label)
@@ -227,8 +233,11 @@ def error_fields(row: dict) -> dict:
 
 
 def row_status(row: dict) -> str:
-    """One word per result row: ``ok``; ``skipped``; the kind of its main failure (``oom``, ``n/a``,
+    """One word per result row: ``ok``; ``invalid`` (its results broke the tolerance rule: never timed);
+    ``skipped``; the kind of its main failure (``oom``, ``n/a``,
     ``unsupported``, ``error``: nothing measured); or ``partial`` (measured, but a later stage failed)."""
+    if row.get("invalid"):
+        return "invalid"
     if row.get("skipped"):
         return "skipped"
     main = row.get("fwd_err") or row.get("err")

@@ -24,7 +24,7 @@ VARIANT_PEERS = {"window": ("window",), "varlen": ("padded",), "softcap": ("soft
 
 def _ok(row: dict | None, key: str, *errors: str) -> float | None:
     """``row[key]`` when the row measured it (positive, no error on the way), else None."""
-    if not row or row.get("skipped") or any(row.get(e) for e in ("fwd_err", "err", *errors)):
+    if not row or row.get("skipped") or row.get("invalid") or any(row.get(e) for e in ("fwd_err", "err", *errors)):
         return None
     value = row.get(key)
     return value if isinstance(value, (int, float)) and value > 0 else None
@@ -51,7 +51,8 @@ def entry(section: str, config: str, shape: str, stage: str, metric: str, higher
     elif flashtile_value is None:
         errors = common.error_fields(flashtile_row)
         label = flashtile_row.get("fwd_err") or flashtile_row.get("err") or next(iter(errors.values()), None)
-        note = "flashtile: " + ("skipped" if flashtile_row.get("skipped") else
+        note = "flashtile: " + (common.invalid_cell(flashtile_row) if flashtile_row.get("invalid") else
+                                "skipped" if flashtile_row.get("skipped") else
                                 common.short_error(label) if label else "not measured")
     elif name is None:
         note = "no peer measured"
@@ -214,6 +215,8 @@ def aggregate_table(groups: list[dict]) -> str:
 
 def _ms_cell(row: dict, prefix: str, error_keys=()) -> str:
     """``median (p10-p90)`` in ms, or the row's marked cell."""
+    if row.get("invalid"):
+        return common.invalid_cell(row)
     if row.get("skipped"):
         return "skip"
     for key in ("fwd_err", "err", *error_keys):
@@ -238,6 +241,8 @@ def _failed(row: dict | None) -> str | None:
     """The one marked cell of a row that measured nothing (skipped, or its forward failed), else None."""
     if row is None:
         return "-"
+    if row.get("invalid"):
+        return common.invalid_cell(row)
     if row.get("skipped"):
         return "skip"
     main = row.get("fwd_err") or row.get("err")
@@ -282,7 +287,7 @@ def dense_tables(rows: list[dict]) -> str:
         for r in sorted(mine, key=lambda r: (r["N"], provs.index(r["prov"]) if r["prov"] in provs else 99)):
             peak = r.get("peak_extra_GB")
             if _failed(r):
-                reason = r.get("skipped") or r.get("fwd_err") or r.get("err")
+                reason = r.get("invalid") or r.get("skipped") or r.get("fwd_err") or r.get("err")
                 detail.append([str(r["N"]), r["prov"], _failed(r), *([""] * (len(stages) + 3)), r.get("status", ""),
                                reason])
                 continue

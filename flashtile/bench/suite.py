@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 
 from . import common, cpu, decode, e2e, gpu, providers, variants
+from . import validate as validation
 
 SCHEMA_ID = "flashtile.bench.suite/1"
 STAGES = ("fwd", "bwd", "fwd_bwd", "window", "varlen", "softcap", "decode", "e2e")
@@ -46,7 +47,6 @@ MODS_VARIANTS = ("plain", "softcap")  # of the variants suite's "mods" group, th
 TOKENS, WIDTH = 16384, 2048  # batch * seqlen and nheads * headdim of the dense MHA shapes
 GQA_HEADS = (32, 8)
 GQA_HEADDIMS = (128,)
-REF_HEADS = 4  # the dense reference check covers the first query heads (one KV group at GQA 4:1)
 
 # Providers of each stage, in table order; the CPU comparison has its own.
 STAGE_PROVIDERS = {
@@ -69,9 +69,12 @@ TIMING_NOTE = (
 )
 MEMORY_NOTE = ("peak_extra_GB = torch.cuda.max_memory_allocated() during one forward + backward (forward only, "
                "under no_grad, when no backward stage runs) minus what was allocated before it (inputs, dout).")
-REFERENCE_NOTE = (f"max_abs_err = max|out - flashtile.testing.attention_ref in fp32| over the first {REF_HEADS} query "
-                  f"heads (dense), the first {decode.REF_BATCH} sequences (decode), the first ref_heads heads "
-                  "(variants); e2e: logits_max_diff_vs_eager = max|last-token logits - eager's| at the shortest prompt.")
+REFERENCE_NOTE = ("validated before timing (flashtile.bench.validate): dense and model shapes check out, lse (where the "
+                  "provider returns it), dq, dk, dv against flashtile.testing.reference_results in fp32 on the query heads "
+                  "of the first KV head, error <= 2x the same-dtype PyTorch computation's + atol; a provider that fails "
+                  "is 'invalid (err X)' and not timed. Variants: out against the fp32 reference on the first ref_heads "
+                  f"heads, same rule; decode: out of the first {decode.REF_BATCH} sequences, same rule; e2e: "
+                  "logits_max_diff_vs_eager = max|last-token logits - eager's| at the shortest prompt.")
 PROOF_NOTE = ("kernels / ranges = distinct CUDA kernel names (torch.profiler, CUDA activity; truncated) and flashtile "
               "record_function ranges of one call of each provider: dense at the first seqlen of each configuration "
               "(fwd and bwd separately), every variant and decode cell, one prefill per e2e implementation.")
@@ -335,7 +338,7 @@ PRIMARY = {"dense": "fwd_ms", "variants": "fwd_ms", "decode": "step_ms", "cpu": 
 SUMMARY_KEYS = {"section": str, "config": str, "shape": str, "stage": str, "metric": str, "higher_is_better": bool,
                 "flashtile": OPTIONAL_NUMBER, "best_peer": OPTIONAL_STR, "best_peer_value": OPTIONAL_NUMBER,
                 "ratio": OPTIONAL_NUMBER, "note": OPTIONAL_STR}
-STATUSES = ("ok", "partial", "skipped", "oom", "unsupported", "n/a", "error")
+STATUSES = ("ok", "partial", "invalid", "skipped", "oom", "unsupported", "n/a", "error")
 
 
 def _check_keys(where: str, obj: dict, spec: dict) -> list[str]:
@@ -533,18 +536,13 @@ def _run_dense(run: _Run, timer, device) -> None:
                     run.add("dense", row, f"{where} {prov}", f"inputs failed: {label}")
                 gpu._free_cuda(collect=True)
                 continue
-            reference = reference_err = None
-            if opts.check:
-                try:
-                    q, k, v = (x.detach() for x in inputs["bshd"])
-                    reference = common.reference_output(q, k, v, shape.causal, heads=REF_HEADS)
-                except Exception as exc:  # noqa: BLE001 - the timings are still worth having
-                    reference_err = f"reference: {common.describe_error(exc)}"
-                    common.log(f"   {where}: the reference failed, no error check: {reference_err}")
-                q = k = v = None
-                gpu._free_cuda()
+            reference, reference_err = _reference(inputs, shape) if opts.check else (None, None)
+            if reference_err:
+                common.log(f"   {where}: the reference failed, nothing is timed unchecked: {reference_err}")
             for prov in chosen:
-                if prov == "flex" and flex_spent > opts.grid.dense_flex_budget_s:
+                if reference_err:
+                    row = {**shape.key(prov), "invalid": reference_err}
+                elif prov == "flex" and flex_spent > opts.grid.dense_flex_budget_s:
                     row = {**shape.key(prov), "skipped": f"flex compile budget ({opts.grid.dense_flex_budget_s:.0f} s) spent"}
                 else:
                     start = time.perf_counter()
@@ -559,11 +557,21 @@ def _run_dense(run: _Run, timer, device) -> None:
                     if prov == "flex":
                         flex_spent += time.perf_counter() - start
                 row.update(config=config.label, group=config.group)
-                if reference_err and not row.get("skipped"):
-                    row["check_err"] = reference_err
                 run.add("dense", row, f"{where} {prov}", gpu._progress(row))
             del inputs, reference
             gpu._free_cuda(collect=True)
+
+
+def _reference(inputs: dict, shape: providers.DenseShape) -> tuple:
+    """``(validation.Reference, None)`` of a dense or model shape, or ``(None, "reference: <error>")``."""
+    try:
+        q, k, v = inputs["bshd"]
+        reference = validation.reference(q, k, v, inputs["dout_bshd"], **shape.features(inputs))
+        gpu._free_cuda()
+        return reference, None
+    except Exception as exc:  # noqa: BLE001 - e.g. out of memory: every cell of the shape says so
+        gpu._free_cuda()
+        return None, f"reference: {common.describe_error(exc)}"
 
 
 def _run_variants(run: _Run, timer, device) -> None:

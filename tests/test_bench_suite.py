@@ -134,8 +134,11 @@ def test_options_name_the_files_after_the_selection(tmp_path):
                     "--out", str(tmp_path))
     assert opts.grid.name == "full" and opts.stages == suite.DENSE_STAGES and opts.device == "cpu"
     assert opts.selection == "-dense-headdims-64-96-dtype-fp16"
-    assert suite.output_stem(opts, {"gpu": None, "date": "2026-11-21"}).name == \
-        "cpu-suite-full-dense-headdims-64-96-dtype-fp16-2026-11-21"
+    env = {"gpu": None, "date": "2026-11-21", "time_utc": "2026-11-21T10:20:30Z"}
+    stem = suite.output_stem(opts, env)
+    assert stem.name == "cpu-suite-full-dense-headdims-64-96-dtype-fp16-2026-11-21T102030Z"
+    stem.with_suffix(".json").write_text("{}")  # a second run at the same second never overwrites the first
+    assert suite.output_stem(opts, env).name == stem.name + "-2"
     gpu_args = dataclasses.make_dataclass("Args", ["only", "seqlens", "headdims", "causal", "dtype"])(
         ["decode"], [2048], [(128, 128), (192, 128)], "true", None)
     assert suite._selection(gpu_args) == "-decode-seqlens-2048-headdims-128-192x128-causal-true"

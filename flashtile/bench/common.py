@@ -332,6 +332,7 @@ def base_env() -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "argv": sys.argv[1:],
+        **machine_load(),
     }
 
 
@@ -375,8 +376,47 @@ def write_json(path: Path, payload: dict) -> Path:
     return path
 
 
-def result_path(out_dir: str | Path, prefix: str, date: str) -> Path:
-    return Path(out_dir) / f"{prefix}-{date}.json"
+DEFAULT_OUT = "flashtile-results"  # results go here, under the current directory, unless --out says otherwise
+
+
+def stamp(env: dict) -> str:
+    """``2026-11-27T153012Z``: the run's start (``env["time_utc"]``) for its file names."""
+    return env["time_utc"].replace(":", "")
+
+
+def unique_stem(out_dir: str | Path, name: str) -> Path:
+    """``out_dir / name``, or ``name-2``, ``name-3``... when a file of that stem exists: a run never
+    overwrites another's results."""
+    out_dir = Path(out_dir)
+    stem, n = out_dir / name, 1
+    while any(out_dir.glob(f"{stem.name}.*")) or any(out_dir.glob(f"{stem.name}-*.png")):
+        n += 1
+        stem = out_dir / f"{name}-{n}"
+    return stem
+
+
+def result_path(out_dir: str | Path, prefix: str, env: dict) -> Path:
+    """A new ``<out_dir>/<prefix>-<date>T<time>Z.json`` (see :func:`unique_stem`)."""
+    return unique_stem(out_dir, f"{prefix}-{stamp(env)}").with_suffix(".json")
+
+
+def machine_load() -> dict:
+    """``{"load_1m", "cpus", "busy"}``: the 1-minute load average against the cores this process may use;
+    ``busy`` when other work holds more than half of them (timings then swing)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return {"load_1m": None, "cpus": cpus, "busy": None}
+    return {"load_1m": round(load, 2), "cpus": cpus, "busy": load > 0.5 * cpus}
+
+
+def load_warning(env: dict) -> str | None:
+    """One line flagging a busy machine from ``env``'s load fields, or None."""
+    if env.get("busy"):
+        return (f"BUSY MACHINE: load average {env['load_1m']} on {env['cpus']} cores at the start; timings "
+                "(CPU timings most of all) may be slower and noisier than on an idle machine")
+    return None
 
 
 # ---------------------------------------------------------------- tables

@@ -405,6 +405,10 @@ def terminal(payload: dict) -> str:
     else:
         parts.append("Nothing measured to compare.")
     parts += [f"NOTE: {line}" for line in payload.get("skipped", [])]
+    parts.append(f"Repeats: {repeats(payload)}.")
+    warning = common.load_warning(payload.get("env") or {})
+    if warning:
+        parts.append(f"WARNING: {warning}")
     stats = payload.get("flashtile_stats") or {}
     if stats.get("fallbacks"):
         parts.append(f"WARNING: flashtile fell back from its preferred backend during the run: {stats['fallbacks']}")
@@ -421,6 +425,21 @@ def terminal(payload: dict) -> str:
     return "\n".join(parts)
 
 
+def repeats(payload: dict) -> str:
+    """``timed runs per cell: 12..180 (median reported)`` over every row's ``*_reps``, or the e2e/CPU wording."""
+    counts = [v for section in ("dense", "variants", "decode", "cpu") for row in payload.get(section, [])
+              for k, v in row.items() if k.endswith("_reps") and isinstance(v, int)]
+    if not counts:
+        return "no timed runs"
+    span = f"{min(counts)}" if min(counts) == max(counts) else f"{min(counts)}..{max(counts)}"
+    return f"{span} timed runs per measurement (the median is reported, with its 10th-90th percentile spread)"
+
+
+def ran_stages(payload: dict) -> list[str]:
+    """The stages that ran (or were cut short), in order: the header names these alone."""
+    return [name for name, state in payload.get("stages", {}).items() if state.get("status") != "skipped"]
+
+
 def markdown(payload: dict, plot_paths=(), plots_note: str | None = None) -> str:
     env, grid, models = payload["env"], payload["grid"], payload["models"]
     where = env.get("gpu") or f"CPU ({env.get('cpu')})"
@@ -431,8 +450,14 @@ def markdown(payload: dict, plot_paths=(), plots_note: str | None = None) -> str
              ("CPU", env.get("cpu")), ("torch / triton", f"{env.get('torch')} / {env.get('triton')}"),
              ("flashtile", f"{env.get('flashtile')}, commit `{commit[:12]}`" + (" (dirty tree)" if env.get("git_dirty") else "")),
              ("command", "`python -m flashtile " + " ".join(env.get("argv") or []) + "`"),
+             ("stages", " ".join(ran_stages(payload)) or "none"),
+             ("repeats", repeats(payload)),
+             ("machine load", f"{env.get('load_1m')} (1-minute load average) on {env.get('cpus')} cores"
+              + (" **busy**" if env.get("busy") else "")),
              ("elapsed", common.fmt_duration(payload.get("elapsed_s") or 0))]
     parts += [common.markdown_table(["", ""], [[k, str(v)] for k, v in facts]), ""]
+    if common.load_warning(env):
+        parts += [f"**{common.load_warning(env)}**", ""]
     if payload.get("interrupted"):
         parts += ["**Interrupted: partial results.**", ""]
     parts += ["## How it measures", ""]
@@ -442,7 +467,8 @@ def markdown(payload: dict, plot_paths=(), plots_note: str | None = None) -> str
         parts.append(f"- bandwidth ceiling: {models['bandwidth_ceiling_TBps']} TB/s ({models['bandwidth_ceiling_source']})")
     parts += ["", "## Stages", "",
               common.markdown_table(["stage", "status", "reason"],
-                                    [[s, v["status"], v.get("reason") or ""] for s, v in payload["stages"].items()]), ""]
+                                    [[s, v["status"], v.get("reason") or ""] for s, v in payload["stages"].items()
+                                     if v["status"] != "skipped"]), ""]
     parts += [f"**{line}**" for line in payload.get("skipped", [])] + [""]
     entries = payload.get("summary") or []
     if entries:

@@ -38,7 +38,7 @@ from . import common, cpu, decode, e2e, gpu, providers, variants
 from . import validate as validation
 
 SCHEMA_ID = "flashtile.bench.suite/1"
-STAGES = ("fwd", "bwd", "fwd_bwd", "window", "varlen", "softcap", "decode", "e2e")
+STAGES = ("fwd", "bwd", "fwd_bwd", "models", "window", "varlen", "softcap", "decode", "e2e")
 DENSE_STAGES = gpu.DENSE_STAGES
 STAGE_ALIASES = {"dense": DENSE_STAGES, "variants": ("window", "varlen", "softcap"), "all": STAGES}
 VARIANT_GROUPS = {"window": "window", "varlen": "varlen_mixed", "softcap": "mods"}
@@ -47,6 +47,24 @@ MODS_VARIANTS = ("plain", "softcap")  # of the variants suite's "mods" group, th
 TOKENS, WIDTH = 16384, 2048  # batch * seqlen and nheads * headdim of the dense MHA shapes
 GQA_HEADS = (32, 8)
 GQA_HEADDIMS = (128,)
+
+
+def _model(label: str, batch: int, seqlen: int, nheads: int, nheads_kv: int, headdim: int, headdim_v: int,
+           **features) -> tuple:
+    return label, providers.DenseShape(batch, seqlen, nheads, nheads_kv, headdim, headdim_v, True, "bf16", **features)
+
+
+# The ``models`` stage: the attention shapes of real models, forward and backward against every peer that
+# has the feature (FA4, cuDNN, FA2 and Flex where they do).
+MODEL_SHAPES = (
+    _model("Llama-3 GQA 32/8 d128 2x8k causal", 2, 8192, 32, 8, 128, 128),
+    _model("full causal h16 d128 1x16k", 1, 16384, 16, 16, 128, 128),
+    _model("window (1024, 0) h16 d128 1x16k", 1, 16384, 16, 16, 128, 128, window=1024),
+    _model("softcap 50 GQA 16/8 d128 2x8k causal", 2, 8192, 16, 8, 128, 128, softcap=50.0),
+    _model("gpt-oss sink GQA 64/8 d64 2x4k causal", 2, 4096, 64, 8, 64, 64, sink=True),
+    _model("gpt-oss sink + window (128, 0) GQA 64/8 d64 2x4k", 2, 4096, 64, 8, 64, 64, sink=True, window=128),
+    _model("DeepSeek d192/dv128 h16 2x4k causal", 2, 4096, 16, 16, 192, 128),
+)
 
 # Providers of each stage, in table order; the CPU comparison has its own.
 STAGE_PROVIDERS = {
@@ -142,7 +160,7 @@ class Grid:
     decode_layouts: tuple
     e2e: e2e.Settings
     dense_providers: tuple  # the default providers of the dense stages
-    dense_flex_budget_s: float  # Flex compiles are the slow part: past this, Flex cells are skipped
+    dense_flex_budget_s: float  # Flex compiles are the slow part: past this, Flex cells are skipped (models too)
     variant_flex_budget_s: float
     cpu_seqlens: tuple
     tokens: int = TOKENS  # batch * seqlen of the dense shapes
@@ -151,6 +169,7 @@ class Grid:
     cpu_causal: tuple = (False,)
     dtype: str = "bf16"  # variants, decode, e2e
     cpu_dtype: str = "fp32"
+    models: tuple = MODEL_SHAPES
 
 
 BOTH = (False, True)
@@ -181,7 +200,14 @@ FULL = Grid(
     variant_flex_budget_s=120.0,
     cpu_seqlens=cpu.SEQLENS,
 )
-GRIDS = {"quick": QUICK, "full": FULL}
+# The table of flashtile against FA4, cuDNN, FA2 (SDPA flash) and Flex: MHA at four head dims, three
+# lengths, causal and not, fwd and bwd, then the model shapes; sized for about 5 minutes on an H200.
+HEADLINE = dataclasses.replace(
+    QUICK, name="headline",
+    dense=dense_configs(("bf16",), ((64, 64), (128, 128), (256, 256), (192, 128)), BOTH, gqa_headdims=()),
+    dense_providers=("flashtile", "fa4", "cudnn", "flash", "flex"), dense_flex_budget_s=150.0)
+HEADLINE_STAGES = ("fwd", "bwd", "models")
+GRIDS = {"quick": QUICK, "full": FULL, "headline": HEADLINE}
 
 
 def with_overrides(grid: Grid, seqlens=None, headdims=None, causal: Optional[str] = None,
@@ -281,7 +307,10 @@ def options_from_args(args) -> Options:
     bad = [n for n in args.seqlens or () if n <= 0]
     if bad:
         raise UsageError(f"--seqlens must be positive, got {bad}")
-    grid = with_overrides(GRIDS["full" if args.full else "quick"], args.seqlens, args.headdims, args.causal, args.dtype)
+    name = "full" if args.full else "headline" if getattr(args, "headline", False) else "quick"
+    if name == "headline" and not args.only:
+        stages = HEADLINE_STAGES
+    grid = with_overrides(GRIDS[name], args.seqlens, args.headdims, args.causal, args.dtype)
     if device == "cpu":
         if any(d != dv for d, dv in args.headdims or ()):
             raise UsageError("--headdims D/DV: the CPU comparison takes one head dim for q, k and v")
@@ -448,7 +477,7 @@ def new_payload(opts: Options, env: dict) -> dict:
 
 def output_stem(opts: Options, env: dict) -> Path:
     slug = common.gpu_slug(env["gpu"]) if opts.device == "cuda" else "cpu"
-    return opts.out / f"{slug}-suite-{opts.grid.name}{opts.selection}-{env['date']}"
+    return common.unique_stem(opts.out, f"{slug}-suite-{opts.grid.name}{opts.selection}-{common.stamp(env)}")
 
 
 def finalize(payload: dict) -> dict:
@@ -492,9 +521,10 @@ class _Run:
 
 def _cell_counts(opts: Options) -> dict:
     grid, stages = opts.grid, opts.stages
-    counts = {"dense": 0, "variants": 0, "decode": 0, "e2e": 0}
+    counts = {"dense": 0, "models": 0, "variants": 0, "decode": 0, "e2e": 0}
     if any(s in stages for s in DENSE_STAGES):
         counts["dense"] = len(grid.dense) * len(grid.seqlens) * len(opts.stage_providers("dense"))
+    counts["models"] = len(grid.models) * len(opts.stage_providers("dense")) if "models" in stages else 0
     counts["variants"] = len(_variant_cases(opts))
     if "decode" in stages:
         counts["decode"] = len(decode.cells(_decode_shapes(opts), grid.decode_layouts, opts.stage_providers("decode")))
@@ -516,50 +546,71 @@ def _decode_shapes(opts: Options) -> list:
 
 
 def _run_dense(run: _Run, timer, device) -> None:
-    import flashtile
-
     opts = run.opts
     stages = tuple(s for s in DENSE_STAGES if s in opts.stages)
-    chosen = opts.stage_providers("dense")
-    flex_spent = 0.0
+    flex = _FlexBudget(opts.grid.dense_flex_budget_s)
     for config in opts.grid.dense:
         for index, seqlen in enumerate(opts.grid.seqlens):
             shape = config.shape(seqlen, opts.grid.tokens)
-            where = f"{config.label} N={seqlen} B={shape.batch}"
+            _run_shape(run, shape, config.label, config.group, stages, timer, device, flex, profile=index == 0)
+
+
+def _run_models(run: _Run, timer, device) -> None:
+    """The ``models`` stage: each model shape forward and backward, its rows in the dense section (group ``models``)."""
+    flex = _FlexBudget(run.opts.grid.dense_flex_budget_s)
+    for label, shape in run.opts.grid.models:
+        shape = shape._replace(dtype=run.opts.grid.dtype)
+        _run_shape(run, shape, label, "models", ("fwd", "bwd"), timer, device, flex, profile=True)
+
+
+class _FlexBudget:
+    """Seconds spent in Flex cells (compiles included) against a budget."""
+
+    def __init__(self, budget_s: float):
+        self.budget_s, self.spent_s = budget_s, 0.0
+
+
+def _run_shape(run: _Run, shape: providers.DenseShape, label: str, group: str, stages: tuple, timer, device,
+               flex: _FlexBudget, profile: bool) -> None:
+    """Every chosen provider on one shape: validated against the reference, then timed; one row each."""
+    import flashtile
+
+    chosen = run.opts.stage_providers("dense")
+    where = f"{label} N={shape.seqlen} B={shape.batch}"
+    try:
+        inputs = providers.make_inputs(shape.batch, shape.seqlen, shape.nheads, shape.nheads_kv, shape.headdim,
+                                       shape.headdim_v, common.DTYPES[shape.dtype], device)
+    except Exception as exc:  # noqa: BLE001
+        error = common.describe_error(exc)
+        for prov in chosen:
+            row = {**shape.key(prov), "config": label, "group": group, "fwd_err": error}
+            run.add("dense", row, f"{where} {prov}", f"inputs failed: {error}")
+        gpu._free_cuda(collect=True)
+        return
+    reference, reference_err = _reference(inputs, shape) if run.opts.check else (None, None)
+    if reference_err:
+        common.log(f"   {where}: the reference failed, nothing is timed unchecked: {reference_err}")
+    for prov in chosen:
+        if reference_err:
+            row = {**shape.key(prov), "invalid": reference_err}
+        elif prov == "flex" and flex.spent_s > flex.budget_s:
+            row = {**shape.key(prov), "skipped": f"flex compile budget ({flex.budget_s:.0f} s) spent"}
+        else:
+            start = time.perf_counter()
+            calls_before = flashtile.stats()["calls"]
             try:
-                inputs = providers.make_inputs(shape.batch, seqlen, shape.nheads, shape.nheads_kv, shape.headdim,
-                                               shape.headdim_v, common.DTYPES[shape.dtype], device)
-            except Exception as exc:  # noqa: BLE001
-                label = common.describe_error(exc)
-                for prov in chosen:
-                    row = {**shape.key(prov), "config": config.label, "group": config.group, "fwd_err": label}
-                    run.add("dense", row, f"{where} {prov}", f"inputs failed: {label}")
-                gpu._free_cuda(collect=True)
-                continue
-            reference, reference_err = _reference(inputs, shape) if opts.check else (None, None)
-            if reference_err:
-                common.log(f"   {where}: the reference failed, nothing is timed unchecked: {reference_err}")
-            for prov in chosen:
-                if reference_err:
-                    row = {**shape.key(prov), "invalid": reference_err}
-                elif prov == "flex" and flex_spent > opts.grid.dense_flex_budget_s:
-                    row = {**shape.key(prov), "skipped": f"flex compile budget ({opts.grid.dense_flex_budget_s:.0f} s) spent"}
-                else:
-                    start = time.perf_counter()
-                    calls_before = flashtile.stats()["calls"]
-                    try:
-                        row = gpu.measure(prov, inputs, shape, timer, stages, reference, profile=index == 0)
-                    except Exception as exc:  # noqa: BLE001 - e.g. a cleanup after a broken CUDA context
-                        row = {**shape.key(prov), "fwd_err": common.describe_error(exc)}
-                    if prov == "flashtile":  # which backend really ran: Triton, unless something fell back
-                        calls = flashtile.stats()["calls"]
-                        row["backend"] = sorted(b for b, n in calls.items() if n > calls_before.get(b, 0))
-                    if prov == "flex":
-                        flex_spent += time.perf_counter() - start
-                row.update(config=config.label, group=config.group)
-                run.add("dense", row, f"{where} {prov}", gpu._progress(row))
-            del inputs, reference
-            gpu._free_cuda(collect=True)
+                row = gpu.measure(prov, inputs, shape, timer, stages, reference, profile=profile)
+            except Exception as exc:  # noqa: BLE001 - e.g. a cleanup after a broken CUDA context
+                row = {**shape.key(prov), "fwd_err": common.describe_error(exc)}
+            if prov == "flashtile":  # which backend really ran: Triton, unless something fell back
+                calls = flashtile.stats()["calls"]
+                row["backend"] = sorted(b for b, n in calls.items() if n > calls_before.get(b, 0))
+            if prov == "flex":
+                flex.spent_s += time.perf_counter() - start
+        row.update(config=label, group=group)
+        run.add("dense", row, f"{where} {prov}", gpu._progress(row))
+    del inputs, reference
+    gpu._free_cuda(collect=True)
 
 
 def _reference(inputs: dict, shape: providers.DenseShape) -> tuple:
@@ -604,7 +655,8 @@ def run_stages(run: _Run, device, timer) -> None:
             run.stage(stage, "skipped", "no selected provider applies")
         else:
             run.stage(stage, "not reached")
-    sections = [("dense", _run_dense), ("variants", _run_variants), ("decode", _run_decode), ("e2e", _run_e2e)]
+    sections = [("dense", _run_dense), ("models", _run_models), ("variants", _run_variants), ("decode", _run_decode),
+                ("e2e", _run_e2e)]
     for section, runner in sections:
         if counts[section]:
             runner(run, timer, device)
@@ -615,8 +667,11 @@ def run_stages(run: _Run, device, timer) -> None:
 
 
 def _section_of(stage: str) -> str:
+    """The part of the run a stage belongs to (the models stage's rows go to the dense section)."""
     if stage in DENSE_STAGES:
         return "dense"
+    if stage == "models":
+        return "models"
     return "variants" if stage in VARIANT_GROUPS else stage
 
 
@@ -636,7 +691,7 @@ def _run_e2e(run: _Run, timer, device) -> None:  # wall clock: e2e does not use 
 
 def _run_cpu(run: _Run) -> None:
     opts, grid = run.opts, run.opts.grid
-    gpu_stages = ("bwd", "fwd_bwd", "window", "varlen", "softcap", "decode", "e2e")
+    gpu_stages = ("bwd", "fwd_bwd", "models", "window", "varlen", "softcap", "decode", "e2e")
     reason = "--device cpu" if torch.cuda.is_available() else "no CUDA GPU"
     run.payload["skipped"].append(
         f"{'--device cpu' if torch.cuda.is_available() else 'No CUDA GPU found'}: GPU rows skipped (dense sweep vs "
@@ -674,8 +729,10 @@ def run(opts: Options) -> tuple[dict, str]:
     state = _Run(opts, env)
     flashtile.reset_stats()
     where = env["gpu"] or f"CPU ({env.get('cpu')})"
-    common.log(f"flashtile bench suite ({opts.grid.name}) on {where}; stages {' '.join(opts.stages)}; "
-               f"results -> {state.json_path}")
+    what = f"stages {' '.join(opts.stages)}" if opts.device == "cuda" else "the CPU comparison (forward)"
+    common.log(f"flashtile bench suite ({opts.grid.name}) on {where}; {what}; results -> {state.json_path}")
+    if common.load_warning(env):
+        common.log(f"WARNING: {common.load_warning(env)}")
     try:
         if opts.device == "cuda":
             run_stages(state, torch.device("cuda", torch.cuda.current_device()), common.gpu_timer())
@@ -765,7 +822,7 @@ def merge(paths, out, plots: bool = True) -> tuple[dict, str]:
     merged = merge_payloads(payloads, [str(p) for p in paths])
     env = merged["env"]
     slug = common.gpu_slug(env["gpu"]) if merged["mode"] == "gpu" else "cpu"
-    stem = Path(out) / f"{slug}-suite-merged-{env['date']}"
+    stem = common.unique_stem(out, f"{slug}-suite-merged-{env['date']}")
     common.write_json(stem.with_suffix(".json"), merged)
     merged["files"] = report.write(merged, stem, plots=plots)
     common.write_json(stem.with_suffix(".json"), merged)

@@ -47,9 +47,10 @@ def _head_features(features: dict, h: int) -> dict:
 
 
 def _row_chunks(batch: int, seqlen_q: int, seqlen_k: int, features: dict) -> list[tuple[int, int]]:
-    """Query-row ranges whose float32 scores fit :data:`CHUNK_BYTES`; one range where a feature depends
-    on the absolute row or the lengths differ (the reference aligns causal masks bottom-right)."""
-    if seqlen_q != seqlen_k or any(features.get(name) is not None for name in ROW_BOUND):
+    """Query-row ranges whose float32 scores fit :data:`CHUNK_BYTES`; one range where the lengths differ or,
+    without causal (whose chunks keep each row's distance to every key), a feature depends on the absolute row."""
+    row_bound = not features.get("causal") and any(features.get(name) is not None for name in ROW_BOUND)
+    if seqlen_q != seqlen_k or row_bound:
         return [(0, seqlen_q)]
     rows = max(1, CHUNK_BYTES // (4 * batch * seqlen_k))
     return [(r, min(r + rows, seqlen_q)) for r in range(0, seqlen_q, rows)]

@@ -838,7 +838,7 @@ def run(args) -> tuple[dict, str]:
         env, scope, timer = gpu._env(dtype_name), contextlib.nullcontext(), common.gpu_timer()
         slug = common.gpu_slug(env["gpu"])
     suffix = "" if set(groups) == set(GROUP_NAMES) else "-" + "-".join(g for g in GROUP_NAMES if g in groups)
-    path = common.result_path(getattr(args, "out", "benchmarks/results"), f"{slug}-variants{suffix}", env["date"])
+    path = common.result_path(getattr(args, "out", common.DEFAULT_OUT), f"{slug}-variants{suffix}", env)
     payload = {"kind": "variants", "env": env, "sizes": sizes._asdict(), "note": NOTE, "flop_model": FLOP_MODEL,
                "rows": [], "criteria": [], "flashtile_stats": None}
     common.log(f"flashtile variants on {env['gpu'] or 'CPU (smoke)'}, {dtype_name}, {len(cases)} rows "
@@ -901,8 +901,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0].replace("\n", " "),
         epilog="The same as: python -m flashtile bench --suite variants [options]",
     )
-    parser.add_argument("--out", default="benchmarks/results", metavar="DIR",
-                        help="where <gpu>-variants-<date>.json goes (default: %(default)s)")
+    parser.add_argument("--out", default=common.DEFAULT_OUT, metavar="DIR",
+                        help="where <gpu>-variants-<date>T<time>Z.json goes (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="window 16384, mods 8192, bias 4096 only")
     parser.add_argument("--groups", nargs="+", choices=GROUP_NAMES, metavar="GROUP",
                         help=f"subset of: {' '.join(GROUP_NAMES)} (default all)")

@@ -4,13 +4,13 @@ float32 shared memory and added into a float32 buffer by the TMA's bulk reduce (
 and launcher are a patch on main (measured at 6e110c8; applies since eb70625; ``FLASHTILE_FUSED_BWD=1``
 switches it on):
 
-    git apply benchmarks/results/h200-bwd-fused-sm90-2026-11-23.diff
+    git show 900e1c4:benchmarks/results/h200-bwd-fused-sm90-2026-11-23.diff | git apply   # the patch, in git history
     FLASHTILE_NO_VENV=1 PYTHONPATH=$PWD python benchmarks/bwd_fused_sm90.py          # A/B against the pair
     MODES=1 FLASHTILE_NO_VENV=1 PYTHONPATH=$PWD python benchmarks/bwd_fused_sm90.py  # where its time goes
 
 Whole backward (preprocess, zeroing, cast included), bf16, d=128, median of alternating rounds; ratios
 against the pair's plain rows. Also prints the largest gradient difference fused vs pair per shape.
-Results: BENCHMARKS.md, results/h200-bwd-fused-sm90-2026-11-23.json and -modes-2026-11-23.json.
+Results: results/h200-bwd-fused-sm90-2026-11-23.json (the -modes file is in git history at 900e1c4).
 """
 import json
 import os

@@ -171,9 +171,12 @@ _UNSUPPORTED = re.compile(r"no available kernel|no viable backend|not supported|
 
 
 def error_kind(label: str) -> str:
-    """``oom``, ``n/a`` (not installed / not implemented), ``unsupported`` (the peer refuses the shape)
-    or ``error``, from a :func:`describe_error` label."""
+    """``oom``, ``n/a`` (not installed / not implemented), ``unsupported`` (the peer refuses the shape),
+    ``withdrawn`` (a published number taken back, see :mod:`flashtile.bench.results`) or ``error``, from a
+    :func:`describe_error` label."""
     kind, _, text = label.partition(":")
+    if label.startswith("withdrawn"):
+        return "withdrawn"
     if kind == "OOM":
         return "oom"
     if kind in ("Unavailable", "ModuleNotFoundError", "ImportError"):
@@ -192,6 +195,8 @@ def invalid_cell(row: dict) -> str:
 def short_error(label: str) -> str:
     """A table cell for an error label: ``OOM``, ``n/a``, ``unsupported`` or ``ERR(<exception type>)``."""
     kind = error_kind(label)
+    if kind == "withdrawn":
+        return label
     if kind == "error":
         return f"ERR({label.split(':', 1)[0]})"
     return "OOM" if kind == "oom" else kind

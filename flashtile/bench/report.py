@@ -261,6 +261,31 @@ def _ordered(rows, order):
     return sorted(rows, key=lambda r: rank.get(r["prov"], len(rank)))
 
 
+def versus_table(rows: list[dict], against: str = "fa4", stages=("fwd", "bwd")) -> str:
+    """One line per shape: each provider's TFLOP/s (``fwd / bwd``) and flashtile's speed as a multiple of
+    ``against``'s (``x FA4``: above 1 flashtile is faster); invalid, failed and skipped cells say so."""
+    from .providers import NAMES
+
+    provs = [p for p in NAMES if any(r["prov"] == p for r in rows)]
+    lines = []
+    for config, n, b in dict.fromkeys((r["config"], r["N"], r["B"]) for r in rows):
+        cells = {r["prov"]: r for r in rows if (r["config"], r["N"], r["B"]) == (config, n, b)}
+        line = [config, str(n), str(b)]
+        for p in provs:
+            failed = _failed(cells.get(p))
+            line.append(failed or " / ".join(_rate_cell(cells[p], f"{s}_tflops", f"{s}_err") for s in stages))
+        ratios = []
+        for stage in stages:
+            mine = _ok(cells.get("flashtile"), f"{stage}_ms", f"{stage}_err")
+            theirs = _ok(cells.get(against), f"{stage}_ms", f"{stage}_err")
+            ratios.append(f"{theirs / mine:.2f}" if mine and theirs else "-")
+        line.append(" / ".join(ratios))
+        lines.append(line)
+    slash = "/".join(STAGE_NAMES[s] for s in stages)
+    headers = ["shape", "N", "B", *(f"{p} {slash}" for p in provs), f"flashtile x {against} {slash}"]
+    return common.markdown_table(headers, lines)
+
+
 def dense_tables(rows: list[dict]) -> str:
     """Per configuration: TFLOP/s by provider and seqlen, then each row's times, bandwidth, memory, error."""
     from .providers import NAMES
@@ -476,8 +501,14 @@ def markdown(payload: dict, plot_paths=(), plots_note: str | None = None) -> str
                   "ratio = best peer time / flashtile time (tokens/s: flashtile / best peer); above 1 flashtile is "
                   "ahead. Geometric mean over the shapes of each configuration:", "",
                   aggregate_table(aggregate(entries)), "", "### By shape", "", summary_table(entries), ""]
-    if payload.get("dense"):
-        parts += ["## Dense attention", "", dense_tables(payload["dense"])]
+    dense = [r for r in payload.get("dense", []) if r.get("group") != "models"]
+    models = [r for r in payload.get("dense", []) if r.get("group") == "models"]
+    if dense:
+        parts += ["## flashtile against each peer (TFLOP/s, fwd / bwd)", "", versus_table(dense), "",
+                  "## Dense attention", "", dense_tables(dense)]
+    if models:
+        parts += ["## Model shapes (TFLOP/s on the visible pairs, fwd / bwd)", "", versus_table(models), "",
+                  dense_tables(models)]
     if payload.get("variants"):
         from . import variants
 

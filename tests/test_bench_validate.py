@@ -107,3 +107,39 @@ def test_an_invalid_flashtile_is_noted_not_compared(monkeypatch):
         row.update(config="c", group="g")
     entries = report.summary({"dense": rows})
     assert entries and all(e["ratio"] is None and e["note"].startswith("flashtile: invalid (err") for e in entries)
+
+
+@pytest.mark.parametrize("group", ["mods", "varlen_mixed"])
+def test_a_wrong_variant_provider_is_invalid(monkeypatch, group):
+    """The variants suite checks the same way: dense and packed rows, a provider with a wrong dK is invalid."""
+    from flashtile.bench import variants
+
+    case = next(c for c in variants.build_cases(variants.SMOKE, [group], ["flashtile"])
+                if c.causal and c.variant in ("softcap", "varlen"))
+    inputs = variants.make_block_inputs(case, torch.float32, "cpu")
+    right = variants.measure(case, inputs, common.cpu_timer(), ref_heads=2)
+    assert not right.get("invalid") and {"out", "dq", "dk", "dv"} <= set(right["check"]) and right["fwd_ms"] > 0
+
+    build = variants.BUILDERS["flashtile"]
+
+    def wrong(case, inputs):
+        p = build(case, inputs)
+        return p._replace(fwd=lambda: _OneMoreOnK.apply(p.fwd(), p.leaves[1]), with_lse=None)
+
+    monkeypatch.setitem(variants.BUILDERS, "flashtile", wrong)
+    row = variants.measure(case, inputs, common.cpu_timer(), ref_heads=2)
+    assert row["invalid"].startswith("dk") and "fwd_ms" not in row and "bwd_ms" not in row
+    assert "invalid (err" in variants.format_report([row], [])
+
+
+class _OneMoreOnK(torch.autograd.Function):
+    """Identity on the output, and 1 more on every entry of dK: a wrong dK, a right output, dQ and dV."""
+
+    @staticmethod
+    def forward(ctx, out, k):
+        ctx.k_shape = k.shape
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad.new_ones(ctx.k_shape)

@@ -25,10 +25,11 @@ ROW_KEYS = {"group", "prov", "variant", "N", "B", "H", "D", "causal", "visible_p
 
 
 def fake_flash_attn_func(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sink=None,
-                         attn_bias=None):
+                         attn_bias=None, return_attn_probs=False):
     """The reference in the input dtype: differentiable in q, k, v, sink and a float bias."""
-    return attention_ref(q, k, v, causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                         sink=sink, attn_bias=attn_bias, upcast=False)[0].to(q.dtype)
+    out, lse = attention_ref(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
+                             alibi_slopes=alibi_slopes, sink=sink, attn_bias=attn_bias, upcast=False)
+    return (out.to(q.dtype), lse.float(), None) if return_attn_probs else out.to(q.dtype)
 
 
 def fake_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False):

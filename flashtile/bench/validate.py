@@ -61,9 +61,11 @@ def _one_head(q, k, v, dout, features: dict, hi: bool) -> dict:
     a causal chunk of rows ``[r0, r1)`` sees keys ``[0, r1)``, whose bottom-right alignment is the square's."""
     causal = features.get("causal", False)
     parts = []
+    bias = features.get("attn_bias")
     for r0, r1 in _row_chunks(q.shape[0], q.shape[1], k.shape[1], features):
         keys = slice(0, r1) if causal else slice(None)
-        parts.append((keys, reference_results(q[:, r0:r1], k[:, keys], v[:, keys], dout[:, r0:r1], hi=hi, **features)))
+        chunk = features if bias is None else {**features, "attn_bias": bias[..., r0:r1, keys]}
+        parts.append((keys, reference_results(q[:, r0:r1], k[:, keys], v[:, keys], dout[:, r0:r1], hi=hi, **chunk)))
     results = {name: torch.cat([p[name] for _, p in parts], dim=2 if name == "lse" else 1) for name in ("out", "lse", "dq")}
     for name in ("dk", "dv"):
         first = parts[0][1][name]
@@ -97,24 +99,36 @@ def reference(q, k, v, dout, kv_heads: int = KV_HEADS, **features) -> Reference:
     return Reference(sides["hi"], sides["lo"], kv_heads * group, kv_heads, q.dtype)
 
 
-def provider_results(p, backward: bool, lse_fn=None) -> dict:
+def packed_reference(q, k, v, dout, cu_seqlens, kv_heads: int = KV_HEADS, **features) -> Reference:
+    """The :class:`Reference` of packed sequences (q ``(total, nheads, d)``..., ``cu_seqlens`` their offsets),
+    each sequence a batch of one, joined along the rows: ``(1, total, heads, d)``, lse ``(1, heads, total)``."""
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    parts = [reference(q[None, s:e], k[None, s:e], v[None, s:e], dout[None, s:e], kv_heads, **features)
+             for s, e in zip(cu[:-1], cu[1:])]
+    join = lambda side: {name: torch.cat([getattr(p, side)[name] for p in parts], dim=2 if name == "lse" else 1)  # noqa: E731
+                         for name in parts[0].hi}
+    return Reference(join("hi"), join("lo"), parts[0].heads, parts[0].kv_heads, parts[0].dtype)
+
+
+def provider_results(p, backward: bool, layout=None) -> dict:
     """One call of provider ``p`` (:class:`~flashtile.bench.providers.Provider`) in bshd layout: ``out``,
-    ``lse`` when ``p.with_lse`` gives it, and with ``backward`` the gradients of its first three leaves."""
+    ``lse`` when ``p.with_lse`` gives it, and with ``backward`` the gradients of its first three leaves.
+    ``layout`` maps the provider's own layout to the reference's (packed or padded rows; LSE not compared)."""
     for t in p.leaves:
         t.grad = None
     lse = None
-    if p.with_lse is not None:
+    if p.with_lse is not None and layout is None:
         out, lse = p.with_lse()
     else:
         out = p.fwd()
-    results = {"out": out.transpose(1, 2) if p.heads_first else out}
+    own = lambda t: layout(t) if layout is not None else t.transpose(1, 2) if p.heads_first else t  # noqa: E731
+    results = {"out": own(out)}
     if lse is not None:
         results["lse"] = lse
     if backward:
         out.backward(p.dout)
         for name, leaf in zip(("dq", "dk", "dv"), p.leaves[:3]):
-            grad = leaf.grad
-            results[name] = grad.transpose(1, 2) if p.heads_first else grad
+            results[name] = own(leaf.grad)
     for t in p.leaves:
         t.grad = None
     return {name: t.detach() for name, t in results.items()}
@@ -149,8 +163,8 @@ def verdict(ours: dict, ref: Reference) -> dict:
     return fields
 
 
-def check(p, ref: Optional[Reference], backward: bool) -> dict:
+def check(p, ref: Optional[Reference], backward: bool, layout=None) -> dict:
     """:func:`verdict` of provider ``p`` against ``ref`` (nothing when ``ref`` is None)."""
     if ref is None:
         return {}
-    return verdict(provider_results(p, backward), ref)
+    return verdict(provider_results(p, backward, layout), ref)

@@ -143,3 +143,23 @@ class _OneMoreOnK(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, grad.new_ones(ctx.k_shape)
+
+
+def test_a_wrong_decode_provider_is_invalid(monkeypatch):
+    from flashtile.bench import decode
+
+    shape = decode.DecodeShape(2, 40, nheads=4, nheads_kv=2, headdim=16, dtype="fp32")
+    cache = decode.make_cache(shape, "cpu")
+    ref = decode.reference(cache)
+    right = decode.measure("math", cache, shape, "contiguous", common.cpu_timer(), reference=ref)
+    assert common.row_status(right) in ("ok", "partial") and right["step_ms"] > 0
+    build = decode.build
+
+    def off_by_one_percent(prov, cache, layout):
+        p = build("math", cache, layout)
+        return p._replace(fwd=lambda: p.fwd() * 1.01)
+
+    monkeypatch.setattr(decode, "build", off_by_one_percent)
+    row = decode.measure("math", cache, shape, "contiguous", common.cpu_timer(), reference=ref)
+    assert common.row_status(row) == "invalid" and "step_ms" not in row and "graph_ms" not in row
+    assert "invalid (err" in report.decode_table([row], None)

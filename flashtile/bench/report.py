@@ -362,8 +362,9 @@ def decode_table(rows: list[dict], ceiling) -> str:
     for r in rows:
         step, graph = r.get("step_ms"), r.get("graph_ms")
         frac = lambda key: f"{r[key]:.0%}" if r.get(key) is not None else "-"  # noqa: E731
-        if r.get("err") or r.get("skipped"):
-            status = common.short_error(r["err"]) if r.get("err") else "skip"
+        if r.get("err") or r.get("skipped") or r.get("invalid"):
+            status = (common.invalid_cell(r) if r.get("invalid") else common.short_error(r["err"]) if r.get("err")
+                      else "skip")
             lines.append([f"{r['B']} x {r['L']}", r["layout"], r["prov"], status, "-", "-", "-", "-", "-", "-"])
             continue
         graph_cell = f"{graph * 1e3:.1f}" if graph else (common.short_error(r["graph_err"]) if r.get("graph_err") else "-")
@@ -502,13 +503,13 @@ def markdown(payload: dict, plot_paths=(), plots_note: str | None = None) -> str
                   "ahead. Geometric mean over the shapes of each configuration:", "",
                   aggregate_table(aggregate(entries)), "", "### By shape", "", summary_table(entries), ""]
     dense = [r for r in payload.get("dense", []) if r.get("group") != "models"]
-    models = [r for r in payload.get("dense", []) if r.get("group") == "models"]
+    model_rows = [r for r in payload.get("dense", []) if r.get("group") == "models"]
     if dense:
         parts += ["## flashtile against each peer (TFLOP/s, fwd / bwd)", "", versus_table(dense), "",
                   "## Dense attention", "", dense_tables(dense)]
-    if models:
-        parts += ["## Model shapes (TFLOP/s on the visible pairs, fwd / bwd)", "", versus_table(models), "",
-                  dense_tables(models)]
+    if model_rows:
+        parts += ["## Model shapes (TFLOP/s on the visible pairs, fwd / bwd)", "", versus_table(model_rows), "",
+                  dense_tables(model_rows)]
     if payload.get("variants"):
         from . import variants
 

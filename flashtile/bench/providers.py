@@ -165,11 +165,16 @@ def _flashtile(inputs, shape: DenseShape) -> Provider:
                     with_lse=with_lse)
 
 
-def _fa4(inputs, shape: DenseShape) -> Provider:
+def fa4_module():
+    """``flash_attn.cute`` (FlashAttention-4), or :class:`common.Unavailable` when it is not installed."""
     try:
-        cute = importlib.import_module("flash_attn.cute")
+        return importlib.import_module("flash_attn.cute")
     except ImportError as exc:
         raise common.Unavailable(f"flash_attn.cute (FlashAttention-4) is not installed ({type(exc).__name__})") from None
+
+
+def _fa4(inputs, shape: DenseShape) -> Provider:
+    cute = fa4_module()
     q, k, v = inputs["bshd"]
     kwargs = {"causal": shape.causal, "softcap": shape.softcap}
     if shape.window is not None:

@@ -20,6 +20,9 @@ Groups (``--groups``), bf16, headdim 128, 16 heads:
 - ``bias``: ``attn_bias`` ``(1, H, S, S)`` bf16 against SDPA efficient with the same mask, at
   seqlen 2048 / 4096, without and with a bias gradient; reported, no bar.
 
+FlashAttention-4 (``fa4``: ``flash_attn.cute``, marked ``n/a`` when not installed) runs its own window,
+varlen, plain, softcap and sink (``learnable_sink``) rows beside flashtile's.
+
 Not measured: Flex with a document mask for varlen, and a Flex peer for the sink (an extra logit in
 the denominator is not a score_mod). Flex cases stop after ``FLEX_BUDGET_S`` seconds spent in them
 (compiles included); the rest are marked ``skip``.
@@ -50,7 +53,7 @@ import torch
 
 from . import common, gpu, providers, validate
 
-PROVIDERS = ("flashtile", "flash", "efficient", "cudnn", "flex")
+PROVIDERS = ("flashtile", "fa4", "flash", "efficient", "cudnn", "flex")
 GROUP_NAMES = ("window", "varlen_equal", "varlen_mixed", "mods", "bias")
 # Flex compiles one kernel pair per case; past this much time spent in Flex cases the rest are skipped.
 FLEX_BUDGET_S = 150.0
@@ -184,6 +187,8 @@ def build_cases(sizes: Sizes = DEFAULT, groups=GROUP_NAMES, providers=PROVIDERS)
         for n in sizes.window_seqlens:
             add("window", "flashtile", "window", n, 1, causal=True, window=sizes.window)
             add("window", "flashtile", "causal", n, 1, causal=True)
+            add("window", "fa4", "window", n, 1, causal=True, window=sizes.window)
+            add("window", "fa4", "causal", n, 1, causal=True)
             add("window", "flex", "window", n, 1, causal=True, window=sizes.window)
             add("window", "flex", "causal", n, 1, causal=True)
             add("window", "flash", "causal", n, 1, causal=True)
@@ -192,7 +197,8 @@ def build_cases(sizes: Sizes = DEFAULT, groups=GROUP_NAMES, providers=PROVIDERS)
     for group, lengths in varlen.items():
         if group in groups:
             for causal in (False, True):
-                for prov, variant in (("flashtile", "varlen"), ("flashtile", "padded"), ("flash", "padded")):
+                for prov, variant in (("flashtile", "varlen"), ("flashtile", "padded"), ("fa4", "varlen"),
+                                      ("flash", "padded")):
                     add(group, prov, variant, max(lengths), len(lengths), causal=causal, seqlens=lengths)
     if "mods" in groups:
         for n in sizes.mod_seqlens:
@@ -202,6 +208,9 @@ def build_cases(sizes: Sizes = DEFAULT, groups=GROUP_NAMES, providers=PROVIDERS)
                 add("mods", "flashtile", "softcap", n, batch, causal=causal, softcap=sizes.softcap)
                 add("mods", "flashtile", "alibi", n, batch, causal=causal)
                 add("mods", "flashtile", "sink", n, batch, causal=causal)
+                add("mods", "fa4", "plain", n, batch, causal=causal)
+                add("mods", "fa4", "softcap", n, batch, causal=causal, softcap=sizes.softcap)
+                add("mods", "fa4", "sink", n, batch, causal=causal)
                 if n in sizes.flex_mod_seqlens:
                     add("mods", "flex", "softcap", n, batch, causal=causal, softcap=sizes.softcap)
                     add("mods", "flex", "alibi", n, batch, causal=causal)
@@ -411,7 +420,34 @@ def _flex(case: Case, inputs: dict) -> providers.Provider:
     return providers.Provider(fwd, (qt, kt, vt), inputs["dout_bhsd"], scope, heads_first=True)
 
 
-BUILDERS = {"flashtile": _flashtile, "flash": _sdpa_masked, "efficient": _sdpa_masked, "cudnn": _sdpa_masked,
+def _fa4(case: Case, inputs: dict) -> providers.Provider:
+    """FlashAttention-4 (``flash_attn.cute``) with the variant's own arguments; it returns ``(out, lse)``."""
+    cute = providers.fa4_module()
+    if case.variant in ("causal", "plain"):
+        return providers.BUILDERS["fa4"](inputs, _dense_shape(case, inputs))
+    if case.variant not in ("window", "softcap", "sink", "varlen"):
+        raise common.Unsupported(f"fa4: the suite does not run its {case.variant} rows")
+    kwargs = {"causal": case.causal, "softcap": case.softcap or 0.0}
+    if case.window is not None:
+        kwargs["window_size"] = (case.window, 0)
+    extra = ()
+    if case.variant == "sink":
+        kwargs["learnable_sink"] = inputs["sink"]
+        extra = (inputs["sink"],)
+    if case.variant == "varlen":
+        q, k, v = inputs["packed"]
+        cu, longest = inputs["cu_seqlens"], inputs["max_seqlen"]
+        fwd = lambda: cute.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,  # noqa: E731
+                                                  max_seqlen_k=longest, **kwargs)[0]
+        return providers.Provider(fwd, (q, k, v), inputs["dout_packed"], contextlib.nullcontext(), heads_first=False)
+    q, k, v = inputs["bshd"]
+    fwd = lambda: cute.flash_attn_func(q, k, v, **kwargs)[0]  # noqa: E731
+    with_lse = lambda: cute.flash_attn_func(q, k, v, return_lse=True, **kwargs)[:2]  # noqa: E731
+    return providers.Provider(fwd, (q, k, v, *extra), inputs["dout_bshd"], contextlib.nullcontext(), heads_first=False,
+                              with_lse=with_lse)
+
+
+BUILDERS = {"flashtile": _flashtile, "fa4": _fa4, "flash": _sdpa_masked, "efficient": _sdpa_masked, "cudnn": _sdpa_masked,
             "flex": _flex}
 
 
@@ -584,7 +620,8 @@ class GroupView(NamedTuple):
 
 VIEWS = {
     "window": GroupView(lambda r: f"Sliding window ({(r.get('window') or ['?'])[0]}, 0) vs full causal, batch {r['B']}",
-                        "speedup vs causal (own)", lambda r: (r["prov"] if r["prov"] == "flex" else "flashtile", "causal"),
+                        "speedup vs causal (own)",
+                        lambda r: (r["prov"] if r["prov"] in ("flex", "fa4") else "flashtile", "causal"),
                         True),
     "varlen_equal": GroupView(lambda r: f"Varlen, {r['B']} sequences of {r['N']} vs padded dense",
                               "time / ft padded", lambda r: ("flashtile", "padded"), False),
@@ -596,7 +633,7 @@ VIEWS = {
                       "time / sdpa eff", lambda r: None if r["variant"] == "plain" else ("efficient", r["variant"]),
                       False),
 }
-PROV_NAMES = {"flashtile": "flashtile", "flash": "sdpa flash", "efficient": "sdpa efficient",
+PROV_NAMES = {"flashtile": "flashtile", "fa4": "fa4", "flash": "sdpa flash", "efficient": "sdpa efficient",
               "cudnn": "sdpa cudnn", "flex": "flex"}
 
 

@@ -70,17 +70,19 @@ def _wrong(kind):
     return build
 
 
-def test_a_wrong_provider_is_invalid_and_never_a_speed(monkeypatch):
-    shape = SHAPES[0]
+def _measured(shape, names) -> dict:
+    """Each provider of ``names`` measured on ``shape`` against its reference: ``{name: row}``."""
     inputs = _inputs(shape)
     q, k, v = inputs["bshd"]
     ref = validate.reference(q, k, v, inputs["dout_bshd"], **shape.features(inputs))
+    return {name: {**gpu.measure(name, inputs, shape, common.cpu_timer(), reference=ref), "config": "c", "group": "g"}
+            for name in names}
+
+
+def test_a_wrong_provider_is_invalid_and_never_a_speed(monkeypatch):
     monkeypatch.setitem(providers.BUILDERS, "out_1pct", _wrong("out"))
     monkeypatch.setitem(providers.BUILDERS, "wrong_dk", _wrong("dk"))
-    rows = {}
-    for name in ("flashtile", "math", "out_1pct", "wrong_dk"):
-        rows[name] = gpu.measure(name, inputs, shape, common.cpu_timer(), reference=ref)
-        rows[name].update(config="c", group="g")
+    rows = _measured(SHAPES[0], ("flashtile", "math", "out_1pct", "wrong_dk"))
     assert common.row_status(rows["flashtile"]) == "ok" and common.row_status(rows["math"]) == "ok"
     assert set(rows["flashtile"]["check"]) == {"out", "lse", "dq", "dk", "dv"}  # flashtile returns its LSE
     assert set(rows["math"]["check"]) == {"out", "dq", "dk", "dv"}
@@ -97,14 +99,8 @@ def test_a_wrong_provider_is_invalid_and_never_a_speed(monkeypatch):
 
 
 def test_an_invalid_flashtile_is_noted_not_compared(monkeypatch):
-    shape = SHAPES[1]
-    inputs = _inputs(shape)
-    q, k, v = inputs["bshd"]
-    ref = validate.reference(q, k, v, inputs["dout_bshd"], **shape.features(inputs))
     monkeypatch.setitem(providers.BUILDERS, "flashtile", _wrong("dk"))
-    rows = [gpu.measure(name, inputs, shape, common.cpu_timer(), reference=ref) for name in ("flashtile", "math")]
-    for row in rows:
-        row.update(config="c", group="g")
+    rows = list(_measured(SHAPES[1], ("flashtile", "math")).values())
     entries = report.summary({"dense": rows})
     assert entries and all(e["ratio"] is None and e["note"].startswith("flashtile: invalid (err") for e in entries)
 

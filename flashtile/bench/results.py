@@ -72,8 +72,9 @@ def withdraw(rows: list[dict], date: str) -> list[dict]:
 
 def _facts(env: dict, path: str) -> str:
     commit = (env.get("git_commit") or env.get("commit") or "unknown")[:12]
+    command = f" · `python -m flashtile {' '.join(env['argv'])}`" if env.get("argv") else ""
     return (f"GPU {env.get('gpu') or 'none'} · {env.get('date')} · torch {env.get('torch')} · triton "
-            f"{env.get('triton') or '-'} · flashtile commit `{commit}` · data `{path}`")
+            f"{env.get('triton') or '-'} · flashtile commit `{commit}` · data `{path}`{command}")
 
 
 def _suite(data: dict, entry: dict) -> str:

@@ -159,3 +159,18 @@ def test_a_wrong_decode_provider_is_invalid(monkeypatch):
     row = decode.measure("math", cache, shape, "contiguous", common.cpu_timer(), reference=ref)
     assert common.row_status(row) == "invalid" and "step_ms" not in row and "graph_ms" not in row
     assert "invalid (err" in report.decode_table([row], None)
+
+
+def test_a_wrong_cpu_provider_is_invalid(monkeypatch):
+    """The CPU comparison's worker (run in-process here) checks before it times."""
+    from flashtile.bench import cpu
+
+    spec = dict(provider="sdpa", batch=1, seqlen=65, nheads=2, headdim=16, causal=True, dtype="fp32", check=True)
+    right = cpu.worker(spec)
+    assert right["fwd_ms"] > 0 and right["max_abs_err"] < 1e-5 and not right.get("invalid")
+    forward = cpu._forward
+    monkeypatch.setattr(cpu, "_forward", lambda *args: (lambda f: (lambda: f() * 1.01))(forward(*args)))
+    wrong = cpu.worker(spec)
+    assert wrong["invalid"].startswith("out") and "fwd_ms" not in wrong
+    row = {"D": 16, "N": 65, "B": 1, "H": 2, "causal": True, "prov": "sdpa", **wrong}
+    assert "invalid (err" in cpu.format_table([row]) and common.row_status(row) == "invalid"

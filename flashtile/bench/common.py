@@ -1,5 +1,5 @@
 """Pieces shared by the benchmark stages: FLOP and byte models, timers and their statistics,
-marked cells for failures, the reference check, the kernel-name proof, environment capture,
+marked cells for failures, the kernel-name proof, environment capture,
 result files, tables and the progress line.
 
 Nothing here imports CUDA-only modules, so the CPU path can use all of it.
@@ -200,36 +200,6 @@ def short_error(label: str) -> str:
     if kind == "error":
         return f"ERR({label.split(':', 1)[0]})"
     return "OOM" if kind == "oom" else kind
-
-
-def reference_output(q, k, v, causal: bool, heads: int | None = None, chunk_bytes: float = 2**30):
-    """``attention_ref`` output (fp32 on CUDA, fp64 on CPU) of q ``(batch, seqlen_q, nheads, headdim)``,
-    k ``(batch, seqlen_k, nheads_kv, headdim)``, v ``(batch, seqlen_k, nheads_kv, headdim_v)``.
-
-    Computed a few query heads at a time so each chunk's score block stays near ``chunk_bytes`` (the
-    whole matrix can exceed memory); a chunk is a divisor of a KV group or whole groups, so it always
-    has whole KV heads. ``heads`` keeps only the first query heads, a cheap spot check where the
-    reference is slow.
-    """
-    from ..testing import attention_ref, reference_dtype
-
-    batch, seqlen_q, nheads, _ = q.shape
-    seqlen_k, nheads_kv, headdim_v = k.shape[1], k.shape[2], v.shape[-1]
-    group = nheads // nheads_kv
-    kept = min(nheads, heads) if heads else nheads
-    ref_dtype = reference_dtype(q.device)
-    per_head = batch * seqlen_q * seqlen_k * torch.finfo(ref_dtype).bits // 8
-    fit = max(1, int(chunk_bytes // per_head))  # query heads whose scores fit in a chunk
-    size = fit // group * group if fit >= group else max(d for d in range(1, fit + 1) if group % d == 0)
-    out = torch.empty((batch, seqlen_q, kept, headdim_v), dtype=ref_dtype, device=q.device)
-    with torch.no_grad():
-        for h0 in range(0, kept, size):
-            h1 = min(h0 + size, nheads)
-            k0, k1 = h0 // group, (h1 - 1) // group + 1
-            ref = attention_ref(q[:, :, h0:h1], k[:, :, k0:k1], v[:, :, k0:k1], causal=causal)[0]
-            top = min(h1, kept)
-            out[:, :, h0:top] = ref[:, :, : top - h0]
-    return out
 
 
 def error_fields(row: dict) -> dict:

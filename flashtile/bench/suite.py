@@ -205,7 +205,7 @@ FULL = Grid(
 HEADLINE = dataclasses.replace(
     QUICK, name="headline",
     dense=dense_configs(("bf16",), ((64, 64), (128, 128), (256, 256), (192, 128)), BOTH, gqa_headdims=()),
-    dense_providers=("flashtile", "fa4", "cudnn", "flash", "flex"), dense_flex_budget_s=150.0)
+    dense_providers=("flashtile", "fa4", "cudnn", "flash", "flex"), dense_flex_budget_s=90.0)
 HEADLINE_STAGES = ("fwd", "bwd", "models")
 GRIDS = {"quick": QUICK, "full": FULL, "headline": HEADLINE}
 
@@ -491,6 +491,13 @@ def finalize(payload: dict) -> dict:
     return payload
 
 
+class _FlexBudget:
+    """Seconds spent in Flex cells (compiles included) against a budget."""
+
+    def __init__(self, budget_s: float):
+        self.budget_s, self.spent_s = budget_s, 0.0
+
+
 class _Run:
     """The state of one run: the payload, where it goes, the progress bar."""
 
@@ -500,6 +507,7 @@ class _Run:
         self.json_path = self.stem.with_suffix(".json")
         self.start = time.perf_counter()
         self.progress: Optional[common.Progress] = None
+        self.flex = _FlexBudget(opts.grid.dense_flex_budget_s)  # shared by the dense and models stages
         for stage in STAGES:  # in run order; each is marked when it is skipped or done
             self.stage(stage, "not reached")
 
@@ -548,31 +556,25 @@ def _decode_shapes(opts: Options) -> list:
 def _run_dense(run: _Run, timer, device) -> None:
     opts = run.opts
     stages = tuple(s for s in DENSE_STAGES if s in opts.stages)
-    flex = _FlexBudget(opts.grid.dense_flex_budget_s)
     for config in opts.grid.dense:
         for index, seqlen in enumerate(opts.grid.seqlens):
             shape = config.shape(seqlen, opts.grid.tokens)
-            _run_shape(run, shape, config.label, config.group, stages, timer, device, flex, profile=index == 0)
+            _run_shape(run, shape, config.label, config.group, stages, timer, device, run.flex,
+                       profile=opts.stage_providers("dense") if index == 0 else ())
 
 
 def _run_models(run: _Run, timer, device) -> None:
-    """The ``models`` stage: each model shape forward and backward, its rows in the dense section (group ``models``)."""
-    flex = _FlexBudget(run.opts.grid.dense_flex_budget_s)
+    """The ``models`` stage: each model shape forward and backward, its rows in the dense section (group
+    ``models``); flashtile's kernels recorded on each (the peers' on the dense shapes only: a profile costs time)."""
     for label, shape in run.opts.grid.models:
         shape = shape._replace(dtype=run.opts.grid.dtype)
-        _run_shape(run, shape, label, "models", ("fwd", "bwd"), timer, device, flex, profile=True)
-
-
-class _FlexBudget:
-    """Seconds spent in Flex cells (compiles included) against a budget."""
-
-    def __init__(self, budget_s: float):
-        self.budget_s, self.spent_s = budget_s, 0.0
+        _run_shape(run, shape, label, "models", ("fwd", "bwd"), timer, device, run.flex, profile=("flashtile",))
 
 
 def _run_shape(run: _Run, shape: providers.DenseShape, label: str, group: str, stages: tuple, timer, device,
-               flex: _FlexBudget, profile: bool) -> None:
-    """Every chosen provider on one shape: validated against the reference, then timed; one row each."""
+               flex: _FlexBudget, profile: tuple) -> None:
+    """Every chosen provider on one shape: validated against the reference, then timed; one row each; the
+    providers in ``profile`` record the kernels that ran."""
     import flashtile
 
     chosen = run.opts.stage_providers("dense")
@@ -599,7 +601,7 @@ def _run_shape(run: _Run, shape: providers.DenseShape, label: str, group: str, s
             start = time.perf_counter()
             calls_before = flashtile.stats()["calls"]
             try:
-                row = gpu.measure(prov, inputs, shape, timer, stages, reference, profile=profile)
+                row = gpu.measure(prov, inputs, shape, timer, stages, reference, profile=prov in profile)
             except Exception as exc:  # noqa: BLE001 - e.g. a cleanup after a broken CUDA context
                 row = {**shape.key(prov), "fwd_err": common.describe_error(exc)}
             if prov == "flashtile":  # which backend really ran: Triton, unless something fell back

@@ -99,6 +99,21 @@ def reference(q, k, v, dout, kv_heads: int = KV_HEADS, **features) -> Reference:
     return Reference(sides["hi"], sides["lo"], kv_heads * group, kv_heads, q.dtype)
 
 
+def output_reference(q, k, v, heads: int, **features) -> Reference:
+    """The output alone (no backward: decode, forward-only runs) of the first ``heads`` query heads, each
+    with its KV head: ``{"out"}`` on both sides of the tolerance rule."""
+    from ..testing import attention_ref
+
+    group = q.shape[2] // k.shape[2]
+    heads = min(heads, q.shape[2])
+    q, k, v = (x.detach() for x in (q, k, v))
+    kv = slice(0, (heads - 1) // group + 1)
+    with torch.no_grad():
+        hi, lo = ({"out": attention_ref(q[:, :, :heads], k[:, :, kv], v[:, :, kv], upcast=upcast, **features)[0]}
+                  for upcast in (True, False))
+    return Reference(hi, lo, heads, kv.stop, q.dtype)
+
+
 def packed_reference(q, k, v, dout, cu_seqlens, kv_heads: int = KV_HEADS, **features) -> Reference:
     """The :class:`Reference` of packed sequences (q ``(total, nheads, d)``..., ``cu_seqlens`` their offsets),
     each sequence a batch of one, joined along the rows: ``(1, total, heads, d)``, lse ``(1, heads, total)``."""

@@ -47,7 +47,7 @@ GPU; <out> defaults to ./flashtile-results). Exit status 1 when flashtile measur
 --providers, --dtype, --device, --no-check, --out and --json.
 """
 
-SUITE_ONLY = ("seqlens", "headdims", "causal", "only", "full", "merge", "no_plots")
+SUITE_ONLY = ("seqlens", "headdims", "causal", "only", "full", "headline", "merge", "no_plots")
 
 
 def _word_list(text: str) -> list[str]:

@@ -183,6 +183,16 @@ def driver_version() -> str | None:
         return None
 
 
+def _package_version(name: str) -> str | None:
+    """The installed version of a distribution (a peer's), or None."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def _env(dtype_name: str | None = None) -> dict:
     import triton
 
@@ -200,6 +210,7 @@ def _env(dtype_name: str | None = None) -> dict:
             "cuda": torch.version.cuda,
             "cudnn": torch.backends.cudnn.version(),
             "triton": triton.__version__,
+            "fa4": _package_version("flash-attn-4"),
             "cpu": common.cpu_model(),
         }
     )

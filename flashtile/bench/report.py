@@ -474,6 +474,7 @@ def markdown(payload: dict, plot_paths=(), plots_note: str | None = None) -> str
     facts = [("GPU", env.get("gpu") or "none"), ("driver / CUDA / cuDNN",
                                                  f"{env.get('driver') or '-'} / {env.get('cuda') or '-'} / {env.get('cudnn') or '-'}"),
              ("CPU", env.get("cpu")), ("torch / triton", f"{env.get('torch')} / {env.get('triton')}"),
+             ("FlashAttention-4", env.get("fa4") or "not installed"),
              ("flashtile", f"{env.get('flashtile')}, commit `{commit[:12]}`" + (" (dirty tree)" if env.get("git_dirty") else "")),
              ("command", "`python -m flashtile " + " ".join(env.get("argv") or []) + "`"),
              ("stages", " ".join(ran_stages(payload)) or "none"),

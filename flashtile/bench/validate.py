@@ -19,7 +19,7 @@ from ..testing import ATOL, assert_close_to_ref, max_abs_error, reference_result
 
 KV_HEADS = 1  # the dense check covers the query heads of the first KV head (all heads of one GQA group)
 CHUNK_BYTES = 2**28  # query rows per reference chunk: their float32 scores stay near this
-# Features whose mask or bias depends on the query's absolute row: the reference then runs whole rows.
+# Features whose mask or bias depends on the query's absolute row: without causal, the reference runs whole rows.
 ROW_BOUND = ("alibi_slopes", "window_size", "attn_bias")
 
 
@@ -68,8 +68,8 @@ def _one_head(q, k, v, dout, features: dict, hi: bool) -> dict:
         parts.append((keys, reference_results(q[:, r0:r1], k[:, keys], v[:, keys], dout[:, r0:r1], hi=hi, **chunk)))
     results = {name: torch.cat([p[name] for _, p in parts], dim=2 if name == "lse" else 1) for name in ("out", "lse", "dq")}
     for name in ("dk", "dv"):
-        first = parts[0][1][name]
-        total = first.new_zeros((k.shape[0], k.shape[1], 1, first.shape[-1]))
+        first = parts[0][1][name]  # chunks add up in float64: the sum adds no rounding of its own
+        total = first.new_zeros((k.shape[0], k.shape[1], 1, first.shape[-1]), dtype=torch.float64)
         for keys, p in parts:
             total[:, keys] += p[name]
         results[name] = total

@@ -122,3 +122,13 @@ def served(monkeypatch):
 
     monkeypatch.setattr(replay.Replay, "__call__", counted)
     return calls
+
+
+def pytest_runtest_logreport(report):
+    """With FLASHTILE_FAILURE_LOG=path, each failure's id and last traceback lines go there as it happens (a GPU
+    run cut off by its time limit still says what failed)."""
+    log = os.environ.get("FLASHTILE_FAILURE_LOG")
+    if log and report.failed:
+        tail = "\n    ".join(str(report.longrepr).splitlines()[-6:])
+        with open(log, "a") as f:
+            f.write(f"{report.nodeid} ({report.when}):\n    {tail}\n")

@@ -29,6 +29,16 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from .common import kv_range
 from .fwd_sm90 import _scale_tile, _softmax_block, _tile, row_start, store_rows, wgmma_layout
 
+# P (in [0, 1]) times 448, e4m3's largest finite value, spans the format's range before the FP8 cast; the
+# output's final scale takes 1/448 back (with V's descale).
+P_SCALE = gl.constexpr(448.0)
+
+
+@gluon.constexpr_function
+def operand_width(dtype):
+    """A wgmma register operand's ``k_width``: the elements of ``dtype`` in one 32-bit register."""
+    return 32 // dtype.primitive_bitwidth
+
 
 @gluon.jit
 def _tile_of(t, num_m, nheads, LONGEST_FIRST: gl.constexpr):
@@ -74,20 +84,54 @@ def _release_unread(k_ready, k_empty, v_ready, v_empty, c, STAGES: gl.constexpr)
 
 
 @gluon.jit
+def _tile_scales(descales, off_b, off_hk, qk_scale, FP8: gl.constexpr):
+    """The tile's score scale and output scale: with ``FP8`` ``descales`` holds the (pointer, batch stride,
+    head stride) of Q's, K's and V's descales (one float32 per batch row and KV head): Q K^T of the FP8
+    inputs times ``q_descale * k_descale`` is the dequantized product, and O takes ``v_descale / P_SCALE``."""
+    if FP8:
+        (Q_DESCALE, stride_qds_b, stride_qds_h, K_DESCALE, stride_kds_b, stride_kds_h, V_DESCALE, stride_vds_b,
+         stride_vds_h) = descales
+        q_ds = gl.load(Q_DESCALE + off_b * stride_qds_b + off_hk * stride_qds_h)
+        k_ds = gl.load(K_DESCALE + off_b * stride_kds_b + off_hk * stride_kds_h)
+        v_ds = gl.load(V_DESCALE + off_b * stride_vds_b + off_hk * stride_vds_h)
+        return qk_scale * (q_ds * k_ds), v_ds / P_SCALE
+    else:
+        return qk_scale, 1.0
+
+
+@gluon.jit
+def _p_operand(p, layout: gl.constexpr, dtype: gl.constexpr, FP8: gl.constexpr):
+    """P as the register A operand of the PV wgmma, in ``dtype``; FP8 P is scaled by ``P_SCALE`` first."""
+    if FP8:
+        p = p * P_SCALE
+    return gl.convert_layout(p.to(dtype), layout)
+
+
+@gluon.jit
+def _v_operand(ring, slot, FP8: gl.constexpr):
+    """Slot ``slot`` of the V ring as the ``[BLOCK_N, HEAD_DIM]`` B operand of the PV wgmma. FP8 wgmma reads
+    only K-major operands: FP8 V comes transposed, ``[HEAD_DIM, BLOCK_N]`` slots with the keys contiguous."""
+    if FP8:
+        return ring.index(slot).reshape([ring.shape[3], ring.shape[4]]).permute((1, 0))
+    else:
+        return _tile(ring, slot)
+
+
+@gluon.jit
 def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
               ALIBI: gl.constexpr, HAS_SINK: gl.constexpr, FIXED_MAX: gl.constexpr, FOLD_SCALE: gl.constexpr,
-              STAGES: gl.constexpr):
+              STAGES: gl.constexpr, FP8: gl.constexpr):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, O, LSE,
      SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, row_max, window_left, window_right, stride_ob, stride_om,
-     stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, num_tiles) = args
+     stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, group, num_tiles, descales) = args
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
     # Accumulator layouts of the two matmuls (one warpgroup), and P as the register operand of the second.
-    s_layout: gl.constexpr = wgmma_layout(BLOCK_N, 4)
-    o_layout: gl.constexpr = wgmma_layout(HEAD_DIM, 4)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_N, 4, dtype.primitive_bitwidth)
+    o_layout: gl.constexpr = wgmma_layout(HEAD_DIM, 4, dtype.primitive_bitwidth)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=operand_width(dtype))
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     num_m = gl.cdiv(seqlen_q, 2 * BLOCK_M)
@@ -109,7 +153,7 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
         qb = i % 2
         mbarrier.wait(q_ready.index(qb * 2 + WG), (i // 2) & 1)
         q = q_smem.index(qb * 2 + WG).reshape([BLOCK_M, HEAD_DIM])
-        score_scale = qk_scale
+        score_scale, out_scale = _tile_scales(descales, off_b, off_h // group, qk_scale, FP8)
         if FOLD_SCALE:
             # Softcap's scale (at most 1) into this consumer's Q rows: the tanh then takes q . k as it is.
             _scale_tile(q, qk_scale, 4)
@@ -134,7 +178,8 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
                 mbarrier.wait(k_ready.index(s), ph)
                 qk = warpgroup_mma(q, _tile(k_smem, s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 mbarrier.wait(v_ready.index(prev), ph_prev)
-                acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), _tile(v_smem, prev), acc, is_async=True)
+                acc = warpgroup_mma(_p_operand(p, p_layout, dtype, FP8), _v_operand(v_smem, prev, FP8), acc,
+                                    is_async=True)
                 # ...S_j is waited for alone (wgmma groups retire in order), and K_j's slot released.
                 qk = warpgroup_mma_wait(1, deps=(qk, ))
                 mbarrier.arrive(k_empty.index(s), count=1)
@@ -150,7 +195,7 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
                     acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
             last, ph_last = _slot(base + je - 1, STAGES)
             mbarrier.wait(v_ready.index(last), ph_last)
-            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), _tile(v_smem, last), acc, is_async=True)
+            acc = warpgroup_mma(_p_operand(p, p_layout, dtype, FP8), _v_operand(v_smem, last, FP8), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(last), count=1)
         # This Q buffer is free for the tile after next.
@@ -160,15 +205,17 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
         base += n
         i += 1
 
+        if FP8:
+            acc = acc * out_scale
         store_rows(acc, m_i, l_i, offs_m, O, LSE, off_b, off_h, first_row, 0, seqlen_q, stride_ob, stride_om,
-                   stride_oh, stride_lse_b, stride_lse_h, dtype)
+                   stride_oh, stride_lse_b, stride_lse_h, O.dtype.element_ty)
 
 
 @gluon.jit
-def _producer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr, group):
+def _producer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, O, LSE,
      SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, row_max, window_left, window_right, stride_ob, stride_om,
-     stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, num_tiles) = args
+     stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, group, num_tiles, descales) = args
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     num_m = gl.cdiv(seqlen_q, 2 * BLOCK_M)
@@ -197,7 +244,11 @@ def _producer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: g
             tma.async_copy_global_to_shared(k_desc, [off_b, row, off_hk, 0], k_ready.index(s), k_smem.index(s))
             mbarrier.wait(v_empty.index(s), ph ^ 1)
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [off_b, row, off_hk, 0], v_ready.index(s), v_smem.index(s))
+            if FP8:
+                # V^T: (batch, heads_kv, headdim, seqlen), the block's keys along the last dim.
+                tma.async_copy_global_to_shared(v_desc, [off_b, off_hk, 0, row], v_ready.index(s), v_smem.index(s))
+            else:
+                tma.async_copy_global_to_shared(v_desc, [off_b, row, off_hk, 0], v_ready.index(s), v_smem.index(s))
             c += 1
         i += 1
 
@@ -212,15 +263,35 @@ def attn_fwd_sm90_ws(q_desc, k_desc, v_desc, O, LSE, SINK, ALIBI_SLOPES, stride_
     """``q_desc``/``k_desc``/``v_desc``: TMA descriptors of the ``(batch, seqlen, heads, headdim)`` inputs with
     ``[1, 64, 1, 128]`` (Q: one consumer's rows) and ``[1, BLOCK_N, 1, 128]`` tiles; ``num_tiles``: batch x
     heads x 128-row query blocks, walked by ``grid`` CTAs."""
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
+    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
+    # No descales: O (never read) stands in for their pointers.
+    descales = (O, 0, 0, O, 0, 0, O, 0, 0)
+    run_partitions(q_desc, k_desc, v_desc, v_smem, O, LSE, SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2,
+                   row_max, window_left, window_right, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h,
+                   seqlen_q, seqlen_k, group, nheads, num_tiles, descales, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
+                   HAS_SINK, FIXED_MAX, FOLD_SCALE, STAGES, CONSUMER_REGS, False, num_warps)
+
+
+@gluon.jit
+def run_partitions(q_desc, k_desc, v_desc, v_smem, O, LSE, SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2,
+                   row_max, window_left, window_right, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h,
+                   seqlen_q, seqlen_k, group, nheads, num_tiles, descales, MASK_LEFT: gl.constexpr,
+                   MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, HAS_SINK: gl.constexpr,
+                   FIXED_MAX: gl.constexpr, FOLD_SCALE: gl.constexpr, STAGES: gl.constexpr,
+                   CONSUMER_REGS: gl.constexpr, FP8: gl.constexpr, num_warps: gl.constexpr):
+    """The CTA's shared memory, barriers and partitions, around the V ring ``v_smem`` the kernel allocated
+    (its layout is the kernel's: V's rows, or with ``FP8`` V^T's)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
     gl.static_assert(num_warps == 4, "the default partition is consumer 0, one warpgroup")
-    # Two Q buffers (this tile's and the next's) of two consumers' rows each, and the K/V ring.
+    gl.static_assert(not (FP8 and FOLD_SCALE), "FP8 Q cannot take the scale: it is applied to the scores")
+    # Two Q buffers (this tile's and the next's) of two consumers' rows each, and the K ring (V's is given).
     q_smem = gl.allocate_shared_memory(dtype, [4, 1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -239,10 +310,10 @@ def attn_fwd_sm90_ws(q_desc, k_desc, v_desc, O, LSE, SINK, ALIBI_SLOPES, stride_
         mbarrier.init(v_empty.index(b), count=2)
     args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, O,
             LSE, SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, row_max, window_left, window_right, stride_ob,
-            stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, num_tiles)
+            stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, group, num_tiles, descales)
     gl.warp_specialize([(_consumer, (args, 0, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_SINK, FIXED_MAX, FOLD_SCALE,
-                                     STAGES)),
+                                     STAGES, FP8)),
                         (_consumer, (args, 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_SINK, FIXED_MAX, FOLD_SCALE,
-                                     STAGES)),
-                        (_producer, (args, MASK_LEFT, MASK_RIGHT, STAGES, group))], [4, 1],
+                                     STAGES, FP8)),
+                        (_producer, (args, MASK_LEFT, MASK_RIGHT, STAGES, FP8))], [4, 1],
                        [CONSUMER_REGS, 24])

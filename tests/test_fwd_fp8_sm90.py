@@ -28,13 +28,29 @@ LSE_ATOL = 1e-2
 E4M3_MAX = 448.0
 
 
-def quantize(x: torch.Tensor, nheads_kv: int) -> tuple:
+def row_descales(descale: torch.Tensor, seqlen: int) -> torch.Tensor:
+    """Each row's descale, ``(batch, seqlen, heads_kv, 1, 1)``, from a (batch, heads_kv) or per-block
+    (batch, heads_kv, blocks) one."""
+    if descale.dim() == 2:
+        return descale[:, None, :, None, None]
+    rows = descale.repeat_interleave(fp8.DESCALE_BLOCK, dim=2)[..., :seqlen]
+    return rows.transpose(1, 2)[..., None, None]
+
+
+def quantize(x: torch.Tensor, nheads_kv: int, blocks: bool = False) -> tuple:
     """``x`` (batch, seqlen, heads, d) as e4m3 with one float32 descale per (batch row, KV head) (its group of
-    query heads share it): ``(x8, descale)``, ``x ~ x8 * descale``."""
+    query heads share it), or with ``blocks`` per (batch row, KV head, block of DESCALE_BLOCK rows):
+    ``(x8, descale)``, ``x ~ x8 * descale``."""
     batch, seqlen, nheads, d = x.shape
     groups = x.reshape(batch, seqlen, nheads_kv, nheads // nheads_kv, d)
-    descale = (groups.abs().amax(dim=(1, 3, 4)) / E4M3_MAX).clamp_min(1e-12).float()
-    x8 = (groups / descale[:, None, :, None, None]).to(torch.float8_e4m3fn)
+    if blocks:
+        n = -(-seqlen // fp8.DESCALE_BLOCK)
+        padded = torch.nn.functional.pad(groups.abs(), (0, 0, 0, 0, 0, 0, 0, n * fp8.DESCALE_BLOCK - seqlen))
+        amax = padded.reshape(batch, n, fp8.DESCALE_BLOCK, nheads_kv, -1).amax(dim=(2, 4)).transpose(1, 2)
+    else:
+        amax = groups.abs().amax(dim=(1, 3, 4))
+    descale = (amax / E4M3_MAX).clamp_min(1e-12).float().contiguous()
+    x8 = (groups / row_descales(descale, seqlen)).to(torch.float8_e4m3fn)
     return x8.reshape(x.shape), descale
 
 
@@ -42,7 +58,7 @@ def dequantize(x8: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
     batch, seqlen, nheads, d = x8.shape
     nheads_kv = descale.shape[1]
     groups = x8.float().reshape(batch, seqlen, nheads_kv, nheads // nheads_kv, d)
-    return (groups * descale[:, None, :, None, None]).reshape(x8.shape)
+    return (groups * row_descales(descale, seqlen)).reshape(x8.shape)
 
 
 def transpose_v(v8: torch.Tensor) -> torch.Tensor:
@@ -55,11 +71,12 @@ def transpose_v(v8: torch.Tensor) -> torch.Tensor:
     return v_t
 
 
-def fp8_inputs(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim):
-    """Quantized q, k, V^T, their descales, and the dequantized q, k, v."""
+def fp8_inputs(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, q_blocks=False, k_blocks=False):
+    """Quantized q, k, V^T, their descales (q's and k's per block as asked), and the dequantized q, k, v."""
     q, k, v = testing.make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, torch.float32, "cuda",
                                requires_grad=False, generator=rng)
-    (q8, q_ds), (k8, k_ds), (v8, v_ds) = (quantize(t, nheads_kv) for t in (q, k, v))
+    (q8, q_ds), (k8, k_ds), (v8, v_ds) = (quantize(t, nheads_kv, blocks) for t, blocks in
+                                          ((q, q_blocks), (k, k_blocks), (v, False)))
     return (q8, k8, transpose_v(v8), q_ds, k_ds, v_ds), (dequantize(q8, q_ds), dequantize(k8, k_ds),
                                                          dequantize(v8, v_ds))
 
@@ -128,6 +145,26 @@ def test_fp8_forward_long(rng, head_dim, batch, seqlen, nheads, nheads_kv, mode)
     inputs, deq = fp8_inputs(rng, batch, seqlen, seqlen, nheads, nheads_kv, head_dim)
     out, lse = run(inputs, seqlen, **options)
     check(out, lse, deq, **options)
+
+
+@hopper
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("mode", ["full", "causal", "softcap"])
+@pytest.mark.parametrize("q_blocks,k_blocks", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(129, 1000), (4133, 4133)])
+def test_fp8_block_descales(rng, head_dim, mode, q_blocks, k_blocks, seqlen_q, seqlen_k):
+    """Per-block descales of Q and K (block quantization): a tile's rows and each key block read their own. The
+    inputs are scaled by a different factor per 128-row block, so a block that read another's descale would fail."""
+    options = MODES[mode]
+    q, k, v = testing.make_qkv(2, seqlen_q, seqlen_k, 8, 2, head_dim, torch.float32, "cuda", requires_grad=False,
+                               generator=rng)
+    for t in (q, k):
+        blocks = 2.0 ** (torch.rand(-(-t.shape[1] // fp8.DESCALE_BLOCK), generator=rng) * 2 - 1)
+        t.mul_(blocks.repeat_interleave(fp8.DESCALE_BLOCK)[:t.shape[1]].to("cuda")[None, :, None, None])
+    (q8, q_ds), (k8, k_ds), (v8, v_ds) = (quantize(t, 2, blocks) for t, blocks in
+                                          ((q, q_blocks), (k, k_blocks), (v, False)))
+    out, lse = run((q8, k8, transpose_v(v8), q_ds, k_ds, v_ds), seqlen_q, **options)
+    check(out, lse, (dequantize(q8, q_ds), dequantize(k8, k_ds), dequantize(v8, v_ds)), **options)
 
 
 @hopper

@@ -14,11 +14,17 @@ from .fastlaunch import CachedLaunch
 from .host import cdiv, lse_strides, on_device
 from .kernels.common import LOG2E
 from .kernels.fwd_sm90_fp8 import attn_fwd_sm90_fp8
+from .kernels.fwd_sm90_ws import DESCALE_BLOCK as _DESCALE_BLOCK
+
+# Rows (of q, or keys) that share one per-block descale: a CTA's tile of queries, one or two key blocks.
+DESCALE_BLOCK = _DESCALE_BLOCK.value
 
 # (BLOCK_N, STAGES) by head dim; every tile is 128 query rows (two consumers of 64). Chosen by the sm_90
-# compile (benchmarks/sm90_compile.py fwd-fp8 [d64|d256]): registers, spills and shared memory per CTA of the
-# consumers' 64 x BLOCK_N scores and 64 x HEAD_DIM accumulator, not yet by a GPU measurement.
-FP8_TILES = {64: (128, 2), 128: (128, 2), 256: (64, 2)}
+# compile alone (`python benchmarks/sm90_compile.py fwd-fp8[-d64|-d256]`), not yet by a GPU measurement: the
+# consumers' 64 x BLOCK_N scores and 64 x d accumulator within 240 registers, and the ring deepened until shared
+# memory (one CTA an SM: its registers) is used. d128 128 keys: no loop spills (one 8-byte stack slot outside
+# it), 164 KB; d256 128 keys spills 509 STL, 64 keys none, 197 KB; d64 128 keys none.
+FP8_TILES = {64: (128, 4), 128: (128, 4), 256: (64, 4)}
 QUERY_ROWS = 64
 # The consumers' registers after ``setmaxnreg`` and the cap the kernel is compiled under, as for the bf16
 # warp-specialized forward (launch._WS_CONSUMER_REGS): 2 x 4 warps at 240 and the producer warp at 24.
@@ -92,7 +98,9 @@ def forward_fp8_sm90(q, k, v_t, q_descale, k_descale, v_descale, out, lse, args:
     reads its shared-memory operands K-major only, and P V reduces over the keys); its seqlen_k stride must be
     1 and its other strides multiples of 16 bytes (pad seqlen_k's allocation to a multiple of 16).
     q_descale, k_descale, v_descale: float32 (batch, nheads_kv), any strides (broadcast ones included): the
-    dequantized inputs are ``q * q_descale[b, h // group]`` and so on.
+    dequantized inputs are ``q * q_descale[b, h // group]`` and so on. q_descale and k_descale may instead be
+    per block of ``DESCALE_BLOCK`` (128) rows, (batch, nheads_kv, cdiv(seqlen, 128)): row i of q takes
+    ``q_descale[b, h // group, i // 128]``, key j ``k_descale[b, h // group, j // 128]``.
     out: bf16 (batch, seqlen_q, nheads, d), written; lse: float32 (batch, nheads, seqlen_q), written with the
     natural-log sum of each row's exponentials of ``softmax_scale * q.k`` (after softcap), -inf where a row
     sees no key (its output is 0), as the bf16 forward stores it.
@@ -109,8 +117,10 @@ def forward_fp8_sm90(q, k, v_t, q_descale, k_descale, v_descale, out, lse, args:
     _check("q", q, (batch, seqlen_q, nheads, head_dim), fp8)
     _check("k", k, (batch, seqlen_k, nheads_kv, head_dim), fp8)
     _check("v_t", v_t, (batch, nheads_kv, head_dim, seqlen_k), fp8)
-    for name, scale in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
-        _check(name, scale, (batch, nheads_kv), torch.float32)
+    for name, scale, rows in (("q_descale", q_descale, seqlen_q), ("k_descale", k_descale, seqlen_k),
+                              ("v_descale", v_descale, None)):
+        blocks = (cdiv(rows, DESCALE_BLOCK), ) if rows is not None and scale.dim() == 3 else ()
+        _check(name, scale, (batch, nheads_kv, *blocks), torch.float32)
     _check("out", out, (batch, seqlen_q, nheads, head_dim), torch.bfloat16)
     _check("lse", lse, (batch, nheads, seqlen_q), torch.float32)
     for name, t in (("q", q), ("k", k), ("v_t", v_t)):
@@ -129,13 +139,15 @@ def forward_fp8_sm90(q, k, v_t, q_descale, k_descale, v_descale, out, lse, args:
     def static():
         stride_lse_b, stride_lse_h = lse_strides(lse, False)
         return dict(stride_qds_b=q_descale.stride(0), stride_qds_h=q_descale.stride(1),
+                    stride_qds_m=q_descale.stride(2) if q_descale.dim() == 3 else 0,
                     stride_kds_b=k_descale.stride(0), stride_kds_h=k_descale.stride(1),
+                    stride_kds_n=k_descale.stride(2) if k_descale.dim() == 3 else 0,
                     stride_vds_b=v_descale.stride(0), stride_vds_h=v_descale.stride(1),
                     window_left=args.window_left, window_right=args.window_right, stride_ob=out.stride(0),
                     stride_om=out.stride(1), stride_oh=out.stride(2), stride_lse_b=stride_lse_b,
                     stride_lse_h=stride_lse_h, seqlen_q=seqlen_q, seqlen_k=seqlen_k, group=nheads // nheads_kv,
                     nheads=nheads, num_tiles=tiles, MASK_LEFT=args.window_left >= 0, MASK_RIGHT=causal,
-                    SOFTCAP=args.softcap > 0, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, num_warps=4,
+                    SOFTCAP=args.softcap > 0, K_BLOCKS=k_descale.dim() == 3, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, num_warps=4,
                     maxnreg=MAXNREG)
 
     key = (tuple((t.shape, t.stride()) for t in (q, k, v_t, q_descale, k_descale, v_descale, out, lse)), q.device,

@@ -32,6 +32,8 @@ from .fwd_sm90 import _scale_tile, _softmax_block, _tile, row_start, store_rows,
 # P (in [0, 1]) times 448, e4m3's largest finite value, spans the format's range before the FP8 cast; the
 # output's final scale takes 1/448 back (with V's descale).
 P_SCALE = gl.constexpr(448.0)
+# Per-block FP8 descales: one per DESCALE_BLOCK query rows (a CTA's tile) or keys (one or two key blocks).
+DESCALE_BLOCK = gl.constexpr(128)
 
 
 @gluon.constexpr_function
@@ -84,19 +86,34 @@ def _release_unread(k_ready, k_empty, v_ready, v_empty, c, STAGES: gl.constexpr)
 
 
 @gluon.jit
-def _tile_scales(descales, off_b, off_hk, qk_scale, FP8: gl.constexpr):
-    """The tile's score scale and output scale: with ``FP8`` ``descales`` holds the (pointer, batch stride,
-    head stride) of Q's, K's and V's descales (one float32 per batch row and KV head): Q K^T of the FP8
-    inputs times ``q_descale * k_descale`` is the dequantized product, and O takes ``v_descale / P_SCALE``."""
+def _tile_scales(descales, off_b, off_hk, start_m, qk_scale, FP8: gl.constexpr, K_BLOCKS: gl.constexpr):
+    """The tile's score scale and output scale. With ``FP8`` ``descales`` holds the pointer and (batch, KV head,
+    block) strides of Q's, K's and V's float32 descales (a block stride 0: one per batch row and KV head): Q K^T
+    of the FP8 inputs times the descales of Q's tile ``start_m`` and of K is the dequantized product (K's per
+    key block, with ``K_BLOCKS``, in :func:`_block_scale`), and O takes ``v_descale / P_SCALE``."""
     if FP8:
-        (Q_DESCALE, stride_qds_b, stride_qds_h, K_DESCALE, stride_kds_b, stride_kds_h, V_DESCALE, stride_vds_b,
-         stride_vds_h) = descales
-        q_ds = gl.load(Q_DESCALE + off_b * stride_qds_b + off_hk * stride_qds_h)
-        k_ds = gl.load(K_DESCALE + off_b * stride_kds_b + off_hk * stride_kds_h)
+        (Q_DESCALE, stride_qds_b, stride_qds_h, stride_qds_m, K_DESCALE, stride_kds_b, stride_kds_h, _, V_DESCALE,
+         stride_vds_b, stride_vds_h) = descales
+        score_scale = qk_scale * gl.load(Q_DESCALE + off_b * stride_qds_b + off_hk * stride_qds_h
+                                         + start_m * stride_qds_m)
+        if not K_BLOCKS:
+            score_scale = score_scale * gl.load(K_DESCALE + off_b * stride_kds_b + off_hk * stride_kds_h)
         v_ds = gl.load(V_DESCALE + off_b * stride_vds_b + off_hk * stride_vds_h)
-        return qk_scale * (q_ds * k_ds), v_ds / P_SCALE
+        return score_scale, v_ds / P_SCALE
     else:
         return qk_scale, 1.0
+
+
+@gluon.jit
+def _block_scale(score_scale, descales, off_b, off_hk, start_n, K_BLOCKS: gl.constexpr):
+    """The score scale of the key block from ``start_n``: with ``K_BLOCKS``, times its keys' descale (the block
+    lies inside one DESCALE_BLOCK: both are powers of two and the block starts at a multiple of its size)."""
+    if K_BLOCKS:
+        K_DESCALE, stride_kds_b, stride_kds_h, stride_kds_n = descales[4], descales[5], descales[6], descales[7]
+        return score_scale * gl.load(K_DESCALE + off_b * stride_kds_b + off_hk * stride_kds_h
+                                     + (start_n // DESCALE_BLOCK) * stride_kds_n)
+    else:
+        return score_scale
 
 
 @gluon.jit
@@ -120,7 +137,7 @@ def _v_operand(ring, slot, FP8: gl.constexpr):
 @gluon.jit
 def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
               ALIBI: gl.constexpr, HAS_SINK: gl.constexpr, FIXED_MAX: gl.constexpr, FOLD_SCALE: gl.constexpr,
-              STAGES: gl.constexpr, FP8: gl.constexpr):
+              STAGES: gl.constexpr, FP8: gl.constexpr, K_BLOCKS: gl.constexpr):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, O, LSE,
      SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, row_max, window_left, window_right, stride_ob, stride_om,
      stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, group, num_tiles, descales) = args
@@ -153,7 +170,8 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
         qb = i % 2
         mbarrier.wait(q_ready.index(qb * 2 + WG), (i // 2) & 1)
         q = q_smem.index(qb * 2 + WG).reshape([BLOCK_M, HEAD_DIM])
-        score_scale, out_scale = _tile_scales(descales, off_b, off_h // group, qk_scale, FP8)
+        off_hk = off_h // group
+        score_scale, out_scale = _tile_scales(descales, off_b, off_hk, start_m, qk_scale, FP8, K_BLOCKS)
         if FOLD_SCALE:
             # Softcap's scale (at most 1) into this consumer's Q rows: the tanh then takes q . k as it is.
             _scale_tile(q, qk_scale, 4)
@@ -161,19 +179,21 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
         if je > jb:
             # Block jb: scores and probabilities; its PV product joins the next step.
             s, ph = _slot(base + jb, STAGES)
+            start_n = lo + jb * BLOCK_N
+            block_scale = _block_scale(score_scale, descales, off_b, off_hk, start_n, K_BLOCKS)
             mbarrier.wait(k_ready.index(s), ph)
             qk = warpgroup_mma(q, _tile(k_smem, s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             qk = warpgroup_mma_wait(0, deps=(qk, ))
             mbarrier.arrive(k_empty.index(s), count=1)
-            start_n = lo + jb * BLOCK_N
             p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n + jb * BLOCK_N, start_n,
                                                 (start_n < full_lo) | (start_n >= full_hi), seqlen_q, seqlen_k,
-                                                score_scale, softcap2, slope2, window_left, window_right, MASK_LEFT,
+                                                block_scale, softcap2, slope2, window_left, window_right, MASK_LEFT,
                                                 MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX)
             for j in range(jb + 1, je):
                 s, ph = _slot(base + j, STAGES)
                 prev, ph_prev = _slot(base + j - 1, STAGES)
                 start_n = lo + j * BLOCK_N
+                block_scale = _block_scale(score_scale, descales, off_b, off_hk, start_n, K_BLOCKS)
                 # S_j = Q K_j^T and O += P_{j-1} V_{j-1} both go to the tensor cores...
                 mbarrier.wait(k_ready.index(s), ph)
                 qk = warpgroup_mma(q, _tile(k_smem, s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -186,7 +206,7 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
                 # The softmax of S_j runs while the PV product is still in flight.
                 p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n + j * BLOCK_N, start_n,
                                                     (start_n < full_lo) | (start_n >= full_hi), seqlen_q, seqlen_k,
-                                                    score_scale, softcap2, slope2, window_left, window_right,
+                                                    block_scale, softcap2, slope2, window_left, window_right,
                                                     MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX)
                 acc = warpgroup_mma_wait(0, deps=(acc, ))
                 mbarrier.arrive(v_empty.index(prev), count=1)
@@ -267,11 +287,11 @@ def attn_fwd_sm90_ws(q_desc, k_desc, v_desc, O, LSE, SINK, ALIBI_SLOPES, stride_
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
     # No descales: O (never read) stands in for their pointers.
-    descales = (O, 0, 0, O, 0, 0, O, 0, 0)
+    descales = (O, 0, 0, 0, O, 0, 0, 0, O, 0, 0)
     run_partitions(q_desc, k_desc, v_desc, v_smem, O, LSE, SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2,
                    row_max, window_left, window_right, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h,
                    seqlen_q, seqlen_k, group, nheads, num_tiles, descales, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
-                   HAS_SINK, FIXED_MAX, FOLD_SCALE, STAGES, CONSUMER_REGS, False, num_warps)
+                   HAS_SINK, FIXED_MAX, FOLD_SCALE, STAGES, CONSUMER_REGS, False, False, num_warps)
 
 
 @gluon.jit
@@ -280,7 +300,7 @@ def run_partitions(q_desc, k_desc, v_desc, v_smem, O, LSE, SINK, ALIBI_SLOPES, s
                    seqlen_q, seqlen_k, group, nheads, num_tiles, descales, MASK_LEFT: gl.constexpr,
                    MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, HAS_SINK: gl.constexpr,
                    FIXED_MAX: gl.constexpr, FOLD_SCALE: gl.constexpr, STAGES: gl.constexpr,
-                   CONSUMER_REGS: gl.constexpr, FP8: gl.constexpr, num_warps: gl.constexpr):
+                   CONSUMER_REGS: gl.constexpr, FP8: gl.constexpr, K_BLOCKS: gl.constexpr, num_warps: gl.constexpr):
     """The CTA's shared memory, barriers and partitions, around the V ring ``v_smem`` the kernel allocated
     (its layout is the kernel's: V's rows, or with ``FP8`` V^T's)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
@@ -312,8 +332,8 @@ def run_partitions(q_desc, k_desc, v_desc, v_smem, O, LSE, SINK, ALIBI_SLOPES, s
             LSE, SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, row_max, window_left, window_right, stride_ob,
             stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, group, num_tiles, descales)
     gl.warp_specialize([(_consumer, (args, 0, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_SINK, FIXED_MAX, FOLD_SCALE,
-                                     STAGES, FP8)),
+                                     STAGES, FP8, K_BLOCKS)),
                         (_consumer, (args, 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_SINK, FIXED_MAX, FOLD_SCALE,
-                                     STAGES, FP8)),
+                                     STAGES, FP8, K_BLOCKS)),
                         (_producer, (args, MASK_LEFT, MASK_RIGHT, STAGES, FP8))], [4, 1],
                        [CONSUMER_REGS, 24])

@@ -8,6 +8,7 @@ import torch
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ... import replay
 from .. import AttnArgs, KVCacheArgs
 from . import configs
 from .fastlaunch import CachedLaunch
@@ -129,6 +130,11 @@ def forward_fp8_sm90(q, k, v_t, q_descale, k_descale, v_descale, out, lse, args:
         raise ValueError(f"internal: out and lse need unit stride on their last dim, got {out.stride()} and "
                          f"{lse.stride()}")
     if batch == 0 or seqlen_q == 0 or nheads == 0:
+        return
+    if seqlen_k == 0:
+        # No keys (a TMA descriptor needs a positive extent): every row sees none.
+        replay.not_replayable("an output without keys is filled")
+        out.zero_(), lse.fill_(float("-inf"))
         return
     block_n, stages = FP8_TILES[head_dim]
     causal = args.window_right >= 0

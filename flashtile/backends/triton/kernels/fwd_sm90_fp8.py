@@ -24,8 +24,11 @@ from triton.experimental.gluon import language as gl
 from .fwd_sm90_ws import DESCALE_BLOCK, run_partitions
 
 
-# Lengths and their strides vary call to call: one compiled kernel serves them all (no recompile per length class).
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_tiles", "stride_ob", "stride_lse_b", "stride_lse_h"])
+# Lengths and the strides that follow them (a per-block descale's head stride is its block count) vary call to
+# call: one compiled kernel serves them all, where Triton would compile one per value class (1, multiple of 16).
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_tiles", "stride_ob", "stride_lse_b", "stride_lse_h",
+                              "stride_qds_b", "stride_qds_h", "stride_qds_m", "stride_kds_b", "stride_kds_h",
+                              "stride_kds_n", "stride_vds_b", "stride_vds_h"])
 def attn_fwd_sm90_fp8(q_desc, k_desc, vt_desc, O, LSE, Q_DESCALE, K_DESCALE, V_DESCALE, stride_qds_b, stride_qds_h,
                       stride_qds_m, stride_kds_b, stride_kds_h, stride_kds_n, stride_vds_b, stride_vds_h, qk_scale,
                       softcap2, window_left, window_right, stride_ob, stride_om, stride_oh, stride_lse_b,

@@ -87,7 +87,8 @@ def _fwd_fp8_case(causal: bool, softcap: bool, window: bool, head_dim: int, bloc
                 window_right=0 if causal else -1, stride_ob=out.stride(0), stride_om=out.stride(1),
                 stride_oh=out.stride(2), stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1), seqlen_q=4096,
                 seqlen_k=4096, group=1, nheads=16, num_tiles=1024)
-    constexprs = dict(MASK_LEFT=window, MASK_RIGHT=causal, SOFTCAP=softcap, K_BLOCKS=blocks,
-                      STAGES=fp8.FP8_TILES[head_dim][1],
+    _, stages, two_level = fp8.FP8_TILES[head_dim]
+    constexprs = dict(MASK_LEFT=window, MASK_RIGHT=causal, SOFTCAP=softcap, K_BLOCKS=blocks, TWO_LEVEL=two_level,
+                      STAGES=stages,
                       CONSUMER_REGS=fp8.CONSUMER_REGS, num_warps=4)
     return fp8.attn_fwd_sm90_fp8, args, constexprs, dict(num_warps=4, maxnreg=fp8.MAXNREG)

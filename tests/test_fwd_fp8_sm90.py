@@ -168,6 +168,17 @@ def test_fp8_block_descales(rng, head_dim, mode, q_blocks, k_blocks, seqlen_q, s
 
 
 @hopper
+@pytest.mark.parametrize("seqlen,mode", [(4133, "full"), (16384, "causal")])
+def test_fp8_two_level_d128(rng, monkeypatch, seqlen, mode):
+    """d128 on the other tile of fp8.FP8_TILES: 64-key blocks, O summed in float32 a block at a time."""
+    monkeypatch.setitem(fp8.FP8_TILES, 128, (64, 4, True))
+    options = MODES[mode]
+    inputs, deq = fp8_inputs(rng, 1, seqlen, seqlen, 2, 1, 128)
+    out, lse = run(inputs, seqlen, **options)
+    check(out, lse, deq, **options)
+
+
+@hopper
 def test_fp8_broadcast_descales(rng):
     """Descales given as one value expanded over (batch, KV head) (strides 0), as FA3's callers pass them."""
     inputs, _ = fp8_inputs(rng, 2, 300, 300, 8, 2, 128)

@@ -20,12 +20,18 @@ from .kernels.fwd_sm90_ws import DESCALE_BLOCK as _DESCALE_BLOCK
 # Rows (of q, or keys) that share one per-block descale: a CTA's tile of queries, one or two key blocks.
 DESCALE_BLOCK = _DESCALE_BLOCK.value
 
-# (BLOCK_N, STAGES) by head dim; every tile is 128 query rows (two consumers of 64). Chosen by the sm_90
-# compile alone (`python benchmarks/sm90_compile.py fwd-fp8[-d64|-d256]`), not yet by a GPU measurement: the
-# consumers' 64 x BLOCK_N scores and 64 x d accumulator within 240 registers, and the ring deepened until shared
-# memory (one CTA an SM: its registers) is used. d128 128 keys: no loop spills (one 8-byte stack slot outside
-# it), 164 KB; d256 128 keys spills 509 STL, 64 keys none, 197 KB; d64 128 keys none.
-FP8_TILES = {64: (128, 4), 128: (128, 4), 256: (64, 4)}
+# (BLOCK_N, STAGES, TWO_LEVEL) by head dim; every tile is 128 query rows (two consumers of 64). Chosen by the
+# sm_90 compile alone (`python benchmarks/sm90_compile.py fwd-fp8[-d64|-d256]`), not yet by a GPU measurement:
+# the consumers' 64 x BLOCK_N scores and 64 x d accumulator within 240 registers, and the ring deepened until
+# shared memory (one CTA an SM: its registers) is used. TWO_LEVEL (each key block's P V summed into O in float32)
+# takes a second 64 x d accumulator: d64 fits it with 128 keys; d128 with 128 keys spills (144 STL a consumer),
+# with 64 keys it fits (0 spills, 98 KB); d256 fits neither (128 + 128 registers). The tensor cores add FP8
+# products in about 13 mantissa bits: modelled as chopping O each 32-key step, one-level O is off by 0.09% at
+# 1k keys, 0.33% at 4k, 1.3% at 16k (two-level 0.013%), against P's own e4m3 rounding of about 2.2%.
+# d128 keeps 128 keys one-level (FA3's numerics, the larger tile) until a GPU run weighs it against (64, 4, True).
+# d128 128 keys one-level: no loop spills (one 8-byte stack slot outside it), 164 KB; d256 128 keys spills 509
+# STL, 64 keys none, 197 KB.
+FP8_TILES = {64: (128, 4, True), 128: (128, 4, False), 256: (64, 4, False)}
 QUERY_ROWS = 64
 # The consumers' registers after ``setmaxnreg`` and the cap the kernel is compiled under, as for the bf16
 # warp-specialized forward (launch._WS_CONSUMER_REGS): 2 x 4 warps at 240 and the producer warp at 24.
@@ -136,7 +142,7 @@ def forward_fp8_sm90(q, k, v_t, q_descale, k_descale, v_descale, out, lse, args:
         replay.not_replayable("an output without keys is filled")
         out.zero_(), lse.fill_(float("-inf"))
         return
-    block_n, stages = FP8_TILES[head_dim]
+    block_n, stages, two_level = FP8_TILES[head_dim]
     causal = args.window_right >= 0
     tiles = cdiv(seqlen_q, 2 * QUERY_ROWS) * nheads * batch
     ctas = configs.ws_ctas(causal, tiles, configs.sm_count(q.device))
@@ -153,11 +159,11 @@ def forward_fp8_sm90(q, k, v_t, q_descale, k_descale, v_descale, out, lse, args:
                     stride_om=out.stride(1), stride_oh=out.stride(2), stride_lse_b=stride_lse_b,
                     stride_lse_h=stride_lse_h, seqlen_q=seqlen_q, seqlen_k=seqlen_k, group=nheads // nheads_kv,
                     nheads=nheads, num_tiles=tiles, MASK_LEFT=args.window_left >= 0, MASK_RIGHT=causal,
-                    SOFTCAP=args.softcap > 0, K_BLOCKS=k_descale.dim() == 3, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, num_warps=4,
+                    SOFTCAP=args.softcap > 0, K_BLOCKS=k_descale.dim() == 3, TWO_LEVEL=two_level, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, num_warps=4,
                     maxnreg=MAXNREG)
 
     key = (tuple((t.shape, t.stride()) for t in (q, k, v_t, q_descale, k_descale, v_descale, out, lse)), q.device,
-           args.window_left, args.window_right, args.softcap > 0, ctas)
+           args.window_left, args.window_right, args.softcap > 0, ctas, FP8_TILES[head_dim])
     with on_device(q):
         _FWD_FP8(key, (ctas, ), dict(**descriptors(q, k, v_t, head_dim), O=out, LSE=lse, Q_DESCALE=q_descale,
                                      K_DESCALE=k_descale, V_DESCALE=v_descale, qk_scale=qk_scale,

@@ -8,7 +8,8 @@ Per 128-row tile, as there: a producer warp streams K_j and V_j through the TMA,
     s = S * q_descale * k_descale * softmax_scale * log2(e)     (or through softcap's tanh)
     online softmax (m_i, l_i) in float32, l_i summing the float32 P
     P8 = e4m3(P * 448)           P <= 1, so 448 (e4m3's largest value) uses the format's whole range
-    O += P8 V8                   FP8 wgmma, P8 the register operand
+    O += P8 V8                   FP8 wgmma, P8 the register operand (TWO_LEVEL: each block's P8 V8 from zero,
+                                 added to O in float32: the tensor cores add FP8 products in ~13 mantissa bits)
     out = O / l_i * v_descale / 448   -> bf16, lse = (m_i + log2 l_i) * ln 2 as the bf16 forward stores it
 
 FP8 wgmma reads both shared-memory operands K-major (the reduced dimension contiguous): K's rows already are
@@ -33,8 +34,8 @@ def attn_fwd_sm90_fp8(q_desc, k_desc, vt_desc, O, LSE, Q_DESCALE, K_DESCALE, V_D
                       stride_qds_m, stride_kds_b, stride_kds_h, stride_kds_n, stride_vds_b, stride_vds_h, qk_scale,
                       softcap2, window_left, window_right, stride_ob, stride_om, stride_oh, stride_lse_b,
                       stride_lse_h, seqlen_q, seqlen_k, group, nheads, num_tiles, MASK_LEFT: gl.constexpr,
-                      MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, K_BLOCKS: gl.constexpr, STAGES: gl.constexpr,
-                      CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                      MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, K_BLOCKS: gl.constexpr, TWO_LEVEL: gl.constexpr,
+                      STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """``q_desc``/``k_desc``: TMA descriptors of the FP8 ``(batch, seqlen, heads, headdim)`` inputs with
     ``[1, 64, 1, HEAD_DIM]`` (one consumer's rows) and ``[1, BLOCK_N, 1, HEAD_DIM]`` tiles; ``vt_desc``: of
     V^T ``(batch, heads_kv, headdim, seqlen_k)`` with ``[1, 1, HEAD_DIM, BLOCK_N]`` tiles. ``O``: bf16
@@ -42,7 +43,8 @@ def attn_fwd_sm90_fp8(q_desc, k_desc, vt_desc, O, LSE, Q_DESCALE, K_DESCALE, V_D
     ``(batch, heads_kv)``, or for Q and K per block of 128 rows ``(batch, heads_kv, cdiv(seqlen, 128))``
     (``stride_qds_m``/``stride_kds_n``: the block strides, 0 without blocks; ``K_BLOCKS``: K's are per block, read
     per key block); ``qk_scale``: ``softmax_scale * log2(e)``, or ``softmax_scale / softcap`` with
-    ``SOFTCAP`` (``softcap2 = softcap * log2(e)``); ``num_tiles``: batch x heads x 128-row query blocks."""
+    ``SOFTCAP`` (``softcap2 = softcap * log2(e)``); ``TWO_LEVEL``: O summed in float32 a key block at a time (each
+    block's P V in a zeroed accumulator) instead of on the tensor cores across all keys; ``num_tiles``: batch x heads x 128-row query blocks."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
     gl.static_assert(vt_desc.block_type.shape[2] == HEAD_DIM, "V^T tiles are [1, 1, HEAD_DIM, BLOCK_N]")
@@ -55,4 +57,4 @@ def attn_fwd_sm90_fp8(q_desc, k_desc, vt_desc, O, LSE, Q_DESCALE, K_DESCALE, V_D
     run_partitions(q_desc, k_desc, vt_desc, vt_smem, O, LSE, LSE, LSE, 0, qk_scale, softcap2, 0.0, window_left,
                    window_right, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k,
                    group, nheads, num_tiles, descales, MASK_LEFT, MASK_RIGHT, SOFTCAP, False, False, False, False,
-                   STAGES, CONSUMER_REGS, True, K_BLOCKS, num_warps)
+                   STAGES, CONSUMER_REGS, True, K_BLOCKS, TWO_LEVEL, num_warps)

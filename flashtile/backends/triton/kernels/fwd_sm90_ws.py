@@ -135,9 +135,30 @@ def _v_operand(ring, slot, FP8: gl.constexpr):
 
 
 @gluon.jit
+def _pv_mma(p, v, acc, pv_zero, TWO_LEVEL: gl.constexpr):
+    """Issue the PV product (asynchronous): ``(acc, pv)``. Plain: O += P V on the tensor cores. ``TWO_LEVEL``: P V
+    into a zeroed block accumulator ``pv``, which :func:`_pv_done` adds to O in float32. FP8 wgmma adds in
+    about 13 mantissa bits (FP22, as SageAttention2 measured), chopped each 32-key step: carried over
+    thousands of keys O would come out biased low by percents."""
+    if TWO_LEVEL:
+        return acc, warpgroup_mma(p, v, pv_zero, use_acc=False, is_async=True)
+    else:
+        return warpgroup_mma(p, v, acc, is_async=True), pv_zero
+
+
+@gluon.jit
+def _pv_done(acc, pv, TWO_LEVEL: gl.constexpr):
+    """Wait for the PV product :func:`_pv_mma` issued; O with it."""
+    if TWO_LEVEL:
+        return acc + warpgroup_mma_wait(0, deps=(pv, ))
+    else:
+        return warpgroup_mma_wait(0, deps=(acc, ))
+
+
+@gluon.jit
 def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
               ALIBI: gl.constexpr, HAS_SINK: gl.constexpr, FIXED_MAX: gl.constexpr, FOLD_SCALE: gl.constexpr,
-              STAGES: gl.constexpr, FP8: gl.constexpr, K_BLOCKS: gl.constexpr):
+              STAGES: gl.constexpr, FP8: gl.constexpr, K_BLOCKS: gl.constexpr, TWO_LEVEL: gl.constexpr):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, O, LSE,
      SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, row_max, window_left, window_right, stride_ob, stride_om,
      stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, group, num_tiles, descales) = args
@@ -166,6 +187,7 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
         m_i, l_i, slope2 = row_start(SINK, row_max, ALIBI_SLOPES, stride_alibi_b, off_b, off_h, BLOCK_M, rows_s,
                                      HAS_SINK, FIXED_MAX, ALIBI)
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+        pv_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
         qb = i % 2
         mbarrier.wait(q_ready.index(qb * 2 + WG), (i // 2) & 1)
@@ -198,8 +220,8 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
                 mbarrier.wait(k_ready.index(s), ph)
                 qk = warpgroup_mma(q, _tile(k_smem, s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 mbarrier.wait(v_ready.index(prev), ph_prev)
-                acc = warpgroup_mma(_p_operand(p, p_layout, dtype, FP8), _v_operand(v_smem, prev, FP8), acc,
-                                    is_async=True)
+                acc, pv = _pv_mma(_p_operand(p, p_layout, dtype, FP8), _v_operand(v_smem, prev, FP8), acc, pv_zero,
+                                  TWO_LEVEL)
                 # ...S_j is waited for alone (wgmma groups retire in order), and K_j's slot released.
                 qk = warpgroup_mma_wait(1, deps=(qk, ))
                 mbarrier.arrive(k_empty.index(s), count=1)
@@ -208,15 +230,16 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
                                                     (start_n < full_lo) | (start_n >= full_hi), seqlen_q, seqlen_k,
                                                     block_scale, softcap2, slope2, window_left, window_right,
                                                     MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX)
-                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                acc = _pv_done(acc, pv, TWO_LEVEL)
                 mbarrier.arrive(v_empty.index(prev), count=1)
                 if not FIXED_MAX:
                     # O now holds blocks up to j - 1 under the old row max: move it to the new one.
                     acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
             last, ph_last = _slot(base + je - 1, STAGES)
             mbarrier.wait(v_ready.index(last), ph_last)
-            acc = warpgroup_mma(_p_operand(p, p_layout, dtype, FP8), _v_operand(v_smem, last, FP8), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            acc, pv = _pv_mma(_p_operand(p, p_layout, dtype, FP8), _v_operand(v_smem, last, FP8), acc, pv_zero,
+                              TWO_LEVEL)
+            acc = _pv_done(acc, pv, TWO_LEVEL)
             mbarrier.arrive(v_empty.index(last), count=1)
         # This Q buffer is free for the tile after next.
         mbarrier.arrive(q_empty.index(qb), count=1)
@@ -291,7 +314,7 @@ def attn_fwd_sm90_ws(q_desc, k_desc, v_desc, O, LSE, SINK, ALIBI_SLOPES, stride_
     run_partitions(q_desc, k_desc, v_desc, v_smem, O, LSE, SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2,
                    row_max, window_left, window_right, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h,
                    seqlen_q, seqlen_k, group, nheads, num_tiles, descales, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
-                   HAS_SINK, FIXED_MAX, FOLD_SCALE, STAGES, CONSUMER_REGS, False, False, num_warps)
+                   HAS_SINK, FIXED_MAX, FOLD_SCALE, STAGES, CONSUMER_REGS, False, False, False, num_warps)
 
 
 @gluon.jit
@@ -300,9 +323,11 @@ def run_partitions(q_desc, k_desc, v_desc, v_smem, O, LSE, SINK, ALIBI_SLOPES, s
                    seqlen_q, seqlen_k, group, nheads, num_tiles, descales, MASK_LEFT: gl.constexpr,
                    MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, HAS_SINK: gl.constexpr,
                    FIXED_MAX: gl.constexpr, FOLD_SCALE: gl.constexpr, STAGES: gl.constexpr,
-                   CONSUMER_REGS: gl.constexpr, FP8: gl.constexpr, K_BLOCKS: gl.constexpr, num_warps: gl.constexpr):
+                   CONSUMER_REGS: gl.constexpr, FP8: gl.constexpr, K_BLOCKS: gl.constexpr, TWO_LEVEL: gl.constexpr,
+                   num_warps: gl.constexpr):
     """The CTA's shared memory, barriers and partitions, around the V ring ``v_smem`` the kernel allocated
-    (its layout is the kernel's: V's rows, or with ``FP8`` V^T's)."""
+    (its layout is the kernel's: V's rows, or with ``FP8`` V^T's). ``K_BLOCKS``, ``TWO_LEVEL``: FP8's per-block K
+    descales and block-wise float32 sum of O (:func:`_block_scale`, :func:`_pv_mma`)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
@@ -332,8 +357,8 @@ def run_partitions(q_desc, k_desc, v_desc, v_smem, O, LSE, SINK, ALIBI_SLOPES, s
             LSE, SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, row_max, window_left, window_right, stride_ob,
             stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, group, num_tiles, descales)
     gl.warp_specialize([(_consumer, (args, 0, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_SINK, FIXED_MAX, FOLD_SCALE,
-                                     STAGES, FP8, K_BLOCKS)),
+                                     STAGES, FP8, K_BLOCKS, TWO_LEVEL)),
                         (_consumer, (args, 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_SINK, FIXED_MAX, FOLD_SCALE,
-                                     STAGES, FP8, K_BLOCKS)),
+                                     STAGES, FP8, K_BLOCKS, TWO_LEVEL)),
                         (_producer, (args, MASK_LEFT, MASK_RIGHT, STAGES, FP8))], [4, 1],
                        [CONSUMER_REGS, 24])

@@ -208,3 +208,16 @@ def test_fp8_supported_reasons():
     assert "head dim 96" in fp8.fp8_sm90_supported(args, 96)
     varlen = AttnArgs(softmax_scale=0.1, cu_seqlens_q=torch.zeros(2, dtype=torch.int32))
     assert "packed sequences" in fp8.fp8_sm90_supported(varlen, 128)
+
+
+def test_fp8_no_keys(device):
+    """No keys: every row's output is 0 and its lse -inf, without a launch (runs on CPU too)."""
+    fp8_type = torch.float8_e4m3fn
+    q = torch.randn(2, 5, 4, 128).to(device=device, dtype=fp8_type)
+    k = torch.empty(2, 0, 2, 128, dtype=fp8_type, device=device)
+    v_t = torch.empty(2, 2, 128, 0, dtype=fp8_type, device=device)
+    scale = torch.ones(2, 2, device=device)
+    out = torch.full((2, 5, 4, 128), float("nan"), dtype=torch.bfloat16, device=device)
+    lse = torch.full((2, 4, 5), float("nan"), device=device)
+    fp8.forward_fp8_sm90(q, k, v_t, scale, scale, scale, out, lse, AttnArgs(softmax_scale=0.1))
+    assert (out == 0).all() and (lse == float("-inf")).all()

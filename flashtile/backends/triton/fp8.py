@@ -130,11 +130,6 @@ def forward_fp8_sm90(q, k, v_t, q_descale, k_descale, v_descale, out, lse, args:
         _check(name, scale, (batch, nheads_kv, *blocks), torch.float32)
     _check("out", out, (batch, seqlen_q, nheads, head_dim), torch.bfloat16)
     _check("lse", lse, (batch, nheads, seqlen_q), torch.float32)
-    for name, t in (("q", q), ("k", k), ("v_t", v_t)):
-        _check_tma(name, t)
-    if out.stride(-1) != 1 or lse.stride(-1) != 1:
-        raise ValueError(f"internal: out and lse need unit stride on their last dim, got {out.stride()} and "
-                         f"{lse.stride()}")
     if batch == 0 or seqlen_q == 0 or nheads == 0:
         return
     if seqlen_k == 0:
@@ -142,6 +137,11 @@ def forward_fp8_sm90(q, k, v_t, q_descale, k_descale, v_descale, out, lse, args:
         replay.not_replayable("an output without keys is filled")
         out.zero_(), lse.fill_(float("-inf"))
         return
+    for name, t in (("q", q), ("k", k), ("v_t", v_t)):
+        _check_tma(name, t)
+    if out.stride(-1) != 1 or lse.stride(-1) != 1:
+        raise ValueError(f"internal: out and lse need unit stride on their last dim, got {out.stride()} and "
+                         f"{lse.stride()}")
     block_n, stages, two_level = FP8_TILES[head_dim]
     causal = args.window_right >= 0
     tiles = cdiv(seqlen_q, 2 * QUERY_ROWS) * nheads * batch

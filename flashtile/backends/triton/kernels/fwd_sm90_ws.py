@@ -21,6 +21,11 @@ head's longest rows go first): with ``grid`` below the tile count each CTA takes
 Inputs: 16-bit, head dim 128 for q, k and v; full rows or causal (the masks are fwd_sm90's, windows
 included, but the dispatcher keeps windows on that kernel's tiles); softcap (``FIXED_MAX``, ``FOLD_SCALE``: as in fwd_sm90, each consumer folds the scale into its own
 Q rows), ALiBi and a sink; no packed sequences or KV cache (the launcher takes fwd_sm90 for those).
+
+``FP8`` (kernels/fwd_sm90_fp8.py's entry) runs the same partitions on float8_e4m3fn Q, K and V^T: the scores
+take the descales (:func:`_tile_scales`, :func:`_block_scale`), P enters the PV wgmma as e4m3 scaled by
+``P_SCALE`` (:func:`_p_operand`), V^T's slots are read K-major (:func:`_v_operand`), and O may be summed in
+float32 a block at a time (:func:`_pv_mma`). With ``FP8`` off each of these is the 16-bit code as it was.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl

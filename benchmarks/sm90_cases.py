@@ -1,5 +1,7 @@
 """Kernel arguments for benchmarks/sm90_compile.py: CPU tensors stand in for the GPU's (only their shapes,
 strides and dtypes matter to the compiler)."""
+import re
+
 import torch
 
 from flashtile.backends.triton import launch
@@ -27,6 +29,10 @@ def case(which: str, causal: bool, softcap: bool, window: bool = False):
         return attn_bwd_dkdv_sm90, args, dict(common, STAGES=2, num_warps=4), dict(num_warps=4)
     if which == "fwd-ws":
         return _fwd_ws_case(causal, softcap, window)
+    if which.startswith("fwd-fp8"):
+        # fwd-fp8[-d64|-d256][-blocks]: head dim (128 without), per-block Q/K descales.
+        dims = re.findall(r"-d(\d+)", which)
+        return _fwd_fp8_case(causal, softcap, window, int(dims[0]) if dims else 128, which.endswith("-blocks"))
     if which in ("fused", "fused-alibi", "fused-varlen"):
         return _fused_case(causal, softcap, which == "fused-alibi", which == "fused-varlen", window)
     raise ValueError(which)
@@ -67,3 +73,22 @@ def _fwd_ws_case(causal: bool, softcap: bool, window: bool, block_n: int = 64, s
     constexprs = dict(MASK_LEFT=window, MASK_RIGHT=causal, SOFTCAP=softcap, ALIBI=False, HAS_SINK=False,
                       FIXED_MAX=softcap, FOLD_SCALE=softcap, STAGES=stages, CONSUMER_REGS=240, num_warps=4)
     return attn_fwd_sm90_ws, args, constexprs, dict(num_warps=4, maxnreg=168)
+
+
+def _fwd_fp8_case(causal: bool, softcap: bool, window: bool, head_dim: int, blocks: bool):
+    from flashtile.backends.triton import fp8
+    q, k, lse = _inputs(D=head_dim, dtype=torch.float8_e4m3fn)
+    v_t = k.permute(0, 2, 3, 1).contiguous()
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    scale = torch.empty(q.shape[0], k.shape[2], dtype=torch.float32)
+    args = dict(**fp8.descriptors(q, k, v_t, head_dim), O=out, LSE=lse, Q_DESCALE=scale, K_DESCALE=scale,
+                V_DESCALE=scale, stride_qds_b=16, stride_qds_h=1, stride_qds_m=int(blocks), stride_kds_b=16, stride_kds_h=1,
+                stride_kds_n=int(blocks), stride_vds_b=16, stride_vds_h=1, qk_scale=0.1, softcap2=1.0, window_left=1024 if window else -1,
+                window_right=0 if causal else -1, stride_ob=out.stride(0), stride_om=out.stride(1),
+                stride_oh=out.stride(2), stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1), seqlen_q=4096,
+                seqlen_k=4096, group=1, nheads=16, num_tiles=1024)
+    _, stages, two_level = fp8.FP8_TILES[head_dim]
+    constexprs = dict(MASK_LEFT=window, MASK_RIGHT=causal, SOFTCAP=softcap, K_BLOCKS=blocks, TWO_LEVEL=two_level,
+                      STAGES=stages,
+                      CONSUMER_REGS=fp8.CONSUMER_REGS, num_warps=4)
+    return fp8.attn_fwd_sm90_fp8, args, constexprs, dict(num_warps=4, maxnreg=fp8.MAXNREG)

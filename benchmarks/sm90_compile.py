@@ -1,12 +1,13 @@
 """Compile a Gluon kernel for sm_90 on a machine without a GPU and report what ptxas made of it: registers,
 spills, shared memory and SASS instruction counts, in all and for each warp-specialized partition (the code
-between two ``setmaxnreg``s: the consumers' loops are the ones with HGMMAs). Uses the ptxas and cuobjdump that
+between two ``setmaxnreg``s: the consumers' loops are the ones with HGMMAs, QGMMAs on FP8). Uses the ptxas and cuobjdump that
 Triton's wheel ships, so kernels can be checked for register pressure before a GPU run.
 
     python benchmarks/sm90_compile.py dkdv [causal] [softcap]          # kernels/bwd_sm90.py
     python benchmarks/sm90_compile.py fused [causal] [softcap] [window] # kernels/bwd_sm90_ws.py, dense
     python benchmarks/sm90_compile.py fused-alibi|fused-varlen [causal] [softcap] [window]
     python benchmarks/sm90_compile.py fwd-ws [causal] [softcap] [window]  # kernels/fwd_sm90_ws.py, 64-key slots
+    python benchmarks/sm90_compile.py fwd-fp8[-d64|-d256][-blocks] [causal] [softcap] [window]  # kernels/fwd_sm90_fp8.py
 
 ``window``: a left bound (the kernel's MASK_LEFT; the fused and forward kernels).
 
@@ -56,7 +57,8 @@ def report(kernel, name: str) -> dict:
     stack = re.search(r"STACK:(\d+)", usage)
     out = dict(name=name, registers=int(regs.group(1)) if regs else None,
                stack=int(stack.group(1)) if stack else None, shared=meta.shared, instructions=len(insts), stl=spill_st, ldl=spill_ld,
-               hgmma=sum("HGMMA" in line for line in insts), ptx_lines=ptx.count("\n"))
+               hgmma=sum("HGMMA" in line for line in insts),
+               qgmma=sum("QGMMA" in line for line in insts), ptx_lines=ptx.count("\n"))
     print(out)
     for region in _regions(insts):
         print("  ", region)
@@ -69,13 +71,14 @@ def _regions(insts: list) -> list:
     for line in insts:
         if "USETMAXREG" in line:
             current = dict(setmaxreg=re.search(r"USETMAXREG\S* [^;]*", line).group(0), n=0, stl=0, ldl=0, hgmma=0,
-                           mufu=0)
+                           qgmma=0, mufu=0, shfl=0, sts=0, lds=0)
             regions.append(current)
         if current is not None:
             current["n"] += 1
-            for name, op in (("stl", "STL"), ("ldl", "LDL"), ("hgmma", "HGMMA"), ("mufu", "MUFU")):
+            for name, op in (("stl", "STL"), ("ldl", "LDL"), ("hgmma", "HGMMA"), ("qgmma", "QGMMA"), ("mufu", "MUFU"),
+                             ("shfl", "SHFL"), ("sts", "STS"), ("lds", "LDS")):
                 current[name] += op in line
-    return [r for r in regions if r["hgmma"]]
+    return [r for r in regions if r["hgmma"] or r["qgmma"]]
 
 
 def _setmaxnreg(kernel):

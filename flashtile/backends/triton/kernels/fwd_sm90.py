@@ -69,9 +69,12 @@ def _scores_mma(q, q_tail, k_smem, k_tail_smem, slot, s_zero, TAIL: gl.constexpr
 
 
 @gluon.constexpr_function
-def wgmma_layout(columns, num_warps):
-    """The accumulator layout of a Hopper wgmma over ``columns`` output columns (rows: 64 a warpgroup)."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, columns, 16])
+def wgmma_layout(columns, num_warps, operand_bits=16):
+    """The accumulator layout of a Hopper wgmma over ``columns`` output columns (rows: 64 a warpgroup) whose
+    operands have ``operand_bits`` bits an element: one instruction reduces 32 bytes of each row (16 of bf16,
+    32 of FP8)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                     instr_shape=[16, columns, 256 // operand_bits])
 
 
 @gluon.jit

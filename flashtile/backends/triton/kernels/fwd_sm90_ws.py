@@ -21,6 +21,11 @@ head's longest rows go first): with ``grid`` below the tile count each CTA takes
 Inputs: 16-bit, head dim 128 for q, k and v; full rows or causal (the masks are fwd_sm90's, windows
 included, but the dispatcher keeps windows on that kernel's tiles); softcap (``FIXED_MAX``, ``FOLD_SCALE``: as in fwd_sm90, each consumer folds the scale into its own
 Q rows), ALiBi and a sink; no packed sequences or KV cache (the launcher takes fwd_sm90 for those).
+
+``FP8`` (kernels/fwd_sm90_fp8.py's entry) runs the same partitions on float8_e4m3fn Q, K and V^T: the scores
+take the descales (:func:`_tile_scales`, :func:`_block_scale`), P enters the PV wgmma as e4m3 scaled by
+``P_SCALE`` (:func:`_p_operand`), V^T's slots are read K-major (:func:`_v_operand`), and O may be summed in
+float32 a block at a time (:func:`_pv_mma`). With ``FP8`` off each of these is the 16-bit code as it was.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -28,6 +33,18 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from .common import kv_range
 from .fwd_sm90 import _scale_tile, _softmax_block, _tile, row_start, store_rows, wgmma_layout
+
+# P (in [0, 1]) times 448, e4m3's largest finite value, spans the format's range before the FP8 cast; the
+# output's final scale takes 1/448 back (with V's descale).
+P_SCALE = gl.constexpr(448.0)
+# Per-block FP8 descales: one per DESCALE_BLOCK query rows (a CTA's tile) or keys (one or two key blocks).
+DESCALE_BLOCK = gl.constexpr(128)
+
+
+@gluon.constexpr_function
+def operand_width(dtype):
+    """A wgmma register operand's ``k_width``: the elements of ``dtype`` in one 32-bit register."""
+    return 32 // dtype.primitive_bitwidth
 
 
 @gluon.jit
@@ -74,20 +91,90 @@ def _release_unread(k_ready, k_empty, v_ready, v_empty, c, STAGES: gl.constexpr)
 
 
 @gluon.jit
+def _tile_scales(descales, off_b, off_hk, start_m, qk_scale, FP8: gl.constexpr, K_BLOCKS: gl.constexpr):
+    """The tile's score scale and output scale. With ``FP8`` ``descales`` holds the pointer and (batch, KV head,
+    block) strides of Q's, K's and V's float32 descales (a block stride 0: one per batch row and KV head): Q K^T
+    of the FP8 inputs times the descales of Q's tile ``start_m`` and of K is the dequantized product (K's per
+    key block, with ``K_BLOCKS``, in :func:`_block_scale`), and O takes ``v_descale / P_SCALE``."""
+    if FP8:
+        (Q_DESCALE, stride_qds_b, stride_qds_h, stride_qds_m, K_DESCALE, stride_kds_b, stride_kds_h, _, V_DESCALE,
+         stride_vds_b, stride_vds_h) = descales
+        score_scale = qk_scale * gl.load(Q_DESCALE + off_b * stride_qds_b + off_hk * stride_qds_h
+                                         + start_m * stride_qds_m)
+        if not K_BLOCKS:
+            score_scale = score_scale * gl.load(K_DESCALE + off_b * stride_kds_b + off_hk * stride_kds_h)
+        v_ds = gl.load(V_DESCALE + off_b * stride_vds_b + off_hk * stride_vds_h)
+        return score_scale, v_ds / P_SCALE
+    else:
+        return qk_scale, 1.0
+
+
+@gluon.jit
+def _block_scale(score_scale, descales, off_b, off_hk, start_n, K_BLOCKS: gl.constexpr):
+    """The score scale of the key block from ``start_n``: with ``K_BLOCKS``, times its keys' descale (the block
+    lies inside one DESCALE_BLOCK: both are powers of two and the block starts at a multiple of its size)."""
+    if K_BLOCKS:
+        K_DESCALE, stride_kds_b, stride_kds_h, stride_kds_n = descales[4], descales[5], descales[6], descales[7]
+        return score_scale * gl.load(K_DESCALE + off_b * stride_kds_b + off_hk * stride_kds_h
+                                     + (start_n // DESCALE_BLOCK) * stride_kds_n)
+    else:
+        return score_scale
+
+
+@gluon.jit
+def _p_operand(p, layout: gl.constexpr, dtype: gl.constexpr, FP8: gl.constexpr):
+    """P as the register A operand of the PV wgmma, in ``dtype``; FP8 P is scaled by ``P_SCALE`` first."""
+    if FP8:
+        p = p * P_SCALE
+    return gl.convert_layout(p.to(dtype), layout)
+
+
+@gluon.jit
+def _v_operand(ring, slot, FP8: gl.constexpr):
+    """Slot ``slot`` of the V ring as the ``[BLOCK_N, HEAD_DIM]`` B operand of the PV wgmma. FP8 wgmma reads
+    only K-major operands: FP8 V comes transposed, ``[HEAD_DIM, BLOCK_N]`` slots with the keys contiguous."""
+    if FP8:
+        return ring.index(slot).reshape([ring.shape[3], ring.shape[4]]).permute((1, 0))
+    else:
+        return _tile(ring, slot)
+
+
+@gluon.jit
+def _pv_mma(p, v, acc, pv_zero, TWO_LEVEL: gl.constexpr):
+    """Issue the PV product (asynchronous): ``(acc, pv)``. Plain: O += P V on the tensor cores. ``TWO_LEVEL``: P V
+    into a zeroed block accumulator ``pv``, which :func:`_pv_done` adds to O in float32. FP8 wgmma adds in
+    about 13 mantissa bits (FP22, as SageAttention2 measured), chopped each 32-key step: carried over
+    thousands of keys O would come out biased low by percents."""
+    if TWO_LEVEL:
+        return acc, warpgroup_mma(p, v, pv_zero, use_acc=False, is_async=True)
+    else:
+        return warpgroup_mma(p, v, acc, is_async=True), pv_zero
+
+
+@gluon.jit
+def _pv_done(acc, pv, TWO_LEVEL: gl.constexpr):
+    """Wait for the PV product :func:`_pv_mma` issued; O with it."""
+    if TWO_LEVEL:
+        return acc + warpgroup_mma_wait(0, deps=(pv, ))
+    else:
+        return warpgroup_mma_wait(0, deps=(acc, ))
+
+
+@gluon.jit
 def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
               ALIBI: gl.constexpr, HAS_SINK: gl.constexpr, FIXED_MAX: gl.constexpr, FOLD_SCALE: gl.constexpr,
-              STAGES: gl.constexpr):
+              STAGES: gl.constexpr, FP8: gl.constexpr, K_BLOCKS: gl.constexpr, TWO_LEVEL: gl.constexpr):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, O, LSE,
      SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, row_max, window_left, window_right, stride_ob, stride_om,
-     stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, num_tiles) = args
+     stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, group, num_tiles, descales) = args
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
     # Accumulator layouts of the two matmuls (one warpgroup), and P as the register operand of the second.
-    s_layout: gl.constexpr = wgmma_layout(BLOCK_N, 4)
-    o_layout: gl.constexpr = wgmma_layout(HEAD_DIM, 4)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_N, 4, dtype.primitive_bitwidth)
+    o_layout: gl.constexpr = wgmma_layout(HEAD_DIM, 4, dtype.primitive_bitwidth)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=operand_width(dtype))
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     num_m = gl.cdiv(seqlen_q, 2 * BLOCK_M)
@@ -105,11 +192,13 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
         m_i, l_i, slope2 = row_start(SINK, row_max, ALIBI_SLOPES, stride_alibi_b, off_b, off_h, BLOCK_M, rows_s,
                                      HAS_SINK, FIXED_MAX, ALIBI)
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+        pv_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
         qb = i % 2
         mbarrier.wait(q_ready.index(qb * 2 + WG), (i // 2) & 1)
         q = q_smem.index(qb * 2 + WG).reshape([BLOCK_M, HEAD_DIM])
-        score_scale = qk_scale
+        off_hk = off_h // group
+        score_scale, out_scale = _tile_scales(descales, off_b, off_hk, start_m, qk_scale, FP8, K_BLOCKS)
         if FOLD_SCALE:
             # Softcap's scale (at most 1) into this consumer's Q rows: the tanh then takes q . k as it is.
             _scale_tile(q, qk_scale, 4)
@@ -117,41 +206,45 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
         if je > jb:
             # Block jb: scores and probabilities; its PV product joins the next step.
             s, ph = _slot(base + jb, STAGES)
+            start_n = lo + jb * BLOCK_N
+            block_scale = _block_scale(score_scale, descales, off_b, off_hk, start_n, K_BLOCKS)
             mbarrier.wait(k_ready.index(s), ph)
             qk = warpgroup_mma(q, _tile(k_smem, s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             qk = warpgroup_mma_wait(0, deps=(qk, ))
             mbarrier.arrive(k_empty.index(s), count=1)
-            start_n = lo + jb * BLOCK_N
             p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n + jb * BLOCK_N, start_n,
                                                 (start_n < full_lo) | (start_n >= full_hi), seqlen_q, seqlen_k,
-                                                score_scale, softcap2, slope2, window_left, window_right, MASK_LEFT,
+                                                block_scale, softcap2, slope2, window_left, window_right, MASK_LEFT,
                                                 MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX)
             for j in range(jb + 1, je):
                 s, ph = _slot(base + j, STAGES)
                 prev, ph_prev = _slot(base + j - 1, STAGES)
                 start_n = lo + j * BLOCK_N
+                block_scale = _block_scale(score_scale, descales, off_b, off_hk, start_n, K_BLOCKS)
                 # S_j = Q K_j^T and O += P_{j-1} V_{j-1} both go to the tensor cores...
                 mbarrier.wait(k_ready.index(s), ph)
                 qk = warpgroup_mma(q, _tile(k_smem, s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 mbarrier.wait(v_ready.index(prev), ph_prev)
-                acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), _tile(v_smem, prev), acc, is_async=True)
+                acc, pv = _pv_mma(_p_operand(p, p_layout, dtype, FP8), _v_operand(v_smem, prev, FP8), acc, pv_zero,
+                                  TWO_LEVEL)
                 # ...S_j is waited for alone (wgmma groups retire in order), and K_j's slot released.
                 qk = warpgroup_mma_wait(1, deps=(qk, ))
                 mbarrier.arrive(k_empty.index(s), count=1)
                 # The softmax of S_j runs while the PV product is still in flight.
                 p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n + j * BLOCK_N, start_n,
                                                     (start_n < full_lo) | (start_n >= full_hi), seqlen_q, seqlen_k,
-                                                    score_scale, softcap2, slope2, window_left, window_right,
+                                                    block_scale, softcap2, slope2, window_left, window_right,
                                                     MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX)
-                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                acc = _pv_done(acc, pv, TWO_LEVEL)
                 mbarrier.arrive(v_empty.index(prev), count=1)
                 if not FIXED_MAX:
                     # O now holds blocks up to j - 1 under the old row max: move it to the new one.
                     acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
             last, ph_last = _slot(base + je - 1, STAGES)
             mbarrier.wait(v_ready.index(last), ph_last)
-            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), _tile(v_smem, last), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            acc, pv = _pv_mma(_p_operand(p, p_layout, dtype, FP8), _v_operand(v_smem, last, FP8), acc, pv_zero,
+                              TWO_LEVEL)
+            acc = _pv_done(acc, pv, TWO_LEVEL)
             mbarrier.arrive(v_empty.index(last), count=1)
         # This Q buffer is free for the tile after next.
         mbarrier.arrive(q_empty.index(qb), count=1)
@@ -160,15 +253,17 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
         base += n
         i += 1
 
+        if FP8:
+            acc = acc * out_scale
         store_rows(acc, m_i, l_i, offs_m, O, LSE, off_b, off_h, first_row, 0, seqlen_q, stride_ob, stride_om,
-                   stride_oh, stride_lse_b, stride_lse_h, dtype)
+                   stride_oh, stride_lse_b, stride_lse_h, O.dtype.element_ty)
 
 
 @gluon.jit
-def _producer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr, group):
+def _producer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, O, LSE,
      SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, row_max, window_left, window_right, stride_ob, stride_om,
-     stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, num_tiles) = args
+     stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, group, num_tiles, descales) = args
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     num_m = gl.cdiv(seqlen_q, 2 * BLOCK_M)
@@ -197,7 +292,11 @@ def _producer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: g
             tma.async_copy_global_to_shared(k_desc, [off_b, row, off_hk, 0], k_ready.index(s), k_smem.index(s))
             mbarrier.wait(v_empty.index(s), ph ^ 1)
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [off_b, row, off_hk, 0], v_ready.index(s), v_smem.index(s))
+            if FP8:
+                # V^T: (batch, heads_kv, headdim, seqlen), the block's keys along the last dim.
+                tma.async_copy_global_to_shared(v_desc, [off_b, off_hk, 0, row], v_ready.index(s), v_smem.index(s))
+            else:
+                tma.async_copy_global_to_shared(v_desc, [off_b, row, off_hk, 0], v_ready.index(s), v_smem.index(s))
             c += 1
         i += 1
 
@@ -212,15 +311,37 @@ def attn_fwd_sm90_ws(q_desc, k_desc, v_desc, O, LSE, SINK, ALIBI_SLOPES, stride_
     """``q_desc``/``k_desc``/``v_desc``: TMA descriptors of the ``(batch, seqlen, heads, headdim)`` inputs with
     ``[1, 64, 1, 128]`` (Q: one consumer's rows) and ``[1, BLOCK_N, 1, 128]`` tiles; ``num_tiles``: batch x
     heads x 128-row query blocks, walked by ``grid`` CTAs."""
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
+    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
+    # No descales: O (never read) stands in for their pointers.
+    descales = (O, 0, 0, 0, O, 0, 0, 0, O, 0, 0)
+    run_partitions(q_desc, k_desc, v_desc, v_smem, O, LSE, SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2,
+                   row_max, window_left, window_right, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h,
+                   seqlen_q, seqlen_k, group, nheads, num_tiles, descales, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
+                   HAS_SINK, FIXED_MAX, FOLD_SCALE, STAGES, CONSUMER_REGS, False, False, False, num_warps)
+
+
+@gluon.jit
+def run_partitions(q_desc, k_desc, v_desc, v_smem, O, LSE, SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2,
+                   row_max, window_left, window_right, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h,
+                   seqlen_q, seqlen_k, group, nheads, num_tiles, descales, MASK_LEFT: gl.constexpr,
+                   MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, HAS_SINK: gl.constexpr,
+                   FIXED_MAX: gl.constexpr, FOLD_SCALE: gl.constexpr, STAGES: gl.constexpr,
+                   CONSUMER_REGS: gl.constexpr, FP8: gl.constexpr, K_BLOCKS: gl.constexpr, TWO_LEVEL: gl.constexpr,
+                   num_warps: gl.constexpr):
+    """The CTA's shared memory, barriers and partitions, around the V ring ``v_smem`` the kernel allocated
+    (its layout is the kernel's: V's rows, or with ``FP8`` V^T's). ``K_BLOCKS``, ``TWO_LEVEL``: FP8's per-block K
+    descales and block-wise float32 sum of O (:func:`_block_scale`, :func:`_pv_mma`)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
     gl.static_assert(num_warps == 4, "the default partition is consumer 0, one warpgroup")
-    # Two Q buffers (this tile's and the next's) of two consumers' rows each, and the K/V ring.
+    gl.static_assert(not (FP8 and FOLD_SCALE), "FP8 Q cannot take the scale: it is applied to the scores")
+    # Two Q buffers (this tile's and the next's) of two consumers' rows each, and the K ring (V's is given).
     q_smem = gl.allocate_shared_memory(dtype, [4, 1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -239,10 +360,10 @@ def attn_fwd_sm90_ws(q_desc, k_desc, v_desc, O, LSE, SINK, ALIBI_SLOPES, stride_
         mbarrier.init(v_empty.index(b), count=2)
     args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, O,
             LSE, SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, row_max, window_left, window_right, stride_ob,
-            stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, num_tiles)
+            stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, group, num_tiles, descales)
     gl.warp_specialize([(_consumer, (args, 0, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_SINK, FIXED_MAX, FOLD_SCALE,
-                                     STAGES)),
+                                     STAGES, FP8, K_BLOCKS, TWO_LEVEL)),
                         (_consumer, (args, 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_SINK, FIXED_MAX, FOLD_SCALE,
-                                     STAGES)),
-                        (_producer, (args, MASK_LEFT, MASK_RIGHT, STAGES, group))], [4, 1],
+                                     STAGES, FP8, K_BLOCKS, TWO_LEVEL)),
+                        (_producer, (args, MASK_LEFT, MASK_RIGHT, STAGES, FP8))], [4, 1],
                        [CONSUMER_REGS, 24])

@@ -1,0 +1,170 @@
+"""Host side of the FP8 Hopper forward (kernels/fwd_sm90_fp8.py): which calls it takes, its tiles, TMA
+descriptors and grid. The API layer quantizes and validates; this launches on what it is given."""
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ... import replay
+from .. import AttnArgs, KVCacheArgs
+from . import configs
+from .fastlaunch import CachedLaunch
+from .host import cdiv, lse_strides, on_device
+from .kernels.common import LOG2E
+from .kernels.fwd_sm90_fp8 import attn_fwd_sm90_fp8
+from .kernels.fwd_sm90_ws import DESCALE_BLOCK as _DESCALE_BLOCK
+
+# Rows (of q, or keys) that share one per-block descale: a CTA's tile of queries, one or two key blocks.
+DESCALE_BLOCK = _DESCALE_BLOCK.value
+
+# (BLOCK_N, STAGES, TWO_LEVEL) by head dim; every tile is 128 query rows (two consumers of 64). Chosen by the
+# sm_90 compile alone (`python benchmarks/sm90_compile.py fwd-fp8[-d64|-d256]`), not yet by a GPU measurement:
+# the consumers' 64 x BLOCK_N scores and 64 x d accumulator within 240 registers, and the ring deepened until
+# shared memory (one CTA an SM: its registers) is used. TWO_LEVEL (each key block's P V summed into O in float32)
+# takes a second 64 x d accumulator: d64 fits it with 128 keys; d128 with 128 keys spills (144 STL a consumer),
+# with 64 keys it fits (0 spills, 98 KB); d256 fits neither (128 + 128 registers). The tensor cores add FP8
+# products in about 13 mantissa bits: modelled as chopping O each 32-key step, one-level O is off by 0.09% at
+# 1k keys, 0.33% at 4k, 1.3% at 16k (two-level 0.013%), against P's own e4m3 rounding of about 2.2%.
+# d128 keeps 128 keys one-level (FA3's numerics, the larger tile) until a GPU run weighs it against (64, 4, True).
+# d128 128 keys one-level: no loop spills (one 8-byte stack slot outside it), 164 KB; d256 128 keys spills 509
+# STL, 64 keys none, 197 KB.
+FP8_TILES = {64: (128, 4, True), 128: (128, 4, False), 256: (64, 4, False)}
+QUERY_ROWS = 64
+# The consumers' registers after ``setmaxnreg`` and the cap the kernel is compiled under, as for the bf16
+# warp-specialized forward (launch._WS_CONSUMER_REGS): 2 x 4 warps at 240 and the producer warp at 24.
+CONSUMER_REGS = 240
+MAXNREG = 168
+
+
+def fp8_sm90_supported(args: AttnArgs, head_dim: int) -> str | None:
+    """None when the FP8 Hopper forward takes a call with ``args`` at ``head_dim`` (q, k and v alike), else
+    why not (a phrase for a fallback record or an error)."""
+    if head_dim not in FP8_TILES:
+        return f"head dim {head_dim} (the FP8 kernel takes {', '.join(map(str, sorted(FP8_TILES)))})"
+    if isinstance(args, KVCacheArgs):
+        return "a KV cache"
+    unsupported = [name for name, present in (
+        ("packed sequences (cu_seqlens)", args.varlen), ("seqused_k", args.seqused_k is not None),
+        ("ALiBi", args.alibi_slopes is not None), ("a sink", args.sink is not None),
+        ("an attention bias", args.attn_bias is not None), ("dropout", args.dropout_p > 0)) if present]
+    if unsupported:
+        return f"{', '.join(unsupported)} (the FP8 kernel takes causal, windows, GQA and softcap)"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_layout(tile: tuple):
+    return gl.NVMMASharedLayout.get_default_for(list(tile), gl.float8e4nv)
+
+
+def _desc(t: torch.Tensor, tile: tuple) -> TensorDescriptor:
+    """A TMA descriptor of 4-d FP8 tensor ``t`` reading ``tile``-shaped boxes (zeros past its end)."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(tile), _fp8_layout(tile))
+
+
+def descriptors(q: torch.Tensor, k: torch.Tensor, v_t: torch.Tensor, head_dim: int) -> dict:
+    """The kernel's TMA descriptors: Q in one consumer's rows, K in key blocks, V^T in key blocks of every
+    head-dim row."""
+    block_n = FP8_TILES[head_dim][0]
+    return dict(q_desc=_desc(q, (1, QUERY_ROWS, 1, head_dim)), k_desc=_desc(k, (1, block_n, 1, head_dim)),
+                vt_desc=_desc(v_t, (1, 1, head_dim, block_n)))
+
+
+def _check(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype) -> None:
+    if tuple(t.shape) != shape or t.dtype != dtype:
+        raise ValueError(f"internal: {name} must be {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
+
+
+def _check_tma(name: str, t: torch.Tensor) -> None:
+    """The TMA reads ``t`` only from a 16-byte aligned start with 16-byte aligned strides and a unit last one."""
+    if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1]):
+        raise ValueError(f"internal: {name} needs a 16-byte aligned start and strides and unit stride on its last "
+                         f"dim for the TMA, got strides {t.stride()} at {t.data_ptr() % 16} bytes past alignment")
+
+
+def _score_scale(args: AttnArgs) -> tuple:
+    """``(qk_scale, softcap2)``: the scores are ``softcap2 * tanh(q.k * qk_scale)`` with softcap (log2 units),
+    else ``q.k * qk_scale``; the kernel multiplies ``qk_scale`` by the tile's Q and K descales."""
+    if args.softcap > 0:
+        return args.softmax_scale / args.softcap, args.softcap * LOG2E.value
+    return args.softmax_scale * LOG2E.value, 0.0
+
+
+_FWD_FP8 = CachedLaunch(attn_fwd_sm90_fp8, ("q_desc", "k_desc", "vt_desc", "O", "LSE", "Q_DESCALE", "K_DESCALE",
+                                            "V_DESCALE", "qk_scale", "softcap2"))
+
+
+def forward_fp8_sm90(q, k, v_t, q_descale, k_descale, v_descale, out, lse, args: AttnArgs) -> None:
+    """FP8 attention forward on Hopper into ``out`` and ``lse``.
+
+    q: float8_e4m3fn (batch, seqlen_q, nheads, d); k: float8_e4m3fn (batch, seqlen_k, nheads_kv, d);
+    v_t: float8_e4m3fn (batch, nheads_kv, d, seqlen_k), V transposed so the keys are contiguous (FP8 wgmma
+    reads its shared-memory operands K-major only, and P V reduces over the keys); its seqlen_k stride must be
+    1 and its other strides multiples of 16 bytes (pad seqlen_k's allocation to a multiple of 16).
+    q_descale, k_descale, v_descale: float32 (batch, nheads_kv), any strides (broadcast ones included): the
+    dequantized inputs are ``q * q_descale[b, h // group]`` and so on. q_descale and k_descale may instead be
+    per block of ``DESCALE_BLOCK`` (128) rows, (batch, nheads_kv, cdiv(seqlen, 128)): row i of q takes
+    ``q_descale[b, h // group, i // 128]``, key j ``k_descale[b, h // group, j // 128]``.
+    out: bf16 (batch, seqlen_q, nheads, d), written; lse: float32 (batch, nheads, seqlen_q), written with the
+    natural-log sum of each row's exponentials of ``softmax_scale * q.k`` (after softcap), -inf where a row
+    sees no key (its output is 0), as the bf16 forward stores it.
+    ``args``: causal/window, softcap and softmax_scale are read; ``fp8_sm90_supported(args, d)`` must be None.
+    d = 64, 128 or 256 (FP8_TILES)."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    reason = fp8_sm90_supported(args, head_dim)
+    if reason is not None:
+        raise ValueError(f"internal: the FP8 Hopper forward does not take {reason}")
+    if nheads % nheads_kv:
+        raise ValueError(f"internal: nheads={nheads} is not a multiple of nheads_kv={nheads_kv}")
+    fp8 = torch.float8_e4m3fn
+    _check("q", q, (batch, seqlen_q, nheads, head_dim), fp8)
+    _check("k", k, (batch, seqlen_k, nheads_kv, head_dim), fp8)
+    _check("v_t", v_t, (batch, nheads_kv, head_dim, seqlen_k), fp8)
+    for name, scale, rows in (("q_descale", q_descale, seqlen_q), ("k_descale", k_descale, seqlen_k),
+                              ("v_descale", v_descale, None)):
+        blocks = (cdiv(rows, DESCALE_BLOCK), ) if rows is not None and scale.dim() == 3 else ()
+        _check(name, scale, (batch, nheads_kv, *blocks), torch.float32)
+    _check("out", out, (batch, seqlen_q, nheads, head_dim), torch.bfloat16)
+    _check("lse", lse, (batch, nheads, seqlen_q), torch.float32)
+    if batch == 0 or seqlen_q == 0 or nheads == 0:
+        return
+    if seqlen_k == 0:
+        # No keys (a TMA descriptor needs a positive extent): every row sees none.
+        replay.not_replayable("an output without keys is filled")
+        out.zero_(), lse.fill_(float("-inf"))
+        return
+    for name, t in (("q", q), ("k", k), ("v_t", v_t)):
+        _check_tma(name, t)
+    if out.stride(-1) != 1 or lse.stride(-1) != 1:
+        raise ValueError(f"internal: out and lse need unit stride on their last dim, got {out.stride()} and "
+                         f"{lse.stride()}")
+    block_n, stages, two_level = FP8_TILES[head_dim]
+    causal = args.window_right >= 0
+    tiles = cdiv(seqlen_q, 2 * QUERY_ROWS) * nheads * batch
+    ctas = configs.ws_ctas(causal, tiles, configs.sm_count(q.device))
+    qk_scale, softcap2 = _score_scale(args)
+
+    def static():
+        stride_lse_b, stride_lse_h = lse_strides(lse, False)
+        return dict(stride_qds_b=q_descale.stride(0), stride_qds_h=q_descale.stride(1),
+                    stride_qds_m=q_descale.stride(2) if q_descale.dim() == 3 else 0,
+                    stride_kds_b=k_descale.stride(0), stride_kds_h=k_descale.stride(1),
+                    stride_kds_n=k_descale.stride(2) if k_descale.dim() == 3 else 0,
+                    stride_vds_b=v_descale.stride(0), stride_vds_h=v_descale.stride(1),
+                    window_left=args.window_left, window_right=args.window_right, stride_ob=out.stride(0),
+                    stride_om=out.stride(1), stride_oh=out.stride(2), stride_lse_b=stride_lse_b,
+                    stride_lse_h=stride_lse_h, seqlen_q=seqlen_q, seqlen_k=seqlen_k, group=nheads // nheads_kv,
+                    nheads=nheads, num_tiles=tiles, MASK_LEFT=args.window_left >= 0, MASK_RIGHT=causal,
+                    SOFTCAP=args.softcap > 0, K_BLOCKS=k_descale.dim() == 3, TWO_LEVEL=two_level, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, num_warps=4,
+                    maxnreg=MAXNREG)
+
+    key = (tuple((t.shape, t.stride()) for t in (q, k, v_t, q_descale, k_descale, v_descale, out, lse)), q.device,
+           args.window_left, args.window_right, args.softcap > 0, ctas, FP8_TILES[head_dim])
+    with on_device(q):
+        _FWD_FP8(key, (ctas, ), dict(**descriptors(q, k, v_t, head_dim), O=out, LSE=lse, Q_DESCALE=q_descale,
+                                     K_DESCALE=k_descale, V_DESCALE=v_descale, qk_scale=qk_scale,
+                                     softcap2=softcap2), static)

@@ -1,0 +1,223 @@
+"""The FP8 Hopper forward (kernels/fwd_sm90_fp8.py) through its launcher, ``fp8.forward_fp8_sm90``, on an sm_90
+GPU only.
+
+Inputs are quantized here as FlashAttention-3 takes them: float8_e4m3fn with one descale per (batch row, KV head),
+V transposed ``(batch, heads_kv, headdim, seqlen_k)``. The reference is float32 attention on the *dequantized*
+inputs, so the inputs' own rounding is no part of the error; what remains is P's: the kernel rounds
+``P * 448`` to e4m3 (3 mantissa bits, at most 2^-4 relative) before the PV product. Emulated on CPU (P rounded
+block by block as the kernel does, float64 elsewhere) that gives an output relative RMSE of 0.020-0.025 over
+the shapes below, so ``REL_RMSE`` is 0.035; and each element's error is at most 2^-4 times the attention over
+|V| (each p_j v_j off by at most 2^-4 of itself), plus bf16's rounding of the output and ``ATOL`` for
+P's e4m3 subnormals and the FP8 wgmma's accumulation. The lse comes from the float32 P: within ``LSE_ATOL``.
+Outputs start as NaN; every element must be written. Lengths are awkward (1, 63, 129, 1000, 4133) and batch 2
+with GQA 8/2, plus the long rows the dispatcher sends here (8k-16k).
+"""
+import pytest
+import torch
+
+from flashtile import testing
+from flashtile.backends import AttnArgs
+from flashtile.backends.triton import fp8
+
+hopper = pytest.mark.skipif(not testing.HOPPER, reason="the FP8 Gluon forward runs on sm_90 only")
+
+REL_RMSE = 0.035
+P_ROUNDING = 2.0 ** -4
+ATOL = 1e-2
+LSE_ATOL = 1e-2
+E4M3_MAX = 448.0
+
+
+def row_descales(descale: torch.Tensor, seqlen: int) -> torch.Tensor:
+    """Each row's descale, ``(batch, seqlen, heads_kv, 1, 1)``, from a (batch, heads_kv) or per-block
+    (batch, heads_kv, blocks) one."""
+    if descale.dim() == 2:
+        return descale[:, None, :, None, None]
+    rows = descale.repeat_interleave(fp8.DESCALE_BLOCK, dim=2)[..., :seqlen]
+    return rows.transpose(1, 2)[..., None, None]
+
+
+def quantize(x: torch.Tensor, nheads_kv: int, blocks: bool = False) -> tuple:
+    """``x`` (batch, seqlen, heads, d) as e4m3 with one float32 descale per (batch row, KV head) (its group of
+    query heads share it), or with ``blocks`` per (batch row, KV head, block of DESCALE_BLOCK rows):
+    ``(x8, descale)``, ``x ~ x8 * descale``."""
+    batch, seqlen, nheads, d = x.shape
+    groups = x.reshape(batch, seqlen, nheads_kv, nheads // nheads_kv, d)
+    if blocks:
+        n = -(-seqlen // fp8.DESCALE_BLOCK)
+        padded = torch.nn.functional.pad(groups.abs(), (0, 0, 0, 0, 0, 0, 0, n * fp8.DESCALE_BLOCK - seqlen))
+        amax = padded.reshape(batch, n, fp8.DESCALE_BLOCK, nheads_kv, -1).amax(dim=(2, 4)).transpose(1, 2)
+    else:
+        amax = groups.abs().amax(dim=(1, 3, 4))
+    descale = (amax / E4M3_MAX).clamp_min(1e-12).float().contiguous()
+    x8 = (groups / row_descales(descale, seqlen)).to(torch.float8_e4m3fn)
+    return x8.reshape(x.shape), descale
+
+
+def dequantize(x8: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
+    batch, seqlen, nheads, d = x8.shape
+    nheads_kv = descale.shape[1]
+    groups = x8.float().reshape(batch, seqlen, nheads_kv, nheads // nheads_kv, d)
+    return (groups * row_descales(descale, seqlen)).reshape(x8.shape)
+
+
+def transpose_v(v8: torch.Tensor) -> torch.Tensor:
+    """V (batch, seqlen_k, heads_kv, d) as V^T (batch, heads_kv, d, seqlen_k): keys contiguous, in rows padded to a
+    multiple of 16 bytes (the TMA's stride rule)."""
+    batch, seqlen_k, nheads_kv, d = v8.shape
+    padded = torch.empty(batch, nheads_kv, d, (seqlen_k + 15) // 16 * 16, dtype=v8.dtype, device=v8.device)
+    v_t = padded[..., :seqlen_k]
+    v_t.copy_(v8.permute(0, 2, 3, 1))
+    return v_t
+
+
+def fp8_inputs(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, q_blocks=False, k_blocks=False):
+    """Quantized q, k, V^T, their descales (q's and k's per block as asked), and the dequantized q, k, v."""
+    q, k, v = testing.make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, torch.float32, "cuda",
+                               requires_grad=False, generator=rng)
+    (q8, q_ds), (k8, k_ds), (v8, v_ds) = (quantize(t, nheads_kv, blocks) for t, blocks in
+                                          ((q, q_blocks), (k, k_blocks), (v, False)))
+    return (q8, k8, transpose_v(v8), q_ds, k_ds, v_ds), (dequantize(q8, q_ds), dequantize(k8, k_ds),
+                                                         dequantize(v8, v_ds))
+
+
+def run(inputs, seqlen_q, causal=False, window=(-1, -1), softcap=0.0):
+    """``forward_fp8_sm90`` into NaN-poisoned out and lse; returns them."""
+    q8, k8, v_t, q_ds, k_ds, v_ds = inputs
+    batch, _, nheads, head_dim = q8.shape
+    out = torch.full((batch, seqlen_q, nheads, head_dim), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((batch, nheads, seqlen_q), float("nan"), dtype=torch.float32, device="cuda")
+    left, right = window
+    args = AttnArgs(softmax_scale=head_dim ** -0.5, causal=causal, window_left=left,
+                    window_right=0 if causal else right, softcap=softcap)
+    assert fp8.fp8_sm90_supported(args, head_dim) is None
+    fp8.forward_fp8_sm90(q8, k8, v_t, q_ds, k_ds, v_ds, out, lse, args)
+    return out, lse
+
+
+def check(out, lse, deq, causal=False, window=(-1, -1), softcap=0.0):
+    """Hold out and lse to the tolerances above against float32 attention on the dequantized inputs."""
+    q, k, v = deq
+    options = dict(causal=causal, window_size=window, softcap=softcap)
+    ref, ref_lse = testing.attention_ref(q, k, v, **options)
+    ref_abs, _ = testing.attention_ref(q, k, v.abs(), **options)
+    assert not out.isnan().any(), "out: elements left unwritten (NaN)"
+    assert not lse.isnan().any(), "lse: elements left unwritten (NaN)"
+    out = out.float()
+    err = (out - ref).abs()
+    rel_rmse = (err.pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-12)).item()
+    assert rel_rmse < REL_RMSE, f"out: relative RMSE {rel_rmse:.4f} >= {REL_RMSE}"
+    bound = P_ROUNDING * ref_abs + 2.0 ** -8 * ref.abs() + ATOL
+    worst = (err - bound).flatten().argmax()
+    assert (err <= bound).all(), (f"out: error {err.flatten()[worst].item():.4g} over its bound "
+                                  f"{bound.flatten()[worst].item():.4g} at flat index {worst.item()}")
+    # Rows that see no key: lse -inf (and out 0, which the bound above holds it to) in both.
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "lse: -inf rows differ from the reference"
+    seen = torch.isfinite(ref_lse)
+    lse_err = (lse[seen] - ref_lse[seen]).abs().max().item() if seen.any() else 0.0
+    assert lse_err < LSE_ATOL, f"lse: max error {lse_err:.4g} >= {LSE_ATOL}"
+
+
+MODES = {"full": {}, "causal": dict(causal=True), "window": dict(window=(256, 0)), "softcap": dict(softcap=30.0),
+         "causal-softcap": dict(causal=True, softcap=30.0)}
+
+
+@hopper
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 63), (63, 129), (129, 1000), (1000, 129), (1000, 1000),
+                                                (4133, 4133)])
+def test_fp8_forward(rng, head_dim, mode, seqlen_q, seqlen_k):
+    """Batch 2, GQA 8/2: every mode at awkward lengths (rows that see no key: 1000 causal queries on 129 keys)."""
+    options = MODES[mode]
+    inputs, deq = fp8_inputs(rng, 2, seqlen_q, seqlen_k, 8, 2, head_dim)
+    out, lse = run(inputs, seqlen_q, **options)
+    check(out, lse, deq, **options)
+
+
+@hopper
+@pytest.mark.parametrize("head_dim,batch,seqlen,nheads,nheads_kv,mode", [
+    (128, 1, 16384, 2, 1, "causal"), (128, 1, 8192, 2, 2, "full"), (256, 1, 8192, 2, 1, "causal"),
+    (256, 2, 4096, 2, 2, "full")])
+def test_fp8_forward_long(rng, head_dim, batch, seqlen, nheads, nheads_kv, mode):
+    """The lengths the dispatcher sends to this kernel (4k-16k keys)."""
+    options = MODES[mode]
+    inputs, deq = fp8_inputs(rng, batch, seqlen, seqlen, nheads, nheads_kv, head_dim)
+    out, lse = run(inputs, seqlen, **options)
+    check(out, lse, deq, **options)
+
+
+@hopper
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("mode", ["causal", "softcap"])
+@pytest.mark.parametrize("q_blocks,k_blocks", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(129, 1000), (4133, 4133)])
+def test_fp8_block_descales(rng, head_dim, mode, q_blocks, k_blocks, seqlen_q, seqlen_k):
+    """Per-block descales of Q and K (block quantization): a tile's rows and each key block read their own. The
+    inputs are scaled by a different factor per 128-row block, so a block that read another's descale would fail."""
+    options = MODES[mode]
+    q, k, v = testing.make_qkv(2, seqlen_q, seqlen_k, 8, 2, head_dim, torch.float32, "cuda", requires_grad=False,
+                               generator=rng)
+    for t in (q, k):
+        blocks = 2.0 ** (torch.rand(-(-t.shape[1] // fp8.DESCALE_BLOCK), generator=rng) * 2 - 1)
+        t.mul_(blocks.repeat_interleave(fp8.DESCALE_BLOCK)[:t.shape[1]].to("cuda")[None, :, None, None])
+    (q8, q_ds), (k8, k_ds), (v8, v_ds) = (quantize(t, 2, blocks) for t, blocks in
+                                          ((q, q_blocks), (k, k_blocks), (v, False)))
+    out, lse = run((q8, k8, transpose_v(v8), q_ds, k_ds, v_ds), seqlen_q, **options)
+    check(out, lse, (dequantize(q8, q_ds), dequantize(k8, k_ds), dequantize(v8, v_ds)), **options)
+
+
+@hopper
+@pytest.mark.parametrize("seqlen,mode", [(4133, "full"), (16384, "causal")])
+def test_fp8_two_level_d128(rng, monkeypatch, seqlen, mode):
+    """d128 on the other tile of fp8.FP8_TILES: 64-key blocks, O summed in float32 a block at a time."""
+    monkeypatch.setitem(fp8.FP8_TILES, 128, (64, 4, True))
+    options = MODES[mode]
+    inputs, deq = fp8_inputs(rng, 1, seqlen, seqlen, 2, 1, 128)
+    out, lse = run(inputs, seqlen, **options)
+    check(out, lse, deq, **options)
+
+
+@hopper
+def test_fp8_broadcast_descales(rng):
+    """Descales given as one value expanded over (batch, KV head) (strides 0), as FA3's callers pass them."""
+    inputs, _ = fp8_inputs(rng, 2, 300, 300, 8, 2, 128)
+    q8, k8, v_t, _, _, _ = inputs
+    scales = [torch.tensor(s, device="cuda").expand(2, 2) for s in (0.01, 0.02, 0.005)]
+    out, lse = run((q8, k8, v_t, *scales), 300, causal=True)
+    deq = tuple(dequantize(t, s.contiguous()) for t, s in ((q8, scales[0]), (k8, scales[1]),
+                                                          (v_t.permute(0, 3, 1, 2), scales[2])))
+    check(out, lse, deq, causal=True)
+
+
+@hopper
+@pytest.mark.parametrize("mode", ["full", "causal"])
+def test_fp8_repeatable(rng, mode):
+    """Two runs give the same bits (no race between the producer's refills and the consumers' reads)."""
+    inputs, _ = fp8_inputs(rng, 2, 2000, 2000, 8, 2, 128)
+    first = run(inputs, 2000, **MODES[mode])
+    for _ in range(3):
+        again = run(inputs, 2000, **MODES[mode])
+        assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+def test_fp8_supported_reasons():
+    """Calls the kernel lacks get a reason (no GPU needed)."""
+    args = AttnArgs(softmax_scale=0.1)
+    assert fp8.fp8_sm90_supported(args, 128) is None
+    assert "head dim 96" in fp8.fp8_sm90_supported(args, 96)
+    varlen = AttnArgs(softmax_scale=0.1, cu_seqlens_q=torch.zeros(2, dtype=torch.int32))
+    assert "packed sequences" in fp8.fp8_sm90_supported(varlen, 128)
+
+
+def test_fp8_no_keys(device):
+    """No keys: every row's output is 0 and its lse -inf, without a launch (runs on CPU too)."""
+    fp8_type = torch.float8_e4m3fn
+    q = torch.randn(2, 5, 4, 128).to(device=device, dtype=fp8_type)
+    k = torch.empty(2, 0, 2, 128, dtype=fp8_type, device=device)
+    v_t = torch.empty(2, 2, 128, 0, dtype=fp8_type, device=device)
+    scale = torch.ones(2, 2, device=device)
+    out = torch.full((2, 5, 4, 128), float("nan"), dtype=torch.bfloat16, device=device)
+    lse = torch.full((2, 4, 5), float("nan"), device=device)
+    fp8.forward_fp8_sm90(q, k, v_t, scale, scale, scale, out, lse, AttnArgs(softmax_scale=0.1))
+    assert (out == 0).all() and (lse == float("-inf")).all()

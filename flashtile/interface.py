@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import torch
 
-from . import ops, replay, validation
+from . import fp8, ops, replay, validation
 from .autograd import (FlashAttnFunc, FlashAttnKVPackedFunc, FlashAttnQKVPackedFunc, draw_dropout_counters,
                        dropout_counters, replay_inputs, run_forward, wants_grad)
 from .backends import AttentionCall
@@ -38,6 +38,9 @@ def flash_attn_func(
     return_attn_probs=False,
     attn_bias=None,
     sink=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ):
     """Exact attention ``softmax(q k^T * softmax_scale + ...) v``, with the variants below.
 
@@ -90,6 +93,12 @@ def flash_attn_func(
             logit per query head in every row's softmax denominator, with no value vector. Its
             gradient (in its dtype) is computed when it requires grad. With a sink a row that sees
             no key outputs 0 with lse ``sink[h]``.
+        q_descale, k_descale, v_descale: FP8 inputs (FlashAttention-3's API): with float8_e4m3fn q, k, v
+            (headdim 64, 128 or 256) the attention of ``q * q_descale``, ``k * k_descale``, ``v * v_descale``
+            runs in FP8 and ``out`` is bfloat16. float32 descales of shape ``(batch, nheads_kv)``, or per
+            block of 128 rows: q's ``(batch, nheads, cdiv(seqlen_q, 128))``, k's and v's
+            ``(batch, nheads_kv, cdiv(seqlen_k, 128))``. Forward only; no dropout, ALiBi, sink or bias.
+            See docs/fp8.md.
 
     Which backend runs the call, and why, is in :func:`flashtile.explain`; every call is
     counted in :func:`flashtile.stats`.
@@ -100,7 +109,21 @@ def flash_attn_func(
     """
     options = dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                    softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
+    if _fp8(q, q_descale, k_descale, v_descale):
+        return fp8.fp8_call(q, k, v, dict(options, sink=sink, attn_bias=attn_bias), q_descale, k_descale, v_descale,
+                            return_attn_probs)
     return _attention(FlashAttnFunc, (q, k, v), (q, k, v), options, sink, attn_bias, return_attn_probs)
+
+
+def _fp8(q, *descales) -> bool:
+    """Whether a call takes the FP8 path: float8 q, or descales given (whose absence or misuse it then reports)."""
+    if isinstance(q, torch.Tensor) and q.dtype in validation.FP8_DTYPES:
+        return True
+    given = [name for name, t in zip(("q_descale", "k_descale", "v_descale"), descales) if t is not None]
+    if given and isinstance(q, torch.Tensor):
+        raise ValueError(f"{', '.join(given)} apply to float8_e4m3fn q, k, v only, got q of dtype {q.dtype}; "
+                         "drop them, or use flashtile.flash_attn_fp8_func to quantize 16-bit inputs")
+    return False
 
 
 def flash_attn_qkvpacked_func(
@@ -170,6 +193,9 @@ def flash_attn_varlen_func(
     seqused_k=None,
     sink=None,
     attn_bias=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ):
     """Attention over a batch of variable-length sequences packed without padding.
 
@@ -196,6 +222,9 @@ def flash_attn_varlen_func(
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic:
             as in :func:`flash_attn_func`; ``alibi_slopes`` is ``(nheads,)`` or ``(batch, nheads)``
             with ``batch = len(cu_seqlens_q) - 1``; dropout positions are counted within each sequence.
+        q_descale, k_descale, v_descale: with float8_e4m3fn q, k, v, as in :func:`flash_attn_func`, with
+            ``batch = len(cu_seqlens_q) - 1``, blocks counted from each sequence's start and ``seqlen`` the
+            ``max_seqlen`` of q or k.
 
     The checks of the offsets' values (``cu_seqlens[0] == 0``, non-decreasing, ``cu_seqlens[-1]``
     at most the number of rows, ``max_seqlen`` at least the longest sequence, ``seqused_k`` within
@@ -209,6 +238,9 @@ def flash_attn_varlen_func(
                    softcap=softcap, alibi_slopes=alibi_slopes, varlen=True, cu_seqlens_q=cu_seqlens_q,
                    cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k,
                    deterministic=deterministic)
+    if _fp8(q, q_descale, k_descale, v_descale):
+        return fp8.fp8_call(q, k, v, dict(options, sink=sink, attn_bias=attn_bias), q_descale, k_descale, v_descale,
+                            return_attn_probs)
     return _attention(FlashAttnFunc, (q, k, v), (q, k, v), options, sink, attn_bias, return_attn_probs)
 
 

@@ -475,6 +475,8 @@ def flash_attn_with_kvcache(
     sink=None,
     num_splits=0,
     return_softmax_lse=False,
+    k_descale=None,
+    v_descale=None,
 ):
     """Attention of new queries over a KV cache, after appending the new keys and values to it in place
     (incremental decoding, speculative verification, chunked prefill), as flash-attn's function of
@@ -534,6 +536,11 @@ def flash_attn_with_kvcache(
         num_splits: split each row's keys into this many ranges, computed in parallel and merged
             (split-KV decoding); 0 lets the backend choose from the shapes alone, 1 never splits.
         return_softmax_lse: also return the log-sum-exp.
+        k_descale, v_descale: an FP8 cache: with float8_e4m3fn ``k_cache`` and ``v_cache`` (q, k, v stay
+            16-bit), float32 ``(nheads_kv,)`` or ``(batch, nheads_kv)`` descales: the cache holds
+            ``k_cache * k_descale``; new tokens are written as ``e4m3(clamp(k / k_descale, -448, 448))``
+            (after rotary), and attention reads the cache back as ``k_cache * k_descale`` in fp32 math.
+            Half the bytes a decode step reads. See docs/fp8.md.
 
     The value checks (each ``cache_seqlens[b] + seqlen_new`` within the capacity, ``cache_leftpad``,
     ``cache_batch_idx`` and the pages a sequence uses within the cache, the rotary tables long enough)
@@ -551,9 +558,9 @@ def flash_attn_with_kvcache(
                  block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin)
     options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                    rotary_interleaved=rotary_interleaved, num_splits=num_splits)
-    key = _kvcache_signature((q, k_cache, v_cache, k, v, alibi_slopes, sink), index, options)
+    key = _kvcache_signature((q, k_cache, v_cache, k, v, alibi_slopes, sink, k_descale, v_descale), index, options)
     known = None if key is None else recall(key)
-    tensors = (q, k_cache, v_cache, k, v, alibi_slopes, sink, *index.values())
+    tensors = (q, k_cache, v_cache, k, v, alibi_slopes, sink, k_descale, v_descale, *index.values())
     if known is not None:
         # A step like an earlier one: its checks hold (no value is read), only the tensors are new.
         args, chosen, kept = known
@@ -566,11 +573,13 @@ def flash_attn_with_kvcache(
         batch, _, nheads, _ = q.shape
         args = replace(args, **index, alibi_slopes=None if alibi_slopes is None else
                        validation.check_alibi_slopes(alibi_slopes, batch, nheads, q.device),
-                       sink=None if sink is None else validation.check_sink(sink, nheads, q.device))
+                       sink=None if sink is None else validation.check_sink(sink, nheads, q.device),
+                       k_descale=None if k_descale is None else k_descale.detach().expand(batch, -1),
+                       v_descale=None if v_descale is None else v_descale.detach().expand(batch, -1))
         record_choice(chosen)
     else:
         args = validation.kvcache_args(q, k_cache, v_cache, k, v, alibi_slopes=alibi_slopes, sink=sink, **index,
-                                       **options)
+                                       **options, k_descale=k_descale, v_descale=v_descale)
         if key is None:
             out, lse, _ = _attention_kvcache(q, k_cache, v_cache, k, v, args)
             return (out, lse) if return_softmax_lse else out

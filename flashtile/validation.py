@@ -371,12 +371,15 @@ def check_kvcache(q, k_cache, v_cache, k, v, paged: bool) -> None:
     """
     layout = PAGED_LAYOUT if paged else CACHE_LAYOUT
     check_tensor("q", q, 4, DENSE_LAYOUT)
-    check_tensor("k_cache", k_cache, 4, layout)
-    check_tensor("v_cache", v_cache, 4, layout)
+    # An FP8 cache (float8_e4m3fn, with k_descale / v_descale) holds q's 16-bit keys and values quantized.
+    fp8 = isinstance(k_cache, torch.Tensor) and k_cache.dtype in FP8_DTYPES
+    cache_dtypes = (torch.float8_e4m3fn,) if fp8 else SUPPORTED_DTYPES
+    check_tensor("k_cache", k_cache, 4, layout, cache_dtypes)
+    check_tensor("v_cache", v_cache, 4, layout, cache_dtypes)
     if (k is None) != (v is None):
         given, missing = ("k", "v") if v is None else ("v", "k")
         raise ValueError(f"the new tokens k and v must be given together, got {given} but {missing}=None")
-    tensors = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
+    tensors = [("q", q)] if fp8 else [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
     if k is not None:
         check_tensor("k", k, 4, NEW_LAYOUT)
         check_tensor("v", v, 4, NEW_LAYOUT)
@@ -384,8 +387,9 @@ def check_kvcache(q, k_cache, v_cache, k, v, paged: bool) -> None:
     if len({t.dtype for _, t in tensors}) > 1:
         dtypes = ", ".join(f"{name}={t.dtype}" for name, t in tensors)
         raise TypeError(f"q, k_cache, v_cache (and k, v) must share one dtype, got {dtypes}")
-    if len({t.device for _, t in tensors}) > 1:
-        devices = ", ".join(f"{name}={t.device}" for name, t in tensors)
+    placed = tensors + [("k_cache", k_cache), ("v_cache", v_cache)] if fp8 else tensors
+    if len({t.device for _, t in placed}) > 1:
+        devices = ", ".join(f"{name}={t.device}" for name, t in placed)
         raise ValueError(f"q, k_cache, v_cache (and k, v) must be on one device, got {devices}")
     batch, seqlen_q, nheads, headdim = q.shape
     if batch < 1 or seqlen_q < 1:
@@ -539,7 +543,7 @@ def check_cache_seqlens(cache_seqlens, batch: int, capacity: int, seqlen_new: in
 def kvcache_args(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                  cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
                  window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, sink=None,
-                 num_splits=0) -> KVCacheArgs:
+                 num_splits=0, k_descale=None, v_descale=None) -> KVCacheArgs:
     """Validate every argument of ``flash_attn_with_kvcache`` and return the normalised :class:`KVCacheArgs`.
 
     Normalisation as in :func:`attn_args` (causal folds into ``window_right = 0``, ``alibi_slopes``
@@ -581,6 +585,7 @@ def kvcache_args(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
         raise ValueError(f"k and v hold seqlen_new={seqlen_new} new tokens per sequence, more than the cache capacity of "
                          f"{capacity} ({where})")
     cache_seqlens = check_cache_seqlens(cache_seqlens, batch, capacity, seqlen_new, where, device)
+    k_descale, v_descale = check_cache_descales(k_cache, k_descale, v_descale, batch, device)
     check_rotary(rotary_cos, rotary_sin, headdim, device, k is not None)
     num_splits = _check_num_splits(num_splits)
 
@@ -602,6 +607,7 @@ def kvcache_args(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
         max_seqlen_q=seqlen_q, max_seqlen_k=capacity, cache_seqlens=cache_seqlens, seqlen_new=seqlen_new,
         cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
         rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=bool(rotary_interleaved), num_splits=num_splits,
+        k_descale=k_descale, v_descale=v_descale,
     )
 
 
@@ -754,3 +760,32 @@ def check_descales(q, k, q_descale, k_descale, v_descale, batch: int, seqlen_q: 
         raise ValueError(f"q_descale, k_descale and v_descale must be all per (batch, KV head) or all per block, got "
                          f"shapes {tuple(q_descale.shape)}, {tuple(k_descale.shape)}, {tuple(v_descale.shape)}")
     return kinds == {"block"}
+
+
+def check_cache_descales(k_cache, k_descale, v_descale, batch: int, device) -> tuple:
+    """The descales of an FP8 KV cache: float32 ``(nheads_kv,)`` or ``(batch, nheads_kv)`` (per row of the call),
+    both given exactly when the cache is float8_e4m3fn; returned as ``(batch, nheads_kv)`` views (a per-head
+    descale with batch stride 0), or ``(None, None)`` for a 16-bit cache."""
+    nheads_kv = k_cache.shape[2]
+    if k_cache.dtype != torch.float8_e4m3fn:
+        for name, t in (("k_descale", k_descale), ("v_descale", v_descale)):
+            if t is not None:
+                raise ValueError(f"{name} applies to a float8_e4m3fn KV cache, got k_cache of dtype {k_cache.dtype}; "
+                                 "drop it, or build the cache in torch.float8_e4m3fn")
+        return None, None
+    checked = []
+    for name, t in (("k_descale", k_descale), ("v_descale", v_descale)):
+        expected = f"float32 (nheads_kv,) = ({nheads_kv},) or (batch, nheads_kv) = ({batch}, {nheads_kv})"
+        if t is None:
+            raise ValueError(f"a float8_e4m3fn KV cache needs {name} ({expected}); got None")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor ({expected}), got {type(t).__name__}")
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name} must have dtype torch.float32, got {t.dtype} ({_describe(t)})")
+        if t.device != device:
+            raise ValueError(f"{name} must be on q's device {device}, got {t.device}")
+        if tuple(t.shape) not in ((nheads_kv,), (batch, nheads_kv)):
+            raise ValueError(f"{name} must have shape ({nheads_kv},) or ({batch}, {nheads_kv}) (nheads_kv of k_cache "
+                             f"{tuple(k_cache.shape)}, batch of q), got {tuple(t.shape)}")
+        checked.append(t.detach().expand(batch, nheads_kv))
+    return tuple(checked)

@@ -14,7 +14,7 @@ from .configs import (MAX_GRID_Y, ONE_PASS_KEYS, capability, bwd_config, bwd_pla
                       gluon_kv_config, one_pass_bwd, row_keys, with_gluon_dkdv)
 
 FEATURES = frozenset({"dropout", "window", "softcap", "alibi", "sink", "bias", "varlen", "headdim_v", "kvcache",
-                      "paged", "merge"})
+                      "paged", "merge", "fp8_cache"})
 
 
 @functools.lru_cache(maxsize=None)

@@ -374,3 +374,150 @@ def test_kernel_matches_torch_math(rng, head_dim, seqlens):
         seen = torch.isfinite(expected_lse)
         assert torch.equal(torch.isfinite(lse), seen)
         assert (lse[seen] - expected_lse[seen]).abs().max() < 1e-3
+
+
+# ---------------------------------------------------------------- the FP8 KV cache
+
+def _kv_descales(rng, batch, nheads_kv, per_row):
+    shape = (batch, nheads_kv) if per_row else (nheads_kv,)
+    # Descales around amax / 448 of unit-normal values, different per head (and row).
+    k_descale = (0.008 + 0.004 * torch.rand(shape, generator=rng)).to(DEVICE)
+    v_descale = (0.006 + 0.004 * torch.rand(shape, generator=rng)).to(DEVICE)
+    return k_descale, v_descale
+
+
+def _dequantized(cache, descale, batch_rows):
+    """fp64 ``(batch, rows, nheads_kv, d)`` of an e4m3 cache ``(batch, rows, ...)`` times its descale."""
+    scale = descale.double().expand(batch_rows, -1)[:, None, :, None]
+    return cache.double() * scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fp8_kvcache_matches_reference(backend, rng, dtype, paged, per_row, num_splits):
+    """Append 16-bit k, v to an e4m3 cache (quantized with the descales), attend: within the 2x rule of float64
+    attention on the dequantized cache; the appended rows are exactly e4m3(clamp(x / descale))."""
+    batch, nheads, nheads_kv, head_dim, capacity, page_size = 3, 8, 2, 64, 80, 16
+    seqlens = torch.tensor([37, 0, 61], dtype=torch.int32, device=DEVICE)
+    seqlen_new, seqlen_q = 3, 3
+    k_descale, v_descale = _kv_descales(rng, batch, nheads_kv, per_row)
+    old_k = torch.randn(batch, capacity, nheads_kv, head_dim, generator=rng).to(DEVICE)
+    old_v = torch.randn(batch, capacity, nheads_kv, head_dim, generator=rng).to(DEVICE)
+    k_logical = torch_fp8.to_fp8(old_k / k_descale.expand(batch, -1)[:, None, :, None])
+    v_logical = torch_fp8.to_fp8(old_v / v_descale.expand(batch, -1)[:, None, :, None])
+    q = torch.randn(batch, seqlen_q, nheads, head_dim, generator=rng).to(DEVICE, dtype)
+    k = torch.randn(batch, seqlen_new, nheads_kv, head_dim, generator=rng).to(DEVICE, dtype)
+    v = torch.randn(batch, seqlen_new, nheads_kv, head_dim, generator=rng).to(DEVICE, dtype)
+    kwargs = dict(cache_seqlens=seqlens, causal=True, num_splits=num_splits, k_descale=k_descale,
+                  v_descale=v_descale, return_softmax_lse=True)
+    if paged:
+        pages = capacity // page_size
+        # Sequence b's page j is page perm[b * pages + j] of a shuffled pool.
+        perm = torch.randperm(batch * pages, generator=rng).to(DEVICE)
+        block_table = perm.view(batch, pages).to(torch.int32)
+        k_cache = torch.empty(batch * pages, page_size, nheads_kv, head_dim, dtype=torch.float8_e4m3fn, device=DEVICE)
+        v_cache = torch.empty_like(k_cache)
+        k_cache[perm] = k_logical.view(batch * pages, page_size, nheads_kv, head_dim)
+        v_cache[perm] = v_logical.view(batch * pages, page_size, nheads_kv, head_dim)
+        kwargs["block_table"] = block_table
+
+        def logical(cache):
+            return cache[perm].view(batch, capacity, nheads_kv, head_dim)
+    else:
+        k_cache, v_cache = k_logical.clone(), v_logical.clone()
+
+        def logical(cache):
+            return cache
+    out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **kwargs)
+    assert out.dtype == dtype
+    kd, vd = k_descale.expand(batch, -1), v_descale.expand(batch, -1)
+    for b in range(batch):
+        rows = slice(seqlens[b].item(), seqlens[b].item() + seqlen_new)
+        assert torch.equal(logical(k_cache)[b, rows].float(), torch_fp8.to_fp8(k[b].float() / kd[b, None, :, None]).float())
+        assert torch.equal(logical(v_cache)[b, rows].float(), torch_fp8.to_fp8(v[b].float() / vd[b, None, :, None]).float())
+    keys_k = _dequantized(logical(k_cache), k_descale, batch)
+    keys_v = _dequantized(logical(v_cache), v_descale, batch)
+    for b in range(batch):
+        n = seqlens[b].item() + seqlen_new
+        hi, hi_lse = testing.attention_ref(q[b:b + 1].double(), keys_k[b:b + 1, :n], keys_v[b:b + 1, :n], causal=True)
+        lo, _ = testing.attention_ref(q[b:b + 1], keys_k[b:b + 1, :n].to(dtype), keys_v[b:b + 1, :n].to(dtype),
+                                      causal=True, upcast=False)
+        testing.assert_close_to_ref("out", out[b:b + 1], hi, lo, atol=1e-3)
+        torch.testing.assert_close(lse[b:b + 1].double(), hi_lse, atol=1e-4, rtol=1e-4)
+
+
+def test_fp8_kvcache_rotary_first(backend, rng):
+    """Rotary embeddings are applied before the quantization: the e4m3 cache holds what a float32 cache holds
+    after the same call, divided by the descale and cast."""
+    batch, nheads, nheads_kv, head_dim, capacity = 2, 4, 2, 64, 40
+    seqlens = torch.tensor([5, 17], dtype=torch.int32, device=DEVICE)
+    angle = torch.rand(capacity + 4, 16, generator=rng, dtype=torch.float64) * 2 * math.pi
+    cos, sin = angle.cos().float().to(DEVICE), angle.sin().float().to(DEVICE)
+    q = torch.randn(batch, 2, nheads, head_dim, generator=rng).to(DEVICE, torch.float16)
+    k = torch.randn(batch, 2, nheads_kv, head_dim, generator=rng).to(DEVICE, torch.float16)
+    v = torch.randn(batch, 2, nheads_kv, head_dim, generator=rng).to(DEVICE, torch.float16)
+    k_descale, v_descale = _kv_descales(rng, batch, nheads_kv, per_row=False)
+    fp32 = [torch.zeros(batch, capacity, nheads_kv, head_dim, device=DEVICE, dtype=torch.float16) for _ in range(2)]
+    fp8 = [torch.zeros(batch, capacity, nheads_kv, head_dim, device=DEVICE, dtype=torch.float8_e4m3fn) for _ in range(2)]
+    flashtile.flash_attn_with_kvcache(q, *fp32, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens,
+                                      causal=True)
+    flashtile.flash_attn_with_kvcache(q, *fp8, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens,
+                                      causal=True, k_descale=k_descale, v_descale=v_descale)
+    for cache16, cache8, descale in zip(fp32, fp8, (k_descale, v_descale)):
+        expected = torch_fp8.to_fp8(cache16.float() / descale[None, None, :, None]).float()
+        # The 16-bit cache rounded the rotated keys to fp16 first: one e4m3 step apart at most, rarely.
+        differ = cache8.float() != expected
+        assert differ.float().mean() < 0.01
+        assert ((cache8.float() - expected).abs() <= expected.abs() / 8 + 2 ** -9)[differ].all()
+
+
+def test_fp8_kvcache_objects(backend, rng):
+    """KVCache and PagedKVCache in float8_e4m3fn: a few decode steps agree with a float64 reference on the
+    dequantized cache; the kernel's name says fp8_cache."""
+    batch, nheads, nheads_kv, head_dim = 2, 4, 2, 64
+    cache = flashtile.KVCache(batch, 64, nheads_kv, head_dim, dtype=torch.float8_e4m3fn, device=DEVICE,
+                              k_descale=0.01, v_descale=0.01)
+    paged = flashtile.PagedKVCache(16, 8, nheads_kv, head_dim, dtype=torch.float8_e4m3fn, device=DEVICE,
+                                   k_descale=torch.full((nheads_kv,), 0.01, device=DEVICE), v_descale=0.01)
+    seqs = [paged.allocate() for _ in range(batch)]
+    flashtile.reset_stats()
+    for step in range(3):
+        n = 9 if step == 0 else 1
+        q = torch.randn(batch, n, nheads, head_dim, generator=rng).to(DEVICE, torch.float16)
+        k = torch.randn(batch, n, nheads_kv, head_dim, generator=rng).to(DEVICE, torch.float16)
+        v = torch.randn(batch, n, nheads_kv, head_dim, generator=rng).to(DEVICE, torch.float16)
+        out = cache.attend(q, k, v)
+        out_paged = paged.attend(q, k, v, seqs)
+        torch.testing.assert_close(out, out_paged, atol=2e-3, rtol=0)
+    length = cache.seqlens[0].item()
+    ref, _ = testing.attention_ref(q.double(), cache.k[:, :length].double() * 0.01,
+                                   cache.v[:, :length].double() * 0.01, causal=True)
+    assert (out.double() - ref).abs().max() < 2e-3
+    assert any("fp8_cache" in name for name in flashtile.stats()["kernels"])
+
+
+@pytest.mark.parametrize("change,error,words", [
+    (dict(k_descale=None), ValueError, "needs k_descale"),
+    (dict(v_descale="shape"), ValueError, "v_descale must have shape (2,) or (3, 2)"),
+    (dict(k_descale="float64"), TypeError, "k_descale must have dtype torch.float32"),
+    (dict(cache="float16"), ValueError, "k_descale applies to a float8_e4m3fn KV cache"),
+    (dict(cache="e5m2"), TypeError, "float8_e5m2"),
+])
+def test_bad_fp8_kvcache_input(change, error, words):
+    q = torch.randn(3, 1, 4, 64, device=DEVICE, dtype=torch.float16)
+    cache = torch.zeros(3, 16, 2, 64, device=DEVICE, dtype=torch.float8_e4m3fn)
+    descale = torch.ones(2, device=DEVICE)
+    kwargs = dict(k_descale=descale, v_descale=descale)
+    if "k_descale" in change:
+        kwargs["k_descale"] = None if change["k_descale"] is None else descale.double()
+    if change.get("v_descale") == "shape":
+        kwargs["v_descale"] = torch.ones(3, 3, device=DEVICE)
+    if change.get("cache") == "float16":
+        cache = cache.half()
+    if change.get("cache") == "e5m2":
+        cache = cache.to(torch.float8_e5m2)
+    with pytest.raises(error) as raised:
+        flashtile.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=4, **kwargs)
+    assert words in str(raised.value)

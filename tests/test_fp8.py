@@ -521,3 +521,18 @@ def test_bad_fp8_kvcache_input(change, error, words):
     with pytest.raises(error) as raised:
         flashtile.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=4, **kwargs)
     assert words in str(raised.value)
+
+
+def test_bench_fp8_smoke(tmp_path):
+    """--suite fp8 on tiny shapes (CPU: the torch FP8 math, wall-clock timer): every cell checked and timed."""
+    from flashtile.bench import common, fp8 as bench_fp8
+    device = torch.device(DEVICE)
+    timer = common.gpu_timer(5, 10) if HAS_CUDA else common.cpu_timer(runs=1)
+    rows = bench_fp8.run(device, timer, head_dims=(64,), seqlens=(256,), decode_shapes=((2, 300),), graphs=HAS_CUDA,
+                         tokens=256, width=128)
+    for row in rows["forward"]:
+        # A GPU without the Gluon FP8 kernel says so and times bf16 only; elsewhere every provider is timed.
+        assert row["status"] == "ok" or row["status"].startswith("fp8 kernel not run"), row["status"]
+        assert row["bf16_rmse"] < bench_fp8.BF16_RMSE_LIMIT and "bf16_ms" in row
+    assert rows["decode"][0]["status"] == "ok" and rows["decode"][0]["fp8_max_abs_err"] < 2e-2
+    assert "| 64 | 256 |" in bench_fp8.markdown(rows, "test")

@@ -184,9 +184,14 @@ def _quantize(q, k, v, block_quant: bool, incoherent: bool, seed: int, args: Att
     from .dispatch import preferred_backend
     varlen = args is not None and args.varlen
     triton = preferred_backend(q.device) == TRITON
+    reason = None
     if triton and q.device.type == "cpu" and q.dtype == torch.bfloat16:
-        record_fallback("Triton's interpreter computes bfloat16 wrongly (numpy has no bfloat16): the FP8 quantizer "
-                        "runs as torch ops", TORCH, preferred=TRITON, stacklevel=4)
+        reason = "Triton's interpreter computes bfloat16 wrongly (numpy has no bfloat16)"
+    elif triton and q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(q.device)
+        reason = f"GPU compute capability {major}.{minor} has no FP8 conversions in Triton (8.9+)"
+    if reason is not None:
+        record_fallback(f"{reason}: the FP8 quantizer runs as torch ops", TORCH, preferred=TRITON, stacklevel=4)
         triton = False
     if triton:
         from .backends.triton import quant

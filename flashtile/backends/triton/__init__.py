@@ -50,6 +50,9 @@ def supports(call: AttentionCall) -> str | None:
     major, minor = capability(call.device)
     if major < 8:
         return f"GPU compute capability {major}.{minor} is below 8.0 (Ampere), which the Triton kernels need"
+    if "fp8_cache" in call.feature_names and (major, minor) < (8, 9):
+        return (f"GPU compute capability {major}.{minor} has no FP8 conversions in Triton (8.9+): the FP8 KV cache "
+                "runs on the torch backend")
     return None
 
 

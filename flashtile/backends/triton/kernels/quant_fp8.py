@@ -10,6 +10,8 @@ v is stored transposed, ``(batch, nheads_kv, HEAD_DIM, seqlen_k)``, the layout o
 import triton
 import triton.language as tl
 
+from .common import sequence
+
 FP8_MAX: tl.constexpr = 448.0
 
 
@@ -36,34 +38,42 @@ def _quantize_block(X, X8, DESCALE, R, row0, n_rows, stride_xm, stride_8m, strid
     stride) into X8 (element ``(m, d)`` at ``X8 + m * stride_8m + d * stride_8d``). ``DESCALE`` points at this
     block's descale: read when ``SCALE_GIVEN``, else written as ``amax / 448`` (1 for an all-zero block);
     ``AMAX_ONLY`` writes the amax there and stores nothing else (the first pass of per-tensor scaling)."""
-    offs_s = tl.arange(0, SUB)
     if SCALE_GIVEN:
         descale = tl.load(DESCALE)
     else:
-        amax = 0.0
-        for m0 in range(0, BLOCK, SUB):
-            rows = row0 + m0 + offs_s
-            row_ok = rows < n_rows
-            for c0 in tl.static_range(0, HEAD_DIM, CHUNK):
-                y = _columns(X + rows[:, None].to(tl.int64) * stride_xm, R, row_ok, c0, inv_sqrt_d,
-                             HEAD_DIM, CHUNK, ROTATE, INPUT_PRECISION)
-                amax = tl.maximum(amax, tl.max(tl.max(tl.abs(y), 1), 0))
+        amax = _block_pass(X, X8, R, row0, n_rows, stride_xm, stride_8m, stride_8d, inv_sqrt_d, 0.0,
+                           HEAD_DIM, BLOCK, SUB, CHUNK, ROTATE, False, INPUT_PRECISION)
         if AMAX_ONLY:
             tl.store(DESCALE, amax)
             return
         descale = tl.where(amax > 0.0, amax / FP8_MAX, 1.0)
         tl.store(DESCALE, descale)
+    _block_pass(X, X8, R, row0, n_rows, stride_xm, stride_8m, stride_8d, inv_sqrt_d, descale,
+                HEAD_DIM, BLOCK, SUB, CHUNK, ROTATE, True, INPUT_PRECISION)
+
+
+@triton.jit
+def _block_pass(X, X8, R, row0, n_rows, stride_xm, stride_8m, stride_8d, inv_sqrt_d, descale,
+                HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, CHUNK: tl.constexpr,
+                ROTATE: tl.constexpr, STORE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """One pass over the block's (rotated) values, ``SUB`` rows by ``CHUNK`` columns at a time: returns their amax,
+    and with ``STORE`` writes them divided by ``descale``, saturated and cast."""
+    offs_s = tl.arange(0, SUB)
+    amax = 0.0
     for m0 in range(0, BLOCK, SUB):
         rows = row0 + m0 + offs_s
         row_ok = rows < n_rows
         for c0 in tl.static_range(0, HEAD_DIM, CHUNK):
             y = _columns(X + rows[:, None].to(tl.int64) * stride_xm, R, row_ok, c0, inv_sqrt_d,
                          HEAD_DIM, CHUNK, ROTATE, INPUT_PRECISION)
-            # Saturate: e4m3 has no infinity, and a value past 448 would become NaN.
-            y = tl.minimum(tl.maximum(y / descale, -FP8_MAX), FP8_MAX)
-            offs_c = c0 + tl.arange(0, CHUNK)
-            dst = X8 + rows[:, None].to(tl.int64) * stride_8m + offs_c[None, :].to(tl.int64) * stride_8d
-            tl.store(dst, y.to(X8.dtype.element_ty), mask=row_ok[:, None])
+            amax = tl.maximum(amax, tl.max(tl.max(tl.abs(y), 1), 0))
+            if STORE:
+                # Saturate: e4m3 has no infinity, and a value past 448 would become NaN.
+                y = tl.minimum(tl.maximum(y / descale, -FP8_MAX), FP8_MAX)
+                offs_c = c0 + tl.arange(0, CHUNK)
+                dst = X8 + rows[:, None].to(tl.int64) * stride_8m + offs_c[None, :].to(tl.int64) * stride_8d
+                tl.store(dst, y.to(X8.dtype.element_ty), mask=row_ok[:, None])
+    return amax
 
 
 @triton.jit
@@ -82,14 +92,8 @@ def quantize_fp8(Q, K, V, Q8, K8, VT8, Q_DESCALE, K_DESCALE, V_DESCALE, R, CU_SE
     blk = tl.program_id(0)
     off_b = tl.program_id(1)
     head = tl.program_id(2)
-    if VARLEN:
-        q_start = tl.load(CU_SEQLENS_Q + off_b)
-        seqlen_q = tl.load(CU_SEQLENS_Q + off_b + 1) - q_start
-        k_start = tl.load(CU_SEQLENS_K + off_b)
-        seqlen_k = tl.load(CU_SEQLENS_K + off_b + 1) - k_start
-    else:
-        q_start = 0
-        k_start = 0
+    q_start, seqlen_q, k_start, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K,
+                                                    CU_SEQLENS_Q, VARLEN, False)
     off_b = off_b.to(tl.int64)
     if head < nheads:
         if blk * BLOCK < tl.maximum(seqlen_q, 1):

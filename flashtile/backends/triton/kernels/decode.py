@@ -133,7 +133,8 @@ def append_kv(Q, K_NEW, V_NEW, K_CACHE, V_CACHE, Q_OUT, COS, SIN,
 @triton.jit
 def _quantize(x, descale_ptrs, mask):
     """``x / descale`` in fp32, saturated to e4m3's +-448 (it has no infinity: the cast would make NaN)."""
-    x = x.to(tl.float32) / tl.load(descale_ptrs, mask=mask, other=1.0)
+    # IEEE division (not the GPU default's approximate one): the same e4m3 value as torch's x / descale.
+    x = tl.math.div_rn(x.to(tl.float32), tl.load(descale_ptrs, mask=mask, other=1.0))
     return tl.minimum(tl.maximum(x, -448.0), 448.0)
 
 

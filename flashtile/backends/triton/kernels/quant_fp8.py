@@ -12,7 +12,8 @@ import triton.language as tl
 
 from .common import sequence
 
-FP8_MAX: tl.constexpr = 448.0
+# The largest finite e4m3 value.
+FP8_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
@@ -69,7 +70,7 @@ def _block_pass(X, X8, R, row0, n_rows, stride_xm, stride_8m, stride_8d, inv_sqr
             amax = tl.maximum(amax, tl.max(tl.max(tl.abs(y), 1), 0))
             if STORE:
                 # Saturate: e4m3 has no infinity, and a value past 448 would become NaN.
-                y = tl.minimum(tl.maximum(y / descale, -FP8_MAX), FP8_MAX)
+                y = tl.minimum(tl.maximum(tl.math.div_rn(y, descale), -FP8_MAX), FP8_MAX)
                 offs_c = c0 + tl.arange(0, CHUNK)
                 dst = X8 + rows[:, None].to(tl.int64) * stride_8m + offs_c[None, :].to(tl.int64) * stride_8d
                 tl.store(dst, y.to(X8.dtype.element_ty), mask=row_ok[:, None])

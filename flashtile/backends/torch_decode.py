@@ -31,7 +31,7 @@ import math
 import torch
 
 from . import KVCacheArgs
-from .torch_fp8 import to_fp8
+from .torch_fp8 import FP8_DTYPE, to_fp8
 
 # Key rows per chunk: the fp32 score tile is (batch, nheads, seqlen_q, KEY_CHUNK), small for decoding,
 # and 512 rows amortise the per-chunk gather and softmax bookkeeping (the tiled backend's key chunk).
@@ -66,6 +66,9 @@ def append_kv(q, k_cache, v_cache, k, v, args: KVCacheArgs):
     keep = inside[:, None, None]
     for cache, new, descale in ((k_cache, k, args.k_descale), (v_cache, v, args.v_descale)):
         new = _to_cache(new, descale, cache.dtype).flatten(0, 1)  # (batch * seqlen_new, nheads_kv, headdim)
+        if descale is not None:
+            # e4m3 moved as bytes: where and index_put_ need no float8 kernels (not every device has them).
+            cache, new = cache.view(torch.uint8), new.view(torch.uint8)
         donor_value = torch.where(keep[donor], new[donor], cache[slot[donor], rows[donor]])
         cache.index_put_((slot, rows), torch.where(keep, new, donor_value))
     return q
@@ -76,6 +79,9 @@ def attention_kv(q, k_cache, v_cache, args: KVCacheArgs):
     q's dtype with v_cache's head dim, ``lse`` float32 ``(batch, nheads, seqlen_q)``."""
     keys_end = args.cache_seqlens.long() + args.seqlen_new
     end = args.max_seqlen_k
+    if args.fp8:
+        # Gathered as bytes (indexing needs no float8 kernels), dequantized chunk by chunk in _from_cache.
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     if q.device.type == "cpu":
         # Reading the longest sequence costs nothing on CPU and skips the empty tail of the cache
         # (on a GPU it would be a host sync, so there the chunks run to the capacity, masked).
@@ -119,10 +125,10 @@ def _to_cache(new: torch.Tensor, descale, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _from_cache(chunk: torch.Tensor, descale) -> torch.Tensor:
-    """fp32 keys or values ``(batch, keys, nheads_kv, d)`` gathered from the cache (dequantized when FP8)."""
+    """fp32 keys or values ``(batch, keys, nheads_kv, d)`` gathered from the cache (its bytes when FP8: dequantized)."""
     if descale is None:
         return chunk.float()
-    return chunk.float() * descale[:, None, :, None]
+    return chunk.view(FP8_DTYPE).float() * descale[:, None, :, None]
 
 
 def _cache_rows(args: KVCacheArgs, batch: int, device) -> torch.Tensor:

@@ -291,7 +291,7 @@ def _fa3_errors(q, k, v, causal):
 def test_fa3_outlier_experiment(rng, causal):
     """FA3's experiment at head dim 128 (batch 1, 2 heads, 4096 tokens on CPU; the torch FP8 math), the four
     settings of the flags. Measured here (docs/fp8.md): full 1.72e-2 per-tensor, 1.59e-2 block, 8.1e-3
-    rotated, 7.9e-3 both; causal 1.67e-2, 1.48e-2, 9.16e-3, 9.18e-3. The rotation is what helps most: e4m3
+    rotated, 7.9e-3 both; causal 1.67e-2, 1.48e-2, 9.16e-3, 9.18e-3 (the bar: 9.1e-3). The rotation is what helps most: e4m3
     is a floating-point format, so a finer scale changes little unless a coarse one pushes values into its
     subnormals; the error left is e4m3's 3-bit mantissa on Q.K (the larger part), then V, then P."""
     q, k, v = outlier_qkv(rng, 1, 4096, 2, 128)
@@ -300,7 +300,7 @@ def test_fa3_outlier_experiment(rng, causal):
     assert both < 0.8 * plain and rotated < 0.8 * plain, errors
     assert abs(block - plain) < 0.15 * plain and abs(both - rotated) < 0.1 * rotated, errors
     # The bar of the issue (FA3's 9.1e-3) holds without a mask; with one, rows near the start see few keys and
-    # V's and Q.K's rounding stays in them: causal straddles the bar (8.4e-3 to 9.2e-3 by the draw at 4096
+    # V's and Q.K's rounding stays in them: causal straddles the bar (8.4e-3 and 9.2e-3 in two draws at 4096
     # tokens, 1.1e-2 at 2048) and is held to 1e-2 (docs/fp8.md).
     assert both <= (FA3_BOTH_RMSE if not causal else CAUSAL_BOTH_RMSE), errors
 

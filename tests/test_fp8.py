@@ -539,3 +539,54 @@ def test_bench_fp8_smoke(tmp_path):
         assert row["bf16_rmse"] < bench_fp8.BF16_RMSE_LIMIT and "bf16_ms" in row
     assert rows["decode"][0]["status"] == "ok" and rows["decode"][0]["fp8_max_abs_err"] < 2e-2
     assert "| 64 | 256 |" in bench_fp8.markdown(rows, "test")
+
+
+class _FakeKernel:
+    """Stands in for backends/triton/fp8.py: checks the layouts the launcher contract promises and fills
+    ``out`` / ``lse`` with the torch FP8 math (so the wiring is tested without a GPU)."""
+
+    PER_BLOCK_DESCALES = True
+
+    def __init__(self):
+        self.calls = []
+
+    def fp8_sm90_supported(self, args, head_dim):
+        return None
+
+    def forward_fp8_sm90(self, q, k, v_t, q_descale, k_descale, v_descale, out, lse, args):
+        varlen = args.varlen
+        nheads_kv, head_dim = k.shape[-2], k.shape[-1]
+        assert q.dtype == k.dtype == v_t.dtype == torch.float8_e4m3fn and out.dtype == torch.bfloat16
+        assert v_t.shape == ((nheads_kv, head_dim, k.shape[0]) if varlen else
+                             (k.shape[0], nheads_kv, head_dim, k.shape[1])) and v_t.is_contiguous()
+        assert out.shape == q.shape and lse.dtype == torch.float32
+        assert lse.shape == ((q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1]))
+        v = v_t.permute(2, 0, 1) if varlen else v_t.permute(0, 3, 1, 2)
+        expected, expected_lse = torch_fp8.forward(q, k, v, q_descale, k_descale, v_descale, args)
+        out.copy_(expected)
+        lse.copy_(expected_lse)
+        self.calls.append(q_descale.dim())
+
+
+def test_kernel_launcher_contract(monkeypatch, rng):
+    """flash_attn_fp8_func, its varlen twin and FA3's API hand the kernel what forward_fp8_sm90 expects (v
+    K-major, bf16 out, lse in flashtile's layout), under the kernel's profiler name."""
+    import flashtile.fp8 as fp8
+    fake = _FakeKernel()
+    monkeypatch.setattr(fp8, "_kernel_module", lambda: fake)
+    monkeypatch.setattr(fp8, "kernel_reason", lambda device, args, head_dim, per_block: None)
+    q = torch.randn(2, 77, 4, 64, generator=rng).to(DEVICE, torch.float16)
+    k = torch.randn(2, 130, 2, 64, generator=rng).to(DEVICE, torch.float16)
+    v = torch.randn(2, 130, 2, 64, generator=rng).to(DEVICE, torch.float16)
+    flashtile.reset_stats()
+    out = flashtile.flash_attn_fp8_func(q, k, v, causal=True)
+    q8, k8, v8_t, *descales = torch_fp8.quantize(q, k, v)
+    expected, _ = torch_fp8.forward(q8, k8, v8_t.permute(0, 3, 1, 2), *descales, args_of(64, causal=True))
+    torch.testing.assert_close(out, expected.to(out.dtype), atol=2e-3, rtol=0)
+    assert "flashtile.fwd[gluon-sm90 fp8 d=64 causal block-scales]" in flashtile.stats()["kernels"]
+    q8, k8, v8_t, *descales = torch_fp8.quantize(q, k, v, block_quant=False)
+    flashtile.flash_attn_func(q8, k8, v8_t.permute(0, 3, 1, 2), q_descale=descales[0], k_descale=descales[1],
+                              v_descale=descales[2])
+    cu_q, cu_k = testing.cu_seqlens_of([30, 47], DEVICE), testing.cu_seqlens_of([60, 70], DEVICE)
+    flashtile.flash_attn_varlen_fp8_func(q[0], k[0], v[0], cu_q, cu_k, 47, 70)
+    assert fake.calls == [3, 2, 3]

@@ -17,10 +17,13 @@ from . import interpreter_enabled
 from .host import cdiv, input_precision, on_device, unit_stride
 from .kernels.quant_fp8 import quantize_fp8
 
-# Rows of a block quantized at once, and output columns per rotation dot: a (SUB, HEAD_DIM) input tile and a
-# (HEAD_DIM, CHUNK) slice of the rotation stay within registers up to HEAD_DIM 256.
+# Rows of a block quantized at once, output columns per rotation dot, and warps: a (SUB, HEAD_DIM) input tile and
+# a (HEAD_DIM, CHUNK) slice of the rotation. Compiled for sm_90 (ptxas, benchmarks/sm90_compile.py's report):
+# 8 warps hold d64/128/256 in 106/220/247 registers without a spill; 4 warps spilled at d128 and d256 (36 and 24
+# STL), and 64-row tiles spilled at d256 (114 STL).
 _SUB = 32
 _CHUNK = 64
+_WARPS = 8
 
 
 def _bsh(t: torch.Tensor, varlen: bool) -> tuple:
@@ -66,7 +69,7 @@ def quantize(q, k, v, block_quant: bool = True, incoherent: bool = True, seed: i
             seqlen_q, seqlen_k, nheads, 1.0 / math.sqrt(head_dim),
             HEAD_DIM=head_dim, BLOCK=QUANT_BLOCK, SUB=_SUB, CHUNK=min(_CHUNK, head_dim), ROTATE=incoherent,
             SCALE_GIVEN=scale_given, AMAX_ONLY=amax_only, VARLEN=varlen, INPUT_PRECISION=input_precision(q.dtype),
-            num_warps=4,
+            num_warps=_WARPS,
         )
 
     with on_device(q):

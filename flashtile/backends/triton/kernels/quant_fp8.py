@@ -64,7 +64,7 @@ def _block_pass(X, X8, R, row0, n_rows, stride_xm, stride_8m, stride_8d, inv_sqr
     for m0 in range(0, BLOCK, SUB):
         rows = row0 + m0 + offs_s
         row_ok = rows < n_rows
-        for c0 in tl.static_range(0, HEAD_DIM, CHUNK):
+        for c0 in range(0, HEAD_DIM, CHUNK):
             y = _columns(X + rows[:, None].to(tl.int64) * stride_xm, R, row_ok, c0, inv_sqrt_d,
                          HEAD_DIM, CHUNK, ROTATE, INPUT_PRECISION)
             amax = tl.maximum(amax, tl.max(tl.max(tl.abs(y), 1), 0))

@@ -19,6 +19,7 @@ import torch
 
 from . import env
 from .backends import AttnArgs, KVCacheArgs
+from .backends.torch_fp8 import QUANT_BLOCK
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -701,9 +702,10 @@ def check_merge_states(out_a, lse_a, out_b, lse_b) -> None:
 
 # ---------------------------------------------------------------- FP8 attention
 
+# The head dims FP8 attention serves: the Hadamard rotation needs a power of two; the Gluon FP8 kernel's dims.
 FP8_HEAD_DIMS = (64, 128, 256)
-# Rows of one head that share a descale under block quantization (torch_fp8.QUANT_BLOCK).
-FP8_BLOCK = 128
+# Rows of one head that share a descale under block quantization.
+FP8_BLOCK = QUANT_BLOCK
 
 
 def check_fp8_head_dims(q, v) -> None:

@@ -38,8 +38,6 @@ FP8_MAX = 448.0
 QUANT_BLOCK = 128
 # P = exp(s - m) lies in [0, 1]; P * P_SCALE fills e4m3's range before P's cast.
 P_SCALE = FP8_MAX
-# The head dims the FP8 path serves (the Hadamard transform needs a power of two; the Gluon kernel's dims).
-FP8_HEAD_DIMS = (64, 128, 256)
 
 
 @functools.lru_cache(maxsize=64)
@@ -180,10 +178,6 @@ def _sequences(args: AttnArgs):
         yield b, cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1] if used_k is None else cu_k[b] + used_k[b]
 
 
-def _batch_row(descale: torch.Tensor, b: int) -> torch.Tensor:
-    return descale[b:b + 1]
-
-
 def forward(q8, k8, v8, q_descale, k_descale, v_descale, args: AttnArgs, out_dtype=torch.bfloat16):
     """FP8 attention of e4m3 ``q8``, ``k8``, ``v8`` (standard layouts, ``(batch, seqlen, heads, d)``; packed
     ``(total, heads, d)`` with ``args.varlen``, sequences from ``args.cu_seqlens_*``, descales per sequence).
@@ -196,7 +190,7 @@ def forward(q8, k8, v8, q_descale, k_descale, v_descale, args: AttnArgs, out_dty
     out = torch.zeros(total_q, nheads, v8.shape[-1], dtype=out_dtype, device=q8.device)
     lse = torch.full((nheads, total_q), float("-inf"), device=q8.device)
     for b, q0, q1, k0, k1 in _sequences(args):
-        parts = [dequantize(x[None, start:end], _batch_row(descale, b)) for x, start, end, descale in
+        parts = [dequantize(x[None, start:end], descale[b:b + 1]) for x, start, end, descale in
                  ((q8, q0, q1, q_descale), (k8, k0, k1, k_descale), (v8, k0, k1, v_descale))]
         seq_out, seq_lse = attention(*parts, args)
         out[q0:q1] = seq_out[0].to(out_dtype)

@@ -2,6 +2,7 @@
 from .dispatch import FallbackError, reset_stats, set_strict, stats
 from .cache import KVCache, PagedKVCache
 from .explain import Explanation, explain
+from .fp8 import flash_attn_fp8_func, flash_attn_varlen_fp8_func
 from .interface import (
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -25,9 +26,11 @@ __all__ = [
     "PagedKVCache",
     "FallbackError",
     "explain",
+    "flash_attn_fp8_func",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_fp8_func",
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",

@@ -53,7 +53,21 @@ import torch
 from .interface import flash_attn_with_kvcache
 
 # Arguments of flash_attn_with_kvcache that the caches fill in themselves.
-_OWN_ARGUMENTS = ("cache_seqlens", "cache_batch_idx", "block_table")
+_OWN_ARGUMENTS = ("cache_seqlens", "cache_batch_idx", "block_table", "k_descale", "v_descale")
+
+
+def _descales(dtype, k_descale, v_descale, nheads_kv: int, device) -> tuple:
+    """An FP8 cache's descales as float32 tensors (a float: one for every KV head); None for a 16-bit cache."""
+    if dtype != torch.float8_e4m3fn:
+        if k_descale is not None or v_descale is not None:
+            raise ValueError(f"k_descale and v_descale apply to a torch.float8_e4m3fn cache, got dtype={dtype}")
+        return None, None
+    if k_descale is None or v_descale is None:
+        raise ValueError("a torch.float8_e4m3fn cache needs k_descale and v_descale (a float, or float32 (nheads_kv,) or "
+                         f"(batch, nheads_kv) tensors): the cache holds k / k_descale; got k_descale={k_descale!r}, "
+                         f"v_descale={v_descale!r}")
+    return tuple(torch.full((nheads_kv,), float(d), device=device) if isinstance(d, (int, float)) else d
+                 for d in (k_descale, v_descale))
 
 
 def _check_options(options: dict) -> None:
@@ -62,8 +76,19 @@ def _check_options(options: dict) -> None:
             raise TypeError(f"attend() fills {name} from the cache's own bookkeeping; it cannot be passed")
 
 
+def _rows(k_descale, v_descale, batch: int) -> dict:
+    """The descales of the first ``batch`` rows (a per-row descale is sliced; a per-head one is shared)."""
+    if k_descale is None:
+        return {}
+    return {name: d[:batch] if d.dim() == 2 else d for name, d in (("k_descale", k_descale), ("v_descale", v_descale))}
+
+
 class KVCache:
     """Contiguous KV cache of ``batch`` sequences of up to ``max_seqlen`` tokens each.
+
+    ``dtype=torch.float8_e4m3fn`` makes an FP8 cache (half the bytes of a 16-bit one): pass ``k_descale`` and
+    ``v_descale`` (a float, or float32 ``(nheads_kv,)`` or ``(batch, nheads_kv)``); new 16-bit keys and values
+    are stored as ``x / descale`` in e4m3 (saturated at 448) and read back times the descale.
 
     Attributes:
         k: ``(batch, max_seqlen, nheads_kv, headdim)`` in ``dtype`` on ``device``.
@@ -74,12 +99,14 @@ class KVCache:
     """
 
     def __init__(self, batch: int, max_seqlen: int, nheads_kv: int, headdim: int, dtype=torch.float16, device=None,
-                 headdim_v: int | None = None):
+                 headdim_v: int | None = None, k_descale=None, v_descale=None):
         if batch < 1 or max_seqlen < 1:
             raise ValueError(f"KVCache needs batch >= 1 and max_seqlen >= 1, got batch={batch}, max_seqlen={max_seqlen}")
         self.k = torch.zeros(batch, max_seqlen, nheads_kv, headdim, dtype=dtype, device=device)
         self.v = torch.zeros(batch, max_seqlen, nheads_kv, headdim_v or headdim, dtype=dtype, device=device)
         self.seqlens = torch.zeros(batch, dtype=torch.int32, device=self.k.device)
+        # dtype=torch.float8_e4m3fn: the cache holds k / k_descale (see flash_attn_with_kvcache).
+        self.k_descale, self.v_descale = _descales(dtype, k_descale, v_descale, nheads_kv, self.k.device)
 
     @property
     def batch(self) -> int:
@@ -112,7 +139,8 @@ class KVCache:
         if batch is not None and batch > self.batch:
             raise ValueError(f"q has batch {batch} but this KVCache holds {self.batch} sequences (q {tuple(q.shape)})")
         seqlens = self.seqlens[:batch]
-        result = flash_attn_with_kvcache(q, self.k, self.v, k, v, cache_seqlens=seqlens, causal=causal, **options)
+        result = flash_attn_with_kvcache(q, self.k, self.v, k, v, cache_seqlens=seqlens, causal=causal,
+                                         **_rows(self.k_descale, self.v_descale, batch), **options)
         if k is not None:
             seqlens.add_(k.shape[1] if new_lengths is None else new_lengths)
         return result
@@ -140,12 +168,15 @@ class PagedKVCache:
     """
 
     def __init__(self, num_blocks: int, page_size: int, nheads_kv: int, headdim: int, dtype=torch.float16,
-                 device=None, headdim_v: int | None = None, max_blocks_per_seq: int | None = None):
+                 device=None, headdim_v: int | None = None, max_blocks_per_seq: int | None = None, k_descale=None,
+                 v_descale=None):
         if num_blocks < 1 or page_size < 1:
             raise ValueError(f"PagedKVCache needs num_blocks >= 1 and page_size >= 1, got num_blocks={num_blocks}, "
                              f"page_size={page_size}")
         self.k = torch.zeros(num_blocks, page_size, nheads_kv, headdim, dtype=dtype, device=device)
         self.v = torch.zeros(num_blocks, page_size, nheads_kv, headdim_v or headdim, dtype=dtype, device=device)
+        # dtype=torch.float8_e4m3fn: pages hold k / k_descale, one descale per KV head (a float or (nheads_kv,)).
+        self.k_descale, self.v_descale = _descales(dtype, k_descale, v_descale, nheads_kv, self.k.device)
         # A fixed block-table width (e.g. for CUDA graphs); None: as wide as the longest sequence of a call.
         self.max_blocks_per_seq = max_blocks_per_seq
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out page 0 first
@@ -278,7 +309,8 @@ class PagedKVCache:
         for seq in seqs:
             self.reserve(seq, seqlen_new)
         result = flash_attn_with_kvcache(q, self.k, self.v, k, v, cache_seqlens=self.seqlens(seqs),
-                                         block_table=self.block_table(seqs), causal=causal, **options)
+                                         block_table=self.block_table(seqs), causal=causal,
+                                         k_descale=self.k_descale, v_descale=self.v_descale, **options)
         for seq, added in zip(seqs, new_lengths):
             self._lengths[seq] += added
         return result

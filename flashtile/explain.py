@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import validation
+import torch
+
+from . import fp8, validation
 from .backends import AttentionCall
 from .dispatch import BACKENDS, plan
 
@@ -48,17 +50,25 @@ class Explanation:
 
 def explain(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
             alibi_slopes=None, deterministic=False, return_attn_probs=False, attn_bias=None, sink=None, *,
-            cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None) -> Explanation:
+            cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None,
+            q_descale=None, k_descale=None, v_descale=None) -> Explanation:
     """Explain the call ``flash_attn_func(q, k, v, ...)`` with the same arguments would make.
 
     With ``cu_seqlens_q`` (and ``cu_seqlens_k``, ``max_seqlen_q``, ``max_seqlen_k``, optionally
     ``seqused_k``) it explains ``flash_attn_varlen_func(q, k, v, cu_seqlens_q, ...)`` on packed
     ``(total_tokens, nheads, headdim)`` tensors instead.
 
+    float8_e4m3fn q, k, v with ``q_descale``, ``k_descale``, ``v_descale`` explain the FP8 call (see docs/fp8.md).
+
     Returns an :class:`Explanation`; an invalid or unsupported call is reported in its ``error``
     field, not raised.
     """
     varlen = cu_seqlens_q is not None
+    if isinstance(q, torch.Tensor) and q.dtype in validation.FP8_DTYPES:
+        return _explain_fp8(q, k, v, q_descale, k_descale, v_descale, varlen, dict(
+            softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, varlen=varlen,
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, seqused_k=seqused_k), (dropout_p, alibi_slopes, sink, attn_bias))
     try:
         validation.check_qkv(q, k, v, varlen=varlen)
         args = validation.attn_args(
@@ -74,3 +84,19 @@ def explain(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_siz
         preferred=result.preferred, fallback_reason=result.fallback_reason, rejected=result.rejected,
         error=None if result.error is None else str(result.error),
     )
+
+
+def _explain_fp8(q, k, v, q_descale, k_descale, v_descale, varlen: bool, options: dict, refused: tuple) -> Explanation:
+    """The FP8 call's plan (:func:`flashtile.fp8.plan`): the Gluon FP8 kernel or the torch statement of its math."""
+    try:
+        validation.check_qkv(q, k, v, varlen=varlen, dtypes=(torch.float8_e4m3fn,))
+        validation.check_fp8_head_dims(q, v)
+        validation.check_fp8_options(*refused)
+        args = validation.attn_args(q, k, v, **options)
+        batch, seqlen_q, seqlen_k = fp8._sizes(q, k, args)
+        per_block = validation.check_descales(q, k, q_descale, k_descale, v_descale, batch, seqlen_q, seqlen_k)
+    except (TypeError, ValueError, NotImplementedError) as error:
+        return Explanation(None, "", "", {}, None, None, {name: "invalid call" for name in BACKENDS}, str(error))
+    result = fp8.plan(q, k, args, per_block)
+    return Explanation(backend=result.backend, kernel=result.fwd_name, backward_kernel="", config=result.config,
+                       preferred=result.preferred, fallback_reason=result.fallback_reason, rejected=result.rejected)

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import torch
 
-from . import ops, replay, validation
+from . import fp8, ops, replay, validation
 from .autograd import (FlashAttnFunc, FlashAttnKVPackedFunc, FlashAttnQKVPackedFunc, draw_dropout_counters,
                        dropout_counters, replay_inputs, run_forward, wants_grad)
 from .backends import AttentionCall
@@ -38,6 +38,9 @@ def flash_attn_func(
     return_attn_probs=False,
     attn_bias=None,
     sink=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ):
     """Exact attention ``softmax(q k^T * softmax_scale + ...) v``, with the variants below.
 
@@ -90,6 +93,12 @@ def flash_attn_func(
             logit per query head in every row's softmax denominator, with no value vector. Its
             gradient (in its dtype) is computed when it requires grad. With a sink a row that sees
             no key outputs 0 with lse ``sink[h]``.
+        q_descale, k_descale, v_descale: FP8 inputs (FlashAttention-3's API): with float8_e4m3fn q, k, v
+            (headdim 64, 128 or 256) the attention of ``q * q_descale``, ``k * k_descale``, ``v * v_descale``
+            runs in FP8 and ``out`` is bfloat16. float32 descales of shape ``(batch, nheads_kv)``, or per
+            block of 128 rows: q's ``(batch, nheads, cdiv(seqlen_q, 128))``, k's and v's
+            ``(batch, nheads_kv, cdiv(seqlen_k, 128))``. Forward only; no dropout, ALiBi, sink or bias.
+            See docs/fp8.md.
 
     Which backend runs the call, and why, is in :func:`flashtile.explain`; every call is
     counted in :func:`flashtile.stats`.
@@ -100,7 +109,21 @@ def flash_attn_func(
     """
     options = dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                    softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
+    if _fp8(q, q_descale, k_descale, v_descale):
+        return fp8.fp8_call(q, k, v, dict(options, sink=sink, attn_bias=attn_bias), q_descale, k_descale, v_descale,
+                            return_attn_probs)
     return _attention(FlashAttnFunc, (q, k, v), (q, k, v), options, sink, attn_bias, return_attn_probs)
+
+
+def _fp8(q, *descales) -> bool:
+    """Whether a call takes the FP8 path: float8 q, or descales given (whose absence or misuse it then reports)."""
+    if isinstance(q, torch.Tensor) and q.dtype in validation.FP8_DTYPES:
+        return True
+    given = [name for name, t in zip(("q_descale", "k_descale", "v_descale"), descales) if t is not None]
+    if given and isinstance(q, torch.Tensor):
+        raise ValueError(f"{', '.join(given)} apply to float8_e4m3fn q, k, v only, got q of dtype {q.dtype}; "
+                         "drop them, or use flashtile.flash_attn_fp8_func to quantize 16-bit inputs")
+    return False
 
 
 def flash_attn_qkvpacked_func(
@@ -170,6 +193,9 @@ def flash_attn_varlen_func(
     seqused_k=None,
     sink=None,
     attn_bias=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ):
     """Attention over a batch of variable-length sequences packed without padding.
 
@@ -196,6 +222,9 @@ def flash_attn_varlen_func(
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic:
             as in :func:`flash_attn_func`; ``alibi_slopes`` is ``(nheads,)`` or ``(batch, nheads)``
             with ``batch = len(cu_seqlens_q) - 1``; dropout positions are counted within each sequence.
+        q_descale, k_descale, v_descale: with float8_e4m3fn q, k, v, as in :func:`flash_attn_func`, with
+            ``batch = len(cu_seqlens_q) - 1``, blocks counted from each sequence's start and ``seqlen`` the
+            ``max_seqlen`` of q or k.
 
     The checks of the offsets' values (``cu_seqlens[0] == 0``, non-decreasing, ``cu_seqlens[-1]``
     at most the number of rows, ``max_seqlen`` at least the longest sequence, ``seqused_k`` within
@@ -209,6 +238,9 @@ def flash_attn_varlen_func(
                    softcap=softcap, alibi_slopes=alibi_slopes, varlen=True, cu_seqlens_q=cu_seqlens_q,
                    cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k,
                    deterministic=deterministic)
+    if _fp8(q, q_descale, k_descale, v_descale):
+        return fp8.fp8_call(q, k, v, dict(options, sink=sink, attn_bias=attn_bias), q_descale, k_descale, v_descale,
+                            return_attn_probs)
     return _attention(FlashAttnFunc, (q, k, v), (q, k, v), options, sink, attn_bias, return_attn_probs)
 
 
@@ -443,6 +475,8 @@ def flash_attn_with_kvcache(
     sink=None,
     num_splits=0,
     return_softmax_lse=False,
+    k_descale=None,
+    v_descale=None,
 ):
     """Attention of new queries over a KV cache, after appending the new keys and values to it in place
     (incremental decoding, speculative verification, chunked prefill), as flash-attn's function of
@@ -502,6 +536,11 @@ def flash_attn_with_kvcache(
         num_splits: split each row's keys into this many ranges, computed in parallel and merged
             (split-KV decoding); 0 lets the backend choose from the shapes alone, 1 never splits.
         return_softmax_lse: also return the log-sum-exp.
+        k_descale, v_descale: an FP8 cache: with float8_e4m3fn ``k_cache`` and ``v_cache`` (q, k, v stay
+            16-bit), float32 ``(nheads_kv,)`` or ``(batch, nheads_kv)`` descales: the cache holds
+            ``k_cache * k_descale``; new tokens are written as ``e4m3(clamp(k / k_descale, -448, 448))``
+            (after rotary), and attention reads the cache back as ``k_cache * k_descale`` in fp32 math.
+            Half the bytes a decode step reads. See docs/fp8.md.
 
     The value checks (each ``cache_seqlens[b] + seqlen_new`` within the capacity, ``cache_leftpad``,
     ``cache_batch_idx`` and the pages a sequence uses within the cache, the rotary tables long enough)
@@ -519,9 +558,9 @@ def flash_attn_with_kvcache(
                  block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin)
     options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                    rotary_interleaved=rotary_interleaved, num_splits=num_splits)
-    key = _kvcache_signature((q, k_cache, v_cache, k, v, alibi_slopes, sink), index, options)
+    key = _kvcache_signature((q, k_cache, v_cache, k, v, alibi_slopes, sink, k_descale, v_descale), index, options)
     known = None if key is None else recall(key)
-    tensors = (q, k_cache, v_cache, k, v, alibi_slopes, sink, *index.values())
+    tensors = (q, k_cache, v_cache, k, v, alibi_slopes, sink, k_descale, v_descale, *index.values())
     if known is not None:
         # A step like an earlier one: its checks hold (no value is read), only the tensors are new.
         args, chosen, kept = known
@@ -534,11 +573,13 @@ def flash_attn_with_kvcache(
         batch, _, nheads, _ = q.shape
         args = replace(args, **index, alibi_slopes=None if alibi_slopes is None else
                        validation.check_alibi_slopes(alibi_slopes, batch, nheads, q.device),
-                       sink=None if sink is None else validation.check_sink(sink, nheads, q.device))
+                       sink=None if sink is None else validation.check_sink(sink, nheads, q.device),
+                       k_descale=None if k_descale is None else k_descale.detach().expand(batch, -1),
+                       v_descale=None if v_descale is None else v_descale.detach().expand(batch, -1))
         record_choice(chosen)
     else:
         args = validation.kvcache_args(q, k_cache, v_cache, k, v, alibi_slopes=alibi_slopes, sink=sink, **index,
-                                       **options)
+                                       **options, k_descale=k_descale, v_descale=v_descale)
         if key is None:
             out, lse, _ = _attention_kvcache(q, k_cache, v_cache, k, v, args)
             return (out, lse) if return_softmax_lse else out
@@ -560,6 +601,9 @@ def _attention_kvcache(q, k_cache, v_cache, k, v, args):
     custom op while compiling (plan None)."""
     with torch.no_grad():
         if torch.compiler.is_compiling():
+            if args.fp8:
+                raise NotImplementedError("an FP8 KV cache (k_descale / v_descale) under torch.compile is not supported "
+                                          "yet: call flash_attn_with_kvcache outside the compiled region")
             return (*ops.attention_with_kvcache(q, k_cache, v_cache, k, v, args), None)
         chosen = dispatch(AttentionCall.of(q, k_cache, v_cache, args))
         return (*ops.run_kvcache(chosen, q, k_cache, v_cache, k, v, args), chosen)

@@ -19,8 +19,10 @@ import torch
 
 from . import env
 from .backends import AttnArgs, KVCacheArgs
+from .backends.torch_fp8 import QUANT_BLOCK
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 MAX_HEADDIM = 256
 DENSE_LAYOUT = "(batch, seqlen, nheads, headdim)"
 VARLEN_LAYOUT = "(total_tokens, nheads, headdim)"
@@ -30,16 +32,23 @@ def _describe(t: torch.Tensor) -> str:
     return f"shape={tuple(t.shape)}, dtype={t.dtype}, device={t.device}"
 
 
-def check_tensor(name: str, t, ndim: int, layout: str) -> None:
-    """``t`` must be a floating tensor of rank ``ndim`` in a supported dtype."""
+def check_tensor(name: str, t, ndim: int, layout: str, dtypes: tuple = SUPPORTED_DTYPES) -> None:
+    """``t`` must be a floating tensor of rank ``ndim`` in one of ``dtypes``."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dims {layout}, got {t.dim()} dims ({_describe(t)})")
-    if t.dtype not in SUPPORTED_DTYPES:
+    if t.dtype not in dtypes:
+        if t.dtype in FP8_DTYPES and dtypes == SUPPORTED_DTYPES:
+            hint = "; float8_e4m3fn inputs need q_descale, k_descale and v_descale (see docs/fp8.md)"
+        elif t.dtype == torch.float8_e5m2:
+            hint = ("; FP8 attention takes float8_e4m3fn (e5m2 keeps 2 mantissa bits, too few for attention's "
+                    "inputs): quantize to e4m3, or pass 16-bit inputs to flashtile.flash_attn_fp8_func")
+        else:
+            hint = ""
         raise TypeError(
             f"{name} has unsupported dtype {t.dtype} ({_describe(t)}); "
-            "expected torch.float16, torch.bfloat16 or torch.float32"
+            f"expected {' or '.join(map(str, dtypes))}{hint}"
         )
 
 
@@ -53,14 +62,15 @@ def check_packed(name: str, t, parts: int, layout: str, varlen: bool = False) ->
     return t.unbind(dim)
 
 
-def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: bool = False) -> None:
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: bool = False,
+              dtypes: tuple = SUPPORTED_DTYPES) -> None:
     """Validate q, k, v: dense ``(batch, seqlen, nheads, headdim)``, or varlen ``(total_tokens, nheads, headdim)``.
 
     v may have its own head dim (``headdim_v``); everything else of k and v must agree.
     """
     layout = VARLEN_LAYOUT if varlen else DENSE_LAYOUT
     for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(name, t, 3 if varlen else 4, layout)
+        check_tensor(name, t, 3 if varlen else 4, layout, dtypes)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
     if not (q.device == k.device == v.device):
@@ -362,12 +372,15 @@ def check_kvcache(q, k_cache, v_cache, k, v, paged: bool) -> None:
     """
     layout = PAGED_LAYOUT if paged else CACHE_LAYOUT
     check_tensor("q", q, 4, DENSE_LAYOUT)
-    check_tensor("k_cache", k_cache, 4, layout)
-    check_tensor("v_cache", v_cache, 4, layout)
+    # An FP8 cache (float8_e4m3fn, with k_descale / v_descale) holds q's 16-bit keys and values quantized.
+    fp8 = isinstance(k_cache, torch.Tensor) and k_cache.dtype in FP8_DTYPES
+    cache_dtypes = (torch.float8_e4m3fn,) if fp8 else SUPPORTED_DTYPES
+    check_tensor("k_cache", k_cache, 4, layout, cache_dtypes)
+    check_tensor("v_cache", v_cache, 4, layout, cache_dtypes)
     if (k is None) != (v is None):
         given, missing = ("k", "v") if v is None else ("v", "k")
         raise ValueError(f"the new tokens k and v must be given together, got {given} but {missing}=None")
-    tensors = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
+    tensors = [("q", q)] if fp8 else [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
     if k is not None:
         check_tensor("k", k, 4, NEW_LAYOUT)
         check_tensor("v", v, 4, NEW_LAYOUT)
@@ -375,8 +388,9 @@ def check_kvcache(q, k_cache, v_cache, k, v, paged: bool) -> None:
     if len({t.dtype for _, t in tensors}) > 1:
         dtypes = ", ".join(f"{name}={t.dtype}" for name, t in tensors)
         raise TypeError(f"q, k_cache, v_cache (and k, v) must share one dtype, got {dtypes}")
-    if len({t.device for _, t in tensors}) > 1:
-        devices = ", ".join(f"{name}={t.device}" for name, t in tensors)
+    placed = tensors + [("k_cache", k_cache), ("v_cache", v_cache)] if fp8 else tensors
+    if len({t.device for _, t in placed}) > 1:
+        devices = ", ".join(f"{name}={t.device}" for name, t in placed)
         raise ValueError(f"q, k_cache, v_cache (and k, v) must be on one device, got {devices}")
     batch, seqlen_q, nheads, headdim = q.shape
     if batch < 1 or seqlen_q < 1:
@@ -530,7 +544,7 @@ def check_cache_seqlens(cache_seqlens, batch: int, capacity: int, seqlen_new: in
 def kvcache_args(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                  cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
                  window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, sink=None,
-                 num_splits=0) -> KVCacheArgs:
+                 num_splits=0, k_descale=None, v_descale=None) -> KVCacheArgs:
     """Validate every argument of ``flash_attn_with_kvcache`` and return the normalised :class:`KVCacheArgs`.
 
     Normalisation as in :func:`attn_args` (causal folds into ``window_right = 0``, ``alibi_slopes``
@@ -572,6 +586,7 @@ def kvcache_args(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
         raise ValueError(f"k and v hold seqlen_new={seqlen_new} new tokens per sequence, more than the cache capacity of "
                          f"{capacity} ({where})")
     cache_seqlens = check_cache_seqlens(cache_seqlens, batch, capacity, seqlen_new, where, device)
+    k_descale, v_descale = check_cache_descales(k_cache, k_descale, v_descale, batch, device)
     check_rotary(rotary_cos, rotary_sin, headdim, device, k is not None)
     num_splits = _check_num_splits(num_splits)
 
@@ -593,6 +608,7 @@ def kvcache_args(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
         max_seqlen_q=seqlen_q, max_seqlen_k=capacity, cache_seqlens=cache_seqlens, seqlen_new=seqlen_new,
         cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
         rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=bool(rotary_interleaved), num_splits=num_splits,
+        k_descale=k_descale, v_descale=v_descale,
     )
 
 
@@ -682,3 +698,96 @@ def check_merge_states(out_a, lse_a, out_b, lse_b) -> None:
     if len(devices) > 1:
         raise ValueError(f"out_a, lse_a, out_b, lse_b must be on one device, got out_a={out_a.device}, "
                          f"lse_a={lse_a.device}, out_b={out_b.device}, lse_b={lse_b.device}")
+
+
+# ---------------------------------------------------------------- FP8 attention
+
+# The head dims FP8 attention serves: the Hadamard rotation needs a power of two; the Gluon FP8 kernel's dims.
+FP8_HEAD_DIMS = (64, 128, 256)
+# Rows of one head that share a descale under block quantization.
+FP8_BLOCK = QUANT_BLOCK
+
+
+def check_fp8_head_dims(q, v) -> None:
+    """FP8 attention serves head dims 64, 128 and 256 (the Hadamard rotation's powers of two, the FP8 kernel's
+    dims), one head dim for q, k and v."""
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+    if head_dim not in FP8_HEAD_DIMS:
+        raise ValueError(f"FP8 attention supports headdim 64, 128 or 256, got headdim={head_dim} "
+                         f"(q {tuple(q.shape)}); use flash_attn_func with 16-bit inputs for other head dims")
+    if head_dim_v != head_dim:
+        raise ValueError(f"FP8 attention needs v's head dim equal to q's, got headdim_v={head_dim_v} and "
+                         f"headdim={head_dim} (v {tuple(v.shape)})")
+
+
+def check_fp8_options(dropout_p, alibi_slopes, sink, attn_bias) -> None:
+    """The variants the FP8 path does not compute: each named."""
+    for name, value, off in (("dropout_p", dropout_p, 0.0), ("alibi_slopes", alibi_slopes, None), ("sink", sink, None),
+                             ("attn_bias", attn_bias, None)):
+        if (value is not None) if off is None else (value != off):
+            shown = value if off is not None else _describe(value) if isinstance(value, torch.Tensor) else value
+            raise NotImplementedError(f"{name}={shown} is not implemented for FP8 attention (float8_e4m3fn q, k, v); "
+                                      "pass 16-bit inputs to use it")
+
+
+def check_descales(q, k, q_descale, k_descale, v_descale, batch: int, seqlen_q: int, seqlen_k: int) -> bool:
+    """FA3's descales of float8_e4m3fn q, k, v: float32, on q's device, all per tensor, ``(batch, nheads_kv)``,
+    or all per block, q's ``(batch, nheads, cdiv(seqlen_q, 128))`` and k's, v's ``(batch, nheads_kv,
+    cdiv(seqlen_k, 128))`` (varlen: ``batch`` sequences, blocks from each sequence's start, ``seqlen`` the longest
+    sequence). Returns whether they are per block."""
+    nheads, nheads_kv = q.shape[-2], k.shape[-2]
+    per_tensor = (batch, nheads_kv)
+    blocks_q, blocks_k = max(1, -(-seqlen_q // FP8_BLOCK)), max(1, -(-seqlen_k // FP8_BLOCK))
+    per_block = {"q_descale": (batch, nheads, blocks_q), "k_descale": (batch, nheads_kv, blocks_k),
+                 "v_descale": (batch, nheads_kv, blocks_k)}
+    kinds = set()
+    for name, t in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+        if t is None:
+            raise ValueError(f"float8_e4m3fn q, k, v need {name} (float32 {per_tensor} per (batch, KV head), or "
+                             f"{per_block[name]} per block of {FP8_BLOCK} rows); got None")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a float32 torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name} must have dtype torch.float32, got {t.dtype} ({_describe(t)})")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+        if tuple(t.shape) == per_tensor:
+            kinds.add("tensor")
+        elif tuple(t.shape) == per_block[name]:
+            kinds.add("block")
+        else:
+            raise ValueError(f"{name} must have shape (batch, nheads_kv) = {per_tensor} or, per block of {FP8_BLOCK} "
+                             f"rows, {per_block[name]}; got {tuple(t.shape)}")
+    if len(kinds) > 1:
+        raise ValueError(f"q_descale, k_descale and v_descale must be all per (batch, KV head) or all per block, got "
+                         f"shapes {tuple(q_descale.shape)}, {tuple(k_descale.shape)}, {tuple(v_descale.shape)}")
+    return kinds == {"block"}
+
+
+def check_cache_descales(k_cache, k_descale, v_descale, batch: int, device) -> tuple:
+    """The descales of an FP8 KV cache: float32 ``(nheads_kv,)`` or ``(batch, nheads_kv)`` (per row of the call),
+    both given exactly when the cache is float8_e4m3fn; returned as ``(batch, nheads_kv)`` views (a per-head
+    descale with batch stride 0), or ``(None, None)`` for a 16-bit cache."""
+    nheads_kv = k_cache.shape[2]
+    if k_cache.dtype != torch.float8_e4m3fn:
+        for name, t in (("k_descale", k_descale), ("v_descale", v_descale)):
+            if t is not None:
+                raise ValueError(f"{name} applies to a float8_e4m3fn KV cache, got k_cache of dtype {k_cache.dtype}; "
+                                 "drop it, or build the cache in torch.float8_e4m3fn")
+        return None, None
+    checked = []
+    for name, t in (("k_descale", k_descale), ("v_descale", v_descale)):
+        expected = f"float32 (nheads_kv,) = ({nheads_kv},) or (batch, nheads_kv) = ({batch}, {nheads_kv})"
+        if t is None:
+            raise ValueError(f"a float8_e4m3fn KV cache needs {name} ({expected}); got None")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor ({expected}), got {type(t).__name__}")
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name} must have dtype torch.float32, got {t.dtype} ({_describe(t)})")
+        if t.device != device:
+            raise ValueError(f"{name} must be on q's device {device}, got {t.device}")
+        if tuple(t.shape) not in ((nheads_kv,), (batch, nheads_kv)):
+            raise ValueError(f"{name} must have shape ({nheads_kv},) or ({batch}, {nheads_kv}) (nheads_kv of k_cache "
+                             f"{tuple(k_cache.shape)}, batch of q), got {tuple(t.shape)}")
+        checked.append(t.detach().expand(batch, nheads_kv))
+    return tuple(checked)

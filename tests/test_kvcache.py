@@ -345,13 +345,16 @@ def test_no_gradient_flows(backend, rng):
 
 
 def test_argument_order_matches_flash_attn():
-    """flash-attn's parameters in flash-attn's order (``sink``, flashtile's addition, sits before num_splits)."""
+    """flash-attn's parameters in flash-attn's order (``sink``, flashtile's addition, sits before num_splits; the
+    FP8 cache's ``k_descale``, ``v_descale`` come last)."""
     flash_attn = ["q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx",
                   "cache_leftpad", "block_table", "softmax_scale", "causal", "window_size", "softcap",
                   "rotary_interleaved", "alibi_slopes", "num_splits", "return_softmax_lse"]
     ours = list(inspect.signature(flash_attn_with_kvcache).parameters)
-    assert [name for name in ours if name != "sink"] == flash_attn
+    assert [name for name in ours if name not in ("sink", "k_descale", "v_descale")] == flash_attn
     assert ours.index("sink") == ours.index("num_splits") - 1
+    # The FP8 cache's descales (FA3's names) come after flash-attn 2's parameters.
+    assert ours[-2:] == ["k_descale", "v_descale"]
 
 
 def test_positional_call_like_flash_attn(rng):

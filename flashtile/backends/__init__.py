@@ -155,6 +155,15 @@ class KVCacheArgs(AttnArgs):
     rotary_interleaved: bool = True
     # Key splits per sequence, merged afterwards; 0 = the backend picks from the shapes alone.
     num_splits: int = 0
+    # An FP8 cache (float8_e4m3fn): float32 (batch, nheads_kv) views (a per-KV-head descale has batch stride 0).
+    # Key row r of batch row b holds k_cache[...] * k_descale[b, h]; new tokens are written as
+    # e4m3(clamp(k / k_descale[b, h], -448, 448)) (after the rotary embedding). None for a 16-bit cache.
+    k_descale: Optional[torch.Tensor] = None
+    v_descale: Optional[torch.Tensor] = None
+
+    @property
+    def fp8(self) -> bool:
+        return self.k_descale is not None
 
     @property
     def paged(self) -> bool:
@@ -184,7 +193,7 @@ class AttentionCall:
     causal: bool
     # Optional features the call asks for, each as ``(name, "argument=value: what it is")``; names are
     # those of a backend's FEATURES: dropout, window, softcap, alibi, sink, bias, varlen, headdim_v,
-    # kvcache, paged. A kvcache call's ``seqlen_k`` is the cache capacity (``KVCacheArgs.max_seqlen_k``).
+    # kvcache, paged, fp8_cache. A kvcache call's ``seqlen_k`` is the cache capacity (``KVCacheArgs.max_seqlen_k``).
     features: tuple = ()
     # The head dim of v (and of the output); None means ``headdim``.
     headdim_v: Optional[int] = None
@@ -252,6 +261,7 @@ def present_features(args: AttnArgs, headdim: int, headdim_v: int) -> tuple:
         ("bias", args.attn_bias is not None),
         ("kvcache", kvcache),
         ("paged", kvcache and args.paged),
+        ("fp8_cache", kvcache and args.fp8),
         ("varlen", args.varlen),
         ("headdim_v", headdim_v != headdim),
     )
@@ -279,6 +289,8 @@ def _features(args: AttnArgs, headdim: int, headdim_v: int) -> tuple:
             return "flash_attn_with_kvcache: attention over a KV cache"
         if name == "paged":
             return f"block_table={_shape(args.block_table)}: a paged KV cache (page_size={args.page_size})"
+        if name == "fp8_cache":
+            return f"k_descale={_shape(args.k_descale)}: an FP8 (float8_e4m3fn) KV cache"
         if name == "varlen":
             used = " with seqused_k" if args.seqused_k is not None else ""
             return f"cu_seqlens_q={_shape(args.cu_seqlens_q)}{used}: variable-length sequences"

@@ -3,7 +3,9 @@
 of what the Triton decode kernels compute.
 
 ``append_kv`` writes the new tokens into the cache with one ``index_put_`` per cache, after rotating
-them (rotary embeddings in fp32) at their absolute positions, the key rows they are written to.
+them (rotary embeddings in fp32) at their absolute positions, the key rows they are written to. An FP8
+cache (``args.k_descale``) gets them quantized, ``e4m3(clamp(x / descale, -448, 448))``, and
+``attention_kv`` reads it back as ``cache * descale`` in fp32.
 
 ``attention_kv`` walks the key rows in chunks of :data:`KEY_CHUNK` with an online softmax. Each chunk
 is gathered for every batch row at once, through the block table when the cache is paged, so the
@@ -29,6 +31,7 @@ import math
 import torch
 
 from . import KVCacheArgs
+from .torch_fp8 import FP8_DTYPE, to_fp8
 
 # Key rows per chunk: the fp32 score tile is (batch, nheads, seqlen_q, KEY_CHUNK), small for decoding,
 # and 512 rows amortise the per-chunk gather and softmax bookkeeping (the tiled backend's key chunk).
@@ -61,8 +64,11 @@ def append_kv(q, k_cache, v_cache, k, v, args: KVCacheArgs):
     donor = inside.to(torch.int32).argmax()
     slot, rows = torch.where(inside, slot, slot[donor]), torch.where(inside, rows, rows[donor])
     keep = inside[:, None, None]
-    for cache, new in ((k_cache, k), (v_cache, v)):
-        new = new.flatten(0, 1).to(cache.dtype)  # (batch * seqlen_new, nheads_kv, headdim)
+    for cache, new, descale in ((k_cache, k, args.k_descale), (v_cache, v, args.v_descale)):
+        new = _to_cache(new, descale, cache.dtype).flatten(0, 1)  # (batch * seqlen_new, nheads_kv, headdim)
+        if descale is not None:
+            # e4m3 moved as bytes: where and index_put_ need no float8 kernels (not every device has them).
+            cache, new = cache.view(torch.uint8), new.view(torch.uint8)
         donor_value = torch.where(keep[donor], new[donor], cache[slot[donor], rows[donor]])
         cache.index_put_((slot, rows), torch.where(keep, new, donor_value))
     return q
@@ -73,6 +79,9 @@ def attention_kv(q, k_cache, v_cache, args: KVCacheArgs):
     q's dtype with v_cache's head dim, ``lse`` float32 ``(batch, nheads, seqlen_q)``."""
     keys_end = args.cache_seqlens.long() + args.seqlen_new
     end = args.max_seqlen_k
+    if args.fp8:
+        # Gathered as bytes (indexing needs no float8 kernels), dequantized chunk by chunk in _from_cache.
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     if q.device.type == "cpu":
         # Reading the longest sequence costs nothing on CPU and skips the empty tail of the cache
         # (on a GPU it would be a host sync, so there the chunks run to the capacity, masked).
@@ -105,6 +114,21 @@ def merge_states(out_a, lse_a, out_b, lse_b):
         # A side that saw no key adds nothing, whatever its out holds.
         out += torch.where(weight > 0, weight * part_out.float(), 0.0)
     return out.to(out_a.dtype), lse
+
+
+def _to_cache(new: torch.Tensor, descale, dtype: torch.dtype) -> torch.Tensor:
+    """New tokens ``(batch, seqlen_new, nheads_kv, d)`` in the cache's dtype: for an FP8 cache
+    ``e4m3(clamp(new / descale[b, h], -448, 448))`` (e4m3 has no infinity: past 448 saturates)."""
+    if descale is None:
+        return new.to(dtype)
+    return to_fp8(new.float() / descale[:, None, :, None])
+
+
+def _from_cache(chunk: torch.Tensor, descale) -> torch.Tensor:
+    """fp32 keys or values ``(batch, keys, nheads_kv, d)`` gathered from the cache (its bytes when FP8: dequantized)."""
+    if descale is None:
+        return chunk.float()
+    return chunk.view(FP8_DTYPE).float() * descale[:, None, :, None]
 
 
 def _cache_rows(args: KVCacheArgs, batch: int, device) -> torch.Tensor:
@@ -192,8 +216,8 @@ def _attend_range(q, k_cache, v_cache, args: KVCacheArgs, keys_end, start: int, 
 
     for k0 in range(start, stop, KEY_CHUNK):
         k1 = min(k0 + KEY_CHUNK, stop)
-        k_chunk = _gather(k_cache, args, batch, k0, k1).float()
-        v_chunk = _gather(v_cache, args, batch, k0, k1).float()
+        k_chunk = _from_cache(_gather(k_cache, args, batch, k0, k1), args.k_descale)
+        v_chunk = _from_cache(_gather(v_cache, args, batch, k0, k1), args.v_descale)
         s = torch.einsum("bhqgd,bkhd->bhqgk", q5, k_chunk) * args.softmax_scale
         if args.softcap > 0:
             s = args.softcap * torch.tanh(s / args.softcap)

@@ -42,7 +42,7 @@ KEY_CHUNK = 512
 
 
 FEATURES = frozenset({"dropout", "window", "softcap", "alibi", "sink", "bias", "varlen", "headdim_v", "kvcache", "paged",
-                      "merge"})
+                      "merge", "fp8_cache"})
 
 
 def supports(call: AttentionCall) -> str | None:

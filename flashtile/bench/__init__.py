@@ -71,8 +71,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--suite", choices=("suite", "variants"), default="suite",
-                        help="suite (default): everything below; variants: the variants suite alone, with criteria")
+    parser.add_argument("--suite", choices=("suite", "variants", "fp8"), default="suite",
+                        help="suite (default): everything below; variants: the variants suite alone, with criteria; "
+                             "fp8: FP8 attention and the FP8 KV cache against bf16 (flashtile/bench/fp8.py)")
     grid = parser.add_mutually_exclusive_group()
     grid.add_argument("--quick", action="store_true", help="the quick grid (the default; ~5 min on an H200)")
     grid.add_argument("--full", action="store_true", help="the full grid (~20 min on an H200)")
@@ -132,6 +133,9 @@ def run(args) -> int:
         return 0
     if args.suite == "variants":
         return _run_variants(args)
+    if args.suite == "fp8":
+        from . import fp8
+        return fp8.main_with_args(args)
     if args.groups:
         args.parser.error("--groups: only with --suite variants")
     if args.merge:

@@ -13,7 +13,7 @@ from .configs import (MAX_GRID_Y, ONE_PASS_KEYS, capability, bwd_choice, bwd_con
                       dense_takes_decode, deterministic, fwd_config, gluon_fwd_config, gluon_kv_config, row_keys)
 
 FEATURES = frozenset({"dropout", "window", "softcap", "alibi", "sink", "bias", "varlen", "headdim_v", "kvcache",
-                      "paged", "merge"})
+                      "paged", "merge", "fp8_cache"})
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,6 +49,9 @@ def supports(call: AttentionCall) -> str | None:
     major, minor = capability(call.device)
     if major < 8:
         return f"GPU compute capability {major}.{minor} is below 8.0 (Ampere), which the Triton kernels need"
+    if "fp8_cache" in call.feature_names and (major, minor) < (8, 9):
+        return (f"GPU compute capability {major}.{minor} has no FP8 conversions in Triton (8.9+): the FP8 KV cache "
+                "runs on the torch backend")
     return None
 
 

@@ -15,7 +15,8 @@ import torch
 import triton
 
 from ...alloc import empty
-from .. import KVCacheArgs
+from .. import KVCacheArgs, torch_decode
+from . import interpreter_enabled
 from .configs import TileConfig, decode_plan, padded_head_dim
 from .fastlaunch import CachedLaunch
 from .host import bsh_strides, cdiv, dependent_launch, fast_tanh, input_precision, lse_strides, on_device, unit_stride
@@ -31,14 +32,14 @@ _COMBINE_TILE = 16384
 # The per-batch-row tensors every KV-cache kernel takes (stood in for by q when absent).
 _CACHE_TENSORS = ("CACHE_SEQLENS", "CACHE_LEFTPAD", "CACHE_BATCH_IDX", "BLOCK_TABLE")
 _APPEND = CachedLaunch(kernels.append_kv, ("Q", "K_NEW", "V_NEW", "K_CACHE", "V_CACHE", "Q_OUT", "COS", "SIN")
-                       + _CACHE_TENSORS)
+                       + _CACHE_TENSORS + ("K_DESCALE", "V_DESCALE"))
 # The cache's strides and rows and the capacity are per call: a cache grown by concatenation (a new length
 # and new strides every step, as transformers keeps it) reuses one launch. q's strides are in the key; the
 # output's and the partials' follow from the shapes.
 _CACHE_STRIDES = ("stride_kb", "stride_kn", "stride_kh", "stride_vb", "stride_vn", "stride_vh")
 _DECODE = CachedLaunch(kernels.attn_decode, ("Q", "K", "V", "O", "LSE", "ALIBI_SLOPES", "SINK", "CU_SEQLENS_Q",
                                              "softmax_scale", "softcap", "max_seqlen_k", "num_blocks")
-                       + _CACHE_STRIDES + _CACHE_TENSORS)
+                       + _CACHE_STRIDES + _CACHE_TENSORS + ("K_DESCALE", "V_DESCALE"))
 _COMBINE = CachedLaunch(kernels.attn_decode_combine, ("O_PART", "LSE_PART", "O", "LSE", "CU_SEQLENS_Q"))
 _MERGE = CachedLaunch(kernels.merge_states, ("OA", "LSE_A", "OB", "LSE_B", "O", "LSE"))
 
@@ -65,6 +66,17 @@ def _cache_tensors(q: torch.Tensor, args: KVCacheArgs) -> tuple:
     return tuple(t if t is not None else q for t in present)
 
 
+def _descales(q: torch.Tensor, args: KVCacheArgs) -> tuple:
+    """``(K_DESCALE, V_DESCALE)`` of an FP8 cache (q stands in for a 16-bit cache's)."""
+    return (args.k_descale, args.v_descale) if args.fp8 else (q, q)
+
+
+def _descale_strides(args: KVCacheArgs) -> dict:
+    """The (batch, KV head) strides of the descales: a per-head descale has batch stride 0."""
+    strides = (*args.k_descale.stride(), *args.v_descale.stride()) if args.fp8 else (0, 0, 0, 0)
+    return dict(zip(("stride_kdb", "stride_kdh", "stride_vdb", "stride_vdh"), strides), FP8_CACHE=args.fp8)
+
+
 def _cache_static(k_cache: torch.Tensor, args: KVCacheArgs) -> dict:
     """Paging and the per-batch-row switches, from what :func:`cache_key` keys (without the capacity and the
     cache's rows, which the attention kernel takes per call)."""
@@ -81,6 +93,10 @@ def append_kv(q, k_cache, v_cache, k, v, args: KVCacheArgs):
     rows ``cache_seqlens[b] + t`` (k rotated at that key row when ``args.rotary_cos`` is set), in one
     launch that also rotates q; returns q (a new contiguous tensor when rotated). Rows past the capacity, or on a page
     outside the cache, are dropped. The caches must have unit stride on the head dim."""
+    if args.fp8 and interpreter_enabled():
+        # Triton's interpreter rounds fp32 -> e4m3 wrongly where the rounding carries into the exponent (125.1
+        # becomes 64): under it an FP8 cache is written by the torch statement of this kernel (the GPU casts).
+        return torch_decode.append_kv(q, k_cache, v_cache, k, v, args)
     rotary = args.rotary_cos is not None
     seqlen_new = k.shape[1] if k is not None else 0
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -114,15 +130,18 @@ def append_kv(q, k_cache, v_cache, k, v, args: KVCacheArgs):
             ROTARY=rotary, ROTARY_DIM=2 * cos.shape[1] if rotary else 0, INTERLEAVED=bool(args.rotary_interleaved),
             # flash-attn: with a causal mask or a window, query t is rotated at new key t's position.
             Q_PER_TOKEN=bool(args.causal) or args.window_left >= 0 or args.window_right >= 0,
-            **_cache_static(k_cache, args), max_seqlen_k=args.max_seqlen_k, num_blocks=k_cache.shape[0],
+            **_cache_static(k_cache, args), **_descale_strides(args), max_seqlen_k=args.max_seqlen_k,
+            num_blocks=k_cache.shape[0],
             num_warps=1 if block_h * padded_head_dim(max(head_dim, head_dim_v)) <= 1024 else 4,
         )
 
     key = (_layout(q_in), _layout(k_new), _layout(v_new), _layout(k_cache), _layout(v_cache),
            _layout(args.rotary_cos), _layout(args.rotary_sin), q.device, cache_key(args),
-           bool(args.rotary_interleaved), bool(args.causal), args.window_left, args.window_right)
+           bool(args.rotary_interleaved), bool(args.causal), args.window_left, args.window_right,
+           _layout(args.k_descale), _layout(args.v_descale))
     with on_device(q):
-        _APPEND(key, grid, (q_in, k_new, v_new, k_cache, v_cache, q_out, cos, sin, *_cache_tensors(q, args)), static)
+        _APPEND(key, grid, (q_in, k_new, v_new, k_cache, v_cache, q_out, cos, sin, *_cache_tensors(q, args),
+                            *_descales(q, args)), static)
     return q_out
 
 
@@ -239,14 +258,14 @@ def attend(q, k_cache, v_cache, out, lse, args: KVCacheArgs, config: TileConfig 
             **_cache_static(k_cache, args),
             # Pages that hold whole key blocks are read with one table entry per block.
             PAGE_ALIGNED=args.block_table is not None and k_cache.shape[1] % cfg.BLOCK_N == 0, Q_VARLEN=varlen,
-            PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_descale_strides(args),
         )
 
     # The key holds what the static arguments read: q's layout and rows a sequence, the cache's shape but its
     # rows (and its page size when paged), the plan (the output's strides follow).
     key = (_layout(q), seqlen_q, k_cache.shape[2:], v_cache.shape[3], k_cache.shape[1] if args.paged else None,
            q.device, cache_key(args, capacity=False), p, args.window_left, args.window_right, args.softcap > 0,
-           _layout(alibi), args.sink is not None)
+           _layout(alibi), args.sink is not None, _layout(args.k_descale), _layout(args.v_descale))
     cu_seqlens_q = args.cu_seqlens_q if varlen else q
     with on_device(q):
         # The kernel's max_seqlen_k bounds the key rows read from a cache row: a paged row's capacity, or the
@@ -254,7 +273,8 @@ def attend(q, k_cache, v_cache, out, lse, args: KVCacheArgs, config: TileConfig 
         _DECODE(key, p.grid, (q, k_cache, v_cache, o_dst, lse_dst, alibi if alibi is not None else q,
                               args.sink if args.sink is not None else q, cu_seqlens_q, float(args.softmax_scale),
                               float(args.softcap), args.max_seqlen_k if args.paged else k_cache.shape[1],
-                              k_cache.shape[0], *_strides3(k_cache), *_strides3(v_cache), *_cache_tensors(q, args)),
+                              k_cache.shape[0], *_strides3(k_cache), *_strides3(v_cache), *_cache_tensors(q, args),
+                              *_descales(q, args)),
                 static)
         if p.num_splits > 1:
             block_s = p.combine_block

@@ -58,17 +58,20 @@ def _rotary(x, row_ptrs, offs_d, row_ok, COS, SIN, pos, seqlen_ro, stride_ro,
 
 @triton.jit
 def append_kv(Q, K_NEW, V_NEW, K_CACHE, V_CACHE, Q_OUT, COS, SIN,
-              CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, BLOCK_TABLE,
+              CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, BLOCK_TABLE, K_DESCALE, V_DESCALE,
               stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
               stride_kcb, stride_kcn, stride_kch, stride_vcb, stride_vcn, stride_vch,
               stride_qob, stride_qom, stride_qoh, stride_bt, stride_ro,
+              stride_kdb, stride_kdh, stride_vdb, stride_vdh,
               seqlen_q, seqlen_new, nheads, nheads_kv, kv_head_blocks, max_seqlen_k, page_size, num_blocks, seqlen_ro,
               HEAD_DIM_ACTUAL: tl.constexpr, HEAD_DIM: tl.constexpr,
               HEAD_DIM_V_ACTUAL: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr,
               ROTARY: tl.constexpr, ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, Q_PER_TOKEN: tl.constexpr,
-              PAGED: tl.constexpr, HAS_SEQLENS: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr):
+              PAGED: tl.constexpr, HAS_SEQLENS: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+              FP8_CACHE: tl.constexpr):
     """Program ``(t, b, z)``: for ``z < kv_head_blocks`` writes new token ``t`` of KV heads
-    ``z * BLOCK_H ...`` into the caches; otherwise rotates query token ``t`` of a block of q heads."""
+    ``z * BLOCK_H ...`` into the caches; otherwise rotates query token ``t`` of a block of q heads.
+    ``FP8_CACHE``: the caches are e4m3 and hold ``x / descale`` (descales ``(batch, nheads_kv)``, by strides)."""
     t = tl.program_id(0)
     off_b = tl.program_id(1).to(tl.int64)
     z = tl.program_id(2)
@@ -96,11 +99,15 @@ def append_kv(Q, K_NEW, V_NEW, K_CACHE, V_CACHE, Q_OUT, COS, SIN,
                                                  num_blocks, PAGED)
             write = head_ok & row_ok & in_cache
             k_dst = K_CACHE + slot * stride_kcb + offset.to(tl.int64) * stride_kcn + heads * stride_kch
+            if FP8_CACHE:
+                k = _quantize(k, K_DESCALE + off_b * stride_kdb + heads * stride_kdh, head_ok[:, None])
             tl.store(k_dst + offs_d[None, :], k.to(K_CACHE.dtype.element_ty), mask=write[:, None] & d_ok[None, :])
             offs_dv = tl.arange(0, HEAD_DIM_V)
             dv_ok = offs_dv < HEAD_DIM_V_ACTUAL
             v_rows = V_NEW + off_b * stride_vb + t64 * stride_vn + heads * stride_vh
             v = tl.load(v_rows + offs_dv[None, :], mask=head_ok[:, None] & dv_ok[None, :], other=0.0)
+            if FP8_CACHE:
+                v = _quantize(v, V_DESCALE + off_b * stride_vdb + heads * stride_vdh, head_ok[:, None])
             v_dst = V_CACHE + slot * stride_vcb + offset.to(tl.int64) * stride_vcn + heads * stride_vch
             tl.store(v_dst + offs_dv[None, :], v.to(V_CACHE.dtype.element_ty), mask=write[:, None] & dv_ok[None, :])
     else:
@@ -124,14 +131,23 @@ def append_kv(Q, K_NEW, V_NEW, K_CACHE, V_CACHE, Q_OUT, COS, SIN,
 
 
 @triton.jit
+def _quantize(x, descale_ptrs, mask):
+    """``x / descale`` in fp32, saturated to e4m3's +-448 (it has no infinity: the cast would make NaN)."""
+    # IEEE division (not the GPU default's approximate one): the same e4m3 value as torch's x / descale.
+    x = tl.math.div_rn(x.to(tl.float32), tl.load(descale_ptrs, mask=mask, other=1.0))
+    return tl.minimum(tl.maximum(x, -448.0), 448.0)
+
+
+@triton.jit
 def _decode_inner(acc, l_i, m_i, q, K_HEAD, V_HEAD, table_row, stride_kb, stride_kn, stride_vb, stride_vn,
                   offs_t, offs_dk, offs_dv, lo, hi, leftpad, cache_b, page_size, num_blocks, seqlen_q, seqlen_k,
-                  qk_scale, softcap2, slope2, window_left, window_right,
+                  qk_scale, softcap2, slope2, window_left, window_right, k_descale,
                   BLOCK_N: tl.constexpr, HEAD_DIM_QK_ACTUAL: tl.constexpr, HEAD_DIM_QK: tl.constexpr,
                   HEAD_DIM_V_ACTUAL: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                   MASK: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                   SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ALIBI: tl.constexpr,
-                  PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                  PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                  FP8_CACHE: tl.constexpr):
     offs_n = lo + tl.arange(0, BLOCK_N)
     slot, offset = _block_slots(lo, leftpad, seqlen_k, cache_b, table_row, page_size, num_blocks,
                                 BLOCK_N, PAGED, PAGE_ALIGNED)
@@ -139,7 +155,11 @@ def _decode_inner(acc, l_i, m_i, q, K_HEAD, V_HEAD, table_row, stride_kb, stride
         k_ptrs = K_HEAD + (slot * stride_kb + offset.to(tl.int64) * stride_kn)[:, None] + offs_dk[None, :]
         # Full blocks lie below seqlen_k by construction: only masked blocks check the key boundary.
         k = load_tile(k_ptrs, offs_n, seqlen_k, offs_dk, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, MASK)
-        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+        if FP8_CACHE:
+            # e4m3 values are exact in q's 16-bit dtype; the descale is one scalar of this KV head: on the scores.
+            qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=INPUT_PRECISION) * k_descale
+        else:
+            qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
         if MASK or SOFTCAP or ALIBI:
             s, _ = scores(qk, offs_t[:, None], offs_n[None, :], start_n, seqlen_q, seqlen_k, qk_scale, softcap2,
                           slope2, K_HEAD, 0, 0, window_left, window_right,
@@ -151,6 +171,9 @@ def _decode_inner(acc, l_i, m_i, q, K_HEAD, V_HEAD, table_row, stride_kb, stride
         acc = acc * alpha[:, None]
         v_ptrs = V_HEAD + (slot * stride_vb + offset.to(tl.int64) * stride_vn)[:, None] + offs_dv[None, :]
         v = load_tile(v_ptrs, offs_n, seqlen_k, offs_dv, HEAD_DIM_V_ACTUAL, HEAD_DIM_V, MASK)
+        if FP8_CACHE:
+            # v's descale multiplies the output once, after the loop.
+            v = v.to(q.dtype)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
         m_i = m_ij
         # Read the next block's pages now, so its K and V loads wait on no table read.
@@ -182,11 +205,11 @@ def _block_slots(start_n, leftpad, seqlen_k, cache_b, table_row, page_size, num_
 # for each of "is 1", "divides by 16" and neither): a cache that grows a token a step keeps one kernel.
 @triton.jit(do_not_specialize=["max_seqlen_k", "num_blocks", "num_splits"])
 def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, BLOCK_TABLE, ALIBI_SLOPES, SINK,
-                CU_SEQLENS_Q,
+                CU_SEQLENS_Q, K_DESCALE, V_DESCALE,
                 softmax_scale, softcap, window_left, window_right,
                 stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                 stride_os, stride_ob, stride_om, stride_oh, stride_ls, stride_lb, stride_lh,
-                stride_alibi_b, stride_bt,
+                stride_alibi_b, stride_bt, stride_kdb, stride_kdh, stride_vdb, stride_vdh,
                 seqlen_q, seqlen_new, max_seqlen_k, page_size, num_blocks, nheads, nheads_kv, num_splits,
                 GROUP: tl.constexpr,
                 HEAD_DIM_QK_ACTUAL: tl.constexpr, HEAD_DIM_QK: tl.constexpr,
@@ -195,8 +218,9 @@ def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 
                 MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
                 ALIBI: tl.constexpr, HAS_SINK: tl.constexpr, PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr,
                 HAS_SEQLENS: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
-                Q_VARLEN: tl.constexpr, INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr):
-    """``O``/``LSE`` are the output ``(batch, seqlen_q, nheads, headdim_v)`` / ``(batch, nheads, seqlen_q)``
+                Q_VARLEN: tl.constexpr, INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr, FP8_CACHE: tl.constexpr):
+    """``FP8_CACHE``: K and V are e4m3, read as ``K * K_DESCALE[b, h_kv]`` (descales by strides).
+    ``O``/``LSE`` are the output ``(batch, seqlen_q, nheads, headdim_v)`` / ``(batch, nheads, seqlen_q)``
     (one split, ``stride_os = stride_ls = 0``) or the float32 partials with a leading split dim. With
     ``Q_VARLEN`` the output is packed (``stride_ob = stride_lb = 0``, rows from ``cu_seqlens_q[b]``) and
     ``seqlen_q`` is ``max_seqlen_q``. ``PDL``: the combine is launched as a programmatic dependent."""
@@ -252,6 +276,9 @@ def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 
     K_HEAD = K + off_hk.to(tl.int64) * stride_kh
     V_HEAD = V + off_hk.to(tl.int64) * stride_vh
     table_row = BLOCK_TABLE + off_b * stride_bt
+    k_descale = 1.0
+    if FP8_CACHE:
+        k_descale = tl.load(K_DESCALE + off_b * stride_kdb + off_hk * stride_kdh)
     for run in tl.static_range(3):
         run_lo, run_hi = run_bounds(run, lo, full_lo, full_hi, hi)
         # Without a left edge run 0 is empty: leave it out of the compiled kernel.
@@ -260,12 +287,15 @@ def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 
                 acc, l_i, m_i, q, K_HEAD, V_HEAD, table_row, stride_kb, stride_kn, stride_vb, stride_vn,
                 offs_t, offs_dk, offs_dv, tl.maximum(run_lo, split_lo), tl.minimum(run_hi, split_hi),
                 leftpad, cache_b, page_size, num_blocks, seqlen_q, seqlen_k,
-                qk_scale, softcap * LOG2E, slope2, window_left, window_right,
+                qk_scale, softcap * LOG2E, slope2, window_left, window_right, k_descale,
                 BLOCK_N, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, HEAD_DIM_V_ACTUAL, HEAD_DIM_V,
-                run != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, PAGED, PAGE_ALIGNED, INPUT_PRECISION)
+                run != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, PAGED, PAGE_ALIGNED, INPUT_PRECISION,
+                FP8_CACHE)
 
     # A row that saw no key (and no sink) has l = 0: output 0, lse -inf (an empty split, too).
     seen = l_i > 0.0
+    if FP8_CACHE:
+        acc = acc * tl.load(V_DESCALE + off_b * stride_vdb + off_hk * stride_vdh)
     acc = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
     o_rows = (split.to(tl.int64) * stride_os + off_b * stride_ob + (o_start + offs_t).to(tl.int64) * stride_om

@@ -1,0 +1,592 @@
+"""FP8 attention: the quantizer (Triton kernel against its torch twin), the two entry points, bad input, the
+dispatch record, and FlashAttention-3's accuracy experiment with the ablation of block scales and incoherent
+processing. The GPU tests (skipped without CUDA) run the same through the Gluon FP8 kernel."""
+import math
+import warnings
+
+import pytest
+import torch
+
+import flashtile
+from flashtile import testing
+from flashtile.backends import AttnArgs
+from flashtile.backends import torch_fp8
+from flashtile.fp8 import _kernel_module
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+# FlashAttention-3 (section 4.3): FP8 with block quantization and incoherent processing, head dim 128.
+FA3_BOTH_RMSE = 9.1e-3
+# Ours with both, causal, at 4096 tokens (around the bar, not always below it: docs/fp8.md).
+CAUSAL_BOTH_RMSE = 1.0e-2
+
+
+def outlier_qkv(rng, batch, seqlen, nheads, head_dim, dtype=torch.bfloat16, device=DEVICE):
+    """FA3's inputs: N(0, 1), with 0.1% of the entries replaced by draws of N(0, 10)."""
+    def draw():
+        shape = (batch, seqlen, nheads, head_dim)
+        x = torch.randn(shape, generator=rng)
+        outliers = torch.rand(shape, generator=rng) < 1e-3
+        x = torch.where(outliers, torch.randn(shape, generator=rng) * 10, x)
+        return x.to(device=device, dtype=dtype)
+    return draw(), draw(), draw()
+
+
+def rmse(out, ref) -> float:
+    return (out.double() - ref.double()).pow(2).mean().sqrt().item()
+
+
+def args_of(head_dim, causal=False, window=(-1, -1), softcap=0.0):
+    right = 0 if causal else window[1]
+    return AttnArgs(softmax_scale=1 / math.sqrt(head_dim), causal=causal, window_left=window[0], window_right=right,
+                    softcap=softcap)
+
+
+# ---------------------------------------------------------------- the quantizer
+
+@pytest.mark.parametrize("block_quant", [True, False])
+@pytest.mark.parametrize("incoherent", [True, False])
+@pytest.mark.parametrize("shape", [(2, 65, 130, 4, 2, 64), (1, 37, 129, 2, 1, 128), (1, 129, 3, 2, 2, 256)])
+def test_quantize_kernel_matches_twin(rng, shape, block_quant, incoherent):
+    """The fused Triton quantizer writes the torch twin's e4m3 values and descales, bit for bit."""
+    from flashtile.backends.triton import quant
+    batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim = shape
+    dtype = torch.float16
+    q = torch.randn(batch, seqlen_q, nheads, head_dim, generator=rng).to(DEVICE, dtype)
+    k = (torch.randn(batch, seqlen_k, nheads_kv, head_dim, generator=rng) * 3).to(DEVICE, dtype)
+    v = torch.randn(batch, seqlen_k, nheads_kv, head_dim, generator=rng).to(DEVICE, dtype)
+    ours = quant.quantize(q, k, v, block_quant, incoherent, seed=3)
+    twin = torch_fp8.quantize(q, k, v, block_quant, incoherent, seed=3)
+    _assert_same_quantization(ours, twin)
+
+
+def _assert_same_quantization(ours, twin):
+    """Equal e4m3 values and descales, but where the rotation's fp32 sums (a dot against torch's matmul, in
+    another order) land a value on the other side of a rounding boundary: one e4m3 step, rarely."""
+    for name, a, b in zip(("q8", "k8", "v8_t", "q_descale", "k_descale", "v_descale"), ours, twin):
+        assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, b.shape, a.dtype, b.dtype)
+        a, b = a.float(), b.float()
+        if "descale" in name:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+            continue
+        differ = a != b
+        assert differ.float().mean() < 1e-3, name
+        assert ((a - b).abs() <= b.abs() / 8 + 2 ** -9)[differ].all(), name
+
+
+def test_quantize_varlen_kernel_matches_twin(rng):
+    from flashtile.backends.triton import quant
+    lengths_q, lengths_k = [37, 0, 130], [129, 5, 200]
+    cu_q, cu_k = testing.cu_seqlens_of(lengths_q, DEVICE), testing.cu_seqlens_of(lengths_k, DEVICE)
+    q = torch.randn(sum(lengths_q) + 3, 4, 64, generator=rng).to(DEVICE, torch.float16)
+    k = torch.randn(sum(lengths_k), 2, 64, generator=rng).to(DEVICE, torch.float16)
+    v = torch.randn(sum(lengths_k), 2, 64, generator=rng).to(DEVICE, torch.float16)
+    args = AttnArgs(softmax_scale=0.125, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=130, max_seqlen_k=200)
+    for block_quant in (True, False):
+        ours = quant.quantize(q, k, v, block_quant, True, 0, cu_q, cu_k, 130, 200)
+        twin = torch_fp8.quantize_varlen(q, k, v, args, block_quant, True, 0)
+        _assert_same_quantization(ours, twin)
+
+
+def test_rotation_is_orthonormal_and_keeps_scores():
+    for head_dim in (64, 128, 256):
+        r = torch_fp8.hadamard_signs(head_dim, seed=7, dtype=torch.float64) / math.sqrt(head_dim)
+        assert torch.allclose(r @ r.T, torch.eye(head_dim, dtype=torch.float64), atol=1e-12)
+    q, k = torch.randn(5, 128, dtype=torch.float64), torch.randn(9, 128, dtype=torch.float64)
+    rotated = torch_fp8.rotate(q, 7).double() @ torch_fp8.rotate(k, 7).double().T
+    assert torch.allclose(rotated, q @ k.T, atol=1e-4)
+
+
+def test_quantize_saturates_and_scales(rng):
+    """amax maps to 448 (e4m3's largest value); an all-zero block gets descale 1, never a division by 0."""
+    x = torch.randn(1, 200, 2, 64, generator=rng)
+    x[:, 128:] = 0
+    x8, descale = torch_fp8.quantize_one(x, True, 2)
+    assert descale.shape == (1, 2, 2)
+    assert torch.equal(descale[:, :, 1], torch.ones(1, 2))
+    assert x8.float().abs().amax() == 448
+    assert torch.isfinite(x8.float()).all()
+
+
+# ---------------------------------------------------------------- the entry points
+
+@pytest.mark.parametrize("causal,window,softcap", [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0),
+                                                  (False, (40, 7), 0.0), (True, (-1, -1), 20.0)])
+@pytest.mark.parametrize("seqlens", [(1, 1), (113, 203), (239, 129), (65, 37)])
+def test_fp8_func_matches_its_semantics(rng, seqlens, causal, window, softcap):
+    """flash_attn_fp8_func = quantize (twin) then the torch FP8 math on the dequantized values, and it is
+    close to exact attention (FP8's error: a loose bound that still catches a wrong mask or scale)."""
+    seqlen_q, seqlen_k = seqlens
+    q = torch.randn(2, seqlen_q, 4, 64, generator=rng).to(DEVICE, torch.float16)
+    k = torch.randn(2, seqlen_k, 2, 64, generator=rng).to(DEVICE, torch.float16)
+    v = torch.randn(2, seqlen_k, 2, 64, generator=rng).to(DEVICE, torch.float16)
+    out, lse = flashtile.flash_attn_fp8_func(q, k, v, causal=causal, window_size=window, softcap=softcap,
+                                             return_lse=True)
+    assert out.dtype == torch.float16 and out.shape == q.shape
+    args = args_of(64, causal, window, softcap)
+    q8, k8, v8_t, *descales = torch_fp8.quantize(q, k, v)
+    expected, expected_lse = torch_fp8.forward(q8, k8, v8_t.permute(0, 3, 1, 2), *descales, args)
+    if not HAS_CUDA:
+        torch.testing.assert_close(out, expected.to(out.dtype), atol=2e-3, rtol=0)
+        torch.testing.assert_close(lse, expected_lse, atol=1e-5, rtol=0)
+    ref, ref_lse = testing.attention_ref(q, k, v, causal=causal, window_size=window, softcap=softcap)
+    assert (out.double() - ref).abs().max() < 0.25
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen)
+    assert (lse[seen].double() - ref_lse[seen]).abs().max() < 0.15
+
+
+def test_varlen_fp8_matches_dense(rng):
+    """Each packed sequence gets what the dense call on it alone gets (blocks count from its start)."""
+    lengths_q, lengths_k = [37, 0, 130, 1], [129, 5, 200, 64]
+    cu_q, cu_k = testing.cu_seqlens_of(lengths_q, DEVICE), testing.cu_seqlens_of(lengths_k, DEVICE)
+    q = torch.randn(sum(lengths_q), 4, 128, generator=rng).to(DEVICE, torch.float16)
+    k = torch.randn(sum(lengths_k), 2, 128, generator=rng).to(DEVICE, torch.float16)
+    v = torch.randn(sum(lengths_k), 2, 128, generator=rng).to(DEVICE, torch.float16)
+    out, lse = flashtile.flash_attn_varlen_fp8_func(q, k, v, cu_q, cu_k, 130, 200, causal=True, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (4, q.shape[0])
+    for b in range(len(lengths_q)):
+        q0, q1, k0, k1 = cu_q[b].item(), cu_q[b + 1].item(), cu_k[b].item(), cu_k[b + 1].item()
+        if q1 == q0:
+            continue
+        dense, dense_lse = flashtile.flash_attn_fp8_func(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal=True,
+                                                         return_lse=True)
+        torch.testing.assert_close(out[q0:q1], dense[0], atol=2e-3, rtol=0)
+        torch.testing.assert_close(lse[:, q0:q1], dense_lse[0], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("per_block", [False, True])
+@pytest.mark.parametrize("nheads,nheads_kv", [(4, 4), (6, 2)])
+def test_fa3_api_takes_fp8_inputs(rng, per_block, nheads, nheads_kv):
+    """flash_attn_func on e4m3 q, k, v with descales (FA3's API): the torch FP8 math on the dequantized values,
+    close to exact attention of the 16-bit originals; bfloat16 out, lse as flash-attn returns it."""
+    q = torch.randn(2, 77, nheads, 128, generator=rng).to(DEVICE, torch.bfloat16)
+    k = torch.randn(2, 190, nheads_kv, 128, generator=rng).to(DEVICE, torch.bfloat16)
+    v = torch.randn(2, 190, nheads_kv, 128, generator=rng).to(DEVICE, torch.bfloat16)
+    q8, k8, v8_t, qd, kd, vd = torch_fp8.quantize(q, k, v, block_quant=per_block, incoherent=False)
+    v8 = v8_t.permute(0, 3, 1, 2).contiguous()
+    out, lse, _ = flashtile.flash_attn_func(q8, k8, v8, causal=True, q_descale=qd, k_descale=kd, v_descale=vd,
+                                            return_attn_probs=True)
+    assert out.dtype == torch.bfloat16 and lse.shape == (2, nheads, 77)
+    ref, _ = testing.attention_ref(q, k, v, causal=True)
+    assert (out.double() - ref).abs().max() < 0.25
+    expected, _ = torch_fp8.forward(q8, k8, v8, qd, kd, vd, args_of(128, causal=True))
+    if not HAS_CUDA:
+        torch.testing.assert_close(out, expected, atol=1e-2, rtol=0)
+
+
+def test_fa3_varlen_api(rng):
+    lengths = [50, 130]
+    cu = testing.cu_seqlens_of(lengths, DEVICE)
+    q, k, v = (torch.randn(180, 2, 64, generator=rng).to(DEVICE, torch.bfloat16) for _ in range(3))
+    args = AttnArgs(softmax_scale=0.125, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=130, max_seqlen_k=130)
+    q8, k8, v8_t, qd, kd, vd = torch_fp8.quantize_varlen(q, k, v, args, block_quant=False, incoherent=False)
+    v8 = v8_t.permute(2, 0, 1)
+    out = flashtile.flash_attn_varlen_func(q8, k8, v8, cu, cu, 130, 130, q_descale=qd, k_descale=kd, v_descale=vd)
+    ref = testing.attention_varlen_ref(q, k, v, cu, cu)[0]
+    assert out.shape == q.shape and (out.double() - ref).abs().max() < 0.25
+
+
+def _fp8_inputs(batch=2, seqlen=70, nheads=4, nheads_kv=2, head_dim=64):
+    q8 = torch.randn(batch, seqlen, nheads, head_dim).to(DEVICE, torch.float8_e4m3fn)
+    k8 = torch.randn(batch, seqlen, nheads_kv, head_dim).to(DEVICE, torch.float8_e4m3fn)
+    descale = torch.ones(batch, nheads_kv, device=DEVICE)
+    return q8, k8, k8.clone(), descale
+
+
+@pytest.mark.parametrize("change,error,words", [
+    (dict(q_descale=None), ValueError, "q_descale"),
+    (dict(k_descale="shape"), ValueError, "k_descale must have shape (batch, nheads_kv) = (2, 2)"),
+    (dict(v_descale="float16"), TypeError, "v_descale must have dtype torch.float32"),
+    (dict(q="e5m2"), TypeError, "float8_e5m2"),
+    (dict(q="float16"), ValueError, "q_descale, k_descale, v_descale apply to float8_e4m3fn"),
+    (dict(head_dim=96), ValueError, "headdim=96"),
+    (dict(dropout_p=0.1), NotImplementedError, "dropout_p=0.1"),
+    (dict(mixed="per-block q"), ValueError, "all per (batch, KV head) or all per block"),
+])
+def test_bad_fp8_input(change, error, words):
+    q8, k8, v8, descale = _fp8_inputs(head_dim=change.get("head_dim", 64))
+    kwargs = dict(q_descale=descale, k_descale=descale, v_descale=descale)
+    if "q_descale" in change:
+        kwargs["q_descale"] = None
+    if change.get("k_descale") == "shape":
+        kwargs["k_descale"] = descale[:, :1]
+    if change.get("v_descale") == "float16":
+        kwargs["v_descale"] = descale.half()
+    if change.get("q") == "e5m2":
+        q8 = q8.float().to(torch.float8_e5m2)
+    if change.get("q") == "float16":
+        q8, k8, v8 = q8.half(), k8.half(), v8.half()
+    if "mixed" in change:
+        kwargs["q_descale"] = torch.ones(2, 4, 1, device=DEVICE)
+    with pytest.raises(error) as raised:
+        flashtile.flash_attn_func(q8, k8, v8, dropout_p=change.get("dropout_p", 0.0), **kwargs)
+    assert words in str(raised.value)
+
+
+def test_fp8_func_bad_head_dim_and_backward():
+    q = torch.randn(1, 10, 2, 32, device=DEVICE, dtype=torch.float16)
+    with pytest.raises(ValueError, match="headdim=32"):
+        flashtile.flash_attn_fp8_func(q, q, q)
+    q = torch.randn(1, 10, 2, 64, device=DEVICE, dtype=torch.float16, requires_grad=True)
+    out = flashtile.flash_attn_fp8_func(q, q, q)
+    with pytest.raises(NotImplementedError, match="backward through FP8 attention"):
+        out.sum().backward()
+
+
+def test_fp8_is_recorded_and_explained():
+    q8, k8, v8, descale = _fp8_inputs()
+    flashtile.reset_stats()
+    flashtile.flash_attn_func(q8, k8, v8, causal=True, q_descale=descale, k_descale=descale, v_descale=descale)
+    plan = flashtile.explain(q8, k8, v8, causal=True, q_descale=descale, k_descale=descale, v_descale=descale)
+    assert plan.kernel in flashtile.stats()["kernels"]
+    assert " fp8 d=64 causal tensor-scales]" in plan.kernel
+    if plan.fallback:
+        # A GPU whose FP8 kernel cannot run the call: a recorded fallback with its reason, refused when strict.
+        assert HAS_CUDA and plan.fallback_reason in flashtile.stats()["fallbacks"]
+        with _strict(), pytest.raises(flashtile.FallbackError):
+            flashtile.flash_attn_func(q8, k8, v8, q_descale=descale, k_descale=descale, v_descale=descale)
+    elif HAS_CUDA:
+        assert testing.HOPPER and plan.kernel.startswith("flashtile.fwd[gluon-sm90 fp8")
+    else:
+        assert plan.backend == "torch" and "not in this build" not in str(plan)
+
+
+class _strict:
+    def __enter__(self):
+        flashtile.set_strict(True)
+
+    def __exit__(self, *exc):
+        flashtile.set_strict(False)
+
+
+def test_fallback_is_never_silent(monkeypatch):
+    """A CUDA call the kernel refuses runs the torch math as a recorded fallback (simulated here on any device)."""
+    import flashtile.fp8 as fp8
+    q8, k8, v8, descale = _fp8_inputs()
+    monkeypatch.setattr(fp8, "kernel_reason", lambda *a: "simulated: no FP8 kernel here")
+    monkeypatch.setattr(fp8, "_preferred", lambda device: "triton")  # as on a GPU
+    flashtile.reset_stats()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        flashtile.flash_attn_func(q8, k8, v8, q_descale=descale, k_descale=descale, v_descale=descale)
+    assert "simulated: no FP8 kernel here" in flashtile.stats()["fallbacks"]
+    with _strict(), pytest.raises(flashtile.FallbackError, match="simulated"):
+        flashtile.flash_attn_func(q8, k8, v8, q_descale=descale, k_descale=descale, v_descale=descale)
+
+
+# ---------------------------------------------------------------- FA3's accuracy experiment
+
+def _fa3_errors(q, k, v, causal):
+    """RMSE against float64 of FP8 with each technique (via the flags), and of each quantization alone."""
+    ref, _ = testing.attention_ref(q, k, v, causal=causal)
+    errors = {}
+    for block_quant, incoherent in ((False, False), (True, False), (False, True), (True, True)):
+        out = flashtile.flash_attn_fp8_func(q, k, v, causal=causal, block_quant=block_quant, incoherent=incoherent)
+        errors[(block_quant, incoherent)] = rmse(out, ref)
+    return errors, ref
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fa3_outlier_experiment(rng, causal):
+    """FA3's experiment at head dim 128 (batch 1, 2 heads, 4096 tokens on CPU; the torch FP8 math), the four
+    settings of the flags. Measured here (docs/fp8.md): full 1.72e-2 per-tensor, 1.59e-2 block, 8.1e-3
+    rotated, 7.9e-3 both; causal 1.67e-2, 1.48e-2, 9.16e-3, 9.18e-3 (the bar: 9.1e-3). The rotation is what helps most: e4m3
+    is a floating-point format, so a finer scale changes little unless a coarse one pushes values into its
+    subnormals; the error left is e4m3's 3-bit mantissa on Q.K (the larger part), then V, then P."""
+    q, k, v = outlier_qkv(rng, 1, 4096, 2, 128)
+    errors, _ = _fa3_errors(q, k, v, causal)
+    plain, block, rotated, both = (errors[key] for key in ((False, False), (True, False), (False, True), (True, True)))
+    assert both < 0.8 * plain and rotated < 0.8 * plain, errors
+    assert abs(block - plain) < 0.15 * plain and abs(both - rotated) < 0.1 * rotated, errors
+    # The bar of the issue (FA3's 9.1e-3) holds without a mask; with one, rows near the start see few keys and
+    # V's and Q.K's rounding stays in them: causal straddles the bar (8.4e-3 and 9.2e-3 in two draws at 4096
+    # tokens, 1.1e-2 at 2048) and is held to 1e-2 (docs/fp8.md).
+    assert both <= (FA3_BOTH_RMSE if not causal else CAUSAL_BOTH_RMSE), errors
+
+
+@pytest.mark.parametrize("part", ["qk", "p", "v"])
+def test_each_quantization_alone(rng, part):
+    """Where the error comes from: Q.K, P and V each quantized alone (fake-quantized in fp32) add error, Q.K
+    the most; block scales and the rotation apply to Q.K and V, P's fixed scale 448 to P."""
+    q, k, v = outlier_qkv(rng, 1, 512, 2, 128, device="cpu")
+    ref, _ = testing.attention_ref(q, k, v)
+    args = args_of(128)
+
+    def fake(x, rotate_seed=None):
+        x8, descale = torch_fp8.quantize_one(x, True, 2, rotate_seed)
+        return torch_fp8.dequantize(x8, descale)
+
+    exact = torch_fp8.attention(q.float(), k.float(), v.float(), args, quantize_p=False)[0]
+    if part == "qk":
+        out = torch_fp8.attention(fake(q, 0), fake(k, 0), v.float(), args, quantize_p=False)[0]
+    elif part == "p":
+        out = torch_fp8.attention(q.float(), k.float(), v.float(), args, quantize_p=True)[0]
+    else:
+        out = torch_fp8.attention(q.float(), k.float(), fake(v), args, quantize_p=False)[0]
+    assert rmse(exact, ref) < 1e-3
+    assert 1e-3 < rmse(out, ref) < FA3_BOTH_RMSE
+
+
+# ---------------------------------------------------------------- GPU: the Gluon FP8 kernel
+
+pytestmark_kernel = pytest.mark.skipif(not (HAS_CUDA and testing.HOPPER and _kernel_module() is not None),
+                                       reason="needs a Hopper GPU and the Gluon FP8 kernel (backends/triton/fp8.py)")
+
+
+@pytest.mark.cuda
+@pytestmark_kernel
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("block_quant", [False, True])
+def test_kernel_fa3_experiment_4k(rng, causal, block_quant):
+    """The kernel at 4k tokens, head dim 128: FA3's experiment through flash_attn_fp8_func (kernel named in
+    stats, no fallback), its RMSE within 10% of the torch FP8 math's on the same quantized inputs."""
+    if block_quant and not getattr(_kernel_module(), "PER_BLOCK_DESCALES", False):
+        pytest.skip("the FP8 kernel takes per-(batch, KV head) descales only (PER_BLOCK_DESCALES is not set)")
+    q, k, v = outlier_qkv(rng, 1, 4096, 8, 128)
+    ref, _ = testing.attention_ref(q, k, v, causal=causal)
+    flashtile.reset_stats()
+    with _strict():
+        out = flashtile.flash_attn_fp8_func(q, k, v, causal=causal, block_quant=block_quant)
+    assert any("gluon-sm90 fp8" in name for name in flashtile.stats()["kernels"])
+    q8, k8, v8_t, *descales = torch_fp8.quantize(q, k, v, block_quant, True)
+    expected, _ = torch_fp8.forward(q8, k8, v8_t.permute(0, 3, 1, 2), *descales, args_of(128, causal))
+    assert rmse(out, ref) <= 1.1 * rmse(expected, ref) + 1e-4
+    if block_quant:
+        assert rmse(out, ref) <= (FA3_BOTH_RMSE if not causal else CAUSAL_BOTH_RMSE)
+
+
+@pytest.mark.cuda
+@pytestmark_kernel
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("seqlens", [(1, 1), (113, 203), (1023, 1024), (239, 1)])
+def test_kernel_matches_torch_math(rng, head_dim, seqlens):
+    """FA3's API with per-tensor descales: the kernel against the torch FP8 math on the same e4m3 inputs."""
+    seqlen_q, seqlen_k = seqlens
+    q = torch.randn(2, seqlen_q, 8, head_dim, generator=rng).to(DEVICE, torch.bfloat16)
+    k = torch.randn(2, seqlen_k, 2, head_dim, generator=rng).to(DEVICE, torch.bfloat16)
+    v = torch.randn(2, seqlen_k, 2, head_dim, generator=rng).to(DEVICE, torch.bfloat16)
+    q8, k8, v8_t, *descales = torch_fp8.quantize(q, k, v, block_quant=False)
+    v8 = v8_t.permute(0, 3, 1, 2).contiguous()
+    for causal in (False, True):
+        with _strict():
+            out, lse, _ = flashtile.flash_attn_func(q8, k8, v8, causal=causal, return_attn_probs=True,
+                                                    **dict(zip(("q_descale", "k_descale", "v_descale"), descales)))
+        expected, expected_lse = torch_fp8.forward(q8, k8, v8, *descales, args_of(head_dim, causal))
+        assert (out.float() - expected.float()).abs().max() < 2e-2
+        seen = torch.isfinite(expected_lse)
+        assert torch.equal(torch.isfinite(lse), seen)
+        assert (lse[seen] - expected_lse[seen]).abs().max() < 1e-3
+
+
+# ---------------------------------------------------------------- the FP8 KV cache
+
+def _kv_descales(rng, batch, nheads_kv, per_row):
+    shape = (batch, nheads_kv) if per_row else (nheads_kv,)
+    # Descales around amax / 448 of unit-normal values, different per head (and row).
+    k_descale = (0.008 + 0.004 * torch.rand(shape, generator=rng)).to(DEVICE)
+    v_descale = (0.006 + 0.004 * torch.rand(shape, generator=rng)).to(DEVICE)
+    return k_descale, v_descale
+
+
+def _dequantized(cache, descale, batch_rows):
+    """fp64 ``(batch, rows, nheads_kv, d)`` of an e4m3 cache ``(batch, rows, ...)`` times its descale."""
+    scale = descale.double().expand(batch_rows, -1)[:, None, :, None]
+    return cache.double() * scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fp8_kvcache_matches_reference(backend, rng, dtype, paged, per_row, num_splits):
+    """Append 16-bit k, v to an e4m3 cache (quantized with the descales), attend: within the 2x rule of float64
+    attention on the dequantized cache; the appended rows are exactly e4m3(clamp(x / descale))."""
+    batch, nheads, nheads_kv, head_dim, capacity, page_size = 3, 8, 2, 64, 80, 16
+    seqlens = torch.tensor([37, 0, 61], dtype=torch.int32, device=DEVICE)
+    seqlen_new, seqlen_q = 3, 3
+    k_descale, v_descale = _kv_descales(rng, batch, nheads_kv, per_row)
+    old_k = torch.randn(batch, capacity, nheads_kv, head_dim, generator=rng).to(DEVICE)
+    old_v = torch.randn(batch, capacity, nheads_kv, head_dim, generator=rng).to(DEVICE)
+    k_logical = torch_fp8.to_fp8(old_k / k_descale.expand(batch, -1)[:, None, :, None])
+    v_logical = torch_fp8.to_fp8(old_v / v_descale.expand(batch, -1)[:, None, :, None])
+    q = torch.randn(batch, seqlen_q, nheads, head_dim, generator=rng).to(DEVICE, dtype)
+    k = torch.randn(batch, seqlen_new, nheads_kv, head_dim, generator=rng).to(DEVICE, dtype)
+    v = torch.randn(batch, seqlen_new, nheads_kv, head_dim, generator=rng).to(DEVICE, dtype)
+    kwargs = dict(cache_seqlens=seqlens, causal=True, num_splits=num_splits, k_descale=k_descale,
+                  v_descale=v_descale, return_softmax_lse=True)
+    if paged:
+        pages = capacity // page_size
+        # Sequence b's page j is page perm[b * pages + j] of a shuffled pool.
+        perm = torch.randperm(batch * pages, generator=rng).to(DEVICE)
+        block_table = perm.view(batch, pages).to(torch.int32)
+        k_cache = torch.empty(batch * pages, page_size, nheads_kv, head_dim, dtype=torch.float8_e4m3fn, device=DEVICE)
+        v_cache = torch.empty_like(k_cache)
+        k_cache[perm] = k_logical.view(batch * pages, page_size, nheads_kv, head_dim)
+        v_cache[perm] = v_logical.view(batch * pages, page_size, nheads_kv, head_dim)
+        kwargs["block_table"] = block_table
+
+        def logical(cache):
+            return cache[perm].view(batch, capacity, nheads_kv, head_dim)
+    else:
+        k_cache, v_cache = k_logical.clone(), v_logical.clone()
+
+        def logical(cache):
+            return cache
+    out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **kwargs)
+    assert out.dtype == dtype
+    kd, vd = k_descale.expand(batch, -1), v_descale.expand(batch, -1)
+    for b in range(batch):
+        rows = slice(seqlens[b].item(), seqlens[b].item() + seqlen_new)
+        assert torch.equal(logical(k_cache)[b, rows].float(), torch_fp8.to_fp8(k[b].float() / kd[b, None, :, None]).float())
+        assert torch.equal(logical(v_cache)[b, rows].float(), torch_fp8.to_fp8(v[b].float() / vd[b, None, :, None]).float())
+    keys_k = _dequantized(logical(k_cache), k_descale, batch)
+    keys_v = _dequantized(logical(v_cache), v_descale, batch)
+    for b in range(batch):
+        n = seqlens[b].item() + seqlen_new
+        hi, hi_lse = testing.attention_ref(q[b:b + 1].double(), keys_k[b:b + 1, :n], keys_v[b:b + 1, :n], causal=True)
+        lo, _ = testing.attention_ref(q[b:b + 1], keys_k[b:b + 1, :n].to(dtype), keys_v[b:b + 1, :n].to(dtype),
+                                      causal=True, upcast=False)
+        testing.assert_close_to_ref("out", out[b:b + 1], hi, lo, atol=1e-3)
+        torch.testing.assert_close(lse[b:b + 1].double(), hi_lse, atol=1e-4, rtol=1e-4)
+
+
+def test_fp8_kvcache_rotary_first(backend, rng):
+    """Rotary embeddings are applied before the quantization: the e4m3 cache holds what a float32 cache holds
+    after the same call, divided by the descale and cast."""
+    batch, nheads, nheads_kv, head_dim, capacity = 2, 4, 2, 64, 40
+    seqlens = torch.tensor([5, 17], dtype=torch.int32, device=DEVICE)
+    angle = torch.rand(capacity + 4, 16, generator=rng, dtype=torch.float64) * 2 * math.pi
+    cos, sin = angle.cos().float().to(DEVICE), angle.sin().float().to(DEVICE)
+    q = torch.randn(batch, 2, nheads, head_dim, generator=rng).to(DEVICE, torch.float16)
+    k = torch.randn(batch, 2, nheads_kv, head_dim, generator=rng).to(DEVICE, torch.float16)
+    v = torch.randn(batch, 2, nheads_kv, head_dim, generator=rng).to(DEVICE, torch.float16)
+    k_descale, v_descale = _kv_descales(rng, batch, nheads_kv, per_row=False)
+    fp32 = [torch.zeros(batch, capacity, nheads_kv, head_dim, device=DEVICE, dtype=torch.float16) for _ in range(2)]
+    fp8 = [torch.zeros(batch, capacity, nheads_kv, head_dim, device=DEVICE, dtype=torch.float8_e4m3fn) for _ in range(2)]
+    flashtile.flash_attn_with_kvcache(q, *fp32, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens,
+                                      causal=True)
+    flashtile.flash_attn_with_kvcache(q, *fp8, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens,
+                                      causal=True, k_descale=k_descale, v_descale=v_descale)
+    for cache16, cache8, descale in zip(fp32, fp8, (k_descale, v_descale)):
+        expected = torch_fp8.to_fp8(cache16.float() / descale[None, None, :, None]).float()
+        # The 16-bit cache rounded the rotated keys to fp16 first: one e4m3 step apart at most, rarely.
+        differ = cache8.float() != expected
+        assert differ.float().mean() < 0.01
+        assert ((cache8.float() - expected).abs() <= expected.abs() / 8 + 2 ** -9)[differ].all()
+
+
+def test_fp8_kvcache_objects(backend, rng):
+    """KVCache and PagedKVCache in float8_e4m3fn: a few decode steps agree with a float64 reference on the
+    dequantized cache; the kernel's name says fp8_cache."""
+    batch, nheads, nheads_kv, head_dim = 2, 4, 2, 64
+    cache = flashtile.KVCache(batch, 64, nheads_kv, head_dim, dtype=torch.float8_e4m3fn, device=DEVICE,
+                              k_descale=0.01, v_descale=0.01)
+    paged = flashtile.PagedKVCache(16, 8, nheads_kv, head_dim, dtype=torch.float8_e4m3fn, device=DEVICE,
+                                   k_descale=torch.full((nheads_kv,), 0.01, device=DEVICE), v_descale=0.01)
+    seqs = [paged.allocate() for _ in range(batch)]
+    flashtile.reset_stats()
+    for step in range(3):
+        n = 9 if step == 0 else 1
+        q = torch.randn(batch, n, nheads, head_dim, generator=rng).to(DEVICE, torch.float16)
+        k = torch.randn(batch, n, nheads_kv, head_dim, generator=rng).to(DEVICE, torch.float16)
+        v = torch.randn(batch, n, nheads_kv, head_dim, generator=rng).to(DEVICE, torch.float16)
+        out = cache.attend(q, k, v)
+        out_paged = paged.attend(q, k, v, seqs)
+        torch.testing.assert_close(out, out_paged, atol=2e-3, rtol=0)
+    length = cache.seqlens[0].item()
+    ref, _ = testing.attention_ref(q.double(), cache.k[:, :length].double() * 0.01,
+                                   cache.v[:, :length].double() * 0.01, causal=True)
+    assert (out.double() - ref).abs().max() < 2e-3
+    assert any("fp8_cache" in name for name in flashtile.stats()["kernels"])
+
+
+@pytest.mark.parametrize("change,error,words", [
+    (dict(k_descale=None), ValueError, "needs k_descale"),
+    (dict(v_descale="shape"), ValueError, "v_descale must have shape (2,) or (3, 2)"),
+    (dict(k_descale="float64"), TypeError, "k_descale must have dtype torch.float32"),
+    (dict(cache="float16"), ValueError, "k_descale applies to a float8_e4m3fn KV cache"),
+    (dict(cache="e5m2"), TypeError, "float8_e5m2"),
+])
+def test_bad_fp8_kvcache_input(change, error, words):
+    q = torch.randn(3, 1, 4, 64, device=DEVICE, dtype=torch.float16)
+    cache = torch.zeros(3, 16, 2, 64, device=DEVICE, dtype=torch.float8_e4m3fn)
+    descale = torch.ones(2, device=DEVICE)
+    kwargs = dict(k_descale=descale, v_descale=descale)
+    if "k_descale" in change:
+        kwargs["k_descale"] = None if change["k_descale"] is None else descale.double()
+    if change.get("v_descale") == "shape":
+        kwargs["v_descale"] = torch.ones(3, 3, device=DEVICE)
+    if change.get("cache") == "float16":
+        cache = cache.half()
+    if change.get("cache") == "e5m2":
+        cache = cache.to(torch.float8_e5m2)
+    with pytest.raises(error) as raised:
+        flashtile.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=4, **kwargs)
+    assert words in str(raised.value)
+
+
+def test_bench_fp8_smoke(tmp_path):
+    """--suite fp8 on tiny shapes (CPU: the torch FP8 math, wall-clock timer): every cell checked and timed."""
+    from flashtile.bench import common, fp8 as bench_fp8
+    device = torch.device(DEVICE)
+    timer = common.gpu_timer(5, 10) if HAS_CUDA else common.cpu_timer(runs=1)
+    rows = bench_fp8.run(device, timer, head_dims=(64,), seqlens=(256,), decode_shapes=((2, 300),), graphs=HAS_CUDA,
+                         tokens=256, width=128)
+    for row in rows["forward"]:
+        # A GPU without the Gluon FP8 kernel says so and times bf16 only; elsewhere every provider is timed.
+        assert row["status"] == "ok" or row["status"].startswith("fp8 kernel not run"), row["status"]
+        assert row["bf16_rmse"] < bench_fp8.BF16_RMSE_LIMIT and "bf16_ms" in row
+    assert rows["decode"][0]["status"] == "ok" and rows["decode"][0]["fp8_max_abs_err"] < 2e-2
+    assert "| 64 | 256 |" in bench_fp8.markdown(rows, "test")
+
+
+class _FakeKernel:
+    """Stands in for backends/triton/fp8.py: checks the layouts the launcher contract promises and fills
+    ``out`` / ``lse`` with the torch FP8 math (so the wiring is tested without a GPU)."""
+
+    PER_BLOCK_DESCALES = True
+
+    def __init__(self):
+        self.calls = []
+
+    def fp8_sm90_supported(self, args, head_dim):
+        return None
+
+    def forward_fp8_sm90(self, q, k, v_t, q_descale, k_descale, v_descale, out, lse, args):
+        varlen = args.varlen
+        nheads_kv, head_dim = k.shape[-2], k.shape[-1]
+        assert q.dtype == k.dtype == v_t.dtype == torch.float8_e4m3fn and out.dtype == torch.bfloat16
+        assert v_t.shape == ((nheads_kv, head_dim, k.shape[0]) if varlen else
+                             (k.shape[0], nheads_kv, head_dim, k.shape[1])) and v_t.is_contiguous()
+        assert out.shape == q.shape and lse.dtype == torch.float32
+        assert lse.shape == ((q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1]))
+        v = v_t.permute(2, 0, 1) if varlen else v_t.permute(0, 3, 1, 2)
+        expected, expected_lse = torch_fp8.forward(q, k, v, q_descale, k_descale, v_descale, args)
+        out.copy_(expected)
+        lse.copy_(expected_lse)
+        self.calls.append(q_descale.dim())
+
+
+def test_kernel_launcher_contract(monkeypatch, rng):
+    """flash_attn_fp8_func, its varlen twin and FA3's API hand the kernel what forward_fp8_sm90 expects (v
+    K-major, bf16 out, lse in flashtile's layout), under the kernel's profiler name."""
+    import flashtile.fp8 as fp8
+    fake = _FakeKernel()
+    monkeypatch.setattr(fp8, "_kernel_module", lambda: fake)
+    monkeypatch.setattr(fp8, "kernel_reason", lambda device, args, head_dim, per_block: None)
+    q = torch.randn(2, 77, 4, 64, generator=rng).to(DEVICE, torch.float16)
+    k = torch.randn(2, 130, 2, 64, generator=rng).to(DEVICE, torch.float16)
+    v = torch.randn(2, 130, 2, 64, generator=rng).to(DEVICE, torch.float16)
+    flashtile.reset_stats()
+    out = flashtile.flash_attn_fp8_func(q, k, v, causal=True)
+    q8, k8, v8_t, *descales = torch_fp8.quantize(q, k, v)
+    expected, _ = torch_fp8.forward(q8, k8, v8_t.permute(0, 3, 1, 2), *descales, args_of(64, causal=True))
+    torch.testing.assert_close(out, expected.to(out.dtype), atol=2e-3, rtol=0)
+    assert "flashtile.fwd[gluon-sm90 fp8 d=64 causal block-scales]" in flashtile.stats()["kernels"]
+    q8, k8, v8_t, *descales = torch_fp8.quantize(q, k, v, block_quant=False)
+    flashtile.flash_attn_func(q8, k8, v8_t.permute(0, 3, 1, 2), q_descale=descales[0], k_descale=descales[1],
+                              v_descale=descales[2])
+    cu_q, cu_k = testing.cu_seqlens_of([30, 47], DEVICE), testing.cu_seqlens_of([60, 70], DEVICE)
+    flashtile.flash_attn_varlen_fp8_func(q[0], k[0], v[0], cu_q, cu_k, 47, 70)
+    assert fake.calls == [3, 2, 3]

@@ -559,7 +559,12 @@ def bwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, head_dim
     if _arch(device) != 90:
         return _BWD_SM80[padded]
     if _narrow_values(head_dim, head_dim_v) and padded in _BWD_SM90_V128:
-        return _BWD_SM90_V128[padded]
+        cfg = _BWD_SM90_V128[padded]
+        if "bias" in features:
+            # The bias tile on the two-stage dQ tile asked 245760 B of shared memory, over the H200's 232448, and
+            # failed to compile (tests/test_paths.py, d=192/128, 2026-11-27): one stage, as _BWD_SM90[256] has.
+            cfg = replace(cfg, dq=replace(cfg.dq, num_stages=1))
+        return cfg
     if row_keys >= LONG_BWD_KEYS and padded in _BWD_SM90_LONG and not _BWD_SHORT_TILE_FEATURES & features:
         return _BWD_SM90_LONG[padded]
     return _BWD_SM90[padded]

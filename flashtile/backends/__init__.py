@@ -113,6 +113,8 @@ class AttnArgs:
     max_seqlen_k: int = 0
     # int32 (batch,): sequence b uses only its first seqused_k[b] keys.
     seqused_k: Optional[torch.Tensor] = None
+    # Varlen: the rows of the packed k (the kernels keep every offset within them); -1: not given.
+    total_k: int = -1
     # Gradients bit-identical run to run: no kernel whose float sums depend on the order its programs finish.
     deterministic: bool = False
 

@@ -67,12 +67,12 @@ def _walk(walk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.cons
     run ``[full_lo, full_hi)``, the query blocks of one head ``n_q`` (0 for a CTA past its sequence's used keys)
     and the steps ``n_it`` (``n_q`` for each head of the GQA group). ``walk``: the kernel's lengths, window, group
     and sequence tensors."""
-    seqlen_q, seqlen_k, window_left, window_right, group, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K = walk
+    seqlen_q, seqlen_k, window_left, window_right, group, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K, total_q, total_k, ERR = walk
     off_b = gl.program_id(2)
     cta_key = gl.program_id(0) * 2 * BLOCK_N
     q_start, seqlen_q, k_start, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
-                                                    IS_VARLEN, HAS_SEQUSED)
-    key_rows = stored_keys(off_b, k_start, seqlen_k, CU_SEQLENS_K, HAS_SEQUSED)
+                                                    total_q, total_k, ERR, IS_VARLEN, HAS_SEQUSED)
+    key_rows = stored_keys(off_b, k_start, seqlen_k, CU_SEQLENS_K, total_k, HAS_SEQUSED)
     tma_b = off_b
     if IS_VARLEN:
         tma_b = 0
@@ -284,7 +284,7 @@ def _reducer(args, walk, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_V
 
 @gluon.jit
 def attn_bwd_sm90_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE2, DELTA, CU_SEQLENS_Q, CU_SEQLENS_K,
-                     SEQUSED_K, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, softmax_scale, window_left,
+                     SEQUSED_K, total_q, total_k, ERR, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, softmax_scale, window_left,
                      window_right, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                      stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group, MASK_LEFT: gl.constexpr,
                      MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, FAST_TANH: gl.constexpr, ALIBI: gl.constexpr,
@@ -331,7 +331,8 @@ def attn_bwd_sm90_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE2, DEL
         mbarrier.init(ds_ready.index(i), count=2)
         mbarrier.init(dq_full.index(i), count=2)
         mbarrier.init(dq_empty.index(i), count=1)
-    walk = (seqlen_q, seqlen_k, window_left, window_right, group, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K)
+    walk = (seqlen_q, seqlen_k, window_left, window_right, group, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K, total_q,
+            total_k, ERR)
     consumer = (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem,
                 kv_ready, q_ready, do_ready, q_empty, ds_ready, dq_full, dq_empty, tail_ready, DK, DV, ALIBI_SLOPES,
                 stride_alibi_b, qk_scale, softcap2, softmax_scale, stride_dkb, stride_dkn, stride_dkh, stride_dvb,

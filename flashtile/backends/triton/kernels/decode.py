@@ -25,7 +25,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .common import (LOG2E, cache_sequence, cache_slots, head_terms, kv_range, load_tile, merge_state,
-                     packed_queries, run_bounds, score_scale, scores, softmax_step, split_range, store_tile)
+                     packed_queries, report_bad, run_bounds, score_scale, scores, softmax_step, split_range,
+                     store_tile)
 
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -58,7 +59,7 @@ def _rotary(x, row_ptrs, offs_d, row_ok, COS, SIN, pos, seqlen_ro, stride_ro,
 
 @triton.jit
 def append_kv(Q, K_NEW, V_NEW, K_CACHE, V_CACHE, Q_OUT, COS, SIN,
-              CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, BLOCK_TABLE,
+              CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, BLOCK_TABLE, ERR,
               stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
               stride_kcb, stride_kcn, stride_kch, stride_vcb, stride_vcn, stride_vch,
               stride_qob, stride_qom, stride_qoh, stride_bt, stride_ro,
@@ -72,8 +73,8 @@ def append_kv(Q, K_NEW, V_NEW, K_CACHE, V_CACHE, Q_OUT, COS, SIN,
     t = tl.program_id(0)
     off_b = tl.program_id(1).to(tl.int64)
     z = tl.program_id(2)
-    seqlen_cache, _, _, cache_b = cache_sequence(off_b, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 0,
-                                                 max_seqlen_k, HAS_SEQLENS, False, HAS_BATCH_IDX)
+    seqlen_cache, _, _, cache_b = cache_sequence(off_b, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, seqlen_new,
+                                                 max_seqlen_k, num_blocks, ERR, HAS_SEQLENS, False, HAS_BATCH_IDX, False)
     # Rotary positions are key rows, as in flash-attn: left padding does not shift them.
     pos = seqlen_cache
     offs_d = tl.arange(0, HEAD_DIM)
@@ -89,11 +90,15 @@ def append_kv(Q, K_NEW, V_NEW, K_CACHE, V_CACHE, Q_OUT, COS, SIN,
             if ROTARY:
                 k = _rotary(k.to(tl.float32), k_rows, offs_d, head_ok, COS, SIN, pos + t, seqlen_ro, stride_ro,
                             ROTARY_DIM, INTERLEAVED)
-            # Key row seqlen_cache + t; rows past the capacity (or on a page outside the cache) are dropped.
+            # Key row seqlen_cache + t; rows outside the capacity, on a page outside the cache or of no cache row
+            # (cache_b = -1) are dropped and recorded (scalar compares: free).
             row = seqlen_cache + t
-            row_ok = row < max_seqlen_k
+            row_ok = (row >= 0) & (row < max_seqlen_k) & (cache_b >= 0)
             slot, offset, in_cache = cache_slots(row, row_ok, cache_b, BLOCK_TABLE + off_b * stride_bt, page_size,
                                                  num_blocks, PAGED)
+            if PAGED:
+                if row_ok & (in_cache == 0):
+                    report_bad(ERR, True, 7, tl.load(BLOCK_TABLE + off_b * stride_bt + row // page_size), off_b)
             write = head_ok & row_ok & in_cache
             k_dst = K_CACHE + slot * stride_kcb + offset.to(tl.int64) * stride_kcn + heads * stride_kch
             tl.store(k_dst + offs_d[None, :], k.to(K_CACHE.dtype.element_ty), mask=write[:, None] & d_ok[None, :])
@@ -124,7 +129,7 @@ def append_kv(Q, K_NEW, V_NEW, K_CACHE, V_CACHE, Q_OUT, COS, SIN,
 
 
 @triton.jit
-def _decode_inner(acc, l_i, m_i, q, K_HEAD, V_HEAD, table_row, stride_kb, stride_kn, stride_vb, stride_vn,
+def _decode_inner(acc, l_i, m_i, q, K_HEAD, V_HEAD, table_row, ERR, stride_kb, stride_kn, stride_vb, stride_vn,
                   offs_t, offs_dk, offs_dv, lo, hi, leftpad, cache_b, page_size, num_blocks, seqlen_q, seqlen_k,
                   qk_scale, softcap2, slope2, window_left, window_right,
                   BLOCK_N: tl.constexpr, HEAD_DIM_QK_ACTUAL: tl.constexpr, HEAD_DIM_QK: tl.constexpr,
@@ -133,7 +138,7 @@ def _decode_inner(acc, l_i, m_i, q, K_HEAD, V_HEAD, table_row, stride_kb, stride
                   SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ALIBI: tl.constexpr,
                   PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     offs_n = lo + tl.arange(0, BLOCK_N)
-    slot, offset = _block_slots(lo, leftpad, seqlen_k, cache_b, table_row, page_size, num_blocks,
+    slot, offset = _block_slots(lo, leftpad, seqlen_k, cache_b, table_row, page_size, num_blocks, ERR,
                                 BLOCK_N, PAGED, PAGE_ALIGNED)
     for start_n in range(lo, hi, BLOCK_N):
         k_ptrs = K_HEAD + (slot * stride_kb + offset.to(tl.int64) * stride_kn)[:, None] + offs_dk[None, :]
@@ -156,18 +161,21 @@ def _decode_inner(acc, l_i, m_i, q, K_HEAD, V_HEAD, table_row, stride_kb, stride
         # Read the next block's pages now, so its K and V loads wait on no table read.
         offs_n += BLOCK_N
         slot, offset = _block_slots(start_n + BLOCK_N, leftpad, seqlen_k, cache_b, table_row, page_size, num_blocks,
-                                    BLOCK_N, PAGED, PAGE_ALIGNED)
+                                    ERR, BLOCK_N, PAGED, PAGE_ALIGNED)
     return acc, l_i, m_i
 
 
 @triton.jit
-def _block_slots(start_n, leftpad, seqlen_k, cache_b, table_row, page_size, num_blocks,
+def _block_slots(start_n, leftpad, seqlen_k, cache_b, table_row, page_size, num_blocks, ERR,
                  BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr):
-    """``(slot, offset)`` of the key block from key ``start_n``: key j is key row leftpad + j."""
+    """``(slot, offset)`` of the key block from key ``start_n``: key j is key row leftpad + j. A page
+    outside the cache is read clamped into it (and, one table entry a block, recorded in ``ERR``)."""
     if PAGED and PAGE_ALIGNED:
         # The block lies on one page: one table read, then its rows are contiguous as in an unpaged cache.
         first = leftpad + start_n
         page = tl.load(table_row + first // page_size, mask=start_n < seqlen_k, other=0).to(tl.int64)
+        # A compare on the block's one page (a scalar): free. Paged rows have cache_b = their batch row.
+        report_bad(ERR, (page < 0) | (page >= num_blocks), 7, page, cache_b)
         slot = tl.minimum(tl.maximum(page, 0), num_blocks - 1)
         offset = first % page_size + tl.arange(0, BLOCK_N)
     else:
@@ -182,20 +190,21 @@ def _block_slots(start_n, leftpad, seqlen_k, cache_b, table_row, page_size, num_
 # for each of "is 1", "divides by 16" and neither): a cache that grows a token a step keeps one kernel.
 @triton.jit(do_not_specialize=["max_seqlen_k", "num_blocks", "num_splits"])
 def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, BLOCK_TABLE, ALIBI_SLOPES, SINK,
-                CU_SEQLENS_Q,
+                CU_SEQLENS_Q, SEQUSED_K, ERR,
                 softmax_scale, softcap, window_left, window_right,
                 stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                 stride_os, stride_ob, stride_om, stride_oh, stride_ls, stride_lb, stride_lh,
                 stride_alibi_b, stride_bt,
                 seqlen_q, seqlen_new, max_seqlen_k, page_size, num_blocks, nheads, nheads_kv, num_splits,
-                GROUP: tl.constexpr,
+                total_q, GROUP: tl.constexpr,
                 HEAD_DIM_QK_ACTUAL: tl.constexpr, HEAD_DIM_QK: tl.constexpr,
                 HEAD_DIM_V_ACTUAL: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
                 ALIBI: tl.constexpr, HAS_SINK: tl.constexpr, PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr,
                 HAS_SEQLENS: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
-                Q_VARLEN: tl.constexpr, INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                Q_VARLEN: tl.constexpr, HAS_SEQUSED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                PDL: tl.constexpr):
     """``O``/``LSE`` are the output ``(batch, seqlen_q, nheads, headdim_v)`` / ``(batch, nheads, seqlen_q)``
     (one split, ``stride_os = stride_ls = 0``) or the float32 partials with a leading split dim. With
     ``Q_VARLEN`` the output is packed (``stride_ob = stride_lb = 0``, rows from ``cu_seqlens_q[b]``) and
@@ -209,8 +218,14 @@ def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 
     off_b = (off_bh // nheads_kv).to(tl.int64)
     off_hk = off_bh % nheads_kv
     _, leftpad, seqlen_k, cache_b = cache_sequence(off_b, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, seqlen_new,
-                                                   max_seqlen_k, HAS_SEQLENS, HAS_LEFTPAD, HAS_BATCH_IDX)
-    q_start, seqlen_q = packed_queries(off_b, seqlen_q, CU_SEQLENS_Q, Q_VARLEN)
+                                                   max_seqlen_k, num_blocks, ERR, HAS_SEQLENS, HAS_LEFTPAD,
+                                                   HAS_BATCH_IDX, Q_VARLEN)
+    if HAS_SEQUSED:
+        # A varlen call's seqused_k: never past the sequence's own keys (one scalar compare).
+        used = tl.load(SEQUSED_K + off_b)
+        report_bad(ERR, (used < 0) | (used > seqlen_k), 3, used, off_b)
+        seqlen_k = tl.minimum(tl.maximum(used, 0), seqlen_k)
+    q_start, seqlen_q = packed_queries(off_b, seqlen_q, CU_SEQLENS_Q, total_q, ERR, Q_VARLEN)
     # Packed row r is query token r // GROUP of query head off_hk * GROUP + r % GROUP.
     n_rows = seqlen_q * GROUP
     if Q_VARLEN:
@@ -257,7 +272,7 @@ def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 
         # Without a left edge run 0 is empty: leave it out of the compiled kernel.
         if run != 0 or MASK_LEFT:
             acc, l_i, m_i = _decode_inner(
-                acc, l_i, m_i, q, K_HEAD, V_HEAD, table_row, stride_kb, stride_kn, stride_vb, stride_vn,
+                acc, l_i, m_i, q, K_HEAD, V_HEAD, table_row, ERR, stride_kb, stride_kn, stride_vb, stride_vn,
                 offs_t, offs_dk, offs_dv, tl.maximum(run_lo, split_lo), tl.minimum(run_hi, split_hi),
                 leftpad, cache_b, page_size, num_blocks, seqlen_q, seqlen_k,
                 qk_scale, softcap * LOG2E, slope2, window_left, window_right,
@@ -277,10 +292,10 @@ def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def attn_decode_combine(O_PART, LSE_PART, O, LSE, CU_SEQLENS_Q,
+def attn_decode_combine(O_PART, LSE_PART, O, LSE, CU_SEQLENS_Q, ERR,
                         stride_ps, stride_pb, stride_pm, stride_ph, stride_pls, stride_plb, stride_plh,
                         stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
-                        nheads, num_splits, seqlen_q,
+                        nheads, num_splits, seqlen_q, total_q,
                         HEAD_DIM_V_ACTUAL: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_S: tl.constexpr,
                         Q_VARLEN: tl.constexpr, PDL: tl.constexpr):
     """Program ``(row, b)`` merges the ``num_splits`` partials of row ``t * nheads + h``, ``BLOCK_S``
@@ -291,7 +306,7 @@ def attn_decode_combine(O_PART, LSE_PART, O, LSE, CU_SEQLENS_Q,
     off_b = tl.program_id(1).to(tl.int64)
     off_t = (row // nheads).to(tl.int64)
     off_h = (row % nheads).to(tl.int64)
-    q_start, seqlen_q = packed_queries(off_b, seqlen_q, CU_SEQLENS_Q, Q_VARLEN)
+    q_start, seqlen_q = packed_queries(off_b, seqlen_q, CU_SEQLENS_Q, total_q, ERR, Q_VARLEN)
     if off_t >= seqlen_q:
         return
     if PDL:

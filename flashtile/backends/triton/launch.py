@@ -73,25 +73,27 @@ def _variant_tensors(q, args: AttnArgs) -> dict:
         dropout_scale=1.0 / (1.0 - args.dropout_p),
         ALIBI_SLOPES=args.alibi_slopes if args.alibi_slopes is not None else q,
         BIAS_PTR=bias if bias is not None else q,
-        **_sequence_tensors(q, args),
+        **_sequence_tensors(q, args), **_sequence_bounds(q, args),
     )
 
 
-def _sequence_tensors(stand_in, args, q=None, k=None) -> dict:
-    """The varlen offsets and key counts (``stand_in`` stands in for those a call lacks), the rows of the packed
-    q and k (``q``, ``k``: the launcher's tensors; without k, ``args.total_k``) that the kernels keep every
-    offset within, and the device's error record (flashtile/device_errors.py). A KV-cache call's k is the
-    cache: its rows are the cache's batch rows, which ``cache_batch_idx`` must name."""
+def _sequence_tensors(stand_in, args) -> dict:
+    """The varlen offsets and key counts (``stand_in`` stands in for those a call lacks)."""
+    return dict(CU_SEQLENS_Q=args.cu_seqlens_q if args.varlen else stand_in,
+                CU_SEQLENS_K=args.cu_seqlens_k if args.varlen else stand_in,
+                SEQUSED_K=args.seqused_k if args.seqused_k is not None else stand_in)
+
+
+def _sequence_bounds(q, args, k=None) -> dict:
+    """The rows of the packed q and k (``k``: the launcher's; without it ``args.total_k``) that the kernels keep
+    every varlen offset within, and the device's error record (flashtile/device_errors.py). A KV-cache call's k
+    is the cache: its rows are the cache's batch rows, which ``cache_batch_idx`` must name."""
     if k is not None:
         total_k = k.shape[0]
     else:
         # AttnArgs built without it (tests of the launchers): no bound beyond int32's.
         total_k = args.total_k if args.total_k >= 0 else 2**31 - 1
-    return dict(CU_SEQLENS_Q=args.cu_seqlens_q if args.varlen else stand_in,
-                CU_SEQLENS_K=args.cu_seqlens_k if args.varlen else stand_in,
-                SEQUSED_K=args.seqused_k if args.seqused_k is not None else stand_in,
-                total_q=(q if q is not None else stand_in).shape[0], total_k=total_k,
-                ERR=device_errors.record(stand_in.device))
+    return dict(total_q=q.shape[0], total_k=total_k, ERR=device_errors.record(q.device))
 
 
 def _variant_static(q, args: AttnArgs, nheads: int) -> dict:
@@ -316,7 +318,8 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, features
                   dict(q_desc=q_desc, k_desc=k_desc, v_desc=_tma_desc(v, cfg.BLOCK_N), q_tail_desc=q_tail,
                        k_tail_desc=k_tail, O=out, LSE=lse, qk_scale=qk_scale, softcap2=softcap2,
                        row_max=row_max or 0.0, ALIBI_SLOPES=alibi if alibi is not None else q,
-                       SINK=args.sink if args.sink is not None else q, **_sequence_tensors(q, args, q, k),
+                       SINK=args.sink if args.sink is not None else q, **_sequence_tensors(q, args),
+                       **_sequence_bounds(q, args, k),
                        **dict(zip(("CACHE_SEQLENS", "CACHE_LEFTPAD", "CACHE_BATCH_IDX"),
                                   (t if t is not None else q for t in cache_tensors)))),
                   static)
@@ -530,7 +533,7 @@ def _backward_dkdv_sm90(q, k, v, dout, dk, dv, lse2, delta, args: AttnArgs, cfg,
                     FAST_TANH=fast_tanh(q), FOLD_SCALE=fold, IS_VARLEN=varlen,
                     HAS_SEQUSED=args.seqused_k is not None, STAGES=cfg.num_stages, num_warps=cfg.num_warps)
 
-    sequences = _sequence_tensors(lse2, args, q, k)
+    sequences = {**_sequence_tensors(lse2, args), **_sequence_bounds(q, args, k)}
     if varlen:
         # One batch row of all tokens for the TMA; each program finds its sequence's rows.
         q, k, v, dout = (t.unsqueeze(0) for t in (q, k, v, dout))
@@ -545,7 +548,7 @@ def _backward_dkdv_sm90(q, k, v, dout, dk, dv, lse2, delta, args: AttnArgs, cfg,
 
 _BWD_WS = CachedLaunch(attn_bwd_sm90_ws, ("q_desc", "k_desc", "v_desc", "do_desc", "dq_desc", "DK", "DV", "LSE2",
                                           "DELTA", "CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_K", "ALIBI_SLOPES",
-                                          "qk_scale", "softcap2", "softmax_scale") + _BWD_LENGTHS + _SEQUENCE_BOUNDS)
+                                          "qk_scale", "softcap2", "softmax_scale") + _BWD_LENGTHS)
 # The one-pass backward's consumer warpgroups after ``setmaxnreg`` (240 each, the producer and reducer warps' group
 # 24: the SM's 64K registers), and the cap the kernel is compiled under (12 warps at 168).
 _BWD_WS_CONSUMER_REGS = 240
@@ -575,16 +578,16 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
                     HAS_SEQUSED=args.seqused_k is not None, STAGES=2, CONSUMER_REGS=_BWD_WS_CONSUMER_REGS,
                     num_warps=4, maxnreg=_BWD_WS_MAXNREG)
 
-    sequences = _sequence_tensors(lse2, args, q, k)
     if varlen:
-        # One batch row of all tokens for the TMA; each CTA finds its sequence's rows.
+        # One batch row of all tokens for the TMA; each CTA finds its sequence's rows (the descriptors' rows bound
+        # their offsets).
         q, k, v, dout, dq_acc = (t.unsqueeze(0) for t in (q, k, v, dout, dq_acc))
     # A CTA's keys, a consumer's half of them; query steps of as many rows.
     rows = configs.ONE_PASS_KEYS // 2
     _BWD_WS(key, (cdiv(seqlen_k, configs.ONE_PASS_KEYS), nheads_kv, batch),
             dict(q_desc=_tma_desc(q, rows), k_desc=_tma_desc(k, rows), v_desc=_tma_desc(v, rows),
                  do_desc=_tma_desc(dout, rows), dq_desc=_tma_desc(dq_acc, rows, q.shape[3] // 2), DK=dk, DV=dv,
-                 LSE2=lse2, DELTA=delta, **sequences,
+                 LSE2=lse2, DELTA=delta, **_sequence_tensors(lse2, args),
                  ALIBI_SLOPES=alibi if alibi is not None else lse2, qk_scale=qk_scale, softcap2=softcap2,
                  softmax_scale=args.softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k), static)
 

@@ -108,7 +108,7 @@ def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, LSE2, DELTA, CU_
     # This sequence's query rows start at q_start of batch row tma_b, its keys at k_start; key_rows of them are
     # its own (past seqused_k, seqlen_k, they get zero gradients).
     q_start, seqlen_q, k_start, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
-                                                    total_q, total_k, ERR, IS_VARLEN, HAS_SEQUSED)
+                                                    total_q, total_k, ERR, IS_VARLEN, HAS_SEQUSED, False)
     key_rows = stored_keys(off_b, k_start, seqlen_k, CU_SEQLENS_K, total_k, HAS_SEQUSED)
     tma_b = off_b
     if IS_VARLEN:

@@ -45,14 +45,16 @@ def report_bad(ERR, bad, ARGUMENT: tl.constexpr, value, index):
 
 
 @triton.jit
-def packed_span(CU_SEQLENS, off_b, total, ERR, ARGUMENT: tl.constexpr):
+def packed_span(CU_SEQLENS, off_b, total, ERR, ARGUMENT: tl.constexpr, RECORD: tl.constexpr):
     """``(start, end)`` of sequence ``off_b`` of a packed tensor of ``total`` rows, from its offsets: any
     offset below 0, decreasing or past ``total`` is recorded and clamped, so the span lies inside the tensor
-    whatever ``CU_SEQLENS`` holds (two scalar compares per program)."""
+    whatever ``CU_SEQLENS`` holds (two scalar compares per program). ``RECORD``: note bad values in ``ERR`` (a
+    warp-specialized kernel has one partition do it)."""
     start = tl.load(CU_SEQLENS + off_b)
     end = tl.load(CU_SEQLENS + off_b + 1)
-    bad = (start < 0) | (end < start) | (end > total)
-    report_bad(ERR, bad, ARGUMENT, tl.where(start < 0, start, end), tl.where(start < 0, off_b, off_b + 1))
+    if RECORD:
+        bad = (start < 0) | (end < start) | (end > total)
+        report_bad(ERR, bad, ARGUMENT, tl.where(start < 0, start, end), tl.where(start < 0, off_b, off_b + 1))
     start = tl.minimum(tl.maximum(start, 0), total)
     end = tl.minimum(tl.maximum(end, start), total)
     return start, end
@@ -60,28 +62,30 @@ def packed_span(CU_SEQLENS, off_b, total, ERR, ARGUMENT: tl.constexpr):
 
 @triton.jit
 def sequence(off_b, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K, total_q, total_k, ERR,
-             IS_VARLEN: tl.constexpr, HAS_SEQUSED: tl.constexpr):
+             IS_VARLEN: tl.constexpr, HAS_SEQUSED: tl.constexpr, RECORD: tl.constexpr):
     """``(q_start, seqlen_q, k_start, seqlen_k)`` of sequence ``off_b``: where its rows start in
     the (packed) tensors and how many there are. Varlen: ``seqlen_q`` comes in as ``max_seqlen_q``
     (the grid's bound) and ``total_q``/``total_k`` are the packed tokens; whatever the offsets and
-    ``seqused_k`` hold, the rows returned lie inside the tensors (bad values go to ``ERR``)."""
+    ``seqused_k`` hold, the rows returned lie inside the tensors (bad values go to ``ERR`` with ``RECORD``)."""
     if IS_VARLEN:
         max_seqlen_q = seqlen_q
-        q_start, q_end = packed_span(CU_SEQLENS_Q, off_b, total_q, ERR, 1)
+        q_start, q_end = packed_span(CU_SEQLENS_Q, off_b, total_q, ERR, 1, RECORD)
         seqlen_q = q_end - q_start
-        # A sequence longer than max_seqlen_q (or _k) has rows no program of a grid covers: say so.
-        report_bad(ERR, seqlen_q > max_seqlen_q, 8, seqlen_q, off_b)
         max_seqlen_k = seqlen_k
-        k_start, k_end = packed_span(CU_SEQLENS_K, off_b, total_k, ERR, 2)
+        k_start, k_end = packed_span(CU_SEQLENS_K, off_b, total_k, ERR, 2, RECORD)
         seqlen_k = k_end - k_start
-        report_bad(ERR, seqlen_k > max_seqlen_k, 9, seqlen_k, off_b)
+        if RECORD:
+            # A sequence longer than max_seqlen_q (or _k) has rows no program of a grid covers: say so.
+            report_bad(ERR, seqlen_q > max_seqlen_q, 8, seqlen_q, off_b)
+            report_bad(ERR, seqlen_k > max_seqlen_k, 9, seqlen_k, off_b)
     else:
         q_start = 0
         k_start = 0
     if HAS_SEQUSED:
         used = tl.load(SEQUSED_K + off_b)
         # Never past the sequence's own keys (the next sequence's would be read): one scalar compare.
-        report_bad(ERR, (used < 0) | (used > seqlen_k), 3, used, off_b)
+        if RECORD:
+            report_bad(ERR, (used < 0) | (used > seqlen_k), 3, used, off_b)
         seqlen_k = tl.minimum(tl.maximum(used, 0), seqlen_k)
     return q_start, seqlen_q, k_start, seqlen_k
 
@@ -105,7 +109,7 @@ def packed_queries(off_b, seqlen_q, CU_SEQLENS_Q, total_q, ERR, IS_VARLEN: tl.co
     ``off_b`` of a dense q."""
     q_start = 0
     if IS_VARLEN:
-        q_start, q_end = packed_span(CU_SEQLENS_Q, off_b, total_q, ERR, 1)
+        q_start, q_end = packed_span(CU_SEQLENS_Q, off_b, total_q, ERR, 1, True)
         seqlen_q = tl.minimum(q_end - q_start, seqlen_q)
     return q_start, seqlen_q
 

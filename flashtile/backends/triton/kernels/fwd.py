@@ -88,7 +88,7 @@ def attn_fwd(Q, K, V, O, LSE, softmax_scale, softcap, window_left, window_right,
     # Causal rows near the end visit the most keys: launch them first for a shorter tail.
     start_m, off_b, off_h = program_block(MASK_RIGHT and not MASK_LEFT)
     q_start, seqlen_q, k_start, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
-                                                    total_q, total_k, ERR, IS_VARLEN, HAS_SEQUSED)
+                                                    total_q, total_k, ERR, IS_VARLEN, HAS_SEQUSED, True)
     # Varlen grids are sized for the longest sequence.
     if start_m * BLOCK_M >= seqlen_q:
         return

@@ -303,7 +303,7 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, qk_s
         q_start = 0
     else:
         q_start, seqlen_q, k_start, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K,
-                                                        SEQUSED_K, total_q, total_k, ERR, IS_VARLEN, HAS_SEQUSED)
+                                                        SEQUSED_K, total_q, total_k, ERR, IS_VARLEN, HAS_SEQUSED, True)
         if IS_VARLEN:
             # Varlen grids are sized for the longest sequence; packed tensors are one batch row for the TMA.
             if first_row >= seqlen_q:

@@ -42,18 +42,20 @@ def draw_case(index: int) -> dict:
                 causal=r.random() < 0.4, softcap=r.choice([0.0, 0.0, 5.0]),
                 alibi=r.random() < 0.2, sink=r.random() < 0.2)
     case["headdim_v"] = case["headdim"] if r.random() < 0.7 else r.choice([8, 24, 48])
-    # No left bound of 0: a row that sees one key has a softmax of 1, which PyTorch's 16-bit backward turns into an
-    # exactly-0 gradient, while ours (as flash-attn's) takes rowsum(dO * O) from the rounded O: the 2x rule then
-    # compares against an error of 0.
-    case["window"] = (r.choice([-1, 5, 33]), r.choice([-1, 0, 7])) if r.random() < 0.3 else (-1, -1)
+    # A row that sees one key has a softmax of 1, which PyTorch's 16-bit backward turns into an exactly-0 dK,
+    # while ours (as flash-attn's) takes rowsum(dO * O) from the rounded O: the 2x rule would compare an error of
+    # a few 1e-3 with 0. So rows of one key (a left bound of 0, sequences of one key) are drawn in float32 only.
+    one_key = 1 if case["dtype"] == torch.float32 else 2
+    left = [-1, 0, 5, 33] if one_key == 1 else [-1, 5, 33]
+    case["window"] = (r.choice(left), r.choice([-1, 0, 7])) if r.random() < 0.3 else (-1, -1)
     if case["kind"] == "dense":
-        case.update(batch=r.choice([1, 2]), seqlen_q=r.randint(1, longest), seqlen_k=r.randint(1, longest),
+        case.update(batch=r.choice([1, 2]), seqlen_q=r.randint(1, longest), seqlen_k=r.randint(one_key, longest),
                     bias=r.choice([None, None, "float", "bool"]), dropout_p=r.choice([0.0, 0.0, 0.17]))
     elif case["kind"] == "varlen":
         batch = r.randint(1, 4)
         lengths_q = [r.choice([0, 1, r.randint(1, longest)]) for _ in range(batch)]
-        lengths_k = [r.choice([0, 1, r.randint(1, longest)]) for _ in range(batch)]
-        seqused = [r.randint(0, n) for n in lengths_k] if r.random() < 0.3 else None
+        lengths_k = [r.choice([0, one_key, r.randint(one_key, longest)]) for _ in range(batch)]
+        seqused = [r.choice([0, n, r.randint(min(one_key, n), n)]) for n in lengths_k] if r.random() < 0.3 else None
         case.update(lengths_q=lengths_q, lengths_k=lengths_k, seqused_k=seqused,
                     dropout_p=r.choice([0.0, 0.0, 0.1]))
     else:

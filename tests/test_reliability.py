@@ -13,7 +13,7 @@ import torch
 
 import flashtile
 from flashtile import device_errors, validation
-from flashtile.testing import attention_varlen_ref, cu_seqlens_of
+from flashtile.testing import HOPPER, attention_varlen_ref, cu_seqlens_of
 
 HEADDIM = 16
 
@@ -329,3 +329,37 @@ def test_huge_finite_bias_swamps_the_scores_a_bool_mask_does_not(rng):
     masked = flashtile.flash_attn_func(q, k, v, attn_bias=keep)
     expected = torch.softmax(q[0, 1, 0] @ k[0, :2, 0].T / HEADDIM ** 0.5, -1) @ v[0, :2, 0]
     torch.testing.assert_close(masked[0, 1, 0], expected, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- the Hopper kernels (GPU only)
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon Hopper kernels need an sm_90 GPU")
+@pytest.mark.parametrize("deterministic", [True, False], ids=["gluon-dkdv", "one-pass"])
+@pytest.mark.parametrize("cu", [[0, 1000, 5000], [0, 3000, 2500, 4000], [-7, 1000, 4000]])
+def test_gluon_kernels_keep_bad_offsets_inside(unchecked, deterministic, cu):
+    """Packed d128 bf16 sequences long enough for the Gluon forward and (deterministic or not) the Gluon dK/dV or
+    the one-pass backward, with offsets past the 4000 tokens, decreasing or negative: finite results, recorded."""
+    gen = torch.Generator().manual_seed(len(cu))
+    q, k, v = (torch.randn(4000, 8, 128, generator=gen).to("cuda", torch.bfloat16).requires_grad_() for _ in range(3))
+    cu_t = int32(cu, "cuda")
+    out = flashtile.flash_attn_varlen_func(q, k, v, cu_t, cu_t, 4000, 4000, deterministic=deterministic)
+    out.float().sum().backward()
+    torch.cuda.synchronize()
+    for t in (out, q.grad, k.grad, v.grad):
+        assert torch.isfinite(t.float()).all()
+    assert recorded()["argument"] in ("cu_seqlens_q", "cu_seqlens_k")
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon Hopper kernels need an sm_90 GPU")
+def test_gluon_kvcache_forward_skips_a_bad_cache_row(unchecked):
+    """Chunked prefill on the Gluon forward over a contiguous cache: a batch row whose cache_batch_idx names no
+    row attends to nothing; the cache past the view is untouched."""
+    gen = torch.Generator().manual_seed(3)
+    buf = torch.randn(4, 2048, 8, 128, generator=gen).to("cuda", torch.bfloat16)
+    before = buf.clone()
+    q, k, v = (torch.randn(2, 300, 8, 128, generator=gen).to("cuda", torch.bfloat16) for _ in range(3))
+    out = flashtile.flash_attn_with_kvcache(q, buf[:2], buf[:2].clone(), k, v, cache_seqlens=int32([100, 100], "cuda"),
+                                            cache_batch_idx=int32([0, 3], "cuda"), causal=True)
+    assert torch.equal(buf[1:], before[1:])
+    assert out[1].abs().max() == 0 and torch.isfinite(out.float()).all()
+    assert recorded()["argument"] == "cache_batch_idx"

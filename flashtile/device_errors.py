@@ -52,36 +52,35 @@ def record(device) -> torch.Tensor:
     return rec
 
 
-def note(name: str, index: int, value: int) -> None:
-    """Record a bad value found on the host (the CPU backend's checks), as a kernel would on its device."""
-    rec = record("cpu")
+def note(name: str, index: int, value: int, device="cpu") -> None:
+    """Record a bad value found on the host (the torch backend's checks) in ``device``'s record, as a kernel
+    would (on CUDA this writes to the device: call it only where the values were read anyway)."""
+    rec = record(device)
     with _lock:
         if int(rec[CODE]) == 0:
             rec[CODE], rec[VALUE], rec[INDEX] = ARGUMENT_IDS[name], int(value), int(index)
         rec[COUNT] += 1
 
 
-def packed_spans(cu_seqlens: list, total: int, name: str, max_seqlen: int) -> list:
+def packed_spans(cu_seqlens: list, total: int, name: str, device="cpu") -> list:
     """``(start, end)`` of each sequence of a packed tensor of ``total`` rows, as the kernels take them
-    (``kernels/common.py: packed_span``): an offset below 0, decreasing or past ``total`` is noted and clamped,
-    and so is a sequence longer than ``max_seqlen`` (noted only). The torch backend's twin of the kernels'."""
+    (``kernels/common.py: packed_span``): an offset below 0, decreasing or past ``total`` is noted and clamped.
+    The torch backend's twin of the kernels' (it computes every row, so a short ``max_seqlen`` harms nothing)."""
     spans = []
     for b in range(len(cu_seqlens) - 1):
         start, end = cu_seqlens[b], cu_seqlens[b + 1]
         if start < 0 or end < start or end > total:
-            note(name, b if start < 0 else b + 1, start if start < 0 else end)
+            note(name, b if start < 0 else b + 1, start if start < 0 else end, device)
         start = min(max(start, 0), total)
         end = min(max(end, start), total)
-        if end - start > max_seqlen:
-            note("max_seqlen_" + name[-1], b, end - start)
         spans.append((start, end))
     return spans
 
 
-def used_keys(seqused: int, keys: int, b: int) -> int:
+def used_keys(seqused: int, keys: int, b: int, device="cpu") -> int:
     """``seqused_k[b]`` as the kernels take it: noted when below 0 or past the sequence's ``keys``, and clamped."""
     if seqused < 0 or seqused > keys:
-        note("seqused_k", b, seqused)
+        note("seqused_k", b, seqused, device)
     return min(max(seqused, 0), keys)
 
 

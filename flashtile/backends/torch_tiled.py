@@ -269,12 +269,13 @@ def _sequences(args: AttnArgs, total_q: int, total_k: int):
     and counts are clamped and noted in the error record, as the Triton kernels do (flashtile/device_errors.py)."""
     if args.attn_bias is not None:
         raise ValueError("attn_bias is for dense calls only; got one with cu_seqlens_q (a varlen call)")
-    spans_q = device_errors.packed_spans(args.cu_seqlens_q.tolist(), total_q, "cu_seqlens_q", args.max_seqlen_q)
-    spans_k = device_errors.packed_spans(args.cu_seqlens_k.tolist(), total_k, "cu_seqlens_k", args.max_seqlen_k)
+    device = args.cu_seqlens_q.device
+    spans_q = device_errors.packed_spans(args.cu_seqlens_q.tolist(), total_q, "cu_seqlens_q", device)
+    spans_k = device_errors.packed_spans(args.cu_seqlens_k.tolist(), total_k, "cu_seqlens_k", device)
     used_k = None if args.seqused_k is None else args.seqused_k.tolist()
     for b, ((q0, q1), (k0, k1)) in enumerate(zip(spans_q, spans_k)):
         if used_k is not None:
-            k1 = k0 + device_errors.used_keys(used_k[b], k1 - k0, b)
+            k1 = k0 + device_errors.used_keys(used_k[b], k1 - k0, b, device)
         yield q0, q1, k0, k1
 
 

@@ -279,6 +279,8 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, features
     batch, seqlen_q, seqlen_k, group = shape
     nheads = q.shape[-2]
     kvcache = isinstance(args, KVCacheArgs)
+    # The packed rows (or a KV cache's batch rows), taken before the packed tensors become one TMA batch row.
+    bounds = _sequence_bounds(q, args, k)
     if args.varlen:
         # Packed (tokens, heads, headdim) tensors are one batch row of the TMA's 4-d view.
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
@@ -318,8 +320,7 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, features
                   dict(q_desc=q_desc, k_desc=k_desc, v_desc=_tma_desc(v, cfg.BLOCK_N), q_tail_desc=q_tail,
                        k_tail_desc=k_tail, O=out, LSE=lse, qk_scale=qk_scale, softcap2=softcap2,
                        row_max=row_max or 0.0, ALIBI_SLOPES=alibi if alibi is not None else q,
-                       SINK=args.sink if args.sink is not None else q, **_sequence_tensors(q, args),
-                       **_sequence_bounds(q, args, k),
+                       SINK=args.sink if args.sink is not None else q, **_sequence_tensors(q, args), **bounds,
                        **dict(zip(("CACHE_SEQLENS", "CACHE_LEFTPAD", "CACHE_BATCH_IDX"),
                                   (t if t is not None else q for t in cache_tensors)))),
                   static)

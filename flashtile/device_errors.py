@@ -113,8 +113,13 @@ def message(error: dict) -> str:
     name = error["argument"]
     code = ARGUMENT_IDS.get(name)
     meaning = ARGUMENTS[code][1] if code else "out of range"
-    where = f"{name}[{error['index']}]" if name != "max_seqlen_q" else f"{name} (sequence {error['index']})"
-    shown = f"has length {error['value']}" if name.startswith("max_seqlen") else f"= {error['value']}"
+    index, value = error["index"], error["value"]
+    if name.startswith("max_seqlen"):
+        where, shown = f"{name} (sequence {index})", f"has length {value}"
+    elif name == "block_table":
+        where, shown = f"block_table[{index}, :]", f"holds {value}"
+    else:
+        where, shown = f"{name}[{index}]", f"= {value}"
     return (f"a kernel on {error['device']} met a bad index value: {where} {shown}: {meaning}; "
             f"{error['count']} program(s) met bad values since the last check. Set FLASHTILE_VALIDATE_VALUES=1 to "
             "have every call's index values checked on the host before launch")

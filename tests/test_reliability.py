@@ -160,6 +160,22 @@ def test_seqused_k_past_the_sequence_never_reads_the_next_one(backend, device, r
     assert (found["argument"], found["index"], found["value"]) == ("seqused_k", 0, 10)
 
 
+def test_max_seqlen_below_a_sequence_is_recorded(backend, device, rng, unchecked):
+    """The kernels' grids are sized by max_seqlen_q: the rows past it are not computed, and that is recorded.
+    The torch backend computes every row (nothing is lost, nothing recorded)."""
+    q, k, v = (randn(rng, 24, 2, HEADDIM, device=device) for _ in range(3))
+    cu = cu_seqlens_of([4, 20], device)
+    out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 8, 20)
+    if backend == "torch":
+        ref, _ = attention_varlen_ref(q, k, v, cu, cu)
+        torch.testing.assert_close(out, ref.to(out.dtype), atol=1e-4, rtol=1e-4)
+        assert flashtile.stats()["device_errors"] == []
+    else:
+        found = recorded()
+        assert (found["argument"], found["index"], found["value"]) == ("max_seqlen_q", 1, 20)
+        assert "max_seqlen_q (sequence 1) has length 20" in found["message"]
+
+
 def test_cache_leftpad_out_of_range_is_recorded(backend, device, rng, unchecked):
     k_cache, v_cache, _, _ = cache_in_buffer(rng, 2, 8, device)
     q = randn(rng, 2, 1, 2, HEADDIM, device=device)

@@ -110,6 +110,8 @@ def packed_queries(off_b, seqlen_q, CU_SEQLENS_Q, total_q, ERR, IS_VARLEN: tl.co
     q_start = 0
     if IS_VARLEN:
         q_start, q_end = packed_span(CU_SEQLENS_Q, off_b, total_q, ERR, 1, True)
+        # Rows past max_seqlen_q are past the grid: not computed, and said so.
+        report_bad(ERR, q_end - q_start > seqlen_q, 8, q_end - q_start, off_b)
         seqlen_q = tl.minimum(q_end - q_start, seqlen_q)
     return q_start, seqlen_q
 

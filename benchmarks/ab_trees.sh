@@ -4,7 +4,7 @@
 # Each run's JSON lands in $OUT/<tree><round>/.
 #
 #   git archive <commit> flashtile | tar -x -C /tmp/base      # the base tree
-#   bash benchmarks/ab_trees.sh /tmp/base benchmarks/varlen_decode.py
+#   bash benchmarks/ab_trees.sh /tmp/base benchmarks/dense_decode.py
 #   bash benchmarks/ab_trees.sh /tmp/base benchmarks/host_time.py 3 --only varlen
 set -euo pipefail
 base=$(cd "$1" && pwd); script=$2; rounds=${3:-2}

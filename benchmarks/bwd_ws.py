@@ -18,21 +18,30 @@ import torch
 import triton
 
 import flashtile
+from flashtile.backends import AttnArgs
 from flashtile.backends.triton import launch
 from flashtile.bench.variants import visible_pairs
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bwd_fused_dq  # noqa: E402
 from d256_fwd_tiles import time_it  # noqa: E402
 from host_time import kernel_copy  # noqa: E402
 
 
-def make(B, S, H, Hk, window, softcap, seed=0, dtype=torch.bfloat16, alibi=False):
-    t = bwd_fused_dq.make(B, S, H, Hk, window, dtype, seed=seed, softcap=softcap)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make(B, S, H, Hk, window, softcap, seed=0, dtype=torch.bfloat16, alibi=False, D=128):
+    """Seeded q, k, v, dO of ``(B, S, heads, D)``, their forward's out and lse, and the arguments."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn(B, S, H, D, device=DEV, dtype=dtype, generator=g)
+    k, v = (torch.randn(B, S, Hk, D, device=DEV, dtype=dtype, generator=g) for _ in range(2))
+    do = torch.randn(B, S, H, D, device=DEV, dtype=dtype, generator=g)
+    left, right = window
+    args = AttnArgs(softmax_scale=D ** -0.5, causal=right == 0 and left < 0, window_left=left, window_right=right,
+                    softcap=softcap)
     if not alibi:
-        return t
-    # ALiBi: geometric slopes per head, the forward run again with them.
-    q, k, v, do, _, _, args = t
+        return (q, k, v, do, *launch.forward(q, k, v, args), args)
+    # ALiBi: geometric slopes per head.
     slopes = (2.0 ** (-8.0 * torch.arange(1, H + 1, device=q.device) / H)).expand(B, H)
     args = replace(args, alibi_slopes=slopes)
     return (q, k, v, do, *launch.forward(q, k, v, args), args)

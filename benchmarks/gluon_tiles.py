@@ -62,102 +62,107 @@ def ref(q, k, v, a):
     return o.transpose(1, 2), lse
 
 
-res = []
-torch.manual_seed(0)
-bad = 0
-for (b, sq, sk, h, hk, causal, window, softcap, alibi, sink) in [
-        (2, 1000, 1000, 8, 2, False, (-1, -1), 0.0, False, False),
-        (1, 300, 1000, 4, 4, True, (-1, -1), 0.0, False, False),
-        (2, 777, 777, 4, 1, False, (256, 0), 0.0, False, True),
-        (1, 700, 900, 4, 2, False, (100, 50), 30.0, False, False),
-        (2, 1000, 1000, 8, 8, True, (-1, -1), 30.0, False, True), (1, 1100, 700, 4, 2, True, (-1, -1), 0.0, True, True),
-        (1, 513, 1537, 2, 1, False, (-1, -1), 10.0, False, True),
-        (3, 129, 4000, 4, 2, True, (-1, -1), 0.0, False, False)] + ([
-        (1, 1000, 1000, 4, 2, False, (1024, 0), 0.0, False, False), (2, 1111, 1111, 4, 4, False, (1000, 0), 0.0, True, False),
-        (1, 900, 1500, 4, 1, False, (70, 0), 0.0, False, True), (1, 1500, 900, 4, 2, False, (300, 200), 30.0, False, False),
-        (2, 640, 640, 2, 2, False, (10, 0), 0.0, False, False), (1, 777, 777, 4, 4, False, (64, 64), 0.0, False, False),
-        (1, 1000, 1300, 2, 2, False, (500, -1), 0.0, False, False), (1, 2000, 2000, 4, 2, True, (-1, -1), 30.0, True, True),
-        (2, 1000, 1000, 4, 4, False, (128, 0), 0.0, False, False), (1, 2000, 2000, 4, 2, False, (-1, -1), 30.0, True, False),
-        (1, 1500, 1500, 4, 2, False, (900, 0), 30.0, True, True)] if MODE == "window" else []):
-    q = torch.randn(b, sq, h, 128, device="cuda", dtype=dt)
-    k = torch.randn(b, sk, hk, 128, device="cuda", dtype=dt)
-    v = torch.randn(b, sk, hk, 128, device="cuda", dtype=dt)
-    a = args_for(h, b, causal, window, softcap, alibi, sink, 128 ** -0.5)
-    ro, rl = ref(q, k, v, a)
-    row = dict(check=[b, sq, sk, h, hk, causal, window, softcap, alibi, sink])
-    table_tile = fwd_config(128, dt, q.device, sk, a.window_left, a.window_right, softcap > 0)
-    for name, cfg in [("triton", table_tile)] + list(CFG.items()):
-        o, l = launch.forward(q, k, v, a, config=cfg)
-        fin = torch.isfinite(rl)
-        e = [round(float((o.float() - ro).abs().max()), 5), round(float((l[fin] - rl[fin]).abs().max()), 5),
-             bool((l[~fin] == float("-inf")).all())]
-        row[name] = e
-    # With softcap the Gluon kernel folds its scale into Q, rounded to 16 bits: its lse moves by up to ~3e-3.
-    lse_tol = 5e-3 if softcap else 1e-3
-    ok = all(row[n][0] <= 2 * row["triton"][0] + 2e-3 and row[n][1] < lse_tol and row[n][2] for n in CFG)
-    bad += not ok
-    row["ok"] = ok
-    print(json.dumps(row), flush=True)
-    res.append(row)
-print("checks: %d bad" % bad, flush=True)
+def main():
+    res = []
+    torch.manual_seed(0)
+    bad = 0
+    for (b, sq, sk, h, hk, causal, window, softcap, alibi, sink) in [
+            (2, 1000, 1000, 8, 2, False, (-1, -1), 0.0, False, False),
+            (1, 300, 1000, 4, 4, True, (-1, -1), 0.0, False, False),
+            (2, 777, 777, 4, 1, False, (256, 0), 0.0, False, True),
+            (1, 700, 900, 4, 2, False, (100, 50), 30.0, False, False),
+            (2, 1000, 1000, 8, 8, True, (-1, -1), 30.0, False, True), (1, 1100, 700, 4, 2, True, (-1, -1), 0.0, True, True),
+            (1, 513, 1537, 2, 1, False, (-1, -1), 10.0, False, True),
+            (3, 129, 4000, 4, 2, True, (-1, -1), 0.0, False, False)] + ([
+            (1, 1000, 1000, 4, 2, False, (1024, 0), 0.0, False, False), (2, 1111, 1111, 4, 4, False, (1000, 0), 0.0, True, False),
+            (1, 900, 1500, 4, 1, False, (70, 0), 0.0, False, True), (1, 1500, 900, 4, 2, False, (300, 200), 30.0, False, False),
+            (2, 640, 640, 2, 2, False, (10, 0), 0.0, False, False), (1, 777, 777, 4, 4, False, (64, 64), 0.0, False, False),
+            (1, 1000, 1300, 2, 2, False, (500, -1), 0.0, False, False), (1, 2000, 2000, 4, 2, True, (-1, -1), 30.0, True, True),
+            (2, 1000, 1000, 4, 4, False, (128, 0), 0.0, False, False), (1, 2000, 2000, 4, 2, False, (-1, -1), 30.0, True, False),
+            (1, 1500, 1500, 4, 2, False, (900, 0), 30.0, True, True)] if MODE == "window" else []):
+        q = torch.randn(b, sq, h, 128, device="cuda", dtype=dt)
+        k = torch.randn(b, sk, hk, 128, device="cuda", dtype=dt)
+        v = torch.randn(b, sk, hk, 128, device="cuda", dtype=dt)
+        a = args_for(h, b, causal, window, softcap, alibi, sink, 128 ** -0.5)
+        ro, rl = ref(q, k, v, a)
+        row = dict(check=[b, sq, sk, h, hk, causal, window, softcap, alibi, sink])
+        table_tile = fwd_config(128, dt, q.device, sk, a.window_left, a.window_right, softcap > 0)
+        for name, cfg in [("triton", table_tile)] + list(CFG.items()):
+            o, l = launch.forward(q, k, v, a, config=cfg)
+            fin = torch.isfinite(rl)
+            e = [round(float((o.float() - ro).abs().max()), 5), round(float((l[fin] - rl[fin]).abs().max()), 5),
+                 bool((l[~fin] == float("-inf")).all())]
+            row[name] = e
+        # With softcap the Gluon kernel folds its scale into Q, rounded to 16 bits: its lse moves by up to ~3e-3.
+        lse_tol = 5e-3 if softcap else 1e-3
+        ok = all(row[n][0] <= 2 * row["triton"][0] + 2e-3 and row[n][1] < lse_tol and row[n][2] for n in CFG)
+        bad += not ok
+        row["ok"] = ok
+        print(json.dumps(row), flush=True)
+        res.append(row)
+    print("checks: %d bad" % bad, flush=True)
 
-H, D = 16, 128
-cases = []
-for feat in ("plain", "softcap", "alibi", "sink"):
-    for causal in (False, True):
-        for B, S in ((4, 4096), (2, 8192), (1, 16384)):
-            cases.append((B, S, H, H, causal, (-1, -1), feat))
-cases += [(4, 4096, 32, 8, False, (-1, -1), "plain"), (4, 4096, 32, 8, True, (-1, -1), "plain"),
-          (1, 16384, H, H, False, (1024, 0), "plain"), (2, 8192, H, H, False, (1024, 0), "plain"),
-          (1, 16384, H, H, False, (1024, 0), "softcap"), (4, 4096, H, H, False, (2048, 0), "plain")]
-SHORT = MODE == "short"
-if SHORT:
-    cases = [(B, S, H, H, causal, (-1, -1), "plain") for causal in (False, True)
-             for B, S in ((32, 512), (16, 1024), (8, 2048), (4, 4096))]
-    cases += [(B, S, H, H, causal, (-1, -1), "alibi") for causal in (False, True)
-              for B, S in ((8, 2048), (4, 4096), (1, 16384))]
-if MODE == "window":
-    cases = [(B, S, H, H, False, (w, 0), "plain") for B, S, w in
-             ((1, 16384, 512), (1, 16384, 1024), (2, 8192, 1024), (1, 16384, 2048), (4, 4096, 2048), (1, 16384, 4096),
-              (2, 8192, 4096), (1, 16384, 8192))]
-    cases += [(1, 16384, H, H, False, (w, 0), feat) for w in (1024, 4096) for feat in ("softcap", "alibi", "sink")]
-    cases += [(4, 4096, 32, 8, False, (w, 0), "plain") for w in (1024, 2048)]
-if MODE == "softcap":
-    cases = [(B, S, H, H, False, (-1, -1), feat) for feat in ("softcap-fp16", "softcap60", "softcap-sink")
-             for B, S in ((4, 4096), (2, 8192), (1, 16384))]
-    cases += [(1, 16384, H, H, False, (w, 0), "softcap") for w in (2048, 4096, 8192)]
-# Feature name -> (dtype, softcap, sink): "softcap" is 30 in bf16, where the row max is held fixed.
-FEATURES = {"softcap": (torch.bfloat16, 30.0, False), "softcap-fp16": (torch.float16, 30.0, False),
-            "softcap60": (torch.bfloat16, 60.0, False), "softcap-sink": (torch.bfloat16, 30.0, True),
-            "sink": (torch.bfloat16, 0.0, True)}
-table = []
-for (B, S, h, hk, causal, window, feat) in cases:
-    dt, softcap, sink = FEATURES.get(feat, (torch.bfloat16, 0.0, False))
-    q = torch.randn(B, S, h, D, device="cuda", dtype=dt)
-    k, v = (torch.randn(B, S, hk, D, device="cuda", dtype=dt) for _ in range(2))
-    a = args_for(h, B, causal, window, softcap, feat == "alibi", sink, D ** -0.5)
-    flops = 4 * B * h * S * S * D / (2 if causal else 1)
-    if window[0] >= 0:
-        flops = 4 * B * h * D * sum(min(i, window[0]) + 1 for i in range(S))
-    table_tile = fwd_config(128, dt, q.device, S, a.window_left, a.window_right, softcap > 0)
-    cfgs = [("triton", table_tile)] + list(CFG.items())
-    if feat == "alibi" and not SHORT and MODE != "window":
-        cfgs = cfgs[:2]
-    times = {n: [] for n, _ in cfgs}
-    for rnd in range(3):
-        for n, cfg in cfgs:
-            times[n].append(events_us(lambda: launch.forward(q, k, v, a, config=cfg), 20))
-    row = dict(B=B, S=S, h=h, hk=hk, causal=causal, window=window, feat=feat,
-               us={n: [round(x, 1) for x in t] for n, t in times.items()},
-               tflops={n: round(flops / min(t) / 1e6) for n, t in times.items()})
-    print(json.dumps(row), flush=True)
-    table.append(row)
-commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-env = dict(commit=os.environ.get("FLASHTILE_GIT_COMMIT", commit), torch=torch.__version__,
-           triton=__import__("triton").__version__, gpu=torch.cuda.get_device_name())
-name = f"gsweep-{MODE}.json" if MODE else "gsweep.json"
-with open(os.path.join(os.environ.get("OUT", "/tmp"), name), "w") as f:
-    json.dump(dict(env=env, checks=res, table=table), f, indent=1)
-print("\nB S h/hk causal window feat | best-of-3 TFLOP/s:", " ".join(["triton"] + list(CFG)))
-for r in table:
-    print(r["B"], r["S"], "%d/%d" % (r["h"], r["hk"]), r["causal"], r["window"], r["feat"], "|", r["tflops"])
+    H, D = 16, 128
+    cases = []
+    for feat in ("plain", "softcap", "alibi", "sink"):
+        for causal in (False, True):
+            for B, S in ((4, 4096), (2, 8192), (1, 16384)):
+                cases.append((B, S, H, H, causal, (-1, -1), feat))
+    cases += [(4, 4096, 32, 8, False, (-1, -1), "plain"), (4, 4096, 32, 8, True, (-1, -1), "plain"),
+              (1, 16384, H, H, False, (1024, 0), "plain"), (2, 8192, H, H, False, (1024, 0), "plain"),
+              (1, 16384, H, H, False, (1024, 0), "softcap"), (4, 4096, H, H, False, (2048, 0), "plain")]
+    SHORT = MODE == "short"
+    if SHORT:
+        cases = [(B, S, H, H, causal, (-1, -1), "plain") for causal in (False, True)
+                 for B, S in ((32, 512), (16, 1024), (8, 2048), (4, 4096))]
+        cases += [(B, S, H, H, causal, (-1, -1), "alibi") for causal in (False, True)
+                  for B, S in ((8, 2048), (4, 4096), (1, 16384))]
+    if MODE == "window":
+        cases = [(B, S, H, H, False, (w, 0), "plain") for B, S, w in
+                 ((1, 16384, 512), (1, 16384, 1024), (2, 8192, 1024), (1, 16384, 2048), (4, 4096, 2048), (1, 16384, 4096),
+                  (2, 8192, 4096), (1, 16384, 8192))]
+        cases += [(1, 16384, H, H, False, (w, 0), feat) for w in (1024, 4096) for feat in ("softcap", "alibi", "sink")]
+        cases += [(4, 4096, 32, 8, False, (w, 0), "plain") for w in (1024, 2048)]
+    if MODE == "softcap":
+        cases = [(B, S, H, H, False, (-1, -1), feat) for feat in ("softcap-fp16", "softcap60", "softcap-sink")
+                 for B, S in ((4, 4096), (2, 8192), (1, 16384))]
+        cases += [(1, 16384, H, H, False, (w, 0), "softcap") for w in (2048, 4096, 8192)]
+    # Feature name -> (dtype, softcap, sink): "softcap" is 30 in bf16, where the row max is held fixed.
+    FEATURES = {"softcap": (torch.bfloat16, 30.0, False), "softcap-fp16": (torch.float16, 30.0, False),
+                "softcap60": (torch.bfloat16, 60.0, False), "softcap-sink": (torch.bfloat16, 30.0, True),
+                "sink": (torch.bfloat16, 0.0, True)}
+    table = []
+    for (B, S, h, hk, causal, window, feat) in cases:
+        dt, softcap, sink = FEATURES.get(feat, (torch.bfloat16, 0.0, False))
+        q = torch.randn(B, S, h, D, device="cuda", dtype=dt)
+        k, v = (torch.randn(B, S, hk, D, device="cuda", dtype=dt) for _ in range(2))
+        a = args_for(h, B, causal, window, softcap, feat == "alibi", sink, D ** -0.5)
+        flops = 4 * B * h * S * S * D / (2 if causal else 1)
+        if window[0] >= 0:
+            flops = 4 * B * h * D * sum(min(i, window[0]) + 1 for i in range(S))
+        table_tile = fwd_config(128, dt, q.device, S, a.window_left, a.window_right, softcap > 0)
+        cfgs = [("triton", table_tile)] + list(CFG.items())
+        if feat == "alibi" and not SHORT and MODE != "window":
+            cfgs = cfgs[:2]
+        times = {n: [] for n, _ in cfgs}
+        for rnd in range(3):
+            for n, cfg in cfgs:
+                times[n].append(events_us(lambda: launch.forward(q, k, v, a, config=cfg), 20))
+        row = dict(B=B, S=S, h=h, hk=hk, causal=causal, window=window, feat=feat,
+                   us={n: [round(x, 1) for x in t] for n, t in times.items()},
+                   tflops={n: round(flops / min(t) / 1e6) for n, t in times.items()})
+        print(json.dumps(row), flush=True)
+        table.append(row)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    env = dict(commit=os.environ.get("FLASHTILE_GIT_COMMIT", commit), torch=torch.__version__,
+               triton=__import__("triton").__version__, gpu=torch.cuda.get_device_name())
+    name = f"gsweep-{MODE}.json" if MODE else "gsweep.json"
+    with open(os.path.join(os.environ.get("OUT", "/tmp"), name), "w") as f:
+        json.dump(dict(env=env, checks=res, table=table), f, indent=1)
+    print("\nB S h/hk causal window feat | best-of-3 TFLOP/s:", " ".join(["triton"] + list(CFG)))
+    for r in table:
+        print(r["B"], r["S"], "%d/%d" % (r["h"], r["hk"]), r["causal"], r["window"], r["feat"], "|", r["tflops"])
+
+
+if __name__ == "__main__":
+    main()

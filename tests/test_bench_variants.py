@@ -25,10 +25,11 @@ ROW_KEYS = {"group", "prov", "variant", "N", "B", "H", "D", "causal", "visible_p
 
 
 def fake_flash_attn_func(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sink=None,
-                         attn_bias=None):
+                         attn_bias=None, return_attn_probs=False):
     """The reference in the input dtype: differentiable in q, k, v, sink and a float bias."""
-    return attention_ref(q, k, v, causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                         sink=sink, attn_bias=attn_bias, upcast=False)[0].to(q.dtype)
+    out, lse = attention_ref(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
+                             alibi_slopes=alibi_slopes, sink=sink, attn_bias=attn_bias, upcast=False)
+    return (out.to(q.dtype), lse.float(), None) if return_attn_probs else out.to(q.dtype)
 
 
 def fake_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False):
@@ -71,7 +72,8 @@ def test_default_cases_are_the_issues_shapes():
     window = by_group["window"]
     assert sorted({c.N for c in window}) == [4096, 8192, 16384] and {c.B for c in window} == {1}
     assert {(c.prov, c.variant) for c in window} == {("flashtile", "window"), ("flashtile", "causal"),
-                                                      ("flex", "window"), ("flex", "causal"), ("flash", "causal")}
+                                                      ("flex", "window"), ("flex", "causal"), ("flash", "causal"),
+                                                      ("fa4", "window"), ("fa4", "causal")}
     assert all(c.window == 1024 and c.causal for c in window if c.variant == "window")
     assert {c.seqlens for c in by_group["varlen_equal"]} == {(2048,) * 16}
     (mixed,) = {c.seqlens for c in by_group["varlen_mixed"]}
@@ -84,6 +86,8 @@ def test_default_cases_are_the_issues_shapes():
     assert {c.N for c in mods if c.prov == "flex"} == {8192}  # Flex compiles are the slow part
     assert {c.variant for c in by_group["bias"] if c.prov == "efficient"} == {"bias", "bias_grad"}
     assert {c.softcap for c in mods if c.variant == "softcap"} == {50.0}
+    assert {c.variant for c in mods if c.prov == "fa4"} == {"plain", "softcap", "sink"}  # FA4 has no ALiBi
+    assert {c.variant for c in by_group["varlen_mixed"] if c.prov == "fa4"} == {"varlen"}
 
 
 def test_cases_of_a_block_are_adjacent_and_providers_filter():

@@ -136,8 +136,8 @@ def test_api_splits_against_reference(device, rng, monkeypatch, nheads, nheads_k
     """Through the public API, with the rule choosing the parts (the interpreter pretends 8 SMs, so
     these few programs are split): the tolerance rule against the float64 reference holds."""
     chosen = []
-    rule = launch.bwd_plan
-    monkeypatch.setattr(launch, "bwd_plan", lambda *a: chosen.append(rule(*a)) or chosen[-1])
+    rule = configs.bwd_plan
+    monkeypatch.setattr(configs, "bwd_plan", lambda *a: chosen.append(rule(*a)) or chosen[-1])
     dtype = torch.float16 if device == "cpu" else torch.bfloat16
     seqlen = 203 if device == "cpu" else 8192
     q, k, v = make_qkv(1, seqlen, seqlen, nheads, nheads_kv, 64, dtype=dtype, device=device, generator=rng)
@@ -151,7 +151,7 @@ def test_api_splits_against_reference(device, rng, monkeypatch, nheads, nheads_k
 def test_api_varlen_splits_against_reference(device, rng, monkeypatch):
     """Varlen through the API with two parts forced, one sequence empty: the tolerance rule against
     the float64 reference holds for the output, lse and every gradient."""
-    monkeypatch.setattr(launch, "bwd_plan", lambda *a: (2, True))
+    monkeypatch.setattr(configs, "bwd_plan", lambda *a: (2, True))
     cu = torch.tensor([0, 70, 70, 203], dtype=torch.int32, device=device)
     q, k, v = (torch.randn(203, h, 32, generator=rng).to(device=device, dtype=torch.float16).requires_grad_()
                for h in (4, 2, 2))

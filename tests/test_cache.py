@@ -46,7 +46,7 @@ TOL = dict(atol=2e-3, rtol=2e-3) if DTYPE == torch.float16 else dict(atol=1e-5, 
 
 
 def test_module_example_runs(monkeypatch, capsys):
-    """The generation loop of flashtile/cache.py's docstring (also in the README) runs and prints what it says."""
+    """The generation loop of flashtile/cache.py's docstring runs and prints what it says."""
     monkeypatch.setattr(flashtile, "KVCache", KVCache, raising=False)
     monkeypatch.setattr(flashtile, "PagedKVCache", PagedKVCache, raising=False)
     code = flashtile.cache.__doc__.split("::\n", 1)[1]

@@ -12,7 +12,7 @@ import torch
 
 import flashtile
 from flashtile import dispatch, interface, replay, testing, validation
-from flashtile.backends.triton import launch
+from flashtile.backends.triton import configs, launch
 from flashtile.interface import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
                                  flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
                                  flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache)
@@ -576,7 +576,7 @@ def test_backward_of_a_copied_gradient_is_not_replayed(rng, unchecked, served):
 def test_split_backward_replays(rng, unchecked, served, monkeypatch, alongside, transposed):
     """Split key blocks (their partial sums added by a kernel into gradients of the inputs' strides), with
     the dQ kernel on a second stream on a GPU: the fork and join replay with the launches."""
-    monkeypatch.setattr(launch, "bwd_plan", lambda *args: (2, alongside))
+    monkeypatch.setattr(configs, "bwd_plan", lambda *args: (2, alongside))
     for step in range(3):
         shapes = ((1, 150, 4, 32), (1, 150, 1, 32), (1, 150, 1, 32))
         inputs = tuple(randn(rng, *shape) for shape in shapes)

@@ -13,6 +13,7 @@ import argparse
 import json
 
 from ..tools import flatten, int_list
+from . import common
 
 EXAMPLES = """\
 examples:
@@ -20,7 +21,10 @@ examples:
                                                # vs SDPA flash/cudnn/efficient/math, Flex, flash-attn; window,
                                                # varlen, softcap; decode; end to end. CPU only: the CPU comparison
   python -m flashtile bench --full             # every shape (about 20 min on an H200)
-  python -m flashtile bench --only fwd bwd     # stages: fwd bwd fwd_bwd window varlen softcap decode e2e
+  python -m flashtile bench --headline         # flashtile vs FA4, cuDNN, FA2, Flex: d64/128/256/192-128, N 1k/4k/16k,
+                                               # causal and not, fwd and bwd, plus the model shapes (~5 min)
+  python -m flashtile bench --report           # BENCHMARKS.md from benchmarks/results/index.json
+  python -m flashtile bench --only fwd bwd     # stages: fwd bwd fwd_bwd models window varlen softcap decode e2e
                                                # (dense = fwd bwd fwd_bwd, variants = window varlen softcap)
   python -m flashtile bench --only decode --providers flashtile cudnn flash
   python -m flashtile bench --full --only dense --headdims 64 96 --out /tmp/results   # a part of --full
@@ -35,13 +39,15 @@ examples:
 
 Dense shapes: batch = 16384 // seqlen, nheads = 2048 // headdim, plus GQA 32/8 at headdim 128.
 TFLOP/s: fwd = 4*B*H*Sq*Sk*D (halved when causal), bwd = 2.5x, fwd+bwd = 3.5x; GB/s from a modeled
-byte count (stated in the output). Writes <out>/<gpu>-suite-<quick|full>[-<selection>]-<date>.json,
-.md and -*.png (cpu-suite-... without a GPU). Exit status 1 when flashtile measured nothing.
+byte count (stated in the output). Every provider is validated before it is timed (output, LSE, dQ, dK, dV
+against the fp32 reference; a failure is an "invalid (err X)" cell, never a speed; --no-check skips it).
+Writes <out>/<gpu>-suite-<grid>[-<selection>]-<date>T<time>.json, .md and -*.png (cpu-suite-... without a
+GPU; <out> defaults to ./flashtile-results). Exit status 1 when flashtile measured nothing.
 --suite variants writes <out>/<gpu>-variants-<date>.json; of the options above it takes --quick,
 --providers, --dtype, --device, --no-check, --out and --json.
 """
 
-SUITE_ONLY = ("seqlens", "headdims", "causal", "only", "full", "merge", "no_plots")
+SUITE_ONLY = ("seqlens", "headdims", "causal", "only", "full", "headline", "merge", "no_plots")
 
 
 def _word_list(text: str) -> list[str]:
@@ -70,6 +76,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     grid = parser.add_mutually_exclusive_group()
     grid.add_argument("--quick", action="store_true", help="the quick grid (the default; ~5 min on an H200)")
     grid.add_argument("--full", action="store_true", help="the full grid (~20 min on an H200)")
+    grid.add_argument("--headline", action="store_true",
+                      help="the table against FA4, cuDNN, FA2 (SDPA flash) and Flex: MHA d64/128/256/192-128, N 1k/4k/16k, "
+                           "causal and not, fwd and bwd, then the model shapes (~5 min on an H200)")
     parser.add_argument("--only", nargs="+", type=_word_list, metavar="STAGE",
                         help=f"stages to run: {' '.join(suite.STAGES)}, or {' '.join(suite.STAGE_ALIASES)} (default all)")
     parser.add_argument(
@@ -91,7 +100,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--no-plots", action="store_true", help="no PNG plots")
     parser.add_argument("--merge", nargs="+", metavar="JSON",
                         help="combine suite result files (e.g. --full run in parts) into one JSON, Markdown and plots in --out")
-    parser.add_argument("--out", default="benchmarks/results", metavar="DIR", help="where the files go (default: %(default)s)")
+    parser.add_argument("--out", default=common.DEFAULT_OUT, metavar="DIR",
+                        help="where the files go, named with the date and time so no run overwrites another "
+                             "(default: %(default)s in the current directory)")
+    parser.add_argument("--report", action="store_true",
+                        help="regenerate BENCHMARKS.md from the committed result files of benchmarks/results/index.json")
     parser.add_argument("--json", action="store_true", help="print the result JSON on stdout (the report goes to stderr)")
     parser.set_defaults(func=run, parser=parser)
     return parser
@@ -112,6 +125,11 @@ def run(args) -> int:
 
     for name in ("seqlens", "headdims", "providers", "groups", "only"):
         setattr(args, name, flatten(getattr(args, name)))
+    if args.report:
+        from . import results
+
+        print(results.write_report())
+        return 0
     if args.suite == "variants":
         return _run_variants(args)
     if args.groups:

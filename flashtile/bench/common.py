@@ -1,5 +1,5 @@
 """Pieces shared by the benchmark stages: FLOP and byte models, timers and their statistics,
-marked cells for failures, the reference check, the kernel-name proof, environment capture,
+marked cells for failures, the kernel-name proof, environment capture,
 result files, tables and the progress line.
 
 Nothing here imports CUDA-only modules, so the CPU path can use all of it.
@@ -171,9 +171,12 @@ _UNSUPPORTED = re.compile(r"no available kernel|no viable backend|not supported|
 
 
 def error_kind(label: str) -> str:
-    """``oom``, ``n/a`` (not installed / not implemented), ``unsupported`` (the peer refuses the shape)
-    or ``error``, from a :func:`describe_error` label."""
+    """``oom``, ``n/a`` (not installed / not implemented), ``unsupported`` (the peer refuses the shape),
+    ``withdrawn`` (a published number taken back, see :mod:`flashtile.bench.results`) or ``error``, from a
+    :func:`describe_error` label."""
     kind, _, text = label.partition(":")
+    if label.startswith("withdrawn"):
+        return "withdrawn"
     if kind == "OOM":
         return "oom"
     if kind in ("Unavailable", "ModuleNotFoundError", "ImportError"):
@@ -183,42 +186,20 @@ def error_kind(label: str) -> str:
     return "error"
 
 
+def invalid_cell(row: dict) -> str:
+    """The table cell of a row whose results broke the tolerance rule: ``invalid (err 2.7e+00)``."""
+    err = row.get("invalid_err")
+    return f"invalid (err {err:.1e})" if isinstance(err, (int, float)) else "invalid"
+
+
 def short_error(label: str) -> str:
     """A table cell for an error label: ``OOM``, ``n/a``, ``unsupported`` or ``ERR(<exception type>)``."""
     kind = error_kind(label)
+    if kind == "withdrawn":
+        return label
     if kind == "error":
         return f"ERR({label.split(':', 1)[0]})"
     return "OOM" if kind == "oom" else kind
-
-
-def reference_output(q, k, v, causal: bool, heads: int | None = None, chunk_bytes: float = 2**30):
-    """``attention_ref`` output (fp32 on CUDA, fp64 on CPU) of q ``(batch, seqlen_q, nheads, headdim)``,
-    k ``(batch, seqlen_k, nheads_kv, headdim)``, v ``(batch, seqlen_k, nheads_kv, headdim_v)``.
-
-    Computed a few query heads at a time so each chunk's score block stays near ``chunk_bytes`` (the
-    whole matrix can exceed memory); a chunk is a divisor of a KV group or whole groups, so it always
-    has whole KV heads. ``heads`` keeps only the first query heads, a cheap spot check where the
-    reference is slow.
-    """
-    from ..testing import attention_ref, reference_dtype
-
-    batch, seqlen_q, nheads, _ = q.shape
-    seqlen_k, nheads_kv, headdim_v = k.shape[1], k.shape[2], v.shape[-1]
-    group = nheads // nheads_kv
-    kept = min(nheads, heads) if heads else nheads
-    ref_dtype = reference_dtype(q.device)
-    per_head = batch * seqlen_q * seqlen_k * torch.finfo(ref_dtype).bits // 8
-    fit = max(1, int(chunk_bytes // per_head))  # query heads whose scores fit in a chunk
-    size = fit // group * group if fit >= group else max(d for d in range(1, fit + 1) if group % d == 0)
-    out = torch.empty((batch, seqlen_q, kept, headdim_v), dtype=ref_dtype, device=q.device)
-    with torch.no_grad():
-        for h0 in range(0, kept, size):
-            h1 = min(h0 + size, nheads)
-            k0, k1 = h0 // group, (h1 - 1) // group + 1
-            ref = attention_ref(q[:, :, h0:h1], k[:, :, k0:k1], v[:, :, k0:k1], causal=causal)[0]
-            top = min(h1, kept)
-            out[:, :, h0:top] = ref[:, :, : top - h0]
-    return out
 
 
 def error_fields(row: dict) -> dict:
@@ -227,8 +208,11 @@ def error_fields(row: dict) -> dict:
 
 
 def row_status(row: dict) -> str:
-    """One word per result row: ``ok``; ``skipped``; the kind of its main failure (``oom``, ``n/a``,
+    """One word per result row: ``ok``; ``invalid`` (its results broke the tolerance rule: never timed);
+    ``skipped``; the kind of its main failure (``oom``, ``n/a``,
     ``unsupported``, ``error``: nothing measured); or ``partial`` (measured, but a later stage failed)."""
+    if row.get("invalid"):
+        return "invalid"
     if row.get("skipped"):
         return "skipped"
     main = row.get("fwd_err") or row.get("err")
@@ -323,6 +307,7 @@ def base_env() -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "argv": sys.argv[1:],
+        **machine_load(),
     }
 
 
@@ -366,8 +351,47 @@ def write_json(path: Path, payload: dict) -> Path:
     return path
 
 
-def result_path(out_dir: str | Path, prefix: str, date: str) -> Path:
-    return Path(out_dir) / f"{prefix}-{date}.json"
+DEFAULT_OUT = "flashtile-results"  # results go here, under the current directory, unless --out says otherwise
+
+
+def stamp(env: dict) -> str:
+    """``2026-11-27T153012Z``: the run's start (``env["time_utc"]``) for its file names."""
+    return env["time_utc"].replace(":", "")
+
+
+def unique_stem(out_dir: str | Path, name: str) -> Path:
+    """``out_dir / name``, or ``name-2``, ``name-3``... when a file of that stem exists: a run never
+    overwrites another's results."""
+    out_dir = Path(out_dir)
+    stem, n = out_dir / name, 1
+    while any(out_dir.glob(f"{stem.name}.*")) or any(out_dir.glob(f"{stem.name}-*.png")):
+        n += 1
+        stem = out_dir / f"{name}-{n}"
+    return stem
+
+
+def result_path(out_dir: str | Path, prefix: str, env: dict) -> Path:
+    """A new ``<out_dir>/<prefix>-<date>T<time>Z.json`` (see :func:`unique_stem`)."""
+    return unique_stem(out_dir, f"{prefix}-{stamp(env)}").with_suffix(".json")
+
+
+def machine_load() -> dict:
+    """``{"load_1m", "cpus", "busy"}``: the 1-minute load average against the cores this process may use;
+    ``busy`` when other work holds more than half of them (timings then swing)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return {"load_1m": None, "cpus": cpus, "busy": None}
+    return {"load_1m": round(load, 2), "cpus": cpus, "busy": load > 0.5 * cpus}
+
+
+def load_warning(env: dict) -> str | None:
+    """One line flagging a busy machine from ``env``'s load fields, or None."""
+    if env.get("busy"):
+        return (f"BUSY MACHINE: load average {env['load_1m']} on {env['cpus']} cores at the start; timings "
+                "(CPU timings most of all) may be slower and noisier than on an idle machine")
+    return None
 
 
 # ---------------------------------------------------------------- tables

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from . import common
+from . import common, validate
 from .providers import naive_attention
 
 PROVIDERS = ("flashtile", "naive", "sdpa")
@@ -73,6 +73,13 @@ def worker(spec: dict) -> dict:
     _forward(spec["provider"], *_inputs(1, 128, *shape[2:], dtype), spec["causal"])()
     q, k, v = _inputs(*shape, dtype)
     fwd = _forward(spec["provider"], q, k, v, spec["causal"])
+    if spec["check"] and spec["provider"] != "naive":  # checked before it is timed: a wrong result is no speed
+        with torch.no_grad():
+            checked = validate.verdict({"out": fwd()}, validate.output_reference(q, k, v, 1, causal=spec["causal"]))
+        if checked.get("invalid"):
+            return checked
+    else:
+        checked = {}
     flashtile.reset_stats()
     load_before = os.getloadavg()[0]
     base = _maxrss_bytes()
@@ -88,10 +95,7 @@ def worker(spec: dict) -> dict:
     }
     if spec["provider"] == "flashtile":
         result["flashtile_stats"] = flashtile.stats()
-    if spec["check"] and spec["provider"] != "naive":
-        with torch.no_grad():
-            result["max_abs_err"] = common.max_abs_err(fwd(), common.reference_output(q, k, v, spec["causal"], heads=1))
-    return result
+    return {**result, **checked}
 
 
 def worker_main() -> None:
@@ -161,8 +165,9 @@ def format_table(rows: list[dict]) -> str:
     table = []
     order = {p: i for i, p in enumerate(PROVIDERS)}
     for r in sorted(rows, key=lambda r: (r["D"], r["causal"], r["N"], order.get(r["prov"], 99))):
-        if r.get("err"):
-            table.append([str(r["D"]), str(r["N"]), str(r["causal"]).lower(), r["prov"], common.short_error(r["err"]), "-", "-", "-", "-"])
+        if r.get("err") or r.get("invalid"):
+            cell = common.invalid_cell(r) if r.get("invalid") else common.short_error(r["err"])
+            table.append([str(r["D"]), str(r["N"]), str(r["causal"]).lower(), r["prov"], cell, "-", "-", "-", "-"])
             continue
         base = naive_ms.get((r["D"], r["N"], r["causal"]))
         table.append([
@@ -209,4 +214,6 @@ def sweep(seqlens, headdims, causals, providers, dtype_name: str, check: bool, o
 def progress_text(row: dict) -> str:
     if row.get("err"):
         return row["err"]
+    if row.get("invalid"):
+        return f"INVALID, not timed: {row['invalid']}"
     return f"{row['fwd_ms']:.1f} ms, peak extra {common.fmt_bytes(row['peak_extra_GB'] * 1e9)}"

@@ -30,7 +30,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from . import common, gpu, providers
+from . import common, gpu, providers, validate
 
 HEADS, KV_HEADS, HEADDIM = 32, 8, 128
 LAYOUTS = {"contiguous": None, "paged16": 16, "paged256": 256}
@@ -206,14 +206,17 @@ def measure(prov: str, cache: dict, shape: DecodeShape, layout: str, timer, refe
             row["first_call_s"] = round(time.perf_counter() - start, 3)
             if reference is not None:
                 try:
-                    row["max_abs_err"] = common.max_abs_err(out[: reference.shape[0]], reference)
-                    row["ref_batch"] = reference.shape[0]
-                except Exception as exc:  # noqa: BLE001 - a failed check must not hide the timing
-                    row["check_err"] = common.describe_error(exc)
+                    row.update(validate.verdict({"out": out[: reference.hi["out"].shape[0]]}, reference))
+                    row["ref_batch"] = reference.hi["out"].shape[0]
+                except Exception as exc:  # noqa: BLE001 - a check that cannot run is no pass
+                    row["invalid"] = f"check failed: {common.describe_error(exc)}"
             del out
-            row.update(common.timing_fields("step", timer(p.fwd)))
+            if not row.get("invalid"):
+                row.update(common.timing_fields("step", timer(p.fwd)))
         except Exception as exc:  # noqa: BLE001
             row["err"] = common.describe_error(exc)
+        if row.get("invalid"):
+            graphs = profile = False
         if "err" not in row and profile:
             try:
                 row.update(common.kernel_proof(p.fwd, cuda))
@@ -245,13 +248,11 @@ def add_rates(row: dict, shape: DecodeShape, ceiling_tbps: float | None) -> None
                 row[f"{prefix}_frac_peak"] = rate / (ceiling_tbps * 1e3)
 
 
-def reference(cache: dict) -> torch.Tensor:
-    """fp32 (fp64 on CPU) attention of the first :data:`REF_BATCH` sequences, ``(b, 1, H, D)``."""
-    from ..testing import attention_ref
-
+def reference(cache: dict) -> validate.Reference:
+    """Both sides of the tolerance rule for the output of the first :data:`REF_BATCH` sequences, ``(b, 1, H, D)``:
+    fp32 (fp64 on CPU) attention and the same in the cache's dtype."""
     b = min(REF_BATCH, cache["q"].shape[0])
-    with torch.no_grad():
-        return attention_ref(cache["q"][:b], cache["k"][:b], cache["v"][:b])[0]
+    return validate.output_reference(cache["q"][:b], cache["k"][:b], cache["v"][:b], heads=cache["q"].shape[2])
 
 
 def run(shapes, layouts, chosen, device, timer, check: bool, on_row: Callable, graphs: bool = True,
@@ -291,6 +292,8 @@ def label_of(row: dict) -> str:
 def progress_text(row: dict) -> str:
     if row.get("err"):
         return f"failed: {row['err']}"
+    if row.get("invalid"):
+        return f"INVALID, not timed: {row['invalid']}"
     text = f"{row['step_ms'] * 1e3:.1f} us/step {row.get('step_GBps', 0):.0f} GB/s"
     if row.get("graph_ms"):
         text += f"; graph {row['graph_ms'] * 1e3:.1f} us"

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from . import common, providers
+from . import common, providers, validate
 
 DENSE_STAGES = ("fwd", "bwd", "fwd_bwd")
 
@@ -103,9 +103,10 @@ def measure(name: str, inputs: dict, shape: providers.DenseShape, timer, stages=
             profile: bool = False, memory: bool = True) -> dict:
     """One provider on one shape: its row (see :class:`providers.DenseShape` for the key fields).
 
-    The forward is always timed (a backward needs it); ``bwd`` and ``fwd_bwd`` when in ``stages``.
-    ``reference`` (``(B, S, heads, Dv)``, a prefix of the heads) gives ``max_abs_err``; ``profile``
-    records the kernel names; ``memory`` the peak extra memory (CUDA only)."""
+    With ``reference`` (a :class:`validate.Reference`) the provider's output, LSE and, when a backward
+    stage runs, gradients are checked first (:func:`validate.check`); a provider that fails is marked
+    ``invalid`` and not timed. The forward is always timed (a backward needs it); ``bwd`` and ``fwd_bwd``
+    when in ``stages``. ``profile`` records the kernel names; ``memory`` the peak extra memory (CUDA only)."""
     row = shape.key(name)
     reason = providers.not_applicable(name, shape)
     if reason:
@@ -124,28 +125,29 @@ def measure(name: str, inputs: dict, shape: providers.DenseShape, timer, stages=
             out = p.fwd()  # the first call compiles (Triton, inductor): excluded from the timings
             common.synchronize(out.device)
             row["first_call_s"] = round(time.perf_counter() - start, 3)
-            if reference is not None:
-                try:
-                    got = out.transpose(1, 2) if p.heads_first else out
-                    row["max_abs_err"] = common.max_abs_err(got.detach(), reference)
-                    row["ref_heads"] = reference.shape[2]
-                except Exception as exc:  # noqa: BLE001 - a failed check must not hide the timing
-                    row["check_err"] = common.describe_error(exc)
-            row.update(common.timing_fields("fwd", timer(p.fwd)))
+            out = None
+            try:
+                row.update(validate.check(p, reference, backward))
+            except Exception as exc:  # noqa: BLE001 - a check that cannot run is no pass
+                row["invalid"] = f"check failed: {common.describe_error(exc)}"
+            if not row.get("invalid"):
+                row.update(common.timing_fields("fwd", timer(p.fwd)))
+                out = p.fwd()
         except Exception as exc:  # noqa: BLE001
             row["fwd_err"] = common.describe_error(exc)
-        if "fwd_err" not in row and "bwd" in stages:
+        timed = "fwd_err" not in row and not row.get("invalid")
+        if timed and "bwd" in stages:
             row.update(time_backward(p, out, timer, row["fwd_ms"]))
         out = None  # frees the retained graph
         _clear_grads(p.leaves)
-        if "fwd_err" not in row and "fwd_bwd" in stages:
+        if timed and "fwd_bwd" in stages:
             try:
                 both = timer(lambda: p.fwd().backward(p.dout), grad_to_none=list(p.leaves))
                 row.update(common.timing_fields("fwd_bwd", both))
             except Exception as exc:  # noqa: BLE001
                 row["fwd_bwd_err"] = common.describe_error(exc)
             _clear_grads(p.leaves)
-        if "fwd_err" not in row and memory and _is_cuda(p):
+        if timed and memory and _is_cuda(p):
             try:
                 row["peak_extra_GB"] = peak_extra_bytes(p, backward) / 1e9
                 row["peak_mode"] = "fwd+bwd" if backward else "fwd (no_grad)"
@@ -181,6 +183,16 @@ def driver_version() -> str | None:
         return None
 
 
+def _package_version(name: str) -> str | None:
+    """The installed version of a distribution (a peer's), or None."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def _env(dtype_name: str | None = None) -> dict:
     import triton
 
@@ -198,6 +210,7 @@ def _env(dtype_name: str | None = None) -> dict:
             "cuda": torch.version.cuda,
             "cudnn": torch.backends.cudnn.version(),
             "triton": triton.__version__,
+            "fa4": _package_version("flash-attn-4"),
             "cpu": common.cpu_model(),
         }
     )
@@ -212,6 +225,8 @@ def _progress(row: dict) -> str:
         return f"skipped: {row['skipped']}"
     if row.get("fwd_err"):
         return f"fwd failed: {row['fwd_err']}"
+    if row.get("invalid"):
+        return f"INVALID, not timed: {row['invalid']}"
     text = f"fwd {row['fwd_ms']:.3f} ms"
     if row.get("fwd_tflops") is not None:
         text += f" {_rate(row['fwd_tflops'])} TFLOP/s"

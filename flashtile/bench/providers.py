@@ -16,20 +16,22 @@ by the naive reference):
 - ``flex``: ``torch.compile(flex_attention, dynamic=False)`` with a causal block mask; the compile
   cache is reset for every shape (``torch._dynamo.reset()``), so it never hits the recompile limit;
   CUDA only.
-- ``flash_attn``: ``flash_attn.flash_attn_func`` when the package is importable.
+- ``flash_attn``: ``flash_attn.flash_attn_func`` (flash-attn 2) when the package is importable.
+- ``fa4``: FlashAttention-4, ``flash_attn.cute.flash_attn_func`` (CuTe DSL; FA3-class kernels on sm90),
+  which returns ``(out, lse)``; windows, softcap and sinks (``learnable_sink``) through its own arguments.
 - ``naive``: ``softmax(q k^T * scale) v`` with the whole score matrix, K and V repeated per group.
 """
 from __future__ import annotations
 
 import contextlib
 import importlib
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 from . import common
 
-NAMES = ("flashtile", "flash", "cudnn", "efficient", "math", "flex", "flash_attn", "naive")
+NAMES = ("flashtile", "fa4", "cudnn", "flash", "flex", "efficient", "math", "flash_attn", "naive")
 SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
                  "math": "MATH"}
 # naive and math materialize the (B, H, Sq, Sk) scores (and their softmax and gradient): past this many
@@ -46,10 +48,14 @@ class Provider(NamedTuple):
     dout: torch.Tensor
     scope: contextlib.AbstractContextManager
     heads_first: bool
+    with_lse: Optional[Callable] = None  # () -> (out, lse (B, H, S)) where the provider returns its LSE
+
+
 
 
 class DenseShape(NamedTuple):
-    """One shape of the dense sweep (square: ``seqlen_q = seqlen_k = seqlen``)."""
+    """One shape of the dense sweep or of the model shapes (square: ``seqlen_q = seqlen_k = seqlen``), with
+    the features a model shape adds: a left window ``(window, 0)``, ``softcap``, a learned ``sink`` per head."""
 
     batch: int
     seqlen: int
@@ -59,16 +65,45 @@ class DenseShape(NamedTuple):
     headdim_v: int
     causal: bool
     dtype: str
+    window: Optional[int] = None
+    softcap: float = 0.0
+    sink: bool = False
 
     def key(self, provider: str) -> dict:
         """The identifying fields of a result row."""
-        return {"prov": provider, "dtype": self.dtype, "D": self.headdim, "Dv": self.headdim_v, "H": self.nheads,
-                "Hkv": self.nheads_kv, "N": self.seqlen, "B": self.batch, "causal": self.causal}
+        row = {"prov": provider, "dtype": self.dtype, "D": self.headdim, "Dv": self.headdim_v, "H": self.nheads,
+               "Hkv": self.nheads_kv, "N": self.seqlen, "B": self.batch, "causal": self.causal}
+        if self.window is not None:
+            row["window"] = [self.window, 0]
+        if self.softcap:
+            row["softcap"] = self.softcap
+        if self.sink:
+            row["sink"] = True
+        return row
 
     def flops(self, stage: str = "fwd") -> float:
-        fwd = common.attn_flops(self.batch, self.nheads, self.seqlen, self.seqlen, self.headdim, self.causal,
-                                self.headdim_v)
+        """Matmul FLOPs on the (query, key) pairs the mask leaves visible (a window's only)."""
+        if self.window is None:
+            fwd = common.attn_flops(self.batch, self.nheads, self.seqlen, self.seqlen, self.headdim, self.causal,
+                                    self.headdim_v)
+        else:
+            pairs = sum(min(i, self.window) + 1 for i in range(self.seqlen))
+            fwd = 2.0 * self.batch * self.nheads * pairs * (self.headdim + self.headdim_v)
         return common.STAGE_FLOPS_FACTOR[stage] * fwd
+
+    def features(self, inputs: dict) -> dict:
+        """flashtile's (and the reference's) keyword arguments for this shape."""
+        kwargs = {"causal": self.causal}
+        if self.window is not None:
+            kwargs["window_size"] = (self.window, 0)
+        if self.softcap:
+            kwargs["softcap"] = self.softcap
+        if self.sink:
+            kwargs["sink"] = inputs["sink"]
+        return kwargs
+
+    def plain(self) -> bool:
+        return self.window is None and not self.softcap and not self.sink
 
     def bytes(self, stage: str = "fwd") -> int:
         elt = torch.finfo(common.DTYPES[self.dtype]).bits // 8
@@ -78,7 +113,8 @@ class DenseShape(NamedTuple):
 
 def make_inputs(batch, seqlen, nheads, nheads_kv, headdim, headdim_v, dtype, device) -> dict:
     """q, k, v and dout in both layouts, seeded: ``bshd`` ``[q, k, v]`` ``(B, S, H, D)`` leaves,
-    ``bhsd`` contiguous ``(B, H, S, D)`` leaves (the SDPA / Flex layout), ``dout_bshd``, ``dout_bhsd``."""
+    ``bhsd`` contiguous ``(B, H, S, D)`` leaves (the SDPA / Flex layout), ``dout_bshd``, ``dout_bhsd``, and a
+    float32 ``sink`` ``(H,)`` for the shapes that use one."""
     gen = torch.Generator(device=device).manual_seed(0)
     shapes = [(batch, seqlen, nheads, headdim), (batch, seqlen, nheads_kv, headdim),
               (batch, seqlen, nheads_kv, headdim_v), (batch, seqlen, nheads, headdim_v)]
@@ -89,6 +125,7 @@ def make_inputs(batch, seqlen, nheads, nheads_kv, headdim, headdim_v, dtype, dev
         "bhsd": bhsd,
         "dout_bshd": dout,
         "dout_bhsd": dout.transpose(1, 2).contiguous(),
+        "sink": torch.randn((nheads,), generator=gen, device=device, dtype=torch.float32),
     }
 
 
@@ -121,14 +158,46 @@ def _flashtile(inputs, shape: DenseShape) -> Provider:
     import flashtile
 
     q, k, v = inputs["bshd"]
-    fwd = lambda: flashtile.flash_attn_func(q, k, v, causal=shape.causal)  # noqa: E731
-    return Provider(fwd, (q, k, v), inputs["dout_bshd"], contextlib.nullcontext(), heads_first=False)
+    kwargs = shape.features(inputs)
+    fwd = lambda: flashtile.flash_attn_func(q, k, v, **kwargs)  # noqa: E731
+    with_lse = lambda: flashtile.flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)[:2]  # noqa: E731
+    return Provider(fwd, (q, k, v), inputs["dout_bshd"], contextlib.nullcontext(), heads_first=False,
+                    with_lse=with_lse)
+
+
+def fa4_module():
+    """``flash_attn.cute`` (FlashAttention-4), or :class:`common.Unavailable` when it is not installed."""
+    try:
+        return importlib.import_module("flash_attn.cute")
+    except ImportError as exc:
+        raise common.Unavailable(f"flash_attn.cute (FlashAttention-4) is not installed ({type(exc).__name__})") from None
+
+
+def _fa4(inputs, shape: DenseShape) -> Provider:
+    cute = fa4_module()
+    q, k, v = inputs["bshd"]
+    kwargs = {"causal": shape.causal, "softcap": shape.softcap}
+    if shape.window is not None:
+        kwargs["window_size"] = (shape.window, 0)
+    if shape.sink:
+        kwargs["learnable_sink"] = inputs["sink"]
+    with_lse = lambda: cute.flash_attn_func(q, k, v, return_lse=True, **kwargs)[:2]  # noqa: E731
+    fwd = lambda: cute.flash_attn_func(q, k, v, **kwargs)[0]  # noqa: E731 - FA4 returns (out, lse)
+    return Provider(fwd, (q, k, v), inputs["dout_bshd"], contextlib.nullcontext(), heads_first=False,
+                    with_lse=with_lse)
+
+
+def _plain_only(name: str, shape: DenseShape) -> None:
+    """Unsupported: a peer without windows, softcap or sinks on a shape that has one."""
+    if not shape.plain():
+        raise common.Unsupported(f"{name}: no window / softcap / sink argument")
 
 
 def _sdpa(backend_name: str):
     def build(inputs, shape: DenseShape) -> Provider:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
+        _plain_only(f"sdpa {backend_name}", shape)
         qt, kt, vt = inputs["bhsd"]
         # enable_gqa only when needed: older torch has no such argument, and MHA needs none.
         extra = {"enable_gqa": True} if kt.shape[1] != qt.shape[1] else {}
@@ -148,14 +217,23 @@ def _flex(inputs, shape: DenseShape) -> Provider:
     qt, kt, vt = inputs["bhsd"]
     if qt.device.type != "cuda":
         raise common.Unsupported("flex: the suite runs FlexAttention compiled, on CUDA only")
+    if shape.sink:
+        raise common.Unsupported("flex: a sink (an extra logit in the denominator) is not a score_mod")
     torch._dynamo.reset()  # a fresh compile per shape: no recompile limit, no stale guards
     compiled = torch.compile(flex_attention, dynamic=False)
-    block_mask = None
-    if shape.causal:
+    block_mask = score_mod = None
+    window = shape.window
+    if window is not None:
+        block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx <= window),
+                                       B=None, H=None, Q_LEN=shape.seqlen, KV_LEN=shape.seqlen, device=qt.device)
+    elif shape.causal:
         block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, B=None, H=None,
                                        Q_LEN=shape.seqlen, KV_LEN=shape.seqlen, device=qt.device)
+    if shape.softcap:
+        cap = shape.softcap
+        score_mod = lambda score, b, h, q_idx, kv_idx: cap * torch.tanh(score / cap)  # noqa: E731
     gqa = kt.shape[1] != qt.shape[1]
-    fwd = lambda: compiled(qt, kt, vt, block_mask=block_mask, enable_gqa=gqa)  # noqa: E731
+    fwd = lambda: compiled(qt, kt, vt, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa)  # noqa: E731
     # Donated buffers forbid backward(retain_graph=True); turn them off while flex compiles and runs.
     scope = torch._functorch.config.patch(donated_buffer=False)
     return Provider(fwd, (qt, kt, vt), inputs["dout_bhsd"], scope, heads_first=True)
@@ -166,12 +244,19 @@ def _flash_attn(inputs, shape: DenseShape) -> Provider:
         module = importlib.import_module("flash_attn")
     except ImportError as exc:
         raise common.Unavailable(f"flash_attn is not installed ({type(exc).__name__})") from None
+    if not hasattr(module, "flash_attn_func"):  # FlashAttention-4's wheel ships flash_attn.cute alone
+        raise common.Unavailable("flash_attn (flash-attn 2) is not installed: flash_attn has no flash_attn_func")
+    if shape.sink:
+        raise common.Unsupported("flash_attn: no sink argument")
     q, k, v = inputs["bshd"]
-    fwd = lambda: module.flash_attn_func(q, k, v, causal=shape.causal)  # noqa: E731
+    window = (-1, -1) if shape.window is None else (shape.window, 0)
+    fwd = lambda: module.flash_attn_func(q, k, v, causal=shape.causal, window_size=window,  # noqa: E731
+                                         softcap=shape.softcap)
     return Provider(fwd, (q, k, v), inputs["dout_bshd"], contextlib.nullcontext(), heads_first=False)
 
 
 def _naive(inputs, shape: DenseShape) -> Provider:
+    _plain_only("naive", shape)
     q, k, v = inputs["bshd"]
     scale = shape.headdim ** -0.5
     fwd = lambda: naive_attention(q, k, v, shape.causal, scale)  # noqa: E731
@@ -180,6 +265,7 @@ def _naive(inputs, shape: DenseShape) -> Provider:
 
 BUILDERS = {
     "flashtile": _flashtile,
+    "fa4": _fa4,
     **{name: _sdpa(backend) for name, backend in SDPA_BACKENDS.items()},
     "flex": _flex,
     "flash_attn": _flash_attn,

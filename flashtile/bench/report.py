@@ -24,7 +24,7 @@ VARIANT_PEERS = {"window": ("window",), "varlen": ("padded",), "softcap": ("soft
 
 def _ok(row: dict | None, key: str, *errors: str) -> float | None:
     """``row[key]`` when the row measured it (positive, no error on the way), else None."""
-    if not row or row.get("skipped") or any(row.get(e) for e in ("fwd_err", "err", *errors)):
+    if not row or row.get("skipped") or row.get("invalid") or any(row.get(e) for e in ("fwd_err", "err", *errors)):
         return None
     value = row.get(key)
     return value if isinstance(value, (int, float)) and value > 0 else None
@@ -51,7 +51,8 @@ def entry(section: str, config: str, shape: str, stage: str, metric: str, higher
     elif flashtile_value is None:
         errors = common.error_fields(flashtile_row)
         label = flashtile_row.get("fwd_err") or flashtile_row.get("err") or next(iter(errors.values()), None)
-        note = "flashtile: " + ("skipped" if flashtile_row.get("skipped") else
+        note = "flashtile: " + (common.invalid_cell(flashtile_row) if flashtile_row.get("invalid") else
+                                "skipped" if flashtile_row.get("skipped") else
                                 common.short_error(label) if label else "not measured")
     elif name is None:
         note = "no peer measured"
@@ -214,6 +215,8 @@ def aggregate_table(groups: list[dict]) -> str:
 
 def _ms_cell(row: dict, prefix: str, error_keys=()) -> str:
     """``median (p10-p90)`` in ms, or the row's marked cell."""
+    if row.get("invalid"):
+        return common.invalid_cell(row)
     if row.get("skipped"):
         return "skip"
     for key in ("fwd_err", "err", *error_keys):
@@ -238,6 +241,8 @@ def _failed(row: dict | None) -> str | None:
     """The one marked cell of a row that measured nothing (skipped, or its forward failed), else None."""
     if row is None:
         return "-"
+    if row.get("invalid"):
+        return common.invalid_cell(row)
     if row.get("skipped"):
         return "skip"
     main = row.get("fwd_err") or row.get("err")
@@ -254,6 +259,31 @@ def _rate_cell(row: dict | None, key: str, error_key: str) -> str:
 def _ordered(rows, order):
     rank = {p: i for i, p in enumerate(order)}
     return sorted(rows, key=lambda r: rank.get(r["prov"], len(rank)))
+
+
+def versus_table(rows: list[dict], against: str = "fa4", stages=("fwd", "bwd")) -> str:
+    """One line per shape: each provider's TFLOP/s (``fwd / bwd``) and flashtile's speed as a multiple of
+    ``against``'s (``x FA4``: above 1 flashtile is faster); invalid, failed and skipped cells say so."""
+    from .providers import NAMES
+
+    provs = [p for p in NAMES if any(r["prov"] == p for r in rows)]
+    lines = []
+    for config, n, b in dict.fromkeys((r["config"], r["N"], r["B"]) for r in rows):
+        cells = {r["prov"]: r for r in rows if (r["config"], r["N"], r["B"]) == (config, n, b)}
+        line = [config, str(n), str(b)]
+        for p in provs:
+            failed = _failed(cells.get(p))
+            line.append(failed or " / ".join(_rate_cell(cells[p], f"{s}_tflops", f"{s}_err") for s in stages))
+        ratios = []
+        for stage in stages:
+            mine = _ok(cells.get("flashtile"), f"{stage}_ms", f"{stage}_err")
+            theirs = _ok(cells.get(against), f"{stage}_ms", f"{stage}_err")
+            ratios.append(f"{theirs / mine:.2f}" if mine and theirs else "-")
+        line.append(" / ".join(ratios))
+        lines.append(line)
+    slash = "/".join(STAGE_NAMES[s] for s in stages)
+    headers = ["shape", "N", "B", *(f"{p} {slash}" for p in provs), f"flashtile x {against} {slash}"]
+    return common.markdown_table(headers, lines)
 
 
 def dense_tables(rows: list[dict]) -> str:
@@ -282,7 +312,7 @@ def dense_tables(rows: list[dict]) -> str:
         for r in sorted(mine, key=lambda r: (r["N"], provs.index(r["prov"]) if r["prov"] in provs else 99)):
             peak = r.get("peak_extra_GB")
             if _failed(r):
-                reason = r.get("skipped") or r.get("fwd_err") or r.get("err")
+                reason = r.get("invalid") or r.get("skipped") or r.get("fwd_err") or r.get("err")
                 detail.append([str(r["N"]), r["prov"], _failed(r), *([""] * (len(stages) + 3)), r.get("status", ""),
                                reason])
                 continue
@@ -332,8 +362,9 @@ def decode_table(rows: list[dict], ceiling) -> str:
     for r in rows:
         step, graph = r.get("step_ms"), r.get("graph_ms")
         frac = lambda key: f"{r[key]:.0%}" if r.get(key) is not None else "-"  # noqa: E731
-        if r.get("err") or r.get("skipped"):
-            status = common.short_error(r["err"]) if r.get("err") else "skip"
+        if r.get("err") or r.get("skipped") or r.get("invalid"):
+            status = (common.invalid_cell(r) if r.get("invalid") else common.short_error(r["err"]) if r.get("err")
+                      else "skip")
             lines.append([f"{r['B']} x {r['L']}", r["layout"], r["prov"], status, "-", "-", "-", "-", "-", "-"])
             continue
         graph_cell = f"{graph * 1e3:.1f}" if graph else (common.short_error(r["graph_err"]) if r.get("graph_err") else "-")
@@ -400,6 +431,10 @@ def terminal(payload: dict) -> str:
     else:
         parts.append("Nothing measured to compare.")
     parts += [f"NOTE: {line}" for line in payload.get("skipped", [])]
+    parts.append(f"Repeats: {repeats(payload)}.")
+    warning = common.load_warning(payload.get("env") or {})
+    if warning:
+        parts.append(f"WARNING: {warning}")
     stats = payload.get("flashtile_stats") or {}
     if stats.get("fallbacks"):
         parts.append(f"WARNING: flashtile fell back from its preferred backend during the run: {stats['fallbacks']}")
@@ -416,6 +451,21 @@ def terminal(payload: dict) -> str:
     return "\n".join(parts)
 
 
+def repeats(payload: dict) -> str:
+    """``timed runs per cell: 12..180 (median reported)`` over every row's ``*_reps``, or the e2e/CPU wording."""
+    counts = [v for section in ("dense", "variants", "decode", "cpu") for row in payload.get(section, [])
+              for k, v in row.items() if k.endswith("_reps") and isinstance(v, int)]
+    if not counts:
+        return "no timed runs"
+    span = f"{min(counts)}" if min(counts) == max(counts) else f"{min(counts)}..{max(counts)}"
+    return f"{span} timed runs per measurement (the median is reported, with its 10th-90th percentile spread)"
+
+
+def ran_stages(payload: dict) -> list[str]:
+    """The stages that ran (or were cut short), in order: the header names these alone."""
+    return [name for name, state in payload.get("stages", {}).items() if state.get("status") != "skipped"]
+
+
 def markdown(payload: dict, plot_paths=(), plots_note: str | None = None) -> str:
     env, grid, models = payload["env"], payload["grid"], payload["models"]
     where = env.get("gpu") or f"CPU ({env.get('cpu')})"
@@ -424,10 +474,17 @@ def markdown(payload: dict, plot_paths=(), plots_note: str | None = None) -> str
     facts = [("GPU", env.get("gpu") or "none"), ("driver / CUDA / cuDNN",
                                                  f"{env.get('driver') or '-'} / {env.get('cuda') or '-'} / {env.get('cudnn') or '-'}"),
              ("CPU", env.get("cpu")), ("torch / triton", f"{env.get('torch')} / {env.get('triton')}"),
+             ("FlashAttention-4", env.get("fa4") or "not installed"),
              ("flashtile", f"{env.get('flashtile')}, commit `{commit[:12]}`" + (" (dirty tree)" if env.get("git_dirty") else "")),
              ("command", "`python -m flashtile " + " ".join(env.get("argv") or []) + "`"),
+             ("stages", " ".join(ran_stages(payload)) or "none"),
+             ("repeats", repeats(payload)),
+             ("machine load", f"{env.get('load_1m')} (1-minute load average) on {env.get('cpus')} cores"
+              + (" **busy**" if env.get("busy") else "")),
              ("elapsed", common.fmt_duration(payload.get("elapsed_s") or 0))]
     parts += [common.markdown_table(["", ""], [[k, str(v)] for k, v in facts]), ""]
+    if common.load_warning(env):
+        parts += [f"**{common.load_warning(env)}**", ""]
     if payload.get("interrupted"):
         parts += ["**Interrupted: partial results.**", ""]
     parts += ["## How it measures", ""]
@@ -437,7 +494,8 @@ def markdown(payload: dict, plot_paths=(), plots_note: str | None = None) -> str
         parts.append(f"- bandwidth ceiling: {models['bandwidth_ceiling_TBps']} TB/s ({models['bandwidth_ceiling_source']})")
     parts += ["", "## Stages", "",
               common.markdown_table(["stage", "status", "reason"],
-                                    [[s, v["status"], v.get("reason") or ""] for s, v in payload["stages"].items()]), ""]
+                                    [[s, v["status"], v.get("reason") or ""] for s, v in payload["stages"].items()
+                                     if v["status"] != "skipped"]), ""]
     parts += [f"**{line}**" for line in payload.get("skipped", [])] + [""]
     entries = payload.get("summary") or []
     if entries:
@@ -445,8 +503,14 @@ def markdown(payload: dict, plot_paths=(), plots_note: str | None = None) -> str
                   "ratio = best peer time / flashtile time (tokens/s: flashtile / best peer); above 1 flashtile is "
                   "ahead. Geometric mean over the shapes of each configuration:", "",
                   aggregate_table(aggregate(entries)), "", "### By shape", "", summary_table(entries), ""]
-    if payload.get("dense"):
-        parts += ["## Dense attention", "", dense_tables(payload["dense"])]
+    dense = [r for r in payload.get("dense", []) if r.get("group") != "models"]
+    model_rows = [r for r in payload.get("dense", []) if r.get("group") == "models"]
+    if dense:
+        parts += ["## flashtile against each peer (TFLOP/s, fwd / bwd)", "", versus_table(dense), "",
+                  "## Dense attention", "", dense_tables(dense)]
+    if model_rows:
+        parts += ["## Model shapes (TFLOP/s on the visible pairs, fwd / bwd)", "", versus_table(model_rows), "",
+                  dense_tables(model_rows)]
     if payload.get("variants"):
         from . import variants
 

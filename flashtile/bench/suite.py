@@ -35,9 +35,10 @@ from typing import Optional
 import torch
 
 from . import common, cpu, decode, e2e, gpu, providers, variants
+from . import validate as validation
 
 SCHEMA_ID = "flashtile.bench.suite/1"
-STAGES = ("fwd", "bwd", "fwd_bwd", "window", "varlen", "softcap", "decode", "e2e")
+STAGES = ("fwd", "bwd", "fwd_bwd", "models", "window", "varlen", "softcap", "decode", "e2e")
 DENSE_STAGES = gpu.DENSE_STAGES
 STAGE_ALIASES = {"dense": DENSE_STAGES, "variants": ("window", "varlen", "softcap"), "all": STAGES}
 VARIANT_GROUPS = {"window": "window", "varlen": "varlen_mixed", "softcap": "mods"}
@@ -46,7 +47,24 @@ MODS_VARIANTS = ("plain", "softcap")  # of the variants suite's "mods" group, th
 TOKENS, WIDTH = 16384, 2048  # batch * seqlen and nheads * headdim of the dense MHA shapes
 GQA_HEADS = (32, 8)
 GQA_HEADDIMS = (128,)
-REF_HEADS = 4  # the dense reference check covers the first query heads (one KV group at GQA 4:1)
+
+
+def _model(label: str, batch: int, seqlen: int, nheads: int, nheads_kv: int, headdim: int, headdim_v: int,
+           **features) -> tuple:
+    return label, providers.DenseShape(batch, seqlen, nheads, nheads_kv, headdim, headdim_v, True, "bf16", **features)
+
+
+# The ``models`` stage: the attention shapes of real models, forward and backward against every peer that
+# has the feature (FA4, cuDNN, FA2 and Flex where they do).
+MODEL_SHAPES = (
+    _model("Llama-3 GQA 32/8 d128 2x8k causal", 2, 8192, 32, 8, 128, 128),
+    _model("full causal h16 d128 1x16k", 1, 16384, 16, 16, 128, 128),
+    _model("window (1024, 0) h16 d128 1x16k", 1, 16384, 16, 16, 128, 128, window=1024),
+    _model("softcap 50 GQA 16/8 d128 2x8k causal", 2, 8192, 16, 8, 128, 128, softcap=50.0),
+    _model("gpt-oss sink GQA 64/8 d64 2x4k causal", 2, 4096, 64, 8, 64, 64, sink=True),
+    _model("gpt-oss sink + window (128, 0) GQA 64/8 d64 2x4k", 2, 4096, 64, 8, 64, 64, sink=True, window=128),
+    _model("DeepSeek d192/dv128 h16 2x4k causal", 2, 4096, 16, 16, 192, 128),
+)
 
 # Providers of each stage, in table order; the CPU comparison has its own.
 STAGE_PROVIDERS = {
@@ -69,9 +87,12 @@ TIMING_NOTE = (
 )
 MEMORY_NOTE = ("peak_extra_GB = torch.cuda.max_memory_allocated() during one forward + backward (forward only, "
                "under no_grad, when no backward stage runs) minus what was allocated before it (inputs, dout).")
-REFERENCE_NOTE = (f"max_abs_err = max|out - flashtile.testing.attention_ref in fp32| over the first {REF_HEADS} query "
-                  f"heads (dense), the first {decode.REF_BATCH} sequences (decode), the first ref_heads heads "
-                  "(variants); e2e: logits_max_diff_vs_eager = max|last-token logits - eager's| at the shortest prompt.")
+REFERENCE_NOTE = ("validated before timing (flashtile.bench.validate): dense and model shapes check out, lse (where the "
+                  "provider returns it), dq, dk, dv against flashtile.testing.reference_results in fp32 on the query heads "
+                  "of the first KV head, error <= 2x the same-dtype PyTorch computation's + atol; a provider that fails "
+                  "is 'invalid (err X)' and not timed. Variants: out against the fp32 reference on the first ref_heads "
+                  f"heads, same rule; decode: out of the first {decode.REF_BATCH} sequences, same rule; e2e: "
+                  "logits_max_diff_vs_eager = max|last-token logits - eager's| at the shortest prompt.")
 PROOF_NOTE = ("kernels / ranges = distinct CUDA kernel names (torch.profiler, CUDA activity; truncated) and flashtile "
               "record_function ranges of one call of each provider: dense at the first seqlen of each configuration "
               "(fwd and bwd separately), every variant and decode cell, one prefill per e2e implementation.")
@@ -139,7 +160,7 @@ class Grid:
     decode_layouts: tuple
     e2e: e2e.Settings
     dense_providers: tuple  # the default providers of the dense stages
-    dense_flex_budget_s: float  # Flex compiles are the slow part: past this, Flex cells are skipped
+    dense_flex_budget_s: float  # Flex compiles are the slow part: past this, Flex cells are skipped (models too)
     variant_flex_budget_s: float
     cpu_seqlens: tuple
     tokens: int = TOKENS  # batch * seqlen of the dense shapes
@@ -148,6 +169,7 @@ class Grid:
     cpu_causal: tuple = (False,)
     dtype: str = "bf16"  # variants, decode, e2e
     cpu_dtype: str = "fp32"
+    models: tuple = MODEL_SHAPES
 
 
 BOTH = (False, True)
@@ -178,7 +200,14 @@ FULL = Grid(
     variant_flex_budget_s=120.0,
     cpu_seqlens=cpu.SEQLENS,
 )
-GRIDS = {"quick": QUICK, "full": FULL}
+# The table of flashtile against FA4, cuDNN, FA2 (SDPA flash) and Flex: MHA at four head dims, three
+# lengths, causal and not, fwd and bwd, then the model shapes; sized for about 5 minutes on an H200.
+HEADLINE = dataclasses.replace(
+    QUICK, name="headline",
+    dense=dense_configs(("bf16",), ((64, 64), (128, 128), (256, 256), (192, 128)), BOTH, gqa_headdims=()),
+    dense_providers=("flashtile", "fa4", "cudnn", "flash", "flex"), dense_flex_budget_s=90.0)
+HEADLINE_STAGES = ("fwd", "bwd", "models")
+GRIDS = {"quick": QUICK, "full": FULL, "headline": HEADLINE}
 
 
 def with_overrides(grid: Grid, seqlens=None, headdims=None, causal: Optional[str] = None,
@@ -278,7 +307,10 @@ def options_from_args(args) -> Options:
     bad = [n for n in args.seqlens or () if n <= 0]
     if bad:
         raise UsageError(f"--seqlens must be positive, got {bad}")
-    grid = with_overrides(GRIDS["full" if args.full else "quick"], args.seqlens, args.headdims, args.causal, args.dtype)
+    name = "full" if args.full else "headline" if getattr(args, "headline", False) else "quick"
+    if name == "headline" and not args.only:
+        stages = HEADLINE_STAGES
+    grid = with_overrides(GRIDS[name], args.seqlens, args.headdims, args.causal, args.dtype)
     if device == "cpu":
         if any(d != dv for d, dv in args.headdims or ()):
             raise UsageError("--headdims D/DV: the CPU comparison takes one head dim for q, k and v")
@@ -335,7 +367,7 @@ PRIMARY = {"dense": "fwd_ms", "variants": "fwd_ms", "decode": "step_ms", "cpu": 
 SUMMARY_KEYS = {"section": str, "config": str, "shape": str, "stage": str, "metric": str, "higher_is_better": bool,
                 "flashtile": OPTIONAL_NUMBER, "best_peer": OPTIONAL_STR, "best_peer_value": OPTIONAL_NUMBER,
                 "ratio": OPTIONAL_NUMBER, "note": OPTIONAL_STR}
-STATUSES = ("ok", "partial", "skipped", "oom", "unsupported", "n/a", "error")
+STATUSES = ("ok", "partial", "invalid", "skipped", "oom", "unsupported", "n/a", "error")
 
 
 def _check_keys(where: str, obj: dict, spec: dict) -> list[str]:
@@ -445,7 +477,7 @@ def new_payload(opts: Options, env: dict) -> dict:
 
 def output_stem(opts: Options, env: dict) -> Path:
     slug = common.gpu_slug(env["gpu"]) if opts.device == "cuda" else "cpu"
-    return opts.out / f"{slug}-suite-{opts.grid.name}{opts.selection}-{env['date']}"
+    return common.unique_stem(opts.out, f"{slug}-suite-{opts.grid.name}{opts.selection}-{common.stamp(env)}")
 
 
 def finalize(payload: dict) -> dict:
@@ -459,6 +491,13 @@ def finalize(payload: dict) -> dict:
     return payload
 
 
+class _FlexBudget:
+    """Seconds spent in Flex cells (compiles included) against a budget."""
+
+    def __init__(self, budget_s: float):
+        self.budget_s, self.spent_s = budget_s, 0.0
+
+
 class _Run:
     """The state of one run: the payload, where it goes, the progress bar."""
 
@@ -468,6 +507,7 @@ class _Run:
         self.json_path = self.stem.with_suffix(".json")
         self.start = time.perf_counter()
         self.progress: Optional[common.Progress] = None
+        self.flex = _FlexBudget(opts.grid.dense_flex_budget_s)  # shared by the dense and models stages
         for stage in STAGES:  # in run order; each is marked when it is skipped or done
             self.stage(stage, "not reached")
 
@@ -489,9 +529,10 @@ class _Run:
 
 def _cell_counts(opts: Options) -> dict:
     grid, stages = opts.grid, opts.stages
-    counts = {"dense": 0, "variants": 0, "decode": 0, "e2e": 0}
+    counts = {"dense": 0, "models": 0, "variants": 0, "decode": 0, "e2e": 0}
     if any(s in stages for s in DENSE_STAGES):
         counts["dense"] = len(grid.dense) * len(grid.seqlens) * len(opts.stage_providers("dense"))
+    counts["models"] = len(grid.models) * len(opts.stage_providers("dense")) if "models" in stages else 0
     counts["variants"] = len(_variant_cases(opts))
     if "decode" in stages:
         counts["decode"] = len(decode.cells(_decode_shapes(opts), grid.decode_layouts, opts.stage_providers("decode")))
@@ -513,57 +554,77 @@ def _decode_shapes(opts: Options) -> list:
 
 
 def _run_dense(run: _Run, timer, device) -> None:
-    import flashtile
-
     opts = run.opts
     stages = tuple(s for s in DENSE_STAGES if s in opts.stages)
-    chosen = opts.stage_providers("dense")
-    flex_spent = 0.0
     for config in opts.grid.dense:
         for index, seqlen in enumerate(opts.grid.seqlens):
             shape = config.shape(seqlen, opts.grid.tokens)
-            where = f"{config.label} N={seqlen} B={shape.batch}"
+            _run_shape(run, shape, config.label, config.group, stages, timer, device, run.flex,
+                       profile=opts.stage_providers("dense") if index == 0 else ())
+
+
+def _run_models(run: _Run, timer, device) -> None:
+    """The ``models`` stage: each model shape forward and backward, its rows in the dense section (group
+    ``models``); flashtile's kernels recorded on each (the peers' on the dense shapes only: a profile costs time)."""
+    for label, shape in run.opts.grid.models:
+        shape = shape._replace(dtype=run.opts.grid.dtype)
+        _run_shape(run, shape, label, "models", ("fwd", "bwd"), timer, device, run.flex, profile=("flashtile",))
+
+
+def _run_shape(run: _Run, shape: providers.DenseShape, label: str, group: str, stages: tuple, timer, device,
+               flex: _FlexBudget, profile: tuple) -> None:
+    """Every chosen provider on one shape: validated against the reference, then timed; one row each; the
+    providers in ``profile`` record the kernels that ran."""
+    import flashtile
+
+    chosen = run.opts.stage_providers("dense")
+    where = f"{label} N={shape.seqlen} B={shape.batch}"
+    try:
+        inputs = providers.make_inputs(shape.batch, shape.seqlen, shape.nheads, shape.nheads_kv, shape.headdim,
+                                       shape.headdim_v, common.DTYPES[shape.dtype], device)
+    except Exception as exc:  # noqa: BLE001
+        error = common.describe_error(exc)
+        for prov in chosen:
+            row = {**shape.key(prov), "config": label, "group": group, "fwd_err": error}
+            run.add("dense", row, f"{where} {prov}", f"inputs failed: {error}")
+        gpu._free_cuda(collect=True)
+        return
+    reference, reference_err = _reference(inputs, shape) if run.opts.check else (None, None)
+    if reference_err:
+        common.log(f"   {where}: the reference failed, nothing is timed unchecked: {reference_err}")
+    for prov in chosen:
+        if reference_err:
+            row = {**shape.key(prov), "invalid": reference_err}
+        elif prov == "flex" and flex.spent_s > flex.budget_s:
+            row = {**shape.key(prov), "skipped": f"flex compile budget ({flex.budget_s:.0f} s) spent"}
+        else:
+            start = time.perf_counter()
+            calls_before = flashtile.stats()["calls"]
             try:
-                inputs = providers.make_inputs(shape.batch, seqlen, shape.nheads, shape.nheads_kv, shape.headdim,
-                                               shape.headdim_v, common.DTYPES[shape.dtype], device)
-            except Exception as exc:  # noqa: BLE001
-                label = common.describe_error(exc)
-                for prov in chosen:
-                    row = {**shape.key(prov), "config": config.label, "group": config.group, "fwd_err": label}
-                    run.add("dense", row, f"{where} {prov}", f"inputs failed: {label}")
-                gpu._free_cuda(collect=True)
-                continue
-            reference = reference_err = None
-            if opts.check:
-                try:
-                    q, k, v = (x.detach() for x in inputs["bshd"])
-                    reference = common.reference_output(q, k, v, shape.causal, heads=REF_HEADS)
-                except Exception as exc:  # noqa: BLE001 - the timings are still worth having
-                    reference_err = f"reference: {common.describe_error(exc)}"
-                    common.log(f"   {where}: the reference failed, no error check: {reference_err}")
-                q = k = v = None
-                gpu._free_cuda()
-            for prov in chosen:
-                if prov == "flex" and flex_spent > opts.grid.dense_flex_budget_s:
-                    row = {**shape.key(prov), "skipped": f"flex compile budget ({opts.grid.dense_flex_budget_s:.0f} s) spent"}
-                else:
-                    start = time.perf_counter()
-                    calls_before = flashtile.stats()["calls"]
-                    try:
-                        row = gpu.measure(prov, inputs, shape, timer, stages, reference, profile=index == 0)
-                    except Exception as exc:  # noqa: BLE001 - e.g. a cleanup after a broken CUDA context
-                        row = {**shape.key(prov), "fwd_err": common.describe_error(exc)}
-                    if prov == "flashtile":  # which backend really ran: Triton, unless something fell back
-                        calls = flashtile.stats()["calls"]
-                        row["backend"] = sorted(b for b, n in calls.items() if n > calls_before.get(b, 0))
-                    if prov == "flex":
-                        flex_spent += time.perf_counter() - start
-                row.update(config=config.label, group=config.group)
-                if reference_err and not row.get("skipped"):
-                    row["check_err"] = reference_err
-                run.add("dense", row, f"{where} {prov}", gpu._progress(row))
-            del inputs, reference
-            gpu._free_cuda(collect=True)
+                row = gpu.measure(prov, inputs, shape, timer, stages, reference, profile=prov in profile)
+            except Exception as exc:  # noqa: BLE001 - e.g. a cleanup after a broken CUDA context
+                row = {**shape.key(prov), "fwd_err": common.describe_error(exc)}
+            if prov == "flashtile":  # which backend really ran: Triton, unless something fell back
+                calls = flashtile.stats()["calls"]
+                row["backend"] = sorted(b for b, n in calls.items() if n > calls_before.get(b, 0))
+            if prov == "flex":
+                flex.spent_s += time.perf_counter() - start
+        row.update(config=label, group=group)
+        run.add("dense", row, f"{where} {prov}", gpu._progress(row))
+    del inputs, reference
+    gpu._free_cuda(collect=True)
+
+
+def _reference(inputs: dict, shape: providers.DenseShape) -> tuple:
+    """``(validation.Reference, None)`` of a dense or model shape, or ``(None, "reference: <error>")``."""
+    try:
+        q, k, v = inputs["bshd"]
+        reference = validation.reference(q, k, v, inputs["dout_bshd"], **shape.features(inputs))
+        gpu._free_cuda()
+        return reference, None
+    except Exception as exc:  # noqa: BLE001 - e.g. out of memory: every cell of the shape says so
+        gpu._free_cuda()
+        return None, f"reference: {common.describe_error(exc)}"
 
 
 def _run_variants(run: _Run, timer, device) -> None:
@@ -596,7 +657,8 @@ def run_stages(run: _Run, device, timer) -> None:
             run.stage(stage, "skipped", "no selected provider applies")
         else:
             run.stage(stage, "not reached")
-    sections = [("dense", _run_dense), ("variants", _run_variants), ("decode", _run_decode), ("e2e", _run_e2e)]
+    sections = [("dense", _run_dense), ("models", _run_models), ("variants", _run_variants), ("decode", _run_decode),
+                ("e2e", _run_e2e)]
     for section, runner in sections:
         if counts[section]:
             runner(run, timer, device)
@@ -607,8 +669,11 @@ def run_stages(run: _Run, device, timer) -> None:
 
 
 def _section_of(stage: str) -> str:
+    """The part of the run a stage belongs to (the models stage's rows go to the dense section)."""
     if stage in DENSE_STAGES:
         return "dense"
+    if stage == "models":
+        return "models"
     return "variants" if stage in VARIANT_GROUPS else stage
 
 
@@ -628,7 +693,7 @@ def _run_e2e(run: _Run, timer, device) -> None:  # wall clock: e2e does not use 
 
 def _run_cpu(run: _Run) -> None:
     opts, grid = run.opts, run.opts.grid
-    gpu_stages = ("bwd", "fwd_bwd", "window", "varlen", "softcap", "decode", "e2e")
+    gpu_stages = ("bwd", "fwd_bwd", "models", "window", "varlen", "softcap", "decode", "e2e")
     reason = "--device cpu" if torch.cuda.is_available() else "no CUDA GPU"
     run.payload["skipped"].append(
         f"{'--device cpu' if torch.cuda.is_available() else 'No CUDA GPU found'}: GPU rows skipped (dense sweep vs "
@@ -666,8 +731,10 @@ def run(opts: Options) -> tuple[dict, str]:
     state = _Run(opts, env)
     flashtile.reset_stats()
     where = env["gpu"] or f"CPU ({env.get('cpu')})"
-    common.log(f"flashtile bench suite ({opts.grid.name}) on {where}; stages {' '.join(opts.stages)}; "
-               f"results -> {state.json_path}")
+    what = f"stages {' '.join(opts.stages)}" if opts.device == "cuda" else "the CPU comparison (forward)"
+    common.log(f"flashtile bench suite ({opts.grid.name}) on {where}; {what}; results -> {state.json_path}")
+    if common.load_warning(env):
+        common.log(f"WARNING: {common.load_warning(env)}")
     try:
         if opts.device == "cuda":
             run_stages(state, torch.device("cuda", torch.cuda.current_device()), common.gpu_timer())
@@ -757,7 +824,7 @@ def merge(paths, out, plots: bool = True) -> tuple[dict, str]:
     merged = merge_payloads(payloads, [str(p) for p in paths])
     env = merged["env"]
     slug = common.gpu_slug(env["gpu"]) if merged["mode"] == "gpu" else "cpu"
-    stem = Path(out) / f"{slug}-suite-merged-{env['date']}"
+    stem = common.unique_stem(out, f"{slug}-suite-merged-{env['date']}")
     common.write_json(stem.with_suffix(".json"), merged)
     merged["files"] = report.write(merged, stem, plots=plots)
     common.write_json(stem.with_suffix(".json"), merged)

@@ -20,6 +20,9 @@ Groups (``--groups``), bf16, headdim 128, 16 heads:
 - ``bias``: ``attn_bias`` ``(1, H, S, S)`` bf16 against SDPA efficient with the same mask, at
   seqlen 2048 / 4096, without and with a bias gradient; reported, no bar.
 
+FlashAttention-4 (``fa4``: ``flash_attn.cute``, marked ``n/a`` when not installed) runs its own window,
+varlen, plain, softcap and sink (``learnable_sink``) rows beside flashtile's.
+
 Not measured: Flex with a document mask for varlen, and a Flex peer for the sink (an extra logit in
 the denominator is not a score_mod). Flex cases stop after ``FLEX_BUDGET_S`` seconds spent in them
 (compiles included); the rest are marked ``skip``.
@@ -48,9 +51,9 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from . import common, gpu, providers
+from . import common, gpu, providers, validate
 
-PROVIDERS = ("flashtile", "flash", "efficient", "cudnn", "flex")
+PROVIDERS = ("flashtile", "fa4", "flash", "efficient", "cudnn", "flex")
 GROUP_NAMES = ("window", "varlen_equal", "varlen_mixed", "mods", "bias")
 # Flex compiles one kernel pair per case; past this much time spent in Flex cases the rest are skipped.
 FLEX_BUDGET_S = 150.0
@@ -74,8 +77,10 @@ NOTE = (
     "flex = torch.compile(flex_attention, dynamic=False), torch._dynamo.reset() per case, block mask "
     "built and compile excluded. SDPA rows on (B, H, S, D) contiguous copies under sdpa_kernel(<backend>); "
     "the ALiBi mask for SDPA is bf16 (1, H, S, S) with -inf above the diagonal when causal, so its error "
-    "includes the mask's bf16 rounding. max_abs_err: |out - flashtile.testing.attention_ref fp32| on the "
-    "first ref_heads heads; padded non-causal rows are not checked (the padding keys are visible to them). "
+    "includes the mask's bf16 rounding (its reference adds that very mask). Before timing, each row's out, dq, dk, "
+    "dv are checked on the first ref_heads heads against flashtile.testing.reference_results in fp32 (error <= 2x "
+    "the same-dtype PyTorch computation's + atol; a failure is 'invalid', never timed); padded non-causal rows are "
+    "not checked (the padding keys are visible to them). "
     + FLOP_MODEL
 )
 
@@ -182,6 +187,8 @@ def build_cases(sizes: Sizes = DEFAULT, groups=GROUP_NAMES, providers=PROVIDERS)
         for n in sizes.window_seqlens:
             add("window", "flashtile", "window", n, 1, causal=True, window=sizes.window)
             add("window", "flashtile", "causal", n, 1, causal=True)
+            add("window", "fa4", "window", n, 1, causal=True, window=sizes.window)
+            add("window", "fa4", "causal", n, 1, causal=True)
             add("window", "flex", "window", n, 1, causal=True, window=sizes.window)
             add("window", "flex", "causal", n, 1, causal=True)
             add("window", "flash", "causal", n, 1, causal=True)
@@ -190,7 +197,8 @@ def build_cases(sizes: Sizes = DEFAULT, groups=GROUP_NAMES, providers=PROVIDERS)
     for group, lengths in varlen.items():
         if group in groups:
             for causal in (False, True):
-                for prov, variant in (("flashtile", "varlen"), ("flashtile", "padded"), ("flash", "padded")):
+                for prov, variant in (("flashtile", "varlen"), ("flashtile", "padded"), ("fa4", "varlen"),
+                                      ("flash", "padded")):
                     add(group, prov, variant, max(lengths), len(lengths), causal=causal, seqlens=lengths)
     if "mods" in groups:
         for n in sizes.mod_seqlens:
@@ -200,6 +208,9 @@ def build_cases(sizes: Sizes = DEFAULT, groups=GROUP_NAMES, providers=PROVIDERS)
                 add("mods", "flashtile", "softcap", n, batch, causal=causal, softcap=sizes.softcap)
                 add("mods", "flashtile", "alibi", n, batch, causal=causal)
                 add("mods", "flashtile", "sink", n, batch, causal=causal)
+                add("mods", "fa4", "plain", n, batch, causal=causal)
+                add("mods", "fa4", "softcap", n, batch, causal=causal, softcap=sizes.softcap)
+                add("mods", "fa4", "sink", n, batch, causal=causal)
                 if n in sizes.flex_mod_seqlens:
                     add("mods", "flex", "softcap", n, batch, causal=causal, softcap=sizes.softcap)
                     add("mods", "flex", "alibi", n, batch, causal=causal)
@@ -237,7 +248,7 @@ def make_block_inputs(case: Case, dtype, device) -> dict:
         padded = [_pad(x, case.seqlens, cu) for x in (q, k, v, dout)]
         inputs = {
             "bshd": [x.requires_grad_() for x in padded[:3]],
-            "bhsd": [x.transpose(1, 2).contiguous().requires_grad_() for x in padded[:3]],
+            "bhsd": [x.detach().transpose(1, 2).contiguous().requires_grad_() for x in padded[:3]],  # leaves too
             "dout_bshd": padded[3],
             "dout_bhsd": padded[3].transpose(1, 2).contiguous(),
             "packed": [x.requires_grad_() for x in (q, k, v)],
@@ -283,60 +294,38 @@ def features(case: Case, inputs: dict) -> dict:
     return kwargs
 
 
-def _head_slice(kwargs: dict, h: int) -> dict:
-    """``attention_ref`` arguments for head ``h`` alone (per-head tensors sliced, detached)."""
-    out = dict(kwargs)
-    for name in ("alibi_slopes", "sink"):
-        if name in out:
-            out[name] = out[name].detach()[h : h + 1]
-    if "attn_bias" in out:
-        out["attn_bias"] = out["attn_bias"].detach()[:, h : h + 1]
-    return out
-
-
-def _reference_heads(q, k, v, kwargs: dict, heads: int) -> torch.Tensor:
-    from ..testing import attention_ref
-
-    one = lambda x, h: x[:, :, h : h + 1]  # noqa: E731
-    return torch.cat([attention_ref(one(q, h), one(k, h), one(v, h), **_head_slice(kwargs, h))[0] for h in range(heads)],
-                     dim=2)
-
-
-def reference(case: Case, inputs: dict, heads: int) -> torch.Tensor:
-    """fp32 reference of the first ``heads`` heads, one head at a time (16k x 16k fp32 scores are 1 GiB
-    per batch element); dense ``(B, S, heads, D)``, varlen ``(total, heads, D)``. Cached per block."""
+def reference(case: Case, inputs: dict, heads: int) -> validate.Reference:
+    """The :class:`validate.Reference` of a case's block and variant on its first ``heads`` heads (out and the
+    gradients, both sides of the tolerance rule): dense ``(B, S, heads, D)``, packed sequences joined along
+    the rows ``(1, total, heads, D)``. Cached per block."""
     ref_key = {"causal": "plain", "padded": "varlen", "bias_grad": "bias"}.get(case.variant, case.variant)
+    kwargs = features(case, inputs)
+    if case.variant == "alibi" and case.prov in providers.SDPA_BACKENDS:  # SDPA computes with its bf16 mask
+        ref_key, kwargs = "alibi_mask", {"causal": case.causal, "attn_bias": inputs["alibi_mask"]}
     if ref_key in inputs["refs"]:
         return inputs["refs"][ref_key]
-    kwargs = features(case, inputs)
-    heads = min(heads, case.H)
-    with torch.no_grad():
-        if case.seqlens is None:
-            out = _reference_heads(*(x.detach() for x in inputs["bshd"]), kwargs, heads)
-        else:  # sequence by sequence, each a batch of one
-            q, k, v = (x.detach() for x in inputs["packed"])
-            cu = inputs["cu_seqlens"].tolist()
-            out = torch.cat([_reference_heads(q[None, s:e], k[None, s:e], v[None, s:e], kwargs, heads)[0]
-                             for s, e in zip(cu[:-1], cu[1:])])
-    inputs["refs"][ref_key] = out
-    return out
+    if case.seqlens is None:
+        q, k, v = inputs["bshd"]
+        ref = validate.reference(q, k, v, inputs["dout_bshd"], kv_heads=heads, **kwargs)
+    else:
+        q, k, v = inputs["packed"]
+        ref = validate.packed_reference(q, k, v, inputs["dout_packed"], inputs["cu_seqlens"], kv_heads=heads, **kwargs)
+    inputs["refs"][ref_key] = ref
+    return ref
 
 
-def _checker(case: Case, inputs: dict, heads: int, heads_first: bool) -> Optional[Callable]:
-    """``check(out) -> max abs error`` against the reference, or None where it would not be meaningful."""
-    if case.variant == "padded" and not case.causal and len(set(case.seqlens)) > 1:
-        return None  # non-causal dense attention sees the padding keys: a different function
+def _layout(case: Case, heads_first: bool) -> Optional[Callable]:
+    """How a provider's outputs map onto the reference's rows: packed and padded rows joined ``(1, total, H, D)``."""
+    if case.variant == "varlen":
+        return lambda t: t.unsqueeze(0)
+    if case.variant == "padded":
+        return lambda t: _unpad(t.transpose(1, 2) if heads_first else t, case.seqlens).unsqueeze(0)
+    return None
 
-    def check(out):
-        ref = reference(case, inputs, heads)
-        out = out.transpose(1, 2) if heads_first else out
-        if case.variant == "padded":
-            out = _unpad(out, case.seqlens)
-        if out.dim() == 3:  # packed (total, H, D): max_abs_err wants (batch, seqlen, H, D)
-            out, ref = out.unsqueeze(0), ref.unsqueeze(0)
-        return common.max_abs_err(out, ref)
 
-    return check
+def _checkable(case: Case) -> bool:
+    """False where the reference is another function: non-causal dense attention over padding sees the padding keys."""
+    return not (case.variant == "padded" and not case.causal and len(set(case.seqlens)) > 1)
 
 
 # ---------------------------------------------------------------- providers
@@ -386,7 +375,9 @@ def _sdpa_masked(case: Case, inputs: dict) -> providers.Provider:
         return providers.BUILDERS[case.prov](inputs, _dense_shape(case, inputs))
     qt, kt, vt = inputs["bhsd"]
     if case.variant == "alibi":
-        mask = alibi_mask(inputs["slopes"], case.N, case.causal, qt.dtype)
+        if "alibi_mask" not in inputs:  # one per block: the reference checks SDPA against this very mask
+            inputs["alibi_mask"] = alibi_mask(inputs["slopes"], case.N, case.causal, qt.dtype)
+        mask = inputs["alibi_mask"]
     else:
         mask = inputs["bias"] if case.variant == "bias" else inputs["bias_grad"]
     backend = providers.SDPA_BACKENDS[case.prov]
@@ -429,7 +420,34 @@ def _flex(case: Case, inputs: dict) -> providers.Provider:
     return providers.Provider(fwd, (qt, kt, vt), inputs["dout_bhsd"], scope, heads_first=True)
 
 
-BUILDERS = {"flashtile": _flashtile, "flash": _sdpa_masked, "efficient": _sdpa_masked, "cudnn": _sdpa_masked,
+def _fa4(case: Case, inputs: dict) -> providers.Provider:
+    """FlashAttention-4 (``flash_attn.cute``) with the variant's own arguments; it returns ``(out, lse)``."""
+    cute = providers.fa4_module()
+    if case.variant in ("causal", "plain"):
+        return providers.BUILDERS["fa4"](inputs, _dense_shape(case, inputs))
+    if case.variant not in ("window", "softcap", "sink", "varlen"):
+        raise common.Unsupported(f"fa4: the suite does not run its {case.variant} rows")
+    kwargs = {"causal": case.causal, "softcap": case.softcap or 0.0}
+    if case.window is not None:
+        kwargs["window_size"] = (case.window, 0)
+    extra = ()
+    if case.variant == "sink":
+        kwargs["learnable_sink"] = inputs["sink"]
+        extra = (inputs["sink"],)
+    if case.variant == "varlen":
+        q, k, v = inputs["packed"]
+        cu, longest = inputs["cu_seqlens"], inputs["max_seqlen"]
+        fwd = lambda: cute.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,  # noqa: E731
+                                                  max_seqlen_k=longest, **kwargs)[0]
+        return providers.Provider(fwd, (q, k, v), inputs["dout_packed"], contextlib.nullcontext(), heads_first=False)
+    q, k, v = inputs["bshd"]
+    fwd = lambda: cute.flash_attn_func(q, k, v, **kwargs)[0]  # noqa: E731
+    with_lse = lambda: cute.flash_attn_func(q, k, v, return_lse=True, **kwargs)[:2]  # noqa: E731
+    return providers.Provider(fwd, (q, k, v, *extra), inputs["dout_bshd"], contextlib.nullcontext(), heads_first=False,
+                              with_lse=with_lse)
+
+
+BUILDERS = {"flashtile": _flashtile, "fa4": _fa4, "flash": _sdpa_masked, "efficient": _sdpa_masked, "cudnn": _sdpa_masked,
             "flex": _flex}
 
 
@@ -446,10 +464,8 @@ def measure(case: Case, inputs: dict, timer, ref_heads: Optional[int], profile: 
     except Exception as exc:  # noqa: BLE001 - an unavailable provider or feature is a marked cell
         row["fwd_err"] = common.describe_error(exc)
         return row
-    check = None if ref_heads is None else _checker(case, inputs, ref_heads, p.heads_first)
-    if check is not None:
-        row["ref_heads"] = min(ref_heads, case.H)
-    elif ref_heads is not None:
+    check = ref_heads is not None and _checkable(case)
+    if ref_heads is not None and not check:
         row["check_skipped"] = "padded, not causal: the padding keys are visible, a different function"
     with p.scope:
         out = None
@@ -458,16 +474,21 @@ def measure(case: Case, inputs: dict, timer, ref_heads: Optional[int], profile: 
             out = p.fwd()  # the first call compiles (Triton, inductor): excluded from the timings
             _synchronize(out)
             row["first_call_s"] = round(time.perf_counter() - start, 3)
-            if check is not None:
+            out = None
+            if check:
+                backward = all(t.requires_grad for t in p.leaves[:3])  # Flex on CPU runs forward only
                 try:
-                    row["max_abs_err"] = check(out.detach())
-                except Exception as exc:  # noqa: BLE001 - a failed check must not hide the timing
-                    row["check_err"] = common.describe_error(exc)
-            row.update(common.timing_fields("fwd", timer(p.fwd)))
-            row["fwd_tflops"] = common.tflops(flops, row["fwd_ms"])
+                    row.update(validate.check(p, reference(case, inputs, ref_heads), backward,
+                                              _layout(case, p.heads_first)))
+                except Exception as exc:  # noqa: BLE001 - a check that cannot run is no pass
+                    row["invalid"] = f"check failed: {common.describe_error(exc)}"
+            if not row.get("invalid"):
+                row.update(common.timing_fields("fwd", timer(p.fwd)))
+                row["fwd_tflops"] = common.tflops(flops, row["fwd_ms"])
+                out = p.fwd()
         except Exception as exc:  # noqa: BLE001
             row["fwd_err"] = common.describe_error(exc)
-        if "fwd_err" not in row:
+        if "fwd_err" not in row and not row.get("invalid"):
             row.update(gpu.time_backward(p, out, timer, row["fwd_ms"]))
             row["bwd_tflops"] = common.tflops(common.BWD_FLOPS_FACTOR * flops, row.get("bwd_ms"))
         out = None  # frees the retained graph
@@ -599,7 +620,8 @@ class GroupView(NamedTuple):
 
 VIEWS = {
     "window": GroupView(lambda r: f"Sliding window ({(r.get('window') or ['?'])[0]}, 0) vs full causal, batch {r['B']}",
-                        "speedup vs causal (own)", lambda r: (r["prov"] if r["prov"] == "flex" else "flashtile", "causal"),
+                        "speedup vs causal (own)",
+                        lambda r: (r["prov"] if r["prov"] in ("flex", "fa4") else "flashtile", "causal"),
                         True),
     "varlen_equal": GroupView(lambda r: f"Varlen, {r['B']} sequences of {r['N']} vs padded dense",
                               "time / ft padded", lambda r: ("flashtile", "padded"), False),
@@ -611,12 +633,14 @@ VIEWS = {
                       "time / sdpa eff", lambda r: None if r["variant"] == "plain" else ("efficient", r["variant"]),
                       False),
 }
-PROV_NAMES = {"flashtile": "flashtile", "flash": "sdpa flash", "efficient": "sdpa efficient",
+PROV_NAMES = {"flashtile": "flashtile", "fa4": "fa4", "flash": "sdpa flash", "efficient": "sdpa efficient",
               "cudnn": "sdpa cudnn", "flex": "flex"}
 
 
 def _stage_cells(row: dict, stage: str) -> list[str]:
     """``[ms, TFLOP/s]`` of a stage, or a marked cell: skip, OOM, ERR(...); a failed forward marks fwd only."""
+    if row.get("invalid"):
+        return [common.invalid_cell(row), "-"] if stage == "fwd" else ["-", "-"]
     if row.get("skipped"):
         return ["skip", "-"]
     if row.get("fwd_err"):
@@ -838,7 +862,7 @@ def run(args) -> tuple[dict, str]:
         env, scope, timer = gpu._env(dtype_name), contextlib.nullcontext(), common.gpu_timer()
         slug = common.gpu_slug(env["gpu"])
     suffix = "" if set(groups) == set(GROUP_NAMES) else "-" + "-".join(g for g in GROUP_NAMES if g in groups)
-    path = common.result_path(getattr(args, "out", "benchmarks/results"), f"{slug}-variants{suffix}", env["date"])
+    path = common.result_path(getattr(args, "out", common.DEFAULT_OUT), f"{slug}-variants{suffix}", env)
     payload = {"kind": "variants", "env": env, "sizes": sizes._asdict(), "note": NOTE, "flop_model": FLOP_MODEL,
                "rows": [], "criteria": [], "flashtile_stats": None}
     common.log(f"flashtile variants on {env['gpu'] or 'CPU (smoke)'}, {dtype_name}, {len(cases)} rows "
@@ -901,8 +925,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0].replace("\n", " "),
         epilog="The same as: python -m flashtile bench --suite variants [options]",
     )
-    parser.add_argument("--out", default="benchmarks/results", metavar="DIR",
-                        help="where <gpu>-variants-<date>.json goes (default: %(default)s)")
+    parser.add_argument("--out", default=common.DEFAULT_OUT, metavar="DIR",
+                        help="where <gpu>-variants-<date>T<time>Z.json goes (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="window 16384, mods 8192, bias 4096 only")
     parser.add_argument("--groups", nargs="+", choices=GROUP_NAMES, metavar="GROUP",
                         help=f"subset of: {' '.join(GROUP_NAMES)} (default all)")

@@ -76,7 +76,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="auto (default): cuda when torch sees a GPU")
     parser.add_argument("--runs", type=int, default=3, metavar="R", help="timed runs on CPU (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: %(default)s)")
-    parser.add_argument("--out", default=".", metavar="DIR", help="where the .md and .json go (default: %(default)s)")
+    parser.add_argument("--out", default="flashtile-results", metavar="DIR",
+                        help="where the .md and .json go, named with the date and time (default: %(default)s in the "
+                             "current directory)")
     parser.add_argument("--json", action="store_true", help="print the JSON on stdout (the table goes to stderr)")
     parser.set_defaults(func=run, parser=parser)
     return parser
@@ -430,7 +432,7 @@ def _check_writable(out: str) -> None:
 
 @readable_errors("qualify")
 def run(args) -> int:
-    from ..bench.common import base_env, log, write_json
+    from ..bench.common import base_env, log, stamp, unique_stem, write_json
 
     args.prefill, args.decode = flatten(args.prefill), flatten(args.decode)
     for flag in ("batch", "runs"):
@@ -477,9 +479,9 @@ def run(args) -> int:
     }
     payload["summary_line"] = summary_line(shape.name, info["name"], rows, exit_status)
     rows_table = table(rows)
-    stem = f"qualify-{_slug(shape.name)}-{info['slug']}"
     try:
         os.makedirs(args.out, exist_ok=True)
+        stem = unique_stem(args.out, f"qualify-{_slug(shape.name)}-{info['slug']}-{stamp(payload['env'])}").name
         md_path = os.path.join(args.out, stem + ".md")
         with open(md_path, "w") as f:
             f.write(markdown(payload, rows_table))

@@ -9,9 +9,8 @@ import torch
 
 from ... import env
 from .. import AttentionCall, missing_features
-from .configs import (MAX_GRID_Y, ONE_PASS_KEYS, capability, bwd_config, bwd_plan, decode_plan,
-                      dense_takes_decode, deterministic, fwd_config, gluon_dkdv_config, gluon_fwd_config,
-                      gluon_kv_config, one_pass_bwd, row_keys, with_gluon_dkdv)
+from .configs import (MAX_GRID_Y, ONE_PASS_KEYS, capability, bwd_choice, bwd_config, decode_plan,
+                      dense_takes_decode, deterministic, fwd_config, gluon_fwd_config, gluon_kv_config, row_keys)
 
 FEATURES = frozenset({"dropout", "window", "softcap", "alibi", "sink", "bias", "varlen", "headdim_v", "kvcache",
                       "paged", "merge"})
@@ -92,19 +91,22 @@ def describe(call: AttentionCall):
     # On an under-filled GPU: key blocks split among several dK/dV programs (parts=N), and the dQ kernel
     # alongside on a second stream (dq=...+stream; on the GPU only: the CPU has no streams). Unsplit key
     # blocks may take the Gluon dK/dV kernel (dkdv=gluon-sm90 ...).
-    gluon = gluon_dkdv_config(call.headdim, call.headdim_v, call.dtype, call.device, call.feature_names)
-    bwd, parts, alongside = with_gluon_dkdv(bwd, gluon, lambda block_n: bwd_plan(
-        call.batch, call.nheads, call.nheads_kv, call.seqlen_q, call.seqlen_k, (left, right), block_n, call.device))
-    alongside = alongside and call.device.type == "cuda"
-    split = f" parts={parts}" if parts > 1 else ""
-    dkdv = f"{_KERNEL_LABELS[bwd.dkdv.kernel]} " if bwd.dkdv.kernel != "triton" else ""
-    bwd_name = (f"flashtile.bwd[triton d={call.headdim} {mask}{extras} dkdv={dkdv}BM{bwd.dkdv.BLOCK_M}"
-                f"xBN{bwd.dkdv.BLOCK_N}{split} dq=BM{bwd.dq.BLOCK_M}xBN{bwd.dq.BLOCK_N}{'+stream' if alongside else ''}]")
-    bwd_tiles = {"bwd_dkdv": {**vars(bwd.dkdv), "parts": parts}, "bwd_dq": {**vars(bwd.dq), "alongside": alongside}}
-    if one_pass_bwd(call.headdim, call.headdim_v, call.dtype, call.device, call.feature_names, right,
-                    call.batch, call.nheads_kv, call.seqlen_k, deterministic(call.deterministic)):
+    plan = bwd_choice(bwd, call.headdim, call.headdim_v, call.dtype, call.device, call.feature_names, (left, right),
+                      call.batch, call.nheads, call.nheads_kv, call.seqlen_q, call.seqlen_k,
+                      deterministic(call.deterministic))
+    if plan.one_pass:
         bwd_name = f"flashtile.bwd[gluon-sm90-ws d={call.headdim} {mask}{extras} one-pass BM64xBN{ONE_PASS_KEYS}]"
         bwd_tiles = {"bwd_one_pass": {"BLOCK_M": 64, "BLOCK_N": ONE_PASS_KEYS, "kernel": "gluon-ws"}}
+    else:
+        bwd, parts = plan.cfg, plan.parts
+        alongside = plan.alongside and call.device.type == "cuda"
+        split = f" parts={parts}" if parts > 1 else ""
+        dkdv = f"{_KERNEL_LABELS[bwd.dkdv.kernel]} " if bwd.dkdv.kernel != "triton" else ""
+        bwd_name = (f"flashtile.bwd[triton d={call.headdim} {mask}{extras} dkdv={dkdv}BM{bwd.dkdv.BLOCK_M}"
+                    f"xBN{bwd.dkdv.BLOCK_N}{split} dq=BM{bwd.dq.BLOCK_M}xBN{bwd.dq.BLOCK_N}"
+                    f"{'+stream' if alongside else ''}]")
+        bwd_tiles = {"bwd_dkdv": {**vars(bwd.dkdv), "parts": parts},
+                     "bwd_dq": {**vars(bwd.dq), "alongside": alongside}}
     if dense_takes_decode(call.batch, call.seqlen_q, call.seqlen_k, call.nheads, call.nheads_kv, call.feature_names,
                           call.dtype, call.device):
         # Few query rows per KV head (a decode step): the KV-cache kernel over a full cache of seqlen_k keys.

@@ -680,6 +680,32 @@ def one_pass_bwd(head_dim: int, head_dim_v: int, dtype: torch.dtype, device: tor
             and -(-seqlen_k // ONE_PASS_KEYS) * nheads_kv * batch >= sm_count(device))
 
 
+@dataclass(frozen=True)
+class BwdPlan:
+    """How a backward runs: the one-pass kernel (``one_pass``), or the dK/dV + dQ pair with ``cfg``'s tiles, key
+    blocks split into ``parts`` float32 partial sums (1: unsplit), dQ on a second stream when ``alongside``."""
+    one_pass: bool
+    cfg: BwdConfig
+    parts: int = 1
+    alongside: bool = False
+
+
+def bwd_choice(cfg: BwdConfig, head_dim: int, head_dim_v: int, dtype: torch.dtype, device: torch.device,
+               features: frozenset, window: tuple, batch: int, nheads: int, nheads_kv: int, seqlen_q: int,
+               seqlen_k: int, deterministic: bool, one_pass: bool = True, gluon: bool = True) -> BwdPlan:
+    """The backward's plan, for the launcher and for the kernel names alike. ``cfg``: :func:`bwd_config`'s tiles;
+    ``window``: ``(left, right)``; ``one_pass`` / ``gluon``: whether the one-pass kernel / the Gluon dK/dV kernel may
+    be taken (False once the inputs are found unfit for the TMA). The one-pass kernel stores whole dK/dV rows, so it
+    never takes the pair's split plan."""
+    if one_pass and one_pass_bwd(head_dim, head_dim_v, dtype, device, features, window[1], batch, nheads_kv, seqlen_k,
+                                 deterministic):
+        return BwdPlan(True, cfg)
+    tile = gluon_dkdv_config(head_dim, head_dim_v, dtype, device, features) if gluon else None
+    cfg, parts, alongside = with_gluon_dkdv(cfg, tile, lambda block_n: bwd_plan(
+        batch, nheads, nheads_kv, seqlen_q, seqlen_k, window, block_n, device))
+    return BwdPlan(False, cfg, parts, alongside)
+
+
 @functools.lru_cache(maxsize=None)
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of the GPU (asked once per device); a fixed small count on CPU."""

@@ -16,8 +16,8 @@ from ...dispatch import record_fallback
 from ...rng import keep_threshold
 from .. import AttnArgs, KVCacheArgs, present_features
 from . import configs, decode
-from .configs import (bwd_config, bwd_plan, fixed_row_max, fwd_config, gluon_dkdv_config, gluon_fwd_config,
-                      gluon_kv_config, gluon_ring, padded_head_dim, row_keys, with_gluon_dkdv)
+from .configs import (bwd_config, fixed_row_max, fwd_config, gluon_fwd_config, gluon_kv_config, gluon_ring,
+                      padded_head_dim, row_keys)
 # The KV-cache part of the backend contract lives in decode.py (attention_kv below picks between it and
 # the Gluon forward); the dispatcher finds it here.
 from .decode import append_kv, merge_states  # noqa: F401
@@ -423,23 +423,24 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
     delta = empty_like(lse)
     lse2 = empty_like(lse)
     stride_lse_b, stride_lse_h = lse_strides(lse, varlen)
-    gluon = None if config is not None or kv_splits else gluon_dkdv_config(head_dim, head_dim_v, q.dtype, q.device,
-                                                                          features)
-    if gluon is not None and (reason := tma_unfit(q, k, v, dout)) is not None:
-        record_fallback(f"the Gluon Hopper dK/dV backward needs TMA-compatible inputs ({reason})", "triton",
-                        preferred="triton (Gluon Hopper kernel)")
-        gluon = None
-    cfg, splits, alongside = with_gluon_dkdv(cfg, gluon, lambda block_n: bwd_plan(
-        batch, nheads, nheads_kv, seqlen_q, seqlen_k, (args.window_left, args.window_right), block_n, q.device))
-    splits = kv_splits or splits
-    # Calls whose 128-key CTAs fill the GPU take the one-pass kernel when they allow dQ's reduce order to vary.
-    one_pass = config is None and not kv_splits and configs.one_pass_bwd(
-        head_dim, head_dim_v, q.dtype, q.device, features, args.window_right, batch,
-        nheads_kv, seqlen_k, configs.deterministic(args.deterministic))
-    if one_pass and (reason := tma_unfit(q, k, v, dout)) is not None:
-        record_fallback(f"the one-pass Hopper backward needs TMA-compatible inputs ({reason})", "triton",
-                        preferred="triton (one-pass Gluon Hopper backward)")
-        one_pass = False
+    if config is None and not kv_splits:
+        # Calls whose 128-key CTAs fill the GPU take the one-pass kernel when they allow dQ's reduce order to vary.
+        plan = configs.bwd_choice(cfg, head_dim, head_dim_v, q.dtype, q.device, features,
+                                  (args.window_left, args.window_right), batch, nheads, nheads_kv, seqlen_q, seqlen_k,
+                                  configs.deterministic(args.deterministic))
+        if (plan.one_pass or plan.cfg.dkdv.kernel == "gluon") and (reason := tma_unfit(q, k, v, dout)) is not None:
+            kernel = "one-pass Gluon Hopper backward" if plan.one_pass else "Gluon Hopper dK/dV backward"
+            record_fallback(f"the {kernel} needs TMA-compatible inputs ({reason})", "triton",
+                            preferred=f"triton ({kernel})")
+            plan = configs.bwd_choice(cfg, head_dim, head_dim_v, q.dtype, q.device, features,
+                                      (args.window_left, args.window_right), batch, nheads, nheads_kv, seqlen_q,
+                                      seqlen_k, False, one_pass=False, gluon=False)
+    else:
+        # A tile override (tuning sweeps, tests) runs the pair on the Triton tiles given.
+        plan = configs.BwdPlan(False, cfg, *configs.bwd_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k,
+                                                      (args.window_left, args.window_right), cfg.dkdv.BLOCK_N,
+                                                      q.device))
+    one_pass, cfg, splits, alongside = plan.one_pass, plan.cfg, kv_splits or plan.parts, plan.alongside
     # Its dQ is added up in float32 (zeroed by the preprocess), then cast into dq.
     dq_acc = empty(q.shape, torch.float32, q.device) if one_pass else None
     # Split key blocks store float32 partial sums: one partial head per (KV head, part).

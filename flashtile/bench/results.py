@@ -1,0 +1,182 @@
+"""BENCHMARKS.md from the committed result files: ``python -m flashtile bench --report``.
+
+``benchmarks/results/index.json`` lists what BENCHMARKS.md publishes, in order: ``intro`` (lines of
+Markdown) and ``sections``, each ``{"file", "title", "renderer"}`` plus optional ``"against"`` (the peer
+of the ``x`` column), ``"note"`` (a paragraph under the title) and ``"env"`` (facts the file lacks, e.g.
+its date). Every table names its GPU, date, versions and commit from the file's own ``env``. The
+report is a pure function of the index and the files, so a test regenerates it and compares it with
+the committed BENCHMARKS.md: the tables cannot drift from their data.
+
+Withdrawn numbers: from commit ``0548a7d`` (2026-11-27) until the fix of issue 42, MHA calls at head
+dim 128 ran a one-pass backward that computed wrong dK and dV. Their backward numbers are shown as
+:data:`WITHDRAWN`, never as speeds (:func:`withdraw`).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from . import common
+
+ROOT = Path(__file__).resolve().parents[2]
+INDEX = Path("benchmarks/results/index.json")
+OUTPUT = Path("BENCHMARKS.md")
+MAX_BYTES = 45_000
+WITHDRAWN = "withdrawn (wrong dK/dV, issue fixed; re-measure pending)"
+ONE_PASS_SINCE = "2026-11-27"  # the day 0548a7d put the one-pass backward on the dispatch path
+
+
+# ---------------------------------------------------------------- withdrawn numbers
+
+
+def _bwd_ranges(row: dict) -> str:
+    return " ".join((row.get("ranges") or {}).get("bwd") or [])
+
+
+def one_pass_suspect(row: dict, date: str, config_evidence: dict) -> bool:
+    """Whether a flashtile backward may have run the wrong one-pass kernel: its recorded backward ranges
+    (or those of its configuration's profiled row) name it; without a record, it was measured at MHA head
+    dim 128 outside a window on or after :data:`ONE_PASS_SINCE`."""
+    if row.get("prov") != "flashtile":
+        return False
+    if _bwd_ranges(row):
+        return "one-pass" in _bwd_ranges(row)
+    if row.get("config") in config_evidence:
+        return config_evidence[row["config"]]
+    mha = row.get("Hkv", row.get("H")) == row.get("H")
+    window = row.get("variant") == "window" or row.get("window")
+    return date >= ONE_PASS_SINCE and row.get("D") == 128 and mha and not window
+
+
+def withdraw(rows: list[dict], date: str) -> list[dict]:
+    """Copies of ``rows`` with the backward of each :func:`one_pass_suspect` row replaced by :data:`WITHDRAWN`."""
+    evidence: dict = {}
+    for r in rows:
+        if r.get("prov") == "flashtile" and r.get("config") and _bwd_ranges(r):
+            evidence[r["config"]] = evidence.get(r["config"], False) or "one-pass" in _bwd_ranges(r)
+    out = []
+    for row in rows:
+        row = dict(row)
+        if one_pass_suspect(row, date, evidence):
+            for stage in ("bwd", "fwd_bwd"):
+                if row.get(f"{stage}_ms") is not None:
+                    for key in [k for k in row if k.startswith(f"{stage}_") or k == f"paired_{stage}"]:
+                        del row[key]
+                    row[f"{stage}_err"] = WITHDRAWN
+        out.append(row)
+    return out
+
+
+# ---------------------------------------------------------------- renderers
+
+
+def _facts(env: dict, path: str) -> str:
+    commit = (env.get("git_commit") or env.get("commit") or "unknown")[:12]
+    command = f" · `python -m flashtile {' '.join(env['argv'])}`" if env.get("argv") else ""
+    return (f"GPU {env.get('gpu') or 'none'} · {env.get('date')} · torch {env.get('torch')} · triton "
+            f"{env.get('triton') or '-'} · flashtile commit `{commit}` · data `{path}`{command}")
+
+
+def _suite(data: dict, entry: dict) -> str:
+    from . import report
+
+    rows = withdraw(data["dense"], data["env"]["date"])
+    parts = []
+    if rows:
+        stages = [s for s in ("fwd", "bwd") if any(f"{s}_ms" in r or f"{s}_err" in r for r in rows)]
+        parts.append(report.versus_table(rows, entry.get("against", "cudnn"), stages))
+    if data.get("decode"):
+        parts.append(report.decode_table(data["decode"], data["models"].get("bandwidth_ceiling_TBps")))
+    return "\n\n".join(parts)
+
+
+def _variants(data: dict, entry: dict) -> str:
+    from . import variants
+
+    rows = withdraw(data["rows"], data["env"]["date"])
+    return "```\n" + variants.format_report(rows, variants.evaluate(rows)) + "\n```"
+
+
+def _qualify(data: dict, entry: dict) -> str:
+    from ..tools import qualify
+
+    return qualify.table(data["rows"]) + "\n\n" + data["summary_line"]
+
+
+def _peer_withdrawn(case: str) -> bool:
+    """A model-shape case of the peers file run at MHA head dim 128 (no GQA, no window)."""
+    return "d128" in case and "GQA" not in case and "window" not in case
+
+
+def _peers(data: dict, entry: dict) -> str:
+    """The peers file (one run of flashtile, FA4, SDPA cuDNN / flash, Flex): TFLOP/s, model shapes in ms,
+    decode under CUDA graphs, peak memory."""
+    names = {"flashtile": "flashtile", "fa4": "FA4", "sdpa_cudnn": "cuDNN", "sdpa_flash": "FA2 (SDPA flash)",
+             "flex": "Flex"}
+    parts = []
+    for key, title in (("dense", "B = 16384 // N, H = 2048 // d (MHA)"), ("dense_with_flex", "with Flex")):
+        rows = data.get(key) or []
+        provs = [p for p in names if any(p in r for r in rows)]
+        lines = []
+        for r in rows:
+            gone = r["d"] == 128  # every dense row here is MHA
+            cell = lambda p: (f"{r[p]['fwd']:.0f} / " + (WITHDRAWN if p == "flashtile" and gone  # noqa: E731
+                                                          else f"{r[p]['bwd']:.0f}")) if r.get(p) else "-"
+            ratio = "-"
+            if r.get("fa4") and r.get("flashtile"):
+                ratio = f"{r['flashtile']['fwd'] / r['fa4']['fwd']:.2f} / " + (
+                    "-" if gone else f"{r['flashtile']['bwd'] / r['fa4']['bwd']:.2f}")
+            lines.append([f"d{r['d']} N={r['n']} B={r['b']} H={r['h']} {'causal' if r['causal'] else 'full'}",
+                          *(cell(p) for p in provs), ratio])
+        headers = ["shape", *(f"{names[p]} fwd / bwd" for p in provs), "flashtile x FA4 fwd / bwd"]
+        parts += [f"TFLOP/s, {title}:", "", common.markdown_table(headers, lines), ""]
+    lines = []
+    for r in data.get("model_shapes_ms") or []:
+        gone = _peer_withdrawn(r["case"])
+        bwd = WITHDRAWN if gone else f"{r['flashtile']['bwd_ms']:.3f}"
+        lines.append([r["case"], f"{r['flashtile']['fwd_ms']:.3f} / {bwd}",
+                      f"{r['fa4']['fwd_ms']:.3f} / {r['fa4']['bwd_ms']:.3f}",
+                      f"{r['speedup_fwd']:.2f} / " + ("-" if gone else f"{r['speedup_bwd']:.2f}")])
+    if lines:
+        parts += ["Model shapes, ms (fwd / bwd):", "",
+                  common.markdown_table(["case", "flashtile", "FA4", "flashtile x FA4"], lines), ""]
+    lines = [[f"{r['B']} x {r['L']}", *(f"{r[k]:.1f}" if r.get(k) is not None else "-" for k in
+                                        ("flashtile_us", "fa4_us", "sdpa_cudnn_us", "sdpa_flash_us"))]
+             for r in data.get("decode_cuda_graph_us") or []]
+    if lines:
+        parts += ["Decode step under a CUDA graph, us (32/8 heads, d128):", "",
+                  common.markdown_table(["batch x cache", "flashtile", "FA4", "cuDNN", "FA2 (SDPA flash)"], lines), ""]
+    memory = data.get("peak_extra_MiB_fwd_bwd_N8192_h16_d128") or []
+    if memory:
+        parts.append("Peak extra memory of a forward + backward (N 8192, 16 heads, d128): "
+                     + ", ".join(f"{names.get(m['provider'], m['provider'])} {m['extra_MiB']:.0f} MiB" for m in memory)
+                     + ".")
+    return "\n".join(parts).rstrip()
+
+
+RENDERERS = {"suite": _suite, "variants": _variants, "qualify": _qualify, "peers": _peers}
+
+
+# ---------------------------------------------------------------- the report
+
+
+def render(root: Path = ROOT) -> str:
+    """BENCHMARKS.md's text from ``root``'s index and result files."""
+    index = json.loads((root / INDEX).read_text())
+    parts = [f"# {index['title']}", "", *index.get("intro", []), ""]
+    for entry in index["sections"]:
+        path = INDEX.parent / entry["file"]
+        data = json.loads((root / path).read_text())
+        env = {"gpu": (data.get("device") or {}).get("name"), **data.get("env", {}), **entry.get("env", {})}
+        parts += [f"## {entry['title']}", "", _facts(env, str(path)), ""]
+        if entry.get("note"):
+            parts += [entry["note"], ""]
+        parts += [RENDERERS[entry["renderer"]](data, entry), ""]
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def write_report(root: Path = ROOT) -> str:
+    """Write ``root``/BENCHMARKS.md from the index; returns what was written."""
+    text = render(root)
+    (root / OUTPUT).write_text(text)
+    return f"wrote {root / OUTPUT} ({len(text.encode())} bytes) from {root / INDEX}"

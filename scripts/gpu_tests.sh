@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The whole test suite on a CUDA GPU: bash scripts/gpu_tests.sh [--part I/N] [pytest args...]
+#
+# Every file in tests/ runs with the GPU as the device (the Gluon kernels' tests on sm_90 only), across
+# FLASHTILE_GPU_WORKERS pytest-xdist workers (default 8: the kernels' compiles are CPU-bound). --part I/N runs the
+# I-th of N slices of the test files (for a per-call time limit); the slices together are the whole suite.
+# The python that has torch with CUDA is used as it is (FLASHTILE_NO_VENV=1). The log and a JUnit file go to
+# $OUT (or ./flashtile-results); the last line is the summary: "GPU suite [part I/N] at <commit> on <GPU>: ...".
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+part="1/1"
+if [[ "${1:-}" == "--part" ]]; then part="$2"; shift 2; fi
+index="${part%/*}"; count="${part#*/}"
+out="${OUT:-flashtile-results}"
+mkdir -p "$out"
+# FLASHTILE_GPU_TESTS="tests/a.py tests/b.py" runs those files instead of all.
+mapfile -t files < <(if [[ -n "${FLASHTILE_GPU_TESTS:-}" ]]; then printf "%s\n" $FLASHTILE_GPU_TESTS; else ls tests/test_*.py | sort; fi)
+selected=()
+for i in "${!files[@]}"; do
+  if (( i % count == index - 1 )); then selected+=("${files[$i]}"); fi
+done
+# FLASHTILE_COMMIT names the commit when the checkout's git does not (a copied tree).
+commit="${FLASHTILE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+gpu="$(python3 -c 'import torch; print(torch.cuda.get_device_name())' 2>/dev/null || echo "no GPU")"
+FLASHTILE_NO_VENV=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -q -p no:cacheprovider \
+  -n "${FLASHTILE_GPU_WORKERS:-8}" --dist loadgroup --junitxml="$out/gpu-tests-${index}of${count}.xml" "${selected[@]}" "$@" \
+  2>&1 | tee "$out/gpu-tests-${index}of${count}.log"
+status=${PIPESTATUS[0]}
+summary="$(grep -E '^(=+ )?[0-9]+ (passed|failed)|no tests ran' "$out/gpu-tests-${index}of${count}.log" | tail -n 1)"
+echo "GPU suite part $part at $commit on $gpu: ${summary:-no summary (exit $status)}"
+exit "$status"

@@ -1,0 +1,84 @@
+"""Smoke test of the maintained tools in benchmarks/: each one imports on a CPU-only machine without running
+(the timing runs need a GPU), the argparse ones answer ``--help``, and each is documented in docs/benchmarks.md.
+A script added to benchmarks/ must be added here and to docs/benchmarks.md, or it fails ``test_listed``."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+
+# The maintained tools; those with a --help of their own are marked True.
+TOOLS = {
+    "bwd_dkdv_gluon.py": False, "bwd_dkdv_tiles.py": False, "bwd_power.py": False, "bwd_split_rule.py": True,
+    "bwd_ws.py": False, "d256_bwd_tiles.py": False, "d256_fwd_tiles.py": False, "decode_short.py": False,
+    "decode_splits.py": False, "dense_decode.py": False, "gluon_causal_short.py": False, "gluon_head_dims.py": False,
+    "gluon_short.py": False, "gluon_slim.py": False, "gluon_tiles.py": False, "gluon_ws.py": False,
+    "host_time.py": True, "kv_prefill.py": False, "sm90_cases.py": False, "sm90_compile.py": False, "tune.py": True,
+}
+SHELL_TOOLS = ("ab_trees.sh",)
+
+
+def _env():
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OUT=os.environ.get("TMPDIR", "/tmp"))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), str(BENCHMARKS), env.get("PYTHONPATH"))))
+    return env
+
+
+def test_listed():
+    """benchmarks/ holds exactly the maintained tools (one-off scripts live in git history, not in the tree)."""
+    present = {p.name for p in BENCHMARKS.iterdir() if p.suffix in (".py", ".sh")}
+    assert present == set(TOOLS) | set(SHELL_TOOLS)
+
+
+@pytest.mark.parametrize("name", sorted(TOOLS) + list(SHELL_TOOLS))
+def test_documented(name):
+    assert f"benchmarks/{name}" in (ROOT / "docs" / "benchmarks.md").read_text(), f"{name} is not in docs/benchmarks.md"
+
+
+# Imports every tool in one interpreter (one torch import, not one a tool): each tool's error and output.
+_IMPORT_ALL = """
+import contextlib, io, json, runpy, sys, traceback
+report = {}
+for path in sys.argv[1:]:
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(path, run_name="not_main")
+        report[path] = {"error": None, "stdout": out.getvalue()}
+    except BaseException:
+        report[path] = {"error": traceback.format_exc()[-3000:], "stdout": out.getvalue()}
+print(json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def imported():
+    paths = [str(BENCHMARKS / name) for name in sorted(TOOLS)]
+    done = subprocess.run([sys.executable, "-c", _IMPORT_ALL, *paths], env=_env(), cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {Path(path).name: result for path, result in json.loads(done.stdout.splitlines()[-1]).items()}
+
+
+@pytest.mark.parametrize("name", sorted(TOOLS))
+def test_imports_without_running(name, imported):
+    """Importing a tool defines its functions and runs nothing (no GPU needed)."""
+    assert imported[name]["error"] is None, imported[name]["error"]
+    assert imported[name]["stdout"] == "", f"{name} printed on import: {imported[name]['stdout'][:500]}"
+
+
+@pytest.mark.parametrize("name", [name for name, has_help in sorted(TOOLS.items()) if has_help])
+def test_help(name):
+    done = subprocess.run([sys.executable, str(BENCHMARKS / name), "--help"], env=_env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "usage" in done.stdout.lower()
+
+
+def test_ab_trees_syntax():
+    assert subprocess.run(["bash", "-n", str(BENCHMARKS / "ab_trees.sh")]).returncode == 0

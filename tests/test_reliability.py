@@ -137,6 +137,17 @@ def test_block_table_entry_outside_the_cache_is_recorded(backend, device, rng, u
     assert (found["argument"], found["value"]) == ("block_table", bad)
 
 
+def test_block_table_entry_outside_the_cache_is_recorded_without_appending(backend, device, rng, unchecked):
+    pages = randn(rng, 6, 4, 2, HEADDIM, device=device)
+    q = randn(rng, 2, 1, 2, HEADDIM, device=device)
+    out = flashtile.flash_attn_with_kvcache(q, pages, pages.clone(), cache_seqlens=int32([3, 7], device),
+                                            block_table=int32([[0, 1], [2, 40]], device))
+    assert torch.isfinite(out).all()
+    found = recorded()
+    assert (found["argument"], found["index"], found["value"]) == ("block_table", 1, 40)
+    assert "block_table[1, :] holds 40" in found["message"]
+
+
 @pytest.mark.parametrize("cu", [[0, 4, 30], [0, 30, 24], [-5, 4, 24], [0, 30, 4]])
 def test_varlen_offsets_past_the_tokens_stay_inside_and_are_recorded(backend, device, rng, unchecked, cu):
     q, k, v = (randn(rng, 24, 2, HEADDIM, device=device).requires_grad_() for _ in range(3))

@@ -129,7 +129,7 @@ def append_kv(Q, K_NEW, V_NEW, K_CACHE, V_CACHE, Q_OUT, COS, SIN,
 
 
 @triton.jit
-def _decode_inner(acc, l_i, m_i, q, K_HEAD, V_HEAD, table_row, ERR, stride_kb, stride_kn, stride_vb, stride_vn,
+def _decode_inner(acc, l_i, m_i, q, K_HEAD, V_HEAD, table_row, stride_kb, stride_kn, stride_vb, stride_vn,
                   offs_t, offs_dk, offs_dv, lo, hi, leftpad, cache_b, page_size, num_blocks, seqlen_q, seqlen_k,
                   qk_scale, softcap2, slope2, window_left, window_right,
                   BLOCK_N: tl.constexpr, HEAD_DIM_QK_ACTUAL: tl.constexpr, HEAD_DIM_QK: tl.constexpr,
@@ -138,7 +138,7 @@ def _decode_inner(acc, l_i, m_i, q, K_HEAD, V_HEAD, table_row, ERR, stride_kb, s
                   SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ALIBI: tl.constexpr,
                   PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     offs_n = lo + tl.arange(0, BLOCK_N)
-    slot, offset = _block_slots(lo, leftpad, seqlen_k, cache_b, table_row, page_size, num_blocks, ERR,
+    slot, offset = _block_slots(lo, leftpad, seqlen_k, cache_b, table_row, page_size, num_blocks,
                                 BLOCK_N, PAGED, PAGE_ALIGNED)
     for start_n in range(lo, hi, BLOCK_N):
         k_ptrs = K_HEAD + (slot * stride_kb + offset.to(tl.int64) * stride_kn)[:, None] + offs_dk[None, :]
@@ -161,21 +161,19 @@ def _decode_inner(acc, l_i, m_i, q, K_HEAD, V_HEAD, table_row, ERR, stride_kb, s
         # Read the next block's pages now, so its K and V loads wait on no table read.
         offs_n += BLOCK_N
         slot, offset = _block_slots(start_n + BLOCK_N, leftpad, seqlen_k, cache_b, table_row, page_size, num_blocks,
-                                    ERR, BLOCK_N, PAGED, PAGE_ALIGNED)
+                                    BLOCK_N, PAGED, PAGE_ALIGNED)
     return acc, l_i, m_i
 
 
 @triton.jit
-def _block_slots(start_n, leftpad, seqlen_k, cache_b, table_row, page_size, num_blocks, ERR,
+def _block_slots(start_n, leftpad, seqlen_k, cache_b, table_row, page_size, num_blocks,
                  BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr):
     """``(slot, offset)`` of the key block from key ``start_n``: key j is key row leftpad + j. A page
-    outside the cache is read clamped into it (and, one table entry a block, recorded in ``ERR``)."""
+    outside the cache is read clamped into it."""
     if PAGED and PAGE_ALIGNED:
         # The block lies on one page: one table read, then its rows are contiguous as in an unpaged cache.
         first = leftpad + start_n
         page = tl.load(table_row + first // page_size, mask=start_n < seqlen_k, other=0).to(tl.int64)
-        # A compare on the block's one page (a scalar): free. Paged rows have cache_b = their batch row.
-        report_bad(ERR, (page < 0) | (page >= num_blocks), 7, page, cache_b)
         slot = tl.minimum(tl.maximum(page, 0), num_blocks - 1)
         offset = first % page_size + tl.arange(0, BLOCK_N)
     else:
@@ -267,12 +265,17 @@ def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 
     K_HEAD = K + off_hk.to(tl.int64) * stride_kh
     V_HEAD = V + off_hk.to(tl.int64) * stride_vh
     table_row = BLOCK_TABLE + off_b * stride_bt
+    if PAGED:
+        # The row's last page, checked once a program (a table not grown with the sequence shows there); pages
+        # are clamped as they are read, but a check in the key loop would cost registers (sm90: 128 -> 168).
+        last_page = tl.load(table_row + (leftpad + seqlen_k - 1) // page_size, mask=seqlen_k > 0, other=0)
+        report_bad(ERR, (last_page < 0) | (last_page >= num_blocks), 7, last_page, off_b)
     for run in tl.static_range(3):
         run_lo, run_hi = run_bounds(run, lo, full_lo, full_hi, hi)
         # Without a left edge run 0 is empty: leave it out of the compiled kernel.
         if run != 0 or MASK_LEFT:
             acc, l_i, m_i = _decode_inner(
-                acc, l_i, m_i, q, K_HEAD, V_HEAD, table_row, ERR, stride_kb, stride_kn, stride_vb, stride_vn,
+                acc, l_i, m_i, q, K_HEAD, V_HEAD, table_row, stride_kb, stride_kn, stride_vb, stride_vn,
                 offs_t, offs_dk, offs_dv, tl.maximum(run_lo, split_lo), tl.minimum(run_hi, split_hi),
                 leftpad, cache_b, page_size, num_blocks, seqlen_q, seqlen_k,
                 qk_scale, softcap * LOG2E, slope2, window_left, window_right,

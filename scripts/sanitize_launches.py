@@ -73,14 +73,20 @@ def families():
     kvcache(2, 4096, 300, 300, 8, 8, 128)
 
 
-def warp_specialized():
-    # The one-pass backward (d128 MHA bf16 with CTAs enough to fill the GPU) and the warp-specialized forward.
-    batch, nheads, keys = 2, 8, 2048
+def warp_specialized(small: bool):
+    """The one-pass backward (d128 MHA bf16 with CTAs enough to fill the GPU) and the warp-specialized forward.
+    ``small`` (racecheck, which runs a kernel hundreds of times slower): a few CTAs, the Hopper kernels taken
+    by telling the plans the GPU has one SM and any amount of work is enough."""
+    batch, nheads, keys = (1, 2, 384) if small else (2, 8, 2048)
+    if small:
+        configs.sm_count = lambda device: 1
+        configs.GLUON_MIN_PAIRS = 0
     assert -(-keys // configs.ONE_PASS_KEYS) * nheads * batch >= configs.sm_count(torch.device(DEVICE))
     fwd_bwd(batch, keys, keys, nheads, nheads, 128, causal=True)
-    varlen_fwd_bwd([1100, 7, 2100, 900], nheads, 128)
-    q = randn(1, 256, 4, 128)
-    k, v = (randn(1, configs.GLUON_WS_FULL_KEYS + 77, 4, 128) for _ in range(2))
+    varlen_fwd_bwd([200, 7, 300] if small else [1100, 7, 2100, 900], nheads, 128)
+    # The warp-specialized forward: keys from GLUON_WS_FULL_KEYS on, (rows x keys) from GLUON_MIN_PAIRS on.
+    q = randn(1, 256 if small else 2304, 2 if small else 4, 128)
+    k, v = (randn(1, configs.GLUON_WS_FULL_KEYS + 77, 2 if small else 4, 128) for _ in range(2))
     flashtile.flash_attn_func(q, k, v)
 
 
@@ -109,10 +115,10 @@ def main(mode: str) -> int:
     torch.manual_seed(0)
     flashtile.reset_stats()
     if mode == "ws":
-        warp_specialized()
+        warp_specialized(small=True)
     else:
         families()
-        warp_specialized()
+        warp_specialized(small=False)
     torch.cuda.synchronize()
     kernels = flashtile.stats()["kernels"]
     for name, count in sorted(kernels.items()):

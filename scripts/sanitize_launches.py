@@ -64,7 +64,7 @@ def families():
     # backward (d128, deterministic keeps it off the one-pass kernel).
     fwd_bwd(2, 177, 211, 4, 2, 64, causal=True)
     fwd_bwd(1, 65, 129, 3, 1, 40, softcap=20.0, window_size=(33, 5))
-    fwd_bwd(2, 1000, 1000, 8, 8, 128, causal=True, deterministic=True)
+    fwd_bwd(2, 2100, 2100, 8, 8, 128, causal=True, deterministic=True)  # past GLUON_MIN_PAIRS: the Gluon forward
     varlen_fwd_bwd([300, 1, 0, 129, 777], 4, 128, deterministic=True)
     varlen_fwd_bwd([65, 3, 190], 2, 64, causal=True)
     # Decode with split-KV and the combine; append with rotary; paged and contiguous.

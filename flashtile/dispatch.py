@@ -86,11 +86,15 @@ def stats() -> dict:
 
 
 def reset_stats() -> None:
-    """Clear the counters (a fallback reason already warned about is not warned again)."""
+    """Clear the counters and the device-side error records (a fallback reason already warned about is not
+    warned again)."""
+    from . import device_errors
+
     with _lock:
         _calls.clear()
         _kernels.clear()
         _fallbacks.clear()
+    device_errors.clear()
 
 
 def set_strict(strict: bool = True) -> None:

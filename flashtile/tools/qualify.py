@@ -16,6 +16,7 @@ import os
 import re
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -419,6 +420,16 @@ def _default_dtype(shape: model_config.ModelShape, device: str) -> str:
     return "float16" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "float32"
 
 
+def _check_writable(out: str) -> None:
+    """Fail before the (minutes-long) qualification when ``--out`` cannot take its results."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as error:
+        raise ToolError(f"--out {out}: cannot write the results there ({error.strerror or error})") from None
+
+
 @readable_errors("qualify")
 def run(args) -> int:
     from ..bench.common import base_env, log, stamp, unique_stem, write_json
@@ -442,6 +453,7 @@ def run(args) -> int:
     prefill = args.prefill or DEFAULT_PREFILL[device]
     decode = args.decode or DEFAULT_DECODE[device]
     calls = derive_calls(shape, batch, prefill, decode)
+    _check_writable(args.out)
     info = _device_info(device)
 
     rows = []

@@ -66,7 +66,7 @@ def quantize(q, k, v, block_quant: bool = True, incoherent: bool = True, seed: i
             cu_seqlens_q if varlen else q, cu_seqlens_k if varlen else q,
             *_bsh(q, varlen), *_bsh(k, varlen), *_bsh(v, varlen), *_bsh(q8, varlen), *_bsh(k8, varlen), *vt_strides,
             *(stride for t in targets for stride in t.stride()),
-            seqlen_q, seqlen_k, nheads, 1.0 / math.sqrt(head_dim),
+            seqlen_q, seqlen_k, q.shape[0], k.shape[0], nheads, 1.0 / math.sqrt(head_dim),
             HEAD_DIM=head_dim, BLOCK=QUANT_BLOCK, SUB=_SUB, CHUNK=min(_CHUNK, head_dim), ROTATE=incoherent,
             SCALE_GIVEN=scale_given, AMAX_ONLY=amax_only, VARLEN=varlen, INPUT_PRECISION=input_precision(q.dtype),
             num_warps=_WARPS,

@@ -58,6 +58,8 @@ flashtile_setup_python() {
     return
   fi
   # Pinned together so pip never upgrades torch to a default (CUDA) wheel of gigabytes.
+  echo "flashtile: installing ${FLASHTILE_PINS[*]}${*:+ $*} and flashtile (editable) into $venv;" \
+       "pip is quiet and this takes a couple of minutes on first use" >&2
   "$FLASHTILE_PY" -m pip install --quiet --disable-pip-version-check "${FLASHTILE_PINS[@]}" "$@"
   "$FLASHTILE_PY" -m pip install --quiet --disable-pip-version-check --no-deps -e "$FLASHTILE_ROOT"
   printf '%s' "$want" > "$stamp"

@@ -28,14 +28,15 @@ LSE_BYTES = 4  # the softmax statistics are fp32 whatever the input dtype
 
 EXAMPLES = """\
 examples:
-  python -m flashtile memory --config llama --seqlen 8192 --batch 4
+  python -m flashtile memory --config llama-3-8b --seqlen 8192 --batch 4   # 4.00 GiB of KV cache
   python -m flashtile memory --config path/to/Meta-Llama-3-8B/config.json --seqlen 8192
-  python -m flashtile memory --config mistral --seqlen 32768        # also the windowed KV cache
+  python -m flashtile memory --config mistral-7b --seqlen 32768     # also the windowed KV cache
   python -m flashtile memory --layers 32 --heads 32 --kv-heads 8 --head-dim 128 --dtype bf16 --seqlen 4096 --batch 2
-  python -m flashtile memory --config gemma2 --dtype fp32 --json    # flags override the config
+  python -m flashtile memory --config gemma-2-9b --dtype fp32 --json # flags override the config
 
 --config takes a config.json, a checkpoint directory holding one, or a bundled name
-(llama, mistral, gemma2, gpt-oss). Bytes are exact; sizes use binary units (1 KiB = 1024 B).
+(llama-3-8b, llama-3-70b, mistral-7b, gemma-2-9b, gpt-oss-20b, gpt-oss-120b, qwen3-8b; tiny-llama
+is a toy). Bytes are exact; sizes use binary units (1 KiB = 1024 B).
 Counted: KV cache = 2 (K,V) x kv heads x head dim x dtype bytes per token per layer; standard
 attention = scores + probabilities, B x H x N^2 x dtype bytes each; flashtile = lse B x H x N x 4
 (forward) + delta and lse2 2 x B x H x N x 4 (Triton backward).

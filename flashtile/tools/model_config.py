@@ -38,6 +38,8 @@ DTYPE_ALIASES = {
     "fp16": "float16", "float16": "float16", "half": "float16",
     "fp32": "float32", "float32": "float32", "float": "float32",
 }
+# Earlier bundled names (a toy each, until the real configs replaced them) -> the real model's config.
+ALIASES = {"llama": "llama-3-8b", "mistral": "mistral-7b", "gemma2": "gemma-2-9b", "gpt-oss": "gpt-oss-20b"}
 # model_type values whose attention has learned sinks (see the module docstring).
 SINK_MODEL_TYPES = frozenset({"gpt_oss"})
 
@@ -102,12 +104,13 @@ def canonical_dtype(text: str, where: str = "--dtype") -> str:
 
 
 def bundled_names() -> list[str]:
-    """Names of the configs shipped in ``flashtile/configs`` (``llama``, ``mistral``, ...)."""
+    """Names of the configs shipped in ``flashtile/configs`` (``llama-3-8b``, ``mistral-7b``, ``tiny-llama``, ...)."""
     return sorted(p.stem for p in BUNDLED_DIR.glob("*.json"))
 
 
 def resolve(spec: str) -> tuple[Path, str]:
-    """``(path, model name)`` for a path to a config.json, a checkpoint directory holding one, or a bundled name."""
+    """``(path, model name)`` for a path to a config.json, a checkpoint directory holding one, or a bundled name
+    (or one of its :data:`ALIASES`)."""
     path = Path(spec).expanduser()
     if path.is_dir():
         path = path / "config.json"
@@ -117,9 +120,10 @@ def resolve(spec: str) -> tuple[Path, str]:
     if path.is_file():
         # A Hub checkpoint's file is always called config.json: its directory names the model.
         return path, path.parent.resolve().name if path.stem == "config" else path.stem
-    bundled = BUNDLED_DIR / f"{spec}.json"
-    if "/" not in spec and bundled.is_file():
-        return bundled, spec
+    name = ALIASES.get(spec, spec)
+    bundled = BUNDLED_DIR / f"{name}.json"
+    if "/" not in name and bundled.is_file():
+        return bundled, name
     raise ConfigError(
         f"{spec}: no such file, and not a bundled config (bundled: {', '.join(bundled_names())})"
     )

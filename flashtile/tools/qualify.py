@@ -31,17 +31,17 @@ PASSING = (OK, SKIPPED)
 
 EXAMPLES = """\
 examples:
-  python -m flashtile qualify --config llama                          # a bundled config
+  python -m flashtile qualify --config tiny-llama                     # a bundled toy: seconds on a CPU
   python -m flashtile qualify --config path/to/Meta-Llama-3-8B/config.json --out results/
-  python -m flashtile qualify --config gemma2 --prefill 1024 4096 --decode 8192 --batch 4
+  python -m flashtile qualify --config gemma-2-9b --prefill 1024 4096 --decode 8192 --batch 4
   python -m flashtile qualify --heads 32 --kv-heads 8 --head-dim 128 --dtype bf16
-  python -m flashtile qualify --config mistral --json > mistral.json
-  FLASHTILE_DISABLE_BACKENDS=triton python -m flashtile qualify --config llama   # a forced fallback: exit 1
+  python -m flashtile qualify --config mistral-7b --json > mistral-7b.json
+  FLASHTILE_DISABLE_BACKENDS=triton python -m flashtile qualify --config tiny-llama   # a forced fallback: exit 1
 
---config takes a config.json, a checkpoint directory holding one, or a bundled name (llama,
-mistral, gemma2, gpt-oss); only the local file is read. Calls per distinct layer type: causal
-prefill at --prefill lengths (forward + backward), decode (1 query) at --decode cache lengths
-(forward), varlen: the first prefill length and shorter ones packed into one
+--config takes a config.json, a checkpoint directory holding one, or a bundled name (llama-3-8b,
+llama-3-70b, mistral-7b, gemma-2-9b, gpt-oss-20b, gpt-oss-120b, qwen3-8b; tiny-llama is a toy);
+only the local file is read. Calls per distinct layer type: causal prefill at --prefill lengths
+(forward + backward), decode (1 query) at --decode cache lengths (forward), varlen: the first prefill length and shorter ones packed into one
 flash_attn_varlen_func call (forward + backward); a sliding layer of window W calls
 window_size=(W-1, 0); sinks are a random learnable (nheads,) float32 tensor. Defaults: GPU prefill 128 512 2048, decode 1000 4096, batch 2, the config's dtype;
 CPU prefill 64 257, decode 100 300, batch 1, float16 under TRITON_INTERPRET=1 (bfloat16 is broken

@@ -21,7 +21,7 @@ HAS_CUDA = torch.cuda.is_available()
 ROOT = Path(__file__).resolve().parent.parent
 # The smallest qualify run that still has a prefill (fwd + bwd over two key blocks) and a decode.
 TINY = ["--prefill", "64", "--decode", "40", "--runs", "1"]
-BUNDLED = ["gemma-2-9b", "gpt-oss-120b", "gpt-oss-20b", "llama-3-70b", "llama-3-8b", "mistral-7b", "qwen3-8b", "tiny-llama"]
+BUNDLED = ["deepseek-v3", "gemma-2-9b", "gpt-oss-120b", "gpt-oss-20b", "llama-3-70b", "llama-3-8b", "mistral-7b", "qwen3-8b", "tiny-llama"]
 
 
 
@@ -198,6 +198,7 @@ def test_qualify_fallback_from_the_environment_in_a_shell(tmp_path):
 
 
 @pytest.mark.parametrize("name, feature", [
+    ("deepseek-v3", "causal"),
     ("mistral-7b", "window 15,0"),
     ("gemma-2-9b", "softcap 50"),
     ("gpt-oss-20b", "sinks"),
@@ -214,6 +215,8 @@ def test_qualify_models_with_windows_softcap_and_sinks_pass(capsys, tmp_path, na
     assert all(feature in r["features"] for r in payload["rows"] if r["layer"] != "full")
     if name == "gpt-oss-20b":  # the sink is learnable: its gradient is checked too
         assert all("dsink" in r["errors"] for r in payload["rows"] if r["phase"] != "decode")
+    if name == "deepseek-v3":  # multi-head latent attention: values narrower than queries and keys
+        assert all((r["headdim"], r["headdim_v"]) == (192, 128) for r in payload["rows"])
     if name == "gemma-2-9b":
         assert {r["layer"] for r in payload["rows"]} == {"sliding", "full", "all"}
 
@@ -327,6 +330,7 @@ REAL_MODELS = {
     "gpt-oss-20b": (24, 64, 8, 64, {"sliding": 12, "full": 12}, 128, None, True),
     "gpt-oss-120b": (36, 64, 8, 64, {"sliding": 18, "full": 18}, 128, None, True),
     "qwen3-8b": (36, 32, 8, 128, {"full": 36}, None, None, False),
+    "deepseek-v3": (61, 128, 128, 192, {"full": 61}, None, None, False),  # values: head dim 128
 }
 
 
@@ -335,7 +339,14 @@ def test_bundled_configs_carry_the_real_models_shapes(name):
     shape = model_config.load(name)
     assert (shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.layer_counts(),
             shape.sliding_window, shape.softcap, shape.sinks) == REAL_MODELS[name]
-    assert shape.dtype == "bfloat16"
+    assert shape.dtype == "bfloat16" and shape.value_dim == (128 if name == "deepseek-v3" else shape.head_dim)
+
+
+def test_memory_of_deepseek_v3_counts_192_wide_keys_and_128_wide_values(capsys):
+    status, out, _ = cli(capsys, "memory", "--config", "deepseek-v3", "--seqlen", 1000, "--json")
+    kv = json.loads(out)["kv_cache"]
+    assert status == 0 and kv["bytes_per_token_per_layer"] == 128 * (192 + 128) * 2  # 80 KiB
+    assert kv["bytes_total"] == 61 * 1000 * 81_920
 
 
 def test_the_toy_is_named_a_toy():

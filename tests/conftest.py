@@ -51,12 +51,24 @@ def skipped_here(item) -> bool:
     return params.get("dtype") is torch.bfloat16 and params.get("backend") == "triton" and not HAS_CUDA
 
 
+def grid_point(item) -> dict:
+    """An item's parameters, the names that one parametrize gives together (``"seqlen_q, seqlen_k"``) as one."""
+    values = {name: repr(value) for name, value in item.callspec.params.items()}
+    point = {}
+    for mark in item.iter_markers("parametrize"):
+        names = mark.args[0]
+        names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+        if len(names) > 1 and all(n in values for n in names):
+            point[", ".join(names)] = ", ".join(values.pop(n) for n in names)
+    return {**values, **point}
+
+
 def covering(items: list) -> set:
     """The items of one test function's grid that the default run keeps, picked greedily in collection order: every
     value of every parameter (each length pair, head dim, dtype, mask, feature) at least once, on each backend when
     the backend is a parameter. A grid with one parameter besides the backend is kept whole: each point there is a
     case of its own."""
-    params = [{name: repr(value) for name, value in item.callspec.params.items()} for item in items]
+    params = [grid_point(item) for item in items]
     axes = sorted(name for name in params[0] if name != "backend" and len({p.get(name) for p in params}) > 1)
     if len(axes) < 2:
         return set(range(len(items)))
@@ -86,9 +98,12 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.exhaustive)
     if RUN_ALL:
         return
-    deselected = [item for item in items if item.get_closest_marker("exhaustive")]
+    named = [arg for arg in config.args if "[" in arg]  # a grid point asked for by its id runs whatever its mark
+    deselected = [item for item in items if item.get_closest_marker("exhaustive")
+                  and not any(arg.endswith(item.nodeid) for arg in named)]
     if deselected:
-        items[:] = [item for item in items if not item.get_closest_marker("exhaustive")]
+        dropped = set(map(id, deselected))
+        items[:] = [item for item in items if id(item) not in dropped]
         config.hook.pytest_deselected(items=deselected)
 
 

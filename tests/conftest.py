@@ -45,7 +45,9 @@ def pytest_configure(config):
 
 def skipped_here(item) -> bool:
     """Whether pytest_runtest_setup skips the test on this machine."""
-    if item.get_closest_marker("cuda") and not HAS_CUDA:
+    if (item.get_closest_marker("cuda") and not HAS_CUDA) or item.get_closest_marker("skip"):
+        return True
+    if any(mark.args and mark.args[0] is True for mark in item.iter_markers("skipif")):
         return True
     params = getattr(getattr(item, "callspec", None), "params", {})
     return params.get("dtype") is torch.bfloat16 and params.get("backend") == "triton" and not HAS_CUDA

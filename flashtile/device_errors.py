@@ -14,6 +14,8 @@ import threading
 
 import torch
 
+from . import recording
+
 # Argument ids as the kernels write them (0 = no error); what a bad value of each one is.
 ARGUMENTS = {
     1: ("cu_seqlens_q", "an offset below 0, below the previous offset, or past the packed query tokens"),
@@ -48,6 +50,7 @@ def record(device) -> torch.Tensor:
             rec = _records.get(device)
             if rec is None:
                 rec = torch.zeros(4, dtype=torch.int32, device=device)
+                recording.note_persistent(rec)
                 _records[device] = rec
     return rec
 

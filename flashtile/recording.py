@@ -11,6 +11,9 @@ import threading
 import torch
 
 _local = threading.local()
+# Tensors that live as long as the process (the device error records): a launch that takes one takes the same
+# tensor on every call, so a replay passes it as it is.
+_persistent: dict = {}
 
 
 class Recorder:
@@ -52,3 +55,12 @@ def note_buffer(t: torch.Tensor) -> None:
     recorder = active()
     if recorder is not None:
         recorder.buffers.append(t)
+
+
+def note_persistent(t: torch.Tensor) -> None:
+    """Say that ``t`` is kept for the life of the process: replays may pass it as a constant."""
+    _persistent[id(t)] = t
+
+
+def is_persistent(t: torch.Tensor) -> bool:
+    return _persistent.get(id(t)) is t

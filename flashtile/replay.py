@@ -44,7 +44,7 @@ import torch
 
 from . import alloc
 # The recording state lives in its own module (alloc notes buffers there); its names are used as replay.X.
-from .recording import Recorder, active, not_replayable, note_buffer, recording  # noqa: F401
+from .recording import Recorder, active, is_persistent, not_replayable, note_buffer, recording  # noqa: F401
 
 logger = logging.getLogger("flashtile")
 
@@ -213,6 +213,10 @@ def build(recorder: Recorder, inputs: tuple, outputs: tuple, counters: tuple = (
                 taken += 1
             elif kind in plain:
                 # Most arguments are numbers (a launch takes ~70): kept as they are.
+                slots.append((_CONSTANT, len(constants)))
+                constants.append(value)
+            elif (kind is torch.Tensor or isinstance(value, torch.Tensor)) and is_persistent(value):
+                # A tensor kept for the process (a device error record): the same one on every call.
                 slots.append((_CONSTANT, len(constants)))
                 constants.append(value)
             elif kind is torch.Tensor or isinstance(value, torch.Tensor):

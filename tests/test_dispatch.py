@@ -73,7 +73,7 @@ def test_hopper_forward_tiles_follow_mask_row_length_and_features(monkeypatch, w
     (192, 128, (), (128, 64, 3), ((64, 32, 2), (128, 64, 2))),  # 128-wide values leave room for a stage
     (256, 64, (), (128, 64, 3), ((64, 32, 2), (128, 64, 2))),
     (256, 256, ("bias",), (64, 64, 2), ((64, 32, 2), (128, 64, 1))),  # the bias tile needs shared memory too
-    (192, 128, ("bias",), (64, 64, 2), ((64, 32, 2), (128, 64, 2))),
+    (192, 128, ("bias",), (64, 64, 2), ((64, 32, 2), (128, 64, 1))),  # a second dQ stage with the bias: 245760 B
     (128, 64, (), (128, 128, 3), ((32, 64, 3), (128, 64, 3))),  # narrower values change nothing at 128
 ])
 def test_hopper_head_dim_256_tiles(monkeypatch, headdim, headdim_v, features, fwd_tile, bwd_tiles):

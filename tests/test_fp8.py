@@ -448,7 +448,7 @@ def test_fp8_kvcache_matches_reference(backend, rng, dtype, paged, per_row, num_
         lo, _ = testing.attention_ref(q[b:b + 1], keys_k[b:b + 1, :n].to(dtype), keys_v[b:b + 1, :n].to(dtype),
                                       causal=True, upcast=False)
         testing.assert_close_to_ref("out", out[b:b + 1], hi, lo, atol=1e-3)
-        torch.testing.assert_close(lse[b:b + 1].double(), hi_lse, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(lse[b:b + 1].double(), hi_lse.double(), atol=1e-4, rtol=1e-4)
 
 
 def test_fp8_kvcache_rotary_first(backend, rng):

@@ -202,13 +202,14 @@ def _fp8_inputs(batch=2, seqlen=70, nheads=4, nheads_kv=2, head_dim=64):
     (dict(q="float16"), ValueError, "q_descale, k_descale, v_descale apply to float8_e4m3fn"),
     (dict(head_dim=96), ValueError, "headdim=96"),
     (dict(dropout_p=0.1), NotImplementedError, "dropout_p=0.1"),
-    (dict(mixed="per-block q"), ValueError, "all per (batch, KV head) or all per block"),
+    (dict(q_descale="blocks"), ValueError, "q_descale must have shape (batch, nheads_kv) = (2, 2) or, per block of "
+                                            "128 rows, (2, 2, 1) or (2, 4, 1); got (2, 4, 2)"),
 ])
 def test_bad_fp8_input(change, error, words):
     q8, k8, v8, descale = _fp8_inputs(head_dim=change.get("head_dim", 64))
     kwargs = dict(q_descale=descale, k_descale=descale, v_descale=descale)
     if "q_descale" in change:
-        kwargs["q_descale"] = None
+        kwargs["q_descale"] = None if change["q_descale"] is None else torch.ones(2, 4, 2, device=DEVICE)
     if change.get("k_descale") == "shape":
         kwargs["k_descale"] = descale[:, :1]
     if change.get("v_descale") == "float16":
@@ -217,8 +218,6 @@ def test_bad_fp8_input(change, error, words):
         q8 = q8.float().to(torch.float8_e5m2)
     if change.get("q") == "float16":
         q8, k8, v8 = q8.half(), k8.half(), v8.half()
-    if "mixed" in change:
-        kwargs["q_descale"] = torch.ones(2, 4, 1, device=DEVICE)
     with pytest.raises(error) as raised:
         flashtile.flash_attn_func(q8, k8, v8, dropout_p=change.get("dropout_p", 0.0), **kwargs)
     assert words in str(raised.value)
@@ -558,35 +557,91 @@ class _FakeKernel:
         nheads_kv, head_dim = k.shape[-2], k.shape[-1]
         assert q.dtype == k.dtype == v_t.dtype == torch.float8_e4m3fn and out.dtype == torch.bfloat16
         assert v_t.shape == ((nheads_kv, head_dim, k.shape[0]) if varlen else
-                             (k.shape[0], nheads_kv, head_dim, k.shape[1])) and v_t.is_contiguous()
+                             (k.shape[0], nheads_kv, head_dim, k.shape[1]))
+        # The TMA's rule: unit stride along the keys, every other stride a multiple of 16 bytes.
+        assert v_t.stride(-1) == 1 and all(stride % 16 == 0 for stride in v_t.stride()[:-1]), v_t.stride()
         assert out.shape == q.shape and lse.dtype == torch.float32
         assert lse.shape == ((q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1]))
+        # The launcher's descale shapes: q's and k's per (batch, KV head) or per block and KV head, v's per
+        # (batch, KV head).
+        if varlen:
+            batch, seqlen_q, seqlen_k = args.cu_seqlens_q.shape[0] - 1, args.max_seqlen_q, args.max_seqlen_k
+        else:
+            batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+        for descale, seqlen in ((q_descale, seqlen_q), (k_descale, seqlen_k), (v_descale, None)):
+            blocks = () if descale.dim() == 2 else (-(-seqlen // 128),)
+            assert tuple(descale.shape) == (batch, nheads_kv, *blocks), descale.shape
         v = v_t.permute(2, 0, 1) if varlen else v_t.permute(0, 3, 1, 2)
         expected, expected_lse = torch_fp8.forward(q, k, v, q_descale, k_descale, v_descale, args)
         out.copy_(expected)
         lse.copy_(expected_lse)
-        self.calls.append(q_descale.dim())
+        self.calls.append(tuple(descale.dim() for descale in (q_descale, k_descale, v_descale)))
+
+
+def _as_on_hopper(monkeypatch, fake):
+    """The FP8 dispatch as on a Hopper GPU whose kernel is ``fake``: preferred, and refusing only what
+    ``fake`` declares it cannot take."""
+    import flashtile.fp8 as fp8
+    monkeypatch.setattr(fp8, "_kernel_module", lambda: fake)
+    monkeypatch.setattr(fp8, "_preferred", lambda device: "triton")
+    monkeypatch.setattr(fp8, "kernel_reason", lambda device, args, head_dim, descales, nheads_kv:
+                        fp8.descale_reason(fake, descales, nheads_kv) or fake.fp8_sm90_supported(args, head_dim))
 
 
 def test_kernel_launcher_contract(monkeypatch, rng):
     """flash_attn_fp8_func, its varlen twin and FA3's API hand the kernel what forward_fp8_sm90 expects (v
-    K-major, bf16 out, lse in flashtile's layout), under the kernel's profiler name."""
-    import flashtile.fp8 as fp8
+    K-major with rows 16 bytes apart, bf16 out, lse in flashtile's layout, descales in its shapes), under the
+    kernel's profiler name: the default block-quantized call runs the kernel, no fallback."""
     fake = _FakeKernel()
-    monkeypatch.setattr(fp8, "_kernel_module", lambda: fake)
-    monkeypatch.setattr(fp8, "kernel_reason", lambda device, args, head_dim, per_block: None)
+    _as_on_hopper(monkeypatch, fake)
     q = torch.randn(2, 77, 4, 64, generator=rng).to(DEVICE, torch.float16)
-    k = torch.randn(2, 130, 2, 64, generator=rng).to(DEVICE, torch.float16)
-    v = torch.randn(2, 130, 2, 64, generator=rng).to(DEVICE, torch.float16)
+    k = torch.randn(2, 133, 2, 64, generator=rng).to(DEVICE, torch.float16)
+    v = torch.randn(2, 133, 2, 64, generator=rng).to(DEVICE, torch.float16)
     flashtile.reset_stats()
-    out = flashtile.flash_attn_fp8_func(q, k, v, causal=True)
+    with _strict():
+        out = flashtile.flash_attn_fp8_func(q, k, v, causal=True)
     q8, k8, v8_t, *descales = torch_fp8.quantize(q, k, v)
     expected, _ = torch_fp8.forward(q8, k8, v8_t.permute(0, 3, 1, 2), *descales, args_of(64, causal=True))
     torch.testing.assert_close(out, expected.to(out.dtype), atol=2e-3, rtol=0)
     assert "flashtile.fwd[gluon-sm90 fp8 d=64 causal block-scales]" in flashtile.stats()["kernels"]
+    assert not flashtile.stats()["fallbacks"]
     q8, k8, v8_t, *descales = torch_fp8.quantize(q, k, v, block_quant=False)
-    flashtile.flash_attn_func(q8, k8, v8_t.permute(0, 3, 1, 2), q_descale=descales[0], k_descale=descales[1],
-                              v_descale=descales[2])
+    with _strict():
+        flashtile.flash_attn_func(q8, k8, v8_t.permute(0, 3, 1, 2), q_descale=descales[0], k_descale=descales[1],
+                                  v_descale=descales[2])
     cu_q, cu_k = testing.cu_seqlens_of([30, 47], DEVICE), testing.cu_seqlens_of([60, 70], DEVICE)
     flashtile.flash_attn_varlen_fp8_func(q[0], k[0], v[0], cu_q, cu_k, 47, 70)
-    assert fake.calls == [3, 2, 3]
+    assert fake.calls == [(3, 3, 2), (2, 2, 2), (3, 3, 2)]
+
+
+@pytest.mark.parametrize("shapes,reason", [
+    (("kv_block", "kv_block", "tensor"), None),
+    (("tensor", "kv_block", "tensor"), None),
+    (("q_head_block", "kv_block", "tensor"), "q_descale per block of each query head (2, 4, 1)"),
+    (("kv_block", "kv_block", "kv_block"), "v_descale per block (2, 2, 2)"),
+])
+def test_fa3_descale_shapes_route(monkeypatch, rng, shapes, reason):
+    """FA3's API on a Hopper GPU (simulated): descales in the kernel's shapes run the kernel; per-query-head q
+    blocks or per-block v run the torch math as a recorded fallback naming why (refused in strict mode)."""
+    fake = _FakeKernel()
+    _as_on_hopper(monkeypatch, fake)
+    q8 = torch.randn(2, 70, 4, 64, generator=rng).to(DEVICE, torch.float8_e4m3fn)
+    k8, v8 = (torch.randn(2, 150, 2, 64, generator=rng).to(DEVICE, torch.float8_e4m3fn) for _ in range(2))
+    forms = {"tensor": lambda blocks: (2, 2), "kv_block": lambda blocks: (2, 2, blocks),
+             "q_head_block": lambda blocks: (2, 4, blocks)}
+    descales = [(0.005 + 0.01 * torch.rand(forms[form](blocks), generator=rng)).to(DEVICE)
+                for form, blocks in zip(shapes, (1, 2, 2))]
+    kwargs = dict(zip(("q_descale", "k_descale", "v_descale"), descales), causal=True)
+    flashtile.reset_stats()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = flashtile.flash_attn_func(q8, k8, v8, **kwargs)
+    expected, _ = torch_fp8.forward(q8, k8, v8, *descales, args_of(64, causal=True))
+    torch.testing.assert_close(out, expected, atol=1e-2, rtol=0)
+    fallbacks = flashtile.stats()["fallbacks"]
+    if reason is None:
+        assert len(fake.calls) == 1 and not fallbacks
+        return
+    assert not fake.calls and any(reason in text for text in fallbacks), fallbacks
+    with _strict(), pytest.raises(flashtile.FallbackError, match="v_descale|q_descale"):
+        flashtile.flash_attn_func(q8, k8, v8, **kwargs)

@@ -1,9 +1,11 @@
 """Host side of the FP8 quantizer (``kernels/quant_fp8.py``): allocation, strides and the grid.
 
 :func:`quantize` makes what :func:`flashtile.backends.torch_fp8.quantize` makes (its twin), for dense or packed
-(varlen) q, k, v. Block scales take one launch; per-tensor scales (``block_quant=False``, the ablation) take
-two: the first writes each block's amax, the host reduces them per (batch row, KV head) on the device (no
-sync), the second casts with those descales.
+(varlen) q, k, v, in two launches: the first writes each (head, 128-row block)'s amax, the host reduces them on
+the device (no sync) into the scales the FP8 kernel takes (block scales: q's over the query heads of a KV group,
+v's over all its rows; per-tensor scales, the ablation: everything per (batch row, KV head)), the second
+rotates, scales, casts and stores with those descales. V's single scale per head needs every block's amax
+before any is cast, hence the two launches; the second reads the inputs again (not from L2, at long lengths).
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 from ...alloc import empty
 from ..torch_fp8 import FP8_DTYPE, FP8_MAX, QUANT_BLOCK, hadamard_signs
 from . import interpreter_enabled
-from .host import cdiv, input_precision, on_device, unit_stride
+from .host import cdiv, input_precision, on_device, tma_rows, unit_stride
 from .kernels.quant_fp8 import quantize_fp8
 
 # Rows of a block quantized at once, output columns per rotation dot, and warps: a (SUB, HEAD_DIM) input tile and
@@ -34,7 +36,8 @@ def _bsh(t: torch.Tensor, varlen: bool) -> tuple:
 def quantize(q, k, v, block_quant: bool = True, incoherent: bool = True, seed: int = 0, cu_seqlens_q=None,
              cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0):
     """``(q8, k8, v8_t, q_descale, k_descale, v_descale)`` of 16-bit (or fp32) q, k, v with a head dim of 64,
-    128 or 256 (see ``torch_fp8.quantize`` for the layouts; packed tensors with ``cu_seqlens_*``)."""
+    128 or 256 (see ``torch_fp8.quantize`` for the layouts; packed tensors with ``cu_seqlens_*``). v8_t's rows
+    (its last dim, the keys) start 16 bytes apart, as the FP8 kernel's TMA reads them."""
     varlen = cu_seqlens_q is not None
     q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
     # Triton's interpreter rounds fp32 -> e4m3 wrongly where the rounding carries into the exponent (125.1
@@ -46,19 +49,19 @@ def quantize(q, k, v, block_quant: bool = True, incoherent: bool = True, seed: i
         batch, seqlen_q, seqlen_k = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
         # Rows outside every sequence are never written by the kernel: zeros, not poison.
         q8, k8 = (torch.zeros(x.shape, dtype=dtype, device=x.device) for x in (q, k))
-        v8_t = torch.zeros((nheads_kv, head_dim, v.shape[0]), dtype=dtype, device=v.device)
+        v8_t = tma_rows((nheads_kv, head_dim, v.shape[0]), dtype, v.device, zeros=True)
         vt_strides = (0, *v8_t.stride())
     else:
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         q8, k8 = (empty(x.shape, dtype, x.device) for x in (q, k))
-        v8_t = empty((batch, nheads_kv, head_dim, seqlen_k), dtype, v.device)
+        v8_t = tma_rows((batch, nheads_kv, head_dim, seqlen_k), dtype, v.device)
         vt_strides = v8_t.stride()
     blocks_q, blocks_k = cdiv(max(seqlen_q, 1), QUANT_BLOCK), cdiv(max(seqlen_k, 1), QUANT_BLOCK)
     rotation = hadamard_signs(head_dim, seed, q.device, q.dtype)
     grid = (max(blocks_q, blocks_k), batch, nheads + nheads_kv)
-    # Blocks past a short sequence are never visited: descale 1 there (block scales), amax 0 (per-tensor scales).
-    descales = [torch.full((batch, heads, blocks), 1.0 if block_quant else 0.0, device=q.device, dtype=torch.float32)
-                for heads, blocks in ((nheads, blocks_q), (nheads_kv, blocks_k), (nheads_kv, blocks_k))]
+    # Blocks past a short sequence are never visited: amax 0 there (descale 1).
+    amaxes = [torch.zeros((batch, heads, blocks), device=q.device, dtype=torch.float32)
+              for heads, blocks in ((nheads, blocks_q), (nheads_kv, blocks_k), (nheads_kv, blocks_k))]
 
     def launch(targets, scale_given: bool, amax_only: bool):
         quantize_fp8[grid](
@@ -73,21 +76,32 @@ def quantize(q, k, v, block_quant: bool = True, incoherent: bool = True, seed: i
         )
 
     with on_device(q):
-        if block_quant:
-            launch(descales, False, False)
-            return (*_cast(q8, k8, v8_t), *descales)
-        # Per (batch row, KV head): the largest block amax of the group's heads, one descale for all blocks.
-        launch(descales, False, True)
+        launch(amaxes, False, True)
+        descales = _descales(amaxes, nheads_kv, block_quant)
         group = nheads // nheads_kv
-        q_amax = descales[0].view(batch, nheads_kv, group * blocks_q).amax(dim=2)
-        per_tensor = [torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-                      for amax in (q_amax, descales[1].amax(dim=2), descales[2].amax(dim=2))]
-        expanded = [per_tensor[0].repeat_interleave(group, dim=1)[:, :, None].expand(-1, -1, blocks_q),
-                    *(d[:, :, None].expand(-1, -1, blocks_k) for d in per_tensor[1:])]
+        # The second launch reads a descale per (b, head, block): q's KV-head scales repeated over the group,
+        # per-tensor ones broadcast over the blocks (stride 0).
+        expanded = [d if d.dim() == 3 else d[:, :, None].expand(-1, -1, blocks)
+                    for d, blocks in zip(descales, (blocks_q, blocks_k, blocks_k))]
+        expanded[0] = expanded[0].repeat_interleave(group, dim=1)
         launch(expanded, True, False)
-    return (*_cast(q8, k8, v8_t), *per_tensor)
+    return (*_cast(q8, k8, v8_t), *descales)
+
+
+def _descales(amaxes: list, nheads_kv: int, block_quant: bool) -> list:
+    """The descales of :func:`quantize` from the per (head, block) amaxes ``(batch, heads, blocks)``: q's over
+    the heads of a KV group; with ``block_quant`` q's and k's per block, v's over its blocks, else all three over
+    their blocks."""
+    q_amax, k_amax, v_amax = amaxes
+    batch, nheads, blocks_q = q_amax.shape
+    q_amax = q_amax.view(batch, nheads_kv, nheads // nheads_kv, blocks_q).amax(dim=2)
+    if block_quant:
+        reduced = (q_amax, k_amax, v_amax.amax(dim=2))
+    else:
+        reduced = (q_amax.amax(dim=2), k_amax.amax(dim=2), v_amax.amax(dim=2))
+    return [torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)) for amax in reduced]
 
 
 def _cast(*tensors) -> tuple:
-    """e4m3 tensors (the interpreter's fp32 stand-ins, already saturated, cast here)."""
-    return tuple(t.to(FP8_DTYPE) for t in tensors)
+    """e4m3 tensors (the interpreter's fp32 stand-ins, already saturated, cast here into rows as aligned)."""
+    return tuple(t if t.dtype == FP8_DTYPE else tma_rows(t.shape, FP8_DTYPE, t.device).copy_(t) for t in tensors)

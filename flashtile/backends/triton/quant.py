@@ -1,11 +1,11 @@
 """Host side of the FP8 quantizer (``kernels/quant_fp8.py``): allocation, strides and the grid.
 
 :func:`quantize` makes what :func:`flashtile.backends.torch_fp8.quantize` makes (its twin), for dense or packed
-(varlen) q, k, v, in two launches: the first writes each (head, 128-row block)'s amax, the host reduces them on
-the device (no sync) into the scales the FP8 kernel takes (block scales: q's over the query heads of a KV group,
-v's over all its rows; per-tensor scales, the ablation: everything per (batch row, KV head)), the second
-rotates, scales, casts and stores with those descales. V's single scale per head needs every block's amax
-before any is cast, hence the two launches; the second reads the inputs again (not from L2, at long lengths).
+(varlen) q, k, v, in two launches. Block scales (the default): the first takes v's amax per block (v's one
+scale per (batch row, KV head) needs all of them before any row is cast), the host reduces them on the device
+(no sync), the second computes q's scales (per block, over the query heads of a KV group) and k's, and casts all
+three. Per-tensor scales (``block_quant=False``, the ablation): the first writes every block's amax, the host
+reduces them per (batch row, KV head), the second casts with those descales.
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from .kernels.quant_fp8 import quantize_fp8
 # Rows of a block quantized at once, output columns per rotation dot, and warps: a (SUB, HEAD_DIM) input tile and
 # a (HEAD_DIM, CHUNK) slice of the rotation. Compiled for sm_90 (ptxas, benchmarks/sm90_compile.py's report):
 # 8 warps hold d64/128/256 in 106/220/247 registers without a spill; 4 warps spilled at d128 and d256 (36 and 24
-# STL), and 64-row tiles spilled at d256 (114 STL).
+# STL), and 64-row tiles spilled at d256 (114 STL). With q's group loop (QK_MODE "compute", V_MODE "given"):
+# 80/194/229 registers, no spill at d128 and d256, 2 STL / 3 LDL (a 16-byte stack) at d64.
 _SUB = 32
 _CHUNK = 64
 _WARPS = 8
@@ -58,48 +59,41 @@ def quantize(q, k, v, block_quant: bool = True, incoherent: bool = True, seed: i
         vt_strides = v8_t.stride()
     blocks_q, blocks_k = cdiv(max(seqlen_q, 1), QUANT_BLOCK), cdiv(max(seqlen_k, 1), QUANT_BLOCK)
     rotation = hadamard_signs(head_dim, seed, q.device, q.dtype)
-    grid = (max(blocks_q, blocks_k), batch, nheads + nheads_kv)
-    # Blocks past a short sequence are never visited: amax 0 there (descale 1).
-    amaxes = [torch.zeros((batch, heads, blocks), device=q.device, dtype=torch.float32)
-              for heads, blocks in ((nheads, blocks_q), (nheads_kv, blocks_k), (nheads_kv, blocks_k))]
+    grid = (max(blocks_q, blocks_k), batch, 2 * nheads_kv)
+    # Blocks past a short sequence are never visited: descale 1 there, or amax 0 where a buffer takes amaxes
+    # (v's with block scales, all three with per-tensor scales).
+    q_descale, k_descale, v_amax = (
+        torch.full((batch, nheads_kv, blocks), fill, device=q.device, dtype=torch.float32)
+        for blocks, fill in ((blocks_q, float(block_quant)), (blocks_k, float(block_quant)), (blocks_k, 0.0)))
 
-    def launch(targets, scale_given: bool, amax_only: bool):
+    def launch(targets, qk_mode: str, v_mode: str):
         quantize_fp8[grid](
             q, k, v, q8, k8, v8_t, *targets, rotation,
             cu_seqlens_q if varlen else q, cu_seqlens_k if varlen else q,
             *_bsh(q, varlen), *_bsh(k, varlen), *_bsh(v, varlen), *_bsh(q8, varlen), *_bsh(k8, varlen), *vt_strides,
             *(stride for t in targets for stride in t.stride()),
-            seqlen_q, seqlen_k, nheads, 1.0 / math.sqrt(head_dim),
+            seqlen_q, seqlen_k, nheads_kv, nheads // nheads_kv, 1.0 / math.sqrt(head_dim),
             HEAD_DIM=head_dim, BLOCK=QUANT_BLOCK, SUB=_SUB, CHUNK=min(_CHUNK, head_dim), ROTATE=incoherent,
-            SCALE_GIVEN=scale_given, AMAX_ONLY=amax_only, VARLEN=varlen, INPUT_PRECISION=input_precision(q.dtype),
+            QK_MODE=qk_mode, V_MODE=v_mode, VARLEN=varlen, INPUT_PRECISION=input_precision(q.dtype),
             num_warps=_WARPS,
         )
 
     with on_device(q):
-        launch(amaxes, False, True)
-        descales = _descales(amaxes, nheads_kv, block_quant)
-        group = nheads // nheads_kv
-        # The second launch reads a descale per (b, head, block): q's KV-head scales repeated over the group,
-        # per-tensor ones broadcast over the blocks (stride 0).
-        expanded = [d if d.dim() == 3 else d[:, :, None].expand(-1, -1, blocks)
-                    for d, blocks in zip(descales, (blocks_q, blocks_k, blocks_k))]
-        expanded[0] = expanded[0].repeat_interleave(group, dim=1)
-        launch(expanded, True, False)
-    return (*_cast(q8, k8, v8_t), *descales)
+        if block_quant:
+            launch((q_descale, k_descale, v_amax), "skip", "amax")
+            v_descale = _descale_of(v_amax.amax(dim=2))
+            launch((q_descale, k_descale, v_descale[:, :, None].expand(-1, -1, blocks_k)), "compute", "given")
+            return (*_cast(q8, k8, v8_t), q_descale, k_descale, v_descale)
+        # Per (batch row, KV head): the largest block amax of each, one descale for all blocks.
+        launch((q_descale, k_descale, v_amax), "amax", "amax")
+        per_tensor = [_descale_of(amax.amax(dim=2)) for amax in (q_descale, k_descale, v_amax)]
+        expanded = [d[:, :, None].expand(-1, -1, blocks) for d, blocks in zip(per_tensor, (blocks_q, blocks_k, blocks_k))]
+        launch(expanded, "given", "given")
+    return (*_cast(q8, k8, v8_t), *per_tensor)
 
 
-def _descales(amaxes: list, nheads_kv: int, block_quant: bool) -> list:
-    """The descales of :func:`quantize` from the per (head, block) amaxes ``(batch, heads, blocks)``: q's over
-    the heads of a KV group; with ``block_quant`` q's and k's per block, v's over its blocks, else all three over
-    their blocks."""
-    q_amax, k_amax, v_amax = amaxes
-    batch, nheads, blocks_q = q_amax.shape
-    q_amax = q_amax.view(batch, nheads_kv, nheads // nheads_kv, blocks_q).amax(dim=2)
-    if block_quant:
-        reduced = (q_amax, k_amax, v_amax.amax(dim=2))
-    else:
-        reduced = (q_amax.amax(dim=2), k_amax.amax(dim=2), v_amax.amax(dim=2))
-    return [torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)) for amax in reduced]
+def _descale_of(amax: torch.Tensor) -> torch.Tensor:
+    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
 
 
 def _cast(*tensors) -> tuple:

@@ -73,7 +73,8 @@ def to_fp8(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
-def _descale_of(amax: torch.Tensor) -> torch.Tensor:
+def descale_of(amax: torch.Tensor) -> torch.Tensor:
+    """``amax / 448``, 1 where ``amax`` is 0 (an all-zero block: no division by 0)."""
     return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
 
 
@@ -109,7 +110,7 @@ def quantize_one(x: torch.Tensor, block_quant: bool, nheads_kv: int, rotate_seed
     if descale is None:
         # One scale for the heads of a KV group: per block, or over every block too.
         amax = _block_amax(x).view(batch, nheads_kv, nheads // nheads_kv, -1).amax(dim=2)
-        descale = _descale_of(amax if block_quant else amax.amax(dim=2))
+        descale = descale_of(amax if block_quant else amax.amax(dim=2))
     return to_fp8(x / _rows(descale, seqlen, nheads)), descale
 
 

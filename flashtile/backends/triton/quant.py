@@ -14,7 +14,7 @@ import math
 import torch
 
 from ...alloc import empty
-from ..torch_fp8 import FP8_DTYPE, FP8_MAX, QUANT_BLOCK, hadamard_signs
+from ..torch_fp8 import FP8_DTYPE, QUANT_BLOCK, descale_of, hadamard_signs
 from . import interpreter_enabled
 from .host import cdiv, input_precision, on_device, tma_rows, unit_stride
 from .kernels.quant_fp8 import quantize_fp8
@@ -81,19 +81,15 @@ def quantize(q, k, v, block_quant: bool = True, incoherent: bool = True, seed: i
     with on_device(q):
         if block_quant:
             launch((q_descale, k_descale, v_amax), "skip", "amax")
-            v_descale = _descale_of(v_amax.amax(dim=2))
+            v_descale = descale_of(v_amax.amax(dim=2))
             launch((q_descale, k_descale, v_descale[:, :, None].expand(-1, -1, blocks_k)), "compute", "given")
             return (*_cast(q8, k8, v8_t), q_descale, k_descale, v_descale)
         # Per (batch row, KV head): the largest block amax of each, one descale for all blocks.
         launch((q_descale, k_descale, v_amax), "amax", "amax")
-        per_tensor = [_descale_of(amax.amax(dim=2)) for amax in (q_descale, k_descale, v_amax)]
+        per_tensor = [descale_of(amax.amax(dim=2)) for amax in (q_descale, k_descale, v_amax)]
         expanded = [d[:, :, None].expand(-1, -1, blocks) for d, blocks in zip(per_tensor, (blocks_q, blocks_k, blocks_k))]
         launch(expanded, "given", "given")
     return (*_cast(q8, k8, v8_t), *per_tensor)
-
-
-def _descale_of(amax: torch.Tensor) -> torch.Tensor:
-    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
 
 
 def _cast(*tensors) -> tuple:

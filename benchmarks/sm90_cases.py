@@ -22,7 +22,8 @@ def case(which: str, causal: bool, softcap: bool, window: bool = False):
     if which == "dkdv":
         args = dict(q_desc=launch._tma_desc(q, 64), k_desc=launch._tma_desc(k, 64), v_desc=launch._tma_desc(k, 64),
                     do_desc=launch._tma_desc(q, 64), DK=k, DV=k, LSE2=lse, DELTA=lse, CU_SEQLENS_Q=lse,
-                    CU_SEQLENS_K=lse, SEQUSED_K=lse, qk_scale=0.1, softcap2=1.0, softmax_scale=0.1, window_left=-1,
+                    CU_SEQLENS_K=lse, SEQUSED_K=lse, total_q=8192, total_k=8192, ERR=torch.zeros(4, dtype=torch.int32),
+                    qk_scale=0.1, softcap2=1.0, softmax_scale=0.1, window_left=-1,
                     window_right=0, stride_dkb=k.stride(0), stride_dkn=k.stride(1), stride_dkh=k.stride(2),
                     stride_dvb=k.stride(0), stride_dvn=k.stride(1), stride_dvh=k.stride(2),
                     stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1), seqlen_q=4096, seqlen_k=4096, group=1)

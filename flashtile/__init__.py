@@ -1,5 +1,6 @@
 """flashtile: exact, IO-aware FlashAttention in Triton behind a PyTorch API."""
 from .dispatch import FallbackError, reset_stats, set_strict, stats
+from .device_errors import check_device_errors
 from .cache import KVCache, PagedKVCache
 from .explain import Explanation, explain
 from .fp8 import flash_attn_fp8_func, flash_attn_varlen_fp8_func
@@ -25,6 +26,7 @@ __all__ = [
     "KVCache",
     "PagedKVCache",
     "FallbackError",
+    "check_device_errors",
     "explain",
     "flash_attn_fp8_func",
     "flash_attn_func",

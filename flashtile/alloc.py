@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from . import env, replay
+from . import env, recording
 
 
 def poisoned() -> bool:
@@ -15,11 +15,11 @@ def poisoned() -> bool:
 
 def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     t = torch.empty(shape, dtype=dtype, device=device)
-    replay.note_buffer(t)
+    recording.note_buffer(t)
     return t.fill_(float("nan")) if poisoned() else t
 
 
 def empty_like(t: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(t)
-    replay.note_buffer(out)
+    recording.note_buffer(out)
     return out.fill_(float("nan")) if poisoned() else out

@@ -178,6 +178,7 @@ def _gradients(ctx, run, dout, saved: tuple, count: int) -> tuple:
     call like it, on ``(dout, *saved)``, when their layouts fit, else records this one."""
     if dout is None:
         return (None,) * count
+    refuse_double_backward()
     kept, args = ctx.kept, ctx.args
     inputs, counters = replay_inputs_of((dout, *saved), args), dropout_counters(args)
     grads = None if kept is None else replay.replayed(kept.backward, inputs, counters)
@@ -188,6 +189,17 @@ def _gradients(ctx, run, dout, saved: tuple, count: int) -> tuple:
         return run()
     grads, kept.backward = replay.record(run, inputs, kept.backward, counters)
     return grads
+
+
+def refuse_double_backward() -> None:
+    """Raise when the backward runs under ``create_graph=True``: the gradients would have no graph of their own,
+    so a gradient of them (a gradient penalty) would come out silently wrong."""
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        raise RuntimeError(
+            "flashtile attention does not support double backward: its backward is a kernel with no derivative of "
+            "its own, so backward(create_graph=True) (for a gradient of a gradient, e.g. a gradient penalty) is "
+            "refused rather than answered wrongly; run that attention with torch's math SDPA instead"
+        )
 
 
 def _backward(ctx, dout, q, k, v, out, lse, dq, dk, dv, sink_index: int, bias_index: int):

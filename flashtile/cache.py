@@ -50,6 +50,7 @@ import math
 
 import torch
 
+from . import device_errors, validation
 from .interface import flash_attn_with_kvcache
 
 # Arguments of flash_attn_with_kvcache that the caches fill in themselves.
@@ -139,11 +140,39 @@ class KVCache:
         if batch is not None and batch > self.batch:
             raise ValueError(f"q has batch {batch} but this KVCache holds {self.batch} sequences (q {tuple(q.shape)})")
         seqlens = self.seqlens[:batch]
+        if new_lengths is not None:
+            new_lengths = self._checked_lengths(new_lengths, seqlens, k)
         result = flash_attn_with_kvcache(q, self.k, self.v, k, v, cache_seqlens=seqlens, causal=causal,
                                          **_rows(self.k_descale, self.v_descale, batch), **options)
         if k is not None:
             seqlens.add_(k.shape[1] if new_lengths is None else new_lengths)
         return result
+
+    def _checked_lengths(self, new_lengths, seqlens, k) -> torch.Tensor:
+        """``new_lengths`` as an int32 tensor on the cache's device whose values lie in ``[0, seqlen_new]``.
+        Its values are read on the host where :func:`~flashtile.validation.values_checked` allows it (always on
+        CPU); otherwise they are clamped on the device and a bad one is noted in the error record (no sync)."""
+        if k is None:
+            raise ValueError("new_lengths says how far each sequence advances after appending k and v; got k=None")
+        seqlen_new = k.shape[1]
+        if not isinstance(new_lengths, torch.Tensor):
+            new_lengths = torch.tensor(new_lengths, dtype=torch.int32)
+        if new_lengths.dtype.is_floating_point or new_lengths.dtype in (torch.bool, torch.complex64, torch.complex128):
+            raise TypeError(f"new_lengths must hold integers, got dtype {new_lengths.dtype}")
+        if tuple(new_lengths.shape) != tuple(seqlens.shape):
+            raise ValueError(f"new_lengths must have shape (batch,) = {tuple(seqlens.shape)}, got "
+                             f"{tuple(new_lengths.shape)}")
+        new_lengths = new_lengths.to(device=seqlens.device, dtype=torch.int32)
+        if validation.values_checked(seqlens.device):
+            low, high = torch.stack([new_lengths.min(), new_lengths.max()]).tolist()
+            device_errors.check_if_strict()  # the host waited for the device: strict mode reads the record
+            if low < 0 or high > seqlen_new:
+                bad = low if low < 0 else high
+                raise ValueError(f"new_lengths must lie between 0 and seqlen_new={seqlen_new} (the tokens appended), "
+                                 f"got {bad}")
+            return new_lengths
+        device_errors.note_on_device("new_lengths", (new_lengths < 0) | (new_lengths > seqlen_new), new_lengths)
+        return new_lengths.clamp(0, seqlen_new)
 
     def reset(self) -> None:
         """Empty every sequence (the memory is kept and reused)."""
@@ -229,13 +258,17 @@ class PagedKVCache:
     def reserve(self, seq, num_tokens: int) -> None:
         """Take the pages sequence ``seq`` needs to hold ``num_tokens`` more tokens."""
         pages = self._pages[self._known(seq)]
-        needed = math.ceil((self._lengths[seq] + num_tokens) / self.page_size)
+        needed = self._pages_needed(seq, num_tokens)
         if self.max_blocks_per_seq is not None and needed > self.max_blocks_per_seq:
             raise ValueError(
                 f"sequence {seq!r} would need {needed} pages for {self._lengths[seq]} + {num_tokens} tokens, more than "
                 f"max_blocks_per_seq={self.max_blocks_per_seq} (page_size={self.page_size})"
             )
         self._take(pages, needed - len(pages))
+
+    def _pages_needed(self, seq, num_tokens: int) -> int:
+        """The pages sequence ``seq`` must hold for ``num_tokens`` more tokens."""
+        return math.ceil((self._lengths[seq] + num_tokens) / self.page_size)
 
     def fork(self, seq, prefix_len: int | None = None, new_seq=None):
         """A new sequence holding the first ``prefix_len`` tokens of ``seq`` (default: all of them).
@@ -248,9 +281,12 @@ class PagedKVCache:
         prefix_len = length if prefix_len is None else prefix_len
         if not 0 <= prefix_len <= length:
             raise ValueError(f"prefix_len must be between 0 and the {length} tokens of sequence {seq!r}, got {prefix_len}")
+        if new_seq is not None and new_seq in self._pages:
+            raise ValueError(f"sequence {new_seq!r} is already allocated")
         full, partial = divmod(prefix_len, self.page_size)
         shared = self._pages[seq][:full]
         copied = []
+        # Every check is made before a page is taken: a fork that raises changes nothing.
         if partial:
             self._take(copied, 1)
             source = self._pages[seq][full]
@@ -306,11 +342,29 @@ class PagedKVCache:
         if len(new_lengths) != len(seqs) or not all(0 <= added <= seqlen_new for added in new_lengths):
             raise ValueError(f"new_lengths must hold one int between 0 and seqlen_new={seqlen_new} per sequence, "
                              f"got {list(new_lengths)} for {len(seqs)} sequences")
-        for seq in seqs:
-            self.reserve(seq, seqlen_new)
-        result = flash_attn_with_kvcache(q, self.k, self.v, k, v, cache_seqlens=self.seqlens(seqs),
-                                         block_table=self.block_table(seqs), causal=causal,
-                                         k_descale=self.k_descale, v_descale=self.v_descale, **options)
+        # All or nothing: the pages every sequence needs are counted before any is taken, and given back if the
+        # call raises, so a failed attend leaves the cache as it was.
+        held = {seq: len(self._pages[self._known(seq)]) for seq in seqs}
+        needed = [self._pages_needed(seq, seqlen_new) - held[seq] for seq in seqs]
+        if sum(max(n, 0) for n in needed) > len(self._free):
+            raise RuntimeError(
+                f"PagedKVCache is out of pages: this step needs {sum(max(n, 0) for n in needed)} more, "
+                f"{len(self._free)} free of {self.num_blocks} (page_size={self.page_size}); free finished sequences or "
+                "build it with more num_blocks; nothing was changed")
+        try:
+            for seq in seqs:
+                self.reserve(seq, seqlen_new)
+            result = flash_attn_with_kvcache(q, self.k, self.v, k, v, cache_seqlens=self.seqlens(seqs),
+                                             block_table=self.block_table(seqs), causal=causal,
+                                             k_descale=self.k_descale, v_descale=self.v_descale, **options)
+        except BaseException:
+            for seq, count in held.items():
+                taken = self._pages[seq][count:]
+                del self._pages[seq][count:]
+                for page in reversed(taken):
+                    self._refs[page] = 0
+                    self._free.append(page)
+            raise
         for seq, added in zip(seqs, new_lengths):
             self._lengths[seq] += added
         return result

@@ -75,22 +75,34 @@ class Plan:
 
 
 def stats() -> dict:
-    """``{"calls": {backend: n}, "kernels": {profiler name: n}, "fallbacks": {reason: n}}`` since the last reset."""
+    """``{"calls": {backend: n}, "kernels": {profiler name: n}, "fallbacks": {reason: n}, "device_errors": [...]}``
+    since the last reset. ``device_errors`` lists the bad index values the kernels recorded and nobody has
+    checked yet (:func:`flashtile.check_device_errors`; reading them waits for the device's queued work)."""
+    from . import device_errors
+
     with _lock:
-        return {"calls": dict(_calls), "kernels": dict(_kernels), "fallbacks": dict(_fallbacks)}
+        counts = {"calls": dict(_calls), "kernels": dict(_kernels), "fallbacks": dict(_fallbacks)}
+    return {**counts, "device_errors": device_errors.pending()}
 
 
 def reset_stats() -> None:
-    """Clear the counters (a fallback reason already warned about is not warned again)."""
+    """Clear the counters and the device-side error records (a fallback reason already warned about is not
+    warned again)."""
+    from . import device_errors
+
     with _lock:
         _calls.clear()
         _kernels.clear()
         _fallbacks.clear()
+    device_errors.clear()
 
 
 def set_strict(strict: bool = True) -> None:
-    """In strict mode a fallback raises :class:`FallbackError` instead of warning."""
-    _strict[0] = bool(strict)
+    """In strict mode a fallback raises :class:`FallbackError` instead of warning, and a bad index value a kernel
+    recorded (flashtile/device_errors.py) raises ``ValueError`` where the host waits for the device anyway."""
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be a bool (True or False), got {strict!r} ({type(strict).__name__})")
+    _strict[0] = strict
 
 
 def strict_enabled() -> bool:

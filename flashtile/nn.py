@@ -232,6 +232,11 @@ class Attention(torch.nn.Module):
     def forward(self, x, cache=None):
         """``x`` ``(batch, seqlen, embed_dim)`` -> ``(batch, seqlen, embed_dim)``; with ``cache`` (a
         :class:`flashtile.KVCache`), ``x`` holds the new tokens of each sequence (see above)."""
+        embed_dim = self.qkv_proj.in_features
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != embed_dim:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"flashtile.nn.Attention: x must be (batch, seqlen, embed_dim) = (*, *, {embed_dim}), "
+                             f"got {shape}")
         batch, seqlen, _ = x.shape
         qkv = self.qkv_proj(x).unflatten(-1, (self.num_heads + 2 * self.num_kv_heads, self.head_dim))
         # (batch, seqlen, heads, head_dim) views of one projection: no copy before the kernel.

@@ -28,7 +28,7 @@ import torch
 from torch.library import custom_op
 
 from .alloc import empty, empty_like
-from .autograd import draw_dropout_counters
+from .autograd import draw_dropout_counters, refuse_double_backward
 from .backends import AttentionCall, AttnArgs, KVCacheArgs
 from .dispatch import Plan, check_features, dispatch, get_backend, merge_call, plan, profiled, record_kernel
 
@@ -51,6 +51,7 @@ def _args(q, k, sink, attn_bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, sequs
         attn_bias=None if attn_bias is None else attn_bias.expand(shape),
         dropout_p=dropout_p, seed=seed, offset=offset, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, deterministic=deterministic,
+        total_k=k.shape[0] if cu_seqlens_q is not None else -1,
     )
 
 
@@ -133,6 +134,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dout, _dlse, _drng_state):
+    refuse_double_backward()
     q, k, v, sink, attn_bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, out, lse, rng_state = ctx.saved_tensors
     need_dsink, need_dbias = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
     dq, dk, dv, dsink, dbias = attention_bwd(

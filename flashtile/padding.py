@@ -38,6 +38,9 @@ def unpad_input(hidden_states, attention_mask, unused_mask=None):
         - ``seqused`` int32 ``(batch,)``: the tokens of each sequence that ``attention_mask`` selects
           (the ``seqused_k`` of :func:`flashtile.flash_attn_varlen_func`).
     """
+    _check_mask("attention_mask", attention_mask, hidden_states)
+    if unused_mask is not None:
+        _check_mask("unused_mask", unused_mask, hidden_states)
     all_masks = (attention_mask + unused_mask) if unused_mask is not None else attention_mask
     seqlens_in_batch = all_masks.sum(dim=-1, dtype=torch.int32)
     used_seqlens_in_batch = attention_mask.sum(dim=-1, dtype=torch.int32)
@@ -47,6 +50,28 @@ def unpad_input(hidden_states, attention_mask, unused_mask=None):
     max_seqlen_in_batch = int(seqlens_in_batch.max().item()) if seqlens_in_batch.numel() else 0
     cu_seqlens = F.pad(torch.cumsum(seqlens_in_batch, dim=0, dtype=torch.int32), (1, 0))
     return hidden_states.flatten(0, 1)[indices], indices, cu_seqlens, max_seqlen_in_batch, used_seqlens_in_batch
+
+
+def _check_mask(name: str, mask, hidden_states) -> None:
+    """``mask`` must be ``(batch, seqlen)`` of ``hidden_states`` and hold only 0 and 1 (bool or integer);
+    its values are read on the host (a device->host copy for CUDA tensors, as max_seqlen_in_batch is)."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor (batch, seqlen), got {type(mask).__name__}")
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() < 2:
+        shape = tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__
+        raise ValueError(f"hidden_states must be (batch, seqlen, ...), got {shape}")
+    if tuple(mask.shape) != tuple(hidden_states.shape[:2]):
+        raise ValueError(f"{name} must have shape (batch, seqlen) = {tuple(hidden_states.shape[:2])} of hidden_states "
+                         f"{tuple(hidden_states.shape)}, got {tuple(mask.shape)}")
+    if mask.dtype.is_complex:
+        raise TypeError(f"{name} must be bool or hold 0 and 1, got {mask.dtype}")
+    if mask.dtype != torch.bool and mask.numel():
+        bad = (mask != 0) & (mask != 1)
+        found, first = torch.stack([bad.any().to(torch.int64), bad.flatten().to(torch.int64).argmax()]).tolist()
+        if found:
+            row, col = divmod(first, mask.shape[1])
+            raise ValueError(f"{name} must hold only 0 (padding) and 1 (a token), got {name}[{row}, {col}] = "
+                             f"{mask[row, col].item()}")
 
 
 def pad_input(hidden_states, indices, batch, seqlen):
@@ -61,6 +86,12 @@ def pad_input(hidden_states, indices, batch, seqlen):
     Returns:
         ``(batch, seqlen, ...)`` in ``hidden_states``' dtype, zeros at the positions not in ``indices``.
     """
+    if indices.numel():
+        # One device->host copy: on CUDA an index past the batch would otherwise be a device-side assert.
+        low, high = torch.stack([indices.min(), indices.max()]).tolist()
+        if low < 0 or high >= batch * seqlen:
+            raise ValueError(f"indices must be positions in the flattened (batch * seqlen) = ({batch} * {seqlen}) batch, "
+                             f"in [0, {batch * seqlen}), got values from {low} to {high}")
     output = hidden_states.new_zeros((batch * seqlen, *hidden_states.shape[1:]))
     output = output.index_put((indices,), hidden_states)
     return output.unflatten(0, (batch, seqlen))

@@ -17,7 +17,7 @@ import numbers
 
 import torch
 
-from . import env
+from . import device_errors, env
 from .backends import AttnArgs, KVCacheArgs
 from .backends.torch_fp8 import QUANT_BLOCK
 
@@ -120,6 +120,13 @@ def check_softmax_scale(softmax_scale, headdim: int) -> float:
 
 def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def check_bool(name: str, value) -> bool:
+    """A real ``bool`` (a string such as ``"no"`` would be truthy): returned as is."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool (True or False), got {value!r} ({type(value).__name__})")
+    return value
 
 
 def check_window(window_size) -> tuple[int, int]:
@@ -284,6 +291,7 @@ def _check_varlen_values(q, k, cu_q, cu_k, max_q, max_k, seqused_k) -> None:
         lengths_k = cu_k[1:] - cu_k[:-1]
         facts += [seqused_k.min(), (seqused_k > lengths_k).any()]
     values = torch.stack([f.to(torch.int64) for f in facts]).tolist()  # the one device->host copy
+    device_errors.check_if_strict()  # the host has waited for the device: strict mode reads the record here
     for i, (name, tokens, which, max_seqlen) in enumerate((("cu_seqlens_q", q, "q", max_q), ("cu_seqlens_k", k, "k", max_k))):
         first, last, shortest, longest = values[4 * i : 4 * i + 4]
         if first != 0:
@@ -318,7 +326,8 @@ def attn_args(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     """
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
     left, right = check_window(window_size)
-    causal = bool(causal) or (left == -1 and right == 0)
+    deterministic = check_bool("deterministic", deterministic)
+    causal = check_bool("causal", causal) or (left == -1 and right == 0)
     if causal:
         right = 0
     softcap = check_softcap(softcap)
@@ -334,7 +343,7 @@ def attn_args(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
         max_q, max_k = check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
         batch = cu_seqlens_q.shape[0] - 1
         varlen_args = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_q,
-                           max_seqlen_k=max_k, seqused_k=seqused_k)
+                           max_seqlen_k=max_k, seqused_k=seqused_k, total_k=k.shape[0])
     else:
         batch, seqlen_q = q.shape[:2]
         seqlen_k = k.shape[1]
@@ -592,7 +601,7 @@ def kvcache_args(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
 
     scale = check_softmax_scale(softmax_scale, headdim)
     left, right = check_window(window_size)
-    causal = bool(causal) or (left == -1 and right == 0)
+    causal = check_bool("causal", causal) or (left == -1 and right == 0)
     if causal:
         right = 0
     softcap = check_softcap(softcap)
@@ -627,6 +636,7 @@ def _check_kvcache_values(k_cache, seqlen_q, seqlen_new, capacity, where, cache_
         first = bad.to(torch.int64).argmax()
         parts += [bad.any().reshape(1), first.reshape(1), block_table.flatten()[first].reshape(1)]
     values = torch.cat([t.to(torch.int64).flatten() for t in parts]).tolist()
+    device_errors.check_if_strict()  # the host has waited for the device: strict mode reads the record here
     seqlens, rest = values[:batch], values[batch:]
     leftpad = batch_idx = None
     if cache_leftpad is not None:
@@ -651,6 +661,15 @@ def _check_kvcache_values(k_cache, seqlen_q, seqlen_new, capacity, where, cache_
             if not 0 <= row < k_cache.shape[0]:
                 raise ValueError(f"cache_batch_idx[{b}] = {row} is not a row of k_cache (batch_cache = {k_cache.shape[0]}, "
                                  f"shape {tuple(k_cache.shape)})")
+        if seqlen_new:
+            first = {}
+            for b, row in enumerate(batch_idx):
+                if row in first:
+                    raise ValueError(
+                        f"cache_batch_idx[{first[row]}] and cache_batch_idx[{b}] are both {row}: two batch rows would "
+                        f"append their {seqlen_new} new token(s) to one cache row; give each appending batch row its "
+                        "own cache row (rows may be shared only when nothing is appended, k=None)")
+                first[row] = b
     if block_table is not None:
         any_bad, first, page = rest
         if any_bad:

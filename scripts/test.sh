@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Run the test suite: bash scripts/test.sh [pytest args...]
+# The default grid takes about 10 minutes on 2 CPU cores; FLASHTILE_TESTS=all (below) runs every grid point.
 #
 # Sets up .venv in the repo root on first use (reused after), with the pinned dev stack:
 # torch==2.13.0, triton==3.6.0, numpy<2.4, pytest, pytest-xdist, transformers==5.17.0 (the H200's version,
@@ -13,6 +14,9 @@
 #   FLASHTILE_VENV=DIR   the virtualenv's place (default: <repo>/.venv).
 #   PYTHON=python3.X     the interpreter that creates the virtualenv (default: python3).
 #   FLASHTILE_TEST_WORKERS=N  pytest-xdist workers (default: 2 when there are 2+ cores; 0 = off).
+#   FLASHTILE_TESTS=all  every point of every test grid. By default a covering set of each big grid runs (every
+#                        feature, length, head dim and dtype on both backends; tests/conftest.py); the points
+#                        it leaves out are marked exhaustive: FLASHTILE_TESTS=all bash scripts/test.sh -m exhaustive
 #
 # scripts/bench.sh sources this file for flashtile_setup_python; sourcing runs no tests.
 set -euo pipefail
@@ -58,6 +62,8 @@ flashtile_setup_python() {
     return
   fi
   # Pinned together so pip never upgrades torch to a default (CUDA) wheel of gigabytes.
+  echo "flashtile: installing ${FLASHTILE_PINS[*]}${*:+ $*} and flashtile (editable) into $venv;" \
+       "pip is quiet and this takes a couple of minutes on first use" >&2
   "$FLASHTILE_PY" -m pip install --quiet --disable-pip-version-check "${FLASHTILE_PINS[@]}" "$@"
   "$FLASHTILE_PY" -m pip install --quiet --disable-pip-version-check --no-deps -e "$FLASHTILE_ROOT"
   printf '%s' "$want" > "$stamp"
@@ -80,8 +86,10 @@ flashtile_run_tests() {
   if [[ "$workers" != 0 ]] && "$FLASHTILE_PY" -c 'import xdist' >/dev/null 2>&1; then
     xdist=(-n "$workers")
   fi
+  local grid="the default grid (FLASHTILE_TESTS=all: every point)"
+  if [[ "${FLASHTILE_TESTS:-}" == all ]]; then grid="FLASHTILE_TESTS=all: every grid point"; fi
   echo "flashtile: $("$FLASHTILE_PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)')," \
-       "TRITON_INTERPRET=${TRITON_INTERPRET:-0}, pytest ${xdist[*]:-(no xdist)}" >&2
+       "TRITON_INTERPRET=${TRITON_INTERPRET:-0}, pytest ${xdist[*]:-(no xdist)}, $grid" >&2
   exec "$FLASHTILE_PY" -m pytest -q ${xdist[@]+"${xdist[@]}"} tests "$@"
 }
 

@@ -30,10 +30,88 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 BACKENDS = ("triton",) if HAS_CUDA else ("torch", "triton")
 
 
+# The default run keeps a covering set of each big grid; FLASHTILE_TESTS=all runs every grid point.
+RUN_ALL = os.environ.get("FLASHTILE_TESTS", "") == "all"
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU; skipped on CPU")
+    config.addinivalue_line(
+        "markers", "exhaustive: a grid point past the default run's covering set (grid_points); deselected unless "
+        "FLASHTILE_TESTS=all (run them alone with FLASHTILE_TESTS=all ... -m exhaustive)")
     # Triton's interpreter (not flashtile) trips a numpy deprecation on every scalar load.
     config.addinivalue_line("filterwarnings", "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
+
+
+def skipped_here(item) -> bool:
+    """Whether pytest_runtest_setup skips the test on this machine."""
+    if (item.get_closest_marker("cuda") and not HAS_CUDA) or item.get_closest_marker("skip"):
+        return True
+    if any(mark.args and mark.args[0] is True for mark in item.iter_markers("skipif")):
+        return True
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return params.get("dtype") is torch.bfloat16 and params.get("backend") == "triton" and not HAS_CUDA
+
+
+def grid_point(item) -> dict:
+    """An item's parameters, the names that one parametrize gives together (``"seqlen_q, seqlen_k"``) as one."""
+    values = {name: repr(value) for name, value in item.callspec.params.items()}
+    point = {}
+    for mark in item.iter_markers("parametrize"):
+        names = mark.args[0]
+        names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+        if len(names) > 1 and all(n in values for n in names):
+            point[", ".join(names)] = ", ".join(values.pop(n) for n in names)
+    return {**values, **point}
+
+
+def covering(items: list) -> set:
+    """The items of one test function's grid that the default run keeps, picked greedily in collection order: every
+    value of every parameter (each length pair, head dim, dtype, mask, feature) at least once, on each backend when
+    the backend is a parameter. A grid with one parameter besides the backend is kept whole: each point there is a
+    case of its own."""
+    params = [grid_point(item) for item in items]
+    axes = sorted(name for name in params[0] if name != "backend" and len({p.get(name) for p in params}) > 1)
+    if len(axes) < 2:
+        return set(range(len(items)))
+    pairs = [{(p.get("backend"), a, p.get(a)) for a in axes} for p in params]
+    runnable = [i for i, item in enumerate(items) if not skipped_here(item)]
+    wanted = set().union(*(pairs[i] for i in runnable)) if runnable else set()
+    kept = {i for i, item in enumerate(items) if skipped_here(item)}  # they cost nothing
+    while wanted:
+        best = max(runnable, key=lambda i: (len(pairs[i] & wanted), -i))
+        kept.add(best)
+        wanted -= pairs[best]
+    return kept
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Mark the grid points past each test function's covering set exhaustive, and deselect every exhaustive
+    test unless FLASHTILE_TESTS=all (before -m / -k are applied)."""
+    grids: dict = {}
+    for item in items:
+        if hasattr(item, "callspec") and not item.get_closest_marker("exhaustive"):
+            grids.setdefault(item.nodeid.split("[")[0], []).append(item)
+    for grid in grids.values():
+        kept = covering(grid)
+        for i, item in enumerate(grid):
+            if i not in kept:
+                item.add_marker(pytest.mark.exhaustive)
+    if RUN_ALL:
+        return
+    named = [arg for arg in config.args if "[" in arg]  # a grid point asked for by its id runs whatever its mark
+    deselected = [item for item in items if item.get_closest_marker("exhaustive")
+                  and not any(arg.endswith(item.nodeid) for arg in named)]
+    if deselected:
+        dropped = set(map(id, deselected))
+        items[:] = [item for item in items if id(item) not in dropped]
+        config.hook.pytest_deselected(items=deselected)
+
+
+def pytest_report_header(config):
+    if not RUN_ALL:
+        return "flashtile: the default grid (a covering set of each big grid); FLASHTILE_TESTS=all runs every point"
 
 
 def pytest_runtest_setup(item):

@@ -21,6 +21,7 @@ HAS_CUDA = torch.cuda.is_available()
 ROOT = Path(__file__).resolve().parent.parent
 # The smallest qualify run that still has a prefill (fwd + bwd over two key blocks) and a decode.
 TINY = ["--prefill", "64", "--decode", "40", "--runs", "1"]
+BUNDLED = ["deepseek-v3", "gemma-2-9b", "gpt-oss-120b", "gpt-oss-20b", "llama-3-70b", "llama-3-8b", "mistral-7b", "qwen3-8b", "tiny-llama"]
 
 
 
@@ -100,33 +101,44 @@ def test_memory_matches_hand_computation(capsys):
     assert "536,870,912" in out and "512 MiB" in out and "1,365.3x" in out and "2 (K,V) x 8 kv heads x 128 x 2 B" in out
 
 
-def test_memory_windowed_cache_of_gemma2(capsys):
-    # Bundled gemma2: 4 layers alternating sliding (window 128) / global, 2 KV heads, head dim 256, bf16.
-    status, out, _ = cli(capsys, "memory", "--config", "gemma2", "--seqlen", 1000, "--batch", 3, "--json")
+def test_memory_of_llama_3_8b_is_4_gib(capsys):
+    # The bundled Llama-3-8B: 2 (K, V) x 32 layers x 8 KV heads x 128 x 8192 tokens x 4 sequences x 2 B (bf16).
+    status, out, _ = cli(capsys, "memory", "--config", "llama-3-8b", "--seqlen", 8192, "--batch", 4)
+    assert status == 0
+    assert "4,294,967,296" in out and "4.00 GiB" in out and "32 layers (32 full), 32 heads, 8 KV heads, head dim 128" in out
+    status, out, _ = cli(capsys, "memory", "--config", "llama", "--seqlen", 8192, "--batch", 4, "--json")  # old name
+    result = json.loads(out)
+    assert result["model"] == "llama-3-8b"
+    assert result["kv_cache"]["bytes_total"] == 2 * 32 * 8 * 128 * 8192 * 4 * 2 == 4 * 1024**3
+
+
+def test_memory_windowed_cache_of_gemma_2_9b(capsys):
+    # Gemma-2-9B: 42 layers alternating sliding (window 4096) / global, 8 KV heads, head dim 256, bf16.
+    status, out, _ = cli(capsys, "memory", "--config", "gemma-2-9b", "--seqlen", 10000, "--batch", 3, "--json")
     assert status == 0
     kv = json.loads(out)["kv_cache"]
-    per_token_layer = 2 * 2 * 256 * 2  # 2048 B
+    per_token_layer = 2 * 8 * 256 * 2  # 8192 B
     assert kv["bytes_per_token_per_layer"] == per_token_layer
-    assert kv["bytes_total"] == 3 * 4 * 1000 * per_token_layer == 24_576_000  # every layer keeps every token
-    assert kv["windowed"]["tokens_kept_per_layer"] == [128, 1000, 128, 1000]
-    assert kv["windowed"]["bytes_total"] == 3 * (128 + 1000 + 128 + 1000) * per_token_layer == 13_860_864
+    assert kv["bytes_total"] == 3 * 42 * 10000 * per_token_layer == 10_321_920_000  # every layer keeps every token
+    assert kv["windowed"]["tokens_kept_per_layer"] == [4096, 10000] * 21
+    assert kv["windowed"]["bytes_total"] == 3 * 21 * (4096 + 10000) * per_token_layer == 7_274_889_216
 
 
 def test_memory_flags_override_the_config(capsys):
-    status, out, _ = cli(capsys, "memory", "--config", "llama", "--dtype", "fp32", "--seqlen", 10, "--json")
+    status, out, _ = cli(capsys, "memory", "--config", "tiny-llama", "--dtype", "fp32", "--seqlen", 10, "--json")
     result = json.loads(out)
     assert status == 0 and result["shape"]["dtype"] == "float32"
-    assert result["kv_cache"]["bytes_per_token_per_layer"] == 2 * 2 * 64 * 4  # llama: 2 KV heads, head dim 64
+    assert result["kv_cache"]["bytes_per_token_per_layer"] == 2 * 2 * 64 * 4  # the toy: 2 KV heads, head dim 64
 
 
 # ---------------------------------------------------------------- qualify
 
 
-def test_qualify_bundled_llama_passes(capsys, tmp_path):
-    status, out, _ = cli(capsys, "qualify", "--config", "llama", *TINY, "--out", tmp_path)
+def test_qualify_bundled_toy_passes(capsys, tmp_path):
+    status, out, _ = cli(capsys, "qualify", "--config", "tiny-llama", *TINY, "--out", tmp_path)
     assert status == 0, out
     assert "PASS (exit 0)" in out and "fallback" not in out
-    payload = json.loads(next(tmp_path.glob("qualify-llama-cpu-*.json" if not HAS_CUDA else "qualify-llama-*.json")).read_text())
+    payload = json.loads(next(tmp_path.glob("qualify-tiny-llama-*.json")).read_text())
     rows = {row["phase"]: row for row in payload["rows"]}
     assert [r["status"] for r in payload["rows"]] == ["ok", "ok", "ok"]
     assert rows["prefill"]["backend"] == "triton" and rows["prefill"]["kernel"].startswith("flashtile.fwd[triton")
@@ -135,8 +147,8 @@ def test_qualify_bundled_llama_passes(capsys, tmp_path):
     assert rows["prefill"]["fwd_ms"] > 0 and rows["prefill"]["fwd_bwd_ms"] > 0
     assert set(rows["varlen"]["errors"]) == {"out", "lse", "dq", "dk", "dv"} and rows["varlen"]["seqlens"] == [64, 32, 21]
     assert rows["varlen"]["kernel"].startswith("flashtile.fwd[triton") and "varlen" in rows["varlen"]["kernel"]
-    markdown = next(tmp_path.glob("qualify-llama-*.md")).read_text()
-    assert markdown.startswith("# flashtile qualify: llama") and "| prefill" in markdown
+    markdown = next(tmp_path.glob("qualify-tiny-llama-*.md")).read_text()
+    assert markdown.startswith("# flashtile qualify: tiny-llama") and "| prefill" in markdown
 
 
 def test_qualify_json_output_parses(capsys, tmp_path):
@@ -150,7 +162,7 @@ def test_qualify_json_output_parses(capsys, tmp_path):
 
 def test_qualify_forced_fallback_exits_1(capsys, tmp_path):
     with dispatch.disable_backends("triton"):
-        status, out, _ = cli(capsys, "qualify", "--config", "llama", *TINY, "--out", tmp_path)
+        status, out, _ = cli(capsys, "qualify", "--config", "tiny-llama", *TINY, "--out", tmp_path)
     assert status == 1
     table_rows = [line for line in out.splitlines() if line.startswith("| ") and ("prefill" in line or "decode" in line)]
     assert table_rows and all("| fallback" in line and "| torch" in line for line in table_rows)
@@ -179,27 +191,32 @@ def test_qualify_fallback_from_the_environment_in_a_shell(tmp_path):
     env = {"FLASHTILE_DISABLE_BACKENDS": "triton"}
     if not HAS_CUDA:
         env["TRITON_INTERPRET"] = "1"
-    proc = run_module("qualify", "--config", "llama", *TINY, "--out", tmp_path, **env)
+    proc = run_module("qualify", "--config", "tiny-llama", *TINY, "--out", tmp_path, **env)
     assert proc.returncode == 1, proc.stderr
     assert "| fallback" in proc.stdout and "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize("name, feature", [
-    ("mistral", "window 15,0"),
-    ("gemma2", "softcap 50"),
-    ("gpt-oss", "sinks"),
+    ("deepseek-v3", "causal"),
+    ("mistral-7b", "window 15,0"),
+    ("gemma-2-9b", "softcap 50"),
+    ("gpt-oss-20b", "sinks"),
 ])
 def test_qualify_models_with_windows_softcap_and_sinks_pass(capsys, tmp_path, name, feature):
-    # --sliding-window 16 so the 64-token prefill really slides (the bundled windows are 128 and up).
-    extra = ["--sliding-window", "16"] if name == "mistral" else []
-    status, out, _ = cli(capsys, "qualify", "--config", name, *TINY, *extra, "--out", tmp_path, "--json")
+    # The real configs' head dims, windows, softcap and sinks with 2 query heads / 1 KV head, so the interpreter
+    # takes seconds; --sliding-window 16 so the 64-token prefill really slides (the bundled windows are 128 and up).
+    extra = ["--sliding-window", "16"] if name == "mistral-7b" else []
+    status, out, _ = cli(capsys, "qualify", "--config", name, "--heads", 2, "--kv-heads", 1, *TINY, *extra,
+                         "--out", tmp_path, "--json")
     payload = json.loads(out)
     assert status == payload["exit_status"] == 0, payload["rows"]
     assert all(r["status"] == "ok" for r in payload["rows"])
     assert all(feature in r["features"] for r in payload["rows"] if r["layer"] != "full")
-    if name == "gpt-oss":  # the sink is learnable: its gradient is checked too
+    if name == "gpt-oss-20b":  # the sink is learnable: its gradient is checked too
         assert all("dsink" in r["errors"] for r in payload["rows"] if r["phase"] != "decode")
-    if name == "gemma2":
+    if name == "deepseek-v3":  # multi-head latent attention: values narrower than queries and keys
+        assert all((r["headdim"], r["headdim_v"]) == (192, 128) for r in payload["rows"])
+    if name == "gemma-2-9b":
         assert {r["layer"] for r in payload["rows"]} == {"sliding", "full", "all"}
 
 
@@ -235,21 +252,20 @@ def test_bad_path_is_exit_2_with_one_line(capsys, command):
     status, out, err = cli(capsys, command, "--config", "/no/such/dir/config.json")
     assert status == 2 and out == ""
     assert err.strip() == (f"python -m flashtile {command}: error: /no/such/dir/config.json: no such file, "
-                           "and not a bundled config (bundled: gemma2, gpt-oss, llama, mistral)")
+                           f"and not a bundled config (bundled: {', '.join(BUNDLED)})")
 
 
 def test_bad_path_in_a_shell_has_no_traceback():
     proc = run_module("memory", "--config", "missing.json")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().endswith("missing.json: no such file, and not a bundled config "
-                                        "(bundled: gemma2, gpt-oss, llama, mistral)")
+    assert proc.stderr.strip().endswith(f"missing.json: no such file, and not a bundled config (bundled: {', '.join(BUNDLED)})")
 
 
 @pytest.mark.parametrize("argv, expected", [
     (["memory", "--heads", "8"], "--head-dim --layers missing"),
     (["qualify"], "give --config PATH|NAME"),
     (["qualify", "--heads", "2", "--head-dim", "8", "--prefill", "0"], "must be positive"),
-    (["memory", "--config", "llama", "--dtype", "int8"], "unsupported dtype 'int8'"),
+    (["memory", "--config", "tiny-llama", "--dtype", "int8"], "unsupported dtype 'int8'"),
 ])
 def test_bad_arguments_are_exit_2(capsys, argv, expected):
     status, _, err = cli(capsys, *argv)
@@ -282,9 +298,9 @@ def test_config_layer_type_rules():
     assert shape_of({**base, "sliding_window_pattern": 3}).layer_types == ("sliding", "sliding", "full") * 2  # Gemma-3
     assert shape_of({**base, "model_type": "gemma2"}).layer_types == ("sliding", "full") * 3
     assert shape_of({**base, "sliding_window": None}).layer_types == ("full",) * 6
-    shape = model_config.load("gpt-oss")
-    assert shape.layer_types == ("sliding", "full") * 2 and shape.sinks and shape.sliding_window == 128
-    gemma = model_config.load("gemma2")
+    shape = model_config.load("gpt-oss-20b")
+    assert shape.layer_types == ("sliding", "full") * 12 and shape.sinks and shape.sliding_window == 128
+    gemma = model_config.load("gemma-2-9b")
     assert gemma.softcap == 50.0 and gemma.softmax_scale == 256 ** -0.5 and not gemma.sinks
 
 
@@ -296,7 +312,42 @@ def test_config_nested_text_config():
 
 
 def test_bundled_configs_are_found_by_name_and_path():
-    assert model_config.bundled_names() == ["gemma2", "gpt-oss", "llama", "mistral"]
-    by_name = model_config.load("mistral")
-    by_path = model_config.load(str(model_config.BUNDLED_DIR / "mistral.json"))
-    assert by_name.num_heads == by_path.num_heads == 8 and by_name.head_dim == 64  # hidden_size 512 / 8 heads
+    assert model_config.bundled_names() == BUNDLED
+    by_name = model_config.load("mistral-7b")
+    by_path = model_config.load(str(model_config.BUNDLED_DIR / "mistral-7b.json"))
+    assert by_name.num_heads == by_path.num_heads == 32 and by_name.head_dim == 128  # hidden_size 4096 / 32 heads
+    assert model_config.load("mistral") == by_name  # the old name is an alias
+
+
+# The real models' attention as their Hub config.json files give it: layers, heads, KV heads, head dim,
+# {layer kind: count}, window, softcap, sinks.
+REAL_MODELS = {
+    "llama-3-8b": (32, 32, 8, 128, {"full": 32}, None, None, False),
+    "llama-3-70b": (80, 64, 8, 128, {"full": 80}, None, None, False),
+    "mistral-7b": (32, 32, 8, 128, {"sliding": 32}, 4096, None, False),
+    "gemma-2-9b": (42, 16, 8, 256, {"sliding": 21, "full": 21}, 4096, 50.0, False),
+    "gpt-oss-20b": (24, 64, 8, 64, {"sliding": 12, "full": 12}, 128, None, True),
+    "gpt-oss-120b": (36, 64, 8, 64, {"sliding": 18, "full": 18}, 128, None, True),
+    "qwen3-8b": (36, 32, 8, 128, {"full": 36}, None, None, False),
+    "deepseek-v3": (61, 128, 128, 192, {"full": 61}, None, None, False),  # values: head dim 128
+}
+
+
+@pytest.mark.parametrize("name", sorted(REAL_MODELS))
+def test_bundled_configs_carry_the_real_models_shapes(name):
+    shape = model_config.load(name)
+    assert (shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.layer_counts(),
+            shape.sliding_window, shape.softcap, shape.sinks) == REAL_MODELS[name]
+    assert shape.dtype == "bfloat16" and shape.value_dim == (128 if name == "deepseek-v3" else shape.head_dim)
+
+
+def test_memory_of_deepseek_v3_counts_192_wide_keys_and_128_wide_values(capsys):
+    status, out, _ = cli(capsys, "memory", "--config", "deepseek-v3", "--seqlen", 1000, "--json")
+    kv = json.loads(out)["kv_cache"]
+    assert status == 0 and kv["bytes_per_token_per_layer"] == 128 * (192 + 128) * 2  # 80 KiB
+    assert kv["bytes_total"] == 61 * 1000 * 81_920
+
+
+def test_the_toy_is_named_a_toy():
+    assert [name for name in BUNDLED if name not in REAL_MODELS] == ["tiny-llama"]
+    assert "a toy" in json.loads((model_config.BUNDLED_DIR / "tiny-llama.json").read_text())["_comment"]

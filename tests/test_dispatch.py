@@ -361,7 +361,7 @@ def test_keys_per_row_under_a_window():
 
 def test_explain_runs_nothing_and_records_nothing(rng):
     flashtile.explain(*inputs(rng))
-    assert flashtile.stats() == {"calls": {}, "kernels": {}, "fallbacks": {}}
+    assert flashtile.stats() == {"calls": {}, "kernels": {}, "fallbacks": {}, "device_errors": []}
 
 
 def test_explain_unsupported_feature_names_it_for_every_backend(rng, monkeypatch):

@@ -34,7 +34,7 @@ def test_reset_clears_everything(device, rng):
         flash_attn_func(*small_inputs(device, rng))
     assert flashtile.stats()["calls"] == {"torch": 1}
     flashtile.reset_stats()
-    assert flashtile.stats() == {"calls": {}, "kernels": {}, "fallbacks": {}}
+    assert flashtile.stats() == {"calls": {}, "kernels": {}, "fallbacks": {}, "device_errors": []}
 
 
 @pytest.mark.parametrize("name", ["torch", "triton"])

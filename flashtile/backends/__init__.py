@@ -40,7 +40,9 @@ KV-cache attention (``flashtile.flash_attn_with_kvcache``), for backends whose F
     Writes the new tokens ``k``, ``v`` ``(batch, seqlen_new, nheads_kv, headdim[_v])`` into the
     caches in place: token ``t`` of batch row ``b`` goes to key row ``cache_seqlens[b] + t`` of that
     row's cache (see :class:`KVCacheArgs` for how a key row maps to memory). Rows that would land
-    past the cache's capacity (or a block table entry past ``num_blocks``) are not written. With
+    outside the cache's capacity, on a block table entry outside ``[0, num_blocks)`` or in no cache row
+    (``cache_batch_idx`` outside ``[0, batch_cache)``) are not written, and are noted in the device's
+    error record (flashtile/device_errors.py, docs/reliability.md). With
     rotary tables ``k`` is rotated before it is written, and the returned q is rotated; without
     them q is returned unchanged. Nothing here may synchronize with the host.
 
@@ -113,6 +115,8 @@ class AttnArgs:
     max_seqlen_k: int = 0
     # int32 (batch,): sequence b uses only its first seqused_k[b] keys.
     seqused_k: Optional[torch.Tensor] = None
+    # Varlen: the rows of the packed k (the kernels keep every offset within them); -1: not given.
+    total_k: int = -1
     # Gradients bit-identical run to run: no kernel whose float sums depend on the order its programs finish.
     deterministic: bool = False
 

@@ -30,6 +30,7 @@ import math
 
 import torch
 
+from .. import device_errors
 from . import KVCacheArgs
 from .torch_fp8 import FP8_DTYPE, to_fp8
 
@@ -77,7 +78,12 @@ def append_kv(q, k_cache, v_cache, k, v, args: KVCacheArgs):
 def attention_kv(q, k_cache, v_cache, args: KVCacheArgs):
     """``(out, lse)`` of q ``(batch, seqlen_q, nheads, headdim)`` over its cache rows' keys; ``out`` in
     q's dtype with v_cache's head dim, ``lse`` float32 ``(batch, nheads, seqlen_q)``."""
-    keys_end = args.cache_seqlens.long() + args.seqlen_new
+    _note_bad_values(k_cache, args)
+    keys_end = (args.cache_seqlens.long() + args.seqlen_new).clamp(0, args.max_seqlen_k)
+    if args.cache_batch_idx is not None:
+        # A batch row whose cache_batch_idx names no cache row attends to nothing, as in the kernels.
+        idx = args.cache_batch_idx
+        keys_end = keys_end.masked_fill((idx < 0) | (idx >= k_cache.shape[0]), 0)
     end = args.max_seqlen_k
     if args.fp8:
         # Gathered as bytes (indexing needs no float8 kernels), dequantized chunk by chunk in _from_cache.
@@ -92,6 +98,33 @@ def attention_kv(q, k_cache, v_cache, args: KVCacheArgs):
         part_out, part_lse = _attend_range(q, k_cache, v_cache, args, keys_end, start, stop, with_sink=split == 0)
         out, lse = (part_out, part_lse) if out is None else merge_states(out, lse, part_out, part_lse)
     return out.to(q.dtype), lse
+
+
+def _note_bad_values(k_cache, args: KVCacheArgs) -> None:
+    """On CPU (where reading the values costs no sync) note bad index values in the error record, as the
+    Triton kernels do on their device (flashtile/device_errors.py); reads and writes are clamped or dropped
+    elsewhere in this module either way."""
+    if k_cache.device.type != "cpu":
+        return
+    lengths = args.cache_seqlens.tolist()
+    for b, length in enumerate(lengths):
+        if length < 0 or length + args.seqlen_new > args.max_seqlen_k:
+            device_errors.note("cache_seqlens", b, length)
+    if args.cache_leftpad is not None:
+        for b, (pad, length) in enumerate(zip(args.cache_leftpad.tolist(), lengths)):
+            if pad < 0 or pad > max(length, 0):
+                device_errors.note("cache_leftpad", b, pad)
+    if args.cache_batch_idx is not None:
+        for b, row in enumerate(args.cache_batch_idx.tolist()):
+            if not 0 <= row < k_cache.shape[0]:
+                device_errors.note("cache_batch_idx", b, row)
+    if args.paged:
+        page_size = k_cache.shape[1]
+        for b, (length, pages) in enumerate(zip(lengths, args.block_table.tolist())):
+            used = min(-(-(max(length, 0) + args.seqlen_new) // page_size), len(pages))
+            bad = [page for page in pages[:used] if not 0 <= page < k_cache.shape[0]]
+            if bad:
+                device_errors.note("block_table", b, bad[0])
 
 
 def merge_states(out_a, lse_a, out_b, lse_b):

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from .. import rng
+from .. import device_errors, rng
 from . import AttentionCall, AttnArgs, missing_features
 from .torch_decode import KEY_CHUNK as KV_KEY_CHUNK, append_kv, attention_kv, merge_states  # noqa: F401 (re-exported)
 
@@ -237,7 +237,7 @@ def forward(q, k, v, args: AttnArgs):
     if args.varlen:
         total_q, nheads, _ = q.shape
         lse = torch.full((nheads, total_q), float("-inf"), dtype=torch.float32, device=q.device)
-        for b, (q0, q1, k0, k1) in enumerate(_sequences(args)):
+        for b, (q0, q1, k0, k1) in enumerate(_sequences(args, q.shape[0], k.shape[0])):
             _forward_dense(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], args, out[None, q0:q1], lse[None, :, q0:q1], b)
         return out, lse
     batch, seqlen_q, nheads, _ = q.shape
@@ -253,7 +253,7 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink, dbias) 
         # Tokens outside every sequence (past cu_seqlens[-1], or past seqused_k) get zero gradients.
         for grad in (dq, dk, dv):
             grad.zero_()
-        for b, (q0, q1, k0, k1) in enumerate(_sequences(args)):
+        for b, (q0, q1, k0, k1) in enumerate(_sequences(args, q.shape[0], k.shape[0])):
             _backward_dense(dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], out[None, q0:q1],
                             lse[None, :, q0:q1], args, dq[None, q0:q1], dk[None, k0:k1], dv[None, k0:k1],
                             dsink_acc, None, b)
@@ -263,16 +263,20 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink, dbias) 
         dsink.copy_(dsink_acc)
 
 
-def _sequences(args: AttnArgs):
-    """``(q_start, q_end, k_start, k_end)`` of each varlen sequence in the packed tensors;
-    with ``seqused_k`` a sequence's keys end after its first ``seqused_k[b]``."""
+def _sequences(args: AttnArgs, total_q: int, total_k: int):
+    """``(q_start, q_end, k_start, k_end)`` of each varlen sequence in the packed tensors of ``total_q`` and
+    ``total_k`` rows; with ``seqused_k`` a sequence's keys end after its first ``seqused_k[b]``. Bad offsets
+    and counts are clamped and noted in the error record, as the Triton kernels do (flashtile/device_errors.py)."""
     if args.attn_bias is not None:
         raise ValueError("attn_bias is for dense calls only; got one with cu_seqlens_q (a varlen call)")
-    cu_q, cu_k = args.cu_seqlens_q.tolist(), args.cu_seqlens_k.tolist()
+    device = args.cu_seqlens_q.device
+    spans_q = device_errors.packed_spans(args.cu_seqlens_q.tolist(), total_q, "cu_seqlens_q", device)
+    spans_k = device_errors.packed_spans(args.cu_seqlens_k.tolist(), total_k, "cu_seqlens_k", device)
     used_k = None if args.seqused_k is None else args.seqused_k.tolist()
-    for b in range(len(cu_q) - 1):
-        k_end = cu_k[b + 1] if used_k is None else cu_k[b] + used_k[b]
-        yield cu_q[b], cu_q[b + 1], cu_k[b], k_end
+    for b, ((q0, q1), (k0, k1)) in enumerate(zip(spans_q, spans_k)):
+        if used_k is not None:
+            k1 = k0 + device_errors.used_keys(used_k[b], k1 - k0, b, device)
+        yield q0, q1, k0, k1
 
 
 def _forward_dense(q, k, v, args: AttnArgs, out, lse, batch_index: int) -> None:

@@ -3,7 +3,8 @@
 What is counted (``B`` batch, ``N`` seqlen, ``H`` query heads, ``Hkv`` KV heads, ``D`` head dim,
 ``L`` layers, ``b`` bytes per element of the model dtype):
 
-- KV cache: ``2 (K and V) x Hkv x D x b`` bytes per token per layer; times ``L`` per token; times
+- KV cache: ``2 (K and V) x Hkv x D x b`` bytes per token per layer (``Hkv x (D + Dv) x b`` when the values'
+  head dim ``Dv`` differs, as in DeepSeek's multi-head latent attention expanded per head); times ``L`` per token; times
   ``N`` per sequence; times ``B`` in total. Every layer holds every token. When the model has
   sliding-window layers a second, *windowed* figure is given too: a sliding layer keeps only its
   last ``sliding_window`` tokens (a rolling cache), a global layer keeps all ``N``.
@@ -28,14 +29,15 @@ LSE_BYTES = 4  # the softmax statistics are fp32 whatever the input dtype
 
 EXAMPLES = """\
 examples:
-  python -m flashtile memory --config llama --seqlen 8192 --batch 4
+  python -m flashtile memory --config llama-3-8b --seqlen 8192 --batch 4   # 4.00 GiB of KV cache
   python -m flashtile memory --config path/to/Meta-Llama-3-8B/config.json --seqlen 8192
-  python -m flashtile memory --config mistral --seqlen 32768        # also the windowed KV cache
+  python -m flashtile memory --config mistral-7b --seqlen 32768     # also the windowed KV cache
   python -m flashtile memory --layers 32 --heads 32 --kv-heads 8 --head-dim 128 --dtype bf16 --seqlen 4096 --batch 2
-  python -m flashtile memory --config gemma2 --dtype fp32 --json    # flags override the config
+  python -m flashtile memory --config gemma-2-9b --dtype fp32 --json # flags override the config
 
 --config takes a config.json, a checkpoint directory holding one, or a bundled name
-(llama, mistral, gemma2, gpt-oss). Bytes are exact; sizes use binary units (1 KiB = 1024 B).
+(llama-3-8b, llama-3-70b, mistral-7b, gemma-2-9b, gpt-oss-20b, gpt-oss-120b, qwen3-8b, deepseek-v3;
+tiny-llama is a toy). Bytes are exact; sizes use binary units (1 KiB = 1024 B).
 Counted: KV cache = 2 (K,V) x kv heads x head dim x dtype bytes per token per layer; standard
 attention = scores + probabilities, B x H x N^2 x dtype bytes each; flashtile = lse B x H x N x 4
 (forward) + delta and lse2 2 x B x H x N x 4 (Triton backward).
@@ -66,7 +68,7 @@ def compute(shape: model_config.ModelShape, seqlen: int, batch: int) -> dict:
     """The numbers (see the module docstring for what each counts), in bytes."""
     b, n, L = shape.dtype_bytes, seqlen, shape.num_layers
     h, hkv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
-    per_token_layer = 2 * hkv * d * b
+    per_token_layer = hkv * (d + shape.value_dim) * b
     kv = {
         "bytes_per_token_per_layer": per_token_layer,
         "bytes_per_token": per_token_layer * L,
@@ -115,7 +117,8 @@ def table(shape: model_config.ModelShape, result: dict) -> str:
         return [what, formula, f"{nbytes:,}", format_bytes(nbytes)]
 
     rows = [
-        row("KV cache per token, per layer", f"2 (K,V) x {hkv} kv heads x {d} x {b} B", kv["bytes_per_token_per_layer"]),
+        row("KV cache per token, per layer", f"2 (K,V) x {hkv} kv heads x {d} x {b} B" if not shape.head_dim_v else
+            f"{hkv} kv heads x ({d} K + {shape.head_dim_v} V) x {b} B", kv["bytes_per_token_per_layer"]),
         row(f"KV cache per token, {L} layers", f"x {L}", kv["bytes_per_token"]),
         row(f"KV cache per sequence ({n} tokens)", f"x {n}", kv["bytes_per_sequence"]),
         row(f"KV cache total (batch {batch})", f"x {batch}", kv["bytes_total"]),

@@ -9,6 +9,9 @@ Only the local file is read; nothing is downloaded. The fields used, as transfor
   (``"sliding_attention"`` / ``"full_attention"`` per layer), ``use_sliding_window: false``
   (Qwen2: no layer slides), ``sliding_window_pattern`` P (Gemma-3: every P-th layer is global),
   ``model_type == "gemma2"`` (even layers slide, odd are global), else every layer slides (Mistral).
+- Multi-head latent attention (DeepSeek-V2/V3): ``qk_nope_head_dim + qk_rope_head_dim`` is the query/key head dim
+  and ``v_head_dim`` the values'; the shapes are the attention flashtile runs (prefill and training, the latent
+  expanded to per-head keys and values), not the compressed latent a serving cache may hold.
 - ``attn_logit_softcapping`` (Gemma-2) and ``query_pre_attn_scalar`` (softmax scale
   ``query_pre_attn_scalar ** -0.5``).
 - Attention sinks: gpt-oss's learned per-head sink logits are weights, not a config field, so
@@ -38,6 +41,8 @@ DTYPE_ALIASES = {
     "fp16": "float16", "float16": "float16", "half": "float16",
     "fp32": "float32", "float32": "float32", "float": "float32",
 }
+# Earlier bundled names (a toy each, until the real configs replaced them) -> the real model's config.
+ALIASES = {"llama": "llama-3-8b", "mistral": "mistral-7b", "gemma2": "gemma-2-9b", "gpt-oss": "gpt-oss-20b"}
 # model_type values whose attention has learned sinks (see the module docstring).
 SINK_MODEL_TYPES = frozenset({"gpt_oss"})
 
@@ -58,6 +63,7 @@ class ModelShape:
     head_dim: int
     dtype: str  # "bfloat16", "float16" or "float32"
     layer_types: tuple = ()  # FULL or SLIDING per layer
+    head_dim_v: int | None = None  # the values' head dim where it differs from head_dim (MLA: 128 against 192)
     sliding_window: int | None = None  # tokens a sliding layer sees, the query's own included
     softcap: float | None = None
     softmax_scale: float | None = None  # None: 1 / sqrt(head_dim)
@@ -70,6 +76,11 @@ class ModelShape:
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
+    @property
+    def value_dim(self) -> int:
+        """The values' head dim (``head_dim`` unless the model gives another)."""
+        return self.head_dim_v or self.head_dim
+
     def layer_counts(self) -> dict:
         """``{FULL: n, SLIDING: m}`` in the order the kinds first appear, kinds with no layer left out."""
         counts: dict = {}
@@ -80,12 +91,13 @@ class ModelShape:
     def summary(self) -> str:
         kinds = ", ".join(f"{n} {kind}" for kind, n in self.layer_counts().items())
         window = f", window {self.sliding_window}" if SLIDING in self.layer_types else ""
+        values = f" (values {self.head_dim_v})" if self.head_dim_v else ""
         extras = "".join([
             f", softcap {self.softcap:g}" if self.softcap else "",
             ", attention sinks" if self.sinks else "",
         ])
         return (f"{self.num_layers} layers ({kinds}{window}), {self.num_heads} heads, {self.num_kv_heads} KV heads, "
-                f"head dim {self.head_dim}, {self.dtype}{extras}")
+                f"head dim {self.head_dim}{values}, {self.dtype}{extras}")
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -102,12 +114,13 @@ def canonical_dtype(text: str, where: str = "--dtype") -> str:
 
 
 def bundled_names() -> list[str]:
-    """Names of the configs shipped in ``flashtile/configs`` (``llama``, ``mistral``, ...)."""
+    """Names of the configs shipped in ``flashtile/configs`` (``llama-3-8b``, ``mistral-7b``, ``tiny-llama``, ...)."""
     return sorted(p.stem for p in BUNDLED_DIR.glob("*.json"))
 
 
 def resolve(spec: str) -> tuple[Path, str]:
-    """``(path, model name)`` for a path to a config.json, a checkpoint directory holding one, or a bundled name."""
+    """``(path, model name)`` for a path to a config.json, a checkpoint directory holding one, or a bundled name
+    (or one of its :data:`ALIASES`)."""
     path = Path(spec).expanduser()
     if path.is_dir():
         path = path / "config.json"
@@ -117,9 +130,10 @@ def resolve(spec: str) -> tuple[Path, str]:
     if path.is_file():
         # A Hub checkpoint's file is always called config.json: its directory names the model.
         return path, path.parent.resolve().name if path.stem == "config" else path.stem
-    bundled = BUNDLED_DIR / f"{spec}.json"
-    if "/" not in spec and bundled.is_file():
-        return bundled, spec
+    name = ALIASES.get(spec, spec)
+    bundled = BUNDLED_DIR / f"{name}.json"
+    if "/" not in name and bundled.is_file():
+        return bundled, name
     raise ConfigError(
         f"{spec}: no such file, and not a bundled config (bundled: {', '.join(bundled_names())})"
     )
@@ -169,6 +183,14 @@ def from_hf_config(config, where: str, name: str) -> ModelShape:
     if heads % kv_heads:
         raise ConfigError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
     head_dim = _positive_int(config, "head_dim", where, required=False)
+    head_dim_v = None
+    if config.get("qk_nope_head_dim") is not None and config.get("qk_rope_head_dim") is not None:
+        head_dim = _positive_int(config, "qk_nope_head_dim", where) + _positive_int(config, "qk_rope_head_dim", where)
+        head_dim_v = _positive_int(config, "v_head_dim", where)
+        head_dim_v = None if head_dim_v == head_dim else head_dim_v
+        notes.append(f"multi-head latent attention: head dim qk_nope_head_dim + qk_rope_head_dim = {head_dim}, values "
+                     f"v_head_dim = {head_dim_v or head_dim}, the latent expanded per head as flashtile runs it "
+                     "(a serving cache of the compressed latent holds kv_lora_rank + qk_rope_head_dim per token)")
     if head_dim is None:
         if config.get("hidden_size") is None:
             raise ConfigError(f"{where}: missing field 'head_dim' (or 'hidden_size' to derive it from)")
@@ -199,7 +221,7 @@ def from_hf_config(config, where: str, name: str) -> ModelShape:
         notes.append(f"model_type {model_type!r}: learned attention sinks (a weight per head)")
     return ModelShape(
         name=name, source=where, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        dtype=dtype, layer_types=layer_types, sliding_window=window, softcap=float(softcap) if softcap else None,
+        head_dim_v=head_dim_v, dtype=dtype, layer_types=layer_types, sliding_window=window, softcap=float(softcap) if softcap else None,
         softmax_scale=float(scalar) ** -0.5 if scalar else None, sinks=sinks, model_type=model_type,
         max_position_embeddings=config.get("max_position_embeddings"), notes=tuple(notes),
     )

@@ -16,6 +16,7 @@ import os
 import re
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -31,17 +32,17 @@ PASSING = (OK, SKIPPED)
 
 EXAMPLES = """\
 examples:
-  python -m flashtile qualify --config llama                          # a bundled config
+  python -m flashtile qualify --config tiny-llama                     # a bundled toy: seconds on a CPU
   python -m flashtile qualify --config path/to/Meta-Llama-3-8B/config.json --out results/
-  python -m flashtile qualify --config gemma2 --prefill 1024 4096 --decode 8192 --batch 4
+  python -m flashtile qualify --config gemma-2-9b --prefill 1024 4096 --decode 8192 --batch 4
   python -m flashtile qualify --heads 32 --kv-heads 8 --head-dim 128 --dtype bf16
-  python -m flashtile qualify --config mistral --json > mistral.json
-  FLASHTILE_DISABLE_BACKENDS=triton python -m flashtile qualify --config llama   # a forced fallback: exit 1
+  python -m flashtile qualify --config mistral-7b --json > mistral-7b.json
+  FLASHTILE_DISABLE_BACKENDS=triton python -m flashtile qualify --config tiny-llama   # a forced fallback: exit 1
 
---config takes a config.json, a checkpoint directory holding one, or a bundled name (llama,
-mistral, gemma2, gpt-oss); only the local file is read. Calls per distinct layer type: causal
-prefill at --prefill lengths (forward + backward), decode (1 query) at --decode cache lengths
-(forward), varlen: the first prefill length and shorter ones packed into one
+--config takes a config.json, a checkpoint directory holding one, or a bundled name (llama-3-8b,
+llama-3-70b, mistral-7b, gemma-2-9b, gpt-oss-20b, gpt-oss-120b, qwen3-8b, deepseek-v3; tiny-llama is a toy);
+only the local file is read. Calls per distinct layer type: causal prefill at --prefill lengths
+(forward + backward), decode (1 query) at --decode cache lengths (forward), varlen: the first prefill length and shorter ones packed into one
 flash_attn_varlen_func call (forward + backward); a sliding layer of window W calls
 window_size=(W-1, 0); sinks are a random learnable (nheads,) float32 tensor. Defaults: GPU prefill 128 512 2048, decode 1000 4096, batch 2, the config's dtype;
 CPU prefill 64 257, decode 100 300, batch 1, float16 under TRITON_INTERPRET=1 (bfloat16 is broken
@@ -96,6 +97,7 @@ class Call:
     nheads: int
     nheads_kv: int
     headdim: int
+    headdim_v: int = 0  # the values' head dim where it differs (MLA), else 0
     window_size: tuple = (-1, -1)
     softcap: float = 0.0
     sinks: bool = False
@@ -129,7 +131,7 @@ def derive_calls(shape: model_config.ModelShape, batch: int, prefill: list[int],
         # A sliding layer sees its last `sliding_window` keys, itself included (transformers' convention).
         window = (shape.sliding_window - 1, 0) if kind == model_config.SLIDING else (-1, -1)
         common = dict(layer=kind, layers=count, batch=batch, nheads=shape.num_heads, nheads_kv=shape.num_kv_heads,
-                      headdim=shape.head_dim, window_size=window, softcap=shape.softcap or 0.0, sinks=shape.sinks,
+                      headdim=shape.head_dim, headdim_v=shape.head_dim_v or 0, window_size=window, softcap=shape.softcap or 0.0, sinks=shape.sinks,
                       softmax_scale=shape.softmax_scale)
         calls += [Call(phase="prefill", seqlen_q=n, seqlen_k=n, **common) for n in prefill]
         calls += [Call(phase="decode", seqlen_q=1, seqlen_k=n, **common) for n in decode]
@@ -240,14 +242,18 @@ def _inputs(call: Call, device: str, dtype, grad: bool, generator):
     """Random q, k, v of the call (packed for varlen) and, for varlen, the offsets."""
     from ..testing import cu_seqlens_of, make_qkv
 
+    varlen = None
     if not call.seqlens:
-        return make_qkv(call.batch, call.seqlen_q, call.seqlen_k, call.nheads, call.nheads_kv, call.headdim, dtype,
-                        device, requires_grad=grad, generator=generator), None
-    total = sum(call.seqlens)
-    q, k, v = (t[0] for t in make_qkv(1, total, total, call.nheads, call.nheads_kv, call.headdim, dtype, device,
-                                      requires_grad=False, generator=generator))
-    cu = cu_seqlens_of(call.seqlens, device)
-    varlen = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen": max(call.seqlens)}
+        q, k, v = make_qkv(call.batch, call.seqlen_q, call.seqlen_k, call.nheads, call.nheads_kv, call.headdim, dtype,
+                           device, requires_grad=False, generator=generator)
+    else:
+        total = sum(call.seqlens)
+        q, k, v = (t[0] for t in make_qkv(1, total, total, call.nheads, call.nheads_kv, call.headdim, dtype, device,
+                                          requires_grad=False, generator=generator))
+        cu = cu_seqlens_of(call.seqlens, device)
+        varlen = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen": max(call.seqlens)}
+    if call.headdim_v:
+        v = v[..., :call.headdim_v].contiguous()  # narrower values (MLA): random columns all the same
     return tuple(t.requires_grad_(grad) for t in (q, k, v)), varlen
 
 
@@ -339,7 +345,7 @@ def table(rows: list[dict]) -> str:
         layers = f"{r['layer']} x{r['layers']}"
         body.append([
             str(i), layers, r["phase"], "+".join(map(str, r["seqlens"])) if r.get("seqlens") else f"{r['seqlen_q']}x{r['seqlen_k']}", f"{r['nheads']}/{r['nheads_kv']}",
-            str(r["headdim"]), r["dtype"], r["features"],
+            f"{r['headdim']}/{r['headdim_v']}" if r.get("headdim_v") else str(r["headdim"]), r["dtype"], r["features"],
             r["backend"] or "-", r["kernel"] or "-", "-" if err is None else f"{err:.2e}",
             _fmt_ms(r["fwd_ms"]), _fmt_ms(r["fwd_bwd_ms"]), r["status"],
         ])
@@ -419,6 +425,16 @@ def _default_dtype(shape: model_config.ModelShape, device: str) -> str:
     return "float16" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "float32"
 
 
+def _check_writable(out: str) -> None:
+    """Fail before the (minutes-long) qualification when ``--out`` cannot take its results."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as error:
+        raise ToolError(f"--out {out}: cannot write the results there ({error.strerror or error})") from None
+
+
 @readable_errors("qualify")
 def run(args) -> int:
     from ..bench.common import base_env, log, stamp, unique_stem, write_json
@@ -442,6 +458,7 @@ def run(args) -> int:
     prefill = args.prefill or DEFAULT_PREFILL[device]
     decode = args.decode or DEFAULT_DECODE[device]
     calls = derive_calls(shape, batch, prefill, decode)
+    _check_writable(args.out)
     info = _device_info(device)
 
     rows = []

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 import triton
 
+from ... import device_errors
 from ...alloc import empty
 from .. import KVCacheArgs, torch_decode
 from . import interpreter_enabled
@@ -30,7 +31,7 @@ _MERGE_BLOCK_M = 16
 # that loaded one split at a time.
 _COMBINE_TILE = 16384
 # The per-batch-row tensors every KV-cache kernel takes (stood in for by q when absent).
-_CACHE_TENSORS = ("CACHE_SEQLENS", "CACHE_LEFTPAD", "CACHE_BATCH_IDX", "BLOCK_TABLE")
+_CACHE_TENSORS = ("CACHE_SEQLENS", "CACHE_LEFTPAD", "CACHE_BATCH_IDX", "BLOCK_TABLE", "ERR")
 _APPEND = CachedLaunch(kernels.append_kv, ("Q", "K_NEW", "V_NEW", "K_CACHE", "V_CACHE", "Q_OUT", "COS", "SIN")
                        + _CACHE_TENSORS + ("K_DESCALE", "V_DESCALE"))
 # The cache's strides and rows and the capacity are per call: a cache grown by concatenation (a new length
@@ -38,9 +39,9 @@ _APPEND = CachedLaunch(kernels.append_kv, ("Q", "K_NEW", "V_NEW", "K_CACHE", "V_
 # output's and the partials' follow from the shapes.
 _CACHE_STRIDES = ("stride_kb", "stride_kn", "stride_kh", "stride_vb", "stride_vn", "stride_vh")
 _DECODE = CachedLaunch(kernels.attn_decode, ("Q", "K", "V", "O", "LSE", "ALIBI_SLOPES", "SINK", "CU_SEQLENS_Q",
-                                             "softmax_scale", "softcap", "max_seqlen_k", "num_blocks")
+                                             "SEQUSED_K", "softmax_scale", "softcap", "max_seqlen_k", "num_blocks")
                        + _CACHE_STRIDES + _CACHE_TENSORS + ("K_DESCALE", "V_DESCALE"))
-_COMBINE = CachedLaunch(kernels.attn_decode_combine, ("O_PART", "LSE_PART", "O", "LSE", "CU_SEQLENS_Q"))
+_COMBINE = CachedLaunch(kernels.attn_decode_combine, ("O_PART", "LSE_PART", "O", "LSE", "CU_SEQLENS_Q", "ERR"))
 _MERGE = CachedLaunch(kernels.merge_states, ("OA", "LSE_A", "OB", "LSE_B", "O", "LSE"))
 
 
@@ -57,13 +58,14 @@ def cache_key(args: KVCacheArgs, capacity: bool = True) -> tuple:
     """What the KV-cache kernels' static arguments take from ``args`` (see fastlaunch.py); ``capacity``:
     with ``max_seqlen_k`` (a launch that takes it per call leaves it out)."""
     return (args.cache_seqlens is not None, args.cache_leftpad is not None, args.cache_batch_idx is not None,
-            _layout(args.block_table), args.max_seqlen_k if capacity else None, args.seqlen_new, args.varlen)
+            _layout(args.block_table), args.max_seqlen_k if capacity else None, args.seqlen_new, args.varlen,
+            args.seqused_k is not None)
 
 
 def _cache_tensors(q: torch.Tensor, args: KVCacheArgs) -> tuple:
-    """The ``_CACHE_TENSORS`` arguments, in order."""
+    """The ``_CACHE_TENSORS`` arguments, in order (the last: the device's error record)."""
     present = (args.cache_seqlens, args.cache_leftpad, args.cache_batch_idx, args.block_table)
-    return tuple(t if t is not None else q for t in present)
+    return tuple(t if t is not None else q for t in present) + (device_errors.record(q.device),)
 
 
 def _descales(q: torch.Tensor, args: KVCacheArgs) -> tuple:
@@ -247,7 +249,7 @@ def attend(q, k_cache, v_cache, out, lse, args: KVCacheArgs, config: TileConfig 
             window_left=args.window_left, window_right=args.window_right,
             stride_alibi_b=alibi.stride(0) if alibi is not None else 0,
             seqlen_q=seqlen_q, seqlen_new=args.seqlen_new, nheads=nheads, nheads_kv=nheads_kv,
-            num_splits=p.num_splits, GROUP=nheads // nheads_kv,
+            num_splits=p.num_splits, total_q=q.shape[0], GROUP=nheads // nheads_kv,
             HEAD_DIM_QK_ACTUAL=head_dim, HEAD_DIM_QK=padded_head_dim(head_dim),
             HEAD_DIM_V_ACTUAL=head_dim_v, HEAD_DIM_V=padded_head_dim(head_dim_v),
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
@@ -258,6 +260,7 @@ def attend(q, k_cache, v_cache, out, lse, args: KVCacheArgs, config: TileConfig 
             **_cache_static(k_cache, args),
             # Pages that hold whole key blocks are read with one table entry per block.
             PAGE_ALIGNED=args.block_table is not None and k_cache.shape[1] % cfg.BLOCK_N == 0, Q_VARLEN=varlen,
+            HAS_SEQUSED=args.seqused_k is not None,
             PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_descale_strides(args),
         )
 
@@ -271,7 +274,8 @@ def attend(q, k_cache, v_cache, out, lse, args: KVCacheArgs, config: TileConfig 
         # The kernel's max_seqlen_k bounds the key rows read from a cache row: a paged row's capacity, or the
         # rows a contiguous cache holds (its capacity, or every packed token with varlen).
         _DECODE(key, p.grid, (q, k_cache, v_cache, o_dst, lse_dst, alibi if alibi is not None else q,
-                              args.sink if args.sink is not None else q, cu_seqlens_q, float(args.softmax_scale),
+                              args.sink if args.sink is not None else q, cu_seqlens_q,
+                              args.seqused_k if args.seqused_k is not None else q, float(args.softmax_scale),
                               float(args.softcap), args.max_seqlen_k if args.paged else k_cache.shape[1],
                               k_cache.shape[0], *_strides3(k_cache), *_strides3(v_cache), *_cache_tensors(q, args),
                               *_descales(q, args)),
@@ -279,11 +283,11 @@ def attend(q, k_cache, v_cache, out, lse, args: KVCacheArgs, config: TileConfig 
         if p.num_splits > 1:
             block_s = p.combine_block
             _COMBINE((out.shape, out.stride(), lse.stride(), p, q.device, varlen), p.combine_grid,
-                     (o_dst, lse_dst, out, lse, cu_seqlens_q),
+                     (o_dst, lse_dst, out, lse, cu_seqlens_q, device_errors.record(q.device)),
                      lambda: dict(zip(_COMBINE_STRIDES, (o_dst.stride(0), *o_dst.stride()[1:4], lse_dst.stride(0),
                                                          *lse_dst.stride()[1:3], *bsh_strides(out, varlen),
                                                          *lse_strides(lse, varlen))),
-                                  nheads=nheads, num_splits=p.num_splits, seqlen_q=seqlen_q,
+                                  nheads=nheads, num_splits=p.num_splits, seqlen_q=seqlen_q, total_q=out.shape[0],
                                   HEAD_DIM_V_ACTUAL=head_dim_v, HEAD_DIM_V=padded_head_dim(head_dim_v),
                                   BLOCK_S=block_s, Q_VARLEN=varlen, PDL=pdl, launch_pdl=pdl,
                                   num_warps=2 if block_s <= 32 else 8))

@@ -10,7 +10,7 @@ import triton
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ... import replay
+from ... import device_errors, replay
 from ...alloc import empty, empty_like
 from ...dispatch import record_fallback
 from ...rng import keep_threshold
@@ -73,15 +73,27 @@ def _variant_tensors(q, args: AttnArgs) -> dict:
         dropout_scale=1.0 / (1.0 - args.dropout_p),
         ALIBI_SLOPES=args.alibi_slopes if args.alibi_slopes is not None else q,
         BIAS_PTR=bias if bias is not None else q,
-        **_sequence_tensors(q, args),
+        **_sequence_tensors(q, args), **_sequence_bounds(q, args),
     )
 
 
-def _sequence_tensors(q, args: AttnArgs) -> dict:
-    """The varlen offsets and key counts (``q`` stands in for those a call lacks)."""
-    return dict(CU_SEQLENS_Q=args.cu_seqlens_q if args.varlen else q,
-                CU_SEQLENS_K=args.cu_seqlens_k if args.varlen else q,
-                SEQUSED_K=args.seqused_k if args.seqused_k is not None else q)
+def _sequence_tensors(stand_in, args) -> dict:
+    """The varlen offsets and key counts (``stand_in`` stands in for those a call lacks)."""
+    return dict(CU_SEQLENS_Q=args.cu_seqlens_q if args.varlen else stand_in,
+                CU_SEQLENS_K=args.cu_seqlens_k if args.varlen else stand_in,
+                SEQUSED_K=args.seqused_k if args.seqused_k is not None else stand_in)
+
+
+def _sequence_bounds(q, args, k=None) -> dict:
+    """The rows of the packed q and k (``k``: the launcher's; without it ``args.total_k``) that the kernels keep
+    every varlen offset within, and the device's error record (flashtile/device_errors.py). A KV-cache call's k
+    is the cache: its rows are the cache's batch rows, which ``cache_batch_idx`` must name."""
+    if k is not None:
+        total_k = k.shape[0]
+    else:
+        # AttnArgs built without it (tests of the launchers): no bound beyond int32's.
+        total_k = args.total_k if args.total_k >= 0 else 2**31 - 1
+    return dict(total_q=q.shape[0], total_k=total_k, ERR=device_errors.record(q.device))
 
 
 def _variant_static(q, args: AttnArgs, nheads: int) -> dict:
@@ -125,9 +137,11 @@ def _head_dims(head_dim: int, head_dim_v: int) -> dict:
                 HEAD_DIM_V_ACTUAL=head_dim_v, HEAD_DIM_V=padded_head_dim(head_dim_v))
 
 
+# The packed rows the kernels keep varlen offsets within, and the error record they note bad values in.
+_SEQUENCE_BOUNDS = ("total_q", "total_k", "ERR")
 # The arguments that change between calls of one shape; everything else is worked out once per shape.
 _VARIANT_DYNAMIC = ("softcap", "seed", "offset", "dropout_scale", "ALIBI_SLOPES", "BIAS_PTR",
-                    "CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_K", "softmax_scale")
+                    "CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_K", "softmax_scale") + _SEQUENCE_BOUNDS
 # The forward also takes its lengths and strides per call: a decode loop's growing KV cache, or packed
 # batches of other lengths, then reuse one launch (fastlaunch.py keys them by Triton's specialization).
 _FWD_LENGTHS = ("seqlen_q", "seqlen_k", "stride_lse_b", "stride_lse_h") + sum(map(_stride_names, "qkvo"), ())
@@ -208,12 +222,12 @@ def _cache_args(args: AttnArgs, **cache) -> KVCacheArgs:
 
 def _packed_cache_args(args: AttnArgs) -> KVCacheArgs:
     """A varlen call's arguments as a KV-cache call's whose cache row is the whole packed k: sequence ``b``'s
-    keys are rows ``cu_seqlens_k[b]..cu_seqlens_k[b + 1]`` (or ``.. + seqused_k[b]``), as left padding and
-    lengths; ``max_seqlen_k`` stays the longest sequence's (it sizes the splits)."""
-    starts = args.cu_seqlens_k[:-1]
-    ends = args.cu_seqlens_k[1:] if args.seqused_k is None else starts + args.seqused_k
+    keys are rows ``cu_seqlens_k[b]..cu_seqlens_k[b + 1]`` as left padding and lengths (views: nothing is
+    computed), of which the kernel takes the first ``seqused_k[b]``; ``max_seqlen_k`` stays the longest
+    sequence's (it sizes the splits)."""
     return _cache_args(args, max_seqlen_q=args.max_seqlen_q, max_seqlen_k=args.max_seqlen_k,
-                       cu_seqlens_q=args.cu_seqlens_q, cache_seqlens=ends, cache_leftpad=starts)
+                       cu_seqlens_q=args.cu_seqlens_q, cache_seqlens=args.cu_seqlens_k[1:],
+                       cache_leftpad=args.cu_seqlens_k[:-1], seqused_k=args.seqused_k)
 
 
 def tma_unfit(*tensors) -> str | None:
@@ -245,7 +259,7 @@ def _tma_desc(t: torch.Tensor, rows: int, cols: int | None = None) -> TensorDesc
 _FWD_SM90 = CachedLaunch(attn_fwd_sm90, ("q_desc", "k_desc", "v_desc", "q_tail_desc", "k_tail_desc", "O", "LSE",
                                          "qk_scale", "softcap2", "row_max", "ALIBI_SLOPES", "SINK", "CU_SEQLENS_Q",
                                          "CU_SEQLENS_K", "SEQUSED_K", "CACHE_SEQLENS", "CACHE_LEFTPAD",
-                                         "CACHE_BATCH_IDX"))
+                                         "CACHE_BATCH_IDX") + _SEQUENCE_BOUNDS)
 
 
 def _score_constants(args: AttnArgs, dtype: torch.dtype, features: frozenset) -> tuple:
@@ -265,6 +279,8 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, features
     batch, seqlen_q, seqlen_k, group = shape
     nheads = q.shape[-2]
     kvcache = isinstance(args, KVCacheArgs)
+    # The packed rows (or a KV cache's batch rows), taken before the packed tensors become one TMA batch row.
+    bounds = _sequence_bounds(q, args, k)
     if args.varlen:
         # Packed (tokens, heads, headdim) tensors are one batch row of the TMA's 4-d view.
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
@@ -304,7 +320,7 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, features
                   dict(q_desc=q_desc, k_desc=k_desc, v_desc=_tma_desc(v, cfg.BLOCK_N), q_tail_desc=q_tail,
                        k_tail_desc=k_tail, O=out, LSE=lse, qk_scale=qk_scale, softcap2=softcap2,
                        row_max=row_max or 0.0, ALIBI_SLOPES=alibi if alibi is not None else q,
-                       SINK=args.sink if args.sink is not None else q, **_sequence_tensors(q, args),
+                       SINK=args.sink if args.sink is not None else q, **_sequence_tensors(q, args), **bounds,
                        **dict(zip(("CACHE_SEQLENS", "CACHE_LEFTPAD", "CACHE_BATCH_IDX"),
                                   (t if t is not None else q for t in cache_tensors)))),
                   static)
@@ -500,7 +516,7 @@ def _backward_pair(cfg, key, tensors: dict, shared, shape: tuple, splits: int, a
 
 _DKDV_SM90 = CachedLaunch(attn_bwd_dkdv_sm90, ("q_desc", "k_desc", "v_desc", "do_desc", "DK", "DV", "LSE2", "DELTA",
                                                "CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_K", "qk_scale", "softcap2",
-                                               "softmax_scale") + _BWD_LENGTHS)
+                                               "softmax_scale") + _BWD_LENGTHS + _SEQUENCE_BOUNDS)
 
 
 def _backward_dkdv_sm90(q, k, v, dout, dk, dv, lse2, delta, args: AttnArgs, cfg, features: frozenset, key, stream):
@@ -519,6 +535,7 @@ def _backward_dkdv_sm90(q, k, v, dout, dk, dv, lse2, delta, args: AttnArgs, cfg,
                     FAST_TANH=fast_tanh(q), FOLD_SCALE=fold, IS_VARLEN=varlen,
                     HAS_SEQUSED=args.seqused_k is not None, STAGES=cfg.num_stages, num_warps=cfg.num_warps)
 
+    sequences = {**_sequence_tensors(lse2, args), **_sequence_bounds(q, args, k)}
     if varlen:
         # One batch row of all tokens for the TMA; each program finds its sequence's rows.
         q, k, v, dout = (t.unsqueeze(0) for t in (q, k, v, dout))
@@ -526,7 +543,7 @@ def _backward_dkdv_sm90(q, k, v, dout, dk, dv, lse2, delta, args: AttnArgs, cfg,
     _DKDV_SM90((key, fold), (cdiv(seqlen_k, cfg.BLOCK_N), nheads_kv, batch),
                dict(q_desc=_tma_desc(q, cfg.BLOCK_M), k_desc=_tma_desc(k, cfg.BLOCK_N), v_desc=_tma_desc(v, cfg.BLOCK_N),
                     do_desc=_tma_desc(dout, cfg.BLOCK_M), DK=dk, DV=dv, LSE2=lse2, DELTA=delta,
-                    **_sequence_tensors(lse2, args), qk_scale=qk_scale, softcap2=softcap2,
+                    **sequences, qk_scale=qk_scale, softcap2=softcap2,
                     softmax_scale=args.softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k),
                static, stream=stream)
 
@@ -564,7 +581,8 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
                     num_warps=4, maxnreg=_BWD_WS_MAXNREG)
 
     if varlen:
-        # One batch row of all tokens for the TMA; each CTA finds its sequence's rows.
+        # One batch row of all tokens for the TMA; each CTA finds its sequence's rows (the descriptors' rows bound
+        # their offsets).
         q, k, v, dout, dq_acc = (t.unsqueeze(0) for t in (q, k, v, dout, dq_acc))
     # A CTA's keys, a consumer's half of them; query steps of as many rows.
     rows = configs.ONE_PASS_KEYS // 2

@@ -72,7 +72,8 @@ def quantize(q, k, v, block_quant: bool = True, incoherent: bool = True, seed: i
             cu_seqlens_q if varlen else q, cu_seqlens_k if varlen else q,
             *_bsh(q, varlen), *_bsh(k, varlen), *_bsh(v, varlen), *_bsh(q8, varlen), *_bsh(k8, varlen), *vt_strides,
             *(stride for t in targets for stride in t.stride()),
-            seqlen_q, seqlen_k, nheads_kv, nheads // nheads_kv, 1.0 / math.sqrt(head_dim),
+            seqlen_q, seqlen_k, q.shape[0], k.shape[0], nheads_kv, nheads // nheads_kv,
+            1.0 / math.sqrt(head_dim),
             HEAD_DIM=head_dim, BLOCK=QUANT_BLOCK, SUB=_SUB, CHUNK=min(_CHUNK, head_dim), ROTATE=incoherent,
             QK_MODE=qk_mode, V_MODE=v_mode, VARLEN=varlen, INPUT_PRECISION=input_precision(q.dtype),
             num_warps=_WARPS,
@@ -87,7 +88,8 @@ def quantize(q, k, v, block_quant: bool = True, incoherent: bool = True, seed: i
         # Per (batch row, KV head): the largest block amax of each, one descale for all blocks.
         launch((q_descale, k_descale, v_amax), "amax", "amax")
         per_tensor = [descale_of(amax.amax(dim=2)) for amax in (q_descale, k_descale, v_amax)]
-        expanded = [d[:, :, None].expand(-1, -1, blocks) for d, blocks in zip(per_tensor, (blocks_q, blocks_k, blocks_k))]
+        expanded = [d[:, :, None].expand(-1, -1, blocks)
+                    for d, blocks in zip(per_tensor, (blocks_q, blocks_k, blocks_k))]
         launch(expanded, "given", "given")
     return (*_cast(q8, k8, v8_t), *per_tensor)
 

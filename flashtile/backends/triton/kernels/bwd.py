@@ -149,10 +149,10 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_ptr, delta_ptr, stride_q
 
 
 # seed and offset change every call: one compiled kernel serves all their values.
-@triton.jit(do_not_specialize=["seed", "offset"])
+@triton.jit(do_not_specialize=["seed", "offset", "total_q", "total_k"])
 def bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, softmax_scale, softcap, window_left, window_right,
              ALIBI_SLOPES, BIAS_PTR, seed, offset, threshold, dropout_scale,
-             CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
+             CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K, total_q, total_k, ERR,
              stride_qb, stride_qm, stride_qh,
              stride_kb, stride_kn, stride_kh,
              stride_vb, stride_vn, stride_vh,
@@ -181,9 +181,9 @@ def bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, softmax_scale, softcap, window_le
     start_n, off_b, off_part = program_block(False)
     off_hk = off_part // split
     q_start, seqlen_q, k_start, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
-                                                    IS_VARLEN, HAS_SEQUSED)
+                                                    total_q, total_k, ERR, IS_VARLEN, HAS_SEQUSED, False)
     # Keys this program stores: with seqused_k the sequence's keys past seqused_k get gradient 0.
-    stored_k = stored_keys(off_b, k_start, seqlen_k, CU_SEQLENS_K, HAS_SEQUSED)
+    stored_k = stored_keys(off_b, k_start, seqlen_k, CU_SEQLENS_K, total_k, HAS_SEQUSED)
     # Varlen grids are sized for the longest sequence.
     if start_n * BLOCK_N >= stored_k:
         return
@@ -289,10 +289,10 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, 
 
 
 # seed and offset change every call: one compiled kernel serves all their values.
-@triton.jit(do_not_specialize=["seed", "offset"])
+@triton.jit(do_not_specialize=["seed", "offset", "total_q", "total_k"])
 def bwd_dq(Q, K, V, DO, DQ, LSE2, DELTA, DBIAS, softmax_scale, softcap, window_left, window_right,
            ALIBI_SLOPES, BIAS_PTR, seed, offset, threshold, dropout_scale,
-           CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
+           CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K, total_q, total_k, ERR,
            stride_qb, stride_qm, stride_qh,
            stride_kb, stride_kn, stride_kh,
            stride_vb, stride_vn, stride_vh,
@@ -317,7 +317,7 @@ def bwd_dq(Q, K, V, DO, DQ, LSE2, DELTA, DBIAS, softmax_scale, softcap, window_l
     stride_dqb, stride_dqm, stride_dqh = int64(stride_dqb, stride_dqm, stride_dqh)
     start_m, off_b, off_h = program_block(MASK_RIGHT and not MASK_LEFT)
     q_start, seqlen_q, k_start, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
-                                                    IS_VARLEN, HAS_SEQUSED)
+                                                    total_q, total_k, ERR, IS_VARLEN, HAS_SEQUSED, False)
     if start_m * BLOCK_M >= seqlen_q:
         return
     off_hk = off_h // group

@@ -77,6 +77,7 @@ def store_dkdv(dk, dv, first_key, k_start, seqlen_k, key_rows, DK, DV, off_b, of
 
 @gluon.jit
 def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, LSE2, DELTA, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
+                       total_q, total_k, ERR,
                        qk_scale, softcap2, softmax_scale, window_left, window_right, stride_dkb, stride_dkn,
                        stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k,
                        group, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
@@ -107,8 +108,8 @@ def attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, DK, DV, LSE2, DELTA, CU_
     # This sequence's query rows start at q_start of batch row tma_b, its keys at k_start; key_rows of them are
     # its own (past seqused_k, seqlen_k, they get zero gradients).
     q_start, seqlen_q, k_start, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
-                                                    IS_VARLEN, HAS_SEQUSED)
-    key_rows = stored_keys(off_b, k_start, seqlen_k, CU_SEQLENS_K, HAS_SEQUSED)
+                                                    total_q, total_k, ERR, IS_VARLEN, HAS_SEQUSED, False)
+    key_rows = stored_keys(off_b, k_start, seqlen_k, CU_SEQLENS_K, total_k, HAS_SEQUSED)
     tma_b = off_b
     if IS_VARLEN:
         # Varlen grids are sized for the longest sequence; packed tensors are one batch row for the TMA.

@@ -59,20 +59,25 @@ def _reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _walk(walk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-          IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr):
+def _walk(walk, q_desc, k_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr,
+          MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr):
     """This CTA's sequence and query walk, the same in every partition: ``(tma_b, q_start, seqlen_q, k_start,
     seqlen_k, key_rows)`` as bwd_sm90.py has them (packed tensors are one batch row for the TMA; ``key_rows``:
     the sequence's keys, of which the first ``seqlen_k`` are used), the first query row ``lo``, the unmasked
     run ``[full_lo, full_hi)``, the query blocks of one head ``n_q`` (0 for a CTA past its sequence's used keys)
     and the steps ``n_it`` (``n_q`` for each head of the GQA group). ``walk``: the kernel's lengths, window, group
-    and sequence tensors."""
+    and sequence tensors. Bad offsets are clamped into the packed tensors (``q_desc``/``k_desc`` give their
+    rows) but not recorded here: an atomic in any partition costs the consumers spills (sm90_compile.py: STL
+    23 -> 44), and the forward of the same call has recorded them."""
     seqlen_q, seqlen_k, window_left, window_right, group, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K = walk
+    # The packed tokens, from the descriptors: no argument is added to the partitions.
+    total_q = q_desc.shape[1]
+    total_k = k_desc.shape[1]
     off_b = gl.program_id(2)
     cta_key = gl.program_id(0) * 2 * BLOCK_N
     q_start, seqlen_q, k_start, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
-                                                    IS_VARLEN, HAS_SEQUSED)
-    key_rows = stored_keys(off_b, k_start, seqlen_k, CU_SEQLENS_K, HAS_SEQUSED)
+                                                    total_q, total_k, CU_SEQLENS_Q, IS_VARLEN, HAS_SEQUSED, False)
+    key_rows = stored_keys(off_b, k_start, seqlen_k, CU_SEQLENS_K, total_k, HAS_SEQUSED)
     tma_b = off_b
     if IS_VARLEN:
         tma_b = 0
@@ -117,7 +122,8 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
     off_hk = gl.program_id(1)
     off_b = gl.program_id(2)
     first_key = gl.program_id(0) * 2 * BLOCK_N + WG * BLOCK_N
-    seq, lo, full_lo, full_hi, n_q, n_it = _walk(walk, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, IS_VARLEN, HAS_SEQUSED)
+    seq, lo, full_lo, full_hi, n_q, n_it = _walk(walk, q_desc, k_desc, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT,
+                                                 IS_VARLEN, HAS_SEQUSED)
     _, q_start, seqlen_q, k_start, seqlen_k, key_rows = seq
     group = walk[4]
     offs_n = first_key + gl.arange(0, BLOCK_N, layout=keys_layout)
@@ -230,7 +236,8 @@ def _producer(args, walk, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_
     off_hk = gl.program_id(1)
     off_b = gl.program_id(2)
     first_key = gl.program_id(0) * 2 * BLOCK_N
-    seq, lo, _, _, n_q, n_it = _walk(walk, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, IS_VARLEN, HAS_SEQUSED)
+    seq, lo, _, _, n_q, n_it = _walk(walk, q_desc, k_desc, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, IS_VARLEN,
+                                     HAS_SEQUSED)
     tma_b, q_start, seqlen_q, k_start, _, _ = seq
     group = walk[4]
     # Both consumers' K and V rows (rows past the tensor arrive as zeros) complete one barrier.
@@ -267,7 +274,8 @@ def _reducer(args, walk, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_V
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HALF_D: gl.constexpr = dq_desc.block_type.shape[3]
     off_hk = gl.program_id(1)
-    seq, lo, _, _, n_q, n_it = _walk(walk, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, IS_VARLEN, HAS_SEQUSED)
+    seq, lo, _, _, n_q, n_it = _walk(walk, q_desc, k_desc, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, IS_VARLEN,
+                                     HAS_SEQUSED)
     tma_b, q_start, _, _, _, _ = seq
     group = walk[4]
     for it in range(n_it):

@@ -33,62 +33,122 @@ def program_block(REVERSE: tl.constexpr):
 
 
 @triton.jit
-def sequence(off_b, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
-             IS_VARLEN: tl.constexpr, HAS_SEQUSED: tl.constexpr):
+def report_bad(ERR, bad, ARGUMENT: tl.constexpr, value, index):
+    """Note a bad index value in the device error record ``ERR`` (int32 ``[argument, value, index, count]``,
+    see flashtile/device_errors.py): the first program to meet one writes it, every one counts. A branch on
+    a scalar that good input never takes: free on the fast path."""
+    if bad:
+        if tl.atomic_cas(ERR, 0, ARGUMENT) == 0:
+            tl.store(ERR + 1, value.to(tl.int32))
+            tl.store(ERR + 2, index.to(tl.int32))
+        tl.atomic_add(ERR + 3, 1)
+
+
+@triton.jit
+def packed_span(CU_SEQLENS, off_b, total, ERR, ARGUMENT: tl.constexpr, RECORD: tl.constexpr):
+    """``(start, end)`` of sequence ``off_b`` of a packed tensor of ``total`` rows, from its offsets: any
+    offset below 0, decreasing or past ``total`` is recorded and clamped, so the span lies inside the tensor
+    whatever ``CU_SEQLENS`` holds (two scalar compares per program). ``RECORD``: note bad values in ``ERR`` (a
+    warp-specialized kernel has one partition do it)."""
+    start = tl.load(CU_SEQLENS + off_b)
+    end = tl.load(CU_SEQLENS + off_b + 1)
+    if RECORD:
+        bad = (start < 0) | (end < start) | (end > total)
+        report_bad(ERR, bad, ARGUMENT, tl.where(start < 0, start, end), tl.where(start < 0, off_b, off_b + 1))
+    start = tl.minimum(tl.maximum(start, 0), total)
+    end = tl.minimum(tl.maximum(end, start), total)
+    return start, end
+
+
+@triton.jit
+def sequence(off_b, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K, total_q, total_k, ERR,
+             IS_VARLEN: tl.constexpr, HAS_SEQUSED: tl.constexpr, RECORD: tl.constexpr):
     """``(q_start, seqlen_q, k_start, seqlen_k)`` of sequence ``off_b``: where its rows start in
-    the (packed) tensors and how many there are."""
+    the (packed) tensors and how many there are. Varlen: ``seqlen_q`` comes in as ``max_seqlen_q``
+    (the grid's bound) and ``total_q``/``total_k`` are the packed tokens; whatever the offsets and
+    ``seqused_k`` hold, the rows returned lie inside the tensors (bad values go to ``ERR`` with ``RECORD``)."""
     if IS_VARLEN:
-        q_start = tl.load(CU_SEQLENS_Q + off_b)
-        seqlen_q = tl.load(CU_SEQLENS_Q + off_b + 1) - q_start
-        k_start = tl.load(CU_SEQLENS_K + off_b)
-        seqlen_k = tl.load(CU_SEQLENS_K + off_b + 1) - k_start
+        max_seqlen_q = seqlen_q
+        q_start, q_end = packed_span(CU_SEQLENS_Q, off_b, total_q, ERR, 1, RECORD)
+        seqlen_q = q_end - q_start
+        max_seqlen_k = seqlen_k
+        k_start, k_end = packed_span(CU_SEQLENS_K, off_b, total_k, ERR, 2, RECORD)
+        seqlen_k = k_end - k_start
+        if RECORD:
+            # A sequence longer than max_seqlen_q (or _k) has rows no program of a grid covers: say so.
+            report_bad(ERR, seqlen_q > max_seqlen_q, 8, seqlen_q, off_b)
+            report_bad(ERR, seqlen_k > max_seqlen_k, 9, seqlen_k, off_b)
     else:
         q_start = 0
         k_start = 0
     if HAS_SEQUSED:
-        seqlen_k = tl.load(SEQUSED_K + off_b)
+        used = tl.load(SEQUSED_K + off_b)
+        # Never past the sequence's own keys (the next sequence's would be read): one scalar compare.
+        if RECORD:
+            report_bad(ERR, (used < 0) | (used > seqlen_k), 3, used, off_b)
+        seqlen_k = tl.minimum(tl.maximum(used, 0), seqlen_k)
     return q_start, seqlen_q, k_start, seqlen_k
 
 
 @triton.jit
-def stored_keys(off_b, k_start, seqlen_k, CU_SEQLENS_K, HAS_SEQUSED: tl.constexpr):
+def stored_keys(off_b, k_start, seqlen_k, CU_SEQLENS_K, total_k, HAS_SEQUSED: tl.constexpr):
     """The keys of sequence ``off_b`` whose dK/dV a program stores: ``seqlen_k`` as :func:`sequence` gives it, or
-    with ``seqused_k`` all the sequence's keys (those past the used ones get gradient 0)."""
+    with ``seqused_k`` all the sequence's keys (those past the used ones get gradient 0), clamped as there."""
     stored = seqlen_k
     if HAS_SEQUSED:
-        stored = tl.load(CU_SEQLENS_K + off_b + 1) - k_start
+        k_end = tl.load(CU_SEQLENS_K + off_b + 1)
+        stored = tl.minimum(tl.maximum(k_end, k_start), total_k) - k_start
     return stored
 
 
 @triton.jit
-def packed_queries(off_b, seqlen_q, CU_SEQLENS_Q, IS_VARLEN: tl.constexpr):
-    """``(q_start, seqlen_q)`` of batch row ``off_b``: with ``IS_VARLEN`` q is packed and the row's queries
-    are ``cu_seqlens_q[b]..cu_seqlens_q[b + 1]``, at most ``seqlen_q`` of them (``max_seqlen_q``, the grid's
-    bound, as in the forward kernels); otherwise row ``off_b`` of a dense q."""
+def packed_queries(off_b, seqlen_q, CU_SEQLENS_Q, total_q, ERR, IS_VARLEN: tl.constexpr):
+    """``(q_start, seqlen_q)`` of batch row ``off_b``: with ``IS_VARLEN`` q is packed ``total_q`` rows and the
+    row's queries are ``cu_seqlens_q[b]..cu_seqlens_q[b + 1]`` (clamped as in :func:`packed_span`), at most
+    ``seqlen_q`` of them (``max_seqlen_q``, the grid's bound, as in the forward kernels); otherwise row
+    ``off_b`` of a dense q."""
     q_start = 0
     if IS_VARLEN:
-        q_start = tl.load(CU_SEQLENS_Q + off_b)
-        seqlen_q = tl.minimum(tl.load(CU_SEQLENS_Q + off_b + 1) - q_start, seqlen_q)
+        q_start, q_end = packed_span(CU_SEQLENS_Q, off_b, total_q, ERR, 1, True)
+        # Rows past max_seqlen_q are past the grid: not computed, and said so.
+        report_bad(ERR, q_end - q_start > seqlen_q, 8, q_end - q_start, off_b)
+        seqlen_q = tl.minimum(q_end - q_start, seqlen_q)
     return q_start, seqlen_q
 
 
 @triton.jit
-def cache_sequence(off_b, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, seqlen_new, max_seqlen_k,
-                   HAS_SEQLENS: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr):
+def cache_sequence(off_b, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, seqlen_new, max_seqlen_k, batch_cache, ERR,
+                   HAS_SEQLENS: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+                   KEYS_PACKED: tl.constexpr):
     """``(seqlen_cache, leftpad, seqlen_k, cache_b)`` of batch row ``off_b`` of a KV cache: the keys
     already cached (without ``CACHE_SEQLENS``: a full cache), the first valid key row, how many keys
-    its queries attend to (key ``j`` is key row ``leftpad + j``) and its row of a contiguous cache.
-    Keys past the capacity ``max_seqlen_k`` are never read, whatever the lengths say."""
+    its queries attend to (key ``j`` is key row ``leftpad + j``) and its row of a contiguous cache
+    (``batch_cache`` rows; ``-1`` when ``cache_batch_idx`` names none: callers then read and write nothing).
+    Keys past the capacity ``max_seqlen_k`` are never read, whatever the lengths say; bad values go to ``ERR``
+    (``KEYS_PACKED``: the lengths and left padding are a varlen call's ``cu_seqlens_k[1:]`` and ``[:-1]``, and
+    named so). The checks are a few compares on scalars per program: free."""
     seqlen_cache = max_seqlen_k
     if HAS_SEQLENS:
         seqlen_cache = tl.load(CACHE_SEQLENS + off_b).to(tl.int32)
+        # A negative length would put the new tokens before the row's first key: none is written then.
+        report_bad(ERR, (seqlen_cache < 0) | (seqlen_cache + seqlen_new > max_seqlen_k), 2 if KEYS_PACKED else 4,
+                   seqlen_cache, off_b + 1 if KEYS_PACKED else off_b)
     leftpad = 0
     if HAS_LEFTPAD:
         leftpad = tl.load(CACHE_LEFTPAD + off_b).to(tl.int32)
+        report_bad(ERR, (leftpad < 0) | (leftpad > tl.maximum(seqlen_cache, 0)), 2 if KEYS_PACKED else 6, leftpad,
+                   off_b)
+        leftpad = tl.minimum(tl.maximum(leftpad, 0), max_seqlen_k)
     cache_b = off_b
     if HAS_BATCH_IDX:
         cache_b = tl.load(CACHE_BATCH_IDX + off_b).to(tl.int64)
-    seqlen_k = tl.maximum(tl.minimum(seqlen_cache + seqlen_new, max_seqlen_k) - leftpad, 0)
+        no_row = (cache_b < 0) | (cache_b >= batch_cache)
+        report_bad(ERR, no_row, 5, cache_b, off_b)
+        cache_b = tl.where(no_row, -1, cache_b)
+    seqlen_k = tl.maximum(tl.minimum(tl.maximum(seqlen_cache, 0) + seqlen_new, max_seqlen_k) - leftpad, 0)
+    if HAS_BATCH_IDX:
+        # No cache row: no key is read.
+        seqlen_k = tl.where(cache_b >= 0, seqlen_k, 0)
     return seqlen_cache, leftpad, seqlen_k, cache_b
 
 
@@ -99,7 +159,7 @@ def cache_slots(rows, rows_ok, cache_b, table_row, page_size, num_blocks, PAGED:
 
     Paged: the block table (``table_row``: this batch row's entries) is read only where ``rows_ok``;
     an entry outside ``[0, num_blocks)`` is clamped into range so no read leaves the cache, and
-    ``in_cache`` says which slots were real (writers skip the others)."""
+    ``in_cache`` says which slots were real (writers skip the others and record them)."""
     if PAGED:
         page = tl.load(table_row + rows // page_size, mask=rows_ok, other=0).to(tl.int64)
         in_cache = (page >= 0) & (page < num_blocks)

@@ -25,7 +25,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .common import (LOG2E, cache_sequence, cache_slots, head_terms, kv_range, load_tile, merge_state,
-                     packed_queries, run_bounds, score_scale, scores, softmax_step, split_range, store_tile)
+                     packed_queries, report_bad, run_bounds, score_scale, scores, softmax_step, split_range,
+                     store_tile)
 
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -58,7 +59,7 @@ def _rotary(x, row_ptrs, offs_d, row_ok, COS, SIN, pos, seqlen_ro, stride_ro,
 
 @triton.jit
 def append_kv(Q, K_NEW, V_NEW, K_CACHE, V_CACHE, Q_OUT, COS, SIN,
-              CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, BLOCK_TABLE, K_DESCALE, V_DESCALE,
+              CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, BLOCK_TABLE, ERR, K_DESCALE, V_DESCALE,
               stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
               stride_kcb, stride_kcn, stride_kch, stride_vcb, stride_vcn, stride_vch,
               stride_qob, stride_qom, stride_qoh, stride_bt, stride_ro,
@@ -75,8 +76,8 @@ def append_kv(Q, K_NEW, V_NEW, K_CACHE, V_CACHE, Q_OUT, COS, SIN,
     t = tl.program_id(0)
     off_b = tl.program_id(1).to(tl.int64)
     z = tl.program_id(2)
-    seqlen_cache, _, _, cache_b = cache_sequence(off_b, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 0,
-                                                 max_seqlen_k, HAS_SEQLENS, False, HAS_BATCH_IDX)
+    seqlen_cache, _, _, cache_b = cache_sequence(off_b, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, seqlen_new,
+                                                 max_seqlen_k, num_blocks, ERR, HAS_SEQLENS, False, HAS_BATCH_IDX, False)
     # Rotary positions are key rows, as in flash-attn: left padding does not shift them.
     pos = seqlen_cache
     offs_d = tl.arange(0, HEAD_DIM)
@@ -92,11 +93,15 @@ def append_kv(Q, K_NEW, V_NEW, K_CACHE, V_CACHE, Q_OUT, COS, SIN,
             if ROTARY:
                 k = _rotary(k.to(tl.float32), k_rows, offs_d, head_ok, COS, SIN, pos + t, seqlen_ro, stride_ro,
                             ROTARY_DIM, INTERLEAVED)
-            # Key row seqlen_cache + t; rows past the capacity (or on a page outside the cache) are dropped.
+            # Key row seqlen_cache + t; rows outside the capacity, on a page outside the cache or of no cache row
+            # (cache_b = -1) are dropped and recorded (scalar compares: free).
             row = seqlen_cache + t
-            row_ok = row < max_seqlen_k
+            row_ok = (row >= 0) & (row < max_seqlen_k) & (cache_b >= 0)
             slot, offset, in_cache = cache_slots(row, row_ok, cache_b, BLOCK_TABLE + off_b * stride_bt, page_size,
                                                  num_blocks, PAGED)
+            if PAGED:
+                if row_ok & (in_cache == 0):
+                    report_bad(ERR, True, 7, tl.load(BLOCK_TABLE + off_b * stride_bt + row // page_size), off_b)
             write = head_ok & row_ok & in_cache
             k_dst = K_CACHE + slot * stride_kcb + offset.to(tl.int64) * stride_kcn + heads * stride_kch
             if FP8_CACHE:
@@ -186,7 +191,8 @@ def _decode_inner(acc, l_i, m_i, q, K_HEAD, V_HEAD, table_row, stride_kb, stride
 @triton.jit
 def _block_slots(start_n, leftpad, seqlen_k, cache_b, table_row, page_size, num_blocks,
                  BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr):
-    """``(slot, offset)`` of the key block from key ``start_n``: key j is key row leftpad + j."""
+    """``(slot, offset)`` of the key block from key ``start_n``: key j is key row leftpad + j. A page
+    outside the cache is read clamped into it."""
     if PAGED and PAGE_ALIGNED:
         # The block lies on one page: one table read, then its rows are contiguous as in an unpaged cache.
         first = leftpad + start_n
@@ -205,20 +211,21 @@ def _block_slots(start_n, leftpad, seqlen_k, cache_b, table_row, page_size, num_
 # for each of "is 1", "divides by 16" and neither): a cache that grows a token a step keeps one kernel.
 @triton.jit(do_not_specialize=["max_seqlen_k", "num_blocks", "num_splits"])
 def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, BLOCK_TABLE, ALIBI_SLOPES, SINK,
-                CU_SEQLENS_Q, K_DESCALE, V_DESCALE,
+                CU_SEQLENS_Q, SEQUSED_K, ERR, K_DESCALE, V_DESCALE,
                 softmax_scale, softcap, window_left, window_right,
                 stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                 stride_os, stride_ob, stride_om, stride_oh, stride_ls, stride_lb, stride_lh,
                 stride_alibi_b, stride_bt, stride_kdb, stride_kdh, stride_vdb, stride_vdh,
                 seqlen_q, seqlen_new, max_seqlen_k, page_size, num_blocks, nheads, nheads_kv, num_splits,
-                GROUP: tl.constexpr,
+                total_q, GROUP: tl.constexpr,
                 HEAD_DIM_QK_ACTUAL: tl.constexpr, HEAD_DIM_QK: tl.constexpr,
                 HEAD_DIM_V_ACTUAL: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
                 ALIBI: tl.constexpr, HAS_SINK: tl.constexpr, PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr,
                 HAS_SEQLENS: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
-                Q_VARLEN: tl.constexpr, INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr, FP8_CACHE: tl.constexpr):
+                Q_VARLEN: tl.constexpr, HAS_SEQUSED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                PDL: tl.constexpr, FP8_CACHE: tl.constexpr):
     """``FP8_CACHE``: K and V are e4m3, read as ``K * K_DESCALE[b, h_kv]`` (descales by strides).
     ``O``/``LSE`` are the output ``(batch, seqlen_q, nheads, headdim_v)`` / ``(batch, nheads, seqlen_q)``
     (one split, ``stride_os = stride_ls = 0``) or the float32 partials with a leading split dim. With
@@ -233,8 +240,14 @@ def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 
     off_b = (off_bh // nheads_kv).to(tl.int64)
     off_hk = off_bh % nheads_kv
     _, leftpad, seqlen_k, cache_b = cache_sequence(off_b, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, seqlen_new,
-                                                   max_seqlen_k, HAS_SEQLENS, HAS_LEFTPAD, HAS_BATCH_IDX)
-    q_start, seqlen_q = packed_queries(off_b, seqlen_q, CU_SEQLENS_Q, Q_VARLEN)
+                                                   max_seqlen_k, num_blocks, ERR, HAS_SEQLENS, HAS_LEFTPAD,
+                                                   HAS_BATCH_IDX, Q_VARLEN)
+    if HAS_SEQUSED:
+        # A varlen call's seqused_k: never past the sequence's own keys (one scalar compare).
+        used = tl.load(SEQUSED_K + off_b)
+        report_bad(ERR, (used < 0) | (used > seqlen_k), 3, used, off_b)
+        seqlen_k = tl.minimum(tl.maximum(used, 0), seqlen_k)
+    q_start, seqlen_q = packed_queries(off_b, seqlen_q, CU_SEQLENS_Q, total_q, ERR, Q_VARLEN)
     # Packed row r is query token r // GROUP of query head off_hk * GROUP + r % GROUP.
     n_rows = seqlen_q * GROUP
     if Q_VARLEN:
@@ -279,6 +292,11 @@ def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 
     k_descale = 1.0
     if FP8_CACHE:
         k_descale = tl.load(K_DESCALE + off_b * stride_kdb + off_hk * stride_kdh)
+    if PAGED:
+        # The row's last page, checked once a program (a table not grown with the sequence shows there); pages
+        # are clamped as they are read, but a check in the key loop would cost registers (sm90: 128 -> 168).
+        last_page = tl.load(table_row + (leftpad + seqlen_k - 1) // page_size, mask=seqlen_k > 0, other=0)
+        report_bad(ERR, (last_page < 0) | (last_page >= num_blocks), 7, last_page, off_b)
     for run in tl.static_range(3):
         run_lo, run_hi = run_bounds(run, lo, full_lo, full_hi, hi)
         # Without a left edge run 0 is empty: leave it out of the compiled kernel.
@@ -307,10 +325,10 @@ def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def attn_decode_combine(O_PART, LSE_PART, O, LSE, CU_SEQLENS_Q,
+def attn_decode_combine(O_PART, LSE_PART, O, LSE, CU_SEQLENS_Q, ERR,
                         stride_ps, stride_pb, stride_pm, stride_ph, stride_pls, stride_plb, stride_plh,
                         stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
-                        nheads, num_splits, seqlen_q,
+                        nheads, num_splits, seqlen_q, total_q,
                         HEAD_DIM_V_ACTUAL: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_S: tl.constexpr,
                         Q_VARLEN: tl.constexpr, PDL: tl.constexpr):
     """Program ``(row, b)`` merges the ``num_splits`` partials of row ``t * nheads + h``, ``BLOCK_S``
@@ -321,7 +339,7 @@ def attn_decode_combine(O_PART, LSE_PART, O, LSE, CU_SEQLENS_Q,
     off_b = tl.program_id(1).to(tl.int64)
     off_t = (row // nheads).to(tl.int64)
     off_h = (row % nheads).to(tl.int64)
-    q_start, seqlen_q = packed_queries(off_b, seqlen_q, CU_SEQLENS_Q, Q_VARLEN)
+    q_start, seqlen_q = packed_queries(off_b, seqlen_q, CU_SEQLENS_Q, total_q, ERR, Q_VARLEN)
     if off_t >= seqlen_q:
         return
     if PDL:

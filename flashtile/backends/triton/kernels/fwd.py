@@ -61,10 +61,10 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs
 
 
 # seed and offset change every call: one compiled kernel serves all their values.
-@triton.jit(do_not_specialize=["seed", "offset"])
+@triton.jit(do_not_specialize=["seed", "offset", "total_q", "total_k"])
 def attn_fwd(Q, K, V, O, LSE, softmax_scale, softcap, window_left, window_right,
              ALIBI_SLOPES, SINK, BIAS_PTR, seed, offset, threshold, dropout_scale,
-             CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
+             CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K, total_q, total_k, ERR,
              stride_qb, stride_qm, stride_qh,
              stride_kb, stride_kn, stride_kh,
              stride_vb, stride_vn, stride_vh,
@@ -88,7 +88,7 @@ def attn_fwd(Q, K, V, O, LSE, softmax_scale, softcap, window_left, window_right,
     # Causal rows near the end visit the most keys: launch them first for a shorter tail.
     start_m, off_b, off_h = program_block(MASK_RIGHT and not MASK_LEFT)
     q_start, seqlen_q, k_start, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
-                                                    IS_VARLEN, HAS_SEQUSED)
+                                                    total_q, total_k, ERR, IS_VARLEN, HAS_SEQUSED, True)
     # Varlen grids are sized for the longest sequence.
     if start_m * BLOCK_M >= seqlen_q:
         return

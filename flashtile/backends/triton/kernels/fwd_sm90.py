@@ -257,7 +257,7 @@ def _softmax_step(qk, s, m_i, qk_scale, MODIFIED: gl.constexpr, FIXED_MAX: gl.co
 @gluon.jit
 def attn_fwd_sm90(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, qk_scale, softcap2, row_max,
                   window_left, window_right, ALIBI_SLOPES, stride_alibi_b, SINK, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
-                  CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, seqlen_new,
+                  total_q, total_k, ERR, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, seqlen_new,
                   stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group,
                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                   HAS_SINK: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, Q_IN_REGS: gl.constexpr,
@@ -297,14 +297,16 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, qk_s
     # Where this program's rows are: query i is row q_start + i of q's batch row q_b, key j row k_start + j
     # of k's and v's batch row kv_b.
     if KVCACHE:
+        # A KV cache's k has total_k = batch_cache rows, which cache_batch_idx must name.
         _, k_start, seqlen_k, kv_b = cache_sequence(off_b, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, seqlen_new,
-                                                    seqlen_k, HAS_SEQLENS, HAS_LEFTPAD, HAS_BATCH_IDX)
+                                                    seqlen_k, total_k, ERR, HAS_SEQLENS, HAS_LEFTPAD, HAS_BATCH_IDX,
+                                                    False)
         kv_b = kv_b.to(gl.int32)
         q_b = off_b
         q_start = 0
     else:
         q_start, seqlen_q, k_start, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K,
-                                                        SEQUSED_K, IS_VARLEN, HAS_SEQUSED)
+                                                        SEQUSED_K, total_q, total_k, ERR, IS_VARLEN, HAS_SEQUSED, True)
         if IS_VARLEN:
             # Varlen grids are sized for the longest sequence; packed tensors are one batch row for the TMA.
             if first_row >= seqlen_q:

@@ -90,7 +90,7 @@ def quantize_fp8(Q, K, V, Q8, K8, VT8, Q_DESCALE, K_DESCALE, V_DESCALE, R, CU_SE
                  stride_q8b, stride_q8m, stride_q8h, stride_k8b, stride_k8m, stride_k8h,
                  stride_vtb, stride_vth, stride_vtd, stride_vtm,
                  stride_qdb, stride_qdh, stride_qdm, stride_kdb, stride_kdh, stride_kdm, stride_vdb, stride_vdh, stride_vdm,
-                 seqlen_q, seqlen_k, nheads_kv, group, inv_sqrt_d,
+                 seqlen_q, seqlen_k, total_q, total_k, nheads_kv, group, inv_sqrt_d,
                  HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, CHUNK: tl.constexpr,
                  ROTATE: tl.constexpr, QK_MODE: tl.constexpr, V_MODE: tl.constexpr, VARLEN: tl.constexpr,
                  INPUT_PRECISION: tl.constexpr):
@@ -101,8 +101,9 @@ def quantize_fp8(Q, K, V, Q8, K8, VT8, Q_DESCALE, K_DESCALE, V_DESCALE, R, CU_SE
     blk = tl.program_id(0)
     off_b = tl.program_id(1)
     head = tl.program_id(2)
+    # Offsets clamped inside the packed rows (total_q / total_k) whatever they hold; the attention records them.
     q_start, seqlen_q, k_start, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K,
-                                                    CU_SEQLENS_Q, VARLEN, False)
+                                                    CU_SEQLENS_Q, total_q, total_k, CU_SEQLENS_Q, VARLEN, False, False)
     off_b = off_b.to(tl.int64)
     if head < nheads_kv:
         if QK_MODE != "skip":

@@ -94,9 +94,9 @@ def _explain_fp8(q, k, v, q_descale, k_descale, v_descale, varlen: bool, options
         validation.check_fp8_options(*refused)
         args = validation.attn_args(q, k, v, **options)
         batch, seqlen_q, seqlen_k = fp8._sizes(q, k, args)
-        per_block = validation.check_descales(q, k, q_descale, k_descale, v_descale, batch, seqlen_q, seqlen_k)
+        validation.check_descales(q, k, q_descale, k_descale, v_descale, batch, seqlen_q, seqlen_k)
     except (TypeError, ValueError, NotImplementedError) as error:
         return Explanation(None, "", "", {}, None, None, {name: "invalid call" for name in BACKENDS}, str(error))
-    result = fp8.plan(q, k, args, per_block)
+    result = fp8.plan(q, k, args, (q_descale, k_descale, v_descale))
     return Explanation(backend=result.backend, kernel=result.fwd_name, backward_kernel="", config=result.config,
                        preferred=result.preferred, fallback_reason=result.fallback_reason, rejected=result.rejected)

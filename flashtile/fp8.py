@@ -38,8 +38,9 @@ def flash_attn_fp8_func(q, k, v, *, causal=False, softmax_scale=None, window_siz
     Args:
         causal, softmax_scale, window_size, softcap: as in :func:`flashtile.flash_attn_func`.
         return_lse: also return ``softmax_lse`` float32 ``(batch, nheads, seqlen_q)``.
-        block_quant: one scale per 128 rows of a head (q: per query head; k, v: per KV head); False: one per
-            (batch row, KV head), FA3's per-tensor scales.
+        block_quant: q and k get one scale per 128 rows (q's shared by the query heads of a KV group, the amax
+            over the group: ``(batch, nheads_kv, cdiv(seqlen, 128))``), v one per (batch row, KV head); False:
+            all three one per (batch row, KV head), FA3's per-tensor scales.
         incoherent: rotate q and k along the head dim by ``diag(signs) H / sqrt(headdim)`` (H Walsh-Hadamard,
             signs drawn from ``seed``) before quantizing: outliers spread over every channel; ``q k^T`` is unchanged.
         seed: the seed of the rotation's signs.
@@ -98,9 +99,10 @@ def fp8_call(q, k, v, options: dict, q_descale, k_descale, v_descale, return_att
 def attention(q8, k8, v8, q_descale, k_descale, v_descale, args: AttnArgs, v_transposed: bool = False):
     """``(out, lse)`` of validated e4m3 inputs: ``out`` bfloat16 in q's layout, ``lse`` float32 as every backend.
     ``v8`` is ``(batch, seqlen_k, nheads_kv, d)`` (``(total_k, nheads_kv, d)`` varlen), or with ``v_transposed``
-    the kernel's ``(batch, nheads_kv, d, seqlen_k)`` (``(nheads_kv, d, total_k)``)."""
-    per_block = q_descale.dim() == 3
-    chosen = plan(q8, k8, args, per_block)
+    the kernel's ``(batch, nheads_kv, d, seqlen_k)`` (``(nheads_kv, d, total_k)``) with rows 16 bytes apart (as
+    the quantizer writes it). Descales in any shape :func:`flashtile.validation.check_descales` takes: those the
+    kernel lacks (q's per query head, v's per block) run the torch math, a recorded fallback on a GPU."""
+    chosen = plan(q8, k8, args, (q_descale, k_descale, v_descale))
     if chosen.fallback_reason is None:
         record_choice(chosen)
     else:
@@ -115,13 +117,15 @@ def attention(q8, k8, v8, q_descale, k_descale, v_descale, args: AttnArgs, v_tra
         return torch_fp8.forward(q8, k8, v8, q_descale, k_descale, v_descale, args)
 
 
-def plan(q8, k8, args: AttnArgs, per_block: bool) -> Plan:
-    """Which implementation runs an FP8 call, under which profiler name, and why not the kernel."""
+def plan(q8, k8, args: AttnArgs, descales: tuple) -> Plan:
+    """Which implementation runs an FP8 call with ``descales`` ``(q_descale, k_descale, v_descale)``, under which
+    profiler name, and why not the kernel."""
+    per_block = any(descale.dim() == 3 for descale in descales)
     call = AttentionCall.of(q8, k8, k8, args)
     call = AttentionCall(**{**vars(call), "features": (*call.features, ("fp8", "float8_e4m3fn q, k, v: FP8"))})
     preferred = _preferred(q8.device)
     rejected = {}
-    reason = kernel_reason(q8.device, args, q8.shape[-1], per_block)
+    reason = kernel_reason(q8.device, args, q8.shape[-1], descales, k8.shape[-2])
     if reason is not None:
         rejected[TRITON] = reason
     backend = TRITON if reason is None else TORCH
@@ -139,8 +143,8 @@ def _preferred(device: torch.device) -> str:
     return TRITON if device.type == "cuda" else TORCH
 
 
-def kernel_reason(device: torch.device, args: AttnArgs, head_dim: int, per_block: bool) -> str | None:
-    """Why the Gluon FP8 kernel cannot run a call on ``device``, or None when it can."""
+def kernel_reason(device: torch.device, args: AttnArgs, head_dim: int, descales: tuple, nheads_kv: int) -> str | None:
+    """Why the Gluon FP8 kernel cannot run a call on ``device`` with ``descales``, or None when it can."""
     if device.type != "cuda":
         return f"the FP8 kernel runs on CUDA GPUs, got device {device}"
     major, minor = torch.cuda.get_device_capability(device)
@@ -152,9 +156,24 @@ def kernel_reason(device: torch.device, args: AttnArgs, head_dim: int, per_block
     kernel = _kernel_module()
     if kernel is None:
         return "the Gluon FP8 kernel (flashtile/backends/triton/fp8.py) is not in this build"
-    if per_block and not getattr(kernel, "PER_BLOCK_DESCALES", False):
-        return "the FP8 kernel takes descales per (batch, KV head) only, got per-block descales"
-    return kernel.fp8_sm90_supported(args, head_dim)
+    return descale_reason(kernel, descales, nheads_kv) or kernel.fp8_sm90_supported(args, head_dim)
+
+
+def descale_reason(kernel, descales: tuple, nheads_kv: int) -> str | None:
+    """Why ``kernel`` (the launcher module) cannot take ``descales`` ``(q_descale, k_descale, v_descale)``, or None.
+    It takes each per (batch, KV head); with ``PER_BLOCK_DESCALES`` q's and k's also per block of 128 rows and
+    KV head, ``(batch, nheads_kv, blocks)``; never v's per block (V's descale scales the output once)."""
+    q_descale, _, v_descale = descales
+    blocked = [name for name, descale in zip(("q_descale", "k_descale", "v_descale"), descales) if descale.dim() == 3]
+    if blocked and not getattr(kernel, "PER_BLOCK_DESCALES", False):
+        return f"the FP8 kernel takes descales per (batch, KV head) only, got per-block {', '.join(blocked)}"
+    if q_descale.dim() == 3 and q_descale.shape[1] != nheads_kv:
+        return (f"q_descale per block of each query head {tuple(q_descale.shape)}: the FP8 kernel takes a block's "
+                f"scale shared by a KV group's query heads, (batch, nheads_kv={nheads_kv}, blocks)")
+    if v_descale.dim() == 3:
+        return (f"v_descale per block {tuple(v_descale.shape)}: the FP8 kernel takes v_descale per (batch, KV head), "
+                f"(batch, nheads_kv={nheads_kv})")
+    return None
 
 
 @functools.lru_cache(maxsize=1)
@@ -166,10 +185,13 @@ def _kernel_module():
 
 
 def _run_kernel(q8, k8, v8, q_descale, k_descale, v_descale, args: AttnArgs, v_transposed: bool):
-    """The Gluon FP8 kernel: out bfloat16, lse float32, v in its K-major layout (a transposing copy unless given so)."""
+    """The Gluon FP8 kernel: out bfloat16, lse float32, v in its K-major layout (a transposing copy into rows 16
+    bytes apart, as the TMA reads them, unless given so)."""
     from .alloc import empty
+    from .backends.triton.host import tma_rows
     if not v_transposed:
-        v8 = (v8.permute(1, 2, 0) if args.varlen else v8.permute(0, 2, 3, 1)).contiguous()
+        v8 = v8.permute(1, 2, 0) if args.varlen else v8.permute(0, 2, 3, 1)
+        v8 = tma_rows(v8.shape, v8.dtype, v8.device).copy_(v8)
     out = empty(q8.shape, torch.bfloat16, q8.device)
     if args.varlen:
         lse = empty((q8.shape[1], q8.shape[0]), torch.float32, q8.device)

@@ -95,10 +95,12 @@ def flash_attn_func(
             no key outputs 0 with lse ``sink[h]``.
         q_descale, k_descale, v_descale: FP8 inputs (FlashAttention-3's API): with float8_e4m3fn q, k, v
             (headdim 64, 128 or 256) the attention of ``q * q_descale``, ``k * k_descale``, ``v * v_descale``
-            runs in FP8 and ``out`` is bfloat16. float32 descales of shape ``(batch, nheads_kv)``, or per
-            block of 128 rows: q's ``(batch, nheads, cdiv(seqlen_q, 128))``, k's and v's
-            ``(batch, nheads_kv, cdiv(seqlen_k, 128))``. Forward only; no dropout, ALiBi, sink or bias.
-            See docs/fp8.md.
+            runs in FP8 and ``out`` is bfloat16. float32 descales, each ``(batch, nheads_kv)`` or per
+            block of 128 rows: q's ``(batch, nheads_kv, cdiv(seqlen_q, 128))`` (one scale per block shared by
+            a KV group's query heads) or ``(batch, nheads, cdiv(seqlen_q, 128))`` (per query head), k's and
+            v's ``(batch, nheads_kv, cdiv(seqlen_k, 128))``. The Hopper kernel takes all but q's per query
+            head (where nheads != nheads_kv) and v's per block, which run the torch FP8 math as a recorded
+            fallback. Forward only; no dropout, ALiBi, sink or bias. See docs/fp8.md.
 
     Which backend runs the call, and why, is in :func:`flashtile.explain`; every call is
     counted in :func:`flashtile.stats`.

@@ -750,37 +750,34 @@ def check_fp8_options(dropout_p, alibi_slopes, sink, attn_bias) -> None:
 
 
 def check_descales(q, k, q_descale, k_descale, v_descale, batch: int, seqlen_q: int, seqlen_k: int) -> bool:
-    """FA3's descales of float8_e4m3fn q, k, v: float32, on q's device, all per tensor, ``(batch, nheads_kv)``,
-    or all per block, q's ``(batch, nheads, cdiv(seqlen_q, 128))`` and k's, v's ``(batch, nheads_kv,
-    cdiv(seqlen_k, 128))`` (varlen: ``batch`` sequences, blocks from each sequence's start, ``seqlen`` the longest
-    sequence). Returns whether they are per block."""
+    """FA3's descales of float8_e4m3fn q, k, v: float32, on q's device, each per tensor ``(batch, nheads_kv)``
+    or per block of 128 rows: q's ``(batch, nheads_kv, cdiv(seqlen_q, 128))`` (a block's scale shared by a KV
+    group's query heads, what the FP8 kernel takes) or ``(batch, nheads, cdiv(seqlen_q, 128))`` (per query
+    head), k's and v's ``(batch, nheads_kv, cdiv(seqlen_k, 128))`` (varlen: ``batch`` sequences, blocks from each
+    sequence's start, ``seqlen`` the longest sequence). Returns whether any is per block."""
     nheads, nheads_kv = q.shape[-2], k.shape[-2]
     per_tensor = (batch, nheads_kv)
     blocks_q, blocks_k = max(1, -(-seqlen_q // FP8_BLOCK)), max(1, -(-seqlen_k // FP8_BLOCK))
-    per_block = {"q_descale": (batch, nheads, blocks_q), "k_descale": (batch, nheads_kv, blocks_k),
-                 "v_descale": (batch, nheads_kv, blocks_k)}
-    kinds = set()
+    per_block = {"q_descale": [(batch, nheads_kv, blocks_q), (batch, nheads, blocks_q)],
+                 "k_descale": [(batch, nheads_kv, blocks_k)], "v_descale": [(batch, nheads_kv, blocks_k)]}
+    any_block = False
     for name, t in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+        blocks = " or ".join(str(shape) for shape in dict.fromkeys(per_block[name]))
         if t is None:
             raise ValueError(f"float8_e4m3fn q, k, v need {name} (float32 {per_tensor} per (batch, KV head), or "
-                             f"{per_block[name]} per block of {FP8_BLOCK} rows); got None")
+                             f"{blocks} per block of {FP8_BLOCK} rows); got None")
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a float32 torch.Tensor, got {type(t).__name__}")
         if t.dtype != torch.float32:
             raise TypeError(f"{name} must have dtype torch.float32, got {t.dtype} ({_describe(t)})")
         if t.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
-        if tuple(t.shape) == per_tensor:
-            kinds.add("tensor")
-        elif tuple(t.shape) == per_block[name]:
-            kinds.add("block")
-        else:
+        if tuple(t.shape) in per_block[name]:
+            any_block = True
+        elif tuple(t.shape) != per_tensor:
             raise ValueError(f"{name} must have shape (batch, nheads_kv) = {per_tensor} or, per block of {FP8_BLOCK} "
-                             f"rows, {per_block[name]}; got {tuple(t.shape)}")
-    if len(kinds) > 1:
-        raise ValueError(f"q_descale, k_descale and v_descale must be all per (batch, KV head) or all per block, got "
-                         f"shapes {tuple(q_descale.shape)}, {tuple(k_descale.shape)}, {tuple(v_descale.shape)}")
-    return kinds == {"block"}
+                             f"rows, {blocks}; got {tuple(t.shape)}")
+    return any_block
 
 
 def check_cache_descales(k_cache, k_descale, v_descale, batch: int, device) -> tuple:

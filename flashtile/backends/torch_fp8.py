@@ -7,11 +7,14 @@ Quantization (:func:`quantize`, the twin of ``triton/kernels/quant_fp8.py``), pe
   ``R = diag(signs) @ H / sqrt(d)`` (``H`` the Sylvester Walsh-Hadamard matrix, ``signs`` random +-1 drawn
   from ``seed``). ``(q R)(k R)^T = q k^T``, so the scores are unchanged, but an outlier in one channel is
   spread over all ``d`` of them before the cast; v is not rotated (the output needs no undoing);
-* scales: block quantization keeps one descale per :data:`QUANT_BLOCK` rows of one head (query blocks per
-  query head, key and value blocks per KV head: the kernel's ``BLOCK_M`` / ``BLOCK_N`` tiles, so a kernel
-  applies each as one scalar per tile); without it one descale per (batch row, KV head), FA3's layout (q's
-  over the heads of its group). ``descale = amax / 448`` (1 for an all-zero block), and
-  ``x8 = e4m3(clamp(x / descale, -448, 448))``;
+* scales: block quantization keeps one descale per :data:`QUANT_BLOCK` rows for q and k, the kernel's
+  ``BLOCK_M`` / ``BLOCK_N`` tiles, so the kernel applies each as one scalar per tile: q's ``(batch, nheads_kv,
+  cdiv(seqlen_q, 128))``, one scale per block shared by the query heads of a KV head's group (the amax over the
+  group's heads: GQA's query heads share their K and V, and the kernel reads one scale per tile and KV head);
+  k's ``(batch, nheads_kv, cdiv(seqlen_k, 128))``; v's one per (batch row, KV head) ``(batch, nheads_kv)``, the
+  amax over all of its rows (the kernel folds V's descale into the output once, after the key loop). Without
+  block quantization all three are per (batch row, KV head), FA3's layout (q's over the heads of its group).
+  ``descale = amax / 448`` (1 for an all-zero block), and ``x8 = e4m3(clamp(x / descale, -448, 448))``;
 * v is written "K-major", ``(batch, nheads_kv, headdim, seqlen_k)``, the B operand layout of the PV wgmma.
 
 Attention (:func:`forward`, :func:`attention`): the scores ``(q8 * q_descale) . (k8 * k_descale)`` in fp32,
@@ -70,7 +73,8 @@ def to_fp8(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
-def _descale_of(amax: torch.Tensor) -> torch.Tensor:
+def descale_of(amax: torch.Tensor) -> torch.Tensor:
+    """``amax / 448``, 1 where ``amax`` is 0 (an all-zero block: no division by 0)."""
     return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
 
 
@@ -89,38 +93,37 @@ def _block_amax(x: torch.Tensor) -> torch.Tensor:
 
 def _rows(descale: torch.Tensor, seqlen: int, nheads: int) -> torch.Tensor:
     """A descale per (batch, token, head) ``(batch, seqlen, nheads, 1)`` from its per-block
-    ``(batch, heads, blocks)`` or per-tensor ``(batch, nheads_kv)`` form (q's heads share their KV head's)."""
+    ``(batch, heads, blocks)`` or per-tensor ``(batch, heads)`` form, ``heads`` ``nheads`` or ``nheads_kv`` (q's
+    heads share their KV head's)."""
+    descale = descale.float().repeat_interleave(nheads // descale.shape[1], dim=1)
     if descale.dim() == 2:
-        group = nheads // descale.shape[1]
-        return descale.float().repeat_interleave(group, dim=1)[:, None, :, None]
-    return descale.float().repeat_interleave(QUANT_BLOCK, dim=2)[:, :, :seqlen].transpose(1, 2)[..., None]
+        return descale[:, None, :, None]
+    return descale.repeat_interleave(QUANT_BLOCK, dim=2)[:, :, :seqlen].transpose(1, 2)[..., None]
 
 
 def quantize_one(x: torch.Tensor, block_quant: bool, nheads_kv: int, rotate_seed=None, descale=None):
     """``(x8, descale)`` of ``x`` ``(batch, seqlen, nheads, d)``: rotated first when ``rotate_seed`` is set;
-    ``descale`` per block ``(batch, nheads, blocks)`` or per (batch, KV head) ``(batch, nheads_kv)``, computed
-    from the amax unless given."""
+    ``descale`` per block ``(batch, nheads_kv, blocks)`` (a block's scale shared by the heads of a KV group) or
+    per (batch, KV head) ``(batch, nheads_kv)``, computed from the amax unless given."""
     batch, seqlen, nheads, _ = x.shape
     x = rotate(x, rotate_seed) if rotate_seed is not None else x.float()
     if descale is None:
-        amax = _block_amax(x)
-        if not block_quant:
-            # One scale for the heads of a KV group and every block.
-            amax = amax.reshape(batch, nheads_kv, -1).amax(dim=2)
-        descale = _descale_of(amax)
+        # One scale for the heads of a KV group: per block, or over every block too.
+        amax = _block_amax(x).view(batch, nheads_kv, nheads // nheads_kv, -1).amax(dim=2)
+        descale = descale_of(amax if block_quant else amax.amax(dim=2))
     return to_fp8(x / _rows(descale, seqlen, nheads)), descale
 
 
 def quantize(q, k, v, block_quant: bool = True, incoherent: bool = True, seed: int = 0):
     """Dense 16-bit q, k, v -> ``(q8, k8, v8_t, q_descale, k_descale, v_descale)`` as the Triton quantizer
     makes them (see the module doc): q8 ``(batch, seqlen_q, nheads, d)``, k8 ``(batch, seqlen_k, nheads_kv, d)``,
-    v8_t ``(batch, nheads_kv, d, seqlen_k)``; descales float32 per block ``(batch, heads, cdiv(seqlen, 128))``
-    or per (batch, KV head)."""
+    v8_t ``(batch, nheads_kv, d, seqlen_k)``; descales float32: with ``block_quant`` q's and k's per block
+    ``(batch, nheads_kv, cdiv(seqlen, 128))`` and v's ``(batch, nheads_kv)``, else all ``(batch, nheads_kv)``."""
     nheads_kv = k.shape[2]
     seed_qk = seed if incoherent else None
     q8, q_descale = quantize_one(q, block_quant, nheads_kv, seed_qk)
     k8, k_descale = quantize_one(k, block_quant, nheads_kv, seed_qk)
-    v8, v_descale = quantize_one(v, block_quant, nheads_kv)
+    v8, v_descale = quantize_one(v, False, nheads_kv)
     return q8, k8, v8.permute(0, 2, 3, 1).contiguous(), q_descale, k_descale, v_descale
 
 
@@ -200,24 +203,26 @@ def forward(q8, k8, v8, q_descale, k_descale, v_descale, args: AttnArgs, out_dty
 
 def quantize_varlen(q, k, v, args: AttnArgs, block_quant: bool = True, incoherent: bool = True, seed: int = 0):
     """:func:`quantize` of packed q ``(total_q, nheads, d)``, k, v ``(total_k, nheads_kv, d)``, blocks counted
-    from each sequence's start: descales ``(batch, heads, cdiv(max_seqlen, 128))`` per block or
-    ``(batch, nheads_kv)``; v8_t ``(nheads_kv, d, total_k)``. Rows outside every sequence are written as 0."""
+    from each sequence's start: descales as :func:`quantize` makes them with ``batch`` sequences and
+    ``cdiv(max_seqlen, 128)`` blocks; v8_t ``(nheads_kv, d, total_k)``. Rows outside every sequence are written
+    as 0."""
     batch = args.cu_seqlens_q.shape[0] - 1
-    nheads, nheads_kv = q.shape[1], k.shape[1]
+    nheads_kv = k.shape[1]
     q8, k8, v8 = (torch.zeros(x.shape, dtype=FP8_DTYPE, device=x.device) for x in (q, k, v))
-    blocks = {"q": _blocks(args.max_seqlen_q), "k": _blocks(args.max_seqlen_k)}
-    shape = {name: (batch, heads, blocks[name]) if block_quant else (batch, nheads_kv)
-             for name, heads in (("q", nheads), ("k", nheads_kv))}
-    q_descale, k_descale, v_descale = (torch.ones(shape[name], device=q.device) for name in ("q", "k", "k"))
+    blocks = {"q": _blocks(args.max_seqlen_q), "k": _blocks(args.max_seqlen_k), "v": None}
+    # Blocks past a short sequence keep descale 1.
+    q_descale, k_descale, v_descale = (
+        torch.ones((batch, nheads_kv, blocks[name]) if block_quant and name != "v" else (batch, nheads_kv),
+                   device=q.device) for name in ("q", "k", "v"))
     cu_q, cu_k = args.cu_seqlens_q.tolist(), args.cu_seqlens_k.tolist()
     seed_qk = seed if incoherent else None
     for b in range(batch):
         for x, x8, descale, (start, end), rotated in ((q, q8, q_descale, cu_q[b:b + 2], seed_qk),
                                                       (k, k8, k_descale, cu_k[b:b + 2], seed_qk),
                                                       (v, v8, v_descale, cu_k[b:b + 2], None)):
-            part8, part_descale = quantize_one(x[None, start:end], block_quant, nheads_kv, rotated)
+            part8, part_descale = quantize_one(x[None, start:end], block_quant and x is not v, nheads_kv, rotated)
             x8[start:end] = part8[0]
-            if block_quant:
+            if descale.dim() == 3:
                 descale[b, :, :part_descale.shape[2]] = part_descale[0]
             else:
                 descale[b] = part_descale[0]

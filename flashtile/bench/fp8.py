@@ -61,7 +61,7 @@ def forward_cell(batch: int, seqlen: int, nheads: int, head_dim: int, causal: bo
     args = validation.attn_args(q, k, v, causal=causal)
     with torch.no_grad():
         quantized = quant.quantize(q, k, v) if device.type == "cuda" else fp8._quantize(q, k, v, True, True, 0)
-        plan = fp8.plan(quantized[0], quantized[1], args, per_block=True)
+        plan = fp8.plan(quantized[0], quantized[1], args, tuple(quantized[3:]))
         row["fp8_kernel_name"] = plan.fwd_name
         row["fp8_fallback"] = plan.fallback_reason
         # The first heads' float32 (CPU: float64) output: a spot check where the whole reference is slow.
@@ -74,14 +74,24 @@ def forward_cell(batch: int, seqlen: int, nheads: int, head_dim: int, causal: bo
         for name, fn in runs.items():
             if name != "bf16" and plan.fallback_reason is not None:
                 continue
+            flashtile.reset_stats()
             start = time.perf_counter()
             out = fn()
             common.synchronize(device)
+            if name == "fp8_e2e":
+                # The end-to-end call quantizes and plans itself: it must reach the kernel the plan named.
+                stats = flashtile.stats()
+                row["fp8_e2e_kernels"] = sorted(stats["kernels"])
+                row["fp8_e2e_fallbacks"] = sorted(stats["fallbacks"])
             row[f"{name}_first_call_s"] = round(time.perf_counter() - start, 3)
             row[f"{name}_rmse"] = _rmse(out[:, :, :REF_HEADS], ref)
             row[f"{name}_max_abs_err"] = common.max_abs_err(out[:, :, :REF_HEADS], ref)
         limits = {"bf16": BF16_RMSE_LIMIT, "fp8_kernel": FP8_RMSE_LIMIT, "fp8_e2e": FP8_RMSE_LIMIT}
         wrong = [name for name in runs if row.get(f"{name}_rmse", 0.0) > limits[name]]
+        if "fp8_e2e_kernels" in row and (plan.fwd_name not in row["fp8_e2e_kernels"] or row["fp8_e2e_fallbacks"]):
+            row["status"] = (f"wrong: fp8_e2e ran {row['fp8_e2e_kernels']} (fallbacks {row['fp8_e2e_fallbacks']}), "
+                             f"not {plan.fwd_name}")
+            return row
         if wrong:
             row["status"] = "wrong: " + ", ".join(f"{name} rmse {row[f'{name}_rmse']:.2e}" for name in wrong)
             return row

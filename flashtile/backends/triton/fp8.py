@@ -19,6 +19,9 @@ from .kernels.fwd_sm90_ws import DESCALE_BLOCK as _DESCALE_BLOCK
 
 # Rows (of q, or keys) that share one per-block descale: a CTA's tile of queries, one or two key blocks.
 DESCALE_BLOCK = _DESCALE_BLOCK.value
+# What flashtile.fp8.kernel_reason routes here: q_descale and k_descale per block of DESCALE_BLOCK rows and KV
+# head, (batch, nheads_kv, cdiv(seqlen, 128)), as the quantizer makes them; v_descale per (batch, KV head) only.
+PER_BLOCK_DESCALES = True
 
 # (BLOCK_N, STAGES, TWO_LEVEL) by head dim; every tile is 128 query rows (two consumers of 64). Chosen by the
 # sm_90 compile alone (`python benchmarks/sm90_compile.py fwd-fp8[-d64|-d256]`), not yet by a GPU measurement:

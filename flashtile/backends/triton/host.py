@@ -20,6 +20,16 @@ def unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def tma_rows(shape: tuple, dtype: torch.dtype, device, zeros: bool = False) -> torch.Tensor:
+    """A tensor of ``shape`` whose rows (the last dim) start 16 bytes apart, as the TMA reads them: allocated with
+    the last dim rounded up to a multiple of 16 bytes, then sliced back (an awkward length like 4133 included)."""
+    from ...alloc import empty
+    row = 16 // torch.empty((), dtype=dtype).element_size()
+    padded = (*shape[:-1], cdiv(shape[-1], row) * row)
+    base = torch.zeros(padded, dtype=dtype, device=device) if zeros else empty(padded, dtype, device)
+    return base[..., :shape[-1]]
+
+
 def bsh_strides(t: torch.Tensor, varlen: bool) -> tuple:
     """(batch, seq, head) strides of ``(batch, seq, heads, headdim)``, or of packed ``(tokens, heads, headdim)``
     with batch stride 0 (each sequence starts at its own row instead)."""

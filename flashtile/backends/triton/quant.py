@@ -1,9 +1,11 @@
 """Host side of the FP8 quantizer (``kernels/quant_fp8.py``): allocation, strides and the grid.
 
 :func:`quantize` makes what :func:`flashtile.backends.torch_fp8.quantize` makes (its twin), for dense or packed
-(varlen) q, k, v. Block scales take one launch; per-tensor scales (``block_quant=False``, the ablation) take
-two: the first writes each block's amax, the host reduces them per (batch row, KV head) on the device (no
-sync), the second casts with those descales.
+(varlen) q, k, v, in two launches. Block scales (the default): the first takes v's amax per block (v's one
+scale per (batch row, KV head) needs all of them before any row is cast), the host reduces them on the device
+(no sync), the second computes q's scales (per block, over the query heads of a KV group) and k's, and casts all
+three. Per-tensor scales (``block_quant=False``, the ablation): the first writes every block's amax, the host
+reduces them per (batch row, KV head), the second casts with those descales.
 """
 from __future__ import annotations
 
@@ -12,15 +14,16 @@ import math
 import torch
 
 from ...alloc import empty
-from ..torch_fp8 import FP8_DTYPE, FP8_MAX, QUANT_BLOCK, hadamard_signs
+from ..torch_fp8 import FP8_DTYPE, QUANT_BLOCK, descale_of, hadamard_signs
 from . import interpreter_enabled
-from .host import cdiv, input_precision, on_device, unit_stride
+from .host import cdiv, input_precision, on_device, tma_rows, unit_stride
 from .kernels.quant_fp8 import quantize_fp8
 
 # Rows of a block quantized at once, output columns per rotation dot, and warps: a (SUB, HEAD_DIM) input tile and
 # a (HEAD_DIM, CHUNK) slice of the rotation. Compiled for sm_90 (ptxas, benchmarks/sm90_compile.py's report):
 # 8 warps hold d64/128/256 in 106/220/247 registers without a spill; 4 warps spilled at d128 and d256 (36 and 24
-# STL), and 64-row tiles spilled at d256 (114 STL).
+# STL), and 64-row tiles spilled at d256 (114 STL). With q's group loop (QK_MODE "compute", V_MODE "given"):
+# 80/194/229 registers, no spill at d128 and d256, 2 STL / 3 LDL (a 16-byte stack) at d64.
 _SUB = 32
 _CHUNK = 64
 _WARPS = 8
@@ -34,7 +37,8 @@ def _bsh(t: torch.Tensor, varlen: bool) -> tuple:
 def quantize(q, k, v, block_quant: bool = True, incoherent: bool = True, seed: int = 0, cu_seqlens_q=None,
              cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0):
     """``(q8, k8, v8_t, q_descale, k_descale, v_descale)`` of 16-bit (or fp32) q, k, v with a head dim of 64,
-    128 or 256 (see ``torch_fp8.quantize`` for the layouts; packed tensors with ``cu_seqlens_*``)."""
+    128 or 256 (see ``torch_fp8.quantize`` for the layouts; packed tensors with ``cu_seqlens_*``). v8_t's rows
+    (its last dim, the keys) start 16 bytes apart, as the FP8 kernel's TMA reads them."""
     varlen = cu_seqlens_q is not None
     q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
     # Triton's interpreter rounds fp32 -> e4m3 wrongly where the rounding carries into the exponent (125.1
@@ -46,48 +50,50 @@ def quantize(q, k, v, block_quant: bool = True, incoherent: bool = True, seed: i
         batch, seqlen_q, seqlen_k = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
         # Rows outside every sequence are never written by the kernel: zeros, not poison.
         q8, k8 = (torch.zeros(x.shape, dtype=dtype, device=x.device) for x in (q, k))
-        v8_t = torch.zeros((nheads_kv, head_dim, v.shape[0]), dtype=dtype, device=v.device)
+        v8_t = tma_rows((nheads_kv, head_dim, v.shape[0]), dtype, v.device, zeros=True)
         vt_strides = (0, *v8_t.stride())
     else:
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         q8, k8 = (empty(x.shape, dtype, x.device) for x in (q, k))
-        v8_t = empty((batch, nheads_kv, head_dim, seqlen_k), dtype, v.device)
+        v8_t = tma_rows((batch, nheads_kv, head_dim, seqlen_k), dtype, v.device)
         vt_strides = v8_t.stride()
     blocks_q, blocks_k = cdiv(max(seqlen_q, 1), QUANT_BLOCK), cdiv(max(seqlen_k, 1), QUANT_BLOCK)
     rotation = hadamard_signs(head_dim, seed, q.device, q.dtype)
-    grid = (max(blocks_q, blocks_k), batch, nheads + nheads_kv)
-    # Blocks past a short sequence are never visited: descale 1 there (block scales), amax 0 (per-tensor scales).
-    descales = [torch.full((batch, heads, blocks), 1.0 if block_quant else 0.0, device=q.device, dtype=torch.float32)
-                for heads, blocks in ((nheads, blocks_q), (nheads_kv, blocks_k), (nheads_kv, blocks_k))]
+    grid = (max(blocks_q, blocks_k), batch, 2 * nheads_kv)
+    # Blocks past a short sequence are never visited: descale 1 there, or amax 0 where a buffer takes amaxes
+    # (v's with block scales, all three with per-tensor scales).
+    q_descale, k_descale, v_amax = (
+        torch.full((batch, nheads_kv, blocks), fill, device=q.device, dtype=torch.float32)
+        for blocks, fill in ((blocks_q, float(block_quant)), (blocks_k, float(block_quant)), (blocks_k, 0.0)))
 
-    def launch(targets, scale_given: bool, amax_only: bool):
+    def launch(targets, qk_mode: str, v_mode: str):
         quantize_fp8[grid](
             q, k, v, q8, k8, v8_t, *targets, rotation,
             cu_seqlens_q if varlen else q, cu_seqlens_k if varlen else q,
             *_bsh(q, varlen), *_bsh(k, varlen), *_bsh(v, varlen), *_bsh(q8, varlen), *_bsh(k8, varlen), *vt_strides,
             *(stride for t in targets for stride in t.stride()),
-            seqlen_q, seqlen_k, q.shape[0], k.shape[0], nheads, 1.0 / math.sqrt(head_dim),
+            seqlen_q, seqlen_k, q.shape[0], k.shape[0], nheads_kv, nheads // nheads_kv,
+            1.0 / math.sqrt(head_dim),
             HEAD_DIM=head_dim, BLOCK=QUANT_BLOCK, SUB=_SUB, CHUNK=min(_CHUNK, head_dim), ROTATE=incoherent,
-            SCALE_GIVEN=scale_given, AMAX_ONLY=amax_only, VARLEN=varlen, INPUT_PRECISION=input_precision(q.dtype),
+            QK_MODE=qk_mode, V_MODE=v_mode, VARLEN=varlen, INPUT_PRECISION=input_precision(q.dtype),
             num_warps=_WARPS,
         )
 
     with on_device(q):
         if block_quant:
-            launch(descales, False, False)
-            return (*_cast(q8, k8, v8_t), *descales)
-        # Per (batch row, KV head): the largest block amax of the group's heads, one descale for all blocks.
-        launch(descales, False, True)
-        group = nheads // nheads_kv
-        q_amax = descales[0].view(batch, nheads_kv, group * blocks_q).amax(dim=2)
-        per_tensor = [torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-                      for amax in (q_amax, descales[1].amax(dim=2), descales[2].amax(dim=2))]
-        expanded = [per_tensor[0].repeat_interleave(group, dim=1)[:, :, None].expand(-1, -1, blocks_q),
-                    *(d[:, :, None].expand(-1, -1, blocks_k) for d in per_tensor[1:])]
-        launch(expanded, True, False)
+            launch((q_descale, k_descale, v_amax), "skip", "amax")
+            v_descale = descale_of(v_amax.amax(dim=2))
+            launch((q_descale, k_descale, v_descale[:, :, None].expand(-1, -1, blocks_k)), "compute", "given")
+            return (*_cast(q8, k8, v8_t), q_descale, k_descale, v_descale)
+        # Per (batch row, KV head): the largest block amax of each, one descale for all blocks.
+        launch((q_descale, k_descale, v_amax), "amax", "amax")
+        per_tensor = [descale_of(amax.amax(dim=2)) for amax in (q_descale, k_descale, v_amax)]
+        expanded = [d[:, :, None].expand(-1, -1, blocks)
+                    for d, blocks in zip(per_tensor, (blocks_q, blocks_k, blocks_k))]
+        launch(expanded, "given", "given")
     return (*_cast(q8, k8, v8_t), *per_tensor)
 
 
 def _cast(*tensors) -> tuple:
-    """e4m3 tensors (the interpreter's fp32 stand-ins, already saturated, cast here)."""
-    return tuple(t.to(FP8_DTYPE) for t in tensors)
+    """e4m3 tensors (the interpreter's fp32 stand-ins, already saturated, cast here into rows as aligned)."""
+    return tuple(t if t.dtype == FP8_DTYPE else tma_rows(t.shape, FP8_DTYPE, t.device).copy_(t) for t in tensors)

@@ -30,13 +30,15 @@ DOCS = {2: (5, 11, 0, 3, 13), 4: (7, 1, 17, 9, 6)}
 
 
 def case(kind, world, *, balance="zigzag", causal=True, window=(-1, -1), nheads_kv=HEADS, dtype=torch.float32,
-         seqlen=None, batch=1, sink=False, softcap=0.0, backend="torch"):
+         seqlen=None, batch=1, sink=False, softcap=0.0, backend="torch", device="cpu", nheads=HEADS, headdim=HEADDIM,
+         docs=None):
     name = f"{kind}-P{world}-{balance}-{'causal' if causal else 'full'}-w{window[0]}_{window[1]}-kv{nheads_kv}" \
-           f"-{str(dtype)[6:]}-b{batch}{'-sink' if sink else ''}{'-softcap' if softcap else ''}-{backend}"
+           f"-{str(dtype)[6:]}-b{batch}{'-sink' if sink else ''}{'-softcap' if softcap else ''}-{backend}-{device}"
     seqlen = seqlen or (24 if world == 2 else 40)  # local 12 (chunks of 6) / 10 (chunks of 5)
-    return dict(name=name, kind=kind, world=world, balance=balance, causal=causal, window=window,
-                nheads_kv=nheads_kv, dtype=dtype, seqlen=seqlen, batch=batch, sink=sink, softcap=softcap,
-                backend=backend)
+    docs = docs or DOCS[world]
+    return dict(name=name, kind=kind, world=world, balance=balance, causal=causal, window=window, nheads=nheads,
+                nheads_kv=nheads_kv, headdim=headdim, dtype=dtype, seqlen=seqlen, batch=batch, sink=sink,
+                softcap=softcap, backend=backend, device=device, docs=docs)
 
 
 CASES = [
@@ -55,28 +57,40 @@ CASES = [
     case("varlen", 2), case("varlen", 2, causal=False, nheads_kv=2), case("varlen", 2, window=(4, -1)),
     case("varlen", 4), case("varlen", 4, causal=False, window=(3, 3), sink=True),
 ]
+# GPUs (NCCL, the Triton/Gluon kernels, bf16 under the 2x rule): awkward lengths at head dim 128.
+GPU = dict(dtype=torch.bfloat16, backend="triton", device="cuda", nheads=8, headdim=128)
+GPU_CASES = [
+    case("ring", 2, seqlen=2 * 1000, batch=2, **GPU), case("ring", 2, seqlen=2 * 1000, nheads_kv=2, **GPU),
+    case("ring", 2, seqlen=1904, causal=False, balance="contiguous", **GPU),
+    case("ring", 2, seqlen=2 * 1000, window=(300, -1), sink=True, **GPU),
+    case("ulysses", 2, seqlen=2 * 1000, nheads_kv=2, **GPU), case("ulysses", 2, seqlen=2 * 1000, nheads_kv=1, **GPU),
+    case("varlen", 2, docs=(700, 1, 1500, 391, 1408), **GPU),
+    case("ring", 4, seqlen=4 * 1000, nheads_kv=2, **GPU), case("ulysses", 4, seqlen=4 * 1000, **GPU),
+    case("hybrid", 4, seqlen=4 * 1000, nheads_kv=2, **GPU), case("varlen", 4, docs=(2100, 77, 1823), **GPU),
+]
 
 
 def inputs(c):
     """Full-sequence q, k, v, dout (and sink) of a case, the same on every rank and in the test."""
     generator = torch.Generator().manual_seed(sum(map(ord, c["name"])))
+    device = torch.device(c["device"], torch.cuda.current_device()) if c["device"] == "cuda" else "cpu"
+    shape = (c["nheads"], c["nheads_kv"], c["headdim"], c["dtype"], device)
     if c["kind"] == "varlen":
-        tokens = sum(DOCS[c["world"]]) + (-sum(DOCS[c["world"]])) % c["world"]
-        q, k, v = testing.make_qkv(1, tokens, tokens, HEADS, c["nheads_kv"], HEADDIM, c["dtype"], requires_grad=False,
-                                   generator=generator)
-        q, k, v = q[0], k[0], v[0]
+        tokens = int(cu_seqlens(c)[-1])
+        q, k, v = (x[0] for x in testing.make_qkv(1, tokens, tokens, *shape, requires_grad=False, generator=generator))
     else:
-        q, k, v = testing.make_qkv(c["batch"], c["seqlen"], c["seqlen"], HEADS, c["nheads_kv"], HEADDIM, c["dtype"],
-                                   requires_grad=False, generator=generator)
+        q, k, v = testing.make_qkv(c["batch"], c["seqlen"], c["seqlen"], *shape, requires_grad=False,
+                                   generator=generator)
     dout = testing.random_like(q, generator)
-    sink = torch.randn(HEADS, generator=generator).to(c["dtype"]) if c["sink"] else None
+    sink = torch.randn(c["nheads"], generator=generator).to(device, c["dtype"]) if c["sink"] else None
     return q, k, v, dout, sink
 
 
-def cu_seqlens(c):
-    lengths = list(DOCS[c["world"]])
+def cu_seqlens(c, device="cpu"):
+    """The documents' offsets; the last document is lengthened to make the total a multiple of the ranks."""
+    lengths = list(c["docs"])
     lengths[-1] += (-sum(lengths)) % c["world"]
-    return testing.cu_seqlens_of(lengths)
+    return testing.cu_seqlens_of(lengths, device)
 
 
 def _run_case(c, mesh):
@@ -100,7 +114,7 @@ def _run_case(c, mesh):
         elif kind == "hybrid":
             out = attention(*local, mesh, sink=local_sink, balance=balance, **options)
         else:
-            out, lse = ring_attention_varlen(*local, cu_seqlens(c), max(DOCS[c["world"]]), sink=local_sink,
+            out, lse = ring_attention_varlen(*local, cu_seqlens(c, q.device), max(c["docs"]), sink=local_sink,
                                              return_lse=True, **options)
         out.backward(shard(dout, where, dim, sharding))
     results = {"out": out}
@@ -113,7 +127,7 @@ def _run_case(c, mesh):
         dsink = local_sink.grad.clone()
         dist.all_reduce(dsink)
         gathered["dsink"] = dsink
-    return gathered
+    return {name: x.cpu() for name, x in gathered.items()}
 
 
 def _expect_error(make_call):
@@ -147,20 +161,22 @@ def _bad_calls(rank, world):
     return {name: _expect_error(call) for name, call in calls.items()}
 
 
-def _worker(rank, world, init_file, out_dir):
+def _worker(rank, world, init_file, out_dir, device):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
     mesh = None
     if world == 4:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ulysses", "ring"))
+        mesh = init_device_mesh(device, (2, 2), mesh_dim_names=("ulysses", "ring"))
     results = {}
-    for c in CASES:
-        if c["world"] == world:
+    for c in CASES + GPU_CASES:
+        if c["world"] == world and c["device"] == device:
             results[c["name"]] = _run_case(c, mesh)
-    errors = _bad_calls(rank, world)
+    errors = _bad_calls(rank, world) if device == "cpu" else {}
     torch.save(errors, os.path.join(out_dir, f"errors{rank}.pt"))
     if rank == 0:
         torch.save(results, os.path.join(out_dir, "results.pt"))
@@ -171,32 +187,39 @@ def _worker(rank, world, init_file, out_dir):
 _RUNS = {}
 
 
-def run_world(world):
-    """Every case of ``world`` ranks, run once: ``(results of rank 0, [errors of each rank])``."""
-    if world not in _RUNS:
+def run_world(world, device="cpu"):
+    """Every case of ``world`` ranks on ``device``, run once: ``(results of rank 0, [errors of each rank])``."""
+    if (world, device) not in _RUNS:
         with tempfile.TemporaryDirectory() as out_dir:
-            mp.spawn(_worker, args=(world, os.path.join(out_dir, "init"), out_dir), nprocs=world)
+            mp.spawn(_worker, args=(world, os.path.join(out_dir, "init"), out_dir, device), nprocs=world)
             results = torch.load(os.path.join(out_dir, "results.pt"))
             errors = [torch.load(os.path.join(out_dir, f"errors{rank}.pt")) for rank in range(world)]
-        _RUNS[world] = results, errors
-    return _RUNS[world]
+        _RUNS[world, device] = results, errors
+    return _RUNS[world, device]
 
 
-@pytest.mark.parametrize("c", CASES, ids=[c["name"] for c in CASES])
+def _gpus(world):
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return pytest.mark.skipif(have < world, reason=f"needs {world} CUDA devices, found {have}")
+
+
+@pytest.mark.parametrize("c", CASES + [pytest.param(c, marks=_gpus(c["world"])) for c in GPU_CASES],
+                         ids=[c["name"] for c in CASES + GPU_CASES])
 def test_matches_reference(c):
-    ours = run_world(c["world"])[0][c["name"]]
+    ours = run_world(c["world"], c["device"])[0][c["name"]]
     q, k, v, dout, sink = inputs(c)
     if sink is not None:
         sink.requires_grad_()
     options = dict(causal=c["causal"], window_size=c["window"], softcap=c["softcap"], sink=sink)
     if c["kind"] == "varlen":
-        cu = cu_seqlens(c)
+        cu = cu_seqlens(c, q.device)
         options.update(cu_seqlens_q=cu, cu_seqlens_k=cu)
     hi = testing.reference_results(q, k, v, dout, hi=True, **options)
     lo = testing.reference_results(q, k, v, dout, hi=False, **options)
     if "lse" not in ours:
         del hi["lse"], lo["lse"]
-    testing.assert_results_close(ours, hi, lo, c["dtype"])
+    testing.assert_results_close(ours, {name: x.cpu() for name, x in hi.items()},
+                                 {name: x.cpu() for name, x in lo.items()}, c["dtype"])
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -267,3 +267,17 @@ def test_blocks_cover_the_global_mask_once(world, balance):
                         keys &= j <= i + br
                     covered[block.q0:block.q0 + block.rows, block.k0:block.k0 + block.keys] += keys.int()
                 assert torch.equal(covered.bool(), want) and covered.max() <= 1, (mine, theirs, (left, right))
+
+
+def test_bench_smoke(tmp_path):
+    """The benchmark runs end to end on gloo (tiny sizes) and checks every method before timing it."""
+    import json
+
+    from flashtile.distributed import bench
+
+    out = tmp_path / "cp.json"
+    bench.main(["--device", "cpu", "--gpus", "2", "--tokens-per-gpu", "16", "--heads", "4/2", "--headdim", "16",
+                "--runs", "1", "--methods", "ring,ulysses", "--out", str(out)])
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["ring_status"] == row["ulysses_status"] == "ok", row
+    assert row["ring_max_err"] < 1e-4 and row["ring_ms"] > 0 and row["flashtile_1gpu_ms"] > 0, row

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import flashtile
 from flashtile import testing
 from flashtile.dispatch import force_backend
 from flashtile.distributed import (attention, ring_attention, ring_attention_varlen, shard, ulysses_attention,
@@ -179,6 +180,7 @@ def _worker(rank, world, init_file, out_dir, device):
     errors = _bad_calls(rank, world) if device == "cpu" else {}
     torch.save(errors, os.path.join(out_dir, f"errors{rank}.pt"))
     if rank == 0:
+        results["kernels"] = dict(flashtile.stats()["kernels"])
         torch.save(results, os.path.join(out_dir, "results.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -233,6 +235,16 @@ def test_bad_input_fails_on_every_rank(world):
     assert all(per_rank["lengths"] == lengths for per_rank in errors), "ranks disagree on the error"
     assert "nheads=3" in errors[0]["heads"] and "nheads_kv=3" in errors[0]["heads-kv"]
     assert errors[0]["alibi"].startswith("NotImplementedError") and "mesh_dim_names" in errors[0]["mesh"]
+
+
+def test_stats_name_the_parallel_calls():
+    kernels = run_world(2)[0]["kernels"]
+    for name in ("flashtile.ring[fwd zigzag P=2 causal]", "flashtile.ring[bwd zigzag P=2 causal]",
+                 "flashtile.ring[fwd contiguous P=2 causal]", "flashtile.ring[fwd varlen P=2 causal]",
+                 "flashtile.ring[bwd zigzag P=2 window=(5,0)]", "flashtile.ulysses[zigzag P=2 causal]"):
+        assert kernels.get(name, 0) > 0, (name, sorted(kernels))
+    # The blocks ran on flashtile's kernels, counted like any call's.
+    assert any(name.startswith("flashtile.bwd[torch") for name in kernels), sorted(kernels)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

@@ -69,12 +69,12 @@ def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
 def seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
     """``(batch, seqlen_local, nheads, d)`` sequence shards -> ``(batch, P * seqlen_local, nheads / P, d)`` head
     shards: rank ``j`` gets heads ``j * nheads / P ...``, the ranks' tokens laid end to end (rank 0's first)."""
-    return _SeqToHeads.apply(x, group)
+    return _Exchange.apply(x, group, True)
 
 
 def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     """The inverse of :func:`seq_to_heads`: ``(batch, P * seqlen_local, h, d)`` -> ``(batch, seqlen_local, P * h, d)``."""
-    return _HeadsToSeq.apply(x, group)
+    return _Exchange.apply(x, group, False)
 
 
 def _seq_to_heads(x, group):
@@ -93,23 +93,14 @@ def _heads_to_seq(x, group):
     return out.permute(1, 2, 0, 3, 4).reshape(batch, tokens // world, world * heads, dim)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _Exchange(torch.autograd.Function):
+    """:func:`_seq_to_heads` (``to_heads``) or :func:`_heads_to_seq`; the gradient goes through the other one."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_to_heads(x, group)
+    def forward(ctx, x, group, to_heads: bool):
+        ctx.group, ctx.to_heads = group, to_heads
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_seq(grad, ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _heads_to_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad, ctx.group), None
+        return (_heads_to_seq if ctx.to_heads else _seq_to_heads)(grad, ctx.group), None, None

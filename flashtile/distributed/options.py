@@ -24,7 +24,7 @@ def refuse_alibi(alibi_slopes, where: str) -> None:
             "whole sequence")
 
 
-def mask_name(causal: bool, window: tuple) -> str:
+def mask_name(window: tuple) -> str:
     left, right = window
     if window == (-1, -1):
         return "full"

@@ -69,6 +69,6 @@ def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, win
                                           options)
             calls.append(BlockCall(block.q0, block.rows, block.k0, block.keys, *planned[key]))
         steps.append(calls)
-    run = RingRun(ring, steps, f"flashtile.ring[{balance} P={world} {mask_name(causal, window)}]")
+    run = RingRun(ring, steps, f"{balance} P={world} {mask_name(window)}")
     out, lse = RingFunction.apply(q, k, v, sink, run)
     return (out, lse) if return_lse else out

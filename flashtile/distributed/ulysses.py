@@ -75,7 +75,7 @@ def ulysses_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, 
     validation.check_qkv(q, k, v)
     world, _ = group_size_rank(group)
     check_same_across(group, "ulysses_attention", shapes(q, k, v), q.device)
-    name = f"flashtile.ulysses[{balance} P={world}]"
+    name = f"flashtile.ulysses[{balance} P={world} {'causal' if causal else 'full'}]"
     record_kernel(name)
     with profiled(name):
         nheads, seqlen = q.shape[2], q.shape[1]

@@ -111,6 +111,6 @@ def ring_attention_varlen(q, k, v, cu_seqlens, max_seqlen, group=None, *, causal
                 calls.append(BlockCall(q_lo - start + block.q0, block.rows, k_lo - k_start + block.k0, block.keys,
                                        *planned[key]))
         steps.append(calls)
-    run = RingRun(ring, steps, f"flashtile.ring_varlen[P={world} {mask_name(causal, window)}]")
+    run = RingRun(ring, steps, f"varlen P={world} {mask_name(window)}")
     out, lse = RingFunction.apply(q, k, v, sink, run)
     return (out, lse) if return_lse else out

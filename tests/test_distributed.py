@@ -48,6 +48,7 @@ CASES = [
     case("ring", 2, nheads_kv=2, batch=2), case("ring", 2, window=(5, -1)), case("ring", 2, causal=False, window=(4, 7)),
     case("ring", 2, sink=True, softcap=3.0), case("ring", 2, dtype=torch.bfloat16),
     case("ring", 2, nheads_kv=1, backend="triton", seqlen=16),
+    case("ring", 2, nheads_kv=2, batch=2, window=(5, -1), backend="triton", seqlen=16),
     case("ring", 4), case("ring", 4, causal=False, nheads_kv=2), case("ring", 4, balance="contiguous", window=(9, -1)),
     # Ulysses: zigzag reordering, GQA split and repeated (nheads_kv < P), alibi through the whole-sequence call.
     case("ulysses", 2), case("ulysses", 2, balance="contiguous", causal=False, nheads_kv=2),
@@ -56,6 +57,7 @@ CASES = [
     case("hybrid", 4), case("hybrid", 4, causal=False, nheads_kv=2), case("hybrid", 4, balance="contiguous"),
     # Packed documents crossing shard boundaries.
     case("varlen", 2), case("varlen", 2, causal=False, nheads_kv=2), case("varlen", 2, window=(4, -1)),
+    case("varlen", 2, nheads_kv=2, backend="triton"),
     case("varlen", 4), case("varlen", 4, causal=False, window=(3, 3), sink=True),
 ]
 # GPUs (NCCL, the Triton/Gluon kernels, bf16 under the 2x rule): awkward lengths at head dim 128.

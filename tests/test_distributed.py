@@ -295,6 +295,10 @@ def test_bench_smoke(tmp_path):
     row = json.loads(out.read_text())["rows"][0]
     assert row["ring_status"] == row["ulysses_status"] == "ok", row
     assert row["ring_max_err"] < 1e-4 and row["ring_ms"] > 0 and row["flashtile_1gpu_ms"] > 0, row
+    bench.main(["--device", "cpu", "--gpus", "2", "--long", "32", "--heads", "4/2", "--headdim", "16", "--out",
+                str(out)])
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["N"] == 64 and row["max_err"] < 1e-5 and row["ring_ms"] > 0, row
 
 
 def test_train_tiny_gpt_cp_matches_one_process(monkeypatch):

@@ -16,6 +16,8 @@ Efficiency = T1 / (P x T_P). Times: CUDA events, a fixed number of runs on every
 must match), median per rank, max over ranks. On the first length every method's out and dq, dk,
 dv are checked against the one-GPU flashtile result (gathered); a method that is off is reported
 ``wrong`` and not timed. Peak memory per GPU (max over ranks) is reported with each time.
+``--long 262144`` on 4 GPUs runs the ring alone on 1M tokens (GQA by ``--heads``' last pair) and
+checks 16 rows spread over the sequence against a float32 reference.
 Without ``RANK`` in the environment it spawns ``--gpus`` processes itself. ``--device cpu`` runs a
 smoke test on gloo (tiny sizes; torch's context_parallel is CUDA-only there).
 """
@@ -47,6 +49,9 @@ def parse(argv=None):
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--runs", type=int, default=5, help="timed runs of each method (after 2 warm-up runs)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--long", type=int, default=0, metavar="TOKENS_PER_GPU",
+                        help="instead of the grid: one ring run at this length (e.g. 262144 on 4 GPUs = 1M tokens), its "
+                             "time and memory, and sampled rows of out checked against a float32 reference")
     parser.add_argument("--out", default=None, help="JSON result path (default: results/cp-<P>x<gpu>-<date>.json)")
     return parser.parse_args(argv)
 
@@ -217,6 +222,59 @@ def run(options) -> list:
     return rows
 
 
+def run_long(options) -> list:
+    """One causal ring forward + backward on ``world * options.long`` tokens: time, peak memory, and the
+    largest error of 16 sampled rows of out against a float32 reference (rank 0 computes it row by row)."""
+    from ..bench.common import reference_output
+    from .sharding import segments
+
+    device = torch.device(options.device, torch.cuda.current_device() if options.device == "cuda" else None)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    nheads, nheads_kv = map(int, options.heads.split(",")[-1].split("/"))
+    n = world * options.long
+    generator = torch.Generator(device=device).manual_seed(n)
+    full = [torch.randn(1, n, h, options.headdim, device=device, dtype=dtype, generator=generator)
+            for h in (nheads, nheads_kv, nheads_kv, nheads)]
+    local = [shard(x).requires_grad_() for x in full[:3]]
+    dout = shard(full[3])
+    del full[3]
+    if rank != 0:
+        del full  # rank 0 keeps q, k, v for the reference
+    out = None
+
+    def step():
+        nonlocal out
+        for x in local:
+            x.grad = None
+        out = ring_attention(*local, causal=True)
+        out.backward(dout)
+
+    ms, mem = _max_over_ranks(*_timed(step, 1, device))
+    # 16 rows spread over the sequence (the first and last included), gathered on every rank by a sum.
+    rows = torch.linspace(0, n - 1, 16).long().tolist()
+    sampled = torch.zeros(len(rows), nheads, options.headdim, dtype=torch.float32, device=device)
+    at, local_of = 0, {}
+    for start, length in segments(options.long, rank, world, "zigzag"):
+        for i, position in enumerate(rows):
+            if start <= position < start + length:
+                local_of[i] = at + position - start
+        at += length
+    for i, index in local_of.items():
+        sampled[i] = out[0, index].float()
+    dist.all_reduce(sampled)
+    row = dict(world=world, tokens_per_gpu=options.long, N=n, nheads=nheads, nheads_kv=nheads_kv,
+               headdim=options.headdim, ring_ms=ms, ring_mem_gb=mem, sampled_rows=rows)
+    if rank == 0:
+        q, k, v = full
+        errors = [(reference_output(q[:, p:p + 1], k[:, :p + 1], v[:, :p + 1], causal=False)[0, 0] - sampled[i]
+                   ).abs().max().item() for i, p in enumerate(rows)]
+        row["max_err"] = max(errors)
+        print(f"P={world} {nheads}/{nheads_kv} N={n}: ring fwd+bwd {ms:.0f} ms, {mem:.1f} GB/GPU, "
+              f"max |out - fp32 ref| over {len(rows)} rows {row['max_err']:.2e}", flush=True)
+    return [row]
+
+
 def _line(row, methods) -> str:
     cells = [f"P={row['world']} {row['nheads']}/{row['nheads_kv']} {row['tokens_per_gpu']:>6}/gpu "
              f"T1={row['flashtile_1gpu_ms']:.1f}ms"]
@@ -233,7 +291,7 @@ def _main_rank(options):
     device = options.device
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
-    rows = run(options)
+    rows = run_long(options) if options.long else run(options)
     if dist.get_rank() == 0:
         gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
         payload = dict(what=__doc__.split("\n")[0], gpu=gpu, world=dist.get_world_size(), torch=torch.__version__,

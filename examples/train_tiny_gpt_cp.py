@@ -142,6 +142,8 @@ def main(argv=None):
     """Run the example; returns ``{"losses": {"cp": [...], "single": [...] (with --compare)}, "max_diff"}``."""
     args = parse_args(argv)
     if "RANK" in os.environ:
+        if args.device.startswith("cuda"):
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # before NCCL picks a device
         dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
         losses = _run_rank(args)
         rank = dist.get_rank()

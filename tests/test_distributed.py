@@ -53,7 +53,7 @@ CASES = [
     # Ulysses: zigzag reordering, GQA split and repeated (nheads_kv < P), alibi through the whole-sequence call.
     case("ulysses", 2), case("ulysses", 2, balance="contiguous", causal=False, nheads_kv=2),
     case("ulysses", 2, nheads_kv=1, window=(6, -1), sink=True), case("ulysses", 4, nheads_kv=2),
-    # The hybrid on 2 x 2 (and its degenerate 1 x 4 / 4 x 1 meshes).
+    # The hybrid on a 2 x 2 mesh.
     case("hybrid", 4), case("hybrid", 4, causal=False, nheads_kv=2), case("hybrid", 4, balance="contiguous"),
     # Packed documents crossing shard boundaries.
     case("varlen", 2), case("varlen", 2, causal=False, nheads_kv=2), case("varlen", 2, window=(4, -1)),

@@ -296,8 +296,9 @@ def _main_rank(options):
         gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
         payload = dict(what=__doc__.split("\n")[0], gpu=gpu, world=dist.get_world_size(), torch=torch.__version__,
                        date=datetime.date.today().isoformat(), rows=rows)
-        out = options.out or os.path.join(
-            "results", f"cp-{dist.get_world_size()}x{gpu.split()[-1].lower()}-{payload['date']}.json")
+        from ..bench.common import gpu_slug
+
+        out = options.out or os.path.join("results", f"cp-{dist.get_world_size()}x{gpu_slug(gpu)}-{payload['date']}.json")
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
         with open(out, "w") as f:
             json.dump(payload, f, indent=1)
@@ -318,6 +319,8 @@ def _spawned(rank, world, init_file, options):
 def main(argv=None) -> int:
     options = parse(argv)
     if "RANK" in os.environ:
+        if options.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # before NCCL picks a device
         dist.init_process_group("nccl" if options.device == "cuda" else "gloo")
         try:
             _main_rank(options)

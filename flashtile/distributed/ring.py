@@ -10,7 +10,6 @@ against the whole held shard (from a later rank).
 """
 from __future__ import annotations
 
-import torch
 
 from .. import validation
 from .blocks import visible_blocks

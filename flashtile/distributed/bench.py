@@ -52,7 +52,8 @@ def parse(argv=None):
     parser.add_argument("--long", type=int, default=0, metavar="TOKENS_PER_GPU",
                         help="instead of the grid: one ring run at this length (e.g. 262144 on 4 GPUs = 1M tokens), its "
                              "time and memory, and sampled rows of out checked against a float32 reference")
-    parser.add_argument("--out", default=None, help="JSON result path (default: results/cp-<P>x<gpu>-<date>.json)")
+    parser.add_argument("--out", default=None,
+                        help="JSON result path (default: benchmarks/results/cp-<P>x<gpu>-<date>.json)")
     return parser.parse_args(argv)
 
 
@@ -298,7 +299,8 @@ def _main_rank(options):
                        date=datetime.date.today().isoformat(), rows=rows)
         from ..bench.common import gpu_slug
 
-        out = options.out or os.path.join("results", f"cp-{dist.get_world_size()}x{gpu_slug(gpu)}-{payload['date']}.json")
+        name = f"cp-{dist.get_world_size()}x{gpu_slug(gpu)}-{payload['date']}.json"
+        out = options.out or os.path.join("benchmarks", "results", name)
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
         with open(out, "w") as f:
             json.dump(payload, f, indent=1)

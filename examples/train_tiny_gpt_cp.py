@@ -65,7 +65,8 @@ def train_cp(args, train_data, vocab):
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     warmup = max(1, args.steps // 10)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / warmup) * 0.5 * (1 + base.math.cos(base.math.pi * step / args.steps)))
+        optimizer,
+        lambda step: min(1.0, (step + 1) / warmup) * 0.5 * (1 + base.math.cos(base.math.pi * step / args.steps)))
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     positions = shard(torch.arange(args.seqlen, device=device)[None], dim=1)[0]
     losses, start, rank = [], time.perf_counter(), dist.get_rank()
@@ -134,6 +135,7 @@ def _spawned(rank, world, init_file, args, out_file):
                             rank=rank, world_size=world)
     try:
         _run_rank(args, out_file)
+        dist.barrier()  # no rank leaves while another still talks to it
     finally:
         dist.destroy_process_group()
 

@@ -45,7 +45,8 @@ def case(kind, world, *, balance="zigzag", causal=True, window=(-1, -1), nheads_
 CASES = [
     # Ring: both balances, causal and not, GQA, windows, sink, softcap, bf16.
     case("ring", 2), case("ring", 2, causal=False), case("ring", 2, balance="contiguous"),
-    case("ring", 2, nheads_kv=2, batch=2), case("ring", 2, window=(5, -1)), case("ring", 2, causal=False, window=(4, 7)),
+    case("ring", 2, nheads_kv=2, batch=2), case("ring", 2, window=(5, -1)),
+    case("ring", 2, causal=False, window=(4, 7)),
     case("ring", 2, sink=True, softcap=3.0), case("ring", 2, dtype=torch.bfloat16),
     case("ring", 2, nheads_kv=1, backend="triton", seqlen=16),
     case("ring", 2, nheads_kv=2, batch=2, window=(5, -1), backend="triton", seqlen=16),

@@ -42,7 +42,8 @@ METHODS = ("ring", "ulysses", "hybrid", "torch_cp")
 
 def parse(argv=None):
     parser = argparse.ArgumentParser(prog="python -m flashtile.distributed.bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--gpus", type=int, default=None, help="processes to spawn without torchrun (default: all GPUs)")
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="processes to spawn without torchrun (default: all GPUs)")
     parser.add_argument("--tokens-per-gpu", default="8192,16384,32768")
     parser.add_argument("--heads", default="32/32,32/8", help="nheads/nheads_kv pairs")
     parser.add_argument("--headdim", type=int, default=128)
@@ -50,7 +51,7 @@ def parse(argv=None):
     parser.add_argument("--runs", type=int, default=5, help="timed runs of each method (after 2 warm-up runs)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--long", type=int, default=0, metavar="TOKENS_PER_GPU",
-                        help="instead of the grid: one ring run at this length (e.g. 262144 on 4 GPUs = 1M tokens), its "
+                        help="instead of the grid: one ring run at this length (262144 on 4 GPUs = 1M tokens), its "
                              "time and memory, and sampled rows of out checked against a float32 reference")
     parser.add_argument("--out", default=None,
                         help="JSON result path (default: benchmarks/results/cp-<P>x<gpu>-<date>.json)")
@@ -314,6 +315,7 @@ def _spawned(rank, world, init_file, options):
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         _main_rank(options)
+        dist.barrier()  # no rank leaves while another still talks to it
     finally:
         dist.destroy_process_group()
 

@@ -73,7 +73,8 @@ def seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
-    """The inverse of :func:`seq_to_heads`: ``(batch, P * seqlen_local, h, d)`` -> ``(batch, seqlen_local, P * h, d)``."""
+    """The inverse of :func:`seq_to_heads`:
+    ``(batch, P * seqlen_local, h, d)`` -> ``(batch, seqlen_local, P * h, d)``."""
     return _Exchange.apply(x, group, False)
 
 

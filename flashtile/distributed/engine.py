@@ -100,9 +100,14 @@ class RingRun:
                         continue
                     untouched = False
                     with profiled(merge.fwd_name):
-                        merged_out, merged_lse = merge_states(rows_out, rows_lse, block_out.to(out.dtype), block_lse)
-                    rows_out.copy_(merged_out)
-                    rows_lse.copy_(merged_lse)
+                        # The merge reads either out in float32, whatever its dtype.
+                        merged_out, merged_lse = merge_states(rows_out, rows_lse, block_out, block_lse)
+                    if call.rows == q.shape[seq]:
+                        # Every row: the merged tensors become the accumulators (no copy back).
+                        out, lse = (merged_out[0], merged_lse[0]) if packed else (merged_out, merged_lse)
+                    else:
+                        rows_out.copy_(merged_out)
+                        rows_lse.copy_(merged_lse)
                 if pending is not None:
                     held = self.ring.finish(pending)
             if sink is not None:

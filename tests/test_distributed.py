@@ -284,10 +284,12 @@ def test_blocks_cover_the_global_mask_once(world, balance):
                 assert torch.equal(covered.bool(), want) and covered.max() <= 1, (mine, theirs, (left, right))
 
 
-def test_bench_smoke(tmp_path):
+def test_bench_smoke(tmp_path, monkeypatch):
     """The benchmark runs end to end on gloo (tiny sizes) and checks every method before timing it."""
     import json
 
+    # The spawned ranks run the torch backend (the Triton interpreter is covered by the cases above).
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     from flashtile.distributed import bench
 
     out = tmp_path / "cp.json"
@@ -307,6 +309,8 @@ def test_train_tiny_gpt_cp_matches_one_process(monkeypatch):
     import importlib
     import pathlib
 
+    # The spawned ranks run the torch backend (the Triton interpreter is covered by the cases above).
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     # Imported by name, so that the processes it spawns can import it too.
     monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
     example = importlib.import_module("train_tiny_gpt_cp")

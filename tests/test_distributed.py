@@ -1,0 +1,321 @@
+"""flashtile.distributed on CPU: 2 and 4 processes on gloo, against the float64 reference.
+
+One spawn per world size runs every case of that size (process start-up dominates on CPU): each rank
+shards fresh inputs, runs the forward and backward, and rank 0 gathers out, lse and every gradient.
+The tests then hold each case to the tolerance rule of flashtile.testing against the single-process
+float64 reference. Bad inputs must raise the same error on every rank (never hang: the process group
+has a short timeout). The block split of :mod:`flashtile.distributed.blocks` is checked against the
+global mask on its own, for every world size, balance, step and window.
+"""
+import datetime
+import os
+import random
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import flashtile
+from flashtile import testing
+from flashtile.dispatch import force_backend
+from flashtile.distributed import (attention, ring_attention, ring_attention_varlen, shard, ulysses_attention,
+                                   unshard)
+from flashtile.distributed.blocks import visible_blocks
+from flashtile.distributed.sharding import segments
+
+HEADS, HEADDIM = 4, 16
+# Packed documents of the varlen cases: several cross shard boundaries, one is empty.
+DOCS = {2: (5, 11, 0, 3, 13), 4: (7, 1, 17, 9, 6)}
+
+
+def case(kind, world, *, balance="zigzag", causal=True, window=(-1, -1), nheads_kv=HEADS, dtype=torch.float32,
+         seqlen=None, batch=1, sink=False, softcap=0.0, backend="torch", device="cpu", nheads=HEADS, headdim=HEADDIM,
+         docs=None):
+    name = f"{kind}-P{world}-{balance}-{'causal' if causal else 'full'}-w{window[0]}_{window[1]}-kv{nheads_kv}" \
+           f"-{str(dtype)[6:]}-b{batch}{'-sink' if sink else ''}{'-softcap' if softcap else ''}-{backend}-{device}"
+    seqlen = seqlen or (24 if world == 2 else 40)  # local 12 (chunks of 6) / 10 (chunks of 5)
+    docs = docs or DOCS[world]
+    return dict(name=name, kind=kind, world=world, balance=balance, causal=causal, window=window, nheads=nheads,
+                nheads_kv=nheads_kv, headdim=headdim, dtype=dtype, seqlen=seqlen, batch=batch, sink=sink,
+                softcap=softcap, backend=backend, device=device, docs=docs)
+
+
+CASES = [
+    # Ring: both balances, causal and not, GQA, windows, sink, softcap, bf16.
+    case("ring", 2), case("ring", 2, causal=False), case("ring", 2, balance="contiguous"),
+    case("ring", 2, nheads_kv=2, batch=2), case("ring", 2, window=(5, -1)),
+    case("ring", 2, causal=False, window=(4, 7)),
+    case("ring", 2, sink=True, softcap=3.0), case("ring", 2, dtype=torch.bfloat16),
+    case("ring", 2, nheads_kv=1, backend="triton", seqlen=16),
+    case("ring", 2, nheads_kv=2, batch=2, window=(5, -1), backend="triton", seqlen=16),
+    case("ring", 4), case("ring", 4, causal=False, nheads_kv=2), case("ring", 4, balance="contiguous", window=(9, -1)),
+    # Ulysses: zigzag reordering, GQA split and repeated (nheads_kv < P), alibi through the whole-sequence call.
+    case("ulysses", 2), case("ulysses", 2, balance="contiguous", causal=False, nheads_kv=2),
+    case("ulysses", 2, nheads_kv=1, window=(6, -1), sink=True), case("ulysses", 4, nheads_kv=2),
+    # The hybrid on a 2 x 2 mesh.
+    case("hybrid", 4), case("hybrid", 4, causal=False, nheads_kv=2), case("hybrid", 4, balance="contiguous"),
+    # Packed documents crossing shard boundaries.
+    case("varlen", 2), case("varlen", 2, causal=False, nheads_kv=2), case("varlen", 2, window=(4, -1)),
+    case("varlen", 2, nheads_kv=2, backend="triton"),
+    case("varlen", 4), case("varlen", 4, causal=False, window=(3, 3), sink=True),
+]
+# GPUs (NCCL, the Triton/Gluon kernels, bf16 under the 2x rule): awkward lengths at head dim 128.
+GPU = dict(dtype=torch.bfloat16, backend="triton", device="cuda", nheads=8, headdim=128)
+GPU_CASES = [
+    case("ring", 2, seqlen=2 * 1000, batch=2, **GPU), case("ring", 2, seqlen=2 * 1000, nheads_kv=2, **GPU),
+    case("ring", 2, seqlen=1904, causal=False, balance="contiguous", **GPU),
+    case("ring", 2, seqlen=2 * 1000, window=(300, -1), sink=True, **GPU),
+    case("ulysses", 2, seqlen=2 * 1000, nheads_kv=2, **GPU), case("ulysses", 2, seqlen=2 * 1000, nheads_kv=1, **GPU),
+    case("varlen", 2, docs=(700, 1, 1500, 391, 1408), **GPU),
+    case("ring", 4, seqlen=4 * 1000, nheads_kv=2, **GPU), case("ulysses", 4, seqlen=4 * 1000, **GPU),
+    case("hybrid", 4, seqlen=4 * 1000, nheads_kv=2, **GPU), case("varlen", 4, docs=(2100, 77, 1823), **GPU),
+]
+
+
+def inputs(c):
+    """Full-sequence q, k, v, dout (and sink) of a case, the same on every rank and in the test."""
+    generator = torch.Generator().manual_seed(sum(map(ord, c["name"])))
+    device = torch.device(c["device"], torch.cuda.current_device()) if c["device"] == "cuda" else "cpu"
+    shape = (c["nheads"], c["nheads_kv"], c["headdim"], c["dtype"], device)
+    if c["kind"] == "varlen":
+        tokens = int(cu_seqlens(c)[-1])
+        q, k, v = (x[0] for x in testing.make_qkv(1, tokens, tokens, *shape, requires_grad=False, generator=generator))
+    else:
+        q, k, v = testing.make_qkv(c["batch"], c["seqlen"], c["seqlen"], *shape, requires_grad=False,
+                                   generator=generator)
+    dout = testing.random_like(q, generator)
+    sink = torch.randn(c["nheads"], generator=generator).to(device, c["dtype"]) if c["sink"] else None
+    return q, k, v, dout, sink
+
+
+def cu_seqlens(c, device="cpu"):
+    """The documents' offsets; the last document is lengthened to make the total a multiple of the ranks."""
+    lengths = list(c["docs"])
+    lengths[-1] += (-sum(lengths)) % c["world"]
+    return testing.cu_seqlens_of(lengths, device)
+
+
+def _run_case(c, mesh):
+    q, k, v, dout, sink = inputs(c)
+    options = dict(causal=c["causal"], window_size=c["window"], softcap=c["softcap"])
+    kind, balance = c["kind"], c["balance"]
+    if kind == "varlen":
+        where, dim, sharding = None, 0, "contiguous"
+    elif kind == "hybrid":
+        where, dim, sharding = mesh, 1, balance
+    else:
+        where, dim, sharding = None, 1, balance
+    local = [shard(x, where, dim, sharding).requires_grad_() for x in (q, k, v)]
+    local_sink = sink.clone().requires_grad_() if sink is not None else None
+    lse = None
+    with force_backend(c["backend"]):
+        if kind == "ring":
+            out, lse = ring_attention(*local, sink=local_sink, balance=balance, return_lse=True, **options)
+        elif kind == "ulysses":
+            out, lse = ulysses_attention(*local, sink=local_sink, balance=balance, return_lse=True, **options)
+        elif kind == "hybrid":
+            out = attention(*local, mesh, sink=local_sink, balance=balance, **options)
+        else:
+            out, lse = ring_attention_varlen(*local, cu_seqlens(c, q.device), max(c["docs"]), sink=local_sink,
+                                             return_lse=True, **options)
+        out.backward(shard(dout, where, dim, sharding))
+    results = {"out": out}
+    if lse is not None:
+        results["lse"] = lse
+    results.update(dq=local[0].grad, dk=local[1].grad, dv=local[2].grad)
+    gathered = {name: unshard(x, where, x.dim() - 1 if name == "lse" else dim, sharding) for name, x in results.items()}
+    if local_sink is not None:
+        # A replicated parameter: its gradient is the sum of the ranks' shares.
+        dsink = local_sink.grad.clone()
+        dist.all_reduce(dsink)
+        gathered["dsink"] = dsink
+    return {name: x.cpu() for name, x in gathered.items()}
+
+
+def _expect_error(make_call):
+    """The error a bad call raises on this rank, as ``"Type: message"`` (None if it raised nothing)."""
+    try:
+        make_call()
+    except (ValueError, TypeError, NotImplementedError) as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def _bad_calls(rank, world):
+    """Calls that must fail with a clear error on every rank, by name."""
+    x = torch.randn(1, 8 + 2 * rank, HEADS, HEADDIM)
+    y = torch.randn(1, 8, HEADS, HEADDIM)
+    calls = {
+        "lengths": lambda: ring_attention(x, x, x),
+        "lengths-varlen": lambda: ring_attention_varlen(x[0], x[0], x[0], torch.tensor([0, 16], dtype=torch.int32),
+                                                        16),
+        "heads": lambda: ulysses_attention(torch.randn(1, 8, 3, HEADDIM), *(torch.randn(1, 8, 1, HEADDIM),) * 2),
+        "heads-kv": lambda: ulysses_attention(torch.randn(1, 8, 6 * world, HEADDIM),
+                                              *(torch.randn(1, 8, 3, HEADDIM),) * 2),
+        "alibi": lambda: ring_attention(y, y, y, alibi_slopes=torch.ones(HEADS)),
+        "mesh": lambda: attention(y, y, y, object()),
+    }
+    if world == 4:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        flat = init_device_mesh("cpu", (4,), mesh_dim_names=("ring",))
+        calls["mesh-1d"] = lambda: attention(y, y, y, flat)
+    return {name: _expect_error(call) for name, call in calls.items()}
+
+
+def _worker(rank, world, init_file, out_dir, device):
+    torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    mesh = None
+    if world == 4:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device, (2, 2), mesh_dim_names=("ulysses", "ring"))
+    results = {}
+    for c in CASES + GPU_CASES:
+        if c["world"] == world and c["device"] == device:
+            results[c["name"]] = _run_case(c, mesh)
+    errors = _bad_calls(rank, world) if device == "cpu" else {}
+    torch.save(errors, os.path.join(out_dir, f"errors{rank}.pt"))
+    if rank == 0:
+        results["kernels"] = dict(flashtile.stats()["kernels"])
+        torch.save(results, os.path.join(out_dir, "results.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+_RUNS = {}
+
+
+def run_world(world, device="cpu"):
+    """Every case of ``world`` ranks on ``device``, run once: ``(results of rank 0, [errors of each rank])``."""
+    if (world, device) not in _RUNS:
+        with tempfile.TemporaryDirectory() as out_dir:
+            mp.spawn(_worker, args=(world, os.path.join(out_dir, "init"), out_dir, device), nprocs=world)
+            results = torch.load(os.path.join(out_dir, "results.pt"))
+            errors = [torch.load(os.path.join(out_dir, f"errors{rank}.pt")) for rank in range(world)]
+        _RUNS[world, device] = results, errors
+    return _RUNS[world, device]
+
+
+def _gpus(world):
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return pytest.mark.skipif(have < world, reason=f"needs {world} CUDA devices, found {have}")
+
+
+@pytest.mark.parametrize("c", CASES + [pytest.param(c, marks=_gpus(c["world"])) for c in GPU_CASES],
+                         ids=[c["name"] for c in CASES + GPU_CASES])
+def test_matches_reference(c):
+    ours = run_world(c["world"], c["device"])[0][c["name"]]
+    q, k, v, dout, sink = inputs(c)
+    if sink is not None:
+        sink.requires_grad_()
+    options = dict(causal=c["causal"], window_size=c["window"], softcap=c["softcap"], sink=sink)
+    if c["kind"] == "varlen":
+        cu = cu_seqlens(c, q.device)
+        options.update(cu_seqlens_q=cu, cu_seqlens_k=cu)
+    hi = testing.reference_results(q, k, v, dout, hi=True, **options)
+    lo = testing.reference_results(q, k, v, dout, hi=False, **options)
+    if "lse" not in ours:
+        del hi["lse"], lo["lse"]
+    testing.assert_results_close(ours, {name: x.cpu() for name, x in hi.items()},
+                                 {name: x.cpu() for name, x in lo.items()}, c["dtype"])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bad_input_fails_on_every_rank(world):
+    errors = run_world(world)[1]
+    for rank, per_rank in enumerate(errors):
+        for name, message in per_rank.items():
+            assert message is not None, f"rank {rank}: the bad call {name!r} raised nothing"
+    lengths = errors[0]["lengths"]
+    assert "every rank must pass the same shapes" in lengths and "seqlen_q=8" in lengths and "seqlen_q=10" in lengths
+    assert all(per_rank["lengths"] == lengths for per_rank in errors), "ranks disagree on the error"
+    assert "nheads=3" in errors[0]["heads"] and "nheads_kv=3" in errors[0]["heads-kv"]
+    assert errors[0]["alibi"].startswith("NotImplementedError") and "mesh_dim_names" in errors[0]["mesh"]
+
+
+def test_stats_name_the_parallel_calls():
+    kernels = run_world(2)[0]["kernels"]
+    for name in ("flashtile.ring[fwd zigzag P=2 causal]", "flashtile.ring[bwd zigzag P=2 causal]",
+                 "flashtile.ring[fwd contiguous P=2 causal]", "flashtile.ring[fwd varlen P=2 causal]",
+                 "flashtile.ring[bwd zigzag P=2 window=(5,0)]", "flashtile.ulysses[zigzag P=2 causal]"):
+        assert kernels.get(name, 0) > 0, (name, sorted(kernels))
+    # The blocks ran on flashtile's kernels, counted like any call's.
+    assert any(name.startswith("flashtile.bwd[torch") for name in kernels), sorted(kernels)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("balance", ["zigzag", "contiguous"])
+def test_blocks_cover_the_global_mask_once(world, balance):
+    rng = random.Random(world)
+    windows = [(-1, -1), (-1, 0), (0, 0), (1, 0), (2, -1), (-1, 2), (3, 1), (0, -1), (5, 0), (1, 3)]
+    for chunk in (1, 3, 5):
+        local = chunk * (2 if balance == "zigzag" else 1)
+        for rank in range(world):
+            for source in range(world):
+                mine, theirs = segments(local, rank, world, balance), segments(local, source, world, balance)
+                left, right = rng.choice(windows)
+                rows = torch.tensor([p for start, n in mine for p in range(start, start + n)])[:, None]
+                cols = torch.tensor([p for start, n in theirs for p in range(start, start + n)])[None]
+                want = torch.ones(local, local, dtype=torch.bool)
+                if left >= 0:
+                    want &= cols >= rows - left
+                if right >= 0:
+                    want &= cols <= rows + right
+                covered = torch.zeros(local, local, dtype=torch.int)
+                for block in visible_blocks(mine, theirs, (left, right)):
+                    bl, br = block.window
+                    keys = testing.causal_lower_right_mask(block.rows, block.keys) if br == 0 else torch.ones(
+                        block.rows, block.keys, dtype=torch.bool)
+                    i = torch.arange(block.rows)[:, None] + block.keys - block.rows
+                    j = torch.arange(block.keys)[None]
+                    keys = torch.ones_like(keys)
+                    if bl >= 0:
+                        keys &= j >= i - bl
+                    if br >= 0:
+                        keys &= j <= i + br
+                    covered[block.q0:block.q0 + block.rows, block.k0:block.k0 + block.keys] += keys.int()
+                assert torch.equal(covered.bool(), want) and covered.max() <= 1, (mine, theirs, (left, right))
+
+
+def test_bench_smoke(tmp_path, monkeypatch):
+    """The benchmark runs end to end on gloo (tiny sizes) and checks every method before timing it."""
+    import json
+
+    # The spawned ranks run the torch backend (the Triton interpreter is covered by the cases above).
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from flashtile.distributed import bench
+
+    out = tmp_path / "cp.json"
+    bench.main(["--device", "cpu", "--gpus", "2", "--tokens-per-gpu", "16", "--heads", "4/2", "--headdim", "16",
+                "--runs", "1", "--methods", "ring,ulysses", "--out", str(out)])
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["ring_status"] == row["ulysses_status"] == "ok", row
+    assert row["ring_max_err"] < 1e-4 and row["ring_ms"] > 0 and row["flashtile_1gpu_ms"] > 0, row
+    bench.main(["--device", "cpu", "--gpus", "2", "--long", "32", "--heads", "4/2", "--headdim", "16", "--out",
+                str(out)])
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["N"] == 64 and row["max_err"] < 1e-5 and row["ring_ms"] > 0, row
+
+
+def test_train_tiny_gpt_cp_matches_one_process(monkeypatch):
+    """examples/train_tiny_gpt_cp.py on 2 gloo processes follows the single-process loss curve (fp32 rounding)."""
+    import importlib
+    import pathlib
+
+    # The spawned ranks run the torch backend (the Triton interpreter is covered by the cases above).
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    # Imported by name, so that the processes it spawns can import it too.
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
+    example = importlib.import_module("train_tiny_gpt_cp")
+    result = example.main(["--nproc", "2", "--cp", "ring", "--steps", "3", "--layers", "1", "--width", "32", "--heads",
+                           "2", "--seqlen", "32", "--batch", "4", "--log-every", "1", "--compare"])
+    cp, single = result["losses"]["cp"], result["losses"]["single"]
+    assert len(cp) == len(single) == 3 and cp[-1] < cp[0], result
+    assert result["max_diff"] <= 1e-4, result

@@ -31,8 +31,14 @@ def test_no_experiment_patches_in_results():
 
 def test_one_pass_backward_numbers_are_withdrawn():
     text = results.render(ROOT)
-    line = next(line for line in text.splitlines() if line.startswith("| d128 N=16384 B=1 H=16 causal"))
-    assert results.WITHDRAWN in line  # the peers file's MHA d128 backward (900e1c4)
+    assert results.WITHDRAWN in text  # the variants run's MHA d128 backward (466f66a)
+    ok = {"err": 0.001, "bound": 0.03}
+    checked = {"prov": "flashtile", "D": 128, "H": 16, "Hkv": 16, "config": "c", "bwd_ms": 1.0,
+               "ranges": {"bwd": ["flashtile.bwd[gluon-sm90-ws d=128 one-pass]"]},
+               "check": dict.fromkeys(("dq", "dk", "dv"), ok)}
+    wrong = {**checked, "check": {**checked["check"], "dk": {"err": 0.5, "bound": 0.03}}}
+    # A backward whose gradients were checked before timing stands, one-pass kernel or not; one that failed does not.
+    assert [r.get("bwd_err") for r in results.withdraw([checked, wrong], "2026-11-27")] == [None, results.WITHDRAWN]
     rows = [{"prov": "flashtile", "D": 128, "H": 16, "Hkv": 16, "config": "c", "bwd_ms": 1.0, "bwd_tflops": 500.0},
             {"prov": "flashtile", "D": 128, "H": 32, "Hkv": 8, "config": "g", "bwd_ms": 1.0},
             {"prov": "flashtile", "D": 64, "H": 32, "Hkv": 32, "config": "s", "bwd_ms": 1.0,

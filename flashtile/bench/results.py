@@ -34,10 +34,15 @@ def _bwd_ranges(row: dict) -> str:
 
 
 def one_pass_suspect(row: dict, date: str, config_evidence: dict) -> bool:
-    """Whether a flashtile backward may have run the wrong one-pass kernel: its recorded backward ranges
+    """Whether a flashtile backward may have run the wrong one-pass kernel: not when its dQ, dK and dV were
+    checked before timing; otherwise its recorded backward ranges
     (or those of its configuration's profiled row) name it; without a record, it was measured at MHA head
     dim 128 outside a window on or after :data:`ONE_PASS_SINCE`."""
     if row.get("prov") != "flashtile":
+        return False
+    check = row.get("check") or {}
+    if all(name in check and check[name]["err"] <= check[name]["bound"] for name in ("dq", "dk", "dv")):
+        # Its gradients were checked against the reference before it was timed (the validated suite).
         return False
     if _bwd_ranges(row):
         return "one-pass" in _bwd_ranges(row)

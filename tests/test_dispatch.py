@@ -87,7 +87,7 @@ def test_hopper_head_dim_256_tiles(monkeypatch, headdim, headdim_v, features, fw
     cuda = torch.device("cuda", 0)
     width = max(headdim, headdim_v)
     fwd = configs.fwd_config(width, torch.bfloat16, cuda, 4096, -1, -1, bias="bias" in features, head_dim_v=headdim_v)
-    bwd = configs.bwd_config(width, torch.bfloat16, cuda, headdim_v)
+    bwd = configs.bwd_config(width, torch.bfloat16, cuda, headdim_v, features=frozenset(features))
     assert (fwd.BLOCK_M, fwd.BLOCK_N, fwd.num_stages) == fwd_tile
     assert tuple((t.BLOCK_M, t.BLOCK_N, t.num_stages) for t in (bwd.dkdv, bwd.dq)) == bwd_tiles
     described = tuple((name, f"{name}: test") for name in features)

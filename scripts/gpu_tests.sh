@@ -28,6 +28,15 @@ FLASHTILE_NO_VENV=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 -m pyte
   -n "${FLASHTILE_GPU_WORKERS:-14}" --dist loadgroup --junitxml="$out/gpu-tests-${index}of${count}.xml" "${selected[@]}" "$@" \
   2>&1 | tee "$out/gpu-tests-${index}of${count}.log"
 status=${PIPESTATUS[0]}
-summary="$(grep -E '^(=+ )?[0-9]+ (passed|failed)|no tests ran' "$out/gpu-tests-${index}of${count}.log" | tail -n 1)"
+# The counts from the JUnit file (pytest's own summary line is gone under -qq).
+summary="$(python3 - "$out/gpu-tests-${index}of${count}.xml" <<'PY' 2>/dev/null
+import sys, xml.etree.ElementTree as ET
+counts = {"passed": 0, "failed": 0, "skipped": 0}
+for case in ET.parse(sys.argv[1]).iter("testcase"):
+    tags = {child.tag for child in case}
+    counts["failed" if tags & {"failure", "error"} else "skipped" if "skipped" in tags else "passed"] += 1
+print(", ".join(f"{n} {name}" for name, n in counts.items()))
+PY
+)"
 echo "GPU suite part $part at $commit on $gpu: ${summary:-no summary (exit $status)}"
 exit "$status"

@@ -504,7 +504,12 @@ def bwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, head_dim
         return cfg
     if row_keys >= LONG_BWD_KEYS and padded in _BWD_SM90_LONG and not _BWD_SHORT_TILE_FEATURES & features:
         return _BWD_SM90_LONG[padded]
-    return _BWD_SM90[padded]
+    cfg = _BWD_SM90[padded]
+    if "bias" in features and padded == 128:
+        # A float32 bias tile on the three-stage 128x64 dQ tile asked 262144 B of shared memory, over the H200's
+        # 232448 (tests/test_fuzz.py seed0-case134, bf16 with a float32 bias, 2026-11-27): two stages.
+        cfg = replace(cfg, dq=replace(cfg.dq, num_stages=2))
+    return cfg
 
 
 # KV-cache attention (kernels/decode.py), per padded head dim: (up to 16 packed rows, up to DECODE_PREFILL_ROWS, more).

@@ -74,6 +74,11 @@ GPU_CASES = [
 ]
 
 
+def runs_here(c) -> bool:
+    """Triton on CPU tensors needs the interpreter, which a process with a GPU does not run: those cases run in CI."""
+    return not (c["backend"] == "triton" and c["device"] == "cpu" and torch.cuda.is_available())
+
+
 def inputs(c):
     """Full-sequence q, k, v, dout (and sink) of a case, the same on every rank and in the test."""
     generator = torch.Generator().manual_seed(sum(map(ord, c["name"])))
@@ -178,7 +183,7 @@ def _worker(rank, world, init_file, out_dir, device):
         mesh = init_device_mesh(device, (2, 2), mesh_dim_names=("ulysses", "ring"))
     results = {}
     for c in CASES + GPU_CASES:
-        if c["world"] == world and c["device"] == device:
+        if c["world"] == world and c["device"] == device and runs_here(c):
             results[c["name"]] = _run_case(c, mesh)
     errors = _bad_calls(rank, world) if device == "cpu" else {}
     torch.save(errors, os.path.join(out_dir, f"errors{rank}.pt"))
@@ -208,7 +213,11 @@ def _gpus(world):
     return pytest.mark.skipif(have < world, reason=f"needs {world} CUDA devices, found {have}")
 
 
-@pytest.mark.parametrize("c", CASES + [pytest.param(c, marks=_gpus(c["world"])) for c in GPU_CASES],
+_INTERPRETER_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="Triton on CPU tensors: CI (no GPU) runs it")
+
+
+@pytest.mark.parametrize("c", [c if runs_here(c) else pytest.param(c, marks=_INTERPRETER_ONLY) for c in CASES]
+                         + [pytest.param(c, marks=_gpus(c["world"])) for c in GPU_CASES],
                          ids=[c["name"] for c in CASES + GPU_CASES])
 def test_matches_reference(c):
     ours = run_world(c["world"], c["device"])[0][c["name"]]
@@ -297,7 +306,7 @@ def test_bench_smoke(tmp_path, monkeypatch):
                 "--runs", "1", "--methods", "ring,ulysses", "--out", str(out)])
     row = json.loads(out.read_text())["rows"][0]
     assert row["ring_status"] == row["ulysses_status"] == "ok", row
-    assert row["ring_max_err"] < 1e-4 and row["ring_ms"] > 0 and row["flashtile_1gpu_ms"] > 0, row
+    assert row["ring_rel_err"] < 1e-4 and row["ring_ms"] > 0 and row["flashtile_1gpu_ms"] > 0, row
     bench.main(["--device", "cpu", "--gpus", "2", "--long", "32", "--heads", "4/2", "--headdim", "16", "--out",
                 str(out)])
     row = json.loads(out.read_text())["rows"][0]

@@ -14,7 +14,8 @@ Causal forward + backward, batch 1, head dim 128, bf16, MHA 32/32 and GQA 32/8, 
 
 Efficiency = T1 / (P x T_P). Times: CUDA events, a fixed number of runs on every rank (collectives
 must match), median per rank, max over ranks. On the first length every method's out and dq, dk,
-dv are checked against the one-GPU flashtile result (gathered); a method that is off is reported
+dv are checked against the one-GPU flashtile result (gathered; the error relative to each tensor's largest
+value); a method that is off is reported
 ``wrong`` and not timed. Peak memory per GPU (max over ranks) is reported with each time.
 ``--long 262144`` on 4 GPUs runs the ring alone on 1M tokens (GQA by ``--heads``' last pair) and
 checks 16 rows spread over the sequence against a float32 reference.
@@ -155,7 +156,9 @@ class _TorchCP:
 
 
 def _check(ours, reference) -> float:
-    return max((a.float() - b.float()).abs().max().item() for a, b in zip(ours, reference))
+    """The largest error of out, dq, dk, dv relative to the largest magnitude of the same reference tensor."""
+    return max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
+               for a, b in zip(ours, reference))
 
 
 def run(options) -> list:
@@ -201,9 +204,10 @@ def run(options) -> list:
                         name, q, k, v, dout, None, mesh2d)
                     if reference is not None:
                         err = _check(method.results(), reference)
-                        row[f"{name}_max_err"] = err
-                        # bf16: the reference differs from us by its own rounding; a wrong method is off by O(1).
-                        if not err < (5e-2 if dtype == torch.bfloat16 else 1e-3):
+                        row[f"{name}_rel_err"] = err
+                        # bf16: the reference differs from us by its own rounding (a few 2^-8 of the largest value,
+                        # 0.2-0.4% measured on 4 H200s); a wrong method is off by O(1).
+                        if not err < (2e-2 if dtype == torch.bfloat16 else 1e-4):
                             row[f"{name}_status"] = "wrong"
                             continue
                     ms, mem = _max_over_ranks(*_timed(method.step, options.runs, device))

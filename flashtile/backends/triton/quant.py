@@ -19,13 +19,8 @@ from . import interpreter_enabled
 from .host import cdiv, input_precision, on_device, tma_rows, unit_stride
 from .kernels.quant_fp8 import quantize_fp8
 
-# Rows of a block quantized at once, output columns per rotation dot, and warps: a (SUB, HEAD_DIM) input tile and
-# a (HEAD_DIM, CHUNK) slice of the rotation. Compiled for sm_90 (ptxas, benchmarks/sm90_compile.py's report):
-# 8 warps hold d64/128/256 in 106/220/247 registers without a spill; 4 warps spilled at d128 and d256 (36 and 24
-# STL), and 64-row tiles spilled at d256 (114 STL). With q's group loop (QK_MODE "compute", V_MODE "given"):
-# 80/194/229 registers, no spill at d128 and d256, 2 STL / 3 LDL (a 16-byte stack) at d64.
-_SUB = 32
-_CHUNK = 64
+# Warps per program (one QUANT_BLOCK x head-dim tile, rotated in one dot). Compiled for sm_90 (ptxas,
+# benchmarks/sm90_compile.py's approach): see the commit for the register and spill counts per head dim.
 _WARPS = 8
 
 
@@ -74,9 +69,9 @@ def quantize(q, k, v, block_quant: bool = True, incoherent: bool = True, seed: i
             *(stride for t in targets for stride in t.stride()),
             seqlen_q, seqlen_k, q.shape[0], k.shape[0], nheads_kv, nheads // nheads_kv,
             1.0 / math.sqrt(head_dim),
-            HEAD_DIM=head_dim, BLOCK=QUANT_BLOCK, SUB=_SUB, CHUNK=min(_CHUNK, head_dim), ROTATE=incoherent,
+            HEAD_DIM=head_dim, BLOCK=QUANT_BLOCK, ROTATE=incoherent,
             QK_MODE=qk_mode, V_MODE=v_mode, VARLEN=varlen, INPUT_PRECISION=input_precision(q.dtype),
-            num_warps=_WARPS,
+            num_warps=_WARPS, num_stages=1,
         )
 
     with on_device(q):

@@ -5,10 +5,11 @@ Program ``(block, b, head)`` takes ``BLOCK`` rows of one sequence: heads ``[0, n
 query heads of one KV group (they share a block's scale); heads ``[nheads_kv, 2 nheads_kv)`` are a KV head's k
 and v. What a launch does with q and k (``QK_MODE``) and with v (``V_MODE``): ``"amax"`` writes each block's
 amax and stores nothing else, ``"compute"`` writes the descale ``amax / 448`` and casts, ``"given"`` reads the
-descale and casts, ``"skip"`` does nothing. The rotation of a whole ``(BLOCK, HEAD_DIM)`` tile is one
-``tl.dot`` with the +-1 matrix ``diag(signs) H`` (loaded once per program), scaled by ``1 / sqrt(HEAD_DIM)`` in
-fp32; a one-head block (k, MHA's q) is read once: its amax and its cast come from the same registers. The query
-heads of a GQA group are read twice (their amax, then the cast). v is stored transposed, ``(batch, nheads_kv,
+descale and casts, ``"reduce"`` (v only) takes its descale from the "amax" launch's block amaxes and casts,
+``"skip"`` does nothing. The rotation of a whole ``(BLOCK, HEAD_DIM)`` tile is one ``tl.dot`` with the +-1
+matrix ``diag(signs) H`` (loaded once per program), scaled by ``1 / sqrt(HEAD_DIM)`` in fp32; a one-head block
+(k, MHA's q) is read once: its amax and its cast come from the same registers. The query heads of a GQA group
+are read twice (their amax, then the cast). v is stored transposed, ``(batch, nheads_kv,
 HEAD_DIM, seqlen_k)``, the layout of the FP8 PV product: the tile is transposed in registers so that each row
 of VT8 (consecutive keys) is written contiguously.
 """
@@ -55,9 +56,25 @@ def _block_scale(DESCALE, amax, MODE: tl.constexpr):
     if MODE == "amax":
         tl.store(DESCALE, amax)
         return amax
-    descale = tl.where(amax > 0.0, amax / FP8_MAX, 1.0)
+    descale = _descale_of(amax)
     tl.store(DESCALE, descale)
     return descale
+
+
+@triton.jit
+def _descale_of(amax):
+    """``amax / 448`` correctly rounded (torch's division), 1 for an all-zero block."""
+    return tl.where(amax > 0.0, tl.math.div_rn(amax, FP8_MAX), 1.0)
+
+
+@triton.jit
+def _reduced_descale(AMAX, n_blocks, BLOCK: tl.constexpr):
+    """The descale of the largest of the ``n_blocks`` block amaxes at AMAX (unit stride)."""
+    amax = 0.0
+    for b0 in range(0, n_blocks, BLOCK):
+        offs = b0 + tl.arange(0, BLOCK)
+        amax = tl.maximum(amax, tl.max(tl.load(AMAX + offs, mask=offs < n_blocks, other=0.0)))
+    return _descale_of(amax)
 
 
 @triton.jit
@@ -76,11 +93,8 @@ def _quantize_block(X, X8, DESCALE, R, row0, n_rows, heads, stride_xm, stride_xh
         offs_d = tl.arange(0, HEAD_DIM)
         r = tl.load(R + offs_d[:, None] * HEAD_DIM + offs_d[None, :])
     if MODE == "given":
-        descale = tl.load(DESCALE)
-        for h in range(heads):
-            y = _block_values(X + h * stride_xh, r, rows, row_ok, stride_xm, inv_sqrt_d, HEAD_DIM, ROTATE,
-                              INPUT_PRECISION)
-            _store_block(X8 + h * stride_8h, y, descale, rows, row_ok, stride_8m, stride_8d, HEAD_DIM, TRANSPOSED)
+        _cast_block(X, X8, tl.load(DESCALE), r, rows, row_ok, heads, stride_xm, stride_xh, stride_8m, stride_8h,
+                    stride_8d, inv_sqrt_d, HEAD_DIM, ROTATE, TRANSPOSED, INPUT_PRECISION)
     elif heads == 1:
         # One head: its amax and its cast from the same registers, one read of the block.
         y = _block_values(X, r, rows, row_ok, stride_xm, inv_sqrt_d, HEAD_DIM, ROTATE, INPUT_PRECISION)
@@ -96,26 +110,37 @@ def _quantize_block(X, X8, DESCALE, R, row0, n_rows, heads, stride_xm, stride_xh
             amax = tl.maximum(amax, tl.max(tl.abs(y)))
         descale = _block_scale(DESCALE, amax, MODE)
         if MODE == "compute":
-            for h in range(heads):
-                y = _block_values(X + h * stride_xh, r, rows, row_ok, stride_xm, inv_sqrt_d, HEAD_DIM, ROTATE,
-                                  INPUT_PRECISION)
-                _store_block(X8 + h * stride_8h, y, descale, rows, row_ok, stride_8m, stride_8d, HEAD_DIM,
-                             TRANSPOSED)
+            _cast_block(X, X8, descale, r, rows, row_ok, heads, stride_xm, stride_xh, stride_8m, stride_8h,
+                        stride_8d, inv_sqrt_d, HEAD_DIM, ROTATE, TRANSPOSED, INPUT_PRECISION)
 
 
 @triton.jit
-def quantize_fp8(Q, K, V, Q8, K8, VT8, Q_DESCALE, K_DESCALE, V_DESCALE, R, CU_SEQLENS_Q, CU_SEQLENS_K,
+def _cast_block(X, X8, descale, r, rows, row_ok, heads, stride_xm, stride_xh, stride_8m, stride_8h, stride_8d,
+                inv_sqrt_d, HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr, TRANSPOSED: tl.constexpr,
+                INPUT_PRECISION: tl.constexpr):
+    """Each head's (rotated) rows ``rows`` of X, divided by ``descale``, saturated and cast into X8."""
+    for h in range(heads):
+        y = _block_values(X + h * stride_xh, r, rows, row_ok, stride_xm, inv_sqrt_d, HEAD_DIM, ROTATE,
+                          INPUT_PRECISION)
+        _store_block(X8 + h * stride_8h, y, descale, rows, row_ok, stride_8m, stride_8d, HEAD_DIM, TRANSPOSED)
+
+
+@triton.jit
+def quantize_fp8(Q, K, V, Q8, K8, VT8, Q_DESCALE, K_DESCALE, V_DESCALE, V_AMAX, R, CU_SEQLENS_Q, CU_SEQLENS_K,
                  stride_qb, stride_qm, stride_qh, stride_kb, stride_km, stride_kh, stride_vb, stride_vm, stride_vh,
                  stride_q8b, stride_q8m, stride_q8h, stride_k8b, stride_k8m, stride_k8h,
                  stride_vtb, stride_vth, stride_vtd, stride_vtm,
                  stride_qdb, stride_qdh, stride_qdm, stride_kdb, stride_kdh, stride_kdm, stride_vdb, stride_vdh, stride_vdm,
+                 stride_vab, stride_vah,
                  seqlen_q, seqlen_k, total_q, total_k, nheads_kv, group, inv_sqrt_d,
                  HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROTATE: tl.constexpr, QK_MODE: tl.constexpr,
                  V_MODE: tl.constexpr, VARLEN: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """Descales are indexed ``(b, kv_head, block)`` by their strides (a per-tensor descale comes with a block
     stride of 0); q's query heads ``[g * group, (g + 1) * group)`` share KV head ``g``'s. ``VARLEN``: the rows of
     sequence ``b`` start at ``cu_seqlens[b]`` of packed tensors (batch strides 0) and blocks count from that
-    start. VT8's key stride ``stride_vtm`` is 1."""
+    start. VT8's key stride ``stride_vtm`` is 1. ``V_MODE`` "reduce": v's descale (one per (b, kv_head)) is that
+    of the largest of its blocks' amaxes at V_AMAX (``(b, kv_head, block)``, unit block stride, the "amax"
+    launch's), written by the sequence's first block, and v is cast with it."""
     blk = tl.program_id(0)
     off_b = tl.program_id(1)
     head = tl.program_id(2)
@@ -142,7 +167,17 @@ def quantize_fp8(Q, K, V, Q8, K8, VT8, Q_DESCALE, K_DESCALE, V_DESCALE, R, CU_SE
                                 K_DESCALE + off_b * stride_kdb + head_kv * stride_kdh + blk * stride_kdm,
                                 R, blk * BLOCK, seqlen_k, 1, stride_km, 0, stride_k8m,
                                 0, 1, inv_sqrt_d, HEAD_DIM, BLOCK, ROTATE, QK_MODE, False, INPUT_PRECISION)
-            if V_MODE != "skip":
+            if V_MODE == "reduce":
+                v_descale = _reduced_descale(V_AMAX + off_b * stride_vab + head_kv * stride_vah,
+                                             tl.cdiv(tl.maximum(seqlen_k, 1), BLOCK), BLOCK)
+                if blk == 0:
+                    tl.store(V_DESCALE + off_b * stride_vdb + head_kv * stride_vdh, v_descale)
+                rows = blk * BLOCK + tl.arange(0, BLOCK)
+                _cast_block(V + off_b * stride_vb + head_kv * stride_vh + k_start.to(tl.int64) * stride_vm,
+                            VT8 + off_b * stride_vtb + head_kv * stride_vth + k_start.to(tl.int64) * stride_vtm,
+                            v_descale, R, rows, rows < seqlen_k, 1, stride_vm, 0, 1, 0, stride_vtd, inv_sqrt_d,
+                            HEAD_DIM, False, True, INPUT_PRECISION)
+            elif V_MODE != "skip":
                 # v: never rotated; its rows become the columns of VT8.
                 _quantize_block(V + off_b * stride_vb + head_kv * stride_vh + k_start.to(tl.int64) * stride_vm,
                                 VT8 + off_b * stride_vtb + head_kv * stride_vth + k_start.to(tl.int64) * stride_vtm,

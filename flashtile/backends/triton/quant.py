@@ -19,8 +19,10 @@ from . import interpreter_enabled
 from .host import cdiv, input_precision, on_device, tma_rows, unit_stride
 from .kernels.quant_fp8 import quantize_fp8
 
-# Warps per program (one QUANT_BLOCK x head-dim tile, rotated in one dot). Compiled for sm_90 (ptxas,
-# benchmarks/sm90_compile.py's approach): see the commit for the register and spill counts per head dim.
+# Warps per program (one QUANT_BLOCK x head-dim tile, rotated in one dot), one stage. Compiled for sm_90 (ptxas,
+# benchmarks/sm90_compile.py's approach), the default's second launch, group 1 / 4: d64/128/256 in 64/117/232 and
+# 80/124/255 registers, no spill, 24/64/192 KB of shared memory. 4 warps spilled at d256 (688-1048 B of stack);
+# the pipeliner's stages double-buffered the group loop (d256 GQA asked 360448 B of shared memory).
 _WARPS = 8
 
 

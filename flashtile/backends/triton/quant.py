@@ -2,8 +2,8 @@
 
 :func:`quantize` makes what :func:`flashtile.backends.torch_fp8.quantize` makes (its twin), for dense or packed
 (varlen) q, k, v, in two launches. Block scales (the default): the first takes v's amax per block (v's one
-scale per (batch row, KV head) needs all of them before any row is cast), the host reduces them on the device
-(no sync), the second computes q's scales (per block, over the query heads of a KV group) and k's, and casts all
+scale per (batch row, KV head) needs all of them before any row is cast), the second reduces them to v's descale
+in each program, computes q's scales (per block, over the query heads of a KV group) and k's, and casts all
 three. Per-tensor scales (``block_quant=False``, the ablation): the first writes every block's amax, the host
 reduces them per (batch row, KV head), the second casts with those descales.
 """
@@ -19,13 +19,10 @@ from . import interpreter_enabled
 from .host import cdiv, input_precision, on_device, tma_rows, unit_stride
 from .kernels.quant_fp8 import quantize_fp8
 
-# Rows of a block quantized at once, output columns per rotation dot, and warps: a (SUB, HEAD_DIM) input tile and
-# a (HEAD_DIM, CHUNK) slice of the rotation. Compiled for sm_90 (ptxas, benchmarks/sm90_compile.py's report):
-# 8 warps hold d64/128/256 in 106/220/247 registers without a spill; 4 warps spilled at d128 and d256 (36 and 24
-# STL), and 64-row tiles spilled at d256 (114 STL). With q's group loop (QK_MODE "compute", V_MODE "given"):
-# 80/194/229 registers, no spill at d128 and d256, 2 STL / 3 LDL (a 16-byte stack) at d64.
-_SUB = 32
-_CHUNK = 64
+# Warps per program (one QUANT_BLOCK x head-dim tile, rotated in one dot), one stage. Compiled for sm_90 (ptxas,
+# benchmarks/sm90_compile.py's approach), the default's second launch, group 1 / 4: d64/128/256 in 64/117/232 and
+# 80/124/255 registers, no spill, 24/64/192 KB of shared memory. 4 warps spilled at d256 (688-1048 B of stack);
+# the pipeliner's stages double-buffered the group loop (d256 GQA asked 360448 B of shared memory).
 _WARPS = 8
 
 
@@ -68,22 +65,23 @@ def quantize(q, k, v, block_quant: bool = True, incoherent: bool = True, seed: i
 
     def launch(targets, qk_mode: str, v_mode: str):
         quantize_fp8[grid](
-            q, k, v, q8, k8, v8_t, *targets, rotation,
+            q, k, v, q8, k8, v8_t, *targets, v_amax, rotation,
             cu_seqlens_q if varlen else q, cu_seqlens_k if varlen else q,
             *_bsh(q, varlen), *_bsh(k, varlen), *_bsh(v, varlen), *_bsh(q8, varlen), *_bsh(k8, varlen), *vt_strides,
-            *(stride for t in targets for stride in t.stride()),
+            *(stride for t in targets for stride in t.stride()), *v_amax.stride()[:2],
             seqlen_q, seqlen_k, q.shape[0], k.shape[0], nheads_kv, nheads // nheads_kv,
             1.0 / math.sqrt(head_dim),
-            HEAD_DIM=head_dim, BLOCK=QUANT_BLOCK, SUB=_SUB, CHUNK=min(_CHUNK, head_dim), ROTATE=incoherent,
+            HEAD_DIM=head_dim, BLOCK=QUANT_BLOCK, ROTATE=incoherent,
             QK_MODE=qk_mode, V_MODE=v_mode, VARLEN=varlen, INPUT_PRECISION=input_precision(q.dtype),
-            num_warps=_WARPS,
+            num_warps=_WARPS, num_stages=1,
         )
 
     with on_device(q):
         if block_quant:
             launch((q_descale, k_descale, v_amax), "skip", "amax")
-            v_descale = descale_of(v_amax.amax(dim=2))
-            launch((q_descale, k_descale, v_descale[:, :, None].expand(-1, -1, blocks_k)), "compute", "given")
+            # The second launch reduces v's block amaxes itself (no torch ops between the launches).
+            v_descale = torch.empty((batch, nheads_kv), device=q.device, dtype=torch.float32)
+            launch((q_descale, k_descale, v_descale[:, :, None]), "compute", "reduce")
             return (*_cast(q8, k8, v8_t), q_descale, k_descale, v_descale)
         # Per (batch row, KV head): the largest block amax of each, one descale for all blocks.
         launch((q_descale, k_descale, v_amax), "amax", "amax")

@@ -5,10 +5,13 @@ Program ``(block, b, head)`` takes ``BLOCK`` rows of one sequence: heads ``[0, n
 query heads of one KV group (they share a block's scale); heads ``[nheads_kv, 2 nheads_kv)`` are a KV head's k
 and v. What a launch does with q and k (``QK_MODE``) and with v (``V_MODE``): ``"amax"`` writes each block's
 amax and stores nothing else, ``"compute"`` writes the descale ``amax / 448`` and casts, ``"given"`` reads the
-descale and casts, ``"skip"`` does nothing. A block is read twice when it computes its scale (its amax, then the
-cast); the rotation is one ``tl.dot`` with the +-1 matrix ``diag(signs) H`` per ``CHUNK`` output columns, scaled
-by ``1 / sqrt(HEAD_DIM)`` in fp32. v is stored transposed, ``(batch, nheads_kv, HEAD_DIM, seqlen_k)``, the
-layout of the FP8 PV product.
+descale and casts, ``"reduce"`` (v only) takes its descale from the "amax" launch's block amaxes and casts,
+``"skip"`` does nothing. The rotation of a whole ``(BLOCK, HEAD_DIM)`` tile is one ``tl.dot`` with the +-1
+matrix ``diag(signs) H`` (loaded once per program), scaled by ``1 / sqrt(HEAD_DIM)`` in fp32; a one-head block
+(k, MHA's q) is read once: its amax and its cast come from the same registers. The query heads of a GQA group
+are read twice (their amax, then the cast). v is stored transposed, ``(batch, nheads_kv,
+HEAD_DIM, seqlen_k)``, the layout of the FP8 PV product: the tile is transposed in registers so that each row
+of VT8 (consecutive keys) is written contiguously.
 """
 import triton
 import triton.language as tl
@@ -20,84 +23,124 @@ FP8_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
-def _columns(X_ROWS, R, row_ok, c0, inv_sqrt_d,
-             HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, ROTATE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    """Columns ``c0 : c0 + CHUNK`` of the (rotated) rows at ``X_ROWS`` (a ``[SUB, 1]`` block of row pointers), fp32."""
-    offs_c = c0 + tl.arange(0, CHUNK)
+def _block_values(X, r, rows, row_ok, stride_xm, inv_sqrt_d,
+                  HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """The ``(BLOCK, HEAD_DIM)`` fp32 values of ``rows`` of X (rotated by ``r`` with ``ROTATE``), 0 where not
+    ``row_ok``."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    x = tl.load(X + rows[:, None].to(tl.int64) * stride_xm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     if ROTATE:
-        offs_d = tl.arange(0, HEAD_DIM)
-        x = tl.load(X_ROWS + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        # R holds +-1 in x's dtype (exact): the dot sums signed inputs in fp32, then one scale makes it orthonormal.
-        r = tl.load(R + offs_d[:, None] * HEAD_DIM + offs_c[None, :])
+        # r holds +-1 in x's dtype (exact): the dot sums signed inputs in fp32, then one scale makes it orthonormal.
         return tl.dot(x, r, input_precision=INPUT_PRECISION) * inv_sqrt_d
-    return tl.load(X_ROWS + offs_c[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _store_block(X8, y, descale, rows, row_ok, stride_8m, stride_8d, HEAD_DIM: tl.constexpr,
+                 TRANSPOSED: tl.constexpr):
+    """``y / descale``, saturated and cast, into rows ``rows`` of X8 (element ``(m, d)`` at ``X8 + m * stride_8m +
+    d * stride_8d``; ``TRANSPOSED``: ``stride_8m`` is 1, and the tile is written as ``(HEAD_DIM, BLOCK)``)."""
+    # Saturate: e4m3 has no infinity, and a value past 448 would become NaN.
+    y8 = tl.minimum(tl.maximum(tl.math.div_rn(y, descale), -FP8_MAX), FP8_MAX).to(X8.dtype.element_ty)
+    offs_d = tl.arange(0, HEAD_DIM)
+    if TRANSPOSED:
+        # Keys along the fastest dim of the stored tile: each VT8 row is one contiguous run of BLOCK bytes.
+        tl.store(X8 + offs_d[:, None].to(tl.int64) * stride_8d + rows[None, :], tl.trans(y8), mask=row_ok[None, :])
+    else:
+        tl.store(X8 + rows[:, None].to(tl.int64) * stride_8m + offs_d[None, :], y8, mask=row_ok[:, None])
+
+
+@triton.jit
+def _block_scale(DESCALE, amax, MODE: tl.constexpr):
+    """Writes ``amax`` ("amax") or the descale ``amax / 448`` (1 for an all-zero block) to DESCALE; returns it."""
+    if MODE == "amax":
+        tl.store(DESCALE, amax)
+        return amax
+    descale = _descale_of(amax)
+    tl.store(DESCALE, descale)
+    return descale
+
+
+@triton.jit
+def _descale_of(amax):
+    """``amax / 448`` correctly rounded (torch's division), 1 for an all-zero block."""
+    return tl.where(amax > 0.0, tl.math.div_rn(amax, FP8_MAX), 1.0)
+
+
+@triton.jit
+def _reduced_descale(AMAX, n_blocks, BLOCK: tl.constexpr):
+    """The descale of the largest of the ``n_blocks`` block amaxes at AMAX (unit stride)."""
+    amax = 0.0
+    for b0 in range(0, n_blocks, BLOCK):
+        offs = b0 + tl.arange(0, BLOCK)
+        amax = tl.maximum(amax, tl.max(tl.load(AMAX + offs, mask=offs < n_blocks, other=0.0)))
+    return _descale_of(amax)
 
 
 @triton.jit
 def _quantize_block(X, X8, DESCALE, R, row0, n_rows, heads, stride_xm, stride_xh, stride_8m, stride_8h, stride_8d,
-                    inv_sqrt_d, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, CHUNK: tl.constexpr,
-                    ROTATE: tl.constexpr, MODE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                    inv_sqrt_d, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROTATE: tl.constexpr,
+                    MODE: tl.constexpr, TRANSPOSED: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """Quantize rows ``row0 : min(row0 + BLOCK, n_rows)`` of ``heads`` heads of X (row ``m`` of head ``h`` at
-    ``X + m * stride_xm + h * stride_xh``, unit column stride) into X8 (element ``(m, h, d)`` at
-    ``X8 + m * stride_8m + h * stride_8h + d * stride_8d``), all under the one descale at ``DESCALE``: read with
-    ``MODE`` "given"; else the heads' amax is taken first and written ("amax", which stores nothing else), or
-    its descale ``amax / 448`` (1 for an all-zero block) is written ("compute")."""
+    ``X + m * stride_xm + h * stride_xh``, unit column stride) into X8 (head ``h`` at ``X8 + h * stride_8h``,
+    see :func:`_store_block`), rotated by R with ``ROTATE``, all under the one descale at ``DESCALE``: read with ``MODE`` "given"; else the
+    heads' amax is taken first and written ("amax", which stores nothing else), or its descale ("compute")."""
+    rows = row0 + tl.arange(0, BLOCK)
+    row_ok = rows < n_rows
+    r = R
+    if ROTATE:
+        # The (HEAD_DIM, HEAD_DIM) +-1 matrix, loaded once for all of the block's heads.
+        offs_d = tl.arange(0, HEAD_DIM)
+        r = tl.load(R + offs_d[:, None] * HEAD_DIM + offs_d[None, :])
     if MODE == "given":
-        descale = tl.load(DESCALE)
+        _cast_block(X, X8, tl.load(DESCALE), r, rows, row_ok, heads, stride_xm, stride_xh, stride_8m, stride_8h,
+                    stride_8d, inv_sqrt_d, HEAD_DIM, ROTATE, TRANSPOSED, INPUT_PRECISION)
+    elif heads == 1:
+        # One head: its amax and its cast from the same registers, one read of the block.
+        y = _block_values(X, r, rows, row_ok, stride_xm, inv_sqrt_d, HEAD_DIM, ROTATE, INPUT_PRECISION)
+        descale = _block_scale(DESCALE, tl.max(tl.abs(y)), MODE)
+        if MODE == "compute":
+            _store_block(X8, y, descale, rows, row_ok, stride_8m, stride_8d, HEAD_DIM, TRANSPOSED)
     else:
+        # A GQA group shares the scale: every head's amax first, then every head's cast (a second read).
         amax = 0.0
         for h in range(heads):
-            amax = tl.maximum(amax, _block_pass(X + h * stride_xh, X8, R, row0, n_rows, stride_xm, stride_8m,
-                                                stride_8d, inv_sqrt_d, 0.0, HEAD_DIM, BLOCK, SUB, CHUNK, ROTATE,
-                                                False, INPUT_PRECISION))
-        if MODE == "amax":
-            tl.store(DESCALE, amax)
-            return
-        descale = tl.where(amax > 0.0, amax / FP8_MAX, 1.0)
-        tl.store(DESCALE, descale)
+            y = _block_values(X + h * stride_xh, r, rows, row_ok, stride_xm, inv_sqrt_d, HEAD_DIM, ROTATE,
+                              INPUT_PRECISION)
+            amax = tl.maximum(amax, tl.max(tl.abs(y)))
+        descale = _block_scale(DESCALE, amax, MODE)
+        if MODE == "compute":
+            _cast_block(X, X8, descale, r, rows, row_ok, heads, stride_xm, stride_xh, stride_8m, stride_8h,
+                        stride_8d, inv_sqrt_d, HEAD_DIM, ROTATE, TRANSPOSED, INPUT_PRECISION)
+
+
+@triton.jit
+def _cast_block(X, X8, descale, r, rows, row_ok, heads, stride_xm, stride_xh, stride_8m, stride_8h, stride_8d,
+                inv_sqrt_d, HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr, TRANSPOSED: tl.constexpr,
+                INPUT_PRECISION: tl.constexpr):
+    """Each head's (rotated) rows ``rows`` of X, divided by ``descale``, saturated and cast into X8."""
     for h in range(heads):
-        _block_pass(X + h * stride_xh, X8 + h * stride_8h, R, row0, n_rows, stride_xm, stride_8m, stride_8d,
-                    inv_sqrt_d, descale, HEAD_DIM, BLOCK, SUB, CHUNK, ROTATE, True, INPUT_PRECISION)
+        y = _block_values(X + h * stride_xh, r, rows, row_ok, stride_xm, inv_sqrt_d, HEAD_DIM, ROTATE,
+                          INPUT_PRECISION)
+        _store_block(X8 + h * stride_8h, y, descale, rows, row_ok, stride_8m, stride_8d, HEAD_DIM, TRANSPOSED)
 
 
 @triton.jit
-def _block_pass(X, X8, R, row0, n_rows, stride_xm, stride_8m, stride_8d, inv_sqrt_d, descale,
-                HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, CHUNK: tl.constexpr,
-                ROTATE: tl.constexpr, STORE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    """One pass over the block's (rotated) values, ``SUB`` rows by ``CHUNK`` columns at a time: returns their amax,
-    and with ``STORE`` writes them divided by ``descale``, saturated and cast."""
-    offs_s = tl.arange(0, SUB)
-    amax = 0.0
-    for m0 in range(0, BLOCK, SUB):
-        rows = row0 + m0 + offs_s
-        row_ok = rows < n_rows
-        for c0 in range(0, HEAD_DIM, CHUNK):
-            y = _columns(X + rows[:, None].to(tl.int64) * stride_xm, R, row_ok, c0, inv_sqrt_d,
-                         HEAD_DIM, CHUNK, ROTATE, INPUT_PRECISION)
-            amax = tl.maximum(amax, tl.max(tl.max(tl.abs(y), 1), 0))
-            if STORE:
-                # Saturate: e4m3 has no infinity, and a value past 448 would become NaN.
-                y = tl.minimum(tl.maximum(tl.math.div_rn(y, descale), -FP8_MAX), FP8_MAX)
-                offs_c = c0 + tl.arange(0, CHUNK)
-                dst = X8 + rows[:, None].to(tl.int64) * stride_8m + offs_c[None, :].to(tl.int64) * stride_8d
-                tl.store(dst, y.to(X8.dtype.element_ty), mask=row_ok[:, None])
-    return amax
-
-
-@triton.jit
-def quantize_fp8(Q, K, V, Q8, K8, VT8, Q_DESCALE, K_DESCALE, V_DESCALE, R, CU_SEQLENS_Q, CU_SEQLENS_K,
+def quantize_fp8(Q, K, V, Q8, K8, VT8, Q_DESCALE, K_DESCALE, V_DESCALE, V_AMAX, R, CU_SEQLENS_Q, CU_SEQLENS_K,
                  stride_qb, stride_qm, stride_qh, stride_kb, stride_km, stride_kh, stride_vb, stride_vm, stride_vh,
                  stride_q8b, stride_q8m, stride_q8h, stride_k8b, stride_k8m, stride_k8h,
                  stride_vtb, stride_vth, stride_vtd, stride_vtm,
                  stride_qdb, stride_qdh, stride_qdm, stride_kdb, stride_kdh, stride_kdm, stride_vdb, stride_vdh, stride_vdm,
+                 stride_vab, stride_vah,
                  seqlen_q, seqlen_k, total_q, total_k, nheads_kv, group, inv_sqrt_d,
-                 HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, CHUNK: tl.constexpr,
-                 ROTATE: tl.constexpr, QK_MODE: tl.constexpr, V_MODE: tl.constexpr, VARLEN: tl.constexpr,
-                 INPUT_PRECISION: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROTATE: tl.constexpr, QK_MODE: tl.constexpr,
+                 V_MODE: tl.constexpr, VARLEN: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """Descales are indexed ``(b, kv_head, block)`` by their strides (a per-tensor descale comes with a block
     stride of 0); q's query heads ``[g * group, (g + 1) * group)`` share KV head ``g``'s. ``VARLEN``: the rows of
     sequence ``b`` start at ``cu_seqlens[b]`` of packed tensors (batch strides 0) and blocks count from that
-    start."""
+    start. VT8's key stride ``stride_vtm`` is 1. ``V_MODE`` "reduce": v's descale (one per (b, kv_head)) is that
+    of the largest of its blocks' amaxes at V_AMAX (``(b, kv_head, block)``, unit block stride, the "amax"
+    launch's), written by the sequence's first block, and v is cast with it."""
     blk = tl.program_id(0)
     off_b = tl.program_id(1)
     head = tl.program_id(2)
@@ -111,22 +154,33 @@ def quantize_fp8(Q, K, V, Q8, K8, VT8, Q_DESCALE, K_DESCALE, V_DESCALE, R, CU_SE
                 q_head = head * group
                 _quantize_block(Q + off_b * stride_qb + q_head * stride_qh + q_start.to(tl.int64) * stride_qm,
                                 Q8 + off_b * stride_q8b + q_head * stride_q8h + q_start.to(tl.int64) * stride_q8m,
-                                Q_DESCALE + off_b * stride_qdb + head * stride_qdh + blk * stride_qdm, R,
-                                blk * BLOCK, seqlen_q, group, stride_qm, stride_qh, stride_q8m, stride_q8h, 1,
-                                inv_sqrt_d, HEAD_DIM, BLOCK, SUB, CHUNK, ROTATE, QK_MODE, INPUT_PRECISION)
+                                Q_DESCALE + off_b * stride_qdb + head * stride_qdh + blk * stride_qdm,
+                                R, blk * BLOCK, seqlen_q, group, stride_qm, stride_qh,
+                                stride_q8m, stride_q8h, 1, inv_sqrt_d, HEAD_DIM, BLOCK, ROTATE, QK_MODE, False,
+                                INPUT_PRECISION)
     else:
         head_kv = head - nheads_kv
         if blk * BLOCK < tl.maximum(seqlen_k, 1):
             if QK_MODE != "skip":
                 _quantize_block(K + off_b * stride_kb + head_kv * stride_kh + k_start.to(tl.int64) * stride_km,
                                 K8 + off_b * stride_k8b + head_kv * stride_k8h + k_start.to(tl.int64) * stride_k8m,
-                                K_DESCALE + off_b * stride_kdb + head_kv * stride_kdh + blk * stride_kdm, R,
-                                blk * BLOCK, seqlen_k, 1, stride_km, 0, stride_k8m, 0, 1, inv_sqrt_d,
-                                HEAD_DIM, BLOCK, SUB, CHUNK, ROTATE, QK_MODE, INPUT_PRECISION)
-            if V_MODE != "skip":
+                                K_DESCALE + off_b * stride_kdb + head_kv * stride_kdh + blk * stride_kdm,
+                                R, blk * BLOCK, seqlen_k, 1, stride_km, 0, stride_k8m,
+                                0, 1, inv_sqrt_d, HEAD_DIM, BLOCK, ROTATE, QK_MODE, False, INPUT_PRECISION)
+            if V_MODE == "reduce":
+                v_descale = _reduced_descale(V_AMAX + off_b * stride_vab + head_kv * stride_vah,
+                                             tl.cdiv(tl.maximum(seqlen_k, 1), BLOCK), BLOCK)
+                if blk == 0:
+                    tl.store(V_DESCALE + off_b * stride_vdb + head_kv * stride_vdh, v_descale)
+                rows = blk * BLOCK + tl.arange(0, BLOCK)
+                _cast_block(V + off_b * stride_vb + head_kv * stride_vh + k_start.to(tl.int64) * stride_vm,
+                            VT8 + off_b * stride_vtb + head_kv * stride_vth + k_start.to(tl.int64) * stride_vtm,
+                            v_descale, R, rows, rows < seqlen_k, 1, stride_vm, 0, 1, 0, stride_vtd, inv_sqrt_d,
+                            HEAD_DIM, False, True, INPUT_PRECISION)
+            elif V_MODE != "skip":
                 # v: never rotated; its rows become the columns of VT8.
                 _quantize_block(V + off_b * stride_vb + head_kv * stride_vh + k_start.to(tl.int64) * stride_vm,
                                 VT8 + off_b * stride_vtb + head_kv * stride_vth + k_start.to(tl.int64) * stride_vtm,
                                 V_DESCALE + off_b * stride_vdb + head_kv * stride_vdh + blk * stride_vdm, R,
-                                blk * BLOCK, seqlen_k, 1, stride_vm, 0, stride_vtm, 0, stride_vtd, inv_sqrt_d,
-                                HEAD_DIM, BLOCK, SUB, CHUNK, False, V_MODE, INPUT_PRECISION)
+                                blk * BLOCK, seqlen_k, 1, stride_vm, 0, 1, 0, stride_vtd, inv_sqrt_d,
+                                HEAD_DIM, BLOCK, False, V_MODE, True, INPUT_PRECISION)

@@ -169,10 +169,10 @@ class DecodePlan(NamedTuple):
 
 @functools.lru_cache(maxsize=1024)
 def _plan(batch, seqlen_q, nheads, nheads_kv, head_dim, head_dim_v, dtype, device, capacity, num_splits,
-          page_size: int, config: TileConfig | None) -> DecodePlan:
+          page_size: int, config: TileConfig | None, fp8: bool) -> DecodePlan:
     rows = seqlen_q * (nheads // nheads_kv)
     cfg, splits = decode_plan(max(head_dim, head_dim_v), dtype, device, rows, batch * nheads_kv, capacity, num_splits,
-                              page_size, config)
+                              page_size, config, fp8)
     m_blocks = cdiv(rows, cfg.BLOCK_M)
     combine_block = min(triton.next_power_of_2(splits), max(1, _COMBINE_TILE // padded_head_dim(head_dim_v)))
     return DecodePlan(cfg, splits, (m_blocks, batch * nheads_kv, splits), (seqlen_q * nheads, batch), combine_block)
@@ -189,7 +189,7 @@ def plan(q, k_cache, v_cache, args: KVCacheArgs, config: TileConfig | None = Non
     """Tiles, splits and grids that :func:`attention_kv` launches for these shapes."""
     batch, seqlen_q, nheads, head_dim = _query_shape(q, args)
     return _plan(batch, seqlen_q, nheads, k_cache.shape[2], head_dim, v_cache.shape[3], q.dtype, q.device,
-                 args.max_seqlen_k, args.num_splits, args.page_size if args.paged else 0, config)
+                 args.max_seqlen_k, args.num_splits, args.page_size if args.paged else 0, config, bool(args.fp8))
 
 
 def attention_kv(q, k_cache, v_cache, args: KVCacheArgs, config: TileConfig | None = None):

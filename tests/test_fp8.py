@@ -576,6 +576,25 @@ def _fp16_operand(x: torch.Tensor):
     return y, scale.item()
 
 
+@pytest.mark.parametrize("offset", [0, 1, 2])
+def test_fp8_kvcache_unaligned_v(backend, rng, offset):
+    """An e4m3 V whose rows are not 4-byte aligned (a view at byte ``offset``) is read a byte at a time, an aligned
+    one as 32-bit words (kernels/decode.py ``_e4m3_words``): the same values, so the same output."""
+    batch, nheads, nheads_kv, head_dim, length = 2, 4, 2, 64, 37
+    q = torch.randn(batch, 1, nheads, head_dim, generator=rng).to(DEVICE, torch.float16)
+    k8 = torch_fp8.to_fp8(torch.randn(batch, length, nheads_kv, head_dim, generator=rng).to(DEVICE) * 50)
+    v_full = torch_fp8.to_fp8(torch.randn(batch, length, nheads_kv, head_dim + 4, generator=rng).to(DEVICE) * 50)
+    v8 = v_full[..., offset:offset + head_dim]
+    descale = torch.full((nheads_kv,), 0.01, device=DEVICE)
+    kwargs = dict(cache_seqlens=torch.tensor([length, 20], dtype=torch.int32, device=DEVICE), causal=True,
+                  k_descale=descale, v_descale=descale)
+    out = flashtile.flash_attn_with_kvcache(q, k8, v8, **kwargs)
+    aligned = flashtile.flash_attn_with_kvcache(q, k8, v8.contiguous(), **kwargs)
+    torch.testing.assert_close(out, aligned, atol=1e-3, rtol=0)
+    ref, _ = testing.attention_ref(q[:1].double(), k8[:1].double() * 0.01, v8[:1].double() * 0.01, causal=True)
+    assert (out[:1].double() - ref).abs().max() < 2e-3
+
+
 @pytest.mark.parametrize("amax", [1.0, 32767.0, 32768.0, 65504.0, 70000.0, 3.0e6, 1.0e30])
 def test_fp16_operand_of_fp8_cache(rng, amax):
     """Against an e4m3 cache the decode kernel's dots run in fp16: q is divided by a power of two only when its

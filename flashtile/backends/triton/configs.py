@@ -530,15 +530,16 @@ DECODE_SM90 = {
     128: (TileConfig(16, 128, 4, 3), TileConfig(32, 64, 4, 3), TileConfig(64, 64, 4, 3)),
     256: (TileConfig(16, 64, 4, 2), TileConfig(32, 32, 4, 2), TileConfig(64, 32, 8, 2)),
 }
-# DECODE_SM90_FP8: an e4m3 cache (kernels/decode.py FP8_CACHE: tiles of half the bytes, converted to fp16 in
-# registers), with DECODE_FP8_PROGRAMS_PER_SM programs an SM. The bf16 tile (16x128 w4 s3, one program an SM) is
-# bound by issuing instructions, not by memory: 645 us at 16 x 32768 keys against the bf16 cache's 478 (H200, GQA
-# 32/8, d=128, CUDA graph, flashtile/bench/fp8.py); the conversions and the byte-wise loads of V's transposed
-# operand (sm_90 has no 8-bit ldmatrix.trans) want more warps and programs to hide their latency. Expected, to be
-# measured (scratch fp8_decode_bench.py):
+# DECODE_SM90_FP8: an e4m3 cache (kernels/decode.py FP8_CACHE: K converted to fp16 in registers, V read as words
+# and converted before its operand move), with DECODE_FP8_PROGRAMS_PER_SM programs an SM. The bf16 cache's tile
+# (16x128 w4 s3, one program an SM) took 645 us at 16 x 32768 keys against the bf16 cache's 478 (H200, GQA 32/8,
+# d=128, CUDA graph, flashtile/bench/fp8.py, before the kernel change): bound by issuing instructions (4544 SASS
+# instructions, 255 registers), not by memory. Now 16x128 w4 s3: 3136 instructions, 143 registers; w8: 95
+# registers, 106496 B of shared memory, so two programs fit an SM (ptxas, sm_90, triton 3.6). EXPECTED, not yet
+# measured (scratch fp8_decode_bench.py on the H200):
 #   tile, programs an SM          evidence
-#   16x128 w8 s3, 2               16 x 32768 keys: (expected ~0.55-0.7x the bf16 cache's time; 181 registers at w8,
-#                                 255 at w4, 73728 B of shared memory: ptxas -v, sm_90, triton 3.6)
+#   16x128 w8 s3, 2               16 x 32768 keys ~0.55-0.7x the bf16 cache's time (pages of 256 alike), 1 x 131072
+#                                 likewise (33 splits)
 # Other rows and head dims take the bf16 table's tiles.
 DECODE_SM90_FP8 = {128: (TileConfig(16, 128, 8, 3), TileConfig(32, 64, 4, 3), TileConfig(64, 64, 4, 3))}
 DECODE_FP8_PROGRAMS_PER_SM = 2

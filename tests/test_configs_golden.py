@@ -135,6 +135,10 @@ def choices() -> dict:
         hd, DTYPES[dt], device, *shape, num_splits=splits, page_size=page),
         (64, 128, 256), ("bf16", "fp32"), ((4, 8, 512), (4, 8, 32768), (4, 128, 8192), (16, 8, 1024), (1, 1, 100),
                                            (40, 32, 4096), (4, 1, 131072)), (0, 1, 3, 200), (0, 16, 64, 256))
+    grid("decode_plan fp8", lambda device, hd, shape, splits, page: configs.decode_plan(
+        hd, torch.bfloat16, device, *shape, num_splits=splits, page_size=page, fp8=True),
+        (64, 128, 256), ((4, 8, 512), (4, 128, 32768), (4, 8, 131072), (16, 8, 1024), (40, 32, 4096)), (0, 3),
+        (0, 16, 256))
     grid("decode_splits", lambda device, splits, programs, capacity, block_n, gather: configs.decode_splits(
         splits, programs, capacity, device, block_n, gather),
         (0, 1, 7, 500), (1, 8, 32, 132, 1000), (1, 128, 1024, 8192, 131072), (16, 32, 64, 128), (False, True))

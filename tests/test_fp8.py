@@ -6,11 +6,14 @@ import warnings
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import flashtile
 from flashtile import testing
 from flashtile.backends import AttnArgs
 from flashtile.backends import torch_fp8
+from flashtile.backends.triton.kernels import decode as decode_kernels
 from flashtile.fp8 import _kernel_module
 
 HAS_CUDA = torch.cuda.is_available()
@@ -577,6 +580,98 @@ def test_fp8_kvcache_objects(backend, rng):
                                    cache.v[:, :length].double() * 0.01, causal=True)
     assert (out.double() - ref).abs().max() < 2e-3
     assert any("fp8_cache" in name for name in flashtile.stats()["kernels"])
+
+
+@triton.jit
+def _fp16_operand_probe(X, Y, SCALE, N: tl.constexpr):
+    offs = tl.arange(0, 16)[:, None] * N + tl.arange(0, N)[None, :]
+    y, scale = decode_kernels._fp16_operand(tl.load(X + offs))
+    tl.store(Y + offs, y)
+    tl.store(SCALE + tl.arange(0, 1), scale + tl.zeros([1], dtype=tl.float32))
+
+
+def _fp16_operand(x: torch.Tensor):
+    """The decode kernel's ``_fp16_operand`` on one ``(16, n)`` tile: ``(q / scale in fp16, scale)``."""
+    y = torch.empty(x.shape, dtype=torch.float16, device=x.device)
+    scale = torch.empty(1, dtype=torch.float32, device=x.device)
+    _fp16_operand_probe[(1, )](x, y, scale, N=x.shape[1])
+    return y, scale.item()
+
+
+@pytest.mark.parametrize("offset", [0, 1, 2])
+def test_fp8_kvcache_unaligned_v(backend, rng, offset):
+    """An e4m3 V whose rows are not 4-byte aligned (a view at byte ``offset``) is read a byte at a time, an aligned
+    one as 32-bit words (kernels/decode.py ``_e4m3_words``): the same values, so the same output."""
+    batch, nheads, nheads_kv, head_dim, length = 2, 4, 2, 64, 37
+    q = torch.randn(batch, 1, nheads, head_dim, generator=rng).to(DEVICE, torch.float16)
+    k8 = torch_fp8.to_fp8(torch.randn(batch, length, nheads_kv, head_dim, generator=rng).to(DEVICE) * 50)
+    v_full = torch_fp8.to_fp8(torch.randn(batch, length, nheads_kv, head_dim + 4, generator=rng).to(DEVICE) * 50)
+    v8 = v_full[..., offset:offset + head_dim]
+    descale = torch.full((nheads_kv,), 0.01, device=DEVICE)
+    kwargs = dict(cache_seqlens=torch.tensor([length, 20], dtype=torch.int32, device=DEVICE), causal=True,
+                  k_descale=descale, v_descale=descale)
+    out = flashtile.flash_attn_with_kvcache(q, k8, v8, **kwargs)
+    aligned = flashtile.flash_attn_with_kvcache(q, k8, v8.contiguous(), **kwargs)
+    torch.testing.assert_close(out, aligned, atol=1e-3, rtol=0)
+    ref, _ = testing.attention_ref(q[:1].double(), k8[:1].double() * 0.01, v8[:1].double() * 0.01, causal=True)
+    assert (out[:1].double() - ref).abs().max() < 2e-3
+
+
+@pytest.mark.parametrize("amax", [1.0, 32767.0, 32768.0, 65504.0, 70000.0, 3.0e6, 1.0e30])
+def test_fp16_operand_of_fp8_cache(rng, amax):
+    """Against an e4m3 cache the decode kernel's dots run in fp16: q is divided by a power of two only when its
+    largest magnitude reaches 2^15, so q / scale never overflows fp16 and (q / scale) * scale is q to fp16's
+    rounding; tiles within fp16's range are converted as they are."""
+    x = torch.randn(16, 32, generator=rng)
+    x = (x * amax / x.abs().max()).to(DEVICE)
+    y, scale = _fp16_operand(x)
+    assert torch.isfinite(y).all() and y.abs().max() <= 2 ** 15
+    assert math.log2(scale) == round(math.log2(scale)) and scale >= 1
+    if amax < 2 ** 15:
+        assert scale == 1 and torch.equal(y, x.half())
+    else:
+        assert y.abs().max() >= 2 ** 13
+    torch.testing.assert_close(y.double() * scale, x.double(), rtol=2 ** -11, atol=scale * 2 ** -24)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="bfloat16 q beyond fp16's range needs the GPU (the interpreter's bf16 is wrong)")
+def test_fp8_kvcache_bf16_query_beyond_fp16_range(rng):
+    """A bf16 query with entries past fp16's 65504 against an e4m3 cache: the fp16 dots see q scaled by a power of
+    two, so the output is finite and matches fp32 attention on the dequantized cache."""
+    batch, nheads, nheads_kv, head_dim, length = 2, 8, 2, 128, 300
+    q = torch.randn(batch, 1, nheads, head_dim, generator=rng).to(DEVICE, torch.bfloat16)
+    q[:, :, :, :4] *= 1e5
+    k_descale, v_descale = _kv_descales(rng, batch, nheads_kv, per_row=False)
+    k8 = torch_fp8.to_fp8(torch.randn(batch, length, nheads_kv, head_dim, generator=rng).to(DEVICE) * 100)
+    v8 = torch_fp8.to_fp8(torch.randn(batch, length, nheads_kv, head_dim, generator=rng).to(DEVICE) * 100)
+    # Scores of this size saturate the softmax: a scale keeps them in a few hundred.
+    scale = 1e-5
+    out = flashtile.flash_attn_with_kvcache(q, k8, v8, cache_seqlens=length, causal=True, softmax_scale=scale,
+                                            k_descale=k_descale, v_descale=v_descale)
+    ref, _ = testing.attention_ref(q.float(), _dequantized(k8, k_descale, batch).float(),
+                                   _dequantized(v8, v_descale, batch).float(), causal=True, softmax_scale=scale)
+    assert torch.isfinite(out).all()
+    assert (out.float() - ref).abs().max() < 2e-2 * ref.abs().max()
+
+
+def test_fp8_cache_decode_plan(monkeypatch):
+    """An e4m3 cache's decode step takes DECODE_SM90_FP8's tile and DECODE_FP8_PROGRAMS_PER_SM programs an SM on
+    sm_90 (a bf16 cache: DECODE_SM90's, one program an SM); small pages keep the gather tile."""
+    from flashtile.backends.triton import configs
+
+    monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)
+    cuda = torch.device("cuda", 0)
+    for batch, capacity in ((16, 32768), (1, 131072)):
+        programs = batch * 8
+        fp8 = configs.decode_plan(128, torch.bfloat16, cuda, 4, programs, capacity, fp8=True)
+        bf16 = configs.decode_plan(128, torch.bfloat16, cuda, 4, programs, capacity)
+        assert fp8 == (configs.DECODE_SM90_FP8[128][0], configs.DECODE_FP8_PROGRAMS_PER_SM * 132 // programs)
+        assert bf16 == (configs.DECODE_SM90[128][0], 132 // programs)
+    assert configs.decode_plan(128, torch.bfloat16, cuda, 4, 128, 32768, page_size=256, fp8=True)[0] == \
+        configs.DECODE_SM90_FP8[128][0]
+    assert configs.decode_plan(128, torch.bfloat16, cuda, 4, 128, 32768, page_size=16, fp8=True)[0] == \
+        configs.DECODE_SM90_GATHER[128]
 
 
 @pytest.mark.parametrize("change,error,words", [

@@ -530,6 +530,19 @@ DECODE_SM90 = {
     128: (TileConfig(16, 128, 4, 3), TileConfig(32, 64, 4, 3), TileConfig(64, 64, 4, 3)),
     256: (TileConfig(16, 64, 4, 2), TileConfig(32, 32, 4, 2), TileConfig(64, 32, 8, 2)),
 }
+# DECODE_SM90_FP8: an e4m3 cache (kernels/decode.py FP8_CACHE: K converted to fp16 in registers, V read as words
+# and converted before its operand move), with DECODE_FP8_PROGRAMS_PER_SM programs an SM. The bf16 cache's tile
+# (16x128 w4 s3, one program an SM) took 645 us at 16 x 32768 keys against the bf16 cache's 478 (H200, GQA 32/8,
+# d=128, CUDA graph, flashtile/bench/fp8.py, before the kernel change): bound by issuing instructions (4544 SASS
+# instructions, 255 registers), not by memory. Now 16x128 w4 s3: 3136 instructions, 143 registers; w8: 95
+# registers, 106496 B of shared memory, so two programs fit an SM (ptxas, sm_90, triton 3.6). EXPECTED, not yet
+# measured (scratch fp8_decode_bench.py on the H200):
+#   tile, programs an SM          evidence
+#   16x128 w8 s3, 2               16 x 32768 keys ~0.55-0.7x the bf16 cache's time (pages of 256 alike), 1 x 131072
+#                                 likewise (33 splits)
+# Other rows and head dims take the bf16 table's tiles.
+DECODE_SM90_FP8 = {128: (TileConfig(16, 128, 8, 3), TileConfig(32, 64, 4, 3), TileConfig(64, 64, 4, 3))}
+DECODE_FP8_PROGRAMS_PER_SM = 2
 # DECODE_SM90_GATHER: pages smaller than a key block, each key row looked up on its own page (the next block's table
 # read lands before its K/V loads), with DECODE_GATHER_PROGRAMS programs an SM making up the bytes in flight. Time
 # over the contiguous cache's (H200, bf16, 32/8 heads, d=128, page 16, CUDA graph, scratch sweep 2026-11-21):
@@ -683,51 +696,58 @@ def dense_takes_decode(batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nh
 
 
 def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, packed_rows: int,
-                  page_size: int = 0) -> TileConfig:
+                  page_size: int = 0, fp8: bool = False) -> TileConfig:
     """Tiles of the KV-cache attention kernel; ``packed_rows = seqlen_q * (nheads // nheads_kv)``;
-    ``page_size``: of a paged cache, 0 for a contiguous one."""
+    ``page_size``: of a paged cache, 0 for a contiguous one; ``fp8``: the cache is e4m3."""
     if device.type != "cuda":
         return _DECODE_INTERPRET
     if dtype == torch.float32:
         table = _DECODE_FP32
     else:
         table = DECODE_SM90 if _arch(device) == 90 else DECODE_SM80
+    if fp8 and table is DECODE_SM90 and padded_head_dim(head_dim) in DECODE_SM90_FP8:
+        table = DECODE_SM90_FP8
     column = 0 if packed_rows <= 16 else 1 if packed_rows <= DECODE_PREFILL_ROWS else 2
     cfg = table[padded_head_dim(head_dim)][column]
     gather = page_size and page_size % cfg.BLOCK_N != 0
-    if gather and table is DECODE_SM90 and column == 0 and padded_head_dim(head_dim) in DECODE_SM90_GATHER:
+    sm90 = table in (DECODE_SM90, DECODE_SM90_FP8)
+    if gather and sm90 and column == 0 and padded_head_dim(head_dim) in DECODE_SM90_GATHER:
         return DECODE_SM90_GATHER[padded_head_dim(head_dim)]
     return cfg
 
 
 def decode_plan(head_dim: int, dtype: torch.dtype, device: torch.device, rows: int, programs: int, capacity: int,
-                num_splits: int = 0, page_size: int = 0, config: TileConfig | None = None) -> tuple:
+                num_splits: int = 0, page_size: int = 0, config: TileConfig | None = None, fp8: bool = False) -> tuple:
     """``(tiles, splits)`` of the KV-cache kernel: :func:`decode_config`'s tiles and :func:`decode_splits`'s
     count, with the short-cache rules above. ``rows``: packed query rows a (batch row, KV head);
     ``programs``: batch x KV heads (the row blocks are counted here); ``config``: tiles given instead of
-    the table's (tuning sweeps), taken as they are."""
-    cfg = config or decode_config(head_dim, dtype, device, rows, page_size)
+    the table's (tuning sweeps), taken as they are; ``fp8``: the cache is e4m3 (DECODE_SM90_FP8)."""
+    cfg = config or decode_config(head_dim, dtype, device, rows, page_size, fp8)
     programs *= -(-rows // cfg.BLOCK_M)
     gather = bool(page_size) and page_size % cfg.BLOCK_N != 0
-    splits = decode_splits(num_splits, programs, capacity, device, cfg.BLOCK_N, gather)
+    # The e4m3 decode tile (not a sweep's, nor small pages' gather tile) runs more programs an SM.
+    fp8_tile = fp8 and config is None and cfg == DECODE_SM90_FP8.get(padded_head_dim(head_dim), (None,))[0]
+    per_sm = DECODE_FP8_PROGRAMS_PER_SM if fp8_tile else DECODE_PROGRAMS_PER_SM
+    splits = decode_splits(num_splits, programs, capacity, device, cfg.BLOCK_N, gather, per_sm=per_sm)
     if device.type != "cuda" or config is not None:
         return cfg, splits
     short = DECODE_SHORT_BLOCK_N
-    wanted = DECODE_PROGRAMS_PER_SM * sm_count(device) // max(programs, 1)
+    wanted = per_sm * sm_count(device) // max(programs, 1)
     if (num_splits == 0 and not gather and cfg.BLOCK_N >= short and splits < wanted
             and (not page_size or page_size % short == 0)):
         cfg = replace(cfg, BLOCK_N=short)
-        splits = decode_splits(0, programs, capacity, device, short, min_keys=short)
+        splits = decode_splits(0, programs, capacity, device, short, min_keys=short, per_sm=per_sm)
     if -(-capacity // (splits * cfg.BLOCK_N)) <= 1 and cfg.num_stages > DECODE_SHORT_STAGES:
         cfg = replace(cfg, num_stages=DECODE_SHORT_STAGES)
     return cfg, splits
 
 
 def decode_splits(num_splits: int, programs: int, capacity: int, device: torch.device, block_n: int,
-                  gather: bool = False, min_keys: int = DECODE_MIN_KEYS_PER_SPLIT) -> int:
+                  gather: bool = False, min_keys: int = DECODE_MIN_KEYS_PER_SPLIT, per_sm: int = 0) -> int:
     """Key splits per sequence: ``num_splits`` when given (clamped to ``[1, DECODE_MAX_SPLITS]`` and to
     the key blocks of the capacity), else the auto rule above. ``programs``: row blocks x batch x KV heads;
-    ``gather``: keys are looked up row by row on small pages (twice the programs hide that latency)."""
+    ``gather``: keys are looked up row by row on small pages (twice the programs hide that latency);
+    ``per_sm``: programs an SM (0: DECODE_PROGRAMS_PER_SM)."""
     blocks = max(1, -(-capacity // block_n))
     if num_splits > 0:
         return max(1, min(num_splits, DECODE_MAX_SPLITS, blocks))
@@ -735,6 +755,6 @@ def decode_splits(num_splits: int, programs: int, capacity: int, device: torch.d
     if interpret:
         min_keys = _INTERPRET_MIN_KEYS_PER_SPLIT
     by_length = max(1, capacity // max(min_keys, block_n))
-    per_sm = DECODE_PROGRAMS_PER_SM * (DECODE_GATHER_PROGRAMS if gather else 1)
+    per_sm = (per_sm or DECODE_PROGRAMS_PER_SM) * (DECODE_GATHER_PROGRAMS if gather else 1)
     wanted = per_sm * sm_count(device) // max(programs, 1)
     return max(1, min(wanted, by_length, DECODE_MAX_SPLITS, blocks))

@@ -169,10 +169,10 @@ class DecodePlan(NamedTuple):
 
 @functools.lru_cache(maxsize=1024)
 def _plan(batch, seqlen_q, nheads, nheads_kv, head_dim, head_dim_v, dtype, device, capacity, num_splits,
-          page_size: int, config: TileConfig | None) -> DecodePlan:
+          page_size: int, config: TileConfig | None, fp8: bool) -> DecodePlan:
     rows = seqlen_q * (nheads // nheads_kv)
     cfg, splits = decode_plan(max(head_dim, head_dim_v), dtype, device, rows, batch * nheads_kv, capacity, num_splits,
-                              page_size, config)
+                              page_size, config, fp8)
     m_blocks = cdiv(rows, cfg.BLOCK_M)
     combine_block = min(triton.next_power_of_2(splits), max(1, _COMBINE_TILE // padded_head_dim(head_dim_v)))
     return DecodePlan(cfg, splits, (m_blocks, batch * nheads_kv, splits), (seqlen_q * nheads, batch), combine_block)
@@ -189,7 +189,7 @@ def plan(q, k_cache, v_cache, args: KVCacheArgs, config: TileConfig | None = Non
     """Tiles, splits and grids that :func:`attention_kv` launches for these shapes."""
     batch, seqlen_q, nheads, head_dim = _query_shape(q, args)
     return _plan(batch, seqlen_q, nheads, k_cache.shape[2], head_dim, v_cache.shape[3], q.dtype, q.device,
-                 args.max_seqlen_k, args.num_splits, args.page_size if args.paged else 0, config)
+                 args.max_seqlen_k, args.num_splits, args.page_size if args.paged else 0, config, bool(args.fp8))
 
 
 def attention_kv(q, k_cache, v_cache, args: KVCacheArgs, config: TileConfig | None = None):
@@ -262,13 +262,17 @@ def attend(q, k_cache, v_cache, out, lse, args: KVCacheArgs, config: TileConfig 
             PAGE_ALIGNED=args.block_table is not None and k_cache.shape[1] % cfg.BLOCK_N == 0, Q_VARLEN=varlen,
             HAS_SEQUSED=args.seqused_k is not None,
             PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_descale_strides(args),
+            V_WORDS=v_words, PTX=not interpreter_enabled(),
         )
 
+    # An e4m3 V is read as 32-bit words where its rows are 4-byte aligned (any cache a torch op made).
+    v_words = bool(args.fp8) and (v_cache.data_ptr() | v_cache.stride(0) | v_cache.stride(1) | v_cache.stride(2)
+                                  | head_dim_v) % 4 == 0
     # The key holds what the static arguments read: q's layout and rows a sequence, the cache's shape but its
     # rows (and its page size when paged), the plan (the output's strides follow).
     key = (_layout(q), seqlen_q, k_cache.shape[2:], v_cache.shape[3], k_cache.shape[1] if args.paged else None,
            q.device, cache_key(args, capacity=False), p, args.window_left, args.window_right, args.softcap > 0,
-           _layout(alibi), args.sink is not None, _layout(args.k_descale), _layout(args.v_descale))
+           _layout(alibi), args.sink is not None, _layout(args.k_descale), _layout(args.v_descale), v_words)
     cu_seqlens_q = args.cu_seqlens_q if varlen else q
     with on_device(q):
         # The kernel's max_seqlen_k bounds the key rows read from a cache row: a paged row's capacity, or the

@@ -144,6 +144,23 @@ def _quantize(x, descale_ptrs, mask):
 
 
 @triton.jit
+def _fp16_operand(q):
+    """``(q / scale in fp16, scale)``, ``scale`` a power of two that brings the tile's largest magnitude under
+    2^15 (1 for any tile within fp16's range). Against an e4m3 cache the dots run in fp16: e4m3 -> bf16 costs
+    sm_90 a cvt to fp16, one to fp32 and one to bf16 per value (255 registers and spills at 16x128), e4m3 -> fp16
+    one cvt a pair. bf16 values from 2^-14 to 2^15 are exact in fp16; smaller ones keep fp16's subnormal bits
+    (an error under 2^-24 a product with |k| <= 1 before the descale)."""
+    q = q.to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(q), 1), 0)
+    # amax < 2^(e + 1) for e its unbiased exponent: dividing by 2^(e - 14) leaves it under 2^15.
+    exponent = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    shift = tl.minimum(tl.maximum(exponent - 14, 0), 126)
+    scale = ((127 + shift) << 23).to(tl.float32, bitcast=True)
+    inverse = ((127 - shift) << 23).to(tl.float32, bitcast=True)
+    return (q * inverse).to(tl.float16), scale
+
+
+@triton.jit
 def _decode_inner(acc, l_i, m_i, q, K_HEAD, V_HEAD, table_row, stride_kb, stride_kn, stride_vb, stride_vn,
                   offs_t, offs_dk, offs_dv, lo, hi, leftpad, cache_b, page_size, num_blocks, seqlen_q, seqlen_k,
                   qk_scale, softcap2, slope2, window_left, window_right, k_descale,
@@ -152,7 +169,7 @@ def _decode_inner(acc, l_i, m_i, q, K_HEAD, V_HEAD, table_row, stride_kb, stride
                   MASK: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                   SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ALIBI: tl.constexpr,
                   PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                  FP8_CACHE: tl.constexpr):
+                  FP8_CACHE: tl.constexpr, V_WORDS: tl.constexpr, PTX: tl.constexpr):
     offs_n = lo + tl.arange(0, BLOCK_N)
     slot, offset = _block_slots(lo, leftpad, seqlen_k, cache_b, table_row, page_size, num_blocks,
                                 BLOCK_N, PAGED, PAGE_ALIGNED)
@@ -161,8 +178,9 @@ def _decode_inner(acc, l_i, m_i, q, K_HEAD, V_HEAD, table_row, stride_kb, stride
         # Full blocks lie below seqlen_k by construction: only masked blocks check the key boundary.
         k = load_tile(k_ptrs, offs_n, seqlen_k, offs_dk, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, MASK)
         if FP8_CACHE:
-            # e4m3 values are exact in q's 16-bit dtype; the descale is one scalar of this KV head: on the scores.
-            qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=INPUT_PRECISION) * k_descale
+            # q is fp16 here (attn_decode): e4m3 -> fp16 is one cvt a pair of values, exact; the descale is one
+            # scalar of this KV head: on the scores.
+            qk = tl.dot(q, tl.trans(k.to(tl.float16)), input_precision=INPUT_PRECISION) * k_descale
         else:
             qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
         if MASK or SOFTCAP or ALIBI:
@@ -174,11 +192,16 @@ def _decode_inner(acc, l_i, m_i, q, K_HEAD, V_HEAD, table_row, stride_kb, stride
         p, alpha, m_ij = softmax_step(qk, s, m_i, qk_scale, MASK or SOFTCAP or ALIBI)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v_ptrs = V_HEAD + (slot * stride_vb + offset.to(tl.int64) * stride_vn)[:, None] + offs_dv[None, :]
-        v = load_tile(v_ptrs, offs_n, seqlen_k, offs_dv, HEAD_DIM_V_ACTUAL, HEAD_DIM_V, MASK)
-        if FP8_CACHE:
-            # v's descale multiplies the output once, after the loop.
-            v = v.to(q.dtype)
+        v_rows = V_HEAD + slot * stride_vb + offset.to(tl.int64) * stride_vn
+        # v's descale multiplies the output once, after the loop; p in [0, 1] keeps more bits in fp16 than in bf16
+        # (weights below 2^-24 of the row's largest drop out).
+        if V_WORDS:
+            v = _e4m3_words(v_rows, offs_n, seqlen_k, BLOCK_N, HEAD_DIM_V_ACTUAL, HEAD_DIM_V, MASK, PTX)
+        else:
+            v = load_tile(v_rows[:, None] + offs_dv[None, :], offs_n, seqlen_k, offs_dv, HEAD_DIM_V_ACTUAL,
+                          HEAD_DIM_V, MASK)
+            if FP8_CACHE:
+                v = v.to(tl.float16)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
         m_i = m_ij
         # Read the next block's pages now, so its K and V loads wait on no table read.
@@ -186,6 +209,39 @@ def _decode_inner(acc, l_i, m_i, q, K_HEAD, V_HEAD, table_row, stride_kb, stride
         slot, offset = _block_slots(start_n + BLOCK_N, leftpad, seqlen_k, cache_b, table_row, page_size, num_blocks,
                                     BLOCK_N, PAGED, PAGE_ALIGNED)
     return acc, l_i, m_i
+
+
+@triton.jit
+def _e4m3_words(row_ptrs, offs_n, seqlen_k, BLOCK_N: tl.constexpr, HEAD_DIM_ACTUAL: tl.constexpr,
+                HEAD_DIM: tl.constexpr, CHECK_ROWS: tl.constexpr, PTX: tl.constexpr):
+    """The ``[BLOCK_N, HEAD_DIM]`` e4m3 tile at ``row_ptrs`` (rows 4-byte aligned) in fp16, read as 32-bit words
+    and converted in registers before it becomes a dot operand. Loaded as e4m3 for ``P @ V``, the tile would be
+    converted after Triton's move to the operand layout, whose rows run along keys: sm_90 has no 8-bit transposing
+    ldmatrix, so that reads shared memory a byte at a time (sm_90, 16x128 w4: 256 LDS.U8 and 255 registers; as
+    words: fp16 ldmatrix.trans, 142 registers). ``PTX``: ``cvt.rn.f16x2.e4m3x2`` on byte pairs (on a GPU);
+    else shifts and casts, the same values (the interpreter runs no PTX)."""
+    offs_w = tl.arange(0, HEAD_DIM // 4)
+    w_ptrs = row_ptrs.to(tl.pointer_type(tl.int32), bitcast=True)[:, None] + offs_w[None, :]
+    words = load_tile(w_ptrs, offs_n, seqlen_k, offs_w, HEAD_DIM_ACTUAL // 4, HEAD_DIM // 4, CHECK_ROWS)
+    if PTX:
+        # Byte i of a word is column 4w + i (little-endian); the upper half of a cvt's result is its upper byte.
+        v0, v1, v2, v3 = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 a, lo; "
+            "cvt.rn.f16x2.e4m3x2 b, hi; mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
+            "=h,=h,=h,=h,r", [words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+    else:
+        v0 = _e4m3_byte(words, 0)
+        v1 = _e4m3_byte(words, 8)
+        v2 = _e4m3_byte(words, 16)
+        v3 = _e4m3_byte(words, 24)
+    # join(join(v0, v2), join(v1, v3))[w, i, j] is v[2i + j]: columns 4w .. 4w + 3 in order.
+    return tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), [BLOCK_N, HEAD_DIM])
+
+
+@triton.jit
+def _e4m3_byte(words, shift: tl.constexpr):
+    """The e4m3 value in bits ``shift .. shift + 7`` of each word, in fp16 (exact)."""
+    return ((words >> shift) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
 
 
 @triton.jit
@@ -225,8 +281,9 @@ def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 
                 ALIBI: tl.constexpr, HAS_SINK: tl.constexpr, PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr,
                 HAS_SEQLENS: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
                 Q_VARLEN: tl.constexpr, HAS_SEQUSED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                PDL: tl.constexpr, FP8_CACHE: tl.constexpr):
-    """``FP8_CACHE``: K and V are e4m3, read as ``K * K_DESCALE[b, h_kv]`` (descales by strides).
+                PDL: tl.constexpr, FP8_CACHE: tl.constexpr, V_WORDS: tl.constexpr, PTX: tl.constexpr):
+    """``FP8_CACHE``: K and V are e4m3, read as ``K * K_DESCALE[b, h_kv]`` (descales by strides); ``V_WORDS``:
+    V's rows are 4-byte aligned and read as words (``_e4m3_words``; ``PTX``: not under the interpreter).
     ``O``/``LSE`` are the output ``(batch, seqlen_q, nheads, headdim_v)`` / ``(batch, nheads, seqlen_q)``
     (one split, ``stride_os = stride_ls = 0``) or the float32 partials with a leading split dim. With
     ``Q_VARLEN`` the output is packed (``stride_ob = stride_lb = 0``, rows from ``cu_seqlens_q[b]``) and
@@ -292,6 +349,8 @@ def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 
     k_descale = 1.0
     if FP8_CACHE:
         k_descale = tl.load(K_DESCALE + off_b * stride_kdb + off_hk * stride_kdh)
+        q, q_scale = _fp16_operand(q)
+        k_descale = k_descale * q_scale
     if PAGED:
         # The row's last page, checked once a program (a table not grown with the sequence shows there); pages
         # are clamped as they are read, but a check in the key loop would cost registers (sm90: 128 -> 168).
@@ -308,7 +367,7 @@ def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 
                 qk_scale, softcap * LOG2E, slope2, window_left, window_right, k_descale,
                 BLOCK_N, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, HEAD_DIM_V_ACTUAL, HEAD_DIM_V,
                 run != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, PAGED, PAGE_ALIGNED, INPUT_PRECISION,
-                FP8_CACHE)
+                FP8_CACHE, V_WORDS, PTX)
 
     # A row that saw no key (and no sink) has l = 0: output 0, lse -inf (an empty split, too).
     seen = l_i > 0.0

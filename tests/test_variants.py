@@ -259,8 +259,10 @@ def test_key_padding_mask_equals_shorter_keys(backend, device, rng):
 # ---------------------------------------------------------------- value head dim
 
 
-@pytest.mark.parametrize("headdim, headdim_v, causal", [(64, 32, False), (32, 64, True), (24, 128, True)],
-                         ids=["64-32-full", "32-64-causal", "24-128-causal"])
+# 40/8 and 72/8: values of 8 columns with a q/k head dim that is not a multiple of 16 (once wrong on the H200).
+@pytest.mark.parametrize("headdim, headdim_v, causal", [(64, 32, False), (32, 64, True), (24, 128, True),
+                                                        (40, 8, False), (72, 8, True)],
+                         ids=["64-32-full", "32-64-causal", "24-128-causal", "40-8-full", "72-8-causal"])
 def test_headdim_v(backend, device, rng, headdim, headdim_v, causal):
     q, k, _ = make_qkv(2, 77, 101, 2, 1, headdim, torch.float16, device, generator=rng)
     v = randn(rng, 2, 101, 1, headdim_v, device=device, dtype=torch.float16, requires_grad=True)

@@ -147,6 +147,12 @@ ONE_PASS_LONG = [
 # Chosen greedily from the sweep (most uncovered atoms per pair first) and held fixed here, so that a change of the
 # dispatcher that adds a path fails tests/test_paths.py until a case for it is added.
 CASES = ONE_PASS_LONG + [
+    # The one-pass backward at head dim 64 (calls of 2^28+ visible pairs), MHA and GQA, dense and packed.
+    Case(1, 4096, 4096, 16, 16, 64, 64, "bfloat16", "full"),
+    Case(2, 4096, 4096, 16, 4, 64, 64, "bfloat16", "causal", ("sink",)),
+    Case(1, 8192, 8192, 16, 16, 64, 64, "bfloat16", "causal", ("varlen",)),
+    Case(4, 4096, 4096, 16, 4, 64, 64, "bfloat16", "causal", ("alibi", "varlen")),
+    Case(2, 8192, 8192, 16, 16, 64, 64, "bfloat16", "1024,0", ("softcap",)),
     Case(1, 256, 256, 2, 2, 32, 32, "bfloat16", "full", ("softcap",)),
     Case(1, 256, 256, 2, 2, 32, 32, "bfloat16", "causal", ("varlen",)),
     Case(1, 1, 4096, 32, 8, 32, 32, "bfloat16", "1024,0", ("alibi",)),

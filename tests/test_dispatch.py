@@ -477,13 +477,14 @@ def test_profiler_trace_names_the_kernels_that_ran(rng, backend):
 @pytest.mark.parametrize("case, one_pass", [
     ("plain", True), ("causal", True), ("window", True), ("softcap", True), ("sink", True), ("alibi", True),
     ("alibi-causal", True), ("alibi-two-sided", False), ("gqa-4", True), ("deterministic", False), ("few-ctas", False), ("dropout", False), ("fp32", False),
-    ("head-dim-64", False), ("varlen", True), ("varlen-softcap", True),
+    ("head-dim-64", True), ("head-dim-64-short", False), ("head-dim-96", False), ("varlen", True),
+    ("varlen-softcap", True),
     ("ampere", False),
 ])
 def test_one_pass_backward_where_it_serves(monkeypatch, case, one_pass):
     """The one-pass Hopper backward takes 16-bit calls at head dim 128 (packed sequences, windows, softcap, sinks;
-    ALiBi unless a right bound lies past the diagonal) whose 128-key CTAs fill the SMs, unless deterministic; the
-    rest keep the pair."""
+    ALiBi unless a right bound lies past the diagonal) whose 128-key CTAs fill the SMs, unless deterministic, and
+    at head dim 64 those of 2^28+ visible pairs (1 x 4096 causal on 16 heads has 2^27); the rest keep the pair."""
     from dataclasses import replace
 
     from flashtile.backends import AttentionCall
@@ -496,8 +497,10 @@ def test_one_pass_backward_where_it_serves(monkeypatch, case, one_pass):
                 "alibi-causal": ("alibi",), "alibi-two-sided": ("alibi", "window"), "dropout": ("dropout",),
                 "varlen": ("varlen",), "varlen-softcap": ("varlen", "softcap")}.get(
         case, ())
-    call = AttentionCall(cuda, torch.float32 if case == "fp32" else torch.bfloat16, 1 if case == "few-ctas" else 4,
-                         4096, 4096, 16, 4 if case == "gqa-4" else 16, 64 if case == "head-dim-64" else 128,
+    head_dim = {"head-dim-64": 64, "head-dim-64-short": 64, "head-dim-96": 96}.get(case, 128)
+    call = AttentionCall(cuda, torch.float32 if case == "fp32" else torch.bfloat16,
+                         1 if case in ("few-ctas", "head-dim-64-short") else 4,
+                         4096, 4096, 16, 4 if case == "gqa-4" else 16, head_dim,
                          case not in ("plain", "alibi", "alibi-two-sided"),
                          tuple((name, f"{name}: test") for name in features),
                          window={"window": (1024, 0), "alibi-two-sided": (512, 512)}.get(

@@ -606,8 +606,17 @@ _INTERPRET_MIN_ROWS_PER_SPLIT = 64
 # (benchmarks/bwd_ws.py, BENCHMARKS.md); packed sequences 0.84-0.97x with or without the features and seqused_k
 # (benchmarks/bwd_ws.py varlen). ALiBi with no right bound, or causal (the bias is linear where keys are
 # seen); a right bound past the diagonal keeps the pair. Deterministic calls keep the pair.
+# At head dim 64 it takes calls of ONE_PASS_D64_MIN_PAIRS+ visible (query row, key) pairs over all heads; below,
+# causal rows keep the pair. H200, bf16, backward TFLOP/s, pair -> one-pass, median of 10 (scratch run at 4664c6d):
+#   call                             full          causal
+#   1x4096, 16/16 heads              239 -> 333    174 -> 153 (the floor: 2^27 pairs causal, 2^28 full)
+#   1x16384, 32/32                   355 -> 410    336 -> 407
+#   4x4096, 32/32                    353 -> 392    318 -> 348
+#   2x4096, 64/8 with a sink         338 -> 395    282 -> 296
 ONE_PASS_KEYS = 128
 ONE_PASS_FEATURES = frozenset({"window", "softcap", "alibi", "sink", "varlen"})
+ONE_PASS_HEAD_DIMS = (64, 128)
+ONE_PASS_D64_MIN_PAIRS = 1 << 28
 
 
 def deterministic(asked: bool) -> bool:
@@ -618,13 +627,14 @@ def deterministic(asked: bool) -> bool:
 
 def one_pass_bwd(head_dim: int, head_dim_v: int, dtype: torch.dtype, device: torch.device, features: frozenset,
                  window_right: int, batch: int, nheads_kv: int, seqlen_k: int,
-                 deterministic: bool) -> bool:
+                 deterministic: bool, pairs: int = 0) -> bool:
     """Whether a backward takes the one-pass kernel; ``features``: the call's feature names (packed sequences
     are one), ``window_right`` its right bound (0 when causal, -1 none), ``deterministic`` whether its gradients
-    must be bit-identical run to run."""
+    must be bit-identical run to run, ``pairs`` the visible (query row, key) pairs over all heads, about."""
     return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _arch(device) == 90
-            and head_dim == 128 and head_dim_v == 128 and features <= ONE_PASS_FEATURES
+            and head_dim == head_dim_v and head_dim in ONE_PASS_HEAD_DIMS and features <= ONE_PASS_FEATURES
             and not ("alibi" in features and window_right > 0) and not deterministic
+            and (head_dim != 64 or pairs >= ONE_PASS_D64_MIN_PAIRS)
             and -(-seqlen_k // ONE_PASS_KEYS) * nheads_kv * batch >= sm_count(device))
 
 
@@ -645,8 +655,9 @@ def bwd_choice(cfg: BwdConfig, head_dim: int, head_dim_v: int, dtype: torch.dtyp
     ``window``: ``(left, right)``; ``one_pass`` / ``gluon``: whether the one-pass kernel / the Gluon dK/dV kernel may
     be taken (False once the inputs are found unfit for the TMA). The one-pass kernel stores whole dK/dV rows, so it
     never takes the pair's split plan."""
+    pairs = batch * nheads * seqlen_q * mean_row_keys(seqlen_k, *window)
     if one_pass and one_pass_bwd(head_dim, head_dim_v, dtype, device, features, window[1], batch, nheads_kv, seqlen_k,
-                                 deterministic):
+                                 deterministic, pairs):
         return BwdPlan(True, cfg)
     tile = gluon_dkdv_config(head_dim, head_dim_v, dtype, device, features) if gluon else None
     cfg, parts, alongside = with_gluon_dkdv(cfg, tile, lambda block_n: bwd_plan(

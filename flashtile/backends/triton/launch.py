@@ -579,8 +579,8 @@ _BWD_WS_MAXNREG = 168
 
 
 def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs, key):
-    """Launch the one-pass Hopper backward (kernels/bwd_sm90_ws.py) on ``(batch, seqlen, heads, 128)`` inputs, or
-    packed ``(tokens, heads, 128)`` ones (varlen): dK and dV into ``dk``/``dv``, dQ (scaled) added into the zeroed
+    """Launch the one-pass Hopper backward (kernels/bwd_sm90_ws.py) on ``(batch, seqlen, heads, d)`` inputs (d 64 or
+    128), or packed ``(tokens, heads, d)`` ones (varlen): dK and dV into ``dk``/``dv``, dQ (scaled) added into the zeroed
     float32 ``dq_acc`` (q's shape); ``key``: the backward's launch key (which holds no lengths: they are dynamic
     arguments)."""
     varlen = args.varlen

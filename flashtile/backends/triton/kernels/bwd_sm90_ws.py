@@ -7,7 +7,7 @@ head of its GQA group. Its warps split by role:
     producer (1 warp)    TMA: the CTA's K and V once, then Q and dO of each step into a ring of slots
     consumer 0 (4 warps) keys 0..63:   S^T, dP^T, dV, dK as bwd_sm90.py, on the transposed tiles
     consumer 1 (4 warps) keys 64..127: the same; then both meet on dS^T in shared memory and each takes
-                         half of dQ's columns, dS K[:, half] (a 64 x 64 x 128 product), into float32
+                         half of dQ's columns, dS K[:, half] (a 64 x HEAD_DIM/2 x 128 product), into float32
     reducer (1 warp)     adds each step's staged dQ into a float32 buffer with the TMA's bulk reduce
 
 Per step (64 queries), each consumer:
@@ -31,10 +31,10 @@ float32 (no cancellation; its 2^-11 error is far under dS's 16-bit rounding); ca
 scores and a query term in the lse (no absolute value, no query offsets held). Softcap's scale stays a multiply
 an element: folded into K it would round the K that dQ's product reads.
 
-Packed sequences (``IS_VARLEN``) read through descriptors of the whole ``(1, tokens, heads, 128)`` tensors, as
+Packed sequences (``IS_VARLEN``) read through descriptors of the whole ``(1, tokens, heads, HEAD_DIM)`` tensors, as
 bwd_sm90.py does. Key rows past a sequence's used keys are zeroed in shared memory by their consumer (dQ's product
 reads every key of the CTA), query and dO rows past its queries by consumer 0, which the other waits for
-(``tail_ready``); dQ's rows there get zeros added. Inputs: 16-bit, head dim 128; full rows, causal or windowed,
+(``tail_ready``); dQ's rows there get zeros added. Inputs: 16-bit, head dim 64 or 128; full rows, causal or windowed,
 softcap, ALiBi, sinks (through the lse); no dropout or bias. Scores and masks are common.py's.
 """
 from triton._C.libtriton import ir
@@ -298,9 +298,9 @@ def attn_bwd_sm90_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE2, DEL
                      MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, FAST_TANH: gl.constexpr, ALIBI: gl.constexpr,
                      ALIBI_LINEAR: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
                      STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
-    """``q_desc``/``do_desc``: TMA descriptors of ``(batch, seqlen, heads, 128)`` q and dO with ``[1, 64, 1,
-    128]`` tiles, ``k_desc``/``v_desc`` of k and v with ``[1, 64, 1, 128]`` (one consumer's keys), ``dq_desc``
-    of the zeroed float32 dQ buffer with ``[1, 64, 1, 64]`` (one consumer's half); one CTA per (128 keys, KV
+    """``q_desc``/``do_desc``: TMA descriptors of ``(batch, seqlen, heads, HEAD_DIM)`` q and dO with ``[1, 64, 1,
+    HEAD_DIM]`` tiles, ``k_desc``/``v_desc`` of k and v with ``[1, 64, 1, HEAD_DIM]`` (one consumer's keys),
+    ``dq_desc`` of the zeroed float32 dQ buffer with ``[1, 64, 1, HEAD_DIM / 2]`` (one consumer's half); one CTA per (128 keys, KV
     head, batch row). ``qk_scale``/``softcap2`` as common.scores takes them; LSE2 and DELTA are
     bwd_preprocess's. dQ arrives in its buffer scaled, to be cast."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]

@@ -304,8 +304,13 @@ def test_bench_smoke(tmp_path, monkeypatch):
     out = tmp_path / "cp.json"
     bench.main(["--device", "cpu", "--gpus", "2", "--tokens-per-gpu", "16", "--heads", "4/2", "--headdim", "16",
                 "--runs", "1", "--methods", "ring,ulysses", "--out", str(out)])
-    row = json.loads(out.read_text())["rows"][0]
+    payload = json.loads(out.read_text())
+    row = payload["rows"][0]
     assert row["ring_status"] == row["ulysses_status"] == "ok", row
+    # The file names its versions and commit as the suite's files do (BENCHMARKS.md shows them), and its command.
+    env = payload["env"]
+    assert env["torch"] == torch.__version__ and env["git_commit"] and env["date"], env
+    assert env["command"].startswith("python -m flashtile.distributed.bench --device cpu --gpus 2 "), env
     assert row["ring_rel_err"] < 1e-4 and row["ring_ms"] > 0 and row["flashtile_1gpu_ms"] > 0, row
     bench.main(["--device", "cpu", "--gpus", "2", "--long", "32", "--heads", "4/2", "--headdim", "16", "--out",
                 str(out)])

@@ -1,7 +1,8 @@
 """BENCHMARKS.md from the committed result files: ``python -m flashtile bench --report``.
 
 ``benchmarks/results/index.json`` lists what BENCHMARKS.md publishes, in order: ``intro`` (lines of
-Markdown) and ``sections``, each ``{"file", "title", "renderer"}`` plus optional ``"against"`` (the peer
+Markdown) and ``sections``, each ``{"file", "title", "renderer"}`` (:data:`RENDERERS`: the main suite, variants,
+qualify, the peers file, the FP8 suite, a context-parallel run) plus optional ``"against"`` (the peer
 of the ``x`` column), ``"note"`` (a paragraph under the title) and ``"env"`` (facts the file lacks, e.g.
 its date). Every table names its GPU, date, versions and commit from the file's own ``env``. The
 report is a pure function of the index and the files, so a test regenerates it and compares it with
@@ -77,7 +78,8 @@ def withdraw(rows: list[dict], date: str) -> list[dict]:
 
 def _facts(env: dict, path: str) -> str:
     commit = (env.get("git_commit") or env.get("commit") or "unknown")[:12]
-    command = f" · `python -m flashtile {' '.join(env['argv'])}`" if env.get("argv") else ""
+    command = env.get("command") or (f"python -m flashtile {' '.join(env['argv'])}" if env.get("argv") else "")
+    command = f" · `{command}`" if command else ""
     return (f"GPU {env.get('gpu') or 'none'} · {env.get('date')} · torch {env.get('torch')} · triton "
             f"{env.get('triton') or '-'} · flashtile commit `{commit}` · data `{path}`{command}")
 
@@ -159,7 +161,55 @@ def _peers(data: dict, entry: dict) -> str:
     return "\n".join(parts).rstrip()
 
 
-RENDERERS = {"suite": _suite, "variants": _variants, "qualify": _qualify, "peers": _peers}
+def _fp8(data: dict, entry: dict) -> str:
+    """The FP8 suite (``python -m flashtile bench --suite fp8``): its own forward and decode tables."""
+    from . import fp8
+
+    return fp8.forward_table(data["rows"]["forward"]) + "\n\n" + fp8.decode_table(data["rows"]["decode"])
+
+
+CP_METHODS = ("ring", "ulysses", "hybrid", "torch_cp")
+
+
+def _cp_cell(row: dict, name: str) -> str:
+    """``ms / efficiency / GB per GPU`` of one method, or its status (``wrong (err X)``, an error)."""
+    status = row.get(f"{name}_status")
+    if status == "ok":
+        return f"{row[f'{name}_ms']:.1f} / {row[f'{name}_efficiency']:.2f} / {row[f'{name}_mem_gb']:.1f}"
+    if status == "wrong":
+        # Files before ccdb5c1 hold the absolute error (max_err), later ones the relative error (rel_err).
+        kind = next((k for k in ("rel", "max") if row.get(f"{name}_{k}_err") is not None), None)
+        return "wrong" + (f" ({'abs' if kind == 'max' else kind} err {row[f'{name}_{kind}_err']:.3g})" if kind else "")
+    # "error: <type>: <message>" as the suite's cells show it.
+    return f"ERR({status.split(':')[1].strip()})" if status and status.startswith("error:") else status or "-"
+
+
+def _cp_long(row: dict) -> str:
+    return (f"{row['N']:,} tokens on {row['world']} GPUs ({row['tokens_per_gpu']:,} a GPU), "
+            f"{row['nheads']}/{row['nheads_kv']} heads, d{row['headdim']}, causal forward + backward: ring "
+            f"{row['ring_ms'] / 1e3:.1f} s, {row['ring_mem_gb']:.1f} GB per GPU; {len(row['sampled_rows'])} rows of "
+            f"out spread over the sequence within {row['max_err']:.1e} of a float32 reference.")
+
+
+def _cp(data: dict, entry: dict) -> str:
+    """A context-parallel run (``flashtile.distributed.bench``): per length and heads, the one-GPU time T1 and
+    each method's ms / efficiency (T1 / (P T_P)) / peak GB per GPU, and the fastest method; a ``--long`` run is
+    one line."""
+    rows = data["rows"]
+    if rows and "sampled_rows" in rows[0]:
+        return "\n".join(_cp_long(r) for r in rows)
+    methods = [m for m in CP_METHODS if any(f"{m}_status" in r for r in rows)]
+    lines = []
+    for r in rows:
+        timed = {m: r[f"{m}_ms"] for m in methods if r.get(f"{m}_status") == "ok"}
+        lines.append([f"{r['tokens_per_gpu']:,}", f"{r['nheads']}/{r['nheads_kv']}", f"{r['flashtile_1gpu_ms']:.1f}",
+                      *(_cp_cell(r, m) if f"{m}_status" in r else "-" for m in methods),
+                      min(timed, key=timed.get) if timed else "-"])
+    headers = ["tokens/GPU", "heads", "T1 ms", *(f"{m} ms / eff / GB" for m in methods), "fastest"]
+    return common.markdown_table(headers, lines)
+
+
+RENDERERS = {"suite": _suite, "variants": _variants, "qualify": _qualify, "peers": _peers, "fp8": _fp8, "cp": _cp}
 
 
 # ---------------------------------------------------------------- the report
@@ -172,7 +222,10 @@ def render(root: Path = ROOT) -> str:
     for entry in index["sections"]:
         path = INDEX.parent / entry["file"]
         data = json.loads((root / path).read_text())
-        env = {"gpu": (data.get("device") or {}).get("name"), **data.get("env", {}), **entry.get("env", {})}
+        # Facts from the file's env, else its top level (the FP8 and context-parallel files), else the device.
+        env = {"gpu": (data.get("device") or {}).get("name"),
+               **{k: data[k] for k in ("gpu", "date", "torch", "triton", "commit") if data.get(k)},
+               **data.get("env", {}), **entry.get("env", {})}
         parts += [f"## {entry['title']}", "", _facts(env, str(path)), ""]
         if entry.get("note"):
             parts += [entry["note"], ""]

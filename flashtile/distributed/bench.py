@@ -25,10 +25,10 @@ smoke test on gloo (tiny sizes; torch's context_parallel is CUDA-only there).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -56,7 +56,9 @@ def parse(argv=None):
                              "time and memory, and sampled rows of out checked against a float32 reference")
     parser.add_argument("--out", default=None,
                         help="JSON result path (default: benchmarks/results/cp-<P>x<gpu>-<date>.json)")
-    return parser.parse_args(argv)
+    options = parser.parse_args(argv)
+    options.argv = list(sys.argv[1:] if argv is None else argv)  # for the result file's command
+    return options
 
 
 def _timed(fn, runs: int, device) -> tuple:
@@ -305,12 +307,15 @@ def _main_rank(options):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
     rows = run_long(options) if options.long else run(options)
     if dist.get_rank() == 0:
-        gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-        payload = dict(what=__doc__.split("\n")[0], gpu=gpu, world=dist.get_world_size(), torch=torch.__version__,
-                       date=datetime.date.today().isoformat(), rows=rows)
-        from ..bench.common import gpu_slug
+        from ..bench import common
 
-        name = f"cp-{dist.get_world_size()}x{gpu_slug(gpu)}-{payload['date']}.json"
+        gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+        # Versions, date and commit as every suite file has them (FLASHTILE_GIT_COMMIT first, then git), and the
+        # command that made the file (BENCHMARKS.md names it).
+        env = {**common.base_env(), "argv": options.argv,
+               "command": " ".join(["python -m flashtile.distributed.bench", *options.argv])}
+        payload = dict(what=__doc__.split("\n")[0], gpu=gpu, world=dist.get_world_size(), env=env, rows=rows)
+        name = f"cp-{dist.get_world_size()}x{common.gpu_slug(gpu)}-{env['date']}.json"
         out = options.out or os.path.join("benchmarks", "results", name)
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
         with open(out, "w") as f:

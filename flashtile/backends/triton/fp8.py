@@ -34,7 +34,12 @@ PER_BLOCK_DESCALES = True
 # d128 keeps 128 keys one-level (FA3's numerics, the larger tile) until a GPU run weighs it against (64, 4, True).
 # d128 128 keys one-level: no loop spills (one 8-byte stack slot outside it), 164 KB; d256 128 keys spills 509
 # STL, 64 keys none, 197 KB.
-FP8_TILES = {64: (128, 4, True), 128: (128, 4, False), 256: (64, 4, False)}
+# H200 sweep (2x8192, bf16 inputs quantized, FP8 kernel TFLOP/s full / causal; scratch run at 00699c6):
+#   d    tile (BLOCK_N, STAGES, TWO_LEVEL)                        evidence
+#   64   (128, 4, True)        441/384; one-level 428/389, (128, 6, False) 428/389, (64, 4, True) 350/325
+#   128  (128, 4, False)       745/651; (128, 3, False) 755/649, (128, 2, False) 750/648, (64, 4, True) 564/511
+#   256  (64, 2, False)        916/784; (64, 4, False) 880/779, (64, 3, False) 881/773, (128, 2, False) 441/373
+FP8_TILES = {64: (128, 4, True), 128: (128, 4, False), 256: (64, 2, False)}
 QUERY_ROWS = 64
 # The consumers' registers after ``setmaxnreg`` and the cap the kernel is compiled under, as for the bf16
 # warp-specialized forward (launch._WS_CONSUMER_REGS): 2 x 4 warps at 240 and the producer warp at 24.

@@ -535,11 +535,12 @@ DECODE_SM90 = {
 # (16x128 w4 s3, one program an SM) took 645 us at 16 x 32768 keys against the bf16 cache's 478 (H200, GQA 32/8,
 # d=128, CUDA graph, flashtile/bench/fp8.py, before the kernel change): bound by issuing instructions (4544 SASS
 # instructions, 255 registers), not by memory. Now 16x128 w4 s3: 3136 instructions, 143 registers; w8: 95
-# registers, 106496 B of shared memory, so two programs fit an SM (ptxas, sm_90, triton 3.6). EXPECTED, not yet
-# measured (scratch fp8_decode_bench.py on the H200):
+# registers, 106496 B of shared memory, so two programs fit an SM (ptxas, sm_90, triton 3.6). H200 (scratch sweep
+# at 4664c6d; flashtile/bench/fp8.py at 4664c6d, results/h200-fp8-2026-11-27-4664c6d.json):
 #   tile, programs an SM          evidence
-#   16x128 w8 s3, 2               16 x 32768 keys ~0.55-0.7x the bf16 cache's time (pages of 256 alike), 1 x 131072
-#                                 likewise (33 splits)
+#   16x128 w8 s3, 2               16 x 32768 keys 395-417 us (0.82-0.87x the bf16 cache's 478), 1 x 131072 109.4-109.9
+#                                 (0.80-0.81x of 136); 16x128 w4/w8 s3/s4, 16x256 w8 s2/s3 and 16x64 w4 s4 at 1-3
+#                                 programs an SM all within 0.5% of it: still bound by issue, not by memory
 # Other rows and head dims take the bf16 table's tiles.
 DECODE_SM90_FP8 = {128: (TileConfig(16, 128, 8, 3), TileConfig(32, 64, 4, 3), TileConfig(64, 64, 4, 3))}
 DECODE_FP8_PROGRAMS_PER_SM = 2

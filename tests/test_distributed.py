@@ -81,6 +81,11 @@ GPU_CASES = [
     case("varlen", 2, docs=(700, 1, 1500, 391, 1408), **GPU),
     case("ring", 4, seqlen=4 * 1000, nheads_kv=2, **GPU), case("ulysses", 4, seqlen=4 * 1000, **GPU),
     case("hybrid", 4, seqlen=4 * 1000, nheads_kv=2, **GPU), case("varlen", 4, docs=(2100, 77, 1823), **GPU),
+    # 8 GPUs (skipped with fewer): the layouts of issue 14.
+    case("ring", 8, seqlen=8 * 1000, nheads_kv=2, **GPU), case("ulysses", 8, seqlen=8 * 1000, nheads_kv=2, **GPU),
+    case("hybrid", 8, seqlen=8 * 1000, mesh=(2, 4), **GPU),
+    case("hybrid", 8, seqlen=8 * 1000, nheads_kv=2, mesh=(4, 2), **GPU),
+    case("varlen", 8, docs=(3001, 1, 2500, 2498), **GPU),
 ]
 
 

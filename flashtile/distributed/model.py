@@ -26,7 +26,7 @@ Three numbers are fitted to every timed row of the committed 2- and 4-GPU measur
 ``benchmarks/results/h200x{2,4}-cp-*.json``): the bandwidth ``B`` (GB/s a GPU sends, effective: it
 absorbs the copies around each exchange), ``m0`` and ``t_op``, by least squares on the relative error
 of T_P (a coarse-to-fine grid search). T1 at lengths no run measured is scaled as N^2 from the longest
-measured one (T1 / N^2 is flat within 2% from 16k to 256k tokens). It is a model: it says where the
+measured one (T1 / N^2 varies by less than 5% from 16k to 256k tokens). It is a model: it says where the
 time goes and extrapolates P; it is no substitute for an 8-GPU run.
 """
 from __future__ import annotations

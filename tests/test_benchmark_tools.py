@@ -19,7 +19,6 @@ TOOLS = {
     "decode_splits.py": False, "dense_decode.py": False, "gluon_causal_short.py": False, "gluon_head_dims.py": False,
     "gluon_short.py": False, "gluon_slim.py": False, "gluon_tiles.py": False, "gluon_ws.py": False,
     "host_time.py": True, "kv_prefill.py": False, "sm90_cases.py": False, "sm90_compile.py": False, "tune.py": True,
-    "one_pass_d64.py": True, "fp8_tiles.py": False,
 }
 SHELL_TOOLS = ("ab_trees.sh",)
 

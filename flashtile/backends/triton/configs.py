@@ -608,8 +608,8 @@ _INTERPRET_MIN_ROWS_PER_SPLIT = 64
 # (benchmarks/bwd_ws.py varlen). ALiBi with no right bound, or causal (the bias is linear where keys are
 # seen); a right bound past the diagonal keeps the pair. Deterministic calls keep the pair.
 # At head dim 64 it takes calls of ONE_PASS_D64_MIN_PAIRS+ visible (query row, key) pairs over all heads; below,
-# causal rows keep the pair. H200, bf16, backward TFLOP/s, pair -> one-pass, median of 10 (benchmarks/one_pass_d64.py,
-# results/h200-one-pass-d64-2026-11-27-4664c6d.json):
+# causal rows keep the pair. H200, bf16, backward TFLOP/s, pair -> one-pass, median of 10 (the sweep
+# script is in commit 4b46fb9; results/h200-one-pass-d64-2026-11-27-4664c6d.json):
 #   call                             full          causal
 #   1x4096, 16/16 heads              239 -> 333    174 -> 153 (the floor: 2^27 pairs causal, 2^28 full)
 #   1x16384, 32/32                   355 -> 410    336 -> 407

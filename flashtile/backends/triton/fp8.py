@@ -34,8 +34,8 @@ PER_BLOCK_DESCALES = True
 # d128 keeps 128 keys one-level (FA3's numerics, the larger tile) until a GPU run weighs it against (64, 4, True).
 # d128 128 keys one-level: no loop spills (one 8-byte stack slot outside it), 164 KB; d256 128 keys spills 509
 # STL, 64 keys none, 197 KB.
-# H200 sweep (2x8192, bf16 inputs quantized, FP8 kernel TFLOP/s full / causal; benchmarks/fp8_tiles.py,
-# results/h200-fp8-tiles-d64-fwd-2026-11-27-00699c6.json):
+# H200 sweep (2x8192, bf16 inputs quantized, FP8 kernel TFLOP/s full / causal; sweep script in commit
+# 4b46fb9, results/h200-fp8-tiles-d64-fwd-2026-11-27-00699c6.json):
 #   d    tile (BLOCK_N, STAGES, TWO_LEVEL)                        evidence
 #   64   (128, 4, True)        441/384; one-level 428/389, (128, 6, False) 428/389, (64, 4, True) 350/325
 #   128  (128, 4, False)       745/651; (128, 3, False) 755/649, (128, 2, False) 750/648, (64, 4, True) 564/511

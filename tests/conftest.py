@@ -210,3 +210,24 @@ def pytest_runtest_logreport(report):
         tail = "\n    ".join(str(report.longrepr).splitlines()[-6:])
         with open(log, "a") as f:
             f.write(f"{report.nodeid} ({report.when}):\n    {tail}\n")
+
+
+@pytest.fixture
+def bwd_pair_head_dims(monkeypatch):
+    """The q/k head-dim switches ``(HEAD_DIM_QK, TAIL_DIM)`` of every launch of the Triton backward pair (bwd.py's
+    dK/dV and dQ kernels) in the test: their launch caches start empty, so each launch works its switches out."""
+    from flashtile.backends.triton import launch
+
+    seen = []
+    head_dims = launch._bwd_head_dims
+
+    def spy(head_dim, head_dim_v):
+        dims = head_dims(head_dim, head_dim_v)
+        seen.append((dims["HEAD_DIM_QK"], dims["TAIL_DIM"]))
+        return dims
+
+    monkeypatch.setattr(launch, "_bwd_head_dims", spy)
+    for pair in (launch._DKDV, launch._DQ):
+        monkeypatch.setattr(pair, "_cache", {})
+        monkeypatch.setattr(pair, "_by_value", {})
+    return seen

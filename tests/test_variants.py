@@ -276,6 +276,49 @@ def test_headdim_v_fp32(backend, device, rng):
     check(q, k, v, rng, causal=True)
 
 
+# ---------------------------------------------------------------- q/k head dim 192
+
+# The Triton backward pair works a q/k head dim of 192 as 128 columns plus a 64-column tail instead of padding it
+# to 256 (launch._BWD_TAILS): DeepSeek's 192/128 and 192/192, GQA 2, with each feature the pair serves.
+HEAD_DIM_192 = {
+    "full": dict(),
+    "causal": dict(causal=True),
+    "window": dict(window_size=(20, 7)),
+    "softcap-causal": dict(softcap=5.0, causal=True),
+    "alibi-causal": dict(alibi=True, causal=True),
+    "bias": dict(bias=True),
+    "dropout-causal": dict(dropout_p=0.2, causal=True),
+}
+
+
+# 129x37: the interpreter's 8 pretend SMs split each key block's query rows in two (float32 partial dK and dV).
+@pytest.mark.parametrize("case", HEAD_DIM_192)
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(37, 65), (129, 37)], ids=["37x65", "129x37"])
+@pytest.mark.parametrize("headdim_v", [128, 192])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_head_dim_192(backend, device, rng, bwd_pair_head_dims, dtype, headdim_v, seqlen_q, seqlen_k, case):
+    batch, nheads, nheads_kv = 2, 4, 2
+    options = dict(HEAD_DIM_192[case])
+    q, k, _ = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, 192, dtype, device, generator=rng)
+    v = randn(rng, batch, seqlen_k, nheads_kv, headdim_v, device=device, dtype=dtype, requires_grad=True)
+    if options.pop("alibi", False):
+        options["alibi_slopes"] = randn(rng, nheads, device=device).abs()
+    if options.pop("bias", False):
+        options["attn_bias"] = randn(rng, batch, nheads, seqlen_q, seqlen_k, device=device, dtype=dtype,
+                                     requires_grad=True)
+    described = dict(options)
+    if options.get("dropout_p"):
+        torch.manual_seed(7)
+        options["dropout_mask"] = dropout_mask(*draw_seed_offset(), batch, nheads, seqlen_q, seqlen_k,
+                                               options["dropout_p"], device=device)
+        torch.manual_seed(7)
+    check(q, k, v, rng, **options)
+    if backend == "triton":
+        kernel = flashtile.explain(q, k, v, **described).backward_kernel
+        assert kernel.startswith("flashtile.bwd[triton d=192") and "dkdv=BM" in kernel, kernel
+        assert bwd_pair_head_dims and set(bwd_pair_head_dims) == {(128, 64)}, bwd_pair_head_dims
+
+
 # ---------------------------------------------------------------- everything at once
 
 

@@ -98,6 +98,18 @@ def test_varlen_with_every_feature(backend, device, rng):
                  alibi_slopes=slopes, softmax_scale=0.2)
 
 
+@pytest.mark.parametrize("headdim_v", [128, 192])
+def test_varlen_head_dim_192(backend, device, rng, bwd_pair_head_dims, headdim_v):
+    """The backward pair's 128 + 64-column q/k tiles (launch._BWD_TAILS) on packed sequences with seqused_k (its
+    unused keys' dK tail is zeroed too), GQA, a window and softcap."""
+    lengths_q, lengths_k = [5, 0, 37, 1, 70], [9, 3, 65, 44, 61]
+    q, k, v, cu_q, cu_k = packed_inputs(rng, device, lengths_q, lengths_k, headdim=192, headdim_v=headdim_v)
+    seqused_k = torch.tensor([9, 0, 40, 44, 61], dtype=torch.int32, device=device)
+    check_varlen(q, k, v, cu_q, cu_k, rng, seqused_k=seqused_k, causal=True, window_size=(30, -1), softcap=6.0)
+    if backend == "triton":
+        assert bwd_pair_head_dims and set(bwd_pair_head_dims) == {(128, 64)}, bwd_pair_head_dims
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_varlen_seqused_k(backend, device, rng, causal):
     """Sequence b uses only its first seqused_k[b] keys (0 and all of them included)."""

@@ -137,6 +137,18 @@ def _head_dims(head_dim: int, head_dim_v: int) -> dict:
                 HEAD_DIM_V_ACTUAL=head_dim_v, HEAD_DIM_V=padded_head_dim(head_dim_v))
 
 
+# q/k head dims that the backward pair (bwd.py) works as a main part and a tail instead of padding them:
+# 192 = 128 + 64, where padding to 256 made 18% of the pair's matmul work at 192/128.
+_BWD_TAILS = {192: (128, 64)}
+
+
+def _bwd_head_dims(head_dim: int, head_dim_v: int) -> dict:
+    """:func:`_head_dims` for bwd.py's dK/dV and dQ kernels: ``HEAD_DIM_QK`` is the main part and ``TAIL_DIM``
+    the tail's columns (0 for a head dim that is padded whole)."""
+    main, tail = _BWD_TAILS.get(head_dim, (padded_head_dim(head_dim), 0))
+    return dict(_head_dims(head_dim, head_dim_v), HEAD_DIM_QK=main, TAIL_DIM=tail)
+
+
 # The packed rows the kernels keep varlen offsets within, and the error record they note bad values in.
 _SEQUENCE_BOUNDS = ("total_q", "total_k", "ERR")
 # The arguments that change between calls of one shape; everything else is worked out once per shape.
@@ -478,7 +490,7 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
 
     def shared():
         return dict(stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h, group=nheads // nheads_kv,
-                    **_head_dims(head_dim, head_dim_v), **_strides(varlen, q=q, k=k, v=v, do=dout),
+                    **_bwd_head_dims(head_dim, head_dim_v), **_strides(varlen, q=q, k=k, v=v, do=dout),
                     **_variant_static(q, args, nheads))
 
     tensors = dict(Q=q, K=k, V=v, DO=dout, LSE2=lse2, DELTA=delta, softmax_scale=args.softmax_scale,

@@ -13,6 +13,11 @@ gradients are bit-identical run to run):
 With ``dS = P * (dP - delta)``: ``dV = P^T dO``, ``dK = scale * dS^T Q``, ``dQ = scale * dS K``.
 Softcap multiplies dS by ``1 - tanh^2`` on its way to dQ and dK; dropout scales dP and P by
 the kept mask over ``1 - p`` (regenerated from the same counters as the forward).
+
+The q/k head dim is padded to ``HEAD_DIM_QK`` columns, or with ``TAIL_DIM`` (the launcher's choice at 192)
+worked as ``HEAD_DIM_QK`` (128) real columns plus a tail of ``TAIL_DIM`` (64): Q, K, dK and dQ tiles come in
+two parts, ``S = Q K^T`` sums the two parts' products and dK, dQ keep one accumulator per part. That spares
+the 64 padded columns of every QK^T, dK and dQ product (18% of the pair's matmul work at 192/128).
 """
 import triton
 import triton.language as tl
@@ -99,13 +104,70 @@ def bwd_sum_parts(PART, OUT, seqlen, stride_pb, stride_pm, stride_ph, stride_ob,
 
 
 @triton.jit
-def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_ptr, delta_ptr, stride_qm, stride_dom,
-                    start_n, offs_n, offs_dk, offs_dv, lo, hi, seqlen_q, seqlen_k, qk_scale, softcap2, slope2,
+def _qk_ptrs(base, offs_rows, stride_rows, HEAD_DIM_QK: tl.constexpr, TAIL_DIM: tl.constexpr):
+    """Pointer tiles to the q/k columns of rows ``offs_rows``: the first ``HEAD_DIM_QK`` and, with ``TAIL_DIM``,
+    the ``TAIL_DIM`` after them (without a tail the second is the first again, never read)."""
+    ptrs = tile_ptrs(base, offs_rows, stride_rows, tl.arange(0, HEAD_DIM_QK))
+    if TAIL_DIM:
+        tail_ptrs = tile_ptrs(base + HEAD_DIM_QK, offs_rows, stride_rows, tl.arange(0, TAIL_DIM))
+    else:
+        tail_ptrs = ptrs
+    return ptrs, tail_ptrs
+
+
+@triton.jit
+def _load_qk(ptrs, tail_ptrs, offs_rows, n_rows, HEAD_DIM_QK_ACTUAL: tl.constexpr, HEAD_DIM_QK: tl.constexpr,
+             TAIL_DIM: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """``load_tile`` of a Q or K tile as ``(main, tail)`` (without a tail, ``(tile, tile)``)."""
+    if TAIL_DIM:
+        # The main part's columns are all real: only the tail can hold padding.
+        tile = load_tile(ptrs, offs_rows, n_rows, tl.arange(0, HEAD_DIM_QK), HEAD_DIM_QK, HEAD_DIM_QK, CHECK_ROWS)
+        tail = load_tile(tail_ptrs, offs_rows, n_rows, tl.arange(0, TAIL_DIM), HEAD_DIM_QK_ACTUAL - HEAD_DIM_QK,
+                         TAIL_DIM, CHECK_ROWS)
+    else:
+        tile = load_tile(ptrs, offs_rows, n_rows, tl.arange(0, HEAD_DIM_QK), HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK,
+                         CHECK_ROWS)
+        tail = tile
+    return tile, tail
+
+
+@triton.jit
+def _store_qk(ptrs, tail_ptrs, tile, tail, offs_rows, n_rows, HEAD_DIM_QK_ACTUAL: tl.constexpr,
+              HEAD_DIM_QK: tl.constexpr, TAIL_DIM: tl.constexpr):
+    """``store_tile`` of a dK or dQ tile given as its main part and tail."""
+    if TAIL_DIM:
+        store_tile(ptrs, tile, offs_rows, n_rows, tl.arange(0, HEAD_DIM_QK), HEAD_DIM_QK)
+        store_tile(tail_ptrs, tail, offs_rows, n_rows, tl.arange(0, TAIL_DIM), HEAD_DIM_QK_ACTUAL - HEAD_DIM_QK)
+    else:
+        store_tile(ptrs, tile, offs_rows, n_rows, tl.arange(0, HEAD_DIM_QK), HEAD_DIM_QK_ACTUAL)
+
+
+@triton.jit
+def _dot_qk(a, a_tail, b, b_tail, TAIL_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """``a b^T`` over the q/k head dim: the tail's product is added onto the main part's."""
+    ab = tl.dot(a, tl.trans(b), input_precision=INPUT_PRECISION)
+    if TAIL_DIM:
+        ab = tl.dot(a_tail, tl.trans(b_tail), ab, input_precision=INPUT_PRECISION)
+    return ab
+
+
+@triton.jit
+def _acc_qk(acc, acc_tail, ds, x, x_tail, TAIL_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """``acc += ds x`` for each part of ``x`` (Q for dK, K for dQ): the parts' columns are independent."""
+    acc = tl.dot(ds.to(x.dtype), x, acc, input_precision=INPUT_PRECISION)
+    if TAIL_DIM:
+        acc_tail = tl.dot(ds.to(x.dtype), x_tail, acc_tail, input_precision=INPUT_PRECISION)
+    return acc, acc_tail
+
+
+@triton.jit
+def _bwd_dkdv_inner(dk, dk_tail, dv, k, k_tail, v, q_base, do_base, lse2_ptr, delta_ptr, stride_qm, stride_dom,
+                    start_n, offs_n, offs_dv, lo, hi, seqlen_q, seqlen_k, qk_scale, softcap2, slope2,
                     bias_base, stride_bm, stride_bn, window_left, window_right,
                     seed, offset, bh, threshold, dropout_scale,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_QK_ACTUAL: tl.constexpr,
-                    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V_ACTUAL: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                    MASK: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+                    HEAD_DIM_QK: tl.constexpr, TAIL_DIM: tl.constexpr, HEAD_DIM_V_ACTUAL: tl.constexpr,
+                    HEAD_DIM_V: tl.constexpr, MASK: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                     SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ALIBI: tl.constexpr, BIAS: tl.constexpr,
                     DROPOUT: tl.constexpr, EVEN_M: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     offs_m = lo + tl.arange(0, BLOCK_M)
@@ -114,8 +176,9 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_ptr, delta_ptr, stride_q
     for _ in range(lo, hi, BLOCK_M):
         # Pointers made from the row offsets each step: two pointer tiles carried through the loop would
         # take a register per element and spill.
-        q = load_tile(tile_ptrs(q_base, offs_m, stride_qm, offs_dk), offs_m, seqlen_q, offs_dk, HEAD_DIM_QK_ACTUAL,
-                      HEAD_DIM_QK, CHECK_ROWS)
+        q_ptrs, q_tail_ptrs = _qk_ptrs(q_base, offs_m, stride_qm, HEAD_DIM_QK, TAIL_DIM)
+        q, q_tail = _load_qk(q_ptrs, q_tail_ptrs, offs_m, seqlen_q, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, TAIL_DIM,
+                             CHECK_ROWS)
         # Rows past seqlen_q read lse = +inf, so their P is 0 and they add nothing.
         if not CHECK_ROWS:
             lse2 = tl.load(lse2_ptr + offs_m)
@@ -124,7 +187,7 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_ptr, delta_ptr, stride_q
             lse2 = tl.load(lse2_ptr + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
             delta = tl.load(delta_ptr + offs_m, mask=offs_m < seqlen_q, other=0.0)
         # Work on the transposed tile (keys x queries) so dK and dV accumulate row-wise.
-        qk_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)
+        qk_t = _dot_qk(k, k_tail, q, q_tail, TAIL_DIM, INPUT_PRECISION)
         s_t, t_t = scores(qk_t, offs_m[None, :], offs_n[:, None], start_n, seqlen_q, seqlen_k, qk_scale, softcap2,
                           slope2, bias_base, stride_bm, stride_bn, window_left, window_right,
                           MASK, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, BIAS)
@@ -143,9 +206,9 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_ptr, delta_ptr, stride_q
         if SOFTCAP:
             # d(c * tanh(x / c)) / dx = 1 - tanh^2.
             ds_t = ds_t * (1.0 - t_t * t_t)
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
+        dk, dk_tail = _acc_qk(dk, dk_tail, ds_t, q, q_tail, TAIL_DIM, INPUT_PRECISION)
         offs_m += BLOCK_M
-    return dk, dv
+    return dk, dk_tail, dv
 
 
 # seed and offset change every call: one compiled kernel serves all their values.
@@ -162,7 +225,7 @@ def bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, softmax_scale, softcap, window_le
              stride_lse_b, stride_lse_h, stride_alibi_b,
              stride_bb, stride_bh, stride_bm, stride_bn,
              nheads, seqlen_q, seqlen_k, group, split,
-             HEAD_DIM_QK_ACTUAL: tl.constexpr, HEAD_DIM_QK: tl.constexpr,
+             HEAD_DIM_QK_ACTUAL: tl.constexpr, HEAD_DIM_QK: tl.constexpr, TAIL_DIM: tl.constexpr,
              HEAD_DIM_V_ACTUAL: tl.constexpr, HEAD_DIM_V: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
@@ -189,7 +252,6 @@ def bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, softmax_scale, softcap, window_le
         return
 
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_dk = tl.arange(0, HEAD_DIM_QK)
     offs_dv = tl.arange(0, HEAD_DIM_V)
     # Pointer tiles are made where they are used: held across the loops they would take registers the
     # loops need.
@@ -198,16 +260,21 @@ def bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, softmax_scale, softcap, window_le
     if HAS_SEQUSED:
         if start_n * BLOCK_N >= seqlen_k:
             # Unused keys: nothing to accumulate.
-            store_tile(tile_ptrs(dk_base, offs_n, stride_dkn, offs_dk), tl.zeros([BLOCK_N, HEAD_DIM_QK],
-                       dtype=DK.dtype.element_ty), offs_n, stored_k, offs_dk, HEAD_DIM_QK_ACTUAL)
+            dk_ptrs, dk_tail_ptrs = _qk_ptrs(dk_base, offs_n, stride_dkn, HEAD_DIM_QK, TAIL_DIM)
+            zeros = tl.zeros([BLOCK_N, HEAD_DIM_QK], dtype=DK.dtype.element_ty)
+            _store_qk(dk_ptrs, dk_tail_ptrs, zeros, tl.zeros([BLOCK_N, max(TAIL_DIM, 1)], dtype=DK.dtype.element_ty),
+                      offs_n, stored_k, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, TAIL_DIM)
             store_tile(tile_ptrs(dv_base, offs_n, stride_dvn, offs_dv), tl.zeros([BLOCK_N, HEAD_DIM_V],
                        dtype=DV.dtype.element_ty), offs_n, stored_k, offs_dv, HEAD_DIM_V_ACTUAL)
             return
-    k = load_tile(tile_ptrs(head_base(K, off_b, off_hk, k_start, stride_kb, stride_kn, stride_kh), offs_n, stride_kn,
-                            offs_dk), offs_n, seqlen_k, offs_dk, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, True)
+    k_ptrs, k_tail_ptrs = _qk_ptrs(head_base(K, off_b, off_hk, k_start, stride_kb, stride_kn, stride_kh), offs_n,
+                                   stride_kn, HEAD_DIM_QK, TAIL_DIM)
+    k, k_tail = _load_qk(k_ptrs, k_tail_ptrs, offs_n, seqlen_k, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, TAIL_DIM, True)
     v = load_tile(tile_ptrs(head_base(V, off_b, off_hk, k_start, stride_vb, stride_vn, stride_vh), offs_n, stride_vn,
                             offs_dv), offs_n, seqlen_k, offs_dv, HEAD_DIM_V_ACTUAL, HEAD_DIM_V, True)
     dk = tl.zeros([BLOCK_N, HEAD_DIM_QK], dtype=tl.float32)
+    # dK's tail columns (without a tail, a stand-in that no step touches).
+    dk_tail = tl.zeros([BLOCK_N, max(TAIL_DIM, 1)], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_V], dtype=tl.float32)
     qk_scale = score_scale(softmax_scale, softcap, SOFTCAP)
     lo, full_lo, full_hi, hi = q_block_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
@@ -229,42 +296,48 @@ def bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, softmax_scale, softcap, window_le
             # Run 0 is empty without a right edge (causal), run 2 without a left edge or a partial
             # last query block: leave them out.
             if (run != 0 or MASK_RIGHT) and (run != 2 or MASK_LEFT or not EVEN_M):
-                dk, dv = _bwd_dkdv_inner(
-                    dk, dv, k, v, q_base, do_base, LSE2 + row, DELTA + row, stride_qm, stride_dom,
-                    start_n * BLOCK_N, offs_n, offs_dk, offs_dv, run_lo, run_hi, seqlen_q, seqlen_k, qk_scale, softcap * LOG2E, slope2,
+                dk, dk_tail, dv = _bwd_dkdv_inner(
+                    dk, dk_tail, dv, k, k_tail, v, q_base, do_base, LSE2 + row, DELTA + row, stride_qm, stride_dom,
+                    start_n * BLOCK_N, offs_n, offs_dv, run_lo, run_hi, seqlen_q, seqlen_k, qk_scale, softcap * LOG2E, slope2,
                     bias_base, stride_bm, stride_bn, window_left, window_right,
                     seed, offset, bh, threshold, dropout_scale,
-                    BLOCK_M, BLOCK_N, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, HEAD_DIM_V_ACTUAL, HEAD_DIM_V,
+                    BLOCK_M, BLOCK_N, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, TAIL_DIM, HEAD_DIM_V_ACTUAL, HEAD_DIM_V,
                     run != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, BIAS, DROPOUT, EVEN_M, INPUT_PRECISION)
 
     dk *= softmax_scale
+    dk_tail *= softmax_scale
     if HAS_SEQUSED:
         # Unmasked runs do not check the key bound: rows past seqused_k are set to 0 here.
         dk = tl.where(offs_n[:, None] < seqlen_k, dk, 0.0)
+        dk_tail = tl.where(offs_n[:, None] < seqlen_k, dk_tail, 0.0)
         dv = tl.where(offs_n[:, None] < seqlen_k, dv, 0.0)
-    store_tile(tile_ptrs(dk_base, offs_n, stride_dkn, offs_dk), dk.to(DK.dtype.element_ty), offs_n, stored_k, offs_dk,
-               HEAD_DIM_QK_ACTUAL)
+    dk_ptrs, dk_tail_ptrs = _qk_ptrs(dk_base, offs_n, stride_dkn, HEAD_DIM_QK, TAIL_DIM)
+    _store_qk(dk_ptrs, dk_tail_ptrs, dk.to(DK.dtype.element_ty), dk_tail.to(DK.dtype.element_ty), offs_n, stored_k,
+              HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, TAIL_DIM)
     store_tile(tile_ptrs(dv_base, offs_n, stride_dvn, offs_dv), dv.to(DV.dtype.element_ty), offs_n, stored_k, offs_dv,
                HEAD_DIM_V_ACTUAL)
 
 
 @triton.jit
-def _bwd_dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_dk, offs_dv,
+def _bwd_dq_inner(dq, dq_tail, q, q_tail, do, lse2, delta, k_ptrs, k_tail_ptrs, v_ptrs, stride_kn, stride_vn, offs_m,
+                  offs_dv,
                   lo, hi, seqlen_q, seqlen_k, qk_scale, softcap2, slope2, bias_base, dbias_base,
                   stride_bm, stride_bn, window_left, window_right,
                   seed, offset, bh, threshold, dropout_scale,
                   BLOCK_N: tl.constexpr, HEAD_DIM_QK_ACTUAL: tl.constexpr, HEAD_DIM_QK: tl.constexpr,
-                  HEAD_DIM_V_ACTUAL: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                  TAIL_DIM: tl.constexpr, HEAD_DIM_V_ACTUAL: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                   MASK: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                   SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ALIBI: tl.constexpr, BIAS: tl.constexpr,
                   DROPOUT: tl.constexpr, WRITE_DBIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     offs_n = lo + tl.arange(0, BLOCK_N)
     k_ptrs += lo * stride_kn
+    if TAIL_DIM:
+        k_tail_ptrs += lo * stride_kn
     v_ptrs += lo * stride_vn
     for start_n in range(lo, hi, BLOCK_N):
-        k = load_tile(k_ptrs, offs_n, seqlen_k, offs_dk, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, MASK)
+        k, k_tail = _load_qk(k_ptrs, k_tail_ptrs, offs_n, seqlen_k, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, TAIL_DIM, MASK)
         v = load_tile(v_ptrs, offs_n, seqlen_k, offs_dv, HEAD_DIM_V_ACTUAL, HEAD_DIM_V, MASK)
-        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+        qk = _dot_qk(q, q_tail, k, k_tail, TAIL_DIM, INPUT_PRECISION)
         # Keys past seqlen_k were read as zeros: the mask gives them P = 0 so they add nothing to dQ.
         s, t = scores(qk, offs_m[:, None], offs_n[None, :], start_n, seqlen_q, seqlen_k, qk_scale, softcap2,
                       slope2, bias_base, stride_bm, stride_bn, window_left, window_right,
@@ -281,11 +354,13 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, 
                      mask=(offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k))
         if SOFTCAP:
             ds = ds * (1.0 - t * t)
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
+        dq, dq_tail = _acc_qk(dq, dq_tail, ds, k, k_tail, TAIL_DIM, INPUT_PRECISION)
         offs_n += BLOCK_N
         k_ptrs += BLOCK_N * stride_kn
+        if TAIL_DIM:
+            k_tail_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
-    return dq
+    return dq, dq_tail
 
 
 # seed and offset change every call: one compiled kernel serves all their values.
@@ -301,7 +376,7 @@ def bwd_dq(Q, K, V, DO, DQ, LSE2, DELTA, DBIAS, softmax_scale, softcap, window_l
            stride_lse_b, stride_lse_h, stride_alibi_b,
            stride_bb, stride_bh, stride_bm, stride_bn,
            nheads, seqlen_q, seqlen_k, group,
-           HEAD_DIM_QK_ACTUAL: tl.constexpr, HEAD_DIM_QK: tl.constexpr,
+           HEAD_DIM_QK_ACTUAL: tl.constexpr, HEAD_DIM_QK: tl.constexpr, TAIL_DIM: tl.constexpr,
            HEAD_DIM_V_ACTUAL: tl.constexpr, HEAD_DIM_V: tl.constexpr,
            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
            MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
@@ -324,18 +399,21 @@ def bwd_dq(Q, K, V, DO, DQ, LSE2, DELTA, DBIAS, softmax_scale, softcap, window_l
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_dk = tl.arange(0, HEAD_DIM_QK)
     offs_dv = tl.arange(0, HEAD_DIM_V)
-    q = load_tile(tile_ptrs(head_base(Q, off_b, off_h, q_start, stride_qb, stride_qm, stride_qh), offs_m, stride_qm,
-                            offs_dk), offs_m, seqlen_q, offs_dk, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, not EVEN_M)
+    q_ptrs, q_tail_ptrs = _qk_ptrs(head_base(Q, off_b, off_h, q_start, stride_qb, stride_qm, stride_qh), offs_m,
+                                   stride_qm, HEAD_DIM_QK, TAIL_DIM)
+    q, q_tail = _load_qk(q_ptrs, q_tail_ptrs, offs_m, seqlen_q, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, TAIL_DIM, not EVEN_M)
     do = load_tile(tile_ptrs(head_base(DO, off_b, off_h, q_start, stride_dob, stride_dom, stride_doh), offs_m,
                              stride_dom, offs_dv), offs_m, seqlen_q, offs_dv, HEAD_DIM_V_ACTUAL, HEAD_DIM_V, not EVEN_M)
     row = off_b * stride_lse_b + off_h * stride_lse_h + q_start + offs_m
     lse2 = tl.load(LSE2 + row, mask=offs_m < seqlen_q, other=float("inf"))
     delta = tl.load(DELTA + row, mask=offs_m < seqlen_q, other=0.0)
-    k_ptrs = tile_ptrs(head_base(K, off_b, off_hk, k_start, stride_kb, stride_kn, stride_kh), offs_n, stride_kn, offs_dk)
+    k_ptrs, k_tail_ptrs = _qk_ptrs(head_base(K, off_b, off_hk, k_start, stride_kb, stride_kn, stride_kh), offs_n,
+                                   stride_kn, HEAD_DIM_QK, TAIL_DIM)
     v_ptrs = tile_ptrs(head_base(V, off_b, off_hk, k_start, stride_vb, stride_vn, stride_vh), offs_n, stride_vn, offs_dv)
     dq = tl.zeros([BLOCK_M, HEAD_DIM_QK], dtype=tl.float32)
+    # dQ's tail columns (without a tail, a stand-in that no step touches).
+    dq_tail = tl.zeros([BLOCK_M, max(TAIL_DIM, 1)], dtype=tl.float32)
     qk_scale = score_scale(softmax_scale, softcap, SOFTCAP)
     slope2, bias_base, bh = head_terms(off_b, off_h, nheads, ALIBI_SLOPES, stride_alibi_b, BIAS_PTR,
                                        stride_bb, stride_bh, ALIBI)
@@ -349,13 +427,17 @@ def bwd_dq(Q, K, V, DO, DQ, LSE2, DELTA, DBIAS, softmax_scale, softcap, window_l
         run_lo, run_hi = run_bounds(run, lo, full_lo, full_hi, hi)
         # Without a left edge run 0 is empty: leave it out of the compiled kernel.
         if run != 0 or MASK_LEFT:
-            dq = _bwd_dq_inner(
-                dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_dk, offs_dv,
+            dq, dq_tail = _bwd_dq_inner(
+                dq, dq_tail, q, q_tail, do, lse2, delta, k_ptrs, k_tail_ptrs, v_ptrs, stride_kn, stride_vn, offs_m,
+                offs_dv,
                 run_lo, run_hi, seqlen_q, seqlen_k, qk_scale, softcap * LOG2E, slope2, bias_base, dbias_base,
                 stride_bm, stride_bn, window_left, window_right,
                 seed, offset, bh, threshold, dropout_scale,
-                BLOCK_N, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, HEAD_DIM_V_ACTUAL, HEAD_DIM_V,
+                BLOCK_N, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, TAIL_DIM, HEAD_DIM_V_ACTUAL, HEAD_DIM_V,
                 run != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, BIAS, DROPOUT, WRITE_DBIAS, INPUT_PRECISION)
     dq *= softmax_scale
-    store_tile(tile_ptrs(head_base(DQ, off_b, off_h, q_start, stride_dqb, stride_dqm, stride_dqh), offs_m, stride_dqm,
-                         offs_dk), dq.to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_dk, HEAD_DIM_QK_ACTUAL)
+    dq_tail *= softmax_scale
+    dq_ptrs, dq_tail_ptrs = _qk_ptrs(head_base(DQ, off_b, off_h, q_start, stride_dqb, stride_dqm, stride_dqh), offs_m,
+                                     stride_dqm, HEAD_DIM_QK, TAIL_DIM)
+    _store_qk(dq_ptrs, dq_tail_ptrs, dq.to(DQ.dtype.element_ty), dq_tail.to(DQ.dtype.element_ty), offs_m, seqlen_q,
+              HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, TAIL_DIM)

@@ -138,7 +138,10 @@ def _head_dims(head_dim: int, head_dim_v: int) -> dict:
 
 
 # q/k head dims that the backward pair (bwd.py) works as a main part and a tail instead of padding them:
-# 192 = 128 + 64, where padding to 256 made 18% of the pair's matmul work at 192/128.
+# 192 = 128 + 64, where padding to 256 made 18% of the pair's matmul work at 192/128. H200, bf16, same tiles, bwd
+# TFLOP/s padded -> tail (results/h200-bwd-d192-tail-2026-11-27-078b20b.json, each shape checked first):
+#   192/128  N=1k/4k/16k full 181/201/204 -> 218/246/249, causal 157/199/220 -> 173/219/244
+#   192/192  N=1k/4k/16k full 166/182/182 -> 168/188/188, causal 134/172/193 -> 149/190/210
 _BWD_TAILS = {192: (128, 64)}
 
 

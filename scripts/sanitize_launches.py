@@ -27,9 +27,10 @@ def int32(values):
     return torch.tensor(values, dtype=torch.int32, device=DEVICE)
 
 
-def fwd_bwd(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, **options):
+def fwd_bwd(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, headdim_v=None, **options):
     q = randn(batch, seqlen_q, nheads, headdim, grad=True)
-    k, v = (randn(batch, seqlen_k, nheads_kv, headdim, grad=True) for _ in range(2))
+    k = randn(batch, seqlen_k, nheads_kv, headdim, grad=True)
+    v = randn(batch, seqlen_k, nheads_kv, headdim_v or headdim, grad=True)
     flashtile.flash_attn_func(q, k, v, **options).sum().backward()
 
 
@@ -67,6 +68,9 @@ def families():
     fwd_bwd(2, 2100, 2100, 8, 8, 128, causal=True, deterministic=True)  # past GLUON_MIN_PAIRS: the Gluon forward
     varlen_fwd_bwd([300, 1, 0, 129, 777], 4, 128, deterministic=True)
     varlen_fwd_bwd([65, 3, 190], 2, 64, causal=True)
+    # q/k head dim 192: the backward pair reads and writes it as 128 columns and a 64-column tail.
+    fwd_bwd(1, 201, 333, 4, 2, 192, 128, causal=True)
+    varlen_fwd_bwd([70, 1, 190], 2, 192)
     # Decode with split-KV and the combine; append with rotary; paged and contiguous.
     kvcache(3, 1000, 1, 1, 8, 2, 128, num_splits=4)
     kvcache(2, 333, 1, 2, 4, 4, 64, paged=True, num_splits=3)

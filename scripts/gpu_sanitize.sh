@@ -13,8 +13,9 @@
 #    hand-overs racecheck does not follow, Triton's warp_specialize dispatch) and the unexplained rest.
 #
 # Prints one line: "gpu_sanitize: memcheck N errors, racecheck N hazards (by kind), driver ok|FAILED". Exit 0 only
-# when memcheck found nothing, no racecheck hazard is unexplained and the driver passed. Environment: PYTHON (default python3), SANITIZER (default
-# compute-sanitizer, else the one in $CUDA_HOME/bin), FLASHTILE_SANITIZE_LOG (default /tmp/flashtile-sanitize).
+# when memcheck found nothing, no racecheck hazard is unexplained and the driver passed. Environment: PYTHON
+# (default python3), SANITIZER (default compute-sanitizer, else the one in $CUDA_HOME/bin), FLASHTILE_SANITIZE_LOG
+# (default /tmp/flashtile-sanitize).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

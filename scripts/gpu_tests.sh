@@ -3,9 +3,10 @@
 #
 # Every file in tests/ runs with the GPU as the device (the Gluon kernels' tests on sm_90 only), across
 # FLASHTILE_GPU_WORKERS pytest-xdist workers (default 14 of a 16-core machine: the kernels' compiles are CPU-bound).
-# --part I/N runs the I-th of N slices of the test files; the slices together are the whole suite. On an H200
-# (2026-11-27, 14 workers) the whole suite took about 1000 s in four runs: use --part I/3 or I/4 under a 10-minute
-# limit (a call's). FLASHTILE_FAILURE_LOG=path records each failure as it happens.
+# --part I/N runs the I-th of N slices of the test files; the slices together are the whole suite. On a fresh H200
+# (2026-11-27, 14 workers, at 3346a9c) --part I/4 took 498, 223 and 192 s for parts 1-3 and over 245 s for part 4
+# (about 340 s at 7e2cf2c): about 1250 s in all, so plan the device budget for it; each part stays under a call's
+# 10-minute limit. FLASHTILE_FAILURE_LOG=path records each failure as it happens.
 # The python that has torch with CUDA is used as it is (FLASHTILE_NO_VENV=1). The log and a JUnit file go to
 # $OUT (or ./flashtile-results); the last line is the summary: "GPU suite [part I/N] at <commit> on <GPU>: ...".
 set -uo pipefail

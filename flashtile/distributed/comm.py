@@ -38,15 +38,17 @@ class Ring:
         """The rank whose shard this rank holds at ``step`` (step 0: its own)."""
         return (self.rank - step) % self.size
 
-    def start(self, tensors: tuple):
-        """Send ``tensors`` to the next rank and receive as many from the previous one, as one batch of
-        non-blocking operations (NCCL runs them on its own stream, beside the attention on the current one).
-        Returns what :meth:`finish` takes (it holds the sent tensors: they must live until sent)."""
+    def start(self, tensors: tuple, reverse: bool = False):
+        """Send ``tensors`` to the next rank and receive as many from the previous one (``reverse``: to the
+        previous rank, from the next one), as one batch of non-blocking operations (NCCL runs them on its own
+        stream, beside the attention on the current one). Returns what :meth:`finish` takes (it holds the sent
+        tensors: they must live until sent)."""
         if self.size == 1:
             return tensors, [], ()
+        to, source = (self.prev, self.next) if reverse else (self.next, self.prev)
         received = tuple(torch.empty_like(t) for t in tensors)
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
-        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in received]
+        ops = [dist.P2POp(dist.isend, t, to, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, t, source, self.group) for t in received]
         return received, dist.batch_isend_irecv(ops), tensors
 
     @staticmethod

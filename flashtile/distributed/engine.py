@@ -10,9 +10,14 @@ one more merge at the end (a logit with no value).
 
 Backward (as in ring-flash-attention): each query row's global ``out`` and ``lse`` are final, so the
 backend's block backward, given them, recomputes that block's probabilities exactly. dQ adds up
-locally; the dK/dV partial sums of the held shard travel the ring with it and, after ``P`` hops,
-arrive back at their owner. A step's own dK/dV run before it waits for the partial sums from the
-previous rank, so that transfer overlaps with the step's blocks.
+locally; the dK/dV partial sums of the held shard travel with it and arrive back at their owner.
+The backward runs the steps last to first on the ring reversed (rank r + 1 sends to r): it starts
+on the shard the forward ended with (saved, so nothing is exchanged before the first blocks), and
+its last step is the rank's own shard (no K/V to receive), during which the dK/dV partial sums of
+that shard come home from the next rank. So every transfer overlaps with blocks -- none is left
+exposed after the last step -- and on 2 ranks the backward moves no K/V at all. A step's blocks run
+before it waits for the partial sums it adds to, and their gradients are added into the received
+float32 sums (no zeroed accumulator per step).
 """
 from __future__ import annotations
 
@@ -71,7 +76,8 @@ class RingRun:
                 _narrow(v, seq, call.k0, call.keys, batch))
 
     def forward(self, q, k, v, sink):
-        """``(out, lse)``: out in q's dtype, lse float32."""
+        """``(out, lse, last)``: out in q's dtype, lse float32, ``last`` the ``(k, v)`` shard held at the
+        last step (the backward starts with it)."""
         seq = q.dim() - 3
         packed = seq == 0
         out = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=torch.float32, device=q.device)
@@ -112,48 +118,61 @@ class RingRun:
                     held = self.ring.finish(pending)
             if sink is not None:
                 out, lse = _add_sink(out, lse, sink, packed)
-        return out.to(q.dtype), lse
+        return out.to(q.dtype), lse, held
 
-    def backward(self, dout, q, k, v, out, lse, sink):
+    def backward(self, dout, q, k, v, out, lse, sink, last):
         """``(dq, dk, dv, dsink)``, dsink None without a sink (this rank's rows' share: sum it over the group
-        as any replicated parameter's gradient)."""
+        as any replicated parameter's gradient). ``last``: the shard :meth:`forward` ended with."""
         seq = q.dim() - 3
         packed = seq == 0
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dq = None
         record_kernel(self.bwd_name)
-        held = (k, v)
+        held = last
         dkv_pending = None
         with profiled(self.bwd_name):
-            for step, calls in enumerate(self.steps):
-                pending = self.ring.start(held) if step + 1 < len(self.steps) else None
-                dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-                dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-                for call in calls:
-                    qb, kb, vb = self._views(call, seq, q, *held)
-                    batch = packed and not call.packed
-                    dout_b = _narrow(dout, seq, call.q0, call.rows, batch)
-                    out_b = _narrow(out, seq, call.q0, call.rows, batch)
-                    # Contiguous: the backends read the lse of the rows they are given with their own strides.
-                    lse_b = _narrow(lse, lse.dim() - 1, call.q0, call.rows, batch).contiguous()
-                    dqb, dkb, dvb = torch.empty_like(qb), torch.empty_like(kb), torch.empty_like(vb)
-                    record_kernel(call.plan.bwd_name)
-                    with profiled(call.plan.bwd_name):
-                        get_backend(call.plan.backend).backward(dout_b, qb, kb, vb, out_b, lse_b, call.args, dqb, dkb,
-                                                                dvb, None, None)
-                    _narrow(dq, seq, call.q0, call.rows, batch).add_(dqb)
-                    _narrow(dk, seq, call.k0, call.keys, batch).add_(dkb)
-                    _narrow(dv, seq, call.k0, call.keys, batch).add_(dvb)
-                if dkv_pending is not None:
-                    # The partial sums of the held shard from the ranks it visited before.
-                    earlier_dk, earlier_dv = self.ring.finish(dkv_pending)
-                    dk += earlier_dk
-                    dv += earlier_dv
-                dkv_pending = self.ring.start((dk, dv))
-                if pending is not None:
-                    held = self.ring.finish(pending)
-            dk, dv = self.ring.finish(dkv_pending)
+            for step in reversed(range(len(self.steps))):
+                # The shard of step - 1 comes from the next rank; step 0's is this rank's own.
+                pending = self.ring.start(held, reverse=True) if step > 1 else None
+                grads = [self._block_backward(call, seq, dout, q, *held, out, lse) for call in self.steps[step]]
+                dq = _accumulate(dq, q, seq, [(c.q0, c.rows, batch, dqb) for c, batch, dqb, _, _ in grads])
+                # The partial sums of the held shard from the ranks it visited before (None on the first step).
+                earlier_dk, earlier_dv = (None, None) if dkv_pending is None else self.ring.finish(dkv_pending)
+                dk = _accumulate(earlier_dk, k, seq, [(c.k0, c.keys, batch, dkb) for c, batch, _, dkb, _ in grads])
+                dv = _accumulate(earlier_dv, v, seq, [(c.k0, c.keys, batch, dvb) for c, batch, _, _, dvb in grads])
+                dkv_pending = self.ring.start((dk, dv), reverse=True) if step > 0 else None
+                held = self.ring.finish(pending) if pending is not None else (k, v)
         dsink = None if sink is None else _sink_grad(dout, out, lse, sink, packed)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsink
+
+    def _block_backward(self, call: BlockCall, seq: int, dout, q, k, v, out, lse) -> tuple:
+        """``(call, batch, dq, dk, dv)`` of one block call on the held shard ``k, v``: the gradients of its rows
+        and keys in the inputs' dtype (``batch``: they carry a batch dim of 1 that the accumulators lack)."""
+        batch = seq == 0 and not call.packed
+        qb, kb, vb = self._views(call, seq, q, k, v)
+        dout_b = _narrow(dout, seq, call.q0, call.rows, batch)
+        out_b = _narrow(out, seq, call.q0, call.rows, batch)
+        # Contiguous: the backends read the lse of the rows they are given with their own strides.
+        lse_b = _narrow(lse, lse.dim() - 1, call.q0, call.rows, batch).contiguous()
+        dqb, dkb, dvb = torch.empty_like(qb), torch.empty_like(kb), torch.empty_like(vb)
+        record_kernel(call.plan.bwd_name)
+        with profiled(call.plan.bwd_name):
+            get_backend(call.plan.backend).backward(dout_b, qb, kb, vb, out_b, lse_b, call.args, dqb, dkb, dvb, None,
+                                                    None)
+        return call, batch, dqb, dkb, dvb
+
+
+def _accumulate(total, like: torch.Tensor, seq: int, parts: list) -> torch.Tensor:
+    """``total`` (float32, ``like``'s shape; None: zeros) plus every ``(start, length, batch, grad)`` of ``parts``
+    at rows ``start:start + length`` along ``seq``. A first part over every row with no total yet is upcast
+    (one kernel, where a zeroed accumulator and an add are two)."""
+    for start, length, batch, grad in parts:
+        if total is None and length == like.shape[seq]:
+            total = grad.reshape(like.shape).float()
+            continue
+        if total is None:
+            total = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
+        _narrow(total, seq, start, length, batch).add_(grad)
+    return torch.zeros(like.shape, dtype=torch.float32, device=like.device) if total is None else total
 
 
 def _sink_rows(sink: torch.Tensor, packed: bool) -> torch.Tensor:
@@ -187,8 +206,8 @@ class RingFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sink, run: RingRun):
-        out, lse = run.forward(q, k, v, sink)
-        ctx.save_for_backward(q, k, v, out, lse, sink)
+        out, lse, last = run.forward(q, k, v, sink)
+        ctx.save_for_backward(q, k, v, out, lse, sink, *last)
         ctx.run = run
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
@@ -198,6 +217,6 @@ class RingFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         if dout is None:
             return None, None, None, None, None
-        q, k, v, out, lse, sink = ctx.saved_tensors
-        dq, dk, dv, dsink = ctx.run.backward(dout.contiguous(), q, k, v, out, lse, sink)
+        q, k, v, out, lse, sink, *last = ctx.saved_tensors
+        dq, dk, dv, dsink = ctx.run.backward(dout.contiguous(), q, k, v, out, lse, sink, tuple(last))
         return dq, dk, dv, dsink if ctx.needs_input_grad[3] else None, None

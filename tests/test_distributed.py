@@ -326,10 +326,26 @@ def test_bench_smoke(tmp_path, monkeypatch):
     assert env["torch"] == torch.__version__ and env["git_commit"] and env["date"], env
     assert env["command"].startswith("python -m flashtile.distributed.bench --device cpu --gpus 2 "), env
     assert row["ring_rel_err"] < 1e-4 and row["ring_ms"] > 0 and row["flashtile_1gpu_ms"] > 0, row
+    # --trace: a chrome trace per method and rank (no CUDA kernels on CPU: the breakdown is empty there).
+    bench.main(["--device", "cpu", "--gpus", "2", "--tokens-per-gpu", "16", "--heads", "4/2", "--headdim", "16",
+                "--runs", "1", "--methods", "ring", "--out", str(out), "--trace", str(tmp_path / "traces")])
+    assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == [
+        "flashtile_1gpu-4x2-16.json", "ring-4x2-16-rank0.json", "ring-4x2-16-rank1.json"]
     bench.main(["--device", "cpu", "--gpus", "2", "--long", "32", "--heads", "4/2", "--headdim", "16", "--out",
                 str(out)])
     row = json.loads(out.read_text())["rows"][0]
     assert row["N"] == 64 and row["max_err"] < 1e-5 and row["ring_ms"] > 0, row
+
+
+def test_bench_breakdown_splits_the_span():
+    """--trace's breakdown: overlapping kernels count once, attention first, then other compute, then NCCL alone."""
+    from flashtile.distributed.bench import breakdown_ms
+
+    kernels = [("attn_fwd_sm90_ws", 0, 4000), ("ncclDevKernel_SendRecv", 1000, 6000), ("bwd_dq", 3000, 5000),
+               ("elementwise_add", 4500, 5500), ("bwd_preprocess", 8000, 9000), ("attn_bwd_sm90_ws", 9000, 10000)]
+    got = breakdown_ms(kernels)
+    assert got == {"span": 10.0, "attention": 6.0, "other": 1.5, "nccl_exposed": 0.5, "idle": 2.0}, got
+    assert breakdown_ms([]) == {}
 
 
 def test_train_tiny_gpt_cp_matches_one_process(monkeypatch):

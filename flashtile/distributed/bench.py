@@ -39,6 +39,8 @@ from ..interface import flash_attn_func
 from . import attention, ring_attention, shard, ulysses_attention, unshard
 
 METHODS = ("ring", "ulysses", "hybrid", "torch_cp")
+# flashtile's attention kernels (forward, backward); the preprocess, dQ/dK/dV sums and merges count as "other".
+ATTENTION_KERNELS = ("attn_", "bwd_dkdv", "bwd_dq")
 
 
 def parse(argv=None):
@@ -54,6 +56,10 @@ def parse(argv=None):
     parser.add_argument("--long", type=int, default=0, metavar="TOKENS_PER_GPU",
                         help="instead of the grid: one ring run at this length (262144 on 4 GPUs = 1M tokens), its "
                              "time and memory, and sampled rows of out checked against a float32 reference")
+    parser.add_argument("--trace", default=None, metavar="DIR",
+                        help="after timing, run each method once more under torch.profiler: a chrome trace per rank "
+                             "in DIR and, per method, where rank 0's time went (attention kernels, NCCL, other "
+                             "kernels, the GPU idle)")
     parser.add_argument("--out", default=None,
                         help="JSON result path (default: benchmarks/results/cp-<P>x<gpu>-<date>.json)")
     options = parser.parse_args(argv)
@@ -84,6 +90,57 @@ def _timed(fn, runs: int, device) -> tuple:
             times.append((time.perf_counter() - begin) * 1e3)
     memory = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     return statistics.median(times), memory
+
+
+def _union_us(spans) -> float:
+    """The length of the union of ``(start, end)`` intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def _traced(fn, device, path: str) -> dict:
+    """One run of ``fn`` under torch.profiler, its chrome trace written to ``path``: this rank's ms of the span from
+    the first kernel to the last, split into the attention kernels (flashtile's :data:`ATTENTION_KERNELS`), other
+    compute kernels (copies, adds, merges, casts), NCCL alone (no compute kernel beside it: exposed) and the GPU
+    idle (launch gaps, host work, waits)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    prof.export_chrome_trace(path)
+    kernels = [(event.name, event.time_range.start, event.time_range.end) for event in prof.events()
+               if event.device_type == DeviceType.CUDA]
+    return breakdown_ms(kernels)
+
+
+def breakdown_ms(kernels) -> dict:
+    """``{"span", "attention", "other", "nccl_exposed", "idle"}`` in ms of ``(name, start_us, end_us)`` kernels:
+    the span from the first start to the last end; the time an attention kernel runs; the time other compute
+    kernels run with no attention kernel; NCCL with no compute kernel beside it; no kernel at all. The last four
+    add up to the span. ``{}`` without kernels."""
+    kinds = {"attention": [], "other": [], "nccl": []}
+    for name, start, end in kernels:
+        name = name.lower()
+        kind = "nccl" if "nccl" in name else "attention" if name.startswith(ATTENTION_KERNELS) else "other"
+        kinds[kind].append((start, end))
+    spans = [s for group in kinds.values() for s in group]
+    if not spans:
+        return {}
+    attention = _union_us(kinds["attention"])
+    compute = _union_us(kinds["attention"] + kinds["other"])
+    busy = _union_us(spans)
+    wall = max(e for _, e in spans) - min(s for s, _ in spans)
+    return {"span": wall / 1e3, "attention": attention / 1e3, "other": (compute - attention) / 1e3,
+            "nccl_exposed": (busy - compute) / 1e3, "idle": (wall - busy) / 1e3}
 
 
 def _max_over_ranks(*values) -> list:
@@ -193,6 +250,9 @@ def run(options) -> list:
             t1 = mem1 = 0.0
             if rank == 0:
                 t1, mem1 = _timed(one_gpu, options.runs, device)
+                if options.trace:
+                    row["flashtile_1gpu_breakdown_ms"] = _traced(one_gpu, device, os.path.join(
+                        options.trace, f"flashtile_1gpu-{nheads}x{nheads_kv}-{tokens}.json"))
             reference = None
             if index == 0:
                 one_gpu()  # on every rank: each checks its method's gathered result
@@ -216,6 +276,9 @@ def run(options) -> list:
                     row[f"{name}_ms"], row[f"{name}_mem_gb"] = ms, mem
                     row[f"{name}_efficiency"] = row["flashtile_1gpu_ms"] / (world * ms) if rank == 0 else None
                     row[f"{name}_status"] = "ok"
+                    if options.trace:
+                        row[f"{name}_breakdown_ms"] = _traced(method.step, device, os.path.join(
+                            options.trace, f"{name}-{nheads}x{nheads_kv}-{tokens}-rank{rank}.json"))
                 except Exception as error:  # noqa: BLE001 -- a method that cannot run is reported, not fatal
                     row[f"{name}_status"] = f"error: {type(error).__name__}: {' '.join(str(error).split())[:200]}"
                 finally:
@@ -292,10 +355,14 @@ def run_long(options) -> list:
 def _line(row, methods) -> str:
     cells = [f"P={row['world']} {row['nheads']}/{row['nheads_kv']} {row['tokens_per_gpu']:>6}/gpu "
              f"T1={row['flashtile_1gpu_ms']:.1f}ms"]
+    if row.get("flashtile_1gpu_breakdown_ms"):
+        cells[-1] += " [" + " ".join(f"{k} {v:.2f}" for k, v in row["flashtile_1gpu_breakdown_ms"].items()) + "]"
     for name in methods:
         if row.get(f"{name}_status") == "ok":
             cells.append(f"{name} {row[f'{name}_ms']:.1f}ms eff {row[f'{name}_efficiency']:.2f} "
                          f"{row[f'{name}_mem_gb']:.1f}GB")
+            if row.get(f"{name}_breakdown_ms"):
+                cells[-1] += " [" + " ".join(f"{k} {v:.2f}" for k, v in row[f"{name}_breakdown_ms"].items()) + "]"
         else:
             cells.append(f"{name} {row.get(f'{name}_status', '-')[:40]}")
     return " | ".join(cells)

@@ -11,13 +11,13 @@ one more merge at the end (a logit with no value).
 Backward (as in ring-flash-attention): each query row's global ``out`` and ``lse`` are final, so the
 backend's block backward, given them, recomputes that block's probabilities exactly. dQ adds up
 locally; the dK/dV partial sums of the held shard travel with it and arrive back at their owner.
-The backward runs the steps last to first on the ring reversed (rank r + 1 sends to r): it starts
-on the shard the forward ended with (saved, so nothing is exchanged before the first blocks), and
-its last step is the rank's own shard (no K/V to receive), during which the dK/dV partial sums of
-that shard come home from the next rank. So every transfer overlaps with blocks -- none is left
-exposed after the last step -- and on 2 ranks the backward moves no K/V at all. A step's blocks run
-before it waits for the partial sums it adds to, and their gradients are added into the received
-float32 sums (no zeroed accumulator per step).
+The backward runs the steps last to first on the ring reversed (rank r + 1 sends to r). It starts on
+the shard the forward ended with (saved for it: one more K/V shard of activation memory until then,
+and nothing to exchange before the first blocks) and ends on the rank's own shard (no K/V to
+receive), during which the dK/dV partial sums of that shard come home from the next rank. So every
+transfer overlaps with blocks -- none is left exposed after the last step -- and on 2 ranks the
+backward moves no K/V at all. A step's blocks run before it waits for the partial sums it adds to,
+and their gradients are added into the received float32 sums (no zeroed accumulator per step).
 """
 from __future__ import annotations
 

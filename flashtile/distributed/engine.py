@@ -134,15 +134,16 @@ class RingRun:
                 # The shard of step - 1 comes from the next rank; step 0's is this rank's own.
                 pending = self.ring.start(held, reverse=True) if step > 1 else None
                 grads = [self._block_backward(call, seq, dout, q, *held, out, lse) for call in self.steps[step]]
-                dq = _accumulate(dq, q, seq, [(c.q0, c.rows, batch, dqb) for c, batch, dqb, _, _ in grads])
+                final = step == 0  # the sums are complete: rounded to the inputs' dtypes on the last add
+                dq = _accumulate(dq, q, seq, [(c.q0, c.rows, batch, dqb) for c, batch, dqb, _, _ in grads], final)
                 # The partial sums of the held shard from the ranks it visited before (None on the first step).
                 earlier_dk, earlier_dv = (None, None) if dkv_pending is None else self.ring.finish(dkv_pending)
-                dk = _accumulate(earlier_dk, k, seq, [(c.k0, c.keys, batch, dkb) for c, batch, _, dkb, _ in grads])
-                dv = _accumulate(earlier_dv, v, seq, [(c.k0, c.keys, batch, dvb) for c, batch, _, _, dvb in grads])
+                dk = _accumulate(earlier_dk, k, seq, [(c.k0, c.keys, batch, g) for c, batch, _, g, _ in grads], final)
+                dv = _accumulate(earlier_dv, v, seq, [(c.k0, c.keys, batch, g) for c, batch, _, _, g in grads], final)
                 dkv_pending = self.ring.start((dk, dv), reverse=True) if step > 0 else None
                 held = self.ring.finish(pending) if pending is not None else (k, v)
         dsink = None if sink is None else _sink_grad(dout, out, lse, sink, packed)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsink
+        return dq, dk, dv, dsink
 
     def _block_backward(self, call: BlockCall, seq: int, dout, q, k, v, out, lse) -> tuple:
         """``(call, batch, dq, dk, dv)`` of one block call on the held shard ``k, v``: the gradients of its rows
@@ -161,18 +162,25 @@ class RingRun:
         return call, batch, dqb, dkb, dvb
 
 
-def _accumulate(total, like: torch.Tensor, seq: int, parts: list) -> torch.Tensor:
+def _accumulate(total, like: torch.Tensor, seq: int, parts: list, final: bool = False) -> torch.Tensor:
     """``total`` (float32, ``like``'s shape; None: zeros) plus every ``(start, length, batch, grad)`` of ``parts``
     at rows ``start:start + length`` along ``seq``. A first part over every row with no total yet is upcast
-    (one kernel, where a zeroed accumulator and an add are two)."""
-    for start, length, batch, grad in parts:
-        if total is None and length == like.shape[seq]:
+    (one kernel, where a zeroed accumulator and an add are two). ``final``: the sum in ``like``'s dtype; a last
+    part over every row is added and rounded in one kernel (the float32 sum rounded once, as by a cast after)."""
+    for i, (start, length, batch, grad) in enumerate(parts):
+        whole = length == like.shape[seq]
+        if final and whole and i == len(parts) - 1:
+            grad = grad.reshape(like.shape)
+            return grad if total is None else torch.add(total, grad, out=torch.empty_like(like))
+        if total is None and whole:
             total = grad.reshape(like.shape).float()
             continue
         if total is None:
             total = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
         _narrow(total, seq, start, length, batch).add_(grad)
-    return torch.zeros(like.shape, dtype=torch.float32, device=like.device) if total is None else total
+    if total is None:
+        total = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
+    return total.to(like.dtype) if final else total
 
 
 def _sink_rows(sink: torch.Tensor, packed: bool) -> torch.Tensor:

@@ -307,6 +307,46 @@ def test_blocks_cover_the_global_mask_once(world, balance):
                 assert torch.equal(covered.bool(), want) and covered.max() <= 1, (mine, theirs, (left, right))
 
 
+class _RecordingRing:
+    """A stand-in for comm.Ring as rank 0 of ``size`` ranks sees it: it records every transfer and hands the
+    sent tensors back as the received ones (the values are wrong; only the schedule is looked at)."""
+
+    def __init__(self, size):
+        self.size, self.rank, self.sent = size, 0, []
+
+    def source(self, step):
+        return (self.rank - step) % self.size
+
+    def start(self, tensors, reverse=False):
+        self.sent.append(("reverse" if reverse else "forward", tuple(str(t.dtype) for t in tensors)))
+        return tensors
+
+    @staticmethod
+    def finish(pending):
+        return pending
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_backward_schedule(world, monkeypatch):
+    """The backward walks the steps last to first on the reversed ring: P - 1 float32 dK/dV hops (the last one
+    during the rank's own step) and P - 2 K/V hops (none on 2 ranks: it starts on the forward's last shard)."""
+    from flashtile.distributed import ring as ring_module
+
+    recording = _RecordingRing(world)
+    monkeypatch.setattr(ring_module, "Ring", lambda group: recording)
+    monkeypatch.setattr(ring_module, "group_size_rank", lambda group: (world, 0))
+    monkeypatch.setattr(ring_module, "check_same_across", lambda *args: None)
+    # bf16 inputs: K/V travel as bf16, the dK/dV partial sums as float32.
+    q, k, v = (torch.randn(1, 12, 2, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    with force_backend("torch"):
+        ring_attention(q, k, v, causal=True).float().sum().backward()
+    kv, dkv = ("torch.bfloat16",) * 2, ("torch.float32",) * 2
+    assert recording.sent[:world - 1] == [("forward", kv)] * (world - 1), recording.sent
+    backward = recording.sent[world - 1:]
+    assert sorted(backward) == sorted([("reverse", dkv)] * (world - 1) + [("reverse", kv)] * (world - 2)), backward
+    assert backward[-1] == ("reverse", dkv), backward
+
+
 def test_bench_smoke(tmp_path, monkeypatch):
     """The benchmark runs end to end on gloo (tiny sizes) and checks every method before timing it."""
     import json

@@ -384,7 +384,7 @@ def test_bench_breakdown_splits_the_span():
     kernels = [("attn_fwd_sm90_ws", 0, 4000), ("ncclDevKernel_SendRecv", 1000, 6000), ("bwd_dq", 3000, 5000),
                ("elementwise_add", 4500, 5500), ("bwd_preprocess", 8000, 9000), ("attn_bwd_sm90_ws", 9000, 10000)]
     got = breakdown_ms(kernels)
-    assert got == {"span": 10.0, "attention": 6.0, "other": 1.5, "nccl_exposed": 0.5, "idle": 2.0}, got
+    assert got == {"span": 10.0, "attention": 6.0, "other": 1.5, "nccl_exposed": 0.5, "idle": 2.0, "nccl": 5.0}, got
     assert breakdown_ms([]) == {}
 
 

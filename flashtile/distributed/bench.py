@@ -123,10 +123,11 @@ def _traced(fn, device, path: str) -> dict:
 
 
 def breakdown_ms(kernels) -> dict:
-    """``{"span", "attention", "other", "nccl_exposed", "idle"}`` in ms of ``(name, start_us, end_us)`` kernels:
-    the span from the first start to the last end; the time an attention kernel runs; the time other compute
-    kernels run with no attention kernel; NCCL with no compute kernel beside it; no kernel at all. The last four
-    add up to the span. ``{}`` without kernels."""
+    """``{"span", "attention", "other", "nccl_exposed", "idle", "nccl"}`` in ms of ``(name, start_us, end_us)``
+    kernels: the span from the first start to the last end; the time an attention kernel runs; the time other
+    compute kernels run with no attention kernel; NCCL with no compute kernel beside it; no kernel at all (these
+    four add up to the span); and every NCCL kernel's time, overlapped or not (bytes / it: the bandwidth had).
+    ``{}`` without kernels."""
     kinds = {"attention": [], "other": [], "nccl": []}
     for name, start, end in kernels:
         name = name.lower()
@@ -140,7 +141,7 @@ def breakdown_ms(kernels) -> dict:
     busy = _union_us(spans)
     wall = max(e for _, e in spans) - min(s for s, _ in spans)
     return {"span": wall / 1e3, "attention": attention / 1e3, "other": (compute - attention) / 1e3,
-            "nccl_exposed": (busy - compute) / 1e3, "idle": (wall - busy) / 1e3}
+            "nccl_exposed": (busy - compute) / 1e3, "idle": (wall - busy) / 1e3, "nccl": _union_us(kinds["nccl"]) / 1e3}
 
 
 def _max_over_ranks(*values) -> list:

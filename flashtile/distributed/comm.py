@@ -14,9 +14,9 @@ def check_same_across(group, what: str, values: dict, device) -> None:
     if world == 1:
         return
     mine = torch.tensor(list(values.values()), dtype=torch.long, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine, group=group)
-    rows = [g.tolist() for g in gathered]
+    gathered = torch.empty(world * mine.numel(), dtype=torch.long, device=device)
+    dist.all_gather_into_tensor(gathered, mine, group=group)
+    rows = gathered.view(world, -1).tolist()  # the call's one wait for the device (one copy; a row each took P)
     if any(row != rows[0] for row in rows):
         per_rank = "; ".join(f"rank {rank}: " + ", ".join(f"{name}={value}" for name, value in zip(values, row))
                              for rank, row in enumerate(rows))

@@ -9,8 +9,8 @@ import torch
 
 from ... import env
 from .. import AttentionCall, missing_features
-from .configs import (MAX_GRID_Y, ONE_PASS_KEYS, capability, bwd_choice, bwd_config, decode_plan,
-                      dense_takes_decode, deterministic, fwd_config, gluon_fwd_config, gluon_kv_config, row_keys)
+from .configs import (MAX_GRID_Y, ONE_PASS_KEYS, capability, bwd_choice, bwd_config, decode_plan, dense_takes_decode,
+                      deterministic, fwd_config, gluon_fwd_config, gluon_kv_config, one_pass_rows, row_keys)
 
 FEATURES = frozenset({"dropout", "window", "softcap", "alibi", "sink", "bias", "varlen", "headdim_v", "kvcache",
                       "paged", "merge", "fp8_cache"})
@@ -98,8 +98,9 @@ def describe(call: AttentionCall):
                       call.batch, call.nheads, call.nheads_kv, call.seqlen_q, call.seqlen_k,
                       deterministic(call.deterministic))
     if plan.one_pass:
-        bwd_name = f"flashtile.bwd[gluon-sm90-ws d={call.headdim} {mask}{extras} one-pass BM64xBN{ONE_PASS_KEYS}]"
-        bwd_tiles = {"bwd_one_pass": {"BLOCK_M": 64, "BLOCK_N": ONE_PASS_KEYS, "kernel": "gluon-ws"}}
+        rows = one_pass_rows(call.headdim, call.feature_names)
+        bwd_name = f"flashtile.bwd[gluon-sm90-ws d={call.headdim} {mask}{extras} one-pass BM{rows}xBN{ONE_PASS_KEYS}]"
+        bwd_tiles = {"bwd_one_pass": {"BLOCK_M": rows, "BLOCK_N": ONE_PASS_KEYS, "kernel": "gluon-ws"}}
     else:
         bwd, parts = plan.cfg, plan.parts
         alongside = plan.alongside and call.device.type == "cuda"

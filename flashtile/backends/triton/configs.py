@@ -616,9 +616,19 @@ _INTERPRET_MIN_ROWS_PER_SPLIT = 64
 #   4x4096, 32/32                    353 -> 392    318 -> 348
 #   2x4096, 64/8 with a sink         338 -> 395    282 -> 296
 ONE_PASS_KEYS = 128
+# Query rows a step at head dim 64 (FA3/FA4's 128x128 step): half the per-step barriers, hand-overs and reduces
+# per multiply-add; softcap keeps 64 (174 spill stores at 128, benchmarks/sm90_compile.py), packed sequences too
+# (shared memory at the limit). UNMEASURED on a GPU: branch wip-one-pass-d64-rows128.
+ONE_PASS_D64_ROWS = 128
 ONE_PASS_FEATURES = frozenset({"window", "softcap", "alibi", "sink", "varlen"})
 ONE_PASS_HEAD_DIMS = (64, 128)
 ONE_PASS_D64_MIN_PAIRS = 1 << 28
+
+
+def one_pass_rows(head_dim: int, features: frozenset) -> int:
+    """Query rows a step of the one-pass backward."""
+    wide = head_dim == 64 and not features & {"softcap", "varlen"}
+    return ONE_PASS_D64_ROWS if wide else ONE_PASS_KEYS // 2
 
 
 def deterministic(asked: bool) -> bool:

@@ -621,7 +621,7 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
         # their offsets).
         q, k, v, dout, dq_acc = (t.unsqueeze(0) for t in (q, k, v, dout, dq_acc))
     # A CTA's keys, a consumer's half of them; query steps of as many rows.
-    rows = configs.ONE_PASS_KEYS // 2
+    rows = configs.one_pass_rows(q.shape[-1], frozenset(present_features(args, q.shape[-1], q.shape[-1])))
     _BWD_WS(key, (cdiv(seqlen_k, configs.ONE_PASS_KEYS), nheads_kv, batch),
             dict(q_desc=_tma_desc(q, rows), k_desc=_tma_desc(k, rows), v_desc=_tma_desc(v, rows),
                  do_desc=_tma_desc(dout, rows), dq_desc=_tma_desc(dq_acc, rows, q.shape[3] // 2), DK=dk, DV=dv,

@@ -27,6 +27,7 @@ def one_sm(monkeypatch):
     """Small shapes fill a GPU of one SM, unsplit."""
     monkeypatch.setattr(configs, "sm_count", lambda device: 1)
     monkeypatch.setattr(configs, "BWD_SPLIT_MIN_PAIRS", 1 << 62)
+    monkeypatch.setattr(configs, "ONE_PASS_D64_MIN_PAIRS", 1)
 
 
 def ran(name: str) -> bool:
@@ -46,10 +47,21 @@ def test_one_pass(rng, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, caus
     run(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, causal=causal)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal",
+                         testing.SM90_BWD_SHAPES + [(1, 77, 77, 2, 1, True), (2, 4200, 4200, 2, 2, True)],
+                         ids=testing.SM90_BWD_SHAPE_IDS + ["tiny", "long"])
+def test_one_pass_d64(rng, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal):
+    """Head dim 64 steps 128 query rows (one_pass_rows): partial 128-row steps, rows that see no key, GQA."""
+    assert configs.one_pass_rows(64, frozenset()) == 128
+    run(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, kernel="one-pass BM128", causal=causal, head_dim=64)
+
+
 @pytest.mark.parametrize("window, causal", testing.SM90_BWD_WINDOWS, ids=testing.SM90_BWD_WINDOW_IDS)
-def test_one_pass_windows(rng, window, causal):
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_one_pass_windows(rng, window, causal, head_dim):
     """Query blocks wholly outside a CTA's window are skipped; the ones straddling an edge are masked."""
-    run(rng, 2, 777, 900, 4, 2, window_size=window, causal=causal)
+    run(rng, 2, 777, 900, 4, 2, window_size=window, causal=causal, head_dim=head_dim)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

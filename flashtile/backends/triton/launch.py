@@ -620,10 +620,11 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
         # One batch row of all tokens for the TMA; each CTA finds its sequence's rows (the descriptors' rows bound
         # their offsets).
         q, k, v, dout, dq_acc = (t.unsqueeze(0) for t in (q, k, v, dout, dq_acc))
-    # A CTA's keys, a consumer's half of them; query steps of as many rows.
+    # A CTA's keys, a consumer's half of them; query steps of one_pass_rows rows.
+    keys = configs.ONE_PASS_KEYS // 2
     rows = configs.one_pass_rows(q.shape[-1], frozenset(present_features(args, q.shape[-1], q.shape[-1])))
     _BWD_WS(key, (cdiv(seqlen_k, configs.ONE_PASS_KEYS), nheads_kv, batch),
-            dict(q_desc=_tma_desc(q, rows), k_desc=_tma_desc(k, rows), v_desc=_tma_desc(v, rows),
+            dict(q_desc=_tma_desc(q, rows), k_desc=_tma_desc(k, keys), v_desc=_tma_desc(v, keys),
                  do_desc=_tma_desc(dout, rows), dq_desc=_tma_desc(dq_acc, rows, q.shape[3] // 2), DK=dk, DV=dv,
                  LSE2=lse2, DELTA=delta, **_sequence_tensors(lse2, args),
                  ALIBI_SLOPES=alibi if alibi is not None else lse2, qk_scale=qk_scale, softcap2=softcap2,

@@ -617,8 +617,9 @@ _INTERPRET_MIN_ROWS_PER_SPLIT = 64
 #   2x4096, 64/8 with a sink         338 -> 395    282 -> 296
 ONE_PASS_KEYS = 128
 # Query rows a step at head dim 64 (FA3/FA4's 128x128 step): half the per-step barriers, hand-overs and reduces
-# per multiply-add; softcap keeps 64 (174 spill stores at 128, benchmarks/sm90_compile.py), packed sequences too
-# (shared memory at the limit). UNMEASURED on a GPU: branch wip-one-pass-d64-rows128.
+# per multiply-add; 1.00-1.04x the 64-row step on the H200 (results/h200-one-pass-d64-rows128-2026-11-27-501d93d.json).
+# Softcap keeps 64 (174 spill stores at 128, benchmarks/sm90_compile.py), packed sequences too (shared memory at the
+# limit).
 ONE_PASS_D64_ROWS = 128
 ONE_PASS_FEATURES = frozenset({"window", "softcap", "alibi", "sink", "varlen"})
 ONE_PASS_HEAD_DIMS = (64, 128)

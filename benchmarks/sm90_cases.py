@@ -36,7 +36,43 @@ def case(which: str, causal: bool, softcap: bool, window: bool = False):
         return _fwd_fp8_case(causal, softcap, window, int(dims[0]) if dims else 128, which.endswith("-blocks"))
     if which in ("fused", "fused-alibi", "fused-varlen"):
         return _fused_case(causal, softcap, which == "fused-alibi", which == "fused-varlen", window)
+    if which in ("wide", "wide-alibi", "wide-varlen"):
+        return _one_pass_case(causal, softcap, which == "wide-alibi", which == "wide-varlen", window, (192, 128))
     raise ValueError(which)
+
+
+def _one_pass_case(causal: bool, softcap: bool, alibi: bool, varlen: bool, window: bool, head_dims: tuple):
+    """The one-pass launcher's own arguments (launch._backward_sm90_ws) for a 2 x 4096 call of 16 query and 16 KV
+    heads at ``head_dims`` (q/k, v), caught at its launch: ``(kernel, runtime args, constexprs, options)``."""
+    from flashtile.backends import AttnArgs
+
+    d, dv = head_dims
+    tokens = 2 * 4096
+    q, k, lse = _inputs(D=d)
+    v, dout = torch.empty(*k.shape[:3], dv, dtype=k.dtype), torch.empty(*q.shape[:3], dv, dtype=q.dtype)
+    extra = {}
+    if varlen:
+        cu = torch.tensor([0, 4096, tokens], dtype=torch.int32)
+        q, k, v, dout = (t.flatten(0, 1) for t in (q, k, v, dout))
+        lse = torch.empty(q.shape[1], tokens, dtype=torch.float32)
+        extra = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=4096, max_seqlen_k=4096,
+                     seqused_k=torch.tensor([4000, 4096], dtype=torch.int32), total_k=tokens)
+    args = AttnArgs(softmax_scale=d ** -0.5, causal=causal, window_left=1024 if window else -1,
+                    window_right=0 if causal else -1, softcap=30.0 if softcap else 0.0,
+                    alibi_slopes=torch.empty(2, q.shape[-2]) if alibi else None, **extra)
+    caught = {}
+    name = "_BWD_WIDE" if launch.configs.one_pass_wide(d, dv) else "_BWD_WS"
+    kernel = getattr(launch, name)
+    setattr(launch, name, lambda key, grid, dynamic, static, **_: caught.update(dynamic, **static()))
+    try:
+        launch._backward_sm90_ws(q, k, v, dout, torch.empty(q.shape, dtype=torch.float32), k, v, lse, lse, args, None)
+    finally:
+        setattr(launch, name, kernel)
+    # The GPU's bf16 calls take the fast tanh (host.fast_tanh: CUDA tensors only).
+    caught["FAST_TANH"] = True
+    options = dict(num_warps=caught.pop("num_warps"), maxnreg=caught.pop("maxnreg"))
+    constexprs = {p.name: caught.pop(p.name) for p in kernel.fn.params if p.is_constexpr and p.name in caught}
+    return kernel.fn, caught, dict(constexprs, num_warps=options["num_warps"]), options
 
 
 def _fused_case(causal: bool, softcap: bool, alibi: bool = False, varlen: bool = False, window: bool = False):

@@ -9,8 +9,9 @@ import torch
 
 from ... import env
 from .. import AttentionCall, missing_features
-from .configs import (MAX_GRID_Y, ONE_PASS_KEYS, capability, bwd_choice, bwd_config, decode_plan, dense_takes_decode,
-                      deterministic, fwd_config, gluon_fwd_config, gluon_kv_config, one_pass_rows, row_keys)
+from .configs import (MAX_GRID_Y, capability, bwd_choice, bwd_config, decode_plan, dense_takes_decode, deterministic,
+                      fwd_config, gluon_fwd_config, gluon_kv_config, one_pass_keys, one_pass_rows, one_pass_wide,
+                      row_keys)
 
 FEATURES = frozenset({"dropout", "window", "softcap", "alibi", "sink", "bias", "varlen", "headdim_v", "kvcache",
                       "paged", "merge", "fp8_cache"})
@@ -72,9 +73,9 @@ def _window(call: AttentionCall) -> tuple:
     return left, 0 if call.causal and right < 0 else right
 
 
-# The forward kernels' names by TileConfig.kernel.
+# The kernels' names by TileConfig.kernel (and the one-pass backward's kinds).
 _KERNEL_LABELS = {"triton": "triton", "gluon": "gluon-sm90", "gluon-slim": "gluon-sm90-slim",
-                  "gluon-ws": "gluon-sm90-ws"}
+                  "gluon-ws": "gluon-sm90-ws", "gluon-wide": "gluon-sm90-wide"}
 
 
 def describe(call: AttentionCall):
@@ -99,8 +100,11 @@ def describe(call: AttentionCall):
                       deterministic(call.deterministic))
     if plan.one_pass:
         rows = one_pass_rows(call.headdim, call.feature_names)
-        bwd_name = f"flashtile.bwd[gluon-sm90-ws d={call.headdim} {mask}{extras} one-pass BM{rows}xBN{ONE_PASS_KEYS}]"
-        bwd_tiles = {"bwd_one_pass": {"BLOCK_M": rows, "BLOCK_N": ONE_PASS_KEYS, "kernel": "gluon-ws"}}
+        keys = one_pass_keys(call.headdim, call.headdim_v)
+        kernel = "gluon-wide" if one_pass_wide(call.headdim, call.headdim_v) else "gluon-ws"
+        bwd_name = (f"flashtile.bwd[{_KERNEL_LABELS[kernel]} d={call.headdim} {mask}{extras} one-pass "
+                    f"BM{rows}xBN{keys}]")
+        bwd_tiles = {"bwd_one_pass": {"BLOCK_M": rows, "BLOCK_N": keys, "kernel": kernel}}
     else:
         bwd, parts = plan.cfg, plan.parts
         alongside = plan.alongside and call.device.type == "cuda"

@@ -624,12 +624,28 @@ ONE_PASS_D64_ROWS = 128
 ONE_PASS_FEATURES = frozenset({"window", "softcap", "alibi", "sink", "varlen"})
 ONE_PASS_HEAD_DIMS = (64, 128)
 ONE_PASS_D64_MIN_PAIRS = 1 << 28
+# The wide one-pass kernel (kernels/bwd_sm90_wide.py) at (q/k, v) head dims 192/128, DeepSeek's: FA4's sm90 tile, CTAs
+# of 64 keys, steps of 64 queries, two consumer warpgroups splitting dK, dV and dQ by head-dim columns; the same
+# features and rule as above (ALiBi exact, so right bounds too). UNMEASURED on a GPU: branch wip-one-pass-d192.
+# sm_90 ptxas (benchmarks/sm90_compile.py wide): see kernels/bwd_sm90_wide.py.
+ONE_PASS_WIDE_HEAD_DIMS = ((192, 128),)
+ONE_PASS_WIDE_KEYS = 64
 
 
 def one_pass_rows(head_dim: int, features: frozenset) -> int:
     """Query rows a step of the one-pass backward."""
     wide = head_dim == 64 and not features & {"softcap", "varlen"}
     return ONE_PASS_D64_ROWS if wide else ONE_PASS_KEYS // 2
+
+
+def one_pass_wide(head_dim: int, head_dim_v: int) -> bool:
+    """Whether the one-pass backward at these head dims is the wide kernel (kernels/bwd_sm90_wide.py)."""
+    return (head_dim, head_dim_v) in ONE_PASS_WIDE_HEAD_DIMS
+
+
+def one_pass_keys(head_dim: int, head_dim_v: int) -> int:
+    """Keys a CTA of the one-pass backward owns."""
+    return ONE_PASS_WIDE_KEYS if one_pass_wide(head_dim, head_dim_v) else ONE_PASS_KEYS
 
 
 def deterministic(asked: bool) -> bool:
@@ -644,11 +660,13 @@ def one_pass_bwd(head_dim: int, head_dim_v: int, dtype: torch.dtype, device: tor
     """Whether a backward takes the one-pass kernel; ``features``: the call's feature names (packed sequences
     are one), ``window_right`` its right bound (0 when causal, -1 none), ``deterministic`` whether its gradients
     must be bit-identical run to run, ``pairs`` the visible (query row, key) pairs over all heads, about."""
+    wide = one_pass_wide(head_dim, head_dim_v)
     return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _arch(device) == 90
-            and head_dim == head_dim_v and head_dim in ONE_PASS_HEAD_DIMS and features <= ONE_PASS_FEATURES
-            and not ("alibi" in features and window_right > 0) and not deterministic
+            and (wide or head_dim == head_dim_v and head_dim in ONE_PASS_HEAD_DIMS)
+            and features - {"headdim_v"} <= ONE_PASS_FEATURES
+            and not ("alibi" in features and window_right > 0 and not wide) and not deterministic
             and (head_dim != 64 or pairs >= ONE_PASS_D64_MIN_PAIRS)
-            and -(-seqlen_k // ONE_PASS_KEYS) * nheads_kv * batch >= sm_count(device))
+            and -(-seqlen_k // one_pass_keys(head_dim, head_dim_v)) * nheads_kv * batch >= sm_count(device))
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from .host import (bsh_strides, cdiv, fast_tanh, fold_scale, fork, input_precisi
                    unit_stride)
 from .kernels.bwd import bwd_dkdv, bwd_dq, bwd_preprocess, bwd_sink_grad, bwd_sum_parts
 from .kernels.bwd_sm90 import attn_bwd_dkdv_sm90
+from .kernels.bwd_sm90_wide import attn_bwd_sm90_wide
 from .kernels.bwd_sm90_ws import attn_bwd_sm90_ws
 from .kernels.common import LOG2E as _LOG2E
 from .kernels.fwd import attn_fwd
@@ -460,7 +461,7 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
     lse2 = empty_like(lse)
     stride_lse_b, stride_lse_h = lse_strides(lse, varlen)
     if config is None and not kv_splits:
-        # Calls whose 128-key CTAs fill the GPU take the one-pass kernel when they allow dQ's reduce order to vary.
+        # Calls whose CTAs (configs.one_pass_keys) fill the GPU take the one-pass kernel when they allow dQ's reduce order to vary.
         plan = configs.bwd_choice(cfg, head_dim, head_dim_v, q.dtype, q.device, features,
                                   (args.window_left, args.window_right), batch, nheads, nheads_kv, seqlen_q, seqlen_k,
                                   configs.deterministic(args.deterministic))
@@ -584,9 +585,11 @@ def _backward_dkdv_sm90(q, k, v, dout, dk, dv, lse2, delta, args: AttnArgs, cfg,
                static, stream=stream)
 
 
-_BWD_WS = CachedLaunch(attn_bwd_sm90_ws, ("q_desc", "k_desc", "v_desc", "do_desc", "dq_desc", "DK", "DV", "LSE2",
-                                          "DELTA", "CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_K", "ALIBI_SLOPES",
-                                          "qk_scale", "softcap2", "softmax_scale") + _BWD_LENGTHS)
+_ONE_PASS_DYNAMIC = ("DK", "DV", "LSE2", "DELTA", "CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_K", "ALIBI_SLOPES", "qk_scale",
+                     "softcap2", "softmax_scale") + _BWD_LENGTHS
+_BWD_WS = CachedLaunch(attn_bwd_sm90_ws, ("q_desc", "k_desc", "v_desc", "do_desc", "dq_desc") + _ONE_PASS_DYNAMIC)
+_BWD_WIDE = CachedLaunch(attn_bwd_sm90_wide, ("q_desc", "q_tail_desc", "k_desc", "k_tail_desc", "v_desc", "do_desc",
+                                              "dq_desc", "dq_tail_desc") + _ONE_PASS_DYNAMIC)
 # The one-pass backward's consumer warpgroups after ``setmaxnreg`` (240 each, the producer and reducer warps' group
 # 24: the SM's 64K registers), and the cap the kernel is compiled under (12 warps at 168).
 _BWD_WS_CONSUMER_REGS = 240
@@ -594,12 +597,14 @@ _BWD_WS_MAXNREG = 168
 
 
 def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs, key):
-    """Launch the one-pass Hopper backward (kernels/bwd_sm90_ws.py) on ``(batch, seqlen, heads, d)`` inputs (d 64 or
-    128), or packed ``(tokens, heads, d)`` ones (varlen): dK and dV into ``dk``/``dv``, dQ (scaled) added into the zeroed
-    float32 ``dq_acc`` (q's shape); ``key``: the backward's launch key (which holds no lengths: they are dynamic
+    """Launch the one-pass Hopper backward on ``(batch, seqlen, heads, d)`` inputs, or packed ``(tokens, heads, d)``
+    ones (varlen): kernels/bwd_sm90_ws.py at head dim 64 or 128, kernels/bwd_sm90_wide.py at 192 with values of 128
+    (configs.one_pass_wide). dK and dV go into ``dk``/``dv``, dQ (scaled) is added into the zeroed float32
+    ``dq_acc`` (q's shape); ``key``: the backward's launch key (which holds no lengths: they are dynamic
     arguments)."""
     varlen = args.varlen
-    batch, seqlen_q, seqlen_k, nheads, nheads_kv, _, _ = _shape(q, k, v, args)
+    batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, head_dim_v = _shape(q, k, v, args)
+    wide = configs.one_pass_wide(head_dim, head_dim_v)
     # Softcap's scale stays a multiply an element (the fold is not taken): folded into K, as the dK/dV kernel
     # does, it would round the K that dQ's product reads.
     qk_scale, softcap2, _, _ = _score_constants(args, q.dtype, frozenset())
@@ -607,12 +612,13 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
 
     def static():
         stride_lse_b, stride_lse_h = lse_strides(lse2, varlen)
+        # The wide kernel's score tiles are small: it takes ALiBi exactly, with no linear form.
+        linear = {} if wide else dict(ALIBI_LINEAR=alibi is not None and args.window_right == 0)
         return dict(window_left=args.window_left, window_right=args.window_right, **_strides(varlen, dk=dk, dv=dv),
                     stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h, group=nheads // nheads_kv,
                     MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0,
                     stride_alibi_b=alibi.stride(0) if alibi is not None else 0, SOFTCAP=args.softcap > 0,
-                    FAST_TANH=fast_tanh(q), ALIBI=alibi is not None,
-                    ALIBI_LINEAR=alibi is not None and args.window_right == 0, IS_VARLEN=varlen,
+                    FAST_TANH=fast_tanh(q), ALIBI=alibi is not None, **linear, IS_VARLEN=varlen,
                     HAS_SEQUSED=args.seqused_k is not None, STAGES=2, CONSUMER_REGS=_BWD_WS_CONSUMER_REGS,
                     num_warps=4, maxnreg=_BWD_WS_MAXNREG)
 
@@ -620,15 +626,26 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
         # One batch row of all tokens for the TMA; each CTA finds its sequence's rows (the descriptors' rows bound
         # their offsets).
         q, k, v, dout, dq_acc = (t.unsqueeze(0) for t in (q, k, v, dout, dq_acc))
-    # A CTA's keys, a consumer's half of them; query steps of one_pass_rows rows.
-    keys = configs.ONE_PASS_KEYS // 2
-    rows = configs.one_pass_rows(q.shape[-1], frozenset(present_features(args, q.shape[-1], q.shape[-1])))
-    _BWD_WS(key, (cdiv(seqlen_k, configs.ONE_PASS_KEYS), nheads_kv, batch),
-            dict(q_desc=_tma_desc(q, rows), k_desc=_tma_desc(k, keys), v_desc=_tma_desc(v, keys),
-                 do_desc=_tma_desc(dout, rows), dq_desc=_tma_desc(dq_acc, rows, q.shape[3] // 2), DK=dk, DV=dv,
-                 LSE2=lse2, DELTA=delta, **_sequence_tensors(lse2, args),
-                 ALIBI_SLOPES=alibi if alibi is not None else lse2, qk_scale=qk_scale, softcap2=softcap2,
-                 softmax_scale=args.softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k), static)
+    tensors = dict(DK=dk, DV=dv, LSE2=lse2, DELTA=delta, **_sequence_tensors(lse2, args),
+                   ALIBI_SLOPES=alibi if alibi is not None else lse2, qk_scale=qk_scale, softcap2=softcap2,
+                   softmax_scale=args.softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+    # A CTA's keys; query steps of one_pass_rows rows.
+    cta_keys = configs.one_pass_keys(head_dim, head_dim_v)
+    rows = configs.one_pass_rows(head_dim, frozenset(present_features(args, head_dim, head_dim_v)))
+    grid = (cdiv(seqlen_k, cta_keys), nheads_kv, batch)
+    if wide:
+        # q, k and dQ as their main columns and tail (192 = 128 + 64), v and dO whole.
+        main, _ = _BWD_TAILS[head_dim]
+        _BWD_WIDE(key, grid, dict(q_desc=_tma_desc(q[..., :main], rows), q_tail_desc=_tma_desc(q[..., main:], rows),
+                                  k_desc=_tma_desc(k[..., :main], cta_keys),
+                                  k_tail_desc=_tma_desc(k[..., main:], cta_keys), v_desc=_tma_desc(v, cta_keys),
+                                  do_desc=_tma_desc(dout, rows), dq_desc=_tma_desc(dq_acc[..., :main], rows),
+                                  dq_tail_desc=_tma_desc(dq_acc[..., main:], rows), **tensors), static)
+        return
+    # Each consumer owns half the CTA's keys and adds half of dQ's columns.
+    _BWD_WS(key, grid, dict(q_desc=_tma_desc(q, rows), k_desc=_tma_desc(k, cta_keys // 2),
+                            v_desc=_tma_desc(v, cta_keys // 2), do_desc=_tma_desc(dout, rows),
+                            dq_desc=_tma_desc(dq_acc, rows, head_dim // 2), **tensors), static)
 
 
 _SUM_BLOCK_M = 64

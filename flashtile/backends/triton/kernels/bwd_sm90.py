@@ -54,25 +54,29 @@ def _load_step(q_desc, do_desc, q_bar, do_bar, q_smem, do_smem, it, n_it, n_q, l
 
 
 @gluon.jit
+def store_key_rows(acc, col0, first_key, k_start, seqlen_k, key_rows, PTR, off_b, off_hk, stride_b, stride_n, stride_h,
+                   HAS_SEQUSED: gl.constexpr):
+    """Store a program's ``[keys, columns]`` dK or dV accumulator at key ``first_key`` and column ``col0`` of the
+    sequence whose keys start at row ``k_start``: keys past those used (``seqlen_k``, seqused_k) get zeros; rows
+    past the sequence's keys (``key_rows``) are not this program's."""
+    layout: gl.constexpr = acc.type.layout
+    offs_n = first_key + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
+    offs_d = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
+    if HAS_SEQUSED:
+        acc = gl.where(offs_n[:, None] < seqlen_k, acc, 0.0)
+    rows = (k_start + offs_n[:, None]).to(gl.int64)
+    ptrs = PTR + off_b.to(gl.int64) * stride_b + off_hk.to(gl.int64) * stride_h + rows * stride_n + offs_d[None, :]
+    gl.store(ptrs, acc.to(PTR.dtype.element_ty), mask=offs_n[:, None] < key_rows)
+
+
+@gluon.jit
 def store_dkdv(dk, dv, first_key, k_start, seqlen_k, key_rows, DK, DV, off_b, off_hk, stride_dkb, stride_dkn,
                stride_dkh, stride_dvb, stride_dvn, stride_dvh, HAS_SEQUSED: gl.constexpr):
-    """Store a program's ``[keys, head dim]`` dK and dV accumulators (dK scaled already) at key ``first_key`` of
-    the sequence whose keys start at row ``k_start``: keys past those used (``seqlen_k``, seqused_k) get zeros;
-    rows past the sequence's keys (``key_rows``) are not this program's."""
-    layout: gl.constexpr = dk.type.layout
-    offs_nd = first_key + gl.arange(0, dk.shape[0], layout=gl.SliceLayout(1, layout))
-    offs_d = gl.arange(0, dk.shape[1], layout=gl.SliceLayout(0, layout))
-    keep = offs_nd[:, None] < key_rows
-    if HAS_SEQUSED:
-        dk = gl.where(offs_nd[:, None] < seqlen_k, dk, 0.0)
-        dv = gl.where(offs_nd[:, None] < seqlen_k, dv, 0.0)
-    rows_k = (k_start + offs_nd[:, None]).to(gl.int64)
-    dk_ptrs = (DK + off_b.to(gl.int64) * stride_dkb + off_hk.to(gl.int64) * stride_dkh + rows_k * stride_dkn
-               + offs_d[None, :])
-    dv_ptrs = (DV + off_b.to(gl.int64) * stride_dvb + off_hk.to(gl.int64) * stride_dvh + rows_k * stride_dvn
-               + offs_d[None, :])
-    gl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=keep)
-    gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=keep)
+    """:func:`store_key_rows` of both ``[keys, head dim]`` accumulators (dK scaled already)."""
+    store_key_rows(dk, 0, first_key, k_start, seqlen_k, key_rows, DK, off_b, off_hk, stride_dkb, stride_dkn, stride_dkh,
+                   HAS_SEQUSED)
+    store_key_rows(dv, 0, first_key, k_start, seqlen_k, key_rows, DV, off_b, off_hk, stride_dvb, stride_dvn, stride_dvh,
+                   HAS_SEQUSED)
 
 
 @gluon.jit

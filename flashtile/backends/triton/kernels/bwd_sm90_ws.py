@@ -59,9 +59,22 @@ def _reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _walk(walk, q_desc, k_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr,
+def stage_rows(rows_smem, slot, bar, LSE2, DELTA, lse_base, row, seqlen_q, BLOCK_M: gl.constexpr):
+    """The producer warp's part of a step: its rows' lse and delta (rows past the sequence: lse +inf makes their P
+    exactly 0) go to shared memory beside the step's ring slot; then it arrives at ``bar`` (the slot's readiness,
+    which counts this arrival beside the TMA's)."""
+    rows_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+    offs_m = row + gl.arange(0, BLOCK_M, layout=rows_layout)
+    rows_smem.index(slot * 2).store(gl.load(LSE2 + lse_base + offs_m, mask=offs_m < seqlen_q, other=float("inf")))
+    rows_smem.index(slot * 2 + 1).store(gl.load(DELTA + lse_base + offs_m, mask=offs_m < seqlen_q, other=0.0))
+    gl.thread_barrier()
+    mbarrier.arrive(bar, count=1)
+
+
+@gluon.jit
+def _walk(walk, q_desc, k_desc, BLOCK_M: gl.constexpr, CTA_KEYS: gl.constexpr, MASK_LEFT: gl.constexpr,
           MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr):
-    """This CTA's sequence and query walk, the same in every partition: ``(tma_b, q_start, seqlen_q, k_start,
+    """This CTA's sequence and query walk (its ``CTA_KEYS`` keys), the same in every partition: ``(tma_b, q_start, seqlen_q, k_start,
     seqlen_k, key_rows)`` as bwd_sm90.py has them (packed tensors are one batch row for the TMA; ``key_rows``:
     the sequence's keys, of which the first ``seqlen_k`` are used), the first query row ``lo``, the unmasked
     run ``[full_lo, full_hi)``, the query blocks of one head ``n_q`` (0 for a CTA past its sequence's used keys)
@@ -74,7 +87,7 @@ def _walk(walk, q_desc, k_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MA
     total_q = q_desc.shape[1]
     total_k = k_desc.shape[1]
     off_b = gl.program_id(2)
-    cta_key = gl.program_id(0) * 2 * BLOCK_N
+    cta_key = gl.program_id(0) * CTA_KEYS
     q_start, seqlen_q, k_start, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K,
                                                     total_q, total_k, CU_SEQLENS_Q, IS_VARLEN, HAS_SEQUSED, False)
     key_rows = stored_keys(off_b, k_start, seqlen_k, CU_SEQLENS_K, total_k, HAS_SEQUSED)
@@ -82,7 +95,7 @@ def _walk(walk, q_desc, k_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MA
     if IS_VARLEN:
         tma_b = 0
     lo, full_lo, full_hi, hi = q_block_range(gl.program_id(0), seqlen_q, seqlen_k, window_left, window_right,
-                                             BLOCK_M, 2 * BLOCK_N, MASK_LEFT, MASK_RIGHT, True)
+                                             BLOCK_M, CTA_KEYS, MASK_LEFT, MASK_RIGHT, True)
     # Grids are sized for the longest sequence: CTAs past this one's (used) keys see no query.
     n_q = gl.where(cta_key < seqlen_k, gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_M), 0)
     return (tma_b, q_start, seqlen_q, k_start, seqlen_k, key_rows), lo, full_lo, full_hi, n_q, n_q * group
@@ -122,7 +135,7 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
     off_hk = gl.program_id(1)
     off_b = gl.program_id(2)
     first_key = gl.program_id(0) * 2 * BLOCK_N + WG * BLOCK_N
-    seq, lo, full_lo, full_hi, n_q, n_it = _walk(walk, q_desc, k_desc, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT,
+    seq, lo, full_lo, full_hi, n_q, n_it = _walk(walk, q_desc, k_desc, BLOCK_M, 2 * BLOCK_N, MASK_LEFT, MASK_RIGHT,
                                                  IS_VARLEN, HAS_SEQUSED)
     _, q_start, seqlen_q, k_start, seqlen_k, key_rows = seq
     group = walk[4]
@@ -232,11 +245,10 @@ def _producer(args, walk, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_
      LSE2, DELTA, stride_lse_b, stride_lse_h) = args
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
-    rows_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     off_hk = gl.program_id(1)
     off_b = gl.program_id(2)
     first_key = gl.program_id(0) * 2 * BLOCK_N
-    seq, lo, _, _, n_q, n_it = _walk(walk, q_desc, k_desc, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, IS_VARLEN,
+    seq, lo, _, _, n_q, n_it = _walk(walk, q_desc, k_desc, BLOCK_M, 2 * BLOCK_N, MASK_LEFT, MASK_RIGHT, IS_VARLEN,
                                      HAS_SEQUSED)
     tma_b, q_start, seqlen_q, k_start, _, _ = seq
     group = walk[4]
@@ -256,14 +268,8 @@ def _producer(args, walk, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_
         mbarrier.wait(q_empty.index(slot), phase ^ 1)
         _load(q_desc, q_ready.index(slot), q_smem.index(slot), tma_b, q_start + row, off_h, True)
         _load(do_desc, do_ready.index(slot), do_smem.index(slot), tma_b, q_start + row, off_h, True)
-        # The rows' lse and delta (rows past the sequence: lse +inf makes their P exactly 0) go to shared
-        # memory beside them; q_ready counts this warp's arrival too.
-        offs_m = row + gl.arange(0, BLOCK_M, layout=rows_layout)
-        lse_rows = off_b * stride_lse_b + off_h * stride_lse_h + q_start + offs_m
-        rows_smem.index(slot * 2).store(gl.load(LSE2 + lse_rows, mask=offs_m < seqlen_q, other=float("inf")))
-        rows_smem.index(slot * 2 + 1).store(gl.load(DELTA + lse_rows, mask=offs_m < seqlen_q, other=0.0))
-        gl.thread_barrier()
-        mbarrier.arrive(q_ready.index(slot), count=1)
+        stage_rows(rows_smem, slot, q_ready.index(slot), LSE2, DELTA, off_b * stride_lse_b + off_h * stride_lse_h
+                   + q_start, row, seqlen_q, BLOCK_M)
 
 
 @gluon.jit
@@ -274,7 +280,7 @@ def _reducer(args, walk, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_V
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HALF_D: gl.constexpr = dq_desc.block_type.shape[3]
     off_hk = gl.program_id(1)
-    seq, lo, _, _, n_q, n_it = _walk(walk, q_desc, k_desc, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, IS_VARLEN,
+    seq, lo, _, _, n_q, n_it = _walk(walk, q_desc, k_desc, BLOCK_M, 2 * BLOCK_N, MASK_LEFT, MASK_RIGHT, IS_VARLEN,
                                      HAS_SEQUSED)
     tma_b, q_start, _, _, _, _ = seq
     group = walk[4]

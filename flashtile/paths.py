@@ -80,14 +80,14 @@ class Case:
 
 def kernel_ids(fwd_name: str, bwd_name: str) -> tuple:
     """The kernels a call's profiler names say run: the forward's label and tile, and the backward's (the one-pass
-    kernel; or the pair's dK/dV label and tile, whether split, the dQ tile and whether alongside)."""
+    kernel, wide or not; or the pair's dK/dV label and tile, whether split, the dQ tile and whether alongside)."""
     fwd = re.match(r"flashtile\.(fwd|decode)\[(\S+) ", fwd_name)
     tile = re.search(r"BM=(\d+) BN=(\d+)\]", fwd_name)
     fwd_id = f"{fwd.group(1)}:{fwd.group(2)} {tile.group(1)}x{tile.group(2)}"
     if not bwd_name:
         return fwd_id, None
     if "one-pass" in bwd_name:
-        return fwd_id, "bwd:one-pass"
+        return fwd_id, "bwd:one-pass-wide" if "gluon-sm90-wide" in bwd_name else "bwd:one-pass"
     dkdv = re.search(r"dkdv=((?:\S+ )?)BM(\d+)xBN(\d+)", bwd_name)
     dq = re.search(r"dq=BM(\d+)xBN(\d+)", bwd_name)
     label = dkdv.group(1).strip() or "triton"
@@ -153,6 +153,12 @@ CASES = ONE_PASS_LONG + [
     Case(1, 8192, 8192, 16, 16, 64, 64, "bfloat16", "causal", ("varlen",)),
     Case(4, 4096, 4096, 16, 4, 64, 64, "bfloat16", "causal", ("alibi", "varlen")),
     Case(2, 8192, 8192, 16, 16, 64, 64, "bfloat16", "1024,0", ("softcap",)),
+    # The wide one-pass backward (d192/128): a long causal row whose keys end mid-CTA, then the greedy picks.
+    Case(2, 4096, 4157, 16, 16, 192, 128, "bfloat16", "causal"),
+    Case(8, 256, 256, 16, 16, 192, 128, "bfloat16", "1024,0", ("alibi",)),
+    Case(1, 256, 256, 2, 2, 192, 128, "bfloat16", "causal", ("softcap",)),
+    Case(1, 1, 4096, 32, 8, 192, 128, "bfloat16", "full", ("sink",)),
+    Case(8, 256, 256, 16, 16, 192, 128, "bfloat16", "full", ("varlen",)),
     Case(1, 256, 256, 2, 2, 32, 32, "bfloat16", "full", ("softcap",)),
     Case(1, 256, 256, 2, 2, 32, 32, "bfloat16", "causal", ("varlen",)),
     Case(1, 1, 4096, 32, 8, 32, 32, "bfloat16", "1024,0", ("alibi",)),

@@ -248,16 +248,19 @@ def ran_backward(name: str) -> bool:
 
 
 def check_dense_16bit(generator, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype=torch.bfloat16, kernel=None,
-                      dout=None, head_dim=128, **options) -> dict:
+                      dout=None, head_dim=128, head_dim_v=None, **options) -> dict:
     """Run :func:`flashtile.flash_attn_func` forward and backward on CUDA inputs, assert a backward named with
     ``kernel`` ran (unless None), hold out, lse and every gradient (the sink's too) to the tolerance rule against
-    the float32 reference; returns ours. ``deterministic`` goes to flashtile alone."""
+    the float32 reference; returns ours. ``head_dim_v``: the values' head dim (None: ``head_dim``);
+    ``deterministic`` goes to flashtile alone."""
     import flashtile
 
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype, "cuda", requires_grad=True,
                        generator=generator)
+    if head_dim_v not in (None, head_dim):
+        v = torch.randn(*v.shape[:3], head_dim_v, generator=generator).to("cuda", dtype).requires_grad_()
     if dout is None:
-        dout = torch.randn(*q.shape, generator=generator).to("cuda", dtype)
+        dout = torch.randn(*q.shape[:3], v.shape[3], generator=generator).to("cuda", dtype)
     sink = options.get("sink")
     out, lse, _ = flashtile.flash_attn_func(q, k, v, return_attn_probs=True, **options)
     leaves = (q, k, v) if sink is None else (q, k, v, sink)

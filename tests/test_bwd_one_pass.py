@@ -1,7 +1,8 @@
-"""The one-pass Hopper backward (kernels/bwd_sm90_ws.py) through the public API, on an sm_90 GPU only.
+"""The one-pass Hopper backward (kernels/bwd_sm90_ws.py, and bwd_sm90_wide.py at 192/128) through the public API,
+on an sm_90 GPU only.
 
-The dispatcher gives it 16-bit calls at head dim 128 (windows, softcap, ALiBi, sinks, packed sequences, alone
-and together) once its 128-key CTAs fill the GPU, unless the call is deterministic. These shapes are small, so
+The dispatcher gives it 16-bit calls at head dim 128, and 192 with values of 128 (windows, softcap, ALiBi, sinks,
+packed sequences, alone and together) once its CTAs fill the GPU, unless the call is deterministic. These shapes are small, so
 the GPU is made to look one SM wide. The tests check which backward ran (by its name in the kernel
 counter) and hold out, lse and every gradient to the tolerance rule against the float32 reference, on awkward
 lengths: not multiples of 64 or 128, seqlen_q != seqlen_k, rows that see no key, a last key block past the
@@ -20,6 +21,10 @@ from flashtile.testing import assert_results_close, make_qkv, reference_results
 pytestmark = [pytest.mark.skipif(not testing.HOPPER, reason="the one-pass backward runs on sm_90 only"),
               pytest.mark.usefixtures("clean_dispatch_state")]
 ONE_PASS, PAIR = "one-pass", "dkdv=gluon-sm90 BM64xBN64"
+# The wide kernel's name, and the (q/k, v) head dims the tests below run on each kernel.
+WIDE = "gluon-sm90-wide"
+HEAD_DIMS = [(128, 128), (192, 128)]
+HEAD_DIM_IDS = ["d128", "d192"]
 
 
 @pytest.fixture(autouse=True)
@@ -57,19 +62,31 @@ def test_one_pass_d64(rng, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, 
     run(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, kernel="one-pass BM128", causal=causal, head_dim=64)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal",
+                         testing.SM90_BWD_SHAPES + [(1, 77, 77, 2, 1, True), (2, 4200, 4200, 2, 2, True)],
+                         ids=testing.SM90_BWD_SHAPE_IDS + ["tiny", "long"])
+def test_one_pass_d192(rng, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal):
+    """Head dim 192 with values of 128 on the wide kernel (64-key CTAs, the consumers splitting dK, dV and dQ by
+    columns, q/k/dQ read as 128 + 64 columns): partial blocks, rows that see no key, GQA, a long causal row."""
+    run(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, kernel=WIDE, causal=causal, head_dim=192,
+        head_dim_v=128)
+
+
 @pytest.mark.parametrize("window, causal", testing.SM90_BWD_WINDOWS, ids=testing.SM90_BWD_WINDOW_IDS)
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_one_pass_windows(rng, window, causal, head_dim):
+@pytest.mark.parametrize("head_dim, head_dim_v", [(64, 64)] + HEAD_DIMS, ids=["d64"] + HEAD_DIM_IDS)
+def test_one_pass_windows(rng, window, causal, head_dim, head_dim_v):
     """Query blocks wholly outside a CTA's window are skipped; the ones straddling an edge are masked."""
-    run(rng, 2, 777, 900, 4, 2, window_size=window, causal=causal, head_dim=head_dim)
+    run(rng, 2, 777, 900, 4, 2, window_size=window, causal=causal, head_dim=head_dim, head_dim_v=head_dim_v)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("feature", ["softcap", "softcap-below-scale", "softcap-window", "sink"])
-def test_one_pass_features(rng, dtype, causal, feature):
-    """Softcap (dS takes 1 - tanh^2, kept in float16), below the softmax scale too, with a two-sided window and
-    GQA 3; a sink (only through the lse; its gradient comes from the preprocess's delta)."""
+@pytest.mark.parametrize("head_dim, head_dim_v", HEAD_DIMS, ids=HEAD_DIM_IDS)
+def test_one_pass_features(rng, dtype, causal, feature, head_dim, head_dim_v):
+    """Softcap (dS takes 1 - tanh^2, kept in float16 at d128), below the softmax scale too, with a two-sided window
+    and GQA 3; a sink (only through the lse; its gradient comes from the preprocess's delta)."""
     options = {}
     nheads, nheads_kv = 4, 2
     if feature == "softcap":
@@ -81,47 +98,53 @@ def test_one_pass_features(rng, dtype, causal, feature):
         nheads, nheads_kv = 6, 2
     else:
         options["sink"] = torch.randn(nheads, generator=rng).to("cuda").requires_grad_()
-    run(rng, 2, 900, 1100, nheads, nheads_kv, dtype, causal=causal, **options)
+    run(rng, 2, 900, 1100, nheads, nheads_kv, dtype, kernel=WIDE if head_dim == 192 else ONE_PASS, causal=causal,
+        head_dim=head_dim, head_dim_v=head_dim_v, **options)
 
 
 @pytest.mark.parametrize("case", ["full", "causal", "causal-more-keys", "causal-rows-see-none", "left-window",
                                   "causal-window-softcap"])
-def test_one_pass_alibi(rng, case):
+@pytest.mark.parametrize("head_dim, head_dim_v", HEAD_DIMS, ids=HEAD_DIM_IDS)
+def test_one_pass_alibi(rng, case, head_dim, head_dim_v):
     """ALiBi with geometric slopes per (batch row, head), as models use them, GQA 2: full rows take the absolute
-    distance; causal ones (keys past the diagonal never seen) the bias as a key term and a query term in the lse,
-    with the diagonal moved either way."""
+    distance; causal ones at d128 (keys past the diagonal never seen) the bias as a key term and a query term in the
+    lse, with the diagonal moved either way (the wide kernel takes the exact distance everywhere)."""
     slopes = (2.0 ** (-8.0 * torch.arange(1, 5) / 4) * torch.tensor([[1.0], [0.5]])).to("cuda")
     shape, options = {"full": ((2, 900, 1100), {}), "causal": ((2, 1037, 1037), dict(causal=True)),
                       "causal-more-keys": ((2, 700, 1290), dict(causal=True)),
                       "causal-rows-see-none": ((2, 1290, 700), dict(causal=True)),
                       "left-window": ((2, 700, 700), dict(window_size=(200, -1))),
                       "causal-window-softcap": ((2, 900, 1000), dict(window_size=(300, 0), softcap=30.0))}[case]
-    run(rng, *shape, 4, 2, alibi_slopes=slopes, **options)
+    run(rng, *shape, 4, 2, kernel=WIDE if head_dim == 192 else ONE_PASS, alibi_slopes=slopes, head_dim=head_dim,
+        head_dim_v=head_dim_v, **options)
 
 
 def test_alibi_right_window_keeps_the_pair(rng):
-    """A right bound past the diagonal: ALiBi's distance changes sign inside the window; the pair runs it."""
+    """A right bound past the diagonal: ALiBi's distance changes sign inside the window; the pair runs it at head
+    dim 128, the wide kernel (exact distance) at 192/128."""
     slopes = (2.0 ** (-8.0 * torch.arange(1, 5) / 4)).to("cuda")
     run(rng, 1, 700, 700, 4, 2, kernel="dkdv=BM", window_size=(100, 50), alibi_slopes=slopes)
-
+    run(rng, 1, 700, 700, 4, 2, kernel=WIDE, window_size=(100, 50), alibi_slopes=slopes, head_dim=192, head_dim_v=128)
 
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("nheads, nheads_kv", [(4, 2), (3, 3), (4, 1)], ids=["gqa-2", "mha", "gqa-4"])
-def test_one_pass_varlen(rng, dtype, causal, nheads, nheads_kv):
-    testing.check_packed(rng, *testing.PACKED_LENGTHS, nheads, nheads_kv, dtype, causal=causal)
-    assert ran(ONE_PASS), flashtile.stats()["kernels"]
+@pytest.mark.parametrize("head_dims", HEAD_DIMS, ids=HEAD_DIM_IDS)
+def test_one_pass_varlen(rng, dtype, causal, nheads, nheads_kv, head_dims):
+    testing.check_packed(rng, *testing.PACKED_LENGTHS, nheads, nheads_kv, dtype, head_dims, causal=causal)
+    assert ran(WIDE if head_dims[0] == 192 else ONE_PASS), flashtile.stats()["kernels"]
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_one_pass_varlen_seqused_k(rng, causal):
+@pytest.mark.parametrize("head_dims", HEAD_DIMS, ids=HEAD_DIM_IDS)
+def test_one_pass_varlen_seqused_k(rng, causal, head_dims):
     """seqused_k: the keys it leaves out (NaN and infinite values) are zeroed in shared memory, so they get zero
     gradients and add nothing to dQ."""
-    testing.check_packed(rng, *testing.PACKED_LENGTHS, 4, 2, torch.bfloat16, causal=causal,
+    testing.check_packed(rng, *testing.PACKED_LENGTHS, 4, 2, torch.bfloat16, head_dims, causal=causal,
                          seqused_k=testing.PACKED_SEQUSED_K)
-    assert ran(ONE_PASS), flashtile.stats()["kernels"]
+    assert ran(WIDE if head_dims[0] == 192 else ONE_PASS), flashtile.stats()["kernels"]
 
 
 @pytest.mark.parametrize("options", [dict(window_size=(200, 0)), dict(window_size=(150, 40), softcap=20.0),
@@ -129,39 +152,45 @@ def test_one_pass_varlen_seqused_k(rng, causal):
                                      dict(alibi=True), dict(window_size=(100, 0), seqused=True)],
                          ids=["window", "two-sided-softcap", "causal-softcap-sink", "causal-alibi", "full-alibi",
                               "window-seqused"])
-def test_one_pass_varlen_features(rng, options):
+@pytest.mark.parametrize("head_dims", HEAD_DIMS, ids=HEAD_DIM_IDS)
+def test_one_pass_varlen_features(rng, options, head_dims):
     """Packed sequences with the other features, each sequence's masks and ALiBi distances counted from its own
     first row and key."""
+    options = dict(options)  # each head dim's run gets its own copy of the parametrized dict
     if options.pop("sink", False):
         options["sink"] = torch.randn(4, generator=rng).to("cuda").requires_grad_()
     if options.pop("alibi", False):
         options["alibi_slopes"] = (2.0 ** (-8.0 * torch.arange(1, 5) / 4)).to("cuda")
     if options.pop("seqused", False):
         options["seqused_k"] = testing.PACKED_SEQUSED_K
-    testing.check_packed(rng, *testing.PACKED_LENGTHS, 4, 2, torch.bfloat16, **options)
-    assert ran(ONE_PASS), flashtile.stats()["kernels"]
+    testing.check_packed(rng, *testing.PACKED_LENGTHS, 4, 2, torch.bfloat16, head_dims, **options)
+    assert ran(WIDE if head_dims[0] == 192 else ONE_PASS), flashtile.stats()["kernels"]
 
 
-def test_one_pass_large_logits(rng):
+@pytest.mark.parametrize("head_dim, head_dim_v", HEAD_DIMS, ids=HEAD_DIM_IDS)
+def test_one_pass_large_logits(rng, head_dim, head_dim_v):
     """q x 30: logits near +-100, where only the saved lse keeps exp2 finite."""
-    q, k, v = make_qkv(1, 513, 513, 2, 2, 128, torch.bfloat16, "cuda", generator=rng)
+    q, k, v = make_qkv(1, 513, 513, 2, 2, head_dim, torch.bfloat16, "cuda", generator=rng)
     q = (q * 30).requires_grad_()
+    v = v[..., :head_dim_v].contiguous()
     k.requires_grad_(), v.requires_grad_()
-    dout = torch.randn(*q.shape, generator=rng).to("cuda", torch.bfloat16)
+    dout = torch.randn(*q.shape[:3], head_dim_v, generator=rng).to("cuda", torch.bfloat16)
     out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     grads = torch.autograd.grad(out, (q, k, v), dout)
-    assert ran(ONE_PASS), flashtile.stats()["kernels"]
+    assert ran(WIDE if head_dim == 192 else ONE_PASS), flashtile.stats()["kernels"]
     ours = {"out": out, "lse": lse, **dict(zip(("dq", "dk", "dv"), grads))}
     assert_results_close(ours, reference_results(q, k, v, dout, hi=True, causal=True),
                          reference_results(q, k, v, dout, hi=False, causal=True), torch.bfloat16)
 
 
-def test_one_pass_dk_dv_repeat_exactly(rng):
+@pytest.mark.parametrize("head_dim, head_dim_v", HEAD_DIMS, ids=HEAD_DIM_IDS)
+def test_one_pass_dk_dv_repeat_exactly(rng, head_dim, head_dim_v):
     """dK and dV have no reduce between CTAs: bit-identical run to run; dQ only up to float32 rounding."""
-    q, k, v = make_qkv(2, 1100, 1100, 8, 2, 128, torch.bfloat16, "cuda", requires_grad=True, generator=rng)
-    dout = torch.randn(*q.shape, generator=rng).to("cuda", torch.bfloat16)
+    q, k, v = make_qkv(2, 1100, 1100, 8, 2, head_dim, torch.bfloat16, "cuda", requires_grad=True, generator=rng)
+    v = v[..., :head_dim_v].detach().contiguous().requires_grad_()
+    dout = torch.randn(*q.shape[:3], head_dim_v, generator=rng).to("cuda", torch.bfloat16)
     first = torch.autograd.grad(flashtile.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
-    assert ran(ONE_PASS)
+    assert ran(WIDE if head_dim == 192 else ONE_PASS)
     for _ in range(3):
         again = torch.autograd.grad(flashtile.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
         assert torch.equal(first[1], again[1]) and torch.equal(first[2], again[2])
@@ -186,6 +215,7 @@ def test_deterministic_takes_the_pair(rng, how):
         torch.use_deterministic_algorithms(previous)
     assert ran(PAIR) and not ran(ONE_PASS), flashtile.stats()["kernels"]
     run(rng, 1, 500, 600, 4, 2, kernel=PAIR, causal=True, deterministic=True)
+    run(rng, 1, 500, 600, 4, 2, kernel="triton d=192", causal=True, deterministic=True, head_dim=192, head_dim_v=128)
 
 
 def test_unfilled_gpu_keeps_the_pair(rng, monkeypatch):

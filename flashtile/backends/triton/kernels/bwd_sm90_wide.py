@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .bwd_sm90 import _query_block, store_key_rows
-from .bwd_sm90_ws import _reduce_add, _walk, stage_rows
+from .bwd_sm90_ws import _reduce_add, _walk, consumer_step, stage_rows
 from .common import scores, visible
 from .fwd_sm90 import _tile, _zero_tail, wgmma_layout
 
@@ -118,16 +118,9 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
         mbarrier.wait(kv_zeroed, 0)
     n_tail = 0
     for it in range(n_it):
-        slot = it % STAGES
-        phase = (it // STAGES) & 1
-        buf = it % 2
-        buf_phase = (it // 2) & 1
-        off_h, row = _query_block(it, n_q, lo, off_hk, group, BLOCK_M)
+        slot, phase, buf, buf_phase, off_h, row, slope2 = consumer_step(it, n_q, lo, off_hk, group, ALIBI_SLOPES,
+                                                                        off_b * stride_alibi_b, BLOCK_M, STAGES, ALIBI)
         offs_m = row + gl.arange(0, BLOCK_M, layout=queries_layout)
-        slope2 = 0.0
-        if ALIBI:
-            # This head's ALiBi slope in log2 units.
-            slope2 = gl.load(ALIBI_SLOPES + off_b * stride_alibi_b + off_h) * 1.4426950408889634
         q = _tile(q_smem, slot)
         qt = _tile(qt_smem, slot)
         do = _tile(do_smem, slot)

@@ -72,6 +72,20 @@ def stage_rows(rows_smem, slot, bar, LSE2, DELTA, lse_base, row, seqlen_q, BLOCK
 
 
 @gluon.jit
+def consumer_step(it, n_q, lo, off_hk, group, ALIBI_SLOPES, alibi_row, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                  ALIBI: gl.constexpr):
+    """Step ``it`` of a consumer's walk: ``(slot, phase, buf, buf_phase, off_h, row, slope2)``, its Q/dO ring slot
+    and the slot's phase, its buffer of the double-buffered tiles (dS, dQ staging) and that buffer's phase, its query
+    head and first row, and the head's ALiBi slope in log2 units (0 without ALiBi; ``alibi_row``: the batch row's
+    offset in ``ALIBI_SLOPES``)."""
+    off_h, row = _query_block(it, n_q, lo, off_hk, group, BLOCK_M)
+    slope2 = 0.0
+    if ALIBI:
+        slope2 = gl.load(ALIBI_SLOPES + alibi_row + off_h) * 1.4426950408889634
+    return it % STAGES, (it // STAGES) & 1, it % 2, (it // 2) & 1, off_h, row, slope2
+
+
+@gluon.jit
 def _walk(walk, q_desc, k_desc, BLOCK_M: gl.constexpr, CTA_KEYS: gl.constexpr, MASK_LEFT: gl.constexpr,
           MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr):
     """This CTA's sequence and query walk (its ``CTA_KEYS`` keys), the same in every partition: ``(tma_b, q_start, seqlen_q, k_start,
@@ -157,16 +171,9 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
             _zero_tail(v, seqlen_k - first_key, 4)
     n_tail = 0
     for it in range(n_it):
-        slot = it % STAGES
-        phase = (it // STAGES) & 1
-        buf = it % 2
-        buf_phase = (it // 2) & 1
-        off_h, row = _query_block(it, n_q, lo, off_hk, group, BLOCK_M)
+        slot, phase, buf, buf_phase, off_h, row, slope2 = consumer_step(it, n_q, lo, off_hk, group, ALIBI_SLOPES,
+                                                                        off_b * stride_alibi_b, BLOCK_M, STAGES, ALIBI)
         offs_m = row + gl.arange(0, BLOCK_M, layout=queries_layout)
-        slope2 = 0.0
-        if ALIBI:
-            # This head's ALiBi slope in log2 units.
-            slope2 = gl.load(ALIBI_SLOPES + off_b * stride_alibi_b + off_h) * 1.4426950408889634
         q = _tile(q_smem, slot)
         do = _tile(do_smem, slot)
         # S^T and dP^T go to the tensor cores together; S^T is waited for alone.

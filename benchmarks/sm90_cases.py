@@ -36,8 +36,10 @@ def case(which: str, causal: bool, softcap: bool, window: bool = False):
         return _fwd_fp8_case(causal, softcap, window, int(dims[0]) if dims else 128, which.endswith("-blocks"))
     if which in ("fused", "fused-alibi", "fused-varlen"):
         return _fused_case(causal, softcap, which == "fused-alibi", which == "fused-varlen", window)
-    if which in ("wide", "wide-alibi", "wide-varlen"):
-        return _one_pass_case(causal, softcap, which == "wide-alibi", which == "wide-varlen", window, (192, 128))
+    if which.startswith("wide"):
+        # wide[-alibi|-varlen][-v192]: values of 128 columns, or of 192 with -v192.
+        return _one_pass_case(causal, softcap, "-alibi" in which, "-varlen" in which, window,
+                              (192, 192 if which.endswith("-v192") else 128))
     raise ValueError(which)
 
 

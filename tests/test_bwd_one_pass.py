@@ -1,10 +1,10 @@
-"""The one-pass Hopper backward (kernels/bwd_sm90_ws.py, and bwd_sm90_wide.py at 192/128) through the public API,
-on an sm_90 GPU only.
+"""The one-pass Hopper backward (kernels/bwd_sm90_ws.py, and bwd_sm90_wide.py at 192/128 and 192/192) through the
+public API, on an sm_90 GPU only.
 
-The dispatcher gives it 16-bit calls at head dim 128, and 192 with values of 128 (windows, softcap, ALiBi, sinks,
-packed sequences, alone and together) once its CTAs fill the GPU, unless the call is deterministic. These shapes are small, so
-the GPU is made to look one SM wide. The tests check which backward ran (by its name in the kernel
-counter) and hold out, lse and every gradient to the tolerance rule against the float32 reference, on awkward
+The dispatcher gives it 16-bit calls at head dim 128, and 192 with values of 128 or 192 (windows, softcap, ALiBi,
+sinks, packed sequences, alone and together) once its CTAs fill the GPU, unless the call is deterministic. These
+shapes are small, so the GPU is made to look one SM wide. The tests check which backward ran (by its name in the
+kernel counter) and hold out, lse and every gradient to the tolerance rule against the float32 reference, on awkward
 lengths: not multiples of 64 or 128, seqlen_q != seqlen_k, rows that see no key, a last key block past the
 sequence end, GQA groups of 1 to 4; packed sequences of length 0, 1 and either side of a 64-row tile, NaN in the
 rows past the last one and in the keys seqused_k leaves out. Its dQ is added up in float32 in an order that
@@ -23,8 +23,8 @@ pytestmark = [pytest.mark.skipif(not testing.HOPPER, reason="the one-pass backwa
 ONE_PASS, PAIR = "one-pass", "dkdv=gluon-sm90 BM64xBN64"
 # The wide kernel's name, and the (q/k, v) head dims the tests below run on each kernel.
 WIDE = "gluon-sm90-wide"
-HEAD_DIMS = [(128, 128), (192, 128)]
-HEAD_DIM_IDS = ["d128", "d192"]
+HEAD_DIMS = [(128, 128), (192, 128), (192, 192)]
+HEAD_DIM_IDS = ["d128", "d192", "d192v192"]
 
 
 @pytest.fixture(autouse=True)
@@ -66,11 +66,12 @@ def test_one_pass_d64(rng, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, 
 @pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal",
                          testing.SM90_BWD_SHAPES + [(1, 77, 77, 2, 1, True), (2, 4200, 4200, 2, 2, True)],
                          ids=testing.SM90_BWD_SHAPE_IDS + ["tiny", "long"])
-def test_one_pass_d192(rng, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal):
-    """Head dim 192 with values of 128 on the wide kernel (64-key CTAs, the consumers splitting dK, dV and dQ by
-    columns, q/k/dQ read as 128 + 64 columns): partial blocks, rows that see no key, GQA, a long causal row."""
+@pytest.mark.parametrize("head_dim_v", [128, 192], ids=["d192", "d192v192"])
+def test_one_pass_wide(rng, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal, head_dim_v):
+    """Head dim 192 with values of 128 or 192 on the wide kernel (64-key CTAs, the consumers splitting dK, dV and dQ
+    by columns, each tensor read as 128 + 64 columns): partial blocks, rows that see no key, GQA, a long causal row."""
     run(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, kernel=WIDE, causal=causal, head_dim=192,
-        head_dim_v=128)
+        head_dim_v=head_dim_v)
 
 
 @pytest.mark.parametrize("window, causal", testing.SM90_BWD_WINDOWS, ids=testing.SM90_BWD_WINDOW_IDS)
@@ -121,10 +122,12 @@ def test_one_pass_alibi(rng, case, head_dim, head_dim_v):
 
 def test_alibi_right_window_keeps_the_pair(rng):
     """A right bound past the diagonal: ALiBi's distance changes sign inside the window; the pair runs it at head
-    dim 128, the wide kernel (exact distance) at 192/128."""
+    dim 128, the wide kernel (exact distance) at 192."""
     slopes = (2.0 ** (-8.0 * torch.arange(1, 5) / 4)).to("cuda")
     run(rng, 1, 700, 700, 4, 2, kernel="dkdv=BM", window_size=(100, 50), alibi_slopes=slopes)
-    run(rng, 1, 700, 700, 4, 2, kernel=WIDE, window_size=(100, 50), alibi_slopes=slopes, head_dim=192, head_dim_v=128)
+    for head_dim_v in (128, 192):
+        run(rng, 1, 700, 700, 4, 2, kernel=WIDE, window_size=(100, 50), alibi_slopes=slopes, head_dim=192,
+            head_dim_v=head_dim_v)
 
 
 

@@ -481,13 +481,13 @@ def test_profiler_trace_names_the_kernels_that_ran(rng, backend):
     ("varlen-softcap", True),
     ("ampere", False),
     ("d192-128", True), ("d192-128-varlen-softcap", True), ("d192-128-alibi-two-sided", True),
-    ("d192-128-deterministic", False), ("d192-128-few-ctas", False), ("d192-192", False), ("d256", False),
+    ("d192-128-deterministic", False), ("d192-128-few-ctas", False), ("d192-192", True), ("d256", False),
 ])
 def test_one_pass_backward_where_it_serves(monkeypatch, case, one_pass):
     """The one-pass Hopper backward takes 16-bit calls at head dim 128 (packed sequences, windows, softcap, sinks;
     ALiBi unless a right bound lies past the diagonal) whose 128-key CTAs fill the SMs, unless deterministic, and
     at head dim 64 those of 2^28+ visible pairs (1 x 4096 causal on 16 heads has 2^27); the wide kernel takes
-    192/128 (ALiBi with any window) once its 64-key CTAs fill the SMs; the rest keep the pair."""
+    192/128 and 192/192 (ALiBi with any window) once its 64-key CTAs fill the SMs; the rest keep the pair."""
     from dataclasses import replace
 
     from flashtile.backends import AttentionCall
@@ -522,7 +522,7 @@ def test_one_pass_backward_where_it_serves(monkeypatch, case, one_pass):
     _, bwd_name, config = triton_backend.describe(call)
     assert ("one-pass" in bwd_name) == one_pass, bwd_name
     assert ("bwd_one_pass" in config) == one_pass, config
-    assert ("gluon-sm90-wide" in bwd_name) == (one_pass and wide), bwd_name
+    assert ("gluon-sm90-wide" in bwd_name) == (one_pass and head_dim == 192), bwd_name
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

@@ -624,11 +624,11 @@ ONE_PASS_D64_ROWS = 128
 ONE_PASS_FEATURES = frozenset({"window", "softcap", "alibi", "sink", "varlen"})
 ONE_PASS_HEAD_DIMS = (64, 128)
 ONE_PASS_D64_MIN_PAIRS = 1 << 28
-# The wide one-pass kernel (kernels/bwd_sm90_wide.py) at (q/k, v) head dims 192/128, DeepSeek's: FA4's sm90 tile, CTAs
-# of 64 keys, steps of 64 queries, two consumer warpgroups splitting dK, dV and dQ by head-dim columns; the same
-# features and rule as above (ALiBi exact, so right bounds too). UNMEASURED on a GPU: branch wip-one-pass-d192.
-# sm_90 ptxas (benchmarks/sm90_compile.py wide): see kernels/bwd_sm90_wide.py.
-ONE_PASS_WIDE_HEAD_DIMS = ((192, 128),)
+# The wide one-pass kernel (kernels/bwd_sm90_wide.py) at (q/k, v) head dims 192/128 (DeepSeek's) and 192/192: FA4's
+# sm90 tile, CTAs of 64 keys, steps of 64 queries, two consumer warpgroups splitting dK, dV and dQ by head-dim columns;
+# the same features and rule as above (ALiBi exact, so right bounds too). UNMEASURED on a GPU: branch
+# wip-one-pass-d192. sm_90 ptxas (benchmarks/sm90_compile.py wide[-v192]): see kernels/bwd_sm90_wide.py.
+ONE_PASS_WIDE_HEAD_DIMS = ((192, 128), (192, 192))
 ONE_PASS_WIDE_KEYS = 64
 
 

@@ -461,7 +461,8 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
     lse2 = empty_like(lse)
     stride_lse_b, stride_lse_h = lse_strides(lse, varlen)
     if config is None and not kv_splits:
-        # Calls whose CTAs (configs.one_pass_keys) fill the GPU take the one-pass kernel when they allow dQ's reduce order to vary.
+        # Calls whose CTAs (configs.one_pass_keys) fill the GPU take the one-pass kernel when they allow dQ's reduce
+        # order to vary.
         plan = configs.bwd_choice(cfg, head_dim, head_dim_v, q.dtype, q.device, features,
                                   (args.window_left, args.window_right), batch, nheads, nheads_kv, seqlen_q, seqlen_k,
                                   configs.deterministic(args.deterministic))
@@ -585,11 +586,11 @@ def _backward_dkdv_sm90(q, k, v, dout, dk, dv, lse2, delta, args: AttnArgs, cfg,
                static, stream=stream)
 
 
-_ONE_PASS_DYNAMIC = ("DK", "DV", "LSE2", "DELTA", "CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_K", "ALIBI_SLOPES", "qk_scale",
-                     "softcap2", "softmax_scale") + _BWD_LENGTHS
+_ONE_PASS_DYNAMIC = ("DK", "DV", "LSE2", "DELTA", "CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_K", "ALIBI_SLOPES",
+                     "qk_scale", "softcap2", "softmax_scale") + _BWD_LENGTHS
 _BWD_WS = CachedLaunch(attn_bwd_sm90_ws, ("q_desc", "k_desc", "v_desc", "do_desc", "dq_desc") + _ONE_PASS_DYNAMIC)
-_BWD_WIDE = CachedLaunch(attn_bwd_sm90_wide, ("q_desc", "q_tail_desc", "k_desc", "k_tail_desc", "v_desc", "do_desc",
-                                              "dq_desc", "dq_tail_desc") + _ONE_PASS_DYNAMIC)
+_BWD_WIDE = CachedLaunch(attn_bwd_sm90_wide, ("q_desc", "q_tail_desc", "k_desc", "k_tail_desc", "v_desc", "v_tail_desc",
+                                              "do_desc", "do_tail_desc", "dq_desc", "dq_tail_desc") + _ONE_PASS_DYNAMIC)
 # The one-pass backward's consumer warpgroups after ``setmaxnreg`` (240 each, the producer and reducer warps' group
 # 24: the SM's 64K registers), and the cap the kernel is compiled under (12 warps at 168).
 _BWD_WS_CONSUMER_REGS = 240
@@ -599,7 +600,7 @@ _BWD_WS_MAXNREG = 168
 def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs, key):
     """Launch the one-pass Hopper backward on ``(batch, seqlen, heads, d)`` inputs, or packed ``(tokens, heads, d)``
     ones (varlen): kernels/bwd_sm90_ws.py at head dim 64 or 128, kernels/bwd_sm90_wide.py at 192 with values of 128
-    (configs.one_pass_wide). dK and dV go into ``dk``/``dv``, dQ (scaled) is added into the zeroed float32
+    or 192 (configs.one_pass_wide). dK and dV go into ``dk``/``dv``, dQ (scaled) is added into the zeroed float32
     ``dq_acc`` (q's shape); ``key``: the backward's launch key (which holds no lengths: they are dynamic
     arguments)."""
     varlen = args.varlen
@@ -612,13 +613,14 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
 
     def static():
         stride_lse_b, stride_lse_h = lse_strides(lse2, varlen)
-        # The wide kernel's score tiles are small: it takes ALiBi exactly, with no linear form.
-        linear = {} if wide else dict(ALIBI_LINEAR=alibi is not None and args.window_right == 0)
+        # The wide kernel's score tiles are small: it takes ALiBi exactly, with no linear form; it reads v and dO
+        # past their first 128 columns as a tail.
+        own = dict(V_TAIL=head_dim_v - 128) if wide else dict(ALIBI_LINEAR=alibi is not None and args.window_right == 0)
         return dict(window_left=args.window_left, window_right=args.window_right, **_strides(varlen, dk=dk, dv=dv),
                     stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h, group=nheads // nheads_kv,
                     MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0,
                     stride_alibi_b=alibi.stride(0) if alibi is not None else 0, SOFTCAP=args.softcap > 0,
-                    FAST_TANH=fast_tanh(q), ALIBI=alibi is not None, **linear, IS_VARLEN=varlen,
+                    FAST_TANH=fast_tanh(q), ALIBI=alibi is not None, **own, IS_VARLEN=varlen,
                     HAS_SEQUSED=args.seqused_k is not None, STAGES=2, CONSUMER_REGS=_BWD_WS_CONSUMER_REGS,
                     num_warps=4, maxnreg=_BWD_WS_MAXNREG)
 
@@ -634,13 +636,17 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
     rows = configs.one_pass_rows(head_dim, frozenset(present_features(args, head_dim, head_dim_v)))
     grid = (cdiv(seqlen_k, cta_keys), nheads_kv, batch)
     if wide:
-        # q, k and dQ as their main columns and tail (192 = 128 + 64), v and dO whole.
-        main, _ = _BWD_TAILS[head_dim]
-        _BWD_WIDE(key, grid, dict(q_desc=_tma_desc(q[..., :main], rows), q_tail_desc=_tma_desc(q[..., main:], rows),
-                                  k_desc=_tma_desc(k[..., :main], cta_keys),
-                                  k_tail_desc=_tma_desc(k[..., main:], cta_keys), v_desc=_tma_desc(v, cta_keys),
-                                  do_desc=_tma_desc(dout, rows), dq_desc=_tma_desc(dq_acc[..., :main], rows),
-                                  dq_tail_desc=_tma_desc(dq_acc[..., main:], rows), **tensors), static)
+        # Each tensor as its first 128 columns and the rest (192 = 128 + 64); no tail of v and dO at 128 (None).
+        def parts(t, rows):
+            main = _tma_desc(t[..., :128], rows)
+            return (main, _tma_desc(t[..., 128:], rows)) if t.shape[3] > 128 else (main, None)
+
+        (q_main, q_tail), (k_main, k_tail) = parts(q, rows), parts(k, cta_keys)
+        (v_main, v_tail), (do_main, do_tail) = parts(v, cta_keys), parts(dout, rows)
+        dq_main, dq_tail = parts(dq_acc, rows)
+        _BWD_WIDE(key, grid, dict(q_desc=q_main, q_tail_desc=q_tail, k_desc=k_main, k_tail_desc=k_tail, v_desc=v_main,
+                                  v_tail_desc=v_tail, do_desc=do_main, do_tail_desc=do_tail, dq_desc=dq_main,
+                                  dq_tail_desc=dq_tail, **tensors), static)
         return
     # Each consumer owns half the CTA's keys and adds half of dQ's columns.
     _BWD_WS(key, grid, dict(q_desc=_tma_desc(q, rows), k_desc=_tma_desc(k, cta_keys // 2),

@@ -1,41 +1,43 @@
-"""Hopper one-pass backward for wide heads (q/k head dim 192, values 128: DeepSeek's shape), warp-specialized: FA4's
-sm90 plan in Gluon. Like bwd_sm90_ws.py it computes P and dS once for dK, dV and dQ (five matmuls a tile), but its
-consumers split the work by head-dim columns, not by keys: one consumer's 64 keys at full width would hold dK (96)
-+ dV (64) + S^T and dP^T (64) + half of dQ (48) registers a thread, more than its 240.
+"""Hopper one-pass backward for wide heads (q/k head dim 192 with values of 128, DeepSeek's shape, or of 192),
+warp-specialized: FA4's sm90 plan in Gluon. Like bwd_sm90_ws.py it computes P and dS once for dK, dV and dQ (five
+matmuls a tile), but its consumers split the work by head-dim columns, not by keys: one consumer's 64 keys at full
+width would hold dK (96) + dV (64) + S^T and dP^T (64) + half of dQ (48) registers a thread, more than its 240.
 
 A CTA owns ``BLOCK_N = 64`` keys of one KV head and walks the query blocks that see them, of every query head of its
-GQA group. Gluon tiles are powers of two, so q, k and dQ are read and written as a main part of ``MAIN = 128``
-columns and a tail of ``TAIL = 64`` (as fwd_sm90.py's TAIL). Its warps split by role:
+GQA group. Gluon tiles are powers of two, so each tensor is read and written as a main part of 128 columns and a
+tail (as fwd_sm90.py's TAIL): q, k and dQ of ``TAIL = 64``, v and dO of ``V_TAIL`` = 0 or 64. Its warps split by
+role:
 
-    producer (1 warp)    TMA: the CTA's K (main, tail) and V once, then Q (main, tail) and dO of each step into a
+    producer (1 warp)    TMA: the CTA's K and V (main, tail) once, then Q and dO (main, tail) of each step into a
                          ring of slots, with the rows' lse and delta
     consumer w (4 warps) S and dP on its 32 keys (queries x keys, M = 64 queries); then, on both consumers' P^T and
                          dS^T from shared memory, its columns of the gradients:
-                             consumer 0: dK[:, :MAIN] and dQ[:, :MAIN]
-                             consumer 1: dK[:, MAIN:], dQ[:, MAIN:] and dV
-                         (1.70M multiply-adds a step each: balanced)
+                             consumer 0: dK and dQ main, dV tail (if any)
+                             consumer 1: dK and dQ tail, dV main
+                         (at 192/128 1.70M multiply-adds a step each; at 192/192 2.10M and 1.83M)
     reducer (1 warp)     adds each step's staged dQ (both parts) into a float32 buffer with the TMA's bulk reduce
 
 Per step (64 queries), each consumer:
 
-    issue S = Q K_w^T (main and tail columns) and dP = dO V_w^T; wait for S -> P = exp2(S - lse) under dP
+    issue S = Q K_w^T and dP = dO V_w^T (main and tail columns); wait for S -> P = exp2(S - lse) under dP
     store P^T to its 32 rows of a shared tile (``p_ready``); wait for dP -> dS = P (dP - delta)
     store dS^T to its 32 rows of a shared tile (``ds_ready``)
-    consumer 1: wait for both halves of P^T -> issue dV += P^T dO
+    wait for both halves of P^T -> issue dV[:, own] += P^T dO[:, own]
     wait for both halves of dS^T -> issue dK[:, own] += dS^T Q[:, own] and dQ[:, own] = dS K[:, own]; wait for all
     stage dQ[:, own] (float32, scaled) in shared memory for the reducer (``dq_full``/``dq_empty``)
 
 P^T and dS^T are double-buffered: a consumer reaches a buffer's next use only after the other consumer has arrived
 at the previous step's ``ds_ready``, after its products of the step before have finished. The reduce order varies
 from run to run, so dQ is not bit-identical between runs (the launcher never takes this kernel for deterministic
-calls). Registers (sm_90 ptxas, benchmarks/sm90_compile.py wide): consumer 0 holds dK and dQ of 128 columns (64 + 64
-a thread), consumer 1 dK and dQ of 64 and dV of 128 (32 + 32 + 64), each beside S and dP of 32 keys (16 + 16).
+calls). sm_90 ptxas through the launcher's own arguments (benchmarks/sm90_compile.py wide[-v192]), 2 x 4096, every
+mask, softcap, window, packed sequences: 0 spill stores (1 with ALiBi on full rows at 192/128); shared memory
+206,464 B at 192/128 and 231,104 B at 192/192 (of 232,448), one CTA an SM.
 
 Packed sequences (``IS_VARLEN``) read through descriptors of the whole ``(1, tokens, heads, d)`` tensors. Key rows
 past a sequence's used keys are zeroed in shared memory (consumer 0 K's, consumer 1 V's, both waiting for the other:
 ``kv_zeroed``), query and dO rows past its queries by consumer 0, which the other waits for (``tail_ready``).
-Inputs: 16-bit, q/k head dim 192 (main 128 + tail 64) and values 128; full rows, causal or windowed, softcap, ALiBi
-(exact: the score tiles are small), sinks (through the lse); no dropout or bias. Scores and masks are common.py's.
+Inputs: 16-bit; full rows, causal or windowed, softcap, ALiBi (exact: the score tiles are small), sinks (through the
+lse); no dropout or bias. Scores and masks are common.py's.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -61,10 +63,10 @@ def _stage_own(smem, ready, index, tile):
 @gluon.jit
 def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
               FAST_TANH: gl.constexpr, ALIBI: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
-              STAGES: gl.constexpr):
-    (q_desc, qt_desc, k_desc, do_desc, q_smem, qt_smem, do_smem, k_smem, kt_smem, v_smem, pt_smem, dst_smem,
-     dq_smem, dqt_smem, rows_smem, kv_ready, kv_zeroed, q_ready, q_empty, tail_ready, p_ready, ds_ready, dq_full,
-     dq_empty, DK, DV, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, softmax_scale, stride_dkb, stride_dkn,
+              STAGES: gl.constexpr, V_TAIL: gl.constexpr):
+    (q_desc, qt_desc, k_desc, do_desc, q_smem, qt_smem, do_smem, dot_smem, k_smem, kt_smem, v_smem, vt_smem, pt_smem,
+     dst_smem, dq_smem, dqt_smem, rows_smem, kv_ready, kv_zeroed, q_ready, q_empty, tail_ready, p_ready, ds_ready,
+     dq_full, dq_empty, DK, DV, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, softmax_scale, stride_dkb, stride_dkn,
      stride_dkh, stride_dvb, stride_dvn, stride_dvh) = args
     window_left, window_right = walk[2], walk[3]
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
@@ -72,14 +74,17 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
     HALF_N: gl.constexpr = BLOCK_N // 2
     MAIN: gl.constexpr = q_desc.block_type.shape[3]
     TAIL: gl.constexpr = qt_desc.block_type.shape[3]
-    HEAD_DIM_V: gl.constexpr = do_desc.block_type.shape[3]
-    # This consumer's dK and dQ columns: the main part or the tail.
+    V_MAIN: gl.constexpr = do_desc.block_type.shape[3]
+    # This consumer's dK and dQ columns: the main part or the tail; its dV columns: v's tail or its main part.
     OWN: gl.constexpr = MAIN if WG == 0 else TAIL
+    V_OWN: gl.constexpr = V_TAIL if WG == 0 else V_MAIN
+    HAS_DV: gl.constexpr = V_OWN > 0
+    DV_COLS: gl.constexpr = V_OWN if HAS_DV else V_MAIN
     dtype: gl.constexpr = q_desc.dtype
     # Accumulator layouts of one warpgroup: the scores on its keys (queries x keys), its dK/dQ columns, dV.
     s_layout: gl.constexpr = wgmma_layout(HALF_N, 4)
     own_layout: gl.constexpr = wgmma_layout(OWN, 4)
-    dv_layout: gl.constexpr = wgmma_layout(HEAD_DIM_V, 4)
+    dv_layout: gl.constexpr = wgmma_layout(DV_COLS, 4)
     queries_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     keys_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
 
@@ -92,17 +97,19 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
     group = walk[4]
     offs_n = first_key + WG * HALF_N + gl.arange(0, HALF_N, layout=keys_layout)
     dk = gl.zeros([BLOCK_N, OWN], gl.float32, own_layout)
-    dv = gl.zeros([BLOCK_N, HEAD_DIM_V], gl.float32, dv_layout)
+    dv = gl.zeros([BLOCK_N, DV_COLS], gl.float32, dv_layout)
     s_zero = gl.zeros([BLOCK_M, HALF_N], gl.float32, s_layout)
     dq_zero = gl.zeros([BLOCK_M, OWN], gl.float32, own_layout)
     k = k_smem.reshape([BLOCK_N, MAIN])
     kt = kt_smem.reshape([BLOCK_N, TAIL])
-    v = v_smem.reshape([BLOCK_N, HEAD_DIM_V])
+    v = v_smem.reshape([BLOCK_N, V_MAIN])
+    vt = vt_smem.reshape([BLOCK_N, vt_smem.shape[3]])
     k_own = k if WG == 0 else kt
     # B operands of S and dP: this consumer's 32 keys.
     k_keys = k.slice(WG * HALF_N, HALF_N, 0).permute((1, 0))
     kt_keys = kt.slice(WG * HALF_N, HALF_N, 0).permute((1, 0))
     v_keys = v.slice(WG * HALF_N, HALF_N, 0).permute((1, 0))
+    vt_keys = vt.slice(WG * HALF_N, HALF_N, 0).permute((1, 0))
     mbarrier.wait(kv_ready, 0)
     if IS_VARLEN:
         # Key rows past the sequence's used keys hold the next sequence's keys or ones seqused_k leaves out, which
@@ -114,6 +121,8 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
                 _zero_tail(kt, seqlen_k - first_key, 4)
             else:
                 _zero_tail(v, seqlen_k - first_key, 4)
+                if V_TAIL > 0:
+                    _zero_tail(vt, seqlen_k - first_key, 4)
         mbarrier.arrive(kv_zeroed, count=1)
         mbarrier.wait(kv_zeroed, 0)
     n_tail = 0
@@ -124,7 +133,9 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
         q = _tile(q_smem, slot)
         qt = _tile(qt_smem, slot)
         do = _tile(do_smem, slot)
+        dot = _tile(dot_smem, slot)
         q_own = q if WG == 0 else qt
+        do_own = dot if WG == 0 else do
         mbarrier.wait(q_ready.index(slot), phase)
         if IS_VARLEN:
             if row + BLOCK_M > seqlen_q:
@@ -134,6 +145,8 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
                     _zero_tail(q, seqlen_q - row, 4)
                     _zero_tail(qt, seqlen_q - row, 4)
                     _zero_tail(do, seqlen_q - row, 4)
+                    if V_TAIL > 0:
+                        _zero_tail(dot, seqlen_q - row, 4)
                     mbarrier.arrive(tail_ready, count=1)
                 else:
                     mbarrier.wait(tail_ready, n_tail & 1)
@@ -142,7 +155,9 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
         qk = warpgroup_mma(q, k_keys, s_zero, use_acc=False, is_async=True)
         qk = warpgroup_mma(qt, kt_keys, qk, is_async=True)
         dp = warpgroup_mma(do, v_keys, s_zero, use_acc=False, is_async=True)
-        qk = warpgroup_mma_wait(1, deps=(qk, ))
+        if V_TAIL > 0:
+            dp = warpgroup_mma(dot, vt_keys, dp, is_async=True)
+        qk = warpgroup_mma_wait(2 if V_TAIL > 0 else 1, deps=(qk, ))
         # The exponentials run under the dP product; blocks straddling a window edge zero the pairs they do not
         # see afterwards.
         s, t = scores(qk, offs_m[:, None], offs_n[None, :], first_key, seqlen_q, seqlen_k, qk_scale, softcap2,
@@ -163,15 +178,15 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
             # d(c * tanh(x / c)) / dx = 1 - tanh^2.
             ds = ds * (1.0 - t * t)
         _stage_own(dst_smem.index(buf).slice(WG * HALF_N, HALF_N, 0).permute((1, 0)), ds_ready, buf, ds.to(dtype))
-        if WG == 1:
+        if HAS_DV:
             mbarrier.wait(p_ready.index(buf), buf_phase)
-            dv = warpgroup_mma(pt_smem.index(buf), do, dv, is_async=True)
+            dv = warpgroup_mma(pt_smem.index(buf), do_own, dv, is_async=True)
         # dK[:, own] += dS^T Q[:, own] and dQ[:, own] = dS K[:, own], over both consumers' keys.
         mbarrier.wait(ds_ready.index(buf), buf_phase)
         ds_t = dst_smem.index(buf)
         dk = warpgroup_mma(ds_t, q_own, dk, is_async=True)
         dq = warpgroup_mma(ds_t.permute((1, 0)), k_own, dq_zero, use_acc=False, is_async=True)
-        if WG == 1:
+        if HAS_DV:
             dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
         else:
             dq, dk = warpgroup_mma_wait(0, deps=(dq, dk))
@@ -187,16 +202,16 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
 
     store_key_rows(dk * softmax_scale, WG * MAIN, first_key, k_start, seqlen_k, key_rows, DK, off_b, off_hk,
                    stride_dkb, stride_dkn, stride_dkh, HAS_SEQUSED)
-    if WG == 1:
-        store_key_rows(dv, 0, first_key, k_start, seqlen_k, key_rows, DV, off_b, off_hk, stride_dvb, stride_dvn,
-                       stride_dvh, HAS_SEQUSED)
+    if HAS_DV:
+        store_key_rows(dv, (1 - WG) * V_MAIN, first_key, k_start, seqlen_k, key_rows, DV, off_b, off_hk,
+                       stride_dvb, stride_dvn, stride_dvh, HAS_SEQUSED)
 
 
 @gluon.jit
 def _producer(args, walk, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
-              HAS_SEQUSED: gl.constexpr, STAGES: gl.constexpr):
-    (q_desc, qt_desc, k_desc, kt_desc, v_desc, do_desc, q_smem, qt_smem, do_smem, k_smem, kt_smem, v_smem, rows_smem,
-     kv_ready, q_ready, q_empty, LSE2, DELTA, stride_lse_b, stride_lse_h) = args
+              HAS_SEQUSED: gl.constexpr, STAGES: gl.constexpr, V_TAIL: gl.constexpr):
+    (q_desc, qt_desc, k_desc, kt_desc, v_desc, vt_desc, do_desc, dot_desc, q_smem, qt_smem, do_smem, dot_smem, k_smem,
+     kt_smem, v_smem, vt_smem, rows_smem, kv_ready, q_ready, q_empty, LSE2, DELTA, stride_lse_b, stride_lse_h) = args
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     off_hk = gl.program_id(1)
@@ -206,13 +221,18 @@ def _producer(args, walk, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_
                                      HAS_SEQUSED)
     tma_b, q_start, seqlen_q, k_start, _, _ = seq
     group = walk[4]
-    # K's two parts and V (rows past the tensor arrive as zeros) complete one barrier.
+    # K's and V's parts (rows past the tensor arrive as zeros) complete one barrier.
     key_row = k_start + first_key
-    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + kt_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    kv_bytes: gl.constexpr = (k_desc.block_type.nbytes + kt_desc.block_type.nbytes + v_desc.block_type.nbytes
+                              + (vt_desc.block_type.nbytes if V_TAIL > 0 else 0))
+    mbarrier.expect(kv_ready, kv_bytes)
     tma.async_copy_global_to_shared(k_desc, [tma_b, key_row, off_hk, 0], kv_ready, k_smem)
     tma.async_copy_global_to_shared(kt_desc, [tma_b, key_row, off_hk, 0], kv_ready, kt_smem)
     tma.async_copy_global_to_shared(v_desc, [tma_b, key_row, off_hk, 0], kv_ready, v_smem)
-    step_bytes: gl.constexpr = q_desc.block_type.nbytes + qt_desc.block_type.nbytes + do_desc.block_type.nbytes
+    if V_TAIL > 0:
+        tma.async_copy_global_to_shared(vt_desc, [tma_b, key_row, off_hk, 0], kv_ready, vt_smem)
+    step_bytes: gl.constexpr = (q_desc.block_type.nbytes + qt_desc.block_type.nbytes + do_desc.block_type.nbytes
+                                + (dot_desc.block_type.nbytes if V_TAIL > 0 else 0))
     for it in range(n_it):
         # A slot is refilled once both consumers have released its last use (the first pass waits on the phase
         # before the barrier's first, which counts as done).
@@ -225,6 +245,8 @@ def _producer(args, walk, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_
         tma.async_copy_global_to_shared(q_desc, [tma_b, q_start + row, off_h, 0], bar, q_smem.index(slot))
         tma.async_copy_global_to_shared(qt_desc, [tma_b, q_start + row, off_h, 0], bar, qt_smem.index(slot))
         tma.async_copy_global_to_shared(do_desc, [tma_b, q_start + row, off_h, 0], bar, do_smem.index(slot))
+        if V_TAIL > 0:
+            tma.async_copy_global_to_shared(dot_desc, [tma_b, q_start + row, off_h, 0], bar, dot_smem.index(slot))
         stage_rows(rows_smem, slot, bar, LSE2, DELTA, off_b * stride_lse_b + off_h * stride_lse_h + q_start, row,
                    seqlen_q, BLOCK_M)
 
@@ -254,24 +276,26 @@ def _reducer(args, walk, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_V
 
 
 @gluon.jit
-def attn_bwd_sm90_wide(q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, do_desc, dq_desc, dq_tail_desc, DK, DV, LSE2,
-                       DELTA, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2,
-                       softmax_scale, window_left, window_right, stride_dkb, stride_dkn, stride_dkh, stride_dvb,
-                       stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group,
+def attn_bwd_sm90_wide(q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, v_tail_desc, do_desc, do_tail_desc, dq_desc,
+                       dq_tail_desc, DK, DV, LSE2, DELTA, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K, ALIBI_SLOPES,
+                       stride_alibi_b, qk_scale, softcap2, softmax_scale, window_left, window_right, stride_dkb,
+                       stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, seqlen_q,
+                       seqlen_k, group,
                        MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                        FAST_TANH: gl.constexpr, ALIBI: gl.constexpr, IS_VARLEN: gl.constexpr,
-                       HAS_SEQUSED: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       HAS_SEQUSED: gl.constexpr, STAGES: gl.constexpr, V_TAIL: gl.constexpr,
+                       CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """``q_desc``/``q_tail_desc``: TMA descriptors of ``(batch, seqlen, heads, 128)`` and ``(.., 64)`` views of q
     (its main columns and its tail) with ``[1, 64, 1, cols]`` tiles, ``k_desc``/``k_tail_desc`` the same of k,
-    ``v_desc``/``do_desc`` of v and dO (128 columns), ``dq_desc``/``dq_tail_desc`` of the main and tail views of the
-    zeroed float32 dQ buffer; one CTA per (64 keys, KV head, batch row). ``qk_scale``/``softcap2`` as common.scores
+    ``v_desc``/``do_desc`` of v and dO (their first 128 columns), ``v_tail_desc``/``do_tail_desc`` of their ``V_TAIL``
+    more (None without), ``dq_desc``/``dq_tail_desc`` of the main and tail views of the zeroed float32 dQ buffer;
+    one CTA per (64 keys, KV head, batch row). ``qk_scale``/``softcap2`` as common.scores
     takes them; LSE2 and DELTA are bwd_preprocess's. dQ arrives in its buffer scaled, to be cast."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     MAIN: gl.constexpr = q_desc.block_type.shape[3]
     TAIL: gl.constexpr = q_tail_desc.block_type.shape[3]
-    HEAD_DIM_V: gl.constexpr = v_desc.block_type.shape[3]
+    V_MAIN: gl.constexpr = v_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
     gl.static_assert(num_warps == 4, "the default partition is consumer 0, one warpgroup")
     gl.static_assert(BLOCK_M == 64 and BLOCK_N == 64, "steps of 64 queries over a CTA's 64 keys")
@@ -279,10 +303,17 @@ def attn_bwd_sm90_wide(q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, do_desc
                      "dQ's parts are q's")
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, 1, MAIN], q_desc.layout)
     qt_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, 1, TAIL], q_tail_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, 1, HEAD_DIM_V], do_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, 1, V_MAIN], do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, 1, MAIN], k_desc.layout)
     kt_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, 1, TAIL], k_tail_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, 1, HEAD_DIM_V], v_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, 1, V_MAIN], v_desc.layout)
+    if V_TAIL > 0:
+        dot_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, 1, V_TAIL], do_tail_desc.layout)
+        vt_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, 1, V_TAIL], v_tail_desc.layout)
+    else:
+        # No tail of v: names for the partitions' arguments, never read.
+        dot_smem = do_smem
+        vt_smem = v_smem
     # P^T and dS^T (keys x queries), two steps of each; dQ staging (queries x columns), one step of each part.
     pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     pt_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], pds_layout)
@@ -312,17 +343,18 @@ def attn_bwd_sm90_wide(q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, do_desc
         mbarrier.init(dq_full.index(i), count=1)
         mbarrier.init(dq_empty.index(i), count=1)
     walk = (seqlen_q, seqlen_k, window_left, window_right, group, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K)
-    consumer = (q_desc, q_tail_desc, k_desc, do_desc, q_smem, qt_smem, do_smem, k_smem, kt_smem, v_smem, pt_smem,
-                dst_smem, dq_smem, dqt_smem, rows_smem, kv_ready, kv_zeroed, q_ready, q_empty, tail_ready, p_ready,
-                ds_ready, dq_full, dq_empty, DK, DV, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, softmax_scale,
-                stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh)
-    producer = (q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, do_desc, q_smem, qt_smem, do_smem, k_smem, kt_smem,
-                v_smem, rows_smem, kv_ready, q_ready, q_empty, LSE2, DELTA, stride_lse_b, stride_lse_h)
+    consumer = (q_desc, q_tail_desc, k_desc, do_desc, q_smem, qt_smem, do_smem, dot_smem, k_smem, kt_smem, v_smem,
+                vt_smem, pt_smem, dst_smem, dq_smem, dqt_smem, rows_smem, kv_ready, kv_zeroed, q_ready, q_empty,
+                tail_ready, p_ready, ds_ready, dq_full, dq_empty, DK, DV, ALIBI_SLOPES, stride_alibi_b, qk_scale,
+                softcap2, softmax_scale, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh)
+    producer = (q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, v_tail_desc, do_desc, do_tail_desc, q_smem, qt_smem,
+                do_smem, dot_smem, k_smem, kt_smem, v_smem, vt_smem, rows_smem, kv_ready, q_ready, q_empty, LSE2, DELTA,
+                stride_lse_b, stride_lse_h)
     reducer = (q_desc, k_desc, dq_desc, dq_tail_desc, dq_smem, dqt_smem, dq_full, dq_empty)
     gl.warp_specialize([(_consumer, (consumer, walk, 0, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, IS_VARLEN,
-                                     HAS_SEQUSED, STAGES)),
+                                     HAS_SEQUSED, STAGES, V_TAIL)),
                         (_consumer, (consumer, walk, 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, IS_VARLEN,
-                                     HAS_SEQUSED, STAGES)),
-                        (_producer, (producer, walk, MASK_LEFT, MASK_RIGHT, IS_VARLEN, HAS_SEQUSED, STAGES)),
+                                     HAS_SEQUSED, STAGES, V_TAIL)),
+                        (_producer, (producer, walk, MASK_LEFT, MASK_RIGHT, IS_VARLEN, HAS_SEQUSED, STAGES, V_TAIL)),
                         (_reducer, (reducer, walk, MASK_LEFT, MASK_RIGHT, IS_VARLEN, HAS_SEQUSED))], [4, 1, 1],
                        [CONSUMER_REGS, 24, 24])

@@ -88,11 +88,11 @@ def consumer_step(it, n_q, lo, off_hk, group, ALIBI_SLOPES, alibi_row, BLOCK_M: 
 @gluon.jit
 def _walk(walk, q_desc, k_desc, BLOCK_M: gl.constexpr, CTA_KEYS: gl.constexpr, MASK_LEFT: gl.constexpr,
           MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr):
-    """This CTA's sequence and query walk (its ``CTA_KEYS`` keys), the same in every partition: ``(tma_b, q_start, seqlen_q, k_start,
-    seqlen_k, key_rows)`` as bwd_sm90.py has them (packed tensors are one batch row for the TMA; ``key_rows``:
-    the sequence's keys, of which the first ``seqlen_k`` are used), the first query row ``lo``, the unmasked
-    run ``[full_lo, full_hi)``, the query blocks of one head ``n_q`` (0 for a CTA past its sequence's used keys)
-    and the steps ``n_it`` (``n_q`` for each head of the GQA group). ``walk``: the kernel's lengths, window, group
+    """This CTA's sequence and query walk (its ``CTA_KEYS`` keys), the same in every partition: ``(tma_b, q_start,
+    seqlen_q, k_start, seqlen_k, key_rows)`` as bwd_sm90.py has them (packed tensors are one batch row for the TMA;
+    ``key_rows``: the sequence's keys, of which the first ``seqlen_k`` are used), the first query row ``lo``, the
+    unmasked run ``[full_lo, full_hi)``, the query blocks of one head ``n_q`` (0 for a CTA past its sequence's used
+    keys) and the steps ``n_it`` (``n_q`` for each head of the GQA group). ``walk``: the kernel's lengths, window, group
     and sequence tensors. Bad offsets are clamped into the packed tensors (``q_desc``/``k_desc`` give their
     rows) but not recorded here: an atomic in any partition costs the consumers spills (sm90_compile.py: STL
     23 -> 44), and the forward of the same call has recorded them."""

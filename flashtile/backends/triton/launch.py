@@ -508,7 +508,8 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
                     lambda: dict(**_strides(varlen, o=out, do=dout, dq=out if dq_acc is None else dq_acc),
                                  stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h, seqlen_q=rows,
                                  HEAD_DIM_ACTUAL=head_dim_v, HEAD_DIM=padded_head_dim(head_dim_v),
-                                 BLOCK_M=_PREPROCESS_BLOCK_M, ZERO_DQ=one_pass))
+                                 BLOCK_M=_PREPROCESS_BLOCK_M, ZERO_DQ=one_pass, DQ_DIM_ACTUAL=head_dim,
+                                 DQ_DIM=padded_head_dim(head_dim)))
         if dsink is not None:
             _sink_grad(args.sink, lse, delta, dsink, varlen)
         if one_pass:

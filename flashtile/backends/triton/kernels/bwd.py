@@ -34,9 +34,10 @@ def bwd_preprocess(O, DO, LSE, DELTA, LSE2, DQ_ACC,
                    stride_dqb, stride_dqm, stride_dqh,
                    stride_lse_b, stride_lse_h, seqlen_q,
                    HEAD_DIM_ACTUAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                   ZERO_DQ: tl.constexpr):
-    """Runs over the rows of (batch, seqlen_q) or, for varlen, of all packed tokens (batch 1). With
-    ``ZERO_DQ`` it also zeroes these rows of the one-pass backward's float32 dQ buffer ``DQ_ACC``."""
+                   ZERO_DQ: tl.constexpr, DQ_DIM_ACTUAL: tl.constexpr, DQ_DIM: tl.constexpr):
+    """Runs over the rows of (batch, seqlen_q) or, for varlen, of all packed tokens (batch 1); ``HEAD_DIM*``: the
+    values' head dim (O's and dO's). With ``ZERO_DQ`` it also zeroes these rows of the one-pass backward's float32 dQ
+    buffer ``DQ_ACC``, of q's head dim ``DQ_DIM_ACTUAL`` (``DQ_DIM``: padded to a power of two)."""
     # Offsets of long sequences can pass 2**31 elements: do the index math in int64.
     stride_ob, stride_om, stride_oh = int64(stride_ob, stride_om, stride_oh)
     stride_dob, stride_dom, stride_doh = int64(stride_dob, stride_dom, stride_doh)
@@ -56,9 +57,10 @@ def bwd_preprocess(O, DO, LSE, DELTA, LSE2, DQ_ACC,
     tl.store(LSE2 + row, lse2, mask=offs_m < seqlen_q)
     if ZERO_DQ:
         stride_dqb, stride_dqm, stride_dqh = int64(stride_dqb, stride_dqm, stride_dqh)
+        offs_dq = tl.arange(0, DQ_DIM)
         store_tile(tile_ptrs(head_base(DQ_ACC, off_b, off_h, 0, stride_dqb, stride_dqm, stride_dqh), offs_m, stride_dqm,
-                             offs_d), tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32), offs_m, seqlen_q, offs_d,
-                   HEAD_DIM_ACTUAL)
+                             offs_dq), tl.zeros([BLOCK_M, DQ_DIM], dtype=tl.float32), offs_m, seqlen_q, offs_dq,
+                   DQ_DIM_ACTUAL)
 
 
 @triton.jit

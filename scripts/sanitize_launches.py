@@ -78,7 +78,8 @@ def families():
 
 
 def warp_specialized(small: bool):
-    """The one-pass backward (d128 MHA bf16 with CTAs enough to fill the GPU) and the warp-specialized forward.
+    """The one-pass backward (d128 MHA bf16 with CTAs enough to fill the GPU; the wide kernel at 192/128 dense and
+    192/192 packed) and the warp-specialized forward.
     ``small`` (racecheck, which runs a kernel hundreds of times slower): a few CTAs, the Hopper kernels taken
     by telling the plans the GPU has one SM and any amount of work is enough."""
     batch, nheads, keys = (1, 2, 384) if small else (2, 8, 2048)
@@ -88,6 +89,8 @@ def warp_specialized(small: bool):
     assert -(-keys // configs.ONE_PASS_KEYS) * nheads * batch >= configs.sm_count(torch.device(DEVICE))
     fwd_bwd(batch, keys, keys, nheads, nheads, 128, causal=True)
     varlen_fwd_bwd([200, 7, 300] if small else [1100, 7, 2100, 900], nheads, 128)
+    fwd_bwd(batch, keys, keys - 37, nheads, nheads, 192, 128, causal=True)
+    varlen_fwd_bwd([200, 7, 300] if small else [1100, 7, 2100, 900], nheads, 192, causal=True)
     # The warp-specialized forward: keys from GLUON_WS_FULL_KEYS on, (rows x keys) from GLUON_MIN_PAIRS on.
     q = randn(1, 256 if small else 2304, 2 if small else 4, 128)
     k, v = (randn(1, configs.GLUON_WS_FULL_KEYS + 77, 2 if small else 4, 128) for _ in range(2))
@@ -127,7 +130,8 @@ def main(mode: str) -> int:
     kernels = flashtile.stats()["kernels"]
     for name, count in sorted(kernels.items()):
         print(f"  {count} x {name}")
-    wanted = ["one-pass", "gluon-sm90-ws"] if mode == "ws" else ["triton", "gluon", "one-pass", "decode"]
+    wanted = (["one-pass", "gluon-sm90-ws", "gluon-sm90-wide"] if mode == "ws"
+              else ["triton", "gluon", "one-pass", "gluon-sm90-wide", "decode"])
     missing = [w for w in wanted if not any(w in name for name in kernels)]
     status = 0
     if missing:

@@ -107,7 +107,7 @@ def _expect_kernels(case, names: set, device):
     fwd_id, bwd_id = paths.kernel_ids(*flashtile.backends.triton.describe(case.call(device))[:2])
     kind, label = fwd_id.split()[0].split(":")
     wanted = ["attn_decode" if kind == "decode" and label == "triton" else FWD_FUNCTIONS[label]]
-    if bwd_id.startswith("bwd:one-pass"):
+    if bwd_id is not None and bwd_id.startswith("bwd:one-pass"):
         wanted.append("attn_bwd_sm90_wide" if bwd_id == "bwd:one-pass-wide" else "attn_bwd_sm90_ws")
     elif bwd_id is not None:
         wanted += ["attn_bwd_dkdv_sm90" if bwd_id.startswith("bwd:gluon-sm90 ") else "bwd_dkdv", "bwd_dq"]

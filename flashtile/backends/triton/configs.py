@@ -626,8 +626,9 @@ ONE_PASS_HEAD_DIMS = (64, 128)
 ONE_PASS_D64_MIN_PAIRS = 1 << 28
 # The wide one-pass kernel (kernels/bwd_sm90_wide.py) at (q/k, v) head dims 192/128 (DeepSeek's) and 192/192: FA4's
 # sm90 tile, CTAs of 64 keys, steps of 64 queries, two consumer warpgroups splitting dK, dV and dQ by head-dim columns;
-# the same features and rule as above (ALiBi exact, so right bounds too). UNMEASURED on a GPU: branch
-# wip-one-pass-d192. sm_90 ptxas (benchmarks/sm90_compile.py wide[-v192]): see kernels/bwd_sm90_wide.py.
+# the same features and rule as above (ALiBi exact, so right bounds too). Against the Triton pair on the H200, each
+# shape checked first: 192/128 1.18-1.36x, 192/192 1.57-2.00x (results/h200-bwd-d192-one-pass-2026-11-27-b8fd58c.json).
+# sm_90 ptxas (benchmarks/sm90_compile.py wide[-v192]): see kernels/bwd_sm90_wide.py.
 ONE_PASS_WIDE_HEAD_DIMS = ((192, 128), (192, 192))
 ONE_PASS_WIDE_KEYS = 64
 

@@ -37,9 +37,9 @@ def case(which: str, causal: bool, softcap: bool, window: bool = False):
     if which in ("fused", "fused-alibi", "fused-varlen"):
         return _fused_case(causal, softcap, which == "fused-alibi", which == "fused-varlen", window)
     if which.startswith("wide"):
-        # wide[-alibi|-varlen][-v192]: values of 128 columns, or of 192 with -v192.
-        return _one_pass_case(causal, softcap, "-alibi" in which, "-varlen" in which, window,
-                              (192, 192 if which.endswith("-v192") else 128))
+        # wide[-alibi|-varlen][-v192|-d256]: 192/128, 192/192 with -v192, 256/256 with -d256.
+        dims = (256, 256) if which.endswith("-d256") else (192, 192 if which.endswith("-v192") else 128)
+        return _one_pass_case(causal, softcap, "-alibi" in which, "-varlen" in which, window, dims)
     raise ValueError(which)
 
 

@@ -159,6 +159,11 @@ CASES = ONE_PASS_LONG + [
     Case(1, 256, 256, 2, 2, 192, 128, "bfloat16", "causal", ("softcap",)),
     Case(1, 1, 4096, 32, 8, 192, 128, "bfloat16", "full", ("sink",)),
     Case(8, 256, 256, 16, 16, 192, 128, "bfloat16", "full", ("varlen",)),
+    # The wide one-pass backward at head dim 256 (one Q/dO slot): a long causal row ending mid-CTA, GQA with a
+    # window and softcap, packed sequences.
+    Case(2, 4096, 4157, 16, 16, 256, 256, "bfloat16", "causal"),
+    Case(8, 1024, 1024, 16, 4, 256, 256, "bfloat16", "1024,0", ("softcap",)),
+    Case(8, 256, 256, 16, 16, 256, 256, "bfloat16", "full", ("varlen",)),
     Case(1, 256, 256, 2, 2, 32, 32, "bfloat16", "full", ("softcap",)),
     Case(1, 256, 256, 2, 2, 32, 32, "bfloat16", "causal", ("varlen",)),
     Case(1, 1, 4096, 32, 8, 32, 32, "bfloat16", "1024,0", ("alibi",)),

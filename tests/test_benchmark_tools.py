@@ -84,11 +84,12 @@ def test_ab_trees_syntax():
     assert subprocess.run(["bash", "-n", str(BENCHMARKS / "ab_trees.sh")]).returncode == 0
 
 
-@pytest.mark.parametrize("which, v_tail", [("wide", 0), ("wide-varlen-v192", 64), ("wide-alibi", 0)])
+@pytest.mark.parametrize("which, v_tail", [("wide", 0), ("wide-varlen-v192", 64), ("wide-alibi", 0),
+                                           ("wide-d256", 128), ("wide-varlen-d256", 128)])
 def test_sm90_cases_catch_the_launchers_arguments(monkeypatch, which, v_tail):
     """sm90_compile.py's one-pass cases run the launcher's own host code on CPU tensors and catch its launch: every
-    kernel argument is there, the descriptors cut q, k, v, dO and dQ into 128 columns and the rest, and nothing
-    launches."""
+    kernel argument is there, the descriptors cut q, k, v, dO and dQ into 128 columns and the rest (64 at 192, 128
+    at 256, with one Q/dO slot), and nothing launches."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     from sm90_cases import case
 
@@ -97,6 +98,8 @@ def test_sm90_cases_catch_the_launchers_arguments(monkeypatch, which, v_tail):
     assert constexprs["V_TAIL"] == v_tail and constexprs["MASK_LEFT"] and constexprs["MASK_RIGHT"]
     assert constexprs["IS_VARLEN"] == ("varlen" in which) and constexprs["ALIBI"] == ("alibi" in which)
     tiles = {name: tuple(args[name].block_shape) for name in args if name.endswith("_desc") and args[name] is not None}
-    assert tiles["q_desc"] == tiles["do_desc"] == (1, 64, 1, 128) and tiles["q_tail_desc"] == (1, 64, 1, 64)
-    assert tiles["dq_desc"] == (1, 64, 1, 128) and tiles["dq_tail_desc"] == (1, 64, 1, 64)
+    tail = 128 if which.endswith("-d256") else 64
+    assert tiles["q_desc"] == tiles["do_desc"] == (1, 64, 1, 128) and tiles["q_tail_desc"] == (1, 64, 1, tail)
+    assert tiles["dq_desc"] == (1, 64, 1, 128) and tiles["dq_tail_desc"] == (1, 64, 1, tail)
+    assert constexprs["STAGES"] == (1 if tail == 128 else 2)
     assert ("v_tail_desc" in tiles) == (v_tail > 0) and options == dict(num_warps=4, maxnreg=168)

@@ -1,7 +1,7 @@
-"""The one-pass Hopper backward (kernels/bwd_sm90_ws.py, and bwd_sm90_wide.py at 192/128 and 192/192) through the
-public API, on an sm_90 GPU only.
+"""The one-pass Hopper backward (kernels/bwd_sm90_ws.py, and bwd_sm90_wide.py at 192/128, 192/192 and 256) through
+the public API, on an sm_90 GPU only.
 
-The dispatcher gives it 16-bit calls at head dim 128, and 192 with values of 128 or 192 (windows, softcap, ALiBi,
+The dispatcher gives it 16-bit calls at head dim 128, 192 with values of 128 or 192, and 256 (windows, softcap, ALiBi,
 sinks, packed sequences, alone and together) once its CTAs fill the GPU, unless the call is deterministic. These
 shapes are small, so the GPU is made to look one SM wide. The tests check which backward ran (by its name in the
 kernel counter) and hold out, lse and every gradient to the tolerance rule against the float32 reference, on awkward
@@ -23,8 +23,10 @@ pytestmark = [pytest.mark.skipif(not testing.HOPPER, reason="the one-pass backwa
 ONE_PASS, PAIR = "one-pass", "dkdv=gluon-sm90 BM64xBN64"
 # The wide kernel's name, and the (q/k, v) head dims the tests below run on each kernel.
 WIDE = "gluon-sm90-wide"
-HEAD_DIMS = [(128, 128), (192, 128), (192, 192)]
-HEAD_DIM_IDS = ["d128", "d192", "d192v192"]
+WIDE_HEAD_DIMS = [(192, 128), (192, 192), (256, 256)]
+WIDE_HEAD_DIM_IDS = ["d192", "d192v192", "d256"]
+HEAD_DIMS = [(128, 128)] + WIDE_HEAD_DIMS
+HEAD_DIM_IDS = ["d128"] + WIDE_HEAD_DIM_IDS
 
 
 @pytest.fixture(autouse=True)
@@ -37,6 +39,11 @@ def one_sm(monkeypatch):
 
 def ran(name: str) -> bool:
     return testing.ran_backward(name)
+
+
+def one_pass_kernel(head_dim: int) -> str:
+    """The name of the one-pass backward the dispatcher gives a 16-bit call at ``head_dim``."""
+    return WIDE if head_dim > 128 else ONE_PASS
 
 
 def run(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype=torch.bfloat16, kernel=ONE_PASS, **options):
@@ -66,11 +73,12 @@ def test_one_pass_d64(rng, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, 
 @pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal",
                          testing.SM90_BWD_SHAPES + [(1, 77, 77, 2, 1, True), (2, 4200, 4200, 2, 2, True)],
                          ids=testing.SM90_BWD_SHAPE_IDS + ["tiny", "long"])
-@pytest.mark.parametrize("head_dim_v", [128, 192], ids=["d192", "d192v192"])
-def test_one_pass_wide(rng, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal, head_dim_v):
-    """Head dim 192 with values of 128 or 192 on the wide kernel (64-key CTAs, the consumers splitting dK, dV and dQ
-    by columns, each tensor read as 128 + 64 columns): partial blocks, rows that see no key, GQA, a long causal row."""
-    run(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, kernel=WIDE, causal=causal, head_dim=192,
+@pytest.mark.parametrize("head_dim, head_dim_v", WIDE_HEAD_DIMS, ids=WIDE_HEAD_DIM_IDS)
+def test_one_pass_wide(rng, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal, head_dim, head_dim_v):
+    """Head dim 192 with values of 128 or 192, and 256, on the wide kernel (64-key CTAs, the consumers splitting dK,
+    dV and dQ by columns, each tensor read as 128 + 64 or 128 + 128 columns; one Q/dO slot at 256): partial blocks,
+    rows that see no key, GQA, a long causal row."""
+    run(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, kernel=WIDE, causal=causal, head_dim=head_dim,
         head_dim_v=head_dim_v)
 
 
@@ -99,7 +107,7 @@ def test_one_pass_features(rng, dtype, causal, feature, head_dim, head_dim_v):
         nheads, nheads_kv = 6, 2
     else:
         options["sink"] = torch.randn(nheads, generator=rng).to("cuda").requires_grad_()
-    run(rng, 2, 900, 1100, nheads, nheads_kv, dtype, kernel=WIDE if head_dim == 192 else ONE_PASS, causal=causal,
+    run(rng, 2, 900, 1100, nheads, nheads_kv, dtype, kernel=one_pass_kernel(head_dim), causal=causal,
         head_dim=head_dim, head_dim_v=head_dim_v, **options)
 
 
@@ -116,17 +124,17 @@ def test_one_pass_alibi(rng, case, head_dim, head_dim_v):
                       "causal-rows-see-none": ((2, 1290, 700), dict(causal=True)),
                       "left-window": ((2, 700, 700), dict(window_size=(200, -1))),
                       "causal-window-softcap": ((2, 900, 1000), dict(window_size=(300, 0), softcap=30.0))}[case]
-    run(rng, *shape, 4, 2, kernel=WIDE if head_dim == 192 else ONE_PASS, alibi_slopes=slopes, head_dim=head_dim,
+    run(rng, *shape, 4, 2, kernel=one_pass_kernel(head_dim), alibi_slopes=slopes, head_dim=head_dim,
         head_dim_v=head_dim_v, **options)
 
 
 def test_alibi_right_window_keeps_the_pair(rng):
     """A right bound past the diagonal: ALiBi's distance changes sign inside the window; the pair runs it at head
-    dim 128, the wide kernel (exact distance) at 192."""
+    dim 128, the wide kernel (exact distance) at 192 and 256."""
     slopes = (2.0 ** (-8.0 * torch.arange(1, 5) / 4)).to("cuda")
     run(rng, 1, 700, 700, 4, 2, kernel="dkdv=BM", window_size=(100, 50), alibi_slopes=slopes)
-    for head_dim_v in (128, 192):
-        run(rng, 1, 700, 700, 4, 2, kernel=WIDE, window_size=(100, 50), alibi_slopes=slopes, head_dim=192,
+    for head_dim, head_dim_v in WIDE_HEAD_DIMS:
+        run(rng, 1, 700, 700, 4, 2, kernel=WIDE, window_size=(100, 50), alibi_slopes=slopes, head_dim=head_dim,
             head_dim_v=head_dim_v)
 
 
@@ -137,7 +145,7 @@ def test_alibi_right_window_keeps_the_pair(rng):
 @pytest.mark.parametrize("head_dims", HEAD_DIMS, ids=HEAD_DIM_IDS)
 def test_one_pass_varlen(rng, dtype, causal, nheads, nheads_kv, head_dims):
     testing.check_packed(rng, *testing.PACKED_LENGTHS, nheads, nheads_kv, dtype, head_dims, causal=causal)
-    assert ran(WIDE if head_dims[0] == 192 else ONE_PASS), flashtile.stats()["kernels"]
+    assert ran(one_pass_kernel(head_dims[0])), flashtile.stats()["kernels"]
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -147,7 +155,7 @@ def test_one_pass_varlen_seqused_k(rng, causal, head_dims):
     gradients and add nothing to dQ."""
     testing.check_packed(rng, *testing.PACKED_LENGTHS, 4, 2, torch.bfloat16, head_dims, causal=causal,
                          seqused_k=testing.PACKED_SEQUSED_K)
-    assert ran(WIDE if head_dims[0] == 192 else ONE_PASS), flashtile.stats()["kernels"]
+    assert ran(one_pass_kernel(head_dims[0])), flashtile.stats()["kernels"]
 
 
 @pytest.mark.parametrize("options", [dict(window_size=(200, 0)), dict(window_size=(150, 40), softcap=20.0),
@@ -167,7 +175,7 @@ def test_one_pass_varlen_features(rng, options, head_dims):
     if options.pop("seqused", False):
         options["seqused_k"] = testing.PACKED_SEQUSED_K
     testing.check_packed(rng, *testing.PACKED_LENGTHS, 4, 2, torch.bfloat16, head_dims, **options)
-    assert ran(WIDE if head_dims[0] == 192 else ONE_PASS), flashtile.stats()["kernels"]
+    assert ran(one_pass_kernel(head_dims[0])), flashtile.stats()["kernels"]
 
 
 @pytest.mark.parametrize("head_dim, head_dim_v", HEAD_DIMS, ids=HEAD_DIM_IDS)
@@ -180,7 +188,7 @@ def test_one_pass_large_logits(rng, head_dim, head_dim_v):
     dout = torch.randn(*q.shape[:3], head_dim_v, generator=rng).to("cuda", torch.bfloat16)
     out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     grads = torch.autograd.grad(out, (q, k, v), dout)
-    assert ran(WIDE if head_dim == 192 else ONE_PASS), flashtile.stats()["kernels"]
+    assert ran(one_pass_kernel(head_dim)), flashtile.stats()["kernels"]
     ours = {"out": out, "lse": lse, **dict(zip(("dq", "dk", "dv"), grads))}
     assert_results_close(ours, reference_results(q, k, v, dout, hi=True, causal=True),
                          reference_results(q, k, v, dout, hi=False, causal=True), torch.bfloat16)
@@ -193,7 +201,7 @@ def test_one_pass_dk_dv_repeat_exactly(rng, head_dim, head_dim_v):
     v = v[..., :head_dim_v].detach().contiguous().requires_grad_()
     dout = torch.randn(*q.shape[:3], head_dim_v, generator=rng).to("cuda", torch.bfloat16)
     first = torch.autograd.grad(flashtile.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
-    assert ran(WIDE if head_dim == 192 else ONE_PASS)
+    assert ran(one_pass_kernel(head_dim))
     for _ in range(3):
         again = torch.autograd.grad(flashtile.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
         assert torch.equal(first[1], again[1]) and torch.equal(first[2], again[2])
@@ -219,6 +227,7 @@ def test_deterministic_takes_the_pair(rng, how):
     assert ran(PAIR) and not ran(ONE_PASS), flashtile.stats()["kernels"]
     run(rng, 1, 500, 600, 4, 2, kernel=PAIR, causal=True, deterministic=True)
     run(rng, 1, 500, 600, 4, 2, kernel="triton d=192", causal=True, deterministic=True, head_dim=192, head_dim_v=128)
+    run(rng, 1, 500, 600, 4, 2, kernel="triton d=256", causal=True, deterministic=True, head_dim=256)
 
 
 def test_unfilled_gpu_keeps_the_pair(rng, monkeypatch):

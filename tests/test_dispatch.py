@@ -481,13 +481,15 @@ def test_profiler_trace_names_the_kernels_that_ran(rng, backend):
     ("varlen-softcap", True),
     ("ampere", False),
     ("d192-128", True), ("d192-128-varlen-softcap", True), ("d192-128-alibi-two-sided", True),
-    ("d192-128-deterministic", False), ("d192-128-few-ctas", False), ("d192-192", True), ("d256", False),
+    ("d192-128-deterministic", False), ("d192-128-few-ctas", False), ("d192-192", True), ("d256", True),
+    ("d256-varlen-softcap", True), ("d256-alibi-two-sided", True), ("d256-gqa-4", True), ("d256-deterministic", False),
+    ("d256-few-ctas", False),
 ])
 def test_one_pass_backward_where_it_serves(monkeypatch, case, one_pass):
     """The one-pass Hopper backward takes 16-bit calls at head dim 128 (packed sequences, windows, softcap, sinks;
     ALiBi unless a right bound lies past the diagonal) whose 128-key CTAs fill the SMs, unless deterministic, and
     at head dim 64 those of 2^28+ visible pairs (1 x 4096 causal on 16 heads has 2^27); the wide kernel takes
-    192/128 and 192/192 (ALiBi with any window) once its 64-key CTAs fill the SMs; the rest keep the pair."""
+    192/128, 192/192 and 256 (ALiBi with any window) once its 64-key CTAs fill the SMs; the rest keep the pair."""
     from dataclasses import replace
 
     from flashtile.backends import AttentionCall
@@ -496,18 +498,19 @@ def test_one_pass_backward_where_it_serves(monkeypatch, case, one_pass):
     monkeypatch.setattr(configs, "capability", lambda device: (8, 0) if case == "ampere" else (9, 0))
     monkeypatch.setattr(configs, "sm_count", lambda device: 132)
     cuda = torch.device("cuda", 0)
-    wide = case.startswith("d192-128")
-    kind = case.removeprefix("d192-128-") if wide else case
+    wide = case.startswith(("d192-128", "d256-"))
+    kind = case.removeprefix("d192-128-").removeprefix("d256-") if wide else case
     features = {"window": ("window",), "softcap": ("softcap",), "sink": ("sink",), "alibi": ("alibi",),
                 "alibi-causal": ("alibi",), "alibi-two-sided": ("alibi", "window"), "dropout": ("dropout",),
                 "varlen": ("varlen",), "varlen-softcap": ("varlen", "softcap")}.get(kind, ())
     head_dim, head_dim_v = {"head-dim-64": (64, 64), "head-dim-64-short": (64, 64), "head-dim-96": (96, 96),
-                            "d192-192": (192, 192), "d256": (256, 256)}.get(case, (192, 128) if wide else (128, 128))
+                            "d192-192": (192, 192)}.get(case, (256, 256) if case.startswith("d256") else
+                                                         (192, 128) if wide else (128, 128))
     if head_dim_v != head_dim:
         features += ("headdim_v",)
     call = AttentionCall(cuda, torch.float32 if case == "fp32" else torch.bfloat16,
                          1 if kind in ("few-ctas", "head-dim-64-short") else 4,
-                         4096, 4096, 16, 4 if case == "gqa-4" else 16, head_dim,
+                         4096, 4096, 16, 4 if kind == "gqa-4" else 16, head_dim,
                          kind not in ("plain", "alibi", "alibi-two-sided", "d192-128"),
                          tuple((name, f"{name}: test") for name in features),
                          window={"window": (1024, 0), "alibi-two-sided": (512, 512)}.get(
@@ -517,12 +520,12 @@ def test_one_pass_backward_where_it_serves(monkeypatch, case, one_pass):
         call = replace(call, deterministic=True)
     if case == "few-ctas":
         call = replace(call, nheads=4, nheads_kv=4)  # 32 key blocks x 4 heads: 128 CTAs for 132 SMs
-    if case == "d192-128-few-ctas":
+    if case in ("d192-128-few-ctas", "d256-few-ctas"):
         call = replace(call, nheads=2, nheads_kv=2)  # 64 key blocks x 2 heads: 128 CTAs for 132 SMs
     _, bwd_name, config = triton_backend.describe(call)
     assert ("one-pass" in bwd_name) == one_pass, bwd_name
     assert ("bwd_one_pass" in config) == one_pass, config
-    assert ("gluon-sm90-wide" in bwd_name) == (one_pass and head_dim == 192), bwd_name
+    assert ("gluon-sm90-wide" in bwd_name) == (one_pass and head_dim in (192, 256)), bwd_name
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

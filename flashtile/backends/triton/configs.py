@@ -629,7 +629,9 @@ ONE_PASS_D64_MIN_PAIRS = 1 << 28
 # the same features and rule as above (ALiBi exact, so right bounds too). Against the Triton pair on the H200, each
 # shape checked first: 192/128 1.18-1.36x, 192/192 1.57-2.00x (results/h200-bwd-d192-one-pass-2026-11-27-b8fd58c.json).
 # sm_90 ptxas (benchmarks/sm90_compile.py wide[-v192]): see kernels/bwd_sm90_wide.py.
-ONE_PASS_WIDE_HEAD_DIMS = ((192, 128), (192, 192))
+# Head dim 256 (not yet timed on a GPU) takes it by the same rule, with one Q/dO slot (two would need 296 KB of
+# shared memory): 0 spill stores, 230,608 B (sm90_compile.py wide-d256).
+ONE_PASS_WIDE_HEAD_DIMS = ((192, 128), (192, 192), (256, 256))
 ONE_PASS_WIDE_KEYS = 64
 
 
@@ -642,6 +644,11 @@ def one_pass_rows(head_dim: int, features: frozenset) -> int:
 def one_pass_wide(head_dim: int, head_dim_v: int) -> bool:
     """Whether the one-pass backward at these head dims is the wide kernel (kernels/bwd_sm90_wide.py)."""
     return (head_dim, head_dim_v) in ONE_PASS_WIDE_HEAD_DIMS
+
+
+def one_pass_stages(head_dim: int) -> int:
+    """Q/dO ring slots of the one-pass backward: one at head dim 256 (64 KB a slot), else two."""
+    return 1 if head_dim == 256 else 2
 
 
 def one_pass_keys(head_dim: int, head_dim_v: int) -> int:

@@ -601,8 +601,8 @@ _BWD_WS_MAXNREG = 168
 def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs, key):
     """Launch the one-pass Hopper backward on ``(batch, seqlen, heads, d)`` inputs, or packed ``(tokens, heads, d)``
     ones (varlen): kernels/bwd_sm90_ws.py at head dim 64 or 128, kernels/bwd_sm90_wide.py at 192 with values of 128
-    or 192 (configs.one_pass_wide). dK and dV go into ``dk``/``dv``, dQ (scaled) is added into the zeroed float32
-    ``dq_acc`` (q's shape); ``key``: the backward's launch key (which holds no lengths: they are dynamic
+    or 192, and at 256 (configs.one_pass_wide). dK and dV go into ``dk``/``dv``, dQ (scaled) is added into the
+    zeroed float32 ``dq_acc`` (q's shape); ``key``: the backward's launch key (which holds no lengths: they are dynamic
     arguments)."""
     varlen = args.varlen
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, head_dim_v = _shape(q, k, v, args)
@@ -622,8 +622,8 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
                     MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0,
                     stride_alibi_b=alibi.stride(0) if alibi is not None else 0, SOFTCAP=args.softcap > 0,
                     FAST_TANH=fast_tanh(q), ALIBI=alibi is not None, **own, IS_VARLEN=varlen,
-                    HAS_SEQUSED=args.seqused_k is not None, STAGES=2, CONSUMER_REGS=_BWD_WS_CONSUMER_REGS,
-                    num_warps=4, maxnreg=_BWD_WS_MAXNREG)
+                    HAS_SEQUSED=args.seqused_k is not None, STAGES=configs.one_pass_stages(head_dim),
+                    CONSUMER_REGS=_BWD_WS_CONSUMER_REGS, num_warps=4, maxnreg=_BWD_WS_MAXNREG)
 
     if varlen:
         # One batch row of all tokens for the TMA; each CTA finds its sequence's rows (the descriptors' rows bound
@@ -637,7 +637,8 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
     rows = configs.one_pass_rows(head_dim, frozenset(present_features(args, head_dim, head_dim_v)))
     grid = (cdiv(seqlen_k, cta_keys), nheads_kv, batch)
     if wide:
-        # Each tensor as its first 128 columns and the rest (192 = 128 + 64); no tail of v and dO at 128 (None).
+        # Each tensor as its first 128 columns and the rest (192 = 128 + 64, 256 = 128 + 128); no tail of v and dO
+        # at 128 (None).
         def parts(t, rows):
             main = _tma_desc(t[..., :128], rows)
             return (main, _tma_desc(t[..., 128:], rows)) if t.shape[3] > 128 else (main, None)

@@ -1,12 +1,13 @@
-"""Hopper one-pass backward for wide heads (q/k head dim 192 with values of 128, DeepSeek's shape, or of 192),
-warp-specialized: FA4's sm90 plan in Gluon. Like bwd_sm90_ws.py it computes P and dS once for dK, dV and dQ (five
-matmuls a tile), but its consumers split the work by head-dim columns, not by keys: one consumer's 64 keys at full
-width would hold dK (96) + dV (64) + S^T and dP^T (64) + half of dQ (48) registers a thread, more than its 240.
+"""Hopper one-pass backward for wide heads (q/k head dim 192 with values of 128, DeepSeek's shape, or of 192; head
+dim 256), warp-specialized: FA4's sm90 plan in Gluon. Like bwd_sm90_ws.py it computes P and dS once for dK, dV and
+dQ (five matmuls a tile), but its consumers split the work by head-dim columns, not by keys: one consumer's 64 keys
+at full width would hold dK (96) + dV (64) + S^T and dP^T (64) + half of dQ (48) registers a thread, more than its
+240.
 
 A CTA owns ``BLOCK_N = 64`` keys of one KV head and walks the query blocks that see them, of every query head of its
 GQA group. Gluon tiles are powers of two, so each tensor is read and written as a main part of 128 columns and a
-tail (as fwd_sm90.py's TAIL): q, k and dQ of ``TAIL = 64``, v and dO of ``V_TAIL`` = 0 or 64. Its warps split by
-role:
+tail (as fwd_sm90.py's TAIL): q, k and dQ of ``TAIL`` = 64 or 128, v and dO of ``V_TAIL`` = 0, 64 or 128. Its warps
+split by role:
 
     producer (1 warp)    TMA: the CTA's K and V (main, tail) once, then Q and dO (main, tail) of each step into a
                          ring of slots, with the rows' lse and delta
@@ -14,7 +15,7 @@ role:
                          dS^T from shared memory, its columns of the gradients:
                              consumer 0: dK and dQ main, dV tail (if any)
                              consumer 1: dK and dQ tail, dV main
-                         (at 192/128 1.70M multiply-adds a step each; at 192/192 2.10M and 1.83M)
+                         (at 192/128 1.70M multiply-adds a step each; at 192/192 2.10M and 1.83M; at 256 2.62M)
     reducer (1 warp)     adds each step's staged dQ (both parts) into a float32 buffer with the TMA's bulk reduce
 
 Per step (64 queries), each consumer:
@@ -29,9 +30,17 @@ Per step (64 queries), each consumer:
 P^T and dS^T are double-buffered: a consumer reaches a buffer's next use only after the other consumer has arrived
 at the previous step's ``ds_ready``, after its products of the step before have finished. The reduce order varies
 from run to run, so dQ is not bit-identical between runs (the launcher never takes this kernel for deterministic
-calls). sm_90 ptxas through the launcher's own arguments (benchmarks/sm90_compile.py wide[-v192]), 2 x 4096, every
-mask, softcap, window, packed sequences: 0 spill stores (1 with ALiBi on full rows at 192/128); shared memory
-206,464 B at 192/128 and 231,104 B at 192/192 (of 232,448), one CTA an SM.
+calls).
+
+At head dim 256 a consumer holds dK and dV of its 128 columns (64 + 64 float32 registers a thread) through the walk,
+S and dP (16 + 16) in a step's first half and its dQ tile (64) in the second: about 192 of its 240. Its shared memory
+takes one Q/dO slot (``STAGES = 1``, FA4's sm90 choice at 256): Q, dO, K, V 32 KB each, P^T/dS^T 16 KB, dQ staging
+64 KB. What spilled there (58 spill stores) were the wgmma descriptors of loop-invariant views, one 64-bit value for
+each 16-column step of each operand, hoisted out of the loop: the views are rebuilt each step (``_opaque_zero``).
+
+sm_90 ptxas through the launcher's own arguments (benchmarks/sm90_compile.py wide[-alibi|-varlen][-v192|-d256]),
+2 x 4096, every mask, softcap, window, ALiBi, packed sequences: 0 spill stores; shared memory 206,464 B at 192/128,
+231,120 B at 192/192 and 230,608 B at 256 (of 232,448), one CTA an SM; 88 HGMMAs at 256 (44 a consumer).
 
 Packed sequences (``IS_VARLEN``) read through descriptors of the whole ``(1, tokens, heads, d)`` tensors. Key rows
 past a sequence's used keys are zeroed in shared memory (consumer 0 K's, consumer 1 V's, both waiting for the other:
@@ -48,6 +57,22 @@ from .bwd_sm90 import _query_block, store_key_rows
 from .bwd_sm90_ws import _reduce_add, _walk, consumer_step, stage_rows
 from .common import scores, visible
 from .fwd_sm90 import _tile, _zero_tail, wgmma_layout
+
+
+@gluon.jit
+def _opaque_zero(it):
+    """0, from a loop counter ``it`` (its sign bit) in a way the compilers cannot fold: views of shared memory
+    indexed by it are rebuilt each step instead of hoisted out of the loop, where each 16-column step of each
+    operand's wgmma descriptor (64 bits) would hold registers through it."""
+    return gl.inline_asm_elementwise("shr.u32 $0, $1, 31;", "=r,r", [it], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _own_keys(tile, WG: gl.constexpr):
+    """Consumer ``WG``'s half of the keys of a ``[keys, columns]`` shared-memory tile, as a ``[columns, keys]`` B
+    operand."""
+    HALF_N: gl.constexpr = tile.shape[0] // 2
+    return tile.slice(WG * HALF_N, HALF_N, 0).permute((1, 0))
 
 
 @gluon.jit
@@ -100,16 +125,6 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
     dv = gl.zeros([BLOCK_N, DV_COLS], gl.float32, dv_layout)
     s_zero = gl.zeros([BLOCK_M, HALF_N], gl.float32, s_layout)
     dq_zero = gl.zeros([BLOCK_M, OWN], gl.float32, own_layout)
-    k = k_smem.reshape([BLOCK_N, MAIN])
-    kt = kt_smem.reshape([BLOCK_N, TAIL])
-    v = v_smem.reshape([BLOCK_N, V_MAIN])
-    vt = vt_smem.reshape([BLOCK_N, vt_smem.shape[3]])
-    k_own = k if WG == 0 else kt
-    # B operands of S and dP: this consumer's 32 keys.
-    k_keys = k.slice(WG * HALF_N, HALF_N, 0).permute((1, 0))
-    kt_keys = kt.slice(WG * HALF_N, HALF_N, 0).permute((1, 0))
-    v_keys = v.slice(WG * HALF_N, HALF_N, 0).permute((1, 0))
-    vt_keys = vt.slice(WG * HALF_N, HALF_N, 0).permute((1, 0))
     mbarrier.wait(kv_ready, 0)
     if IS_VARLEN:
         # Key rows past the sequence's used keys hold the next sequence's keys or ones seqused_k leaves out, which
@@ -117,12 +132,12 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
         # all). Both consumers read all 64 rows, so each waits for the other's zeros.
         if first_key + BLOCK_N > seqlen_k:
             if WG == 0:
-                _zero_tail(k, seqlen_k - first_key, 4)
-                _zero_tail(kt, seqlen_k - first_key, 4)
+                _zero_tail(_tile(k_smem, 0), seqlen_k - first_key, 4)
+                _zero_tail(_tile(kt_smem, 0), seqlen_k - first_key, 4)
             else:
-                _zero_tail(v, seqlen_k - first_key, 4)
+                _zero_tail(_tile(v_smem, 0), seqlen_k - first_key, 4)
                 if V_TAIL > 0:
-                    _zero_tail(vt, seqlen_k - first_key, 4)
+                    _zero_tail(_tile(vt_smem, 0), seqlen_k - first_key, 4)
         mbarrier.arrive(kv_zeroed, count=1)
         mbarrier.wait(kv_zeroed, 0)
     n_tail = 0
@@ -130,6 +145,19 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
         slot, phase, buf, buf_phase, off_h, row, slope2 = consumer_step(it, n_q, lo, off_hk, group, ALIBI_SLOPES,
                                                                         off_b * stride_alibi_b, BLOCK_M, STAGES, ALIBI)
         offs_m = row + gl.arange(0, BLOCK_M, layout=queries_layout)
+        # The step's views of shared memory go through an index the compilers cannot see is 0 (a ring of one slot
+        # too): their wgmma descriptors are built where they are used, not hoisted out of the loop and held (at
+        # head dim 256, 58 spill stores).
+        zero = _opaque_zero(it)
+        slot = slot + zero
+        k = _tile(k_smem, zero)
+        kt = _tile(kt_smem, zero)
+        k_own = k if WG == 0 else kt
+        # B operands of S and dP: this consumer's 32 keys.
+        k_keys = _own_keys(k, WG)
+        kt_keys = _own_keys(kt, WG)
+        v_keys = _own_keys(_tile(v_smem, zero), WG)
+        vt_keys = _own_keys(_tile(vt_smem, zero), WG)
         q = _tile(q_smem, slot)
         qt = _tile(qt_smem, slot)
         do = _tile(do_smem, slot)
@@ -170,14 +198,14 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
             p = gl.where(visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left, window_right,
                                  MASK_LEFT, MASK_RIGHT), p, 0.0)
         # This consumer's keys are 32 rows of P^T (dV's A operand).
-        _stage_own(pt_smem.index(buf).slice(WG * HALF_N, HALF_N, 0).permute((1, 0)), p_ready, buf, p.to(dtype))
+        _stage_own(_own_keys(pt_smem.index(buf), WG), p_ready, buf, p.to(dtype))
         dp = warpgroup_mma_wait(0, deps=(dp, ))
         delta = rows_smem.index(slot * 2 + 1).load(queries_layout)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
             # d(c * tanh(x / c)) / dx = 1 - tanh^2.
             ds = ds * (1.0 - t * t)
-        _stage_own(dst_smem.index(buf).slice(WG * HALF_N, HALF_N, 0).permute((1, 0)), ds_ready, buf, ds.to(dtype))
+        _stage_own(_own_keys(dst_smem.index(buf), WG), ds_ready, buf, ds.to(dtype))
         if HAS_DV:
             mbarrier.wait(p_ready.index(buf), buf_phase)
             dv = warpgroup_mma(pt_smem.index(buf), do_own, dv, is_async=True)
@@ -226,11 +254,11 @@ def _producer(args, walk, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_
     kv_bytes: gl.constexpr = (k_desc.block_type.nbytes + kt_desc.block_type.nbytes + v_desc.block_type.nbytes
                               + (vt_desc.block_type.nbytes if V_TAIL > 0 else 0))
     mbarrier.expect(kv_ready, kv_bytes)
-    tma.async_copy_global_to_shared(k_desc, [tma_b, key_row, off_hk, 0], kv_ready, k_smem)
-    tma.async_copy_global_to_shared(kt_desc, [tma_b, key_row, off_hk, 0], kv_ready, kt_smem)
-    tma.async_copy_global_to_shared(v_desc, [tma_b, key_row, off_hk, 0], kv_ready, v_smem)
+    tma.async_copy_global_to_shared(k_desc, [tma_b, key_row, off_hk, 0], kv_ready, k_smem.index(0))
+    tma.async_copy_global_to_shared(kt_desc, [tma_b, key_row, off_hk, 0], kv_ready, kt_smem.index(0))
+    tma.async_copy_global_to_shared(v_desc, [tma_b, key_row, off_hk, 0], kv_ready, v_smem.index(0))
     if V_TAIL > 0:
-        tma.async_copy_global_to_shared(vt_desc, [tma_b, key_row, off_hk, 0], kv_ready, vt_smem)
+        tma.async_copy_global_to_shared(vt_desc, [tma_b, key_row, off_hk, 0], kv_ready, vt_smem.index(0))
     step_bytes: gl.constexpr = (q_desc.block_type.nbytes + qt_desc.block_type.nbytes + do_desc.block_type.nbytes
                                 + (dot_desc.block_type.nbytes if V_TAIL > 0 else 0))
     for it in range(n_it):
@@ -304,12 +332,12 @@ def attn_bwd_sm90_wide(q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, v_tail_
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, 1, MAIN], q_desc.layout)
     qt_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, 1, TAIL], q_tail_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, 1, V_MAIN], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, 1, MAIN], k_desc.layout)
-    kt_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, 1, TAIL], k_tail_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, 1, V_MAIN], v_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, 1, MAIN], k_desc.layout)
+    kt_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, 1, TAIL], k_tail_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, 1, V_MAIN], v_desc.layout)
     if V_TAIL > 0:
         dot_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, 1, V_TAIL], do_tail_desc.layout)
-        vt_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, 1, V_TAIL], v_tail_desc.layout)
+        vt_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, 1, V_TAIL], v_tail_desc.layout)
     else:
         # No tail of v: names for the partitions' arguments, never read.
         dot_smem = do_smem

@@ -9,8 +9,8 @@ GQA group. Gluon tiles are powers of two, so each tensor is read and written as 
 tail (as fwd_sm90.py's TAIL): q, k and dQ of ``TAIL`` = 64 or 128, v and dO of ``V_TAIL`` = 0, 64 or 128. Its warps
 split by role:
 
-    producer (1 warp)    TMA: the CTA's K and V (main, tail) once, then Q and dO (main, tail) of each step into a
-                         ring of slots, with the rows' lse and delta
+    producer (1 warp)    TMA: the CTA's K and V (main, tail) once, then dO and Q (main, tail) of each step into
+                         rings of slots with barriers of their own, Q's with the rows' lse and delta
     consumer w (4 warps) S and dP on its 32 keys (queries x keys, M = 64 queries); then, on both consumers' P^T and
                          dS^T from shared memory, its columns of the gradients:
                              consumer 0: dK and dQ main, dV tail (if any)
@@ -20,11 +20,14 @@ split by role:
 
 Per step (64 queries), each consumer:
 
-    issue S = Q K_w^T and dP = dO V_w^T (main and tail columns); wait for S -> P = exp2(S - lse) under dP
+    issue S = Q K_w^T and dP = dO V_w^T (main and tail columns; with one slot dP first, under Q's load);
+    wait for S -> P = exp2(S - lse) under dP
     store P^T to its 32 rows of a shared tile (``p_ready``); wait for dP -> dS = P (dP - delta)
     store dS^T to its 32 rows of a shared tile (``ds_ready``)
     wait for both halves of P^T -> issue dV[:, own] += P^T dO[:, own]
-    wait for both halves of dS^T -> issue dK[:, own] += dS^T Q[:, own] and dQ[:, own] = dS K[:, own]; wait for all
+    wait for both halves of dS^T -> issue dK[:, own] += dS^T Q[:, own] and dQ[:, own] = dS K[:, own]
+    release dO once dV is done and Q once dK is (``do_empty``, ``q_empty``: the producer refills them under the
+    rest); wait for dQ
     stage dQ[:, own] (float32, scaled) in shared memory for the reducer (``dq_full``/``dq_empty``)
 
 P^T and dS^T are double-buffered: a consumer reaches a buffer's next use only after the other consumer has arrived
@@ -39,8 +42,9 @@ takes one Q/dO slot (``STAGES = 1``, FA4's sm90 choice at 256): Q, dO, K, V 32 K
 each 16-column step of each operand, hoisted out of the loop: the views are rebuilt each step (``_opaque_zero``).
 
 sm_90 ptxas through the launcher's own arguments (benchmarks/sm90_compile.py wide[-alibi|-varlen][-v192|-d256]),
-2 x 4096, every mask, softcap, window, ALiBi, packed sequences: 0 spill stores; shared memory 206,464 B at 192/128,
-231,120 B at 192/192 and 230,608 B at 256 (of 232,448), one CTA an SM; 88 HGMMAs at 256 (44 a consumer).
+2 x 4096, every mask, softcap, window, ALiBi, packed sequences: 0 spill stores in the loops (2 in the prologue with
+packed sequences, causal, softcap and a window at 256); shared memory 206,528 B at 192/128, 231,184 B at 192/192 and
+230,672 B at 256 (of 232,448), one CTA an SM; 88 HGMMAs at 256 (44 a consumer).
 
 Packed sequences (``IS_VARLEN``) read through descriptors of the whole ``(1, tokens, heads, d)`` tensors. Key rows
 past a sequence's used keys are zeroed in shared memory (consumer 0 K's, consumer 1 V's, both waiting for the other:
@@ -68,6 +72,16 @@ def _opaque_zero(it):
 
 
 @gluon.jit
+def _product(a, b, a_tail, b_tail, zero, TAIL: gl.constexpr):
+    """``a @ b`` (+ ``a_tail @ b_tail`` if ``TAIL``), issued to the tensor cores, not waited for: one commit group
+    each."""
+    acc = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
+    if TAIL:
+        acc = warpgroup_mma(a_tail, b_tail, acc, is_async=True)
+    return acc
+
+
+@gluon.jit
 def _own_keys(tile, WG: gl.constexpr):
     """Consumer ``WG``'s half of the keys of a ``[keys, columns]`` shared-memory tile, as a ``[columns, keys]`` B
     operand."""
@@ -90,9 +104,9 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
               FAST_TANH: gl.constexpr, ALIBI: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
               STAGES: gl.constexpr, V_TAIL: gl.constexpr):
     (q_desc, qt_desc, k_desc, do_desc, q_smem, qt_smem, do_smem, dot_smem, k_smem, kt_smem, v_smem, vt_smem, pt_smem,
-     dst_smem, dq_smem, dqt_smem, rows_smem, kv_ready, kv_zeroed, q_ready, q_empty, tail_ready, p_ready, ds_ready,
-     dq_full, dq_empty, DK, DV, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, softmax_scale, stride_dkb, stride_dkn,
-     stride_dkh, stride_dvb, stride_dvn, stride_dvh) = args
+     dst_smem, dq_smem, dqt_smem, rows_smem, kv_ready, kv_zeroed, q_ready, q_empty, do_ready, do_empty, tail_ready,
+     p_ready, ds_ready, dq_full, dq_empty, DK, DV, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, softmax_scale,
+     stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh) = args
     window_left, window_right = walk[2], walk[3]
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
@@ -106,6 +120,7 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
     HAS_DV: gl.constexpr = V_OWN > 0
     DV_COLS: gl.constexpr = V_OWN if HAS_DV else V_MAIN
     dtype: gl.constexpr = q_desc.dtype
+    DP_FIRST: gl.constexpr = STAGES == 1
     # Accumulator layouts of one warpgroup: the scores on its keys (queries x keys), its dK/dQ columns, dV.
     s_layout: gl.constexpr = wgmma_layout(HALF_N, 4)
     own_layout: gl.constexpr = wgmma_layout(OWN, 4)
@@ -164,12 +179,13 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
         dot = _tile(dot_smem, slot)
         q_own = q if WG == 0 else qt
         do_own = dot if WG == 0 else do
-        mbarrier.wait(q_ready.index(slot), phase)
+        mbarrier.wait(do_ready.index(slot), phase)
         if IS_VARLEN:
             if row + BLOCK_M > seqlen_q:
                 # The rows past this sequence's queries are the next sequence's: consumer 0 zeroes them, so that
                 # not even an infinity there meets this one's zero probabilities, and consumer 1 waits for it.
                 if WG == 0:
+                    mbarrier.wait(q_ready.index(slot), phase)
                     _zero_tail(q, seqlen_q - row, 4)
                     _zero_tail(qt, seqlen_q - row, 4)
                     _zero_tail(do, seqlen_q - row, 4)
@@ -179,15 +195,21 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
                 else:
                     mbarrier.wait(tail_ready, n_tail & 1)
                 n_tail += 1
-        # S over both column parts and dP go to the tensor cores together; S is waited for alone.
-        qk = warpgroup_mma(q, k_keys, s_zero, use_acc=False, is_async=True)
-        qk = warpgroup_mma(qt, kt_keys, qk, is_async=True)
-        dp = warpgroup_mma(do, v_keys, s_zero, use_acc=False, is_async=True)
-        if V_TAIL > 0:
-            dp = warpgroup_mma(dot, vt_keys, dp, is_async=True)
-        qk = warpgroup_mma_wait(2 if V_TAIL > 0 else 1, deps=(qk, ))
-        # The exponentials run under the dP product; blocks straddling a window edge zero the pairs they do not
-        # see afterwards.
+        if DP_FIRST:
+            # One slot: Q is refilled last (after the step before's dK), so dP, on dO, covers its load; S is
+            # waited for with it.
+            dp = _product(do, v_keys, dot, vt_keys, s_zero, V_TAIL > 0)
+            mbarrier.wait(q_ready.index(slot), phase)
+            qk = _product(q, k_keys, qt, kt_keys, s_zero, True)
+            qk, dp = warpgroup_mma_wait(0, deps=(qk, dp))
+        else:
+            # S and dP go to the tensor cores together; S is waited for alone.
+            mbarrier.wait(q_ready.index(slot), phase)
+            qk = _product(q, k_keys, qt, kt_keys, s_zero, True)
+            dp = _product(do, v_keys, dot, vt_keys, s_zero, V_TAIL > 0)
+            qk = warpgroup_mma_wait(2 if V_TAIL > 0 else 1, deps=(qk, ))
+        # The exponentials run under the dP product (after it, with one slot); blocks straddling a window edge zero
+        # the pairs they do not see afterwards.
         s, t = scores(qk, offs_m[:, None], offs_n[None, :], first_key, seqlen_q, seqlen_k, qk_scale, softcap2,
                       slope2, 0, 0, 0, window_left, window_right, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH,
                       ALIBI, "")
@@ -199,7 +221,8 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
                                  MASK_LEFT, MASK_RIGHT), p, 0.0)
         # This consumer's keys are 32 rows of P^T (dV's A operand).
         _stage_own(_own_keys(pt_smem.index(buf), WG), p_ready, buf, p.to(dtype))
-        dp = warpgroup_mma_wait(0, deps=(dp, ))
+        if not DP_FIRST:
+            dp = warpgroup_mma_wait(0, deps=(dp, ))
         delta = rows_smem.index(slot * 2 + 1).load(queries_layout)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
@@ -214,12 +237,14 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
         ds_t = dst_smem.index(buf)
         dk = warpgroup_mma(ds_t, q_own, dk, is_async=True)
         dq = warpgroup_mma(ds_t.permute((1, 0)), k_own, dq_zero, use_acc=False, is_async=True)
+        # Each slot goes back once its last product is done (dO: dV, issued first; Q: dK), for the producer to refill
+        # while the rest runs.
         if HAS_DV:
-            dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
-        else:
-            dq, dk = warpgroup_mma_wait(0, deps=(dq, dk))
-        # Both consumers release the Q/dO slot; the producer refills it.
+            dv = warpgroup_mma_wait(2, deps=(dv, ))
+        mbarrier.arrive(do_empty.index(slot), count=1)
+        dk = warpgroup_mma_wait(1, deps=(dk, ))
         mbarrier.arrive(q_empty.index(slot), count=1)
+        dq = warpgroup_mma_wait(0, deps=(dq, ))
         # Stage dQ's columns once the reduce of the step before has read them.
         mbarrier.wait(dq_empty.index(WG), (it & 1) ^ 1)
         dq_own = dq_smem if WG == 0 else dqt_smem
@@ -239,7 +264,8 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
 def _producer(args, walk, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
               HAS_SEQUSED: gl.constexpr, STAGES: gl.constexpr, V_TAIL: gl.constexpr):
     (q_desc, qt_desc, k_desc, kt_desc, v_desc, vt_desc, do_desc, dot_desc, q_smem, qt_smem, do_smem, dot_smem, k_smem,
-     kt_smem, v_smem, vt_smem, rows_smem, kv_ready, q_ready, q_empty, LSE2, DELTA, stride_lse_b, stride_lse_h) = args
+     kt_smem, v_smem, vt_smem, rows_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, LSE2, DELTA, stride_lse_b,
+     stride_lse_h) = args
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     off_hk = gl.program_id(1)
@@ -259,22 +285,26 @@ def _producer(args, walk, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_
     tma.async_copy_global_to_shared(v_desc, [tma_b, key_row, off_hk, 0], kv_ready, v_smem.index(0))
     if V_TAIL > 0:
         tma.async_copy_global_to_shared(vt_desc, [tma_b, key_row, off_hk, 0], kv_ready, vt_smem.index(0))
-    step_bytes: gl.constexpr = (q_desc.block_type.nbytes + qt_desc.block_type.nbytes + do_desc.block_type.nbytes
-                                + (dot_desc.block_type.nbytes if V_TAIL > 0 else 0))
+    q_bytes: gl.constexpr = q_desc.block_type.nbytes + qt_desc.block_type.nbytes
+    do_bytes: gl.constexpr = do_desc.block_type.nbytes + (dot_desc.block_type.nbytes if V_TAIL > 0 else 0)
     for it in range(n_it):
         # A slot is refilled once both consumers have released its last use (the first pass waits on the phase
-        # before the barrier's first, which counts as done).
+        # before the barrier's first, which counts as done); dO first, whose last use (dV) comes before Q's (dK).
         slot = it % STAGES
         phase = (it // STAGES) & 1
         off_h, row = _query_block(it, n_q, lo, off_hk, group, BLOCK_M)
-        mbarrier.wait(q_empty.index(slot), phase ^ 1)
-        bar = q_ready.index(slot)
-        mbarrier.expect(bar, step_bytes)
-        tma.async_copy_global_to_shared(q_desc, [tma_b, q_start + row, off_h, 0], bar, q_smem.index(slot))
-        tma.async_copy_global_to_shared(qt_desc, [tma_b, q_start + row, off_h, 0], bar, qt_smem.index(slot))
+        mbarrier.wait(do_empty.index(slot), phase ^ 1)
+        bar = do_ready.index(slot)
+        mbarrier.expect(bar, do_bytes)
         tma.async_copy_global_to_shared(do_desc, [tma_b, q_start + row, off_h, 0], bar, do_smem.index(slot))
         if V_TAIL > 0:
             tma.async_copy_global_to_shared(dot_desc, [tma_b, q_start + row, off_h, 0], bar, dot_smem.index(slot))
+        # Q's barrier also waits for the rows' lse and delta, which share its slot.
+        mbarrier.wait(q_empty.index(slot), phase ^ 1)
+        bar = q_ready.index(slot)
+        mbarrier.expect(bar, q_bytes)
+        tma.async_copy_global_to_shared(q_desc, [tma_b, q_start + row, off_h, 0], bar, q_smem.index(slot))
+        tma.async_copy_global_to_shared(qt_desc, [tma_b, q_start + row, off_h, 0], bar, qt_smem.index(slot))
         stage_rows(rows_smem, slot, bar, LSE2, DELTA, off_b * stride_lse_b + off_h * stride_lse_h + q_start, row,
                    seqlen_q, BLOCK_M)
 
@@ -355,6 +385,8 @@ def attn_bwd_sm90_wide(q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, v_tail_
     tail_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -365,6 +397,8 @@ def attn_bwd_sm90_wide(q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, v_tail_
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=2)
         mbarrier.init(q_empty.index(i), count=2)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(do_empty.index(i), count=2)
     for i in gl.static_range(2):
         mbarrier.init(p_ready.index(i), count=2)
         mbarrier.init(ds_ready.index(i), count=2)
@@ -373,11 +407,12 @@ def attn_bwd_sm90_wide(q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, v_tail_
     walk = (seqlen_q, seqlen_k, window_left, window_right, group, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K)
     consumer = (q_desc, q_tail_desc, k_desc, do_desc, q_smem, qt_smem, do_smem, dot_smem, k_smem, kt_smem, v_smem,
                 vt_smem, pt_smem, dst_smem, dq_smem, dqt_smem, rows_smem, kv_ready, kv_zeroed, q_ready, q_empty,
-                tail_ready, p_ready, ds_ready, dq_full, dq_empty, DK, DV, ALIBI_SLOPES, stride_alibi_b, qk_scale,
-                softcap2, softmax_scale, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh)
+                do_ready, do_empty, tail_ready, p_ready, ds_ready, dq_full, dq_empty, DK, DV, ALIBI_SLOPES,
+                stride_alibi_b, qk_scale, softcap2, softmax_scale, stride_dkb, stride_dkn, stride_dkh, stride_dvb,
+                stride_dvn, stride_dvh)
     producer = (q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, v_tail_desc, do_desc, do_tail_desc, q_smem, qt_smem,
-                do_smem, dot_smem, k_smem, kt_smem, v_smem, vt_smem, rows_smem, kv_ready, q_ready, q_empty, LSE2, DELTA,
-                stride_lse_b, stride_lse_h)
+                do_smem, dot_smem, k_smem, kt_smem, v_smem, vt_smem, rows_smem, kv_ready, q_ready, q_empty, do_ready,
+                do_empty, LSE2, DELTA, stride_lse_b, stride_lse_h)
     reducer = (q_desc, k_desc, dq_desc, dq_tail_desc, dq_smem, dqt_smem, dq_full, dq_empty)
     gl.warp_specialize([(_consumer, (consumer, walk, 0, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, IS_VARLEN,
                                      HAS_SEQUSED, STAGES, V_TAIL)),

@@ -78,8 +78,8 @@ def families():
 
 
 def warp_specialized(small: bool):
-    """The one-pass backward (d128 MHA bf16 with CTAs enough to fill the GPU; the wide kernel at 192/128 dense and
-    192/192 packed) and the warp-specialized forward.
+    """The one-pass backward (d128 MHA bf16 with CTAs enough to fill the GPU; the wide kernel at 192/128 dense,
+    192/192 packed and 256 dense, GQA) and the warp-specialized forward.
     ``small`` (racecheck, which runs a kernel hundreds of times slower): a few CTAs, the Hopper kernels taken
     by telling the plans the GPU has one SM and any amount of work is enough."""
     batch, nheads, keys = (1, 2, 384) if small else (2, 8, 2048)
@@ -91,6 +91,7 @@ def warp_specialized(small: bool):
     varlen_fwd_bwd([200, 7, 300] if small else [1100, 7, 2100, 900], nheads, 128)
     fwd_bwd(batch, keys, keys - 37, nheads, nheads, 192, 128, causal=True)
     varlen_fwd_bwd([200, 7, 300] if small else [1100, 7, 2100, 900], nheads, 192, causal=True)
+    fwd_bwd(batch, keys - 37, keys, nheads, nheads // 2, 256, causal=True)
     # The warp-specialized forward: keys from GLUON_WS_FULL_KEYS on, (rows x keys) from GLUON_MIN_PAIRS on.
     q = randn(1, 256 if small else 2304, 2 if small else 4, 128)
     k, v = (randn(1, configs.GLUON_WS_FULL_KEYS + 77, 2 if small else 4, 128) for _ in range(2))

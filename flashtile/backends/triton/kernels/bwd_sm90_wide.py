@@ -38,8 +38,9 @@ calls).
 At head dim 256 a consumer holds dK and dV of its 128 columns (64 + 64 float32 registers a thread) through the walk,
 S and dP (16 + 16) in a step's first half and its dQ tile (64) in the second: about 192 of its 240. Its shared memory
 takes one Q/dO slot (``STAGES = 1``, FA4's sm90 choice at 256): Q, dO, K, V 32 KB each, P^T and dS^T 16 KB each
-(two buffers), dQ staging 64 KB: 224 KB. What spilled there (58 spill stores) were the wgmma descriptors of loop-invariant views, one 64-bit value for
-each 16-column step of each operand, hoisted out of the loop: the views are rebuilt each step (``_opaque_zero``).
+(two buffers), dQ staging 64 KB: 224 KB. What spilled there (58 spill stores) were not accumulators but the wgmma
+descriptors of loop-invariant views, one 64-bit value for each 16-column step of each operand, hoisted out of the
+loop and held through it: the views are rebuilt each step instead (``_opaque_zero``).
 
 sm_90 ptxas through the launcher's own arguments (benchmarks/sm90_compile.py wide[-alibi|-varlen][-v192|-d256]),
 2 x 4096, every mask, softcap, window, ALiBi, packed sequences: 0 spill stores in the loops (2 in the prologue with

@@ -73,10 +73,10 @@ def _opaque_zero(it):
 
 
 @gluon.jit
-def _product(a, b, a_tail, b_tail, zero, TAIL: gl.constexpr):
-    """``a @ b`` (+ ``a_tail @ b_tail`` if ``TAIL``), issued to the tensor cores, not waited for: one commit group
-    each."""
-    acc = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
+def _product(a, b, a_tail, b_tail, acc_like, TAIL: gl.constexpr):
+    """``a @ b`` (+ ``a_tail @ b_tail`` if ``TAIL``) into an accumulator of ``acc_like``'s shape and layout, issued to
+    the tensor cores, not waited for: one commit group each."""
+    acc = warpgroup_mma(a, b, acc_like, use_acc=False, is_async=True)
     if TAIL:
         acc = warpgroup_mma(a_tail, b_tail, acc, is_async=True)
     return acc

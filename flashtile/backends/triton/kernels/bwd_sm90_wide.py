@@ -40,7 +40,7 @@ S and dP (16 + 16) in a step's first half and its dQ tile (64) in the second: ab
 takes one Q/dO slot (``STAGES = 1``, FA4's sm90 choice at 256): Q, dO, K, V 32 KB each, P^T and dS^T 16 KB each
 (two buffers), dQ staging 64 KB: 224 KB. What spilled there (58 spill stores) were not accumulators but the wgmma
 descriptors of loop-invariant views, one 64-bit value for each 16-column step of each operand, hoisted out of the
-loop and held through it: the views are rebuilt each step instead (``_opaque_zero``).
+loop and held through it: the views are rebuilt each step instead (bwd_sm90_ws.opaque_zero).
 
 sm_90 ptxas through the launcher's own arguments (benchmarks/sm90_compile.py wide[-alibi|-varlen][-v192|-d256]),
 2 x 4096, every mask, softcap, window, ALiBi, packed sequences: 0 spill stores in the loops (2 in the prologue with
@@ -59,17 +59,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .bwd_sm90 import _query_block, store_key_rows
-from .bwd_sm90_ws import _reduce_add, _walk, consumer_step, stage_rows
+from .bwd_sm90_ws import _reduce_add, _walk, consumer_step, opaque_zero, stage_rows
 from .common import scores, visible
 from .fwd_sm90 import _tile, _zero_tail, wgmma_layout
-
-
-@gluon.jit
-def _opaque_zero(it):
-    """0, from a loop counter ``it`` (its sign bit) in a way the compilers cannot fold: views of shared memory
-    indexed by it are rebuilt each step instead of hoisted out of the loop, where each 16-column step of each
-    operand's wgmma descriptor (64 bits) would hold registers through it."""
-    return gl.inline_asm_elementwise("shr.u32 $0, $1, 31;", "=r,r", [it], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -164,7 +156,7 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
         # The step's views of shared memory go through an index the compilers cannot see is 0 (a ring of one slot
         # too): their wgmma descriptors are built where they are used, not hoisted out of the loop and held (at
         # head dim 256, 58 spill stores).
-        zero = _opaque_zero(it)
+        zero = opaque_zero(it)
         slot = slot + zero
         k = _tile(k_smem, zero)
         kt = _tile(kt_smem, zero)

@@ -72,6 +72,14 @@ def stage_rows(rows_smem, slot, bar, LSE2, DELTA, lse_base, row, seqlen_q, BLOCK
 
 
 @gluon.jit
+def opaque_zero(it):
+    """0, from a loop counter ``it`` (its sign bit) in a way the compilers cannot fold: views of shared memory
+    indexed by it are rebuilt each step instead of hoisted out of the loop, where each 16-column step of each
+    operand's wgmma descriptor (64 bits) would hold registers through it."""
+    return gl.inline_asm_elementwise("shr.u32 $0, $1, 31;", "=r,r", [it], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def consumer_step(it, n_q, lo, off_hk, group, ALIBI_SLOPES, alibi_row, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                   ALIBI: gl.constexpr):
     """Step ``it`` of a consumer's walk: ``(slot, phase, buf, buf_phase, off_h, row, slope2)``, its Q/dO ring slot

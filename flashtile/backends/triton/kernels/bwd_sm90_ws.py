@@ -28,8 +28,9 @@ between runs (the launcher never takes this kernel for deterministic calls).
 What keeps the consumers' 240 registers enough (sm_90 ptxas; benchmarks/sm90_compile.py): the rows' lse and
 delta are read from shared memory where they are used; softcap's 1 - tanh^2 is held in float16, computed in
 float32 (no cancellation; its 2^-11 error is far under dS's 16-bit rounding); causal ALiBi is a key term on the
-scores and a query term in the lse (no absolute value, no query offsets held). Softcap's scale stays a multiply
-an element: folded into K it would round the K that dQ's product reads.
+scores and a query term in the lse (no absolute value, no query offsets held); the step's views of shared memory are
+rebuilt each step (``opaque_zero``), so that their wgmma descriptors are not held through the loop. Softcap's scale
+stays a multiply an element: folded into K it would round the K that dQ's product reads.
 
 Packed sequences (``IS_VARLEN``) read through descriptors of the whole ``(1, tokens, heads, HEAD_DIM)`` tensors, as
 bwd_sm90.py does. Key rows past a sequence's used keys are zeroed in shared memory by their consumer (dQ's product
@@ -166,8 +167,6 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
     st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
     dq_zero = gl.zeros([BLOCK_M, HALF_D], gl.float32, dq_layout)
-    k = _tile(k_smem, WG)
-    v = _tile(v_smem, WG)
     mbarrier.wait(kv_ready, 0)
     if IS_VARLEN:
         if first_key + BLOCK_N > seqlen_k:
@@ -175,13 +174,19 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
             # which S^T, dP^T and dQ's product would read: zeros instead, so they add nothing to dQ (their own dK
             # and dV rows are stored as zeros or not at all). The other consumer reads these rows only after the
             # first ds_ready, which this one arrives at later.
-            _zero_tail(k, seqlen_k - first_key, 4)
-            _zero_tail(v, seqlen_k - first_key, 4)
+            _zero_tail(_tile(k_smem, WG), seqlen_k - first_key, 4)
+            _zero_tail(_tile(v_smem, WG), seqlen_k - first_key, 4)
     n_tail = 0
     for it in range(n_it):
         slot, phase, buf, buf_phase, off_h, row, slope2 = consumer_step(it, n_q, lo, off_hk, group, ALIBI_SLOPES,
                                                                         off_b * stride_alibi_b, BLOCK_M, STAGES, ALIBI)
         offs_m = row + gl.arange(0, BLOCK_M, layout=queries_layout)
+        # The step's views of shared memory through an index the compilers cannot see is 0: their wgmma
+        # descriptors are built where they are used, not hoisted out of the loop and held (7 to 72 spill stores).
+        zero = opaque_zero(it)
+        slot = slot + zero
+        k = _tile(k_smem, WG + zero)
+        v = _tile(v_smem, WG + zero)
         q = _tile(q_smem, slot)
         do = _tile(do_smem, slot)
         # S^T and dP^T go to the tensor cores together; S^T is waited for alone.
@@ -235,10 +240,10 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
         dk = warpgroup_mma(ds_own, q, dk, is_async=True)
         # dQ[:, half] = dS K[:, half], over both consumers' keys.
         mbarrier.wait(ds_ready.index(buf), buf_phase)
-        dq = warpgroup_mma(ds_smem.index(buf * 2).permute((1, 0)), _tile(k_smem, 0).slice(WG * HALF_D, HALF_D, 1),
-                           dq_zero, use_acc=False, is_async=True)
+        dq = warpgroup_mma(ds_smem.index(buf * 2).permute((1, 0)),
+                           _tile(k_smem, zero).slice(WG * HALF_D, HALF_D, 1), dq_zero, use_acc=False, is_async=True)
         dq = warpgroup_mma(ds_smem.index(buf * 2 + 1).permute((1, 0)),
-                           _tile(k_smem, 1).slice(WG * HALF_D, HALF_D, 1), dq, is_async=True)
+                           _tile(k_smem, 1 + zero).slice(WG * HALF_D, HALF_D, 1), dq, is_async=True)
         dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
         # Both consumers release the Q/dO slot; the producer refills it.
         mbarrier.arrive(q_empty.index(slot), count=1)

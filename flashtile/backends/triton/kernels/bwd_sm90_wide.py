@@ -59,7 +59,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .bwd_sm90 import _query_block, store_key_rows
-from .bwd_sm90_ws import _reduce_add, _walk, consumer_step, opaque_zero, stage_rows
+from .bwd_sm90_ws import _reduce_add, _walk, barrier, barriers, consumer_step, opaque_zero, stage_rows
 from .common import scores, visible
 from .fwd_sm90 import _tile, _zero_tail, wgmma_layout
 
@@ -373,30 +373,19 @@ def attn_bwd_sm90_wide(q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, v_tail_
     dqt_smem = gl.allocate_shared_memory(gl.float32, [1, BLOCK_M, 1, TAIL], dq_tail_desc.layout)
     # Each ring slot's rows: their lse (log2 units) and delta.
     rows_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    kv_zeroed = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    tail_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_ready, count=1)
-    mbarrier.init(kv_zeroed, count=2)
-    mbarrier.init(tail_ready, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(i), count=2)
-        mbarrier.init(q_empty.index(i), count=2)
-        mbarrier.init(do_ready.index(i), count=1)
-        mbarrier.init(do_empty.index(i), count=2)
-    for i in gl.static_range(2):
-        mbarrier.init(p_ready.index(i), count=2)
-        mbarrier.init(ds_ready.index(i), count=2)
-        mbarrier.init(dq_full.index(i), count=1)
-        mbarrier.init(dq_empty.index(i), count=1)
+    kv_ready = barrier(1)
+    kv_zeroed = barrier(2)
+    tail_ready = barrier(1)
+    # A ring slot's Q (and rows) / dO: landed, and released by both consumers.
+    q_ready = barriers(STAGES, 2)
+    q_empty = barriers(STAGES, 2)
+    do_ready = barriers(STAGES, 1)
+    do_empty = barriers(STAGES, 2)
+    # Both consumers' halves of P^T / dS^T in place; a consumer's dQ staged / read by the reduce.
+    p_ready = barriers(2, 2)
+    ds_ready = barriers(2, 2)
+    dq_full = barriers(2, 1)
+    dq_empty = barriers(2, 1)
     walk = (seqlen_q, seqlen_k, window_left, window_right, group, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K)
     consumer = (q_desc, q_tail_desc, k_desc, do_desc, q_smem, qt_smem, do_smem, dot_smem, k_smem, kt_smem, v_smem,
                 vt_smem, pt_smem, dst_smem, dq_smem, dqt_smem, rows_smem, kv_ready, kv_zeroed, q_ready, q_empty,

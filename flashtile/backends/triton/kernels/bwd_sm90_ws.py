@@ -73,6 +73,23 @@ def stage_rows(rows_smem, slot, bar, LSE2, DELTA, lse_base, row, seqlen_q, BLOCK
 
 
 @gluon.jit
+def barrier(count: gl.constexpr):
+    """An mbarrier whose phases complete on ``count`` arrivals."""
+    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar, count=count)
+    return bar
+
+
+@gluon.jit
+def barriers(n: gl.constexpr, count: gl.constexpr):
+    """``n`` mbarriers (``.index(i)``), each with phases that complete on ``count`` arrivals."""
+    bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(n):
+        mbarrier.init(bars.index(i), count=count)
+    return bars
+
+
+@gluon.jit
 def opaque_zero(it):
     """0, from a loop counter ``it`` (its sign bit) in a way the compilers cannot fold: views of shared memory
     indexed by it are rebuilt each step instead of hoisted out of the loop, where each 16-column step of each
@@ -347,24 +364,14 @@ def attn_bwd_sm90_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE2, DEL
     dq_smem = gl.allocate_shared_memory(gl.float32, [4, 1, BLOCK_M, 1, HALF_D], dq_desc.layout)
     # Each ring slot's rows: their lse (log2 units) and delta.
     rows_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    tail_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_ready, count=1)
-    mbarrier.init(tail_ready, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(i), count=2)
-        mbarrier.init(do_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)
-    for i in gl.static_range(2):
-        mbarrier.init(ds_ready.index(i), count=2)
-        mbarrier.init(dq_full.index(i), count=2)
-        mbarrier.init(dq_empty.index(i), count=1)
+    kv_ready = barrier(1)
+    q_ready = barriers(STAGES, 2)
+    do_ready = barriers(STAGES, 1)
+    q_empty = barriers(STAGES, 2)
+    ds_ready = barriers(2, 2)
+    dq_full = barriers(2, 2)
+    dq_empty = barriers(2, 1)
+    tail_ready = barrier(1)
     walk = (seqlen_q, seqlen_k, window_left, window_right, group, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K)
     consumer = (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem,
                 kv_ready, q_ready, do_ready, q_empty, ds_ready, dq_full, dq_empty, tail_ready, DK, DV, ALIBI_SLOPES,

@@ -231,9 +231,10 @@ def test_deterministic_takes_the_pair(rng, how):
 
 
 def test_unfilled_gpu_keeps_the_pair(rng, monkeypatch):
-    """Fewer 128-key CTAs than SMs: the pair, whose 64-key blocks (and dQ kernel) spread wider."""
+    """Fewer 128-key CTAs than SMs (64-key ones at 256): the pair, whose key blocks (and dQ kernel) spread wider."""
     monkeypatch.setattr(configs, "sm_count", lambda device: 132)
     run(rng, 1, 1000, 1000, 4, 4, kernel=PAIR)
+    run(rng, 1, 1000, 1000, 4, 4, kernel="triton d=256", head_dim=256)
 
 
 def test_one_pass_training_steps_replay(rng, served):

@@ -630,7 +630,7 @@ ONE_PASS_D64_MIN_PAIRS = 1 << 28
 # shape checked first: 192/128 1.18-1.36x, 192/192 1.57-2.00x (results/h200-bwd-d192-one-pass-2026-11-27-b8fd58c.json).
 # sm_90 ptxas (benchmarks/sm90_compile.py wide[-v192]): see kernels/bwd_sm90_wide.py.
 # Head dim 256 (not yet timed on a GPU) takes it by the same rule, with one Q/dO slot (two would need 296 KB of
-# shared memory): 0 spill stores, 230,608 B (sm90_compile.py wide-d256).
+# shared memory): 0 spill stores, 230,672 B (sm90_compile.py wide-d256).
 ONE_PASS_WIDE_HEAD_DIMS = ((192, 128), (192, 192), (256, 256))
 ONE_PASS_WIDE_KEYS = 64
 

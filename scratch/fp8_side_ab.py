@@ -1,0 +1,117 @@
+"""A/B of the FP8 side costs (branch wip-fp8-side; the lead removes this file before merging): the fused quantize
+step of flash_attn_fp8_func alone, and the FP8-cache against the bf16-cache decode step, at the shapes of
+``python -m flashtile bench --suite fp8``. Runs on whatever flashtile tree is first on PYTHONPATH, so one device
+call can time main and the branch side by side:
+
+    for tree in /path/main /path/branch; do PYTHONPATH=$tree python scratch/fp8_side_ab.py; done
+
+One line a case. Quantize: checked first against its torch twin (torch_fp8.quantize: e4m3 values and descales;
+a differing e4m3 value is one step off where the rotation's fp32 sums round the other way, rarely), then timed
+as the bench suite times it (triton.testing.do_bench, L2 flushed: host time shows where the host is slower than
+the GPU), and its GPU time alone (torch profiler: every kernel the call launches, summed). End to end:
+flash_attn_fp8_func against flash_attn_func (bf16) at N=4096, d128, the cell furthest below its bar. Decode:
+flashtile.bench.fp8.decode_cell (checked against fp32 attention on the dequantized cache, then each step
+replayed in a CUDA graph).
+"""
+import os
+import sys
+import time
+
+import torch
+
+
+def quantize_check(q, k, v):
+    """``(fraction of e4m3 values that differ from the twin's, largest descale relative difference)``; raises
+    when a value differs by more than one e4m3 step."""
+    from flashtile.backends import torch_fp8
+    from flashtile.backends.triton import quant
+    ours = quant.quantize(q, k, v)
+    twin = torch_fp8.quantize(q, k, v)
+    differ, descale_err = 0.0, 0.0
+    for name, a, b in zip(("q8", "k8", "v8_t", "q_descale", "k_descale", "v_descale"), ours, twin):
+        assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, b.shape, a.dtype, b.dtype)
+        a, b = a.float(), b.float()
+        if "descale" in name:
+            descale_err = max(descale_err, ((a - b).abs() / b.abs()).max().item())
+            continue
+        mask = a != b
+        differ = max(differ, mask.float().mean().item())
+        assert ((a - b).abs() <= b.abs() / 8 + 2 ** -9)[mask].all(), f"{name}: a value off by more than one step"
+    return differ, descale_err
+
+
+def device_us(fn, calls: int = 20) -> float:
+    """GPU time a call of ``fn``: every CUDA kernel it launches, summed (torch profiler), averaged."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    total = sum(e.device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA")
+    return total / calls
+
+
+def host_us(fn, calls: int = 50) -> float:
+    """Host time a call of ``fn`` (launches queued, no wait): wall time of ``calls`` calls, averaged."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def main() -> int:
+    import flashtile
+    from flashtile.backends.triton import quant
+    from flashtile.bench import common, fp8
+    timer = common.gpu_timer()
+    device = torch.device("cuda")
+    print(f"flashtile {os.path.dirname(flashtile.__file__)} on {torch.cuda.get_device_name()}", flush=True)
+    failed = False
+    for head_dim in fp8.HEAD_DIMS:
+        for seqlen in fp8.SEQLENS:
+            batch, nheads = fp8.TOKENS // seqlen, fp8.WIDTH // head_dim
+            q, k, v = (torch.randn(batch, seqlen, nheads, head_dim, device=device, dtype=torch.bfloat16)
+                       for _ in range(3))
+            try:
+                differ, descale_err = quantize_check(q, k, v)
+                ms = common.timing_fields("t", timer(lambda: quant.quantize(q, k, v)))["t_ms"]
+                gpu = device_us(lambda: quant.quantize(q, k, v))
+                host = host_us(lambda: quant.quantize(q, k, v))
+                nbytes = 3 * q.numel() * 2 + 3 * q.numel() + v.numel() * 2  # read q,k,v (v twice), write e4m3
+                print(f"quantize d={head_dim} B={batch} N={seqlen} H={nheads}: do_bench {ms * 1e3:.1f} us | GPU "
+                      f"{gpu:.1f} us ({nbytes / gpu / 1e6:.0f} GB/s) | host {host:.1f} us/call | e4m3 differing "
+                      f"{differ:.1e}, descale rel err {descale_err:.1e}", flush=True)
+            except Exception as exc:  # noqa: BLE001 - report and go on
+                failed = True
+                print(f"quantize d={head_dim} N={seqlen}: FAILED {type(exc).__name__}: {exc}", flush=True)
+    batch, seqlen, nheads, head_dim = 4, 4096, 16, 128
+    q, k, v = (torch.randn(batch, seqlen, nheads, head_dim, device=device, dtype=torch.bfloat16) for _ in range(3))
+    for causal in (False, True):
+        bf16 = common.timing_fields("t", timer(lambda: flashtile.flash_attn_func(q, k, v, causal=causal)))["t_ms"]
+        e2e = common.timing_fields("t", timer(lambda: flashtile.flash_attn_fp8_func(q, k, v, causal=causal)))["t_ms"]
+        print(f"end to end d=128 B=4 N=4096 causal={causal}: bf16 {bf16 * 1e3:.1f} us, fp8 e2e {e2e * 1e3:.1f} us, "
+              f"x bf16 {bf16 / e2e:.2f} (bar 1.4 at N >= 8k)", flush=True)
+    del q, k, v
+    torch.cuda.empty_cache()
+    for batch, cache_len in fp8.DECODE_SHAPES:
+        row = fp8.decode_cell(batch, cache_len, timer, device, graphs=True)
+        if row.get("status") != "ok":
+            failed = True
+            print(f"decode B={batch} L={cache_len}: {row.get('status')}", flush=True)
+            continue
+        print(f"decode B={batch} L={cache_len} GQA 32/8 d128 (graph): bf16 {row['bf16_graph_ms'] * 1e3:.1f} us "
+              f"({row['bf16_graph_GBps']:.0f} GB/s) | fp8 {row['fp8_graph_ms'] * 1e3:.1f} us "
+              f"({row['fp8_graph_GBps']:.0f} GB/s) | fp8/bf16 {row['fp8_over_bf16_graph']:.3f} (bar 0.55) | max err "
+              f"bf16 {row['bf16_max_abs_err']:.1e} fp8 {row['fp8_max_abs_err']:.1e} | {row['fp8_kernel']}", flush=True)
+        torch.cuda.empty_cache()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,6 +12,10 @@ the GPU), and its GPU time alone (torch profiler: every kernel the call launches
 flash_attn_fp8_func against flash_attn_func (bf16) at N=4096, d128, the cell furthest below its bar. Decode:
 flashtile.bench.fp8.decode_cell (checked against fp32 attention on the dequantized cache, then each step
 replayed in a CUDA graph).
+
+``--sweep``: the decode cells again with each FP8 tile of SWEEP (BLOCK_M, BLOCK_N, warps, stages, programs an
+SM) put in configs.DECODE_SM90_FP8 / DECODE_FP8_PROGRAMS_PER_SM (the split count follows the programs an SM).
+``--decode-only`` / ``--quantize-only``: one half.
 """
 import os
 import sys
@@ -65,6 +69,45 @@ def host_us(fn, calls: int = 50) -> float:
     return elapsed / calls * 1e6
 
 
+SWEEP = ((16, 128, 8, 3, 2), (16, 128, 4, 3, 3), (16, 128, 4, 3, 2), (16, 128, 8, 3, 3), (16, 64, 4, 3, 3),
+         (16, 128, 4, 4, 2), (16, 256, 8, 2, 1))
+
+
+def decode_rows(timer, device, label: str = "") -> bool:
+    """The bench's decode cells, one line each; False when one failed."""
+    from flashtile.bench import fp8
+    ok = True
+    for batch, cache_len in fp8.DECODE_SHAPES:
+        row = fp8.decode_cell(batch, cache_len, timer, device, graphs=True)
+        if row.get("status") != "ok":
+            ok = False
+            print(f"decode{label} B={batch} L={cache_len}: {row.get('status')}", flush=True)
+            continue
+        print(f"decode{label} B={batch} L={cache_len} GQA 32/8 d128 (graph): bf16 {row['bf16_graph_ms'] * 1e3:.1f} us "
+              f"({row['bf16_graph_GBps']:.0f} GB/s) | fp8 {row['fp8_graph_ms'] * 1e3:.1f} us "
+              f"({row['fp8_graph_GBps']:.0f} GB/s) | fp8/bf16 {row['fp8_over_bf16_graph']:.3f} (bar 0.55) | max err "
+              f"bf16 {row['bf16_max_abs_err']:.1e} fp8 {row['fp8_max_abs_err']:.1e} | {row['fp8_kernel']}", flush=True)
+        torch.cuda.empty_cache()
+    return ok
+
+
+def sweep(timer, device) -> bool:
+    """decode_rows under each FP8 tile of SWEEP."""
+    from flashtile.backends.triton import configs, decode
+    table, per_sm = configs.DECODE_SM90_FP8[128], configs.DECODE_FP8_PROGRAMS_PER_SM
+    ok = True
+    try:
+        for block_m, block_n, warps, stages, programs in SWEEP:
+            configs.DECODE_SM90_FP8[128] = (configs.TileConfig(block_m, block_n, warps, stages), *table[1:])
+            configs.DECODE_FP8_PROGRAMS_PER_SM = programs
+            decode._plan.cache_clear()
+            ok &= decode_rows(timer, device, f" [fp8 tile {block_m}x{block_n} w{warps} s{stages}, {programs} an SM]")
+    finally:
+        configs.DECODE_SM90_FP8[128], configs.DECODE_FP8_PROGRAMS_PER_SM = table, per_sm
+        decode._plan.cache_clear()
+    return ok
+
+
 def main() -> int:
     import flashtile
     from flashtile.backends.triton import quant
@@ -72,6 +115,21 @@ def main() -> int:
     timer = common.gpu_timer()
     device = torch.device("cuda")
     print(f"flashtile {os.path.dirname(flashtile.__file__)} on {torch.cuda.get_device_name()}", flush=True)
+    failed = False
+    if "--decode-only" not in sys.argv:
+        failed |= not quantize_rows(timer, device)
+    if "--quantize-only" not in sys.argv:
+        failed |= not decode_rows(timer, device)
+        if "--sweep" in sys.argv:
+            failed |= not sweep(timer, device)
+    return 1 if failed else 0
+
+
+def quantize_rows(timer, device) -> bool:
+    """The quantize cells and the end-to-end cells, one line each; False when one failed."""
+    import flashtile
+    from flashtile.backends.triton import quant
+    from flashtile.bench import common, fp8
     failed = False
     for head_dim in fp8.HEAD_DIMS:
         for seqlen in fp8.SEQLENS:
@@ -99,18 +157,7 @@ def main() -> int:
               f"x bf16 {bf16 / e2e:.2f} (bar 1.4 at N >= 8k)", flush=True)
     del q, k, v
     torch.cuda.empty_cache()
-    for batch, cache_len in fp8.DECODE_SHAPES:
-        row = fp8.decode_cell(batch, cache_len, timer, device, graphs=True)
-        if row.get("status") != "ok":
-            failed = True
-            print(f"decode B={batch} L={cache_len}: {row.get('status')}", flush=True)
-            continue
-        print(f"decode B={batch} L={cache_len} GQA 32/8 d128 (graph): bf16 {row['bf16_graph_ms'] * 1e3:.1f} us "
-              f"({row['bf16_graph_GBps']:.0f} GB/s) | fp8 {row['fp8_graph_ms'] * 1e3:.1f} us "
-              f"({row['fp8_graph_GBps']:.0f} GB/s) | fp8/bf16 {row['fp8_over_bf16_graph']:.3f} (bar 0.55) | max err "
-              f"bf16 {row['bf16_max_abs_err']:.1e} fp8 {row['fp8_max_abs_err']:.1e} | {row['fp8_kernel']}", flush=True)
-        torch.cuda.empty_cache()
-    return 1 if failed else 0
+    return not failed
 
 
 if __name__ == "__main__":

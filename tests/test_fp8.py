@@ -653,10 +653,36 @@ def _fp16_operand(x: torch.Tensor):
     return y, scale.item()
 
 
-@pytest.mark.parametrize("offset", [0, 1, 2])
+@pytest.mark.parametrize("nheads,nheads_kv,head_dim,lengths,num_splits", [
+    (6, 3, 96, (1, 129), 0), (5, 5, 40, (300, 17), 3), (8, 1, 128, (129, 0), 0), (3, 1, 256, (65, 200), 2)])
+def test_fp8_kvcache_awkward_shapes(backend, rng, nheads, nheads_kv, head_dim, lengths, num_splits):
+    """Odd head counts and GQA groups, head dims short of their padded tile (V read as pairs of columns: the last
+    pair ends at the real head dim), lengths that are not a multiple of the key block, empty rows, split or not:
+    within the 2x rule of float64 attention on the dequantized cache."""
+    batch, capacity = len(lengths), 320
+    k_descale, v_descale = _kv_descales(rng, batch, nheads_kv, per_row=True)
+    k8 = torch_fp8.to_fp8(torch.randn(batch, capacity, nheads_kv, head_dim, generator=rng).to(DEVICE) * 100)
+    v8 = torch_fp8.to_fp8(torch.randn(batch, capacity, nheads_kv, head_dim, generator=rng).to(DEVICE) * 100)
+    q = torch.randn(batch, 1, nheads, head_dim, generator=rng).to(DEVICE, torch.float16)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    out = flashtile.flash_attn_with_kvcache(q, k8, v8, cache_seqlens=seqlens, causal=True, num_splits=num_splits,
+                                            k_descale=k_descale, v_descale=v_descale)
+    keys_k, keys_v = _dequantized(k8, k_descale, batch), _dequantized(v8, v_descale, batch)
+    for b, n in enumerate(lengths):
+        if n == 0:
+            assert torch.equal(out[b], torch.zeros_like(out[b]))
+            continue
+        hi, _ = testing.attention_ref(q[b:b + 1].double(), keys_k[b:b + 1, :n], keys_v[b:b + 1, :n], causal=True)
+        lo, _ = testing.attention_ref(q[b:b + 1], keys_k[b:b + 1, :n].half(), keys_v[b:b + 1, :n].half(),
+                                      causal=True, upcast=False)
+        testing.assert_close_to_ref("out", out[b:b + 1], hi, lo, atol=1e-3)
+
+
+@pytest.mark.parametrize("offset", [0, 1, 2, 3])
 def test_fp8_kvcache_unaligned_v(backend, rng, offset):
-    """An e4m3 V whose rows are not 4-byte aligned (a view at byte ``offset``) is read a byte at a time, an aligned
-    one as 32-bit words (kernels/decode.py ``_e4m3_words``): the same values, so the same output."""
+    """An e4m3 V whose rows are not 2-byte aligned (a view at an odd byte ``offset``) is read a byte at a time, an
+    aligned one as 16-bit pairs of columns (kernels/decode.py ``_e4m3_pairs``): the same values, so the same
+    output."""
     batch, nheads, nheads_kv, head_dim, length = 2, 4, 2, 64, 37
     q = torch.randn(batch, 1, nheads, head_dim, generator=rng).to(DEVICE, torch.float16)
     k8 = torch_fp8.to_fp8(torch.randn(batch, length, nheads_kv, head_dim, generator=rng).to(DEVICE) * 50)

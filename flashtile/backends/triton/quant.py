@@ -20,17 +20,21 @@ from .fastlaunch import CachedLaunch
 from .host import cdiv, input_precision, on_device, tma_rows, unit_stride
 from .kernels.quant_fp8 import quantize_fp8
 
-# Warps per program (one QUANT_BLOCK x head-dim tile, rotated in one dot), one stage. 4 warps spilled at d256
+# Warps per program (one QUANT_BLOCK x head-dim tile, rotated in one dot, one stage) and the registers a thread, by
+# head dim: programs an SM are bounded by registers and by shared memory (the +-1 matrix and the tile, 24/64/192 KB
+# at d64/128/256), so the warps an SM has to hide a tile's load and its serial steps (load, rotate, amax, cast,
+# store) come from wider programs. Compiled for sm_90 (ptxas, triton 3.6, the default's second launch, group 1 / 4;
+# not timed on a GPU):
+#   d    warps, registers   registers used                 programs an SM   warps an SM (was)
+#   64   8, 64              64 / 64, 1 spill store at g4   4                32 (32)
+#   128  16, 64             63 / 64, no spill              2                32 (16: 8 warps, 115-124 registers)
+#   256  16, 128            124 / 122, no spill            1                16 (8: 8 warps, 229-240 registers)
+# The per-tensor ablation's amax launch (block_quant=False) spills 8 stores at d128 group 4. Uncapped, _divide's
+# straight-line code let ptxas take 201 registers at d128, 8 warps. 4 warps spilled at d256
 # (688-1048 B of stack); the pipeliner's stages double-buffered the group loop (d256 GQA asked 360448 B of shared
 # memory).
-_WARPS = 8
-# Registers a thread, by head dim: programs an SM are bounded by them (and by shared memory: the +-1 matrix and
-# the tile, 24/64/192 KB at d64/128/256). Compiled for sm_90 (ptxas, triton 3.6, the default's second launch,
-# group 1 / 4): uncapped, _divide's straight-line code let ptxas take 105/97 registers at d64 and 201/195 at d128
-# (one or two programs an SM, against four and two before it); capped at 64 and 128 they fit 4 and 2 programs an SM
-# again with no spill at group 1 (d64 group 4: one 4-byte spill store). d256 takes 229/240 either way: one program an
-# SM (its shared memory allows no more).
-_MAXNREG = {64: 64, 128: 128}
+_WARPS = {64: 8, 128: 16, 256: 16}
+_MAXNREG = {64: 64, 128: 64, 256: 128}
 # Triton's own launch path binds the kernel's ~50 arguments on every call (tens of microseconds of host time a
 # launch, twice a quantize): the shapes' static arguments are worked out once per layout instead.
 _QUANT = CachedLaunch(quantize_fp8, ("Q", "K", "V", "Q8", "K8", "VT8", "Q_DESCALE", "K_DESCALE", "V_DESCALE", "V_AMAX",
@@ -86,8 +90,7 @@ def quantize(q, k, v, block_quant: bool = True, incoherent: bool = True, seed: i
                         inv_sqrt_d=1.0 / math.sqrt(head_dim), HEAD_DIM=head_dim, BLOCK=QUANT_BLOCK,
                         ROTATE=incoherent, QK_MODE=qk_mode, V_MODE=v_mode, VARLEN=varlen,
                         INPUT_PRECISION=input_precision(q.dtype), FMA=not interpreter_enabled(),
-                        num_warps=_WARPS, num_stages=1,
-                        **({"maxnreg": _MAXNREG[head_dim]} if head_dim in _MAXNREG else {}))
+                        num_warps=_WARPS[head_dim], num_stages=1, maxnreg=_MAXNREG[head_dim])
 
         key = (layouts, tuple((t.shape, t.stride()) for t in targets), v_amax.stride(), q.device, grid, incoherent,
                qk_mode, v_mode, varlen)

@@ -15,6 +15,7 @@ replayed in a CUDA graph).
 
 ``--sweep``: the decode cells again with each FP8 tile of SWEEP (BLOCK_M, BLOCK_N, warps, stages, programs an
 SM) put in configs.DECODE_SM90_FP8 / DECODE_FP8_PROGRAMS_PER_SM (the split count follows the programs an SM).
+``--quant-sweep`` (this branch only): the quantize cells again with each (warps, register cap) of QUANT_SWEEP.
 ``--decode-only`` / ``--quantize-only``: one half.
 """
 import os
@@ -22,6 +23,9 @@ import sys
 import time
 
 import torch
+
+# bfloat16 on the GPU, as the bench suite; --cpu-smoke (tiny shapes under TRITON_INTERPRET=1) takes float16.
+DTYPE = torch.bfloat16
 
 
 def quantize_check(q, k, v):
@@ -78,16 +82,19 @@ def decode_rows(timer, device, label: str = "") -> bool:
     from flashtile.bench import fp8
     ok = True
     for batch, cache_len in fp8.DECODE_SHAPES:
-        row = fp8.decode_cell(batch, cache_len, timer, device, graphs=True)
+        graphs = device.type == "cuda"
+        row = fp8.decode_cell(batch, cache_len, timer, device, graphs=graphs)
         if row.get("status") != "ok":
             ok = False
             print(f"decode{label} B={batch} L={cache_len}: {row.get('status')}", flush=True)
             continue
-        print(f"decode{label} B={batch} L={cache_len} GQA 32/8 d128 (graph): bf16 {row['bf16_graph_ms'] * 1e3:.1f} us "
-              f"({row['bf16_graph_GBps']:.0f} GB/s) | fp8 {row['fp8_graph_ms'] * 1e3:.1f} us "
-              f"({row['fp8_graph_GBps']:.0f} GB/s) | fp8/bf16 {row['fp8_over_bf16_graph']:.3f} (bar 0.55) | max err "
+        how = "graph" if graphs else "step"
+        print(f"decode{label} B={batch} L={cache_len} GQA 32/8 d128 ({how}): bf16 {row[f'bf16_{how}_ms'] * 1e3:.1f} us "
+              f"({row[f'bf16_{how}_GBps']:.0f} GB/s) | fp8 {row[f'fp8_{how}_ms'] * 1e3:.1f} us "
+              f"({row[f'fp8_{how}_GBps']:.0f} GB/s) | fp8/bf16 {row[f'fp8_over_bf16_{how}']:.3f} (bar 0.55) | max err "
               f"bf16 {row['bf16_max_abs_err']:.1e} fp8 {row['fp8_max_abs_err']:.1e} | {row['fp8_kernel']}", flush=True)
-        torch.cuda.empty_cache()
+        if graphs:
+            torch.cuda.empty_cache()
     return ok
 
 
@@ -108,56 +115,89 @@ def sweep(timer, device) -> bool:
     return ok
 
 
-def main() -> int:
+QUANT_SWEEP = {128: ((8, 128), (16, 64), (8, 255)), 256: ((8, 255), (16, 128))}
+
+
+def quant_sweep(timer, device) -> bool:
+    """quantize_rows under each (warps, maxnreg) of QUANT_SWEEP (quant._WARPS / quant._MAXNREG, this branch)."""
+    from flashtile.backends.triton import quant
+    if not hasattr(quant, "_MAXNREG"):
+        print("--quant-sweep: this tree has no quant._WARPS/_MAXNREG table", flush=True)
+        return True
+    warps, maxnreg = dict(quant._WARPS), dict(quant._MAXNREG)
+    ok = True
+    try:
+        for head_dim, choices in QUANT_SWEEP.items():
+            for w, m in choices:
+                quant._WARPS[head_dim], quant._MAXNREG[head_dim] = w, m
+                quant._QUANT._cache.clear()
+                quant._QUANT._by_value.clear()
+                ok &= quantize_rows(timer, device, head_dims=(head_dim, ), label=f" [w{w} maxnreg {m}]",
+                                    end_to_end=False)
+    finally:
+        quant._WARPS.update(warps)
+        quant._MAXNREG.update(maxnreg)
+        quant._QUANT._cache.clear()
+        quant._QUANT._by_value.clear()
+    return ok
+
+
+def quantize_rows(timer, device, head_dims=None, label: str = "", end_to_end: bool = True) -> bool:
+    """The quantize cells and (``end_to_end``) the end-to-end cells, one line each; False when one failed."""
     import flashtile
     from flashtile.backends.triton import quant
     from flashtile.bench import common, fp8
-    timer = common.gpu_timer()
-    device = torch.device("cuda")
-    print(f"flashtile {os.path.dirname(flashtile.__file__)} on {torch.cuda.get_device_name()}", flush=True)
+    failed = False
+    for head_dim in head_dims or fp8.HEAD_DIMS:
+        for seqlen in fp8.SEQLENS:
+            batch, nheads = fp8.TOKENS // seqlen, fp8.WIDTH // head_dim
+            q, k, v = (torch.randn(batch, seqlen, nheads, head_dim, device=device, dtype=DTYPE) for _ in range(3))
+            try:
+                differ, descale_err = quantize_check(q, k, v)
+                ms = common.timing_fields("t", timer(lambda: quant.quantize(q, k, v)))["t_ms"]
+                gpu = device_us(lambda: quant.quantize(q, k, v)) if device.type == "cuda" else float("nan")
+                host = host_us(lambda: quant.quantize(q, k, v)) if device.type == "cuda" else float("nan")
+                nbytes = 3 * q.numel() * 2 + 3 * q.numel() + v.numel() * 2  # read q,k,v (v twice), write e4m3
+                print(f"quantize{label} d={head_dim} B={batch} N={seqlen} H={nheads}: do_bench {ms * 1e3:.1f} us | GPU "
+                      f"{gpu:.1f} us ({nbytes / gpu / 1e6:.0f} GB/s) | host {host:.1f} us/call | e4m3 differing "
+                      f"{differ:.1e}, descale rel err {descale_err:.1e}", flush=True)
+            except Exception as exc:  # noqa: BLE001 - report and go on
+                failed = True
+                print(f"quantize{label} d={head_dim} N={seqlen}: FAILED {type(exc).__name__}: {exc}", flush=True)
+    if not end_to_end:
+        return not failed
+    batch, seqlen, nheads, head_dim = (4, 4096, 16, 128) if device.type == "cuda" else (1, 256, 2, 128)
+    q, k, v = (torch.randn(batch, seqlen, nheads, head_dim, device=device, dtype=DTYPE) for _ in range(3))
+    for causal in (False, True):
+        bf16 = common.timing_fields("t", timer(lambda: flashtile.flash_attn_func(q, k, v, causal=causal)))["t_ms"]
+        e2e = common.timing_fields("t", timer(lambda: flashtile.flash_attn_fp8_func(q, k, v, causal=causal)))["t_ms"]
+        print(f"end to end d=128 B={batch} N={seqlen} causal={causal}: bf16 {bf16 * 1e3:.1f} us, fp8 e2e {e2e * 1e3:.1f} us, "
+              f"x bf16 {bf16 / e2e:.2f} (bar 1.4 at N >= 8k)", flush=True)
+    return not failed
+
+
+def main() -> int:
+    global DTYPE
+    import flashtile
+    from flashtile.bench import common, fp8
+    if "--cpu-smoke" in sys.argv:
+        # The script's own control flow on tiny shapes (TRITON_INTERPRET=1): no timing worth reading.
+        DTYPE, device, timer = torch.float16, torch.device("cpu"), common.cpu_timer(runs=1)
+        fp8.HEAD_DIMS, fp8.SEQLENS, fp8.TOKENS, fp8.WIDTH, fp8.DECODE_SHAPES = (128, ), (256, ), 512, 256, ((2, 512), )
+        name = "cpu"
+    else:
+        device, timer, name = torch.device("cuda"), common.gpu_timer(), torch.cuda.get_device_name()
+    print(f"flashtile {os.path.dirname(flashtile.__file__)} on {name}", flush=True)
     failed = False
     if "--decode-only" not in sys.argv:
         failed |= not quantize_rows(timer, device)
+        if "--quant-sweep" in sys.argv:
+            failed |= not quant_sweep(timer, device)
     if "--quantize-only" not in sys.argv:
         failed |= not decode_rows(timer, device)
         if "--sweep" in sys.argv:
             failed |= not sweep(timer, device)
     return 1 if failed else 0
-
-
-def quantize_rows(timer, device) -> bool:
-    """The quantize cells and the end-to-end cells, one line each; False when one failed."""
-    import flashtile
-    from flashtile.backends.triton import quant
-    from flashtile.bench import common, fp8
-    failed = False
-    for head_dim in fp8.HEAD_DIMS:
-        for seqlen in fp8.SEQLENS:
-            batch, nheads = fp8.TOKENS // seqlen, fp8.WIDTH // head_dim
-            q, k, v = (torch.randn(batch, seqlen, nheads, head_dim, device=device, dtype=torch.bfloat16)
-                       for _ in range(3))
-            try:
-                differ, descale_err = quantize_check(q, k, v)
-                ms = common.timing_fields("t", timer(lambda: quant.quantize(q, k, v)))["t_ms"]
-                gpu = device_us(lambda: quant.quantize(q, k, v))
-                host = host_us(lambda: quant.quantize(q, k, v))
-                nbytes = 3 * q.numel() * 2 + 3 * q.numel() + v.numel() * 2  # read q,k,v (v twice), write e4m3
-                print(f"quantize d={head_dim} B={batch} N={seqlen} H={nheads}: do_bench {ms * 1e3:.1f} us | GPU "
-                      f"{gpu:.1f} us ({nbytes / gpu / 1e6:.0f} GB/s) | host {host:.1f} us/call | e4m3 differing "
-                      f"{differ:.1e}, descale rel err {descale_err:.1e}", flush=True)
-            except Exception as exc:  # noqa: BLE001 - report and go on
-                failed = True
-                print(f"quantize d={head_dim} N={seqlen}: FAILED {type(exc).__name__}: {exc}", flush=True)
-    batch, seqlen, nheads, head_dim = 4, 4096, 16, 128
-    q, k, v = (torch.randn(batch, seqlen, nheads, head_dim, device=device, dtype=torch.bfloat16) for _ in range(3))
-    for causal in (False, True):
-        bf16 = common.timing_fields("t", timer(lambda: flashtile.flash_attn_func(q, k, v, causal=causal)))["t_ms"]
-        e2e = common.timing_fields("t", timer(lambda: flashtile.flash_attn_fp8_func(q, k, v, causal=causal)))["t_ms"]
-        print(f"end to end d=128 B=4 N=4096 causal={causal}: bf16 {bf16 * 1e3:.1f} us, fp8 e2e {e2e * 1e3:.1f} us, "
-              f"x bf16 {bf16 / e2e:.2f} (bar 1.4 at N >= 8k)", flush=True)
-    del q, k, v
-    torch.cuda.empty_cache()
-    return not failed
 
 
 if __name__ == "__main__":

@@ -120,6 +120,81 @@ def test_rotation_is_orthonormal_and_keeps_scores():
     assert torch.allclose(rotated, q @ k.T, atol=1e-4)
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 257, 5, 5, 64), (2, 130, 129, 6, 3, 128), (1, 3, 200, 3, 1, 256)])
+def test_quantize_kernel_repeat_calls(rng, shape):
+    """Odd head counts, one-row and past-a-block lengths: calls of one layout with other lengths (on a GPU the
+    second reuses the launch's static arguments, the rotation on the device) each match the twin."""
+    from flashtile.backends.triton import quant
+    batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim = shape
+    for extra in (0, 7):
+        q = torch.randn(batch, seqlen_q + extra, nheads, head_dim, generator=rng).to(DEVICE, torch.float16)
+        k, v = (torch.randn(batch, seqlen_k + extra, nheads_kv, head_dim, generator=rng).to(DEVICE, torch.float16)
+                for _ in range(2))
+        _assert_same_quantization(quant.quantize(q, k, v, seed=5), torch_fp8.quantize(q, k, v, seed=5))
+
+
+def test_quantize_kernel_tiny_and_huge_blocks(rng):
+    """A block of values around 1e-30 (its descale under 2^-64: the kernel's division scales it up first) and
+    one around 6e4 quantize as the twin does; zeros elsewhere keep descale 1."""
+    from flashtile.backends.triton import quant
+    q = torch.randn(1, 300, 2, 64, generator=rng)
+    q[:, :128] *= 1e-30
+    q[:, 128:256] *= 6e4
+    q[:, 256:] = 0
+    k, v = q[:, :, :1].clone(), q[:, :, 1:].clone()
+    for block_quant in (True, False):
+        ours = quant.quantize(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), block_quant, True, seed=1)
+        _assert_same_quantization(ours, torch_fp8.quantize(q, k, v, block_quant, True, seed=1))
+
+
+@pytest.mark.cuda
+def test_quantize_kernel_in_cuda_graph(rng):
+    """The quantizer queues its work without waiting on the GPU (the rotation stays on the device: no blocking
+    copy), so it can be captured in a CUDA graph; a replay on new inputs matches an eager call bit for bit."""
+    from flashtile.backends.triton import quant
+    q = torch.randn(2, 300, 4, 128, generator=rng).to(DEVICE, torch.bfloat16)
+    k, v = (torch.randn(2, 300, 2, 128, generator=rng).to(DEVICE, torch.bfloat16) for _ in range(2))
+    quant.quantize(q, k, v, seed=2)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = quant.quantize(q, k, v, seed=2)
+    for x in (q, k, v):
+        x.copy_(torch.randn(x.shape, generator=rng).to(DEVICE, x.dtype))
+    graph.replay()
+    for name, a, b in zip(("q8", "k8", "v8_t", "q_descale", "k_descale", "v_descale"), captured,
+                          quant.quantize(q, k, v, seed=2)):
+        assert torch.equal(a.float(), b.float()), name
+
+
+@triton.jit
+def _divide_kernel(Y, DESCALE, OUT, N: tl.constexpr):
+    # FMA: the reciprocal path under the interpreter too (its fma rounds twice: within one ulp there).
+    from flashtile.backends.triton.kernels.quant_fp8 import _divide
+    offs = tl.arange(0, N)
+    row = tl.program_id(0) * N
+    tl.store(OUT + row + offs, _divide(tl.load(Y + row + offs), tl.load(DESCALE + tl.program_id(0)), True))
+
+
+def test_quantizer_division_is_correctly_rounded(rng):
+    """The quantizer's division by a reciprocal (quant_fp8._divide) is IEEE division, bit for bit on a GPU
+    (hardware FMA; the interpreter's fma rounds twice: within one ulp there), over descales from subnormal to
+    huge and the quotients a quantizer makes (up to 448, down to e4m3's rounding to 0 and past it)."""
+    n = 1024
+    descale = torch.tensor([2.0 ** -140, 3.0e-38, 1.7e-20, 2.0 ** -64, 2.0 ** -63, 0.3, 1.0, 7.1e3, 3.0e30])
+    quotient = torch.randn(descale.numel(), n, generator=rng) * torch.exp2(
+        torch.randint(-40, 8, (descale.numel(), n), generator=rng).float())
+    y = (quotient * descale[:, None]).contiguous()
+    out = torch.empty(descale.numel(), n)
+    y, descale, out = y.to(DEVICE), descale.to(DEVICE), out.to(DEVICE)
+    _divide_kernel[(descale.numel(), )](y, descale, out, N=n)
+    expected = y / descale[:, None]
+    if HAS_CUDA:
+        assert torch.equal(out, expected)
+    else:
+        torch.testing.assert_close(out, expected, rtol=2.0 ** -23, atol=0)
+
+
 def test_quantize_saturates_and_scales(rng):
     """amax maps to 448 (e4m3's largest value); an all-zero block gets descale 1, never a division by 0."""
     x = torch.randn(1, 200, 2, 64, generator=rng)
@@ -598,10 +673,36 @@ def _fp16_operand(x: torch.Tensor):
     return y, scale.item()
 
 
-@pytest.mark.parametrize("offset", [0, 1, 2])
+@pytest.mark.parametrize("nheads,nheads_kv,head_dim,lengths,num_splits", [
+    (6, 3, 96, (1, 129), 0), (5, 5, 40, (300, 17), 3), (8, 1, 128, (129, 0), 0), (3, 1, 256, (65, 200), 2)])
+def test_fp8_kvcache_awkward_shapes(backend, rng, nheads, nheads_kv, head_dim, lengths, num_splits):
+    """Odd head counts and GQA groups, head dims short of their padded tile (V read as pairs of columns: the last
+    pair ends at the real head dim), lengths that are not a multiple of the key block, empty rows, split or not:
+    within the 2x rule of float64 attention on the dequantized cache."""
+    batch, capacity = len(lengths), 320
+    k_descale, v_descale = _kv_descales(rng, batch, nheads_kv, per_row=True)
+    k8 = torch_fp8.to_fp8(torch.randn(batch, capacity, nheads_kv, head_dim, generator=rng).to(DEVICE) * 100)
+    v8 = torch_fp8.to_fp8(torch.randn(batch, capacity, nheads_kv, head_dim, generator=rng).to(DEVICE) * 100)
+    q = torch.randn(batch, 1, nheads, head_dim, generator=rng).to(DEVICE, torch.float16)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    out = flashtile.flash_attn_with_kvcache(q, k8, v8, cache_seqlens=seqlens, causal=True, num_splits=num_splits,
+                                            k_descale=k_descale, v_descale=v_descale)
+    keys_k, keys_v = _dequantized(k8, k_descale, batch), _dequantized(v8, v_descale, batch)
+    for b, n in enumerate(lengths):
+        if n == 0:
+            assert torch.equal(out[b], torch.zeros_like(out[b]))
+            continue
+        hi, _ = testing.attention_ref(q[b:b + 1].double(), keys_k[b:b + 1, :n], keys_v[b:b + 1, :n], causal=True)
+        lo, _ = testing.attention_ref(q[b:b + 1], keys_k[b:b + 1, :n].half(), keys_v[b:b + 1, :n].half(),
+                                      causal=True, upcast=False)
+        testing.assert_close_to_ref("out", out[b:b + 1], hi, lo, atol=1e-3)
+
+
+@pytest.mark.parametrize("offset", [0, 1, 2, 3])
 def test_fp8_kvcache_unaligned_v(backend, rng, offset):
-    """An e4m3 V whose rows are not 4-byte aligned (a view at byte ``offset``) is read a byte at a time, an aligned
-    one as 32-bit words (kernels/decode.py ``_e4m3_words``): the same values, so the same output."""
+    """An e4m3 V whose rows are not 2-byte aligned (a view at an odd byte ``offset``) is read a byte at a time, an
+    aligned one as 16-bit pairs of columns (kernels/decode.py ``_e4m3_pairs``): the same values, so the same
+    output."""
     batch, nheads, nheads_kv, head_dim, length = 2, 4, 2, 64, 37
     q = torch.randn(batch, 1, nheads, head_dim, generator=rng).to(DEVICE, torch.float16)
     k8 = torch_fp8.to_fp8(torch.randn(batch, length, nheads_kv, head_dim, generator=rng).to(DEVICE) * 50)

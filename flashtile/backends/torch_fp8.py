@@ -56,9 +56,17 @@ def _rotation(head_dim: int, seed: int) -> torch.Tensor:
 
 def hadamard_signs(head_dim: int, seed: int, device=None, dtype=torch.float32) -> torch.Tensor:
     """``diag(signs) @ H`` ``(head_dim, head_dim)``, entries +-1 (exact in any float dtype); the rotation is
-    this divided by ``sqrt(head_dim)``. ``head_dim`` must be a power of two."""
+    this divided by ``sqrt(head_dim)``. ``head_dim`` must be a power of two. The tensor is shared between calls
+    (kept per device and dtype): read it, never write it."""
     if head_dim & (head_dim - 1):
         raise ValueError(f"the Hadamard rotation needs a power-of-two head dim, got headdim={head_dim}")
+    return _rotation_on(head_dim, seed, torch.device(device) if device is not None else torch.device("cpu"), dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _rotation_on(head_dim: int, seed: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    # Made once per device: a copy to a GPU on every call synchronizes the host with the GPU (torch's blocking
+    # host-to-device copy), which the quantizer paid on each call and a CUDA graph cannot capture.
     return _rotation(head_dim, seed).to(device=device, dtype=dtype)
 
 

@@ -530,20 +530,22 @@ DECODE_SM90 = {
     128: (TileConfig(16, 128, 4, 3), TileConfig(32, 64, 4, 3), TileConfig(64, 64, 4, 3)),
     256: (TileConfig(16, 64, 4, 2), TileConfig(32, 32, 4, 2), TileConfig(64, 32, 8, 2)),
 }
-# DECODE_SM90_FP8: an e4m3 cache (kernels/decode.py FP8_CACHE: K converted to fp16 in registers, V read as words
-# and converted before its operand move), with DECODE_FP8_PROGRAMS_PER_SM programs an SM. The bf16 cache's tile
-# (16x128 w4 s3, one program an SM) took 645 us at 16 x 32768 keys against the bf16 cache's 478 (H200, GQA 32/8,
-# d=128, CUDA graph, flashtile/bench/fp8.py, before the kernel change): bound by issuing instructions (4544 SASS
-# instructions, 255 registers), not by memory. Now 16x128 w4 s3: 3136 instructions, 143 registers; w8: 95
-# registers, 106496 B of shared memory, so two programs fit an SM (ptxas, sm_90, triton 3.6). H200 (scratch sweep
-# at 4664c6d; flashtile/bench/fp8.py at 4664c6d, results/h200-fp8-2026-11-27-4664c6d.json):
-#   tile, programs an SM          evidence
-#   16x128 w8 s3, 2               16 x 32768 keys 395-417 us (0.82-0.87x the bf16 cache's 478), 1 x 131072 109.4-109.9
-#                                 (0.80-0.81x of 136); 16x128 w4/w8 s3/s4, 16x256 w8 s2/s3 and 16x64 w4 s4 at 1-3
-#                                 programs an SM all within 0.5% of it: still bound by issue, not by memory
+# DECODE_SM90_FP8: an e4m3 cache (kernels/decode.py FP8_CACHE: K converted to fp16 in registers, V read as 16-bit
+# pairs of columns straight into the dot operand's layout), with DECODE_FP8_PROGRAMS_PER_SM programs an SM. Until
+# wip-fp8-side V went through shared memory twice (e4m3 words in, fp16 out and back: 164 KB of shared-memory traffic
+# a 128-key block against 100 KB now) and 16x128 w8 s3 at 2 programs an SM took 395 us at 16 x 32768 keys, 0.82x
+# the bf16 cache's 478, 109.9 us at 1 x 131072 (0.81x of 136); every tile from 16x64 to 16x256, w4/w8, 1-3
+# programs an SM was within 0.5% of it (H200, GQA 32/8, d=128, CUDA graph, flashtile/bench/fp8.py at 4664c6d,
+# results/h200-fp8-2026-11-27-4664c6d.json): bound by the kernel's work per byte, not by memory. Now (ptxas, sm_90,
+# triton 3.6; UNMEASURED on a GPU, scratch/fp8_side_ab.py --sweep times these), SASS instructions of the
+# unmasked loop per 128 keys, registers, shared memory:
+#   tile          before            now                          programs an SM
+#   16x128 w8 s3  3904, 108, 104 KB  2928, 128, 72 KB            2 (registers)
+#   16x128 w4 s3  -                  2320, 168, 72 KB (chosen)   3 (shared memory)
+#   16x256 w8 s2  -                  2388, 164, 76 KB            1 (registers)
 # Other rows and head dims take the bf16 table's tiles.
-DECODE_SM90_FP8 = {128: (TileConfig(16, 128, 8, 3), TileConfig(32, 64, 4, 3), TileConfig(64, 64, 4, 3))}
-DECODE_FP8_PROGRAMS_PER_SM = 2
+DECODE_SM90_FP8 = {128: (TileConfig(16, 128, 4, 3), TileConfig(32, 64, 4, 3), TileConfig(64, 64, 4, 3))}
+DECODE_FP8_PROGRAMS_PER_SM = 3
 # DECODE_SM90_GATHER: pages smaller than a key block, each key row looked up on its own page (the next block's table
 # read lands before its K/V loads), with DECODE_GATHER_PROGRAMS programs an SM making up the bytes in flight. Time
 # over the contiguous cache's (H200, bf16, 32/8 heads, d=128, page 16, CUDA graph, scratch sweep 2026-11-21):

@@ -262,17 +262,18 @@ def attend(q, k_cache, v_cache, out, lse, args: KVCacheArgs, config: TileConfig 
             PAGE_ALIGNED=args.block_table is not None and k_cache.shape[1] % cfg.BLOCK_N == 0, Q_VARLEN=varlen,
             HAS_SEQUSED=args.seqused_k is not None,
             PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_descale_strides(args),
-            V_WORDS=v_words, PTX=not interpreter_enabled(),
+            V_PAIRS=v_pairs, PTX=not interpreter_enabled(),
         )
 
-    # An e4m3 V is read as 32-bit words where its rows are 4-byte aligned (any cache a torch op made).
-    v_words = bool(args.fp8) and (v_cache.data_ptr() | v_cache.stride(0) | v_cache.stride(1) | v_cache.stride(2)
-                                  | head_dim_v) % 4 == 0
+    # An e4m3 V is read as 16-bit pairs of columns where its rows are 2-byte aligned with an even head dim (any
+    # cache a torch op made).
+    v_pairs = bool(args.fp8) and (v_cache.data_ptr() | v_cache.stride(0) | v_cache.stride(1) | v_cache.stride(2)
+                                  | head_dim_v) % 2 == 0
     # The key holds what the static arguments read: q's layout and rows a sequence, the cache's shape but its
     # rows (and its page size when paged), the plan (the output's strides follow).
     key = (_layout(q), seqlen_q, k_cache.shape[2:], v_cache.shape[3], k_cache.shape[1] if args.paged else None,
            q.device, cache_key(args, capacity=False), p, args.window_left, args.window_right, args.softcap > 0,
-           _layout(alibi), args.sink is not None, _layout(args.k_descale), _layout(args.v_descale), v_words)
+           _layout(alibi), args.sink is not None, _layout(args.k_descale), _layout(args.v_descale), v_pairs)
     cu_seqlens_q = args.cu_seqlens_q if varlen else q
     with on_device(q):
         # The kernel's max_seqlen_k bounds the key rows read from a cache row: a paged row's capacity, or the

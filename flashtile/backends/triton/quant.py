@@ -16,14 +16,34 @@ import torch
 from ...alloc import empty
 from ..torch_fp8 import FP8_DTYPE, QUANT_BLOCK, descale_of, hadamard_signs
 from . import interpreter_enabled
+from .fastlaunch import CachedLaunch
 from .host import cdiv, input_precision, on_device, tma_rows, unit_stride
 from .kernels.quant_fp8 import quantize_fp8
 
-# Warps per program (one QUANT_BLOCK x head-dim tile, rotated in one dot), one stage. Compiled for sm_90 (ptxas,
-# benchmarks/sm90_compile.py's approach), the default's second launch, group 1 / 4: d64/128/256 in 64/117/232 and
-# 80/124/255 registers, no spill, 24/64/192 KB of shared memory. 4 warps spilled at d256 (688-1048 B of stack);
-# the pipeliner's stages double-buffered the group loop (d256 GQA asked 360448 B of shared memory).
-_WARPS = 8
+# Warps per program (one QUANT_BLOCK x head-dim tile, rotated in one dot, one stage) and the registers a thread, by
+# head dim: programs an SM are bounded by registers and by shared memory (the +-1 matrix and the tile, 24/64/192 KB
+# at d64/128/256), so the warps an SM has to hide a tile's load and its serial steps (load, rotate, amax, cast,
+# store) come from wider programs. Compiled for sm_90 (ptxas, triton 3.6, the default's second launch, group 1 / 4;
+# not timed on a GPU):
+#   d    warps, registers   registers used                 programs an SM   warps an SM (was)
+#   64   8, 64              64 / 64, 1 spill store at g4   4                32 (32)
+#   128  16, 64             63 / 64, no spill              2                32 (16: 8 warps, 115-124 registers)
+#   256  16, 128            124 / 122, no spill            1                16 (8: 8 warps, 229-240 registers)
+# The per-tensor ablation's amax launch (block_quant=False) spills 8 stores at d128 group 4. Uncapped, _divide's
+# straight-line code let ptxas take 201 registers at d128, 8 warps. 4 warps spilled at d256
+# (688-1048 B of stack); the pipeliner's stages double-buffered the group loop (d256 GQA asked 360448 B of shared
+# memory).
+_WARPS = {64: 8, 128: 16, 256: 16}
+_MAXNREG = {64: 64, 128: 64, 256: 128}
+# Triton's own launch path binds the kernel's ~50 arguments on every call (tens of microseconds of host time a
+# launch, twice a quantize): the shapes' static arguments are worked out once per layout instead.
+_QUANT = CachedLaunch(quantize_fp8, ("Q", "K", "V", "Q8", "K8", "VT8", "Q_DESCALE", "K_DESCALE", "V_DESCALE", "V_AMAX",
+                                     "R", "CU_SEQLENS_Q", "CU_SEQLENS_K", "seqlen_q", "seqlen_k", "total_q", "total_k"))
+_STRIDES = ("stride_qb", "stride_qm", "stride_qh", "stride_kb", "stride_km", "stride_kh", "stride_vb", "stride_vm",
+            "stride_vh", "stride_q8b", "stride_q8m", "stride_q8h", "stride_k8b", "stride_k8m", "stride_k8h",
+            "stride_vtb", "stride_vth", "stride_vtd", "stride_vtm", "stride_qdb", "stride_qdh", "stride_qdm",
+            "stride_kdb", "stride_kdh", "stride_kdm", "stride_vdb", "stride_vdh", "stride_vdm", "stride_vab",
+            "stride_vah")
 
 
 def _bsh(t: torch.Tensor, varlen: bool) -> tuple:
@@ -57,30 +77,30 @@ def quantize(q, k, v, block_quant: bool = True, incoherent: bool = True, seed: i
     blocks_q, blocks_k = cdiv(max(seqlen_q, 1), QUANT_BLOCK), cdiv(max(seqlen_k, 1), QUANT_BLOCK)
     rotation = hadamard_signs(head_dim, seed, q.device, q.dtype)
     grid = (max(blocks_q, blocks_k), batch, 2 * nheads_kv)
-    # Blocks past a short sequence are never visited: descale 1 there, or amax 0 where a buffer takes amaxes
-    # (v's with block scales, all three with per-tensor scales).
-    q_descale, k_descale, v_amax = (
-        torch.full((batch, nheads_kv, blocks), fill, device=q.device, dtype=torch.float32)
-        for blocks, fill in ((blocks_q, float(block_quant)), (blocks_k, float(block_quant)), (blocks_k, 0.0)))
+    q_descale, k_descale, v_amax, v_descale = _scale_buffers(batch, nheads_kv, blocks_q, blocks_k, block_quant,
+                                                              varlen, q.device)
+    # Under the interpreter the cast tensors are fp32 stand-ins: their dtype is in the key with the layouts.
+    layouts = tuple((t.shape, t.stride(), t.dtype) for t in (q, k, v, q8, k8, v8_t))
 
     def launch(targets, qk_mode: str, v_mode: str):
-        quantize_fp8[grid](
-            q, k, v, q8, k8, v8_t, *targets, v_amax, rotation,
-            cu_seqlens_q if varlen else q, cu_seqlens_k if varlen else q,
-            *_bsh(q, varlen), *_bsh(k, varlen), *_bsh(v, varlen), *_bsh(q8, varlen), *_bsh(k8, varlen), *vt_strides,
-            *(stride for t in targets for stride in t.stride()), *v_amax.stride()[:2],
-            seqlen_q, seqlen_k, q.shape[0], k.shape[0], nheads_kv, nheads // nheads_kv,
-            1.0 / math.sqrt(head_dim),
-            HEAD_DIM=head_dim, BLOCK=QUANT_BLOCK, ROTATE=incoherent,
-            QK_MODE=qk_mode, V_MODE=v_mode, VARLEN=varlen, INPUT_PRECISION=input_precision(q.dtype),
-            num_warps=_WARPS, num_stages=1,
-        )
+        def static():
+            strides = (*_bsh(q, varlen), *_bsh(k, varlen), *_bsh(v, varlen), *_bsh(q8, varlen), *_bsh(k8, varlen),
+                       *vt_strides, *(stride for t in targets for stride in t.stride()), *v_amax.stride()[:2])
+            return dict(zip(_STRIDES, strides), nheads_kv=nheads_kv, group=nheads // nheads_kv,
+                        inv_sqrt_d=1.0 / math.sqrt(head_dim), HEAD_DIM=head_dim, BLOCK=QUANT_BLOCK,
+                        ROTATE=incoherent, QK_MODE=qk_mode, V_MODE=v_mode, VARLEN=varlen,
+                        INPUT_PRECISION=input_precision(q.dtype), FMA=not interpreter_enabled(),
+                        num_warps=_WARPS[head_dim], num_stages=1, maxnreg=_MAXNREG[head_dim])
+
+        key = (layouts, tuple((t.shape, t.stride()) for t in targets), v_amax.stride(), q.device, grid, incoherent,
+               qk_mode, v_mode, varlen)
+        _QUANT(key, grid, (q, k, v, q8, k8, v8_t, *targets, v_amax, rotation, cu_seqlens_q if varlen else q,
+                           cu_seqlens_k if varlen else q, seqlen_q, seqlen_k, q.shape[0], k.shape[0]), static)
 
     with on_device(q):
         if block_quant:
             launch((q_descale, k_descale, v_amax), "skip", "amax")
             # The second launch reduces v's block amaxes itself (no torch ops between the launches).
-            v_descale = torch.empty((batch, nheads_kv), device=q.device, dtype=torch.float32)
             launch((q_descale, k_descale, v_descale[:, :, None]), "compute", "reduce")
             return (*_cast(q8, k8, v8_t), q_descale, k_descale, v_descale)
         # Per (batch row, KV head): the largest block amax of each, one descale for all blocks.
@@ -90,6 +110,27 @@ def quantize(q, k, v, block_quant: bool = True, incoherent: bool = True, seed: i
                     for d, blocks in zip(per_tensor, (blocks_q, blocks_k, blocks_k))]
         launch(expanded, "given", "given")
     return (*_cast(q8, k8, v8_t), *per_tensor)
+
+
+def _scale_buffers(batch: int, nheads_kv: int, blocks_q: int, blocks_k: int, block_quant: bool, varlen: bool,
+                   device) -> tuple:
+    """``(q_descale, k_descale, v_amax, v_descale)`` float32 ``(batch, nheads_kv, blocks_q | blocks_k | blocks_k)``
+    and ``(batch, nheads_kv)``: views of one allocation (each costs the host a few microseconds). Dense, every
+    block is written by the kernel. Packed, blocks past a short sequence are never visited: descale 1 there, or
+    amax 0 where a buffer takes amaxes (v's with block scales, all three with per-tensor scales)."""
+    rows = batch * nheads_kv
+    sizes = (rows * blocks_q, rows * blocks_k, rows * blocks_k, rows)
+    # Each view starts 16 bytes apart, as its own allocation would (kernels are specialized on that alignment).
+    padded = [cdiv(size, 4) * 4 for size in sizes]
+    if varlen:
+        buffer = torch.zeros(sum(padded), device=device, dtype=torch.float32)
+        if block_quant:
+            buffer[:padded[0] + padded[1]] = 1.0
+    else:
+        buffer = empty((sum(padded), ), torch.float32, device)
+    parts = [part[:size] for part, size in zip(buffer.split(padded), sizes)]
+    return (parts[0].view(batch, nheads_kv, blocks_q), parts[1].view(batch, nheads_kv, blocks_k),
+            parts[2].view(batch, nheads_kv, blocks_k), parts[3].view(batch, nheads_kv))
 
 
 def _cast(*tensors) -> tuple:

@@ -161,15 +161,17 @@ def _fp16_operand(q):
 
 
 @triton.jit
-def _decode_inner(acc, l_i, m_i, q, K_HEAD, V_HEAD, table_row, stride_kb, stride_kn, stride_vb, stride_vn,
+def _decode_inner(acc, acc_odd, l_i, m_i, q, K_HEAD, V_HEAD, table_row, stride_kb, stride_kn, stride_vb, stride_vn,
                   offs_t, offs_dk, offs_dv, lo, hi, leftpad, cache_b, page_size, num_blocks, seqlen_q, seqlen_k,
-                  qk_scale, softcap2, slope2, window_left, window_right, k_descale,
+                  qk_scale, softcap2, slope2, window_left, window_right,
                   BLOCK_N: tl.constexpr, HEAD_DIM_QK_ACTUAL: tl.constexpr, HEAD_DIM_QK: tl.constexpr,
                   HEAD_DIM_V_ACTUAL: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                   MASK: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                   SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ALIBI: tl.constexpr,
                   PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                  FP8_CACHE: tl.constexpr, V_WORDS: tl.constexpr, PTX: tl.constexpr):
+                  FP8_CACHE: tl.constexpr, V_PAIRS: tl.constexpr, PTX: tl.constexpr):
+    """The key blocks ``[lo, hi)`` into the running ``(acc, l_i, m_i)``; with ``V_PAIRS`` ``acc`` holds the even
+    output columns and ``acc_odd`` the odd ones (else ``acc_odd`` is carried untouched)."""
     offs_n = lo + tl.arange(0, BLOCK_N)
     slot, offset = _block_slots(lo, leftpad, seqlen_k, cache_b, table_row, page_size, num_blocks,
                                 BLOCK_N, PAGED, PAGE_ALIGNED)
@@ -178,9 +180,9 @@ def _decode_inner(acc, l_i, m_i, q, K_HEAD, V_HEAD, table_row, stride_kb, stride
         # Full blocks lie below seqlen_k by construction: only masked blocks check the key boundary.
         k = load_tile(k_ptrs, offs_n, seqlen_k, offs_dk, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, MASK)
         if FP8_CACHE:
-            # q is fp16 here (attn_decode): e4m3 -> fp16 is one cvt a pair of values, exact; the descale is one
-            # scalar of this KV head: on the scores.
-            qk = tl.dot(q, tl.trans(k.to(tl.float16)), input_precision=INPUT_PRECISION) * k_descale
+            # q is fp16 here (attn_decode): e4m3 -> fp16 is one cvt a pair of values, exact; the descale, one
+            # scalar of this KV head, is in qk_scale.
+            qk = tl.dot(q, tl.trans(k.to(tl.float16)), input_precision=INPUT_PRECISION)
         else:
             qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
         if MASK or SOFTCAP or ALIBI:
@@ -195,53 +197,57 @@ def _decode_inner(acc, l_i, m_i, q, K_HEAD, V_HEAD, table_row, stride_kb, stride
         v_rows = V_HEAD + slot * stride_vb + offset.to(tl.int64) * stride_vn
         # v's descale multiplies the output once, after the loop; p in [0, 1] keeps more bits in fp16 than in bf16
         # (weights below 2^-24 of the row's largest drop out).
-        if V_WORDS:
-            v = _e4m3_words(v_rows, offs_n, seqlen_k, BLOCK_N, HEAD_DIM_V_ACTUAL, HEAD_DIM_V, MASK, PTX)
+        if V_PAIRS:
+            acc_odd = acc_odd * alpha[:, None]
+            v_even, v_odd = _e4m3_pairs(v_rows, offs_n, seqlen_k, BLOCK_N, HEAD_DIM_V_ACTUAL, HEAD_DIM_V, MASK, PTX)
+            p16 = p.to(tl.float16)
+            acc = tl.dot(p16, v_even, acc, input_precision=INPUT_PRECISION)
+            acc_odd = tl.dot(p16, v_odd, acc_odd, input_precision=INPUT_PRECISION)
         else:
             v = load_tile(v_rows[:, None] + offs_dv[None, :], offs_n, seqlen_k, offs_dv, HEAD_DIM_V_ACTUAL,
                           HEAD_DIM_V, MASK)
             if FP8_CACHE:
                 v = v.to(tl.float16)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
         m_i = m_ij
         # Read the next block's pages now, so its K and V loads wait on no table read.
         offs_n += BLOCK_N
         slot, offset = _block_slots(start_n + BLOCK_N, leftpad, seqlen_k, cache_b, table_row, page_size, num_blocks,
                                     BLOCK_N, PAGED, PAGE_ALIGNED)
-    return acc, l_i, m_i
+    return acc, acc_odd, l_i, m_i
 
 
 @triton.jit
-def _e4m3_words(row_ptrs, offs_n, seqlen_k, BLOCK_N: tl.constexpr, HEAD_DIM_ACTUAL: tl.constexpr,
+def _e4m3_pairs(row_ptrs, offs_n, seqlen_k, BLOCK_N: tl.constexpr, HEAD_DIM_ACTUAL: tl.constexpr,
                 HEAD_DIM: tl.constexpr, CHECK_ROWS: tl.constexpr, PTX: tl.constexpr):
-    """The ``[BLOCK_N, HEAD_DIM]`` e4m3 tile at ``row_ptrs`` (rows 4-byte aligned) in fp16, read as 32-bit words
-    and converted in registers before it becomes a dot operand. Loaded as e4m3 for ``P @ V``, the tile would be
-    converted after Triton's move to the operand layout, whose rows run along keys: sm_90 has no 8-bit transposing
-    ldmatrix, so that reads shared memory a byte at a time (sm_90, 16x128 w4: 256 LDS.U8 and 255 registers; as
-    words: fp16 ldmatrix.trans, 142 registers). ``PTX``: ``cvt.rn.f16x2.e4m3x2`` on byte pairs (on a GPU);
-    else shifts and casts, the same values (the interpreter runs no PTX)."""
-    offs_w = tl.arange(0, HEAD_DIM // 4)
-    w_ptrs = row_ptrs.to(tl.pointer_type(tl.int32), bitcast=True)[:, None] + offs_w[None, :]
-    words = load_tile(w_ptrs, offs_n, seqlen_k, offs_w, HEAD_DIM_ACTUAL // 4, HEAD_DIM // 4, CHECK_ROWS)
+    """The ``[BLOCK_N, HEAD_DIM]`` e4m3 tile at ``row_ptrs`` (rows 2-byte aligned) as its even and its odd
+    columns, two ``[BLOCK_N, HEAD_DIM // 2]`` fp16 tiles, for ``P @ V`` as two products.
+
+    The tile is read as 16-bit pairs of columns. Its conversions are elementwise, so Triton loads the pairs from
+    shared memory straight into the dot operand's layout, whose registers run along keys: a 16-bit transposing
+    ldmatrix, then per register (two keys' pairs) one byte permute and two conversions. Converted whole (a single
+    fp16 tile) it would be moved through shared memory again, or loaded a byte at a time (sm_90 has no 8-bit
+    transposing ldmatrix). ``PTX``: ``prmt`` and ``cvt.rn.f16x2.e4m3x2`` (on a GPU); else shifts and casts, the
+    same values (the interpreter runs no PTX)."""
+    offs_w = tl.arange(0, HEAD_DIM // 2)
+    w_ptrs = row_ptrs.to(tl.pointer_type(tl.int16), bitcast=True)[:, None] + offs_w[None, :]
+    pairs = load_tile(w_ptrs, offs_n, seqlen_k, offs_w, HEAD_DIM_ACTUAL // 2, HEAD_DIM // 2, CHECK_ROWS)
     if PTX:
-        # Byte i of a word is column 4w + i (little-endian); the upper half of a cvt's result is its upper byte.
-        v0, v1, v2, v3 = tl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 a, lo; "
-            "cvt.rn.f16x2.e4m3x2 b, hi; mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
-            "=h,=h,=h,=h,r", [words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+        # Two elements a call: bytes (e0 even, e0 odd, e1 even, e1 odd) -> (e0 even, e1 even | e0 odd, e1 odd).
+        even, odd = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $2, 0, 0x3120; mov.b32 {lo, hi}, t; "
+            "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r", [pairs], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
     else:
-        v0 = _e4m3_byte(words, 0)
-        v1 = _e4m3_byte(words, 8)
-        v2 = _e4m3_byte(words, 16)
-        v3 = _e4m3_byte(words, 24)
-    # join(join(v0, v2), join(v1, v3))[w, i, j] is v[2i + j]: columns 4w .. 4w + 3 in order.
-    return tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), [BLOCK_N, HEAD_DIM])
+        even = _e4m3_byte(pairs, 0)
+        odd = _e4m3_byte(pairs, 8)
+    return even, odd
 
 
 @triton.jit
-def _e4m3_byte(words, shift: tl.constexpr):
-    """The e4m3 value in bits ``shift .. shift + 7`` of each word, in fp16 (exact)."""
-    return ((words >> shift) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+def _e4m3_byte(pairs, shift: tl.constexpr):
+    """The e4m3 value in bits ``shift .. shift + 7`` of each 16-bit pair, in fp16 (exact)."""
+    return ((pairs >> shift) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
 
 
 @triton.jit
@@ -281,9 +287,9 @@ def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 
                 ALIBI: tl.constexpr, HAS_SINK: tl.constexpr, PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr,
                 HAS_SEQLENS: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
                 Q_VARLEN: tl.constexpr, HAS_SEQUSED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                PDL: tl.constexpr, FP8_CACHE: tl.constexpr, V_WORDS: tl.constexpr, PTX: tl.constexpr):
-    """``FP8_CACHE``: K and V are e4m3, read as ``K * K_DESCALE[b, h_kv]`` (descales by strides); ``V_WORDS``:
-    V's rows are 4-byte aligned and read as words (``_e4m3_words``; ``PTX``: not under the interpreter).
+                PDL: tl.constexpr, FP8_CACHE: tl.constexpr, V_PAIRS: tl.constexpr, PTX: tl.constexpr):
+    """``FP8_CACHE``: K and V are e4m3, read as ``K * K_DESCALE[b, h_kv]`` (descales by strides); ``V_PAIRS``:
+    V's rows are 2-byte aligned and read as pairs of columns (``_e4m3_pairs``; ``PTX``: not under the interpreter).
     ``O``/``LSE`` are the output ``(batch, seqlen_q, nheads, headdim_v)`` / ``(batch, nheads, seqlen_q)``
     (one split, ``stride_os = stride_ls = 0``) or the float32 partials with a leading split dim. With
     ``Q_VARLEN`` the output is packed (``stride_ob = stride_lb = 0``, rows from ``cu_seqlens_q[b]``) and
@@ -331,7 +337,13 @@ def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
+    if V_PAIRS:
+        # The output's even and odd columns, accumulated apart (see _e4m3_pairs).
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_V // 2], dtype=tl.float32)
+        acc_odd = tl.zeros([BLOCK_M, HEAD_DIM_V // 2], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
+        acc_odd = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
     qk_scale = score_scale(softmax_scale, softcap, SOFTCAP)
     slope2, _, _ = head_terms(off_b, heads, nheads, ALIBI_SLOPES, stride_alibi_b, Q, 0, 0, ALIBI)
     if ALIBI:
@@ -346,11 +358,11 @@ def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 
     K_HEAD = K + off_hk.to(tl.int64) * stride_kh
     V_HEAD = V + off_hk.to(tl.int64) * stride_vh
     table_row = BLOCK_TABLE + off_b * stride_bt
-    k_descale = 1.0
     if FP8_CACHE:
-        k_descale = tl.load(K_DESCALE + off_b * stride_kdb + off_hk * stride_kdh)
+        # The scores are (q / q_scale) . k8 * q_scale * k_descale: both factors join qk_scale, which every score
+        # takes anyway.
         q, q_scale = _fp16_operand(q)
-        k_descale = k_descale * q_scale
+        qk_scale = qk_scale * (tl.load(K_DESCALE + off_b * stride_kdb + off_hk * stride_kdh) * q_scale)
     if PAGED:
         # The row's last page, checked once a program (a table not grown with the sequence shows there); pages
         # are clamped as they are read, but a check in the key loop would cost registers (sm90: 128 -> 168).
@@ -360,14 +372,17 @@ def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 
         run_lo, run_hi = run_bounds(run, lo, full_lo, full_hi, hi)
         # Without a left edge run 0 is empty: leave it out of the compiled kernel.
         if run != 0 or MASK_LEFT:
-            acc, l_i, m_i = _decode_inner(
-                acc, l_i, m_i, q, K_HEAD, V_HEAD, table_row, stride_kb, stride_kn, stride_vb, stride_vn,
+            acc, acc_odd, l_i, m_i = _decode_inner(
+                acc, acc_odd, l_i, m_i, q, K_HEAD, V_HEAD, table_row, stride_kb, stride_kn, stride_vb, stride_vn,
                 offs_t, offs_dk, offs_dv, tl.maximum(run_lo, split_lo), tl.minimum(run_hi, split_hi),
                 leftpad, cache_b, page_size, num_blocks, seqlen_q, seqlen_k,
-                qk_scale, softcap * LOG2E, slope2, window_left, window_right, k_descale,
+                qk_scale, softcap * LOG2E, slope2, window_left, window_right,
                 BLOCK_N, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, HEAD_DIM_V_ACTUAL, HEAD_DIM_V,
                 run != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, PAGED, PAGE_ALIGNED, INPUT_PRECISION,
-                FP8_CACHE, V_WORDS, PTX)
+                FP8_CACHE, V_PAIRS, PTX)
+    if V_PAIRS:
+        # Column 2j + i of the output is column j of the i-th accumulator.
+        acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, HEAD_DIM_V])
 
     # A row that saw no key (and no sink) has l = 0: output 0, lse -inf (an empty split, too).
     seen = l_i > 0.0

@@ -20,6 +20,8 @@ from .common import sequence
 
 # The largest finite e4m3 value.
 FP8_MAX = tl.constexpr(448.0)
+# Descales below 2^-64 (a block's amax under about 2.4e-17) are scaled up before _divide's reciprocal.
+MIN_FAST_DESCALE = tl.constexpr(2.0 ** -64)
 
 
 @triton.jit
@@ -37,17 +39,38 @@ def _block_values(X, r, rows, row_ok, stride_xm, inv_sqrt_d,
 
 @triton.jit
 def _store_block(X8, y, descale, rows, row_ok, stride_8m, stride_8d, HEAD_DIM: tl.constexpr,
-                 TRANSPOSED: tl.constexpr):
+                 TRANSPOSED: tl.constexpr, FMA: tl.constexpr):
     """``y / descale``, saturated and cast, into rows ``rows`` of X8 (element ``(m, d)`` at ``X8 + m * stride_8m +
     d * stride_8d``; ``TRANSPOSED``: ``stride_8m`` is 1, and the tile is written as ``(HEAD_DIM, BLOCK)``)."""
     # Saturate: e4m3 has no infinity, and a value past 448 would become NaN.
-    y8 = tl.minimum(tl.maximum(tl.math.div_rn(y, descale), -FP8_MAX), FP8_MAX).to(X8.dtype.element_ty)
+    y8 = tl.minimum(tl.maximum(_divide(y, descale, FMA), -FP8_MAX), FP8_MAX).to(X8.dtype.element_ty)
     offs_d = tl.arange(0, HEAD_DIM)
     if TRANSPOSED:
         # Keys along the fastest dim of the stored tile: each VT8 row is one contiguous run of BLOCK bytes.
         tl.store(X8 + offs_d[:, None].to(tl.int64) * stride_8d + rows[None, :], tl.trans(y8), mask=row_ok[None, :])
     else:
         tl.store(X8 + rows[:, None].to(tl.int64) * stride_8m + offs_d[None, :], y8, mask=row_ok[:, None])
+
+
+@triton.jit
+def _divide(y, descale, FMA: tl.constexpr):
+    """``y / descale`` correctly rounded (torch's division) for a tile ``y`` and one scalar ``descale``.
+
+    div.rn costs ~12 instructions an element (a reciprocal, its refinement, a range check and a call); here the
+    quotient by the correctly rounded reciprocal ``r`` is corrected once by its exact remainder (Markstein's
+    theorem: ``q + r * (y - q * descale)`` rounds to ``y / descale``), 4 instructions. The theorem needs the
+    reciprocal finite and the remainder clear of underflow: a tiny descale (a block of values under ~1e-17)
+    and its tile are first scaled by 2^64, exactly, which leaves the quotient as it is. Quotients must be
+    finite (a quantizer's are at most about 448). Without ``FMA`` (Triton's interpreter, whose fma rounds twice)
+    it is div.rn."""
+    if not FMA:
+        return tl.math.div_rn(y, descale)
+    scale = tl.where(descale < MIN_FAST_DESCALE, 2.0 ** 64, 1.0)
+    descale = descale * scale
+    y = y * scale
+    r = tl.math.div_rn(1.0, descale)
+    q = y * r
+    return tl.math.fma(tl.math.fma(-q, descale, y), r, q)
 
 
 @triton.jit
@@ -80,7 +103,7 @@ def _reduced_descale(AMAX, n_blocks, BLOCK: tl.constexpr):
 @triton.jit
 def _quantize_block(X, X8, DESCALE, R, row0, n_rows, heads, stride_xm, stride_xh, stride_8m, stride_8h, stride_8d,
                     inv_sqrt_d, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROTATE: tl.constexpr,
-                    MODE: tl.constexpr, TRANSPOSED: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                    MODE: tl.constexpr, TRANSPOSED: tl.constexpr, INPUT_PRECISION: tl.constexpr, FMA: tl.constexpr):
     """Quantize rows ``row0 : min(row0 + BLOCK, n_rows)`` of ``heads`` heads of X (row ``m`` of head ``h`` at
     ``X + m * stride_xm + h * stride_xh``, unit column stride) into X8 (head ``h`` at ``X8 + h * stride_8h``,
     see :func:`_store_block`), rotated by R with ``ROTATE``, all under the one descale at ``DESCALE``: read with ``MODE`` "given"; else the
@@ -94,13 +117,13 @@ def _quantize_block(X, X8, DESCALE, R, row0, n_rows, heads, stride_xm, stride_xh
         r = tl.load(R + offs_d[:, None] * HEAD_DIM + offs_d[None, :])
     if MODE == "given":
         _cast_block(X, X8, tl.load(DESCALE), r, rows, row_ok, heads, stride_xm, stride_xh, stride_8m, stride_8h,
-                    stride_8d, inv_sqrt_d, HEAD_DIM, ROTATE, TRANSPOSED, INPUT_PRECISION)
+                    stride_8d, inv_sqrt_d, HEAD_DIM, ROTATE, TRANSPOSED, INPUT_PRECISION, FMA)
     elif heads == 1:
         # One head: its amax and its cast from the same registers, one read of the block.
         y = _block_values(X, r, rows, row_ok, stride_xm, inv_sqrt_d, HEAD_DIM, ROTATE, INPUT_PRECISION)
         descale = _block_scale(DESCALE, tl.max(tl.abs(y)), MODE)
         if MODE == "compute":
-            _store_block(X8, y, descale, rows, row_ok, stride_8m, stride_8d, HEAD_DIM, TRANSPOSED)
+            _store_block(X8, y, descale, rows, row_ok, stride_8m, stride_8d, HEAD_DIM, TRANSPOSED, FMA)
     else:
         # A GQA group shares the scale: every head's amax first, then every head's cast (a second read).
         amax = 0.0
@@ -111,18 +134,18 @@ def _quantize_block(X, X8, DESCALE, R, row0, n_rows, heads, stride_xm, stride_xh
         descale = _block_scale(DESCALE, amax, MODE)
         if MODE == "compute":
             _cast_block(X, X8, descale, r, rows, row_ok, heads, stride_xm, stride_xh, stride_8m, stride_8h,
-                        stride_8d, inv_sqrt_d, HEAD_DIM, ROTATE, TRANSPOSED, INPUT_PRECISION)
+                        stride_8d, inv_sqrt_d, HEAD_DIM, ROTATE, TRANSPOSED, INPUT_PRECISION, FMA)
 
 
 @triton.jit
 def _cast_block(X, X8, descale, r, rows, row_ok, heads, stride_xm, stride_xh, stride_8m, stride_8h, stride_8d,
                 inv_sqrt_d, HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr, TRANSPOSED: tl.constexpr,
-                INPUT_PRECISION: tl.constexpr):
+                INPUT_PRECISION: tl.constexpr, FMA: tl.constexpr):
     """Each head's (rotated) rows ``rows`` of X, divided by ``descale``, saturated and cast into X8."""
     for h in range(heads):
         y = _block_values(X + h * stride_xh, r, rows, row_ok, stride_xm, inv_sqrt_d, HEAD_DIM, ROTATE,
                           INPUT_PRECISION)
-        _store_block(X8 + h * stride_8h, y, descale, rows, row_ok, stride_8m, stride_8d, HEAD_DIM, TRANSPOSED)
+        _store_block(X8 + h * stride_8h, y, descale, rows, row_ok, stride_8m, stride_8d, HEAD_DIM, TRANSPOSED, FMA)
 
 
 @triton.jit
@@ -134,7 +157,7 @@ def quantize_fp8(Q, K, V, Q8, K8, VT8, Q_DESCALE, K_DESCALE, V_DESCALE, V_AMAX, 
                  stride_vab, stride_vah,
                  seqlen_q, seqlen_k, total_q, total_k, nheads_kv, group, inv_sqrt_d,
                  HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROTATE: tl.constexpr, QK_MODE: tl.constexpr,
-                 V_MODE: tl.constexpr, VARLEN: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                 V_MODE: tl.constexpr, VARLEN: tl.constexpr, INPUT_PRECISION: tl.constexpr, FMA: tl.constexpr):
     """Descales are indexed ``(b, kv_head, block)`` by their strides (a per-tensor descale comes with a block
     stride of 0); q's query heads ``[g * group, (g + 1) * group)`` share KV head ``g``'s. ``VARLEN``: the rows of
     sequence ``b`` start at ``cu_seqlens[b]`` of packed tensors (batch strides 0) and blocks count from that
@@ -157,7 +180,7 @@ def quantize_fp8(Q, K, V, Q8, K8, VT8, Q_DESCALE, K_DESCALE, V_DESCALE, V_AMAX, 
                                 Q_DESCALE + off_b * stride_qdb + head * stride_qdh + blk * stride_qdm,
                                 R, blk * BLOCK, seqlen_q, group, stride_qm, stride_qh,
                                 stride_q8m, stride_q8h, 1, inv_sqrt_d, HEAD_DIM, BLOCK, ROTATE, QK_MODE, False,
-                                INPUT_PRECISION)
+                                INPUT_PRECISION, FMA)
     else:
         head_kv = head - nheads_kv
         if blk * BLOCK < tl.maximum(seqlen_k, 1):
@@ -166,7 +189,7 @@ def quantize_fp8(Q, K, V, Q8, K8, VT8, Q_DESCALE, K_DESCALE, V_DESCALE, V_AMAX, 
                                 K8 + off_b * stride_k8b + head_kv * stride_k8h + k_start.to(tl.int64) * stride_k8m,
                                 K_DESCALE + off_b * stride_kdb + head_kv * stride_kdh + blk * stride_kdm,
                                 R, blk * BLOCK, seqlen_k, 1, stride_km, 0, stride_k8m,
-                                0, 1, inv_sqrt_d, HEAD_DIM, BLOCK, ROTATE, QK_MODE, False, INPUT_PRECISION)
+                                0, 1, inv_sqrt_d, HEAD_DIM, BLOCK, ROTATE, QK_MODE, False, INPUT_PRECISION, FMA)
             if V_MODE == "reduce":
                 v_descale = _reduced_descale(V_AMAX + off_b * stride_vab + head_kv * stride_vah,
                                              tl.cdiv(tl.maximum(seqlen_k, 1), BLOCK), BLOCK)
@@ -176,11 +199,11 @@ def quantize_fp8(Q, K, V, Q8, K8, VT8, Q_DESCALE, K_DESCALE, V_DESCALE, V_AMAX, 
                 _cast_block(V + off_b * stride_vb + head_kv * stride_vh + k_start.to(tl.int64) * stride_vm,
                             VT8 + off_b * stride_vtb + head_kv * stride_vth + k_start.to(tl.int64) * stride_vtm,
                             v_descale, R, rows, rows < seqlen_k, 1, stride_vm, 0, 1, 0, stride_vtd, inv_sqrt_d,
-                            HEAD_DIM, False, True, INPUT_PRECISION)
+                            HEAD_DIM, False, True, INPUT_PRECISION, FMA)
             elif V_MODE != "skip":
                 # v: never rotated; its rows become the columns of VT8.
                 _quantize_block(V + off_b * stride_vb + head_kv * stride_vh + k_start.to(tl.int64) * stride_vm,
                                 VT8 + off_b * stride_vtb + head_kv * stride_vth + k_start.to(tl.int64) * stride_vtm,
                                 V_DESCALE + off_b * stride_vdb + head_kv * stride_vdh + blk * stride_vdm, R,
                                 blk * BLOCK, seqlen_k, 1, stride_vm, 0, 1, 0, stride_vtd, inv_sqrt_d,
-                                HEAD_DIM, BLOCK, False, V_MODE, True, INPUT_PRECISION)
+                                HEAD_DIM, BLOCK, False, V_MODE, True, INPUT_PRECISION, FMA)

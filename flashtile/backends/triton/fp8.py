@@ -41,6 +41,12 @@ PER_BLOCK_DESCALES = True
 #   128  (128, 4, False)       745/651; (128, 3, False) 755/649, (128, 2, False) 750/648, (64, 4, True) 564/511
 #   256  (64, 2, False)        916/784; (64, 4, False) 880/779, (64, 3, False) 881/773, (128, 2, False) 441/373
 FP8_TILES = {64: (128, 4, True), 128: (128, 4, False), 256: (64, 2, False)}
+# The two consumers take turns issuing their matmuls (kernels/fwd_sm90_ws.py PINGPONG), so each one's softmax
+# runs under the other's wgmmas. By SASS (sm_90 compile, a 128-key block at d128, per consumer warp): the
+# wgmmas take ~512 cycles of the SM's tensor cores at the FP8 rate, the softmax ~500 issue cycles and 528 of
+# MUFU (66 ex2 at 8 cycles a warp); the H200's 2571 cycles a block (756 TF/s, 16k, at 4664c6d) are about
+# their sum, the two consumers' softmaxes running side by side. Not yet timed on a GPU.
+FP8_PINGPONG = True
 QUERY_ROWS = 64
 # The consumers' registers after ``setmaxnreg`` and the cap the kernel is compiled under, as for the bf16
 # warp-specialized forward (launch._WS_CONSUMER_REGS): 2 x 4 warps at 240 and the producer warp at 24.
@@ -168,11 +174,11 @@ def forward_fp8_sm90(q, k, v_t, q_descale, k_descale, v_descale, out, lse, args:
                     stride_om=out.stride(1), stride_oh=out.stride(2), stride_lse_b=stride_lse_b,
                     stride_lse_h=stride_lse_h, seqlen_q=seqlen_q, seqlen_k=seqlen_k, group=nheads // nheads_kv,
                     nheads=nheads, num_tiles=tiles, MASK_LEFT=args.window_left >= 0, MASK_RIGHT=causal,
-                    SOFTCAP=args.softcap > 0, K_BLOCKS=k_descale.dim() == 3, TWO_LEVEL=two_level, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, num_warps=4,
-                    maxnreg=MAXNREG)
+                    SOFTCAP=args.softcap > 0, K_BLOCKS=k_descale.dim() == 3, TWO_LEVEL=two_level, STAGES=stages,
+                    CONSUMER_REGS=CONSUMER_REGS, PINGPONG=FP8_PINGPONG, num_warps=4, maxnreg=MAXNREG)
 
     key = (tuple((t.shape, t.stride()) for t in (q, k, v_t, q_descale, k_descale, v_descale, out, lse)), q.device,
-           args.window_left, args.window_right, args.softcap > 0, ctas, FP8_TILES[head_dim])
+           args.window_left, args.window_right, args.softcap > 0, ctas, FP8_TILES[head_dim], FP8_PINGPONG)
     with on_device(q):
         _FWD_FP8(key, (ctas, ), dict(**descriptors(q, k, v_t, head_dim), O=out, LSE=lse, Q_DESCALE=q_descale,
                                      K_DESCALE=k_descale, V_DESCALE=v_descale, qk_scale=qk_scale,

@@ -4,10 +4,12 @@ For the flashtile tree on PYTHONPATH: at each shape of ``python -m flashtile ben
 N 4k/8k/16k, causal and not, B = 16384 // N, H = 2048 // d) it quantizes bf16 inputs as the bench does
 (``quant.quantize``), checks the FP8 kernel's output and lse on the first heads of batch row 0 against float32
 attention of the *dequantized* inputs (so only the kernel's own rounding counts: tests/test_fwd_fp8_sm90.py's
-bounds), then times it with ``triton.testing.do_bench``, with each ``--pingpong`` setting (``FP8_PINGPONG``, where
-the tree has it) interleaved round by round, and the bf16 forward once for the ratio. One line a shape.
+bounds), then times it with ``triton.testing.do_bench``, each variant interleaved round by round, and the bf16 forward
+once for the ratio. One line a shape. Variants (where the tree has ``FP8_PINGPONG``): ``pp1``/``pp0`` pingpong
+on/off; with ``--d256-n128`` also ``n128`` at d256: 128-key blocks, 2 stages, pingpong on.
 
-    python scratch/fp8_fwd_ab.py                      # both pingpong settings where the tree has the switch
+    python scratch/fp8_fwd_ab.py --d256-n128         # branch: pp1, pp0 (+ n128 at d256)
+    python scratch/fp8_fwd_ab.py                     # main (no switch): the tree's kernel as it is
     python scratch/fp8_fwd_ab.py --dims 128 --seqlens 16384 --rounds 5
 """
 import argparse
@@ -54,18 +56,34 @@ def check(out, lse, ref_out, ref_lse, head_dim: int) -> str:
     return ", ".join(bad), rel, lse_err
 
 
+DEFAULTS = {}
+
+
+def apply(variant: dict, head_dim: int) -> None:
+    """Set the launcher's pingpong and tile of ``head_dim`` to ``variant``'s (the tree's own where it names none)."""
+    if not hasattr(fp8_launch, "FP8_PINGPONG"):
+        return
+    defaults = DEFAULTS.setdefault(head_dim, (fp8_launch.FP8_PINGPONG[head_dim], fp8_launch.FP8_TILES[head_dim]))
+    fp8_launch.FP8_PINGPONG[head_dim] = variant.get("pingpong", defaults[0])
+    fp8_launch.FP8_TILES[head_dim] = variant.get("tile", defaults[1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dims", type=int, nargs="+", default=list(HEAD_DIMS))
     parser.add_argument("--seqlens", type=int, nargs="+", default=list(SEQLENS))
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds a variant")
-    parser.add_argument("--pingpong", type=int, nargs="+", default=None,
-                        help="FP8_PINGPONG values to compare (default: 1 0 where the tree has the switch)")
+    parser.add_argument("--pingpong", type=int, nargs="+", default=[1, 0], help="FP8_PINGPONG settings to compare")
+    parser.add_argument("--d256-n128", action="store_true", help="also d256 with (128, 2, False) tiles, pingpong")
     args = parser.parse_args()
     has_switch = hasattr(fp8_launch, "FP8_PINGPONG")
-    variants = args.pingpong if args.pingpong is not None else ([1, 0] if has_switch else [None])
-    print(f"flashtile {flashtile.__file__} on {torch.cuda.get_device_name()}; variants pingpong={variants}")
+    print(f"flashtile {flashtile.__file__} on {torch.cuda.get_device_name()}; pingpong switch: {has_switch}")
     for head_dim in args.dims:
+        variants = {"fp8": {}}
+        if has_switch:
+            variants = {f"pp{v}": {"pingpong": bool(v)} for v in args.pingpong}
+            if head_dim == 256 and args.d256_n128:
+                variants["n128"] = {"pingpong": True, "tile": (128, 2, False)}
         for seqlen in args.seqlens:
             for causal in (False, True):
                 batch, nheads = TOKENS // seqlen, WIDTH // head_dim
@@ -77,22 +95,21 @@ def main() -> None:
                 flops = common.fwd_flops(batch, nheads, seqlen, head_dim, causal)
                 cells = []
                 runs = {}
-                for variant in variants:
-                    if variant is not None:
-                        fp8_launch.FP8_PINGPONG = bool(variant)
+                for name, variant in variants.items():
+                    apply(variant, head_dim)
                     out, lse = fp8.attention(*quantized, attn, v_transposed=True)
                     torch.cuda.synchronize()
                     bad, rel, lse_err = check(out, lse, ref_out, ref_lse, head_dim)
-                    name = "fp8" if variant is None else f"pp{variant}"
                     cells.append(f"{name} rel {rel:.4f} lse {lse_err:.2e}{' WRONG: ' + bad if bad else ''}")
                     if not bad:
-                        runs[name] = (variant, lambda: fp8.attention(*quantized, attn, v_transposed=True))
+                        runs[name] = variant
+                fn = lambda: fp8.attention(*quantized, attn, v_transposed=True)  # noqa: E731
                 times = {name: [] for name in runs}
                 for _ in range(args.rounds):
-                    for name, (variant, fn) in runs.items():
-                        if variant is not None:
-                            fp8_launch.FP8_PINGPONG = bool(variant)
+                    for name, variant in runs.items():
+                        apply(variant, head_dim)
                         times[name].append(triton.testing.do_bench(fn, warmup=10, rep=50))
+                apply({}, head_dim)
                 bf16_ms = triton.testing.do_bench(lambda: flashtile.flash_attn_func(q, k, v, causal=causal),
                                                   warmup=10, rep=50)
                 line = [f"d{head_dim} N{seqlen} B{batch} H{nheads} {'causal' if causal else 'full  '}",
@@ -102,8 +119,6 @@ def main() -> None:
                     line.append(f"{name} {common.tflops(flops, ms):6.1f} TF/s ({bf16_ms / ms:.2f}x bf16)")
                 print(" | ".join(line + cells), flush=True)
                 del q, k, v, quantized
-    if has_switch:
-        fp8_launch.FP8_PINGPONG = True
 
 
 if __name__ == "__main__":

@@ -41,12 +41,13 @@ PER_BLOCK_DESCALES = True
 #   128  (128, 4, False)       745/651; (128, 3, False) 755/649, (128, 2, False) 750/648, (64, 4, True) 564/511
 #   256  (64, 2, False)        916/784; (64, 4, False) 880/779, (64, 3, False) 881/773, (128, 2, False) 441/373
 FP8_TILES = {64: (128, 4, True), 128: (128, 4, False), 256: (64, 2, False)}
-# The two consumers take turns issuing their matmuls (kernels/fwd_sm90_ws.py PINGPONG), so each one's softmax
-# runs under the other's wgmmas. By SASS (sm_90 compile, a 128-key block at d128, per consumer warp): the
-# wgmmas take ~512 cycles of the SM's tensor cores at the FP8 rate, the softmax ~500 issue cycles and 528 of
-# MUFU (66 ex2 at 8 cycles a warp); the H200's 2571 cycles a block (756 TF/s, 16k, at 4664c6d) are about
-# their sum, the two consumers' softmaxes running side by side. Not yet timed on a GPU.
-FP8_PINGPONG = True
+# By head dim: the two consumers take turns issuing their matmuls (kernels/fwd_sm90_ws.py PINGPONG), so each
+# one's softmax runs under the other's wgmmas. SASS of the sm_90 compile, a 128-key block at d128, one consumer
+# warp: its wgmmas take ~512 cycles of the SM's tensor cores at the FP8 rate, its softmax ~520 issue cycles and
+# 528 of MUFU (66 ex2, 8 cycles a warp each); the H200's ~2570 cycles a block (756 TF/s at 16k, 4664c6d) are
+# about their sum: the consumers' softmaxes run side by side while the tensor cores wait. As FlashAttention-3,
+# FP8 d >= 128 only: d64's wgmmas take half the MUFU's time, nothing to hide them under. Not yet timed.
+FP8_PINGPONG = {64: False, 128: True, 256: True}
 QUERY_ROWS = 64
 # The consumers' registers after ``setmaxnreg`` and the cap the kernel is compiled under, as for the bf16
 # warp-specialized forward (launch._WS_CONSUMER_REGS): 2 x 4 warps at 240 and the producer warp at 24.
@@ -175,10 +176,10 @@ def forward_fp8_sm90(q, k, v_t, q_descale, k_descale, v_descale, out, lse, args:
                     stride_lse_h=stride_lse_h, seqlen_q=seqlen_q, seqlen_k=seqlen_k, group=nheads // nheads_kv,
                     nheads=nheads, num_tiles=tiles, MASK_LEFT=args.window_left >= 0, MASK_RIGHT=causal,
                     SOFTCAP=args.softcap > 0, K_BLOCKS=k_descale.dim() == 3, TWO_LEVEL=two_level, STAGES=stages,
-                    CONSUMER_REGS=CONSUMER_REGS, PINGPONG=FP8_PINGPONG, num_warps=4, maxnreg=MAXNREG)
+                    CONSUMER_REGS=CONSUMER_REGS, PINGPONG=FP8_PINGPONG[head_dim], num_warps=4, maxnreg=MAXNREG)
 
     key = (tuple((t.shape, t.stride()) for t in (q, k, v_t, q_descale, k_descale, v_descale, out, lse)), q.device,
-           args.window_left, args.window_right, args.softcap > 0, ctas, FP8_TILES[head_dim], FP8_PINGPONG)
+           args.window_left, args.window_right, args.softcap > 0, ctas, FP8_TILES[head_dim], FP8_PINGPONG[head_dim])
     with on_device(q):
         _FWD_FP8(key, (ctas, ), dict(**descriptors(q, k, v_t, head_dim), O=out, LSE=lse, Q_DESCALE=q_descale,
                                      K_DESCALE=k_descale, V_DESCALE=v_descale, qk_scale=qk_scale,

@@ -33,7 +33,9 @@ PER_BLOCK_DESCALES = True
 # 1k keys, 0.33% at 4k, 1.3% at 16k (two-level 0.013%), against P's own e4m3 rounding of about 2.2%.
 # d128 keeps 128 keys one-level (FA3's numerics, the larger tile) until a GPU run weighs it against (64, 4, True).
 # d128 128 keys one-level: no loop spills (one 8-byte stack slot outside it), 164 KB; d256 128 keys spills 509
-# STL, 64 keys none, 197 KB.
+# STL, 64 keys none, 197 KB. With PINGPONG (P made the e4m3 operand before S_j's wgmma, so float32 P and S_j are
+# never live together) d256 128 keys keeps 10 STL a kernel, none in the unmasked loop (596 SASS instructions a
+# 128-key block per consumer warp, against 2 x 411 for 64 keys): a tile for the next GPU sweep.
 # H200 sweep (2x8192, bf16 inputs quantized, FP8 kernel TFLOP/s full / causal; sweep script in commit
 # 4b46fb9, results/h200-fp8-tiles-d64-fwd-2026-11-27-00699c6.json):
 #   d    tile (BLOCK_N, STAGES, TWO_LEVEL)                        evidence

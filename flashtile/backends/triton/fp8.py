@@ -34,8 +34,8 @@ PER_BLOCK_DESCALES = True
 # d128 keeps 128 keys one-level (FA3's numerics, the larger tile) until a GPU run weighs it against (64, 4, True).
 # d128 128 keys one-level: no loop spills (one 8-byte stack slot outside it), 164 KB; d256 128 keys spills 509
 # STL, 64 keys none, 197 KB. With PINGPONG (P made the e4m3 operand before S_j's wgmma, so float32 P and S_j are
-# never live together) d256 128 keys keeps 11 STL (6 and 4 a consumer), none in the unmasked loop (596 SASS instructions a
-# 128-key block per consumer warp, against 2 x 411 for 64 keys): a tile for the next GPU sweep.
+# never live together) d256 128 keys keeps 11 STL (6 and 4 a consumer), none in the unmasked loop (596 SASS
+# instructions a 128-key block per consumer warp, against 2 x 411 for 64 keys): a tile for the next GPU sweep.
 # H200 sweep (2x8192, bf16 inputs quantized, FP8 kernel TFLOP/s full / causal; sweep script in commit
 # 4b46fb9, results/h200-fp8-tiles-d64-fwd-2026-11-27-00699c6.json):
 #   d    tile (BLOCK_N, STAGES, TWO_LEVEL)                        evidence

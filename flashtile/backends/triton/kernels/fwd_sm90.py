@@ -244,7 +244,8 @@ def store_rows(acc, m_i, l_i, offs_m, O, LSE, off_b, off_h, first_row, q_start, 
 
 
 @gluon.jit
-def _softmax_step(qk, s, m_i, qk_scale, MODIFIED: gl.constexpr, FIXED_MAX: gl.constexpr, P_LOG2: gl.constexpr = 0.0):
+def _softmax_step(qk, s, m_i, qk_scale, MODIFIED: gl.constexpr, FIXED_MAX: gl.constexpr,
+                  P_LOG2: gl.constexpr = 0.0):
     """``softmax_step``, or with ``FIXED_MAX`` the probabilities against the row max ``m_i`` held fixed."""
     if FIXED_MAX:
         p = gl.exp2(s - shift_max(m_i, P_LOG2)[:, None])

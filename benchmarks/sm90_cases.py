@@ -129,5 +129,5 @@ def _fwd_fp8_case(causal: bool, softcap: bool, window: bool, head_dim: int, bloc
     _, stages, two_level = fp8.FP8_TILES[head_dim]
     constexprs = dict(MASK_LEFT=window, MASK_RIGHT=causal, SOFTCAP=softcap, K_BLOCKS=blocks, TWO_LEVEL=two_level,
                       STAGES=stages,
-                      CONSUMER_REGS=fp8.CONSUMER_REGS, num_warps=4)
+                      CONSUMER_REGS=fp8.CONSUMER_REGS, PINGPONG=fp8.FP8_PINGPONG[head_dim], num_warps=4)
     return fp8.attn_fwd_sm90_fp8, args, constexprs, dict(num_warps=4, maxnreg=fp8.MAXNREG)

@@ -204,6 +204,24 @@ def test_fp8_repeatable(rng, mode):
         assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
 
 
+@hopper
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("mode", ["full", "causal", "window"])
+def test_fp8_pingpong_same_bits(rng, monkeypatch, head_dim, mode):
+    """The consumers' turns (fp8.FP8_PINGPONG) change when each issues its matmuls, not what they compute: with
+    and without them the output and lse have the same bits. 4133 rows of batch 2 x 8 heads are 528 tiles, several
+    a CTA (turn phases carried across tiles); causal and window tiles give the two consumers different key blocks
+    (turns taken on blocks released unread)."""
+    options = MODES[mode]
+    inputs, deq = fp8_inputs(rng, 2, 4133, 4133, 8, 2, head_dim)
+    monkeypatch.setitem(fp8.FP8_PINGPONG, head_dim, True)
+    out, lse = run(inputs, 4133, **options)
+    check(out, lse, deq, **options)
+    monkeypatch.setitem(fp8.FP8_PINGPONG, head_dim, False)
+    plain = run(inputs, 4133, **options)
+    assert torch.equal(out, plain[0]) and torch.equal(lse, plain[1])
+
+
 def test_fp8_supported_reasons():
     """Calls the kernel lacks get a reason (no GPU needed)."""
     args = AttnArgs(softmax_scale=0.1)

@@ -33,7 +33,9 @@ PER_BLOCK_DESCALES = True
 # 1k keys, 0.33% at 4k, 1.3% at 16k (two-level 0.013%), against P's own e4m3 rounding of about 2.2%.
 # d128 keeps 128 keys one-level (FA3's numerics, the larger tile) until a GPU run weighs it against (64, 4, True).
 # d128 128 keys one-level: no loop spills (one 8-byte stack slot outside it), 164 KB; d256 128 keys spills 509
-# STL, 64 keys none, 197 KB.
+# STL, 64 keys none, 197 KB. With PINGPONG (P made the e4m3 operand before S_j's wgmma, so float32 P and S_j are
+# never live together) d256 128 keys keeps 11 STL (6 and 4 a consumer), none in the unmasked loop (596 SASS
+# instructions a 128-key block per consumer warp, against 2 x 411 for 64 keys): a tile for the next GPU sweep.
 # H200 sweep (2x8192, bf16 inputs quantized, FP8 kernel TFLOP/s full / causal; sweep script in commit
 # 4b46fb9, results/h200-fp8-tiles-d64-fwd-2026-11-27-00699c6.json):
 #   d    tile (BLOCK_N, STAGES, TWO_LEVEL)                        evidence
@@ -41,6 +43,13 @@ PER_BLOCK_DESCALES = True
 #   128  (128, 4, False)       745/651; (128, 3, False) 755/649, (128, 2, False) 750/648, (64, 4, True) 564/511
 #   256  (64, 2, False)        916/784; (64, 4, False) 880/779, (64, 3, False) 881/773, (128, 2, False) 441/373
 FP8_TILES = {64: (128, 4, True), 128: (128, 4, False), 256: (64, 2, False)}
+# By head dim: the two consumers take turns issuing their matmuls (kernels/fwd_sm90_ws.py PINGPONG), so each
+# one's softmax runs under the other's wgmmas. SASS of the sm_90 compile, a 128-key block at d128, one consumer
+# warp: its wgmmas take ~512 cycles of the SM's tensor cores at the FP8 rate, its softmax ~520 issue cycles and
+# 528 of MUFU (66 ex2, 8 cycles a warp each); the H200's ~2570 cycles a block (756 TF/s at 16k, 4664c6d) are
+# about their sum: the consumers' softmaxes run side by side while the tensor cores wait. As FlashAttention-3,
+# FP8 d >= 128 only: d64's wgmmas take half the MUFU's time, nothing to hide them under. Not yet timed.
+FP8_PINGPONG = {64: False, 128: True, 256: True}
 QUERY_ROWS = 64
 # The consumers' registers after ``setmaxnreg`` and the cap the kernel is compiled under, as for the bf16
 # warp-specialized forward (launch._WS_CONSUMER_REGS): 2 x 4 warps at 240 and the producer warp at 24.
@@ -168,11 +177,11 @@ def forward_fp8_sm90(q, k, v_t, q_descale, k_descale, v_descale, out, lse, args:
                     stride_om=out.stride(1), stride_oh=out.stride(2), stride_lse_b=stride_lse_b,
                     stride_lse_h=stride_lse_h, seqlen_q=seqlen_q, seqlen_k=seqlen_k, group=nheads // nheads_kv,
                     nheads=nheads, num_tiles=tiles, MASK_LEFT=args.window_left >= 0, MASK_RIGHT=causal,
-                    SOFTCAP=args.softcap > 0, K_BLOCKS=k_descale.dim() == 3, TWO_LEVEL=two_level, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, num_warps=4,
-                    maxnreg=MAXNREG)
+                    SOFTCAP=args.softcap > 0, K_BLOCKS=k_descale.dim() == 3, TWO_LEVEL=two_level, STAGES=stages,
+                    CONSUMER_REGS=CONSUMER_REGS, PINGPONG=FP8_PINGPONG[head_dim], num_warps=4, maxnreg=MAXNREG)
 
     key = (tuple((t.shape, t.stride()) for t in (q, k, v_t, q_descale, k_descale, v_descale, out, lse)), q.device,
-           args.window_left, args.window_right, args.softcap > 0, ctas, FP8_TILES[head_dim])
+           args.window_left, args.window_right, args.softcap > 0, ctas, FP8_TILES[head_dim], FP8_PINGPONG[head_dim])
     with on_device(q):
         _FWD_FP8(key, (ctas, ), dict(**descriptors(q, k, v_t, head_dim), O=out, LSE=lse, Q_DESCALE=q_descale,
                                      K_DESCALE=k_descale, V_DESCALE=v_descale, qk_scale=qk_scale,

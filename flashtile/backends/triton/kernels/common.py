@@ -398,23 +398,34 @@ def scores(qk, offs_q, offs_k, key0, seqlen_q, seqlen_k, qk_scale, softcap2, slo
 
 
 @triton.jit
-def softmax_step(qk, s, m_i, qk_scale, MODIFIED: tl.constexpr):
+def softmax_step(qk, s, m_i, qk_scale, MODIFIED: tl.constexpr, P_LOG2: tl.constexpr = 0.0):
     """One key block of the online softmax: ``(p, alpha, m_new)``, the block's probabilities under the
     new running row max and the factor that rescales what was accumulated under the old one.
 
     With ``MODIFIED`` ``s`` holds the finished log2 scores (masked pairs ``-inf``); otherwise the
-    scores are ``qk * qk_scale``, scaled here inside the max and the exp2 (one FMA per element)."""
+    scores are ``qk * qk_scale``, scaled here inside the max and the exp2 (one FMA per element).
+    ``P_LOG2``: p comes out times ``2**P_LOG2`` (an FP8 operand's range) from the row term the exp2 subtracts
+    anyway, so the scale costs no multiply an element."""
     if MODIFIED:
         m_ij = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no key yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN.
         m_ij_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-        p = tl.math.exp2(s - m_ij_safe[:, None])
+        p = tl.math.exp2(s - shift_max(m_ij_safe, P_LOG2)[:, None])
         alpha = tl.math.exp2(m_i - m_ij_safe)
     else:
         m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
+        p = tl.math.exp2(qk * qk_scale - shift_max(m_ij, P_LOG2)[:, None])
         alpha = tl.math.exp2(m_i - m_ij)
     return p, alpha, m_ij
+
+
+@triton.jit
+def shift_max(m, P_LOG2: tl.constexpr):
+    """The row term ``m - P_LOG2`` of a scaled exp2 (``m`` itself without a scale)."""
+    if P_LOG2 != 0.0:
+        return m - P_LOG2
+    else:
+        return m
 
 
 @triton.jit

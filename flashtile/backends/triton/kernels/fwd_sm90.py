@@ -33,7 +33,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .common import LOG2E, cache_sequence, kv_range, scores, sequence, softmax_step
+from .common import LOG2E, cache_sequence, kv_range, scores, sequence, shift_max, softmax_step
 
 LN2 = gl.constexpr(0.6931471805599453)
 
@@ -108,9 +108,10 @@ def _scale_tile(tile, scale, num_warps: gl.constexpr):
 @gluon.jit
 def _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n, start_n, masked, seqlen_q, seqlen_k, qk_scale, softcap2,
                    slope2, window_left, window_right, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, FIXED_MAX: gl.constexpr):
+                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, FIXED_MAX: gl.constexpr, P_LOG2: gl.constexpr = 0.0):
     """The online softmax of key block ``start_n``: ``(p, alpha, m_new, l_new)``; ``masked`` (uniform
-    across the program) says whether the block straddles a window edge or the sequence end.
+    across the program) says whether the block straddles a window edge or the sequence end. ``P_LOG2``
+    (without ALiBi): p, and so l, come out times ``2**P_LOG2`` (see softmax_step).
 
     ``FIXED_MAX``: softcap bounds the scores (``|s| <= softcap2``), so every row keeps the launcher's
     fixed max ``m_i`` (``fixed_row_max``): no max, no rescale."""
@@ -136,11 +137,11 @@ def _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n, start_n, masked, seq
     elif masked or LINEAR:
         s, _ = scores(qk, offs_m[:, None], offs_n[None, :], start_n, seqlen_q, seqlen_k, qk_scale, softcap2, slope2,
                       0, 0, 0, window_left, window_right, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, True, ALIBI, "")
-        p, alpha, m_new = _softmax_step(qk, s, m_i, qk_scale, True, FIXED_MAX)
+        p, alpha, m_new = _softmax_step(qk, s, m_i, qk_scale, True, FIXED_MAX, P_LOG2)
     else:
         s, _ = scores(qk, offs_m[:, None], offs_n[None, :], start_n, seqlen_q, seqlen_k, qk_scale, softcap2, slope2,
                       0, 0, 0, window_left, window_right, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, True, ALIBI, "")
-        p, alpha, m_new = _softmax_step(qk, s, m_i, qk_scale, SOFTCAP or ALIBI, FIXED_MAX)
+        p, alpha, m_new = _softmax_step(qk, s, m_i, qk_scale, SOFTCAP or ALIBI, FIXED_MAX, P_LOG2)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
 
@@ -243,14 +244,15 @@ def store_rows(acc, m_i, l_i, offs_m, O, LSE, off_b, off_h, first_row, q_start, 
 
 
 @gluon.jit
-def _softmax_step(qk, s, m_i, qk_scale, MODIFIED: gl.constexpr, FIXED_MAX: gl.constexpr):
+def _softmax_step(qk, s, m_i, qk_scale, MODIFIED: gl.constexpr, FIXED_MAX: gl.constexpr,
+                  P_LOG2: gl.constexpr = 0.0):
     """``softmax_step``, or with ``FIXED_MAX`` the probabilities against the row max ``m_i`` held fixed."""
     if FIXED_MAX:
-        p = gl.exp2(s - m_i[:, None])
+        p = gl.exp2(s - shift_max(m_i, P_LOG2)[:, None])
         alpha = gl.full_like(m_i, 1.0)
         m_new = m_i
     else:
-        p, alpha, m_new = softmax_step(qk, s, m_i, qk_scale, MODIFIED)
+        p, alpha, m_new = softmax_step(qk, s, m_i, qk_scale, MODIFIED, P_LOG2)
     return p, alpha, m_new
 
 

@@ -35,7 +35,8 @@ def attn_fwd_sm90_fp8(q_desc, k_desc, vt_desc, O, LSE, Q_DESCALE, K_DESCALE, V_D
                       softcap2, window_left, window_right, stride_ob, stride_om, stride_oh, stride_lse_b,
                       stride_lse_h, seqlen_q, seqlen_k, group, nheads, num_tiles, MASK_LEFT: gl.constexpr,
                       MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, K_BLOCKS: gl.constexpr, TWO_LEVEL: gl.constexpr,
-                      STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                      STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
+                      num_warps: gl.constexpr):
     """``q_desc``/``k_desc``: TMA descriptors of the FP8 ``(batch, seqlen, heads, headdim)`` inputs with
     ``[1, 64, 1, HEAD_DIM]`` (one consumer's rows) and ``[1, BLOCK_N, 1, HEAD_DIM]`` tiles; ``vt_desc``: of
     V^T ``(batch, heads_kv, headdim, seqlen_k)`` with ``[1, 1, HEAD_DIM, BLOCK_N]`` tiles. ``O``: bf16
@@ -57,4 +58,4 @@ def attn_fwd_sm90_fp8(q_desc, k_desc, vt_desc, O, LSE, Q_DESCALE, K_DESCALE, V_D
     run_partitions(q_desc, k_desc, vt_desc, vt_smem, O, LSE, LSE, LSE, 0, qk_scale, softcap2, 0.0, window_left,
                    window_right, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k,
                    group, nheads, num_tiles, descales, MASK_LEFT, MASK_RIGHT, SOFTCAP, False, False, False, False,
-                   STAGES, CONSUMER_REGS, True, K_BLOCKS, TWO_LEVEL, num_warps)
+                   STAGES, CONSUMER_REGS, True, K_BLOCKS, TWO_LEVEL, PINGPONG, num_warps)

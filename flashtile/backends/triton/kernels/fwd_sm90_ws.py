@@ -24,8 +24,17 @@ Q rows), ALiBi and a sink; no packed sequences or KV cache (the launcher takes f
 
 ``FP8`` (kernels/fwd_sm90_fp8.py's entry) runs the same partitions on float8_e4m3fn Q, K and V^T: the scores
 take the descales (:func:`_tile_scales`, :func:`_block_scale`), P enters the PV wgmma as e4m3 scaled by
-``P_SCALE`` (:func:`_p_operand`), V^T's slots are read K-major (:func:`_v_operand`), and O may be summed in
+448 (``P_LOG2``: from the exp2, no multiply), V^T's slots are read K-major (:func:`_v_operand`), and O may be summed in
 float32 a block at a time (:func:`_pv_mma`). With ``FP8`` off each of these is the 16-bit code as it was.
+
+``PINGPONG`` (FP8's entry sets it) orders the two consumers' matmuls, FlashAttention-3's scheduler barrier on
+two mbarriers: a consumer issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} only once the other has issued its
+pair for the ring position before, and passes the turn on as soon as its own are issued. Each consumer's
+softmax then runs under the other's matmuls instead of both softmaxes leaving the tensor cores idle together:
+at FP8's doubled matmul rate the softmax takes about as long as a consumer's two matmuls, so that overlap,
+not either one alone, sets the time a key block. P is converted to the operand before the turn is taken, so
+the turn is held only while the wgmmas are issued. Both consumers take a turn at every ring position of the
+tile, read or released unread, so their counts of turns stay equal.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -34,9 +43,10 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from .common import kv_range
 from .fwd_sm90 import _scale_tile, _softmax_block, _tile, row_start, store_rows, wgmma_layout
 
-# P (in [0, 1]) times 448, e4m3's largest finite value, spans the format's range before the FP8 cast; the
-# output's final scale takes 1/448 back (with V's descale).
-P_SCALE = gl.constexpr(448.0)
+# P (in [0, 1]) times 448, e4m3's largest finite value, spans the format's range before the FP8 cast. The
+# factor rides in the exp2's row term (exp2(s - m + log2 448)), so l sums the scaled P too and O / l takes it
+# back; only the lse subtracts it.
+P_LOG2 = gl.constexpr(8.807354922057604)
 # Per-block FP8 descales: one per DESCALE_BLOCK query rows (a CTA's tile) or keys (one or two key blocks).
 DESCALE_BLOCK = gl.constexpr(128)
 
@@ -80,14 +90,33 @@ def _slot(c, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _release_unread(k_ready, k_empty, v_ready, v_empty, c, STAGES: gl.constexpr):
+def _take_turn(turn, c, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """With ``PINGPONG``, wait for consumer ``WG``'s turn at ring position ``c``: the other consumer has issued
+    its matmuls of position ``c - 1`` (consumer 0) or ``c`` (consumer 1). ``turn.index(w)``'s phase ``c``
+    completes when consumer ``w`` may go at ``c`` (consumer 1 completes consumer 0's phase 0 at the start)."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(WG), c & 1)
+
+
+@gluon.jit
+def _pass_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """With ``PINGPONG``, hand the tensor cores to the other consumer (its next turn)."""
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WG), count=1)
+
+
+@gluon.jit
+def _release_unread(k_ready, k_empty, v_ready, v_empty, turn, c, STAGES: gl.constexpr, WG: gl.constexpr,
+                    PINGPONG: gl.constexpr):
     """Release ring position ``c`` without reading it: wait until it has landed (its slot's earlier use is
-    over), then count this consumer's release of K and V."""
+    over), then count this consumer's release of K and V; its turn is taken and passed on unused."""
     s, ph = _slot(c, STAGES)
     mbarrier.wait(k_ready.index(s), ph)
     mbarrier.arrive(k_empty.index(s), count=1)
     mbarrier.wait(v_ready.index(s), ph)
     mbarrier.arrive(v_empty.index(s), count=1)
+    _take_turn(turn, c, WG, PINGPONG)
+    _pass_turn(turn, WG, PINGPONG)
 
 
 @gluon.jit
@@ -95,7 +124,7 @@ def _tile_scales(descales, off_b, off_hk, start_m, qk_scale, FP8: gl.constexpr, 
     """The tile's score scale and output scale. With ``FP8`` ``descales`` holds the pointer and (batch, KV head,
     block) strides of Q's, K's and V's float32 descales (a block stride 0: one per batch row and KV head): Q K^T
     of the FP8 inputs times the descales of Q's tile ``start_m`` and of K is the dequantized product (K's per
-    key block, with ``K_BLOCKS``, in :func:`_block_scale`), and O takes ``v_descale / P_SCALE``."""
+    key block, with ``K_BLOCKS``, in :func:`_block_scale`), and O takes ``v_descale`` (P's 448 cancels in O / l)."""
     if FP8:
         (Q_DESCALE, stride_qds_b, stride_qds_h, stride_qds_m, K_DESCALE, stride_kds_b, stride_kds_h, _, V_DESCALE,
          stride_vds_b, stride_vds_h) = descales
@@ -104,7 +133,7 @@ def _tile_scales(descales, off_b, off_hk, start_m, qk_scale, FP8: gl.constexpr, 
         if not K_BLOCKS:
             score_scale = score_scale * gl.load(K_DESCALE + off_b * stride_kds_b + off_hk * stride_kds_h)
         v_ds = gl.load(V_DESCALE + off_b * stride_vds_b + off_hk * stride_vds_h)
-        return score_scale, v_ds / P_SCALE
+        return score_scale, v_ds
     else:
         return qk_scale, 1.0
 
@@ -121,12 +150,20 @@ def _block_scale(score_scale, descales, off_b, off_hk, start_n, K_BLOCKS: gl.con
         return score_scale
 
 
+@gluon.constexpr_function
+def p_log2(FP8):
+    """The exp2's scale of P (log2): FP8's 448, none for 16-bit P."""
+    return P_LOG2.value if FP8 else 0.0
+
+
 @gluon.jit
-def _p_operand(p, layout: gl.constexpr, dtype: gl.constexpr, FP8: gl.constexpr):
-    """P as the register A operand of the PV wgmma, in ``dtype``; FP8 P is scaled by ``P_SCALE`` first."""
-    if FP8:
-        p = p * P_SCALE
-    return gl.convert_layout(p.to(dtype), layout)
+def _p_operand(p, layout: gl.constexpr, dtype: gl.constexpr, CONVERT: gl.constexpr):
+    """P as the register A operand of the PV wgmma, in ``dtype``, converted here if ``CONVERT`` (else ``p``
+    already is: :func:`_consumer` converts it where the schedule wants, once)."""
+    if CONVERT:
+        return gl.convert_layout(p.to(dtype), layout)
+    else:
+        return p
 
 
 @gluon.jit
@@ -163,10 +200,11 @@ def _pv_done(acc, pv, TWO_LEVEL: gl.constexpr):
 @gluon.jit
 def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
               ALIBI: gl.constexpr, HAS_SINK: gl.constexpr, FIXED_MAX: gl.constexpr, FOLD_SCALE: gl.constexpr,
-              STAGES: gl.constexpr, FP8: gl.constexpr, K_BLOCKS: gl.constexpr, TWO_LEVEL: gl.constexpr):
-    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, O, LSE,
-     SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, row_max, window_left, window_right, stride_ob, stride_om,
-     stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, group, num_tiles, descales) = args
+              STAGES: gl.constexpr, FP8: gl.constexpr, K_BLOCKS: gl.constexpr, TWO_LEVEL: gl.constexpr,
+              PINGPONG: gl.constexpr):
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, O,
+     LSE, SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, row_max, window_left, window_right, stride_ob,
+     stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, group, num_tiles, descales) = args
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
@@ -177,7 +215,11 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=operand_width(dtype))
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    P_SHIFT: gl.constexpr = p_log2(FP8)
     num_m = gl.cdiv(seqlen_q, 2 * BLOCK_M)
+    if PINGPONG and WG == 1:
+        # Consumer 0 takes the first turn.
+        mbarrier.arrive(turn.index(0), count=1)
     base = 0
     i = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
@@ -185,7 +227,7 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
         lo, n, jb, je, first_row, full_lo, full_hi = _blocks(start_m, WG, seqlen_q, seqlen_k, window_left,
                                                              window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
         for j in range(0, jb):
-            _release_unread(k_ready, k_empty, v_ready, v_empty, base + j, STAGES)
+            _release_unread(k_ready, k_empty, v_ready, v_empty, turn, base + j, STAGES, WG, PINGPONG)
 
         offs_m = first_row + gl.arange(0, BLOCK_M, layout=rows_s)
         offs_n = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -209,24 +251,30 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
             start_n = lo + jb * BLOCK_N
             block_scale = _block_scale(score_scale, descales, off_b, off_hk, start_n, K_BLOCKS)
             mbarrier.wait(k_ready.index(s), ph)
+            _take_turn(turn, base + jb, WG, PINGPONG)
             qk = warpgroup_mma(q, _tile(k_smem, s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            _pass_turn(turn, WG, PINGPONG)
             qk = warpgroup_mma_wait(0, deps=(qk, ))
             mbarrier.arrive(k_empty.index(s), count=1)
             p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n + jb * BLOCK_N, start_n,
                                                 (start_n < full_lo) | (start_n >= full_hi), seqlen_q, seqlen_k,
                                                 block_scale, softcap2, slope2, window_left, window_right, MASK_LEFT,
-                                                MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX)
+                                                MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX, P_SHIFT)
             for j in range(jb + 1, je):
                 s, ph = _slot(base + j, STAGES)
                 prev, ph_prev = _slot(base + j - 1, STAGES)
                 start_n = lo + j * BLOCK_N
                 block_scale = _block_scale(score_scale, descales, off_b, off_hk, start_n, K_BLOCKS)
-                # S_j = Q K_j^T and O += P_{j-1} V_{j-1} both go to the tensor cores...
+                # S_j = Q K_j^T and O += P_{j-1} V_{j-1} both go to the tensor cores (with PINGPONG P is made
+                # the operand before the turn is taken, so the turn is held only while they are issued)...
+                p = _p_operand(p, p_layout, dtype, PINGPONG)
                 mbarrier.wait(k_ready.index(s), ph)
+                _take_turn(turn, base + j, WG, PINGPONG)
                 qk = warpgroup_mma(q, _tile(k_smem, s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 mbarrier.wait(v_ready.index(prev), ph_prev)
-                acc, pv = _pv_mma(_p_operand(p, p_layout, dtype, FP8), _v_operand(v_smem, prev, FP8), acc, pv_zero,
-                                  TWO_LEVEL)
+                acc, pv = _pv_mma(_p_operand(p, p_layout, dtype, not PINGPONG), _v_operand(v_smem, prev, FP8), acc,
+                                  pv_zero, TWO_LEVEL)
+                _pass_turn(turn, WG, PINGPONG)
                 # ...S_j is waited for alone (wgmma groups retire in order), and K_j's slot released.
                 qk = warpgroup_mma_wait(1, deps=(qk, ))
                 mbarrier.arrive(k_empty.index(s), count=1)
@@ -234,7 +282,7 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
                 p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n + j * BLOCK_N, start_n,
                                                     (start_n < full_lo) | (start_n >= full_hi), seqlen_q, seqlen_k,
                                                     block_scale, softcap2, slope2, window_left, window_right,
-                                                    MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX)
+                                                    MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX, P_SHIFT)
                 acc = _pv_done(acc, pv, TWO_LEVEL)
                 mbarrier.arrive(v_empty.index(prev), count=1)
                 if not FIXED_MAX:
@@ -242,28 +290,30 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
                     acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
             last, ph_last = _slot(base + je - 1, STAGES)
             mbarrier.wait(v_ready.index(last), ph_last)
-            acc, pv = _pv_mma(_p_operand(p, p_layout, dtype, FP8), _v_operand(v_smem, last, FP8), acc, pv_zero,
+            acc, pv = _pv_mma(_p_operand(p, p_layout, dtype, True), _v_operand(v_smem, last, FP8), acc, pv_zero,
                               TWO_LEVEL)
             acc = _pv_done(acc, pv, TWO_LEVEL)
             mbarrier.arrive(v_empty.index(last), count=1)
         # This Q buffer is free for the tile after next.
         mbarrier.arrive(q_empty.index(qb), count=1)
         for j in range(je, n):
-            _release_unread(k_ready, k_empty, v_ready, v_empty, base + j, STAGES)
+            _release_unread(k_ready, k_empty, v_ready, v_empty, turn, base + j, STAGES, WG, PINGPONG)
         base += n
         i += 1
 
         if FP8:
             acc = acc * out_scale
+            # l summed P times 448: the lse takes it out.
+            m_i = m_i - P_LOG2
         store_rows(acc, m_i, l_i, offs_m, O, LSE, off_b, off_h, first_row, 0, seqlen_q, stride_ob, stride_om,
                    stride_oh, stride_lse_b, stride_lse_h, O.dtype.element_ty)
 
 
 @gluon.jit
 def _producer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr):
-    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, O, LSE,
-     SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, row_max, window_left, window_right, stride_ob, stride_om,
-     stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, group, num_tiles, descales) = args
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, O,
+     LSE, SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, row_max, window_left, window_right, stride_ob,
+     stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, group, num_tiles, descales) = args
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     num_m = gl.cdiv(seqlen_q, 2 * BLOCK_M)
@@ -319,7 +369,7 @@ def attn_fwd_sm90_ws(q_desc, k_desc, v_desc, O, LSE, SINK, ALIBI_SLOPES, stride_
     run_partitions(q_desc, k_desc, v_desc, v_smem, O, LSE, SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2,
                    row_max, window_left, window_right, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h,
                    seqlen_q, seqlen_k, group, nheads, num_tiles, descales, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
-                   HAS_SINK, FIXED_MAX, FOLD_SCALE, STAGES, CONSUMER_REGS, False, False, False, num_warps)
+                   HAS_SINK, FIXED_MAX, FOLD_SCALE, STAGES, CONSUMER_REGS, False, False, False, False, num_warps)
 
 
 @gluon.jit
@@ -329,10 +379,11 @@ def run_partitions(q_desc, k_desc, v_desc, v_smem, O, LSE, SINK, ALIBI_SLOPES, s
                    MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, HAS_SINK: gl.constexpr,
                    FIXED_MAX: gl.constexpr, FOLD_SCALE: gl.constexpr, STAGES: gl.constexpr,
                    CONSUMER_REGS: gl.constexpr, FP8: gl.constexpr, K_BLOCKS: gl.constexpr, TWO_LEVEL: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   PINGPONG: gl.constexpr, num_warps: gl.constexpr):
     """The CTA's shared memory, barriers and partitions, around the V ring ``v_smem`` the kernel allocated
     (its layout is the kernel's: V's rows, or with ``FP8`` V^T's). ``K_BLOCKS``, ``TWO_LEVEL``: FP8's per-block K
-    descales and block-wise float32 sum of O (:func:`_block_scale`, :func:`_pv_mma`)."""
+    descales and block-wise float32 sum of O (:func:`_block_scale`, :func:`_pv_mma`); ``PINGPONG``: the consumers
+    take turns issuing their matmuls (:func:`_take_turn`)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
@@ -348,6 +399,7 @@ def run_partitions(q_desc, k_desc, v_desc, v_smem, O, LSE, SINK, ALIBI_SLOPES, s
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for b in gl.static_range(4):
         mbarrier.init(q_ready.index(b), count=1)
     for b in gl.static_range(2):
@@ -358,12 +410,16 @@ def run_partitions(q_desc, k_desc, v_desc, v_smem, O, LSE, SINK, ALIBI_SLOPES, s
         # Both consumers release every slot, read or not.
         mbarrier.init(k_empty.index(b), count=2)
         mbarrier.init(v_empty.index(b), count=2)
-    args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, O,
-            LSE, SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, row_max, window_left, window_right, stride_ob,
-            stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, group, num_tiles, descales)
+    if PINGPONG:
+        for w in gl.static_range(2):
+            mbarrier.init(turn.index(w), count=1)
+    args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+            turn, O, LSE, SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, row_max, window_left, window_right,
+            stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, group, num_tiles,
+            descales)
     gl.warp_specialize([(_consumer, (args, 0, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_SINK, FIXED_MAX, FOLD_SCALE,
-                                     STAGES, FP8, K_BLOCKS, TWO_LEVEL)),
+                                     STAGES, FP8, K_BLOCKS, TWO_LEVEL, PINGPONG)),
                         (_consumer, (args, 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_SINK, FIXED_MAX, FOLD_SCALE,
-                                     STAGES, FP8, K_BLOCKS, TWO_LEVEL)),
+                                     STAGES, FP8, K_BLOCKS, TWO_LEVEL, PINGPONG)),
                         (_producer, (args, MASK_LEFT, MASK_RIGHT, STAGES, FP8))], [4, 1],
                        [CONSUMER_REGS, 24])

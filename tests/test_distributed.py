@@ -353,6 +353,60 @@ def test_ring_backward_schedule(world, monkeypatch):
     assert backward[-1] == ("reverse", dkv), backward
 
 
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=_INTERPRETER_ONLY), pytest.param("cuda", marks=_gpus(1))])
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_repeat_is_launches_alone(world, device, monkeypatch):
+    """A ring call like an earlier one (same shapes, options and group) skips validation and dispatch, and runs each
+    block as its first call's recorded launches (the Triton backend; the interpreter on CPU): no dispatcher call
+    and no call into the backend's forward or backward, the same stats as the first call, the same results."""
+    from flashtile import dispatch as dispatch_module, validation
+    from flashtile.backends.triton import launch
+    from flashtile.distributed import engine, ring as ring_module
+
+    monkeypatch.setattr(ring_module, "Ring", lambda group: _RecordingRing(world))
+    monkeypatch.setattr(ring_module, "group_size_rank", lambda group: (world, 0))
+    monkeypatch.setattr(ring_module, "check_same_across", lambda *args: None)
+    counts = {}
+
+    def counting(name, fn):
+        def counted(*args, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
+            return fn(*args, **kwargs)
+        return counted
+
+    monkeypatch.setattr(engine, "dispatch", counting("dispatch", dispatch_module.dispatch))
+    monkeypatch.setattr(validation, "attn_args", counting("attn_args", validation.attn_args))
+    for name in ("forward", "backward"):
+        monkeypatch.setattr(launch, name, counting(name, getattr(launch, name)))
+    # Zigzag chunks of 19 rows (38 a rank) on CPU, 300 on a GPU (its Hopper kernels): blocks over some rows and
+    # some keys at every step.
+    dtype, seqlen, headdim = (torch.bfloat16, 600, 128) if device == "cuda" else (torch.float16, 38, 16)
+    q, k, v = testing.make_qkv(1, seqlen, seqlen, 4, 2, headdim, dtype, device,
+                               generator=torch.Generator().manual_seed(world))
+    dout = testing.random_like(q, torch.Generator().manual_seed(1))
+    results, calls, stats = [], [], []
+    for _ in range(2):
+        counts.clear()
+        flashtile.reset_stats()
+        for x in (q, k, v):
+            x.grad = None
+        with force_backend("triton"):
+            out = ring_attention(q, k, v, causal=True)
+            out.backward(dout)
+        results.append([out.detach(), q.grad, k.grad, v.grad])
+        calls.append(dict(counts))
+        stats.append({name: n for name, n in flashtile.stats()["kernels"].items()})
+    # The first call: two kinds of block call (the causal diagonal, a full block) and the merge, each kind's
+    # forward recorded once (later steps replay it). The backward records the full block twice on 4 ranks: the
+    # middle steps write their dK/dV beside the sums that are still on their way.
+    assert calls[0] == {"dispatch": 3, "attn_args": 3, "forward": 2, "backward": 2 if world == 2 else 3}, calls[0]
+    assert calls[1] == {}, calls[1]
+    assert stats[1] == stats[0] and flashtile.stats()["calls"] == {"triton": 3}, (stats, flashtile.stats())
+    assert torch.equal(results[1][0], results[0][0])
+    for again, first in zip(results[1][1:], results[0][1:]):
+        # dQ of the one-pass Hopper backward adds in the order its programs finish: equal to rounding.
+        torch.testing.assert_close(again, first, atol=1e-2, rtol=0)
+
 @_GLOO_IN_CI
 def test_bench_smoke(tmp_path, monkeypatch):
     """The benchmark runs end to end on gloo (tiny sizes) and checks every method before timing it."""

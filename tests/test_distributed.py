@@ -407,6 +407,44 @@ def test_ring_repeat_is_launches_alone(world, device, monkeypatch):
         # dQ of the one-pass Hopper backward adds in the order its programs finish: equal to rounding.
         torch.testing.assert_close(again, first, atol=1e-2, rtol=0)
 
+@pytest.mark.parametrize("device, backend", [("cpu", "torch"),
+                                             pytest.param("cpu", "triton", marks=_INTERPRETER_ONLY),
+                                             pytest.param("cuda", "triton", marks=_gpus(1))])
+def test_backward_into_float32_sums(device, backend, monkeypatch):
+    """What the ring's backward asks of a backend: gradients written as float32 (the ring's sums) equal the same
+    call's gradients in q's dtype to that dtype's rounding, and ``add_dq`` adds dQ to what a float32 dq holds
+    (here rows 5: of a longer sum, whose other rows stay as they were). On a GPU the one-pass Hopper backward runs
+    (made to fill a GPU of one SM), its dQ summed in the given float32 tensor itself."""
+    from flashtile.backends import AttnArgs
+    from flashtile.backends.triton import configs
+    from flashtile.dispatch import get_backend
+
+    if device == "cuda":
+        monkeypatch.setattr(configs, "sm_count", lambda device: 1)
+        monkeypatch.setattr(configs, "BWD_SPLIT_MIN_PAIRS", 1 << 62)
+    dtype, seqlen, headdim = (torch.bfloat16, 300, 128) if device == "cuda" else (torch.float16, 37, 16)
+    generator = torch.Generator().manual_seed(7)
+    q, k, v = testing.make_qkv(1, seqlen, seqlen, 4, 2, headdim, dtype, device, requires_grad=False,
+                               generator=generator)
+    dout = testing.random_like(q, generator)
+    args = AttnArgs(softmax_scale=headdim ** -0.5, causal=True, window_right=0)
+    run = get_backend(backend)
+    out, lse = run.forward(q, k, v, args)
+    want = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    run.backward(dout, q, k, v, out, lse, args, *want, None, None)
+    sums = [torch.full(t.shape, float("nan"), dtype=torch.float32, device=device) for t in (q, k, v)]
+    run.backward(dout, q, k, v, out, lse, args, *sums, None, None)
+    for got, expected in zip(sums, want):
+        torch.testing.assert_close(got.to(dtype), expected, atol=1e-2, rtol=2e-2)
+    held = torch.randn((1, seqlen + 5, 4, headdim), generator=generator).to(device)
+    before = held.clone()
+    run.backward(dout, q, k, v, out, lse, args, held[:, 5:], *(torch.empty_like(t) for t in (k, v)), None, None,
+                 add_dq=True)
+    torch.testing.assert_close(held[:, 5:], before[:, 5:] + sums[0], atol=1e-3, rtol=1e-3)
+    assert torch.equal(held[:, :5], before[:, :5])
+    with pytest.raises(ValueError, match="add_dq: dq must be a float32 sum"):
+        run.backward(dout, q, k, v, out, lse, args, *want, None, None, add_dq=True)
+
 @_GLOO_IN_CI
 def test_bench_smoke(tmp_path, monkeypatch):
     """The benchmark runs end to end on gloo (tiny sizes) and checks every method before timing it."""

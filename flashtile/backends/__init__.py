@@ -22,9 +22,11 @@ A backend is two modules: a light one that can always be imported (``supports``,
     ``(batch, nheads, seqlen_q)`` dense or ``(nheads, total_q)`` varlen. A row that sees no key
     (and has no sink) has output 0 and lse ``-inf``.
 
-``backward(dout, q, k, v, out, lse, args, dq, dk, dv, dsink, dbias) -> None``
+``backward(dout, q, k, v, out, lse, args, dq, dk, dv, dsink, dbias, add_dq=False) -> None``
     Writes the gradients into ``dq``, ``dk``, ``dv`` (same shapes as q, k, v; possibly strided
-    views of one packed tensor; in q's dtype or float32, each stored in its own dtype). dK/dV of a KV head sum over its query-head group. ``dsink``
+    views of one packed tensor; in q's dtype or float32, each stored in its own dtype). With
+    ``add_dq`` (a float32 ``dq``) dQ is added to what ``dq`` holds instead (ring attention sums a
+    row's dQ over its steps). dK/dV of a KV head sum over its query-head group. ``dsink``
     is None or a ``(nheads,)`` tensor to fill (summed in float32, stored in its dtype); ``dbias`` is
     None or a contiguous float32 ``(batch, nheads, seqlen_q, seqlen_k)`` tensor to fill with
     dL/d(score) (the autograd layer sums it down to the bias's broadcast shape). With

@@ -44,8 +44,9 @@ from .comm import Ring
 class BlockCall:
     """One backend call of a ring step: queries ``q0:q0 + rows`` of this rank's shard against keys
     ``k0:k0 + keys`` of the held shard. ``packed``: the views stay ``(tokens, nheads, d)`` and ``args``
-    carries offsets; otherwise views of packed tensors get a batch dim of 1. ``kept``: the replays of the
-    block's launches (shared by the calls of one kind; None: not recorded)."""
+    carries offsets; otherwise views of packed tensors get a batch dim of 1. ``replays``: the recorded launches
+    of the block (shared by the calls of one kind; None: not recorded), a :class:`flashtile.replay.Kept` for
+    each way it is called (:func:`_kept`)."""
 
     q0: int
     rows: int
@@ -54,7 +55,13 @@ class BlockCall:
     args: AttnArgs
     plan: Plan
     packed: bool = False
-    kept: replay.Kept | None = field(default=None, compare=False)
+    replays: dict | None = field(default=None, compare=False)
+
+
+def _kept(call: BlockCall, how: tuple) -> replay.Kept | None:
+    """The replays of ``call`` made the way ``how`` says: the forward, or the backward with its gradients' dtypes
+    and whether it adds dQ (a replay checks its inputs' layouts, not their dtypes or the backend's options)."""
+    return None if call.replays is None else call.replays.setdefault(how, replay.Kept())
 
 
 def plan_block(q, k, v, window: tuple, options: dict, **varlen) -> tuple:
@@ -114,7 +121,7 @@ class RingRun:
 
     def _block_forward(self, call: BlockCall, q, k, v) -> tuple:
         """``(out, lse)`` of one block call on views ``q, k, v``: its recorded launches when they fit."""
-        kept = call.kept
+        kept = _kept(call, ("forward",))
         with profiled(call.plan.fwd_name):
             outputs = None if kept is None else replay.replayed(kept.forward, (q, k, v), ranged=True)
             if outputs is not None:
@@ -179,7 +186,7 @@ class RingRun:
         as any replicated parameter's gradient). ``last``: the shard :meth:`forward` ended with."""
         seq = q.dim() - 3
         packed = seq == 0
-        dq = _Sum(q, seq)
+        dq = _QuerySum(q, seq)
         record_kernel(self.bwd_name)
         held = last
         dkv_pending = None
@@ -193,11 +200,9 @@ class RingRun:
                 dk, dv = _Sum(k, seq), _Sum(v, seq)
                 for call in self.steps[step]:
                     batch = seq == 0 and not call.packed
-                    grads = (dq.target(call.q0, call.rows, batch, final),
-                             dk.target(call.k0, call.keys, batch, final, ready),
-                             dv.target(call.k0, call.keys, batch, final, ready))
-                    self._block_backward(call, seq, dout, q, *held, out, lse, *grads)
-                dq.add_beside()
+                    self._block_backward(call, seq, dout, q, *held, out, lse, *dq.target(call.q0, call.rows, batch),
+                                         dk.target(call.k0, call.keys, batch, final, ready),
+                                         dv.target(call.k0, call.keys, batch, final, ready))
                 if dkv_pending is not None:
                     for total, earlier in zip((dk, dv), self.ring.finish(dkv_pending)):
                         total.receive(earlier)
@@ -206,9 +211,10 @@ class RingRun:
         dsink = None if sink is None else _sink_grad(dout, out, lse, sink, packed)
         return dq.result(), dk.result(), dv.result(), dsink
 
-    def _block_backward(self, call: BlockCall, seq: int, dout, q, k, v, out, lse, dq, dk, dv) -> None:
-        """The gradients of one block call on the held shard ``k, v`` into ``dq, dk, dv`` (views of the sums or
-        tensors beside them, see :class:`_Sum`): its recorded launches when they fit."""
+    def _block_backward(self, call: BlockCall, seq: int, dout, q, k, v, out, lse, dq, add_dq, dk, dv) -> None:
+        """The gradients of one block call on the held shard ``k, v`` into ``dq`` (added to it with ``add_dq``),
+        ``dk``, ``dv`` (views of the sums or tensors beside them, see :class:`_QuerySum` and :class:`_Sum`): its
+        recorded launches when they fit."""
         batch = seq == 0 and not call.packed
         qb, kb, vb = self._views(call, seq, q, k, v)
         dout_b = _narrow(dout, seq, call.q0, call.rows, batch)
@@ -216,7 +222,7 @@ class RingRun:
         # Contiguous: the backends read the lse of the rows they are given with their own strides.
         lse_b = _narrow(lse, lse.dim() - 1, call.q0, call.rows, batch).contiguous()
         given = (dout_b, qb, kb, vb, out_b, lse_b, dq, dk, dv)
-        kept = call.kept
+        kept = _kept(call, ("backward", dq.dtype, dk.dtype, dv.dtype, add_dq))
         record_kernel(call.plan.bwd_name)
         with profiled(call.plan.bwd_name):
             if kept is not None and replay.replayed(kept.backward, given, ranged=True) is not None:
@@ -224,7 +230,7 @@ class RingRun:
             backend = get_backend(call.plan.backend)
 
             def run():
-                backend.backward(dout_b, qb, kb, vb, out_b, lse_b, call.args, dq, dk, dv, None, None)
+                backend.backward(dout_b, qb, kb, vb, out_b, lse_b, call.args, dq, dk, dv, None, None, add_dq=add_dq)
                 return ()
 
             if kept is None:
@@ -233,8 +239,46 @@ class RingRun:
                 _, kept.backward = replay.record(run, given, kept.backward)
 
 
+class _QuerySum:
+    """dQ of this rank's rows, added up over the ring's steps in one float32 sum: a block's kernel writes rows that
+    hold nothing yet and adds to the others (the backends' ``add_dq``), so no step needs a buffer or an add of its
+    own; the sum is cast once at the end."""
+
+    def __init__(self, like: torch.Tensor, seq: int):
+        self.like, self.seq = like, seq
+        self.total, self.covered = None, []  # the float32 sum and the row spans of it that hold something
+
+    def target(self, start: int, length: int, batch: bool) -> tuple:
+        """``(view, add)``: where the kernel puts the dQ of rows ``start:start + length``, and whether it adds."""
+        if self.total is None:
+            self.total = empty(self.like.shape, torch.float32, self.like.device)
+        view = _narrow(self.total, self.seq, start, length, batch)
+        fresh = _disjoint(self.covered, start, start + length)
+        if not fresh:
+            # Added to: the rows of it that hold nothing yet start from zero.
+            _zero_gaps(self.total, self.seq, self.covered, start, start + length)
+        self.covered.append((start, start + length))
+        return view, not fresh
+
+    def result(self) -> torch.Tensor:
+        """The sum in like's dtype."""
+        if self.total is None:
+            return torch.zeros_like(self.like)
+        _zero_gaps(self.total, self.seq, self.covered)
+        return self.total.to(self.like.dtype)
+
+
 def _disjoint(spans: list, start: int, end: int) -> bool:
     return all(end <= lo or start >= hi for lo, hi in spans)
+
+
+def _zero_gaps(total: torch.Tensor, seq: int, spans: list, start: int = 0, end: int | None = None) -> None:
+    """Zero the rows ``start:end`` of ``total`` along ``seq`` that no span ``(start, end)`` of ``spans`` covers."""
+    end = total.shape[seq] if end is None else end
+    for lo, hi, covered, _ in _pieces(total.shape[seq], spans, []):
+        lo, hi = max(lo, start), min(hi, end)
+        if not covered and lo < hi:
+            total.narrow(seq, lo, hi - lo).zero_()
 
 
 def _pieces(length: int, first: list, second: list) -> list:
@@ -246,8 +290,9 @@ def _pieces(length: int, first: list, second: list) -> list:
 
 
 class _Sum:
-    """One gradient of the backward, added up over the ring's steps part by part (a part: the rows ``start:start +
-    length`` along ``seq`` that one block call's gradient covers; ``batch``: its view has a batch dim of 1).
+    """dK or dV of one step's held shard, added up part by part (a part: the rows ``start:start + length`` along
+    ``seq`` that one block call's gradient covers; ``batch``: its view has a batch dim of 1) onto the float32 sums
+    of the ranks it visited before, which travel with it.
 
     Until the last step the sum is float32 and a kernel writes a part straight into rows of it that hold nothing
     yet (no zeroed accumulator, no upcast, no add). On the last step the kernels write straight into the result,
@@ -297,9 +342,7 @@ class _Sum:
         length = self.like.shape[self.seq]
         if self.total is None:
             self.total = torch.zeros(self.like.shape, dtype=torch.float32, device=self.like.device)
-        for start, end, summed, _ in _pieces(length, self.covered, []):
-            if not summed:
-                self.total.narrow(self.seq, start, end - start).zero_()
+        _zero_gaps(self.total, self.seq, self.covered)
         self.covered = [(0, length)]
 
     def float32(self) -> torch.Tensor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .. import replay, validation
+from .. import validation
 from ..dispatch import recall, remember, state_key
 from ..interface import _SCALARS, _layouts, _plain_window
 from .blocks import visible_blocks
@@ -112,8 +112,8 @@ def _plan(q, k, v, group, world: int, rank: int, options: dict, sink, balance) -
                 args, plan = plan_block(q[:, :block.rows], k[:, :block.keys], v[:, :block.keys], block.window,
                                         options)
                 # The block's launches are recorded and replayed while it runs on its preferred backend.
-                planned[key] = args, plan, replay.Kept() if plan.fallback_reason is None else None
-            args, plan, kept = planned[key]
-            calls.append(BlockCall(block.q0, block.rows, block.k0, block.keys, args, plan, kept=kept))
+                planned[key] = args, plan, {} if plan.fallback_reason is None else None
+            args, plan, replays = planned[key]
+            calls.append(BlockCall(block.q0, block.rows, block.k0, block.keys, args, plan, replays=replays))
         steps.append(calls)
     return RingRun(ring, steps, f"{balance} P={world} {mask_name(window)}")

@@ -36,7 +36,7 @@ import torch
 from .. import replay, validation
 from ..alloc import empty
 from ..backends import AttentionCall, AttnArgs
-from ..dispatch import Plan, dispatch, get_backend, merge_call, profiled, record_choice, record_kernel
+from ..dispatch import Plan, dispatch, enforce, get_backend, merge_call, plan, profiled, record_choice, record_kernel
 from .comm import Ring
 
 
@@ -64,11 +64,13 @@ def _kept(call: BlockCall, how: tuple) -> replay.Kept | None:
     return None if call.replays is None else call.replays.setdefault(how, replay.Kept())
 
 
-def plan_block(q, k, v, window: tuple, options: dict, **varlen) -> tuple:
+def plan_block(q, k, v, window: tuple, options: dict, enforced: bool = True, **varlen) -> tuple:
     """``(args, plan)`` of a block call on views ``q, k, v`` with backend window ``window``: validated and
-    dispatched like any flashtile call (counted in stats, refused in strict mode if it would fall back)."""
+    dispatched like any flashtile call (counted in stats, refused in strict mode if it would fall back); without
+    ``enforced`` only planned (:meth:`RingRun.record` enforces and counts it)."""
     args = validation.attn_args(q, k, v, window_size=window, varlen=bool(varlen), **options, **varlen)
-    return args, dispatch(AttentionCall.of(q, k, v, args))
+    call = AttentionCall.of(q, k, v, args)
+    return args, dispatch(call) if enforced else plan(call)
 
 
 def _narrow(x: torch.Tensor, dim: int, start: int, length: int, batch: bool) -> torch.Tensor:
@@ -94,14 +96,15 @@ class RingRun:
         self.last = next(((s, len(calls) - 1) for s, calls in reversed(list(enumerate(steps))) if calls), None)
 
     def record(self) -> None:
-        """Count the block calls' plans as :func:`plan_block` did when they were made (for a later call of the
-        same kind, which skips validation and dispatch)."""
+        """Enforce the dispatch policy on each kind of block call and count it, as :func:`dispatch` does (once per
+        call: the plans are made once per kind of call, before the ranks compare shapes)."""
         seen = set()
         for calls in self.steps:
             for call in calls:
                 if id(call.plan) not in seen:
                     seen.add(id(call.plan))
-                    record_choice(call.plan)
+                    # stacklevel 4: the user's line (enforce <- record <- ring_attention).
+                    enforce(call.plan, stacklevel=4)
 
     def _views(self, call: BlockCall, seq: int, q, k, v):
         batch = seq == 0 and not call.packed

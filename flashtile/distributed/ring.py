@@ -52,10 +52,8 @@ def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, win
                    deterministic=deterministic)
     key = _signature(q, k, v, sink, options, balance, group, world, rank)
     run = None if key is None else recall(key)
-    error = None
-    if run is not None:
-        run.record()
-    else:
+    known, error = run is not None, None
+    if not known:
         # Planned before the shapes are compared across the ranks (the call's one wait for the device), so that
         # the work after that wait is the launches; an error is raised after it, as the comparison's is first.
         try:
@@ -65,7 +63,9 @@ def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, win
     check_same_across(group, "ring_attention", shapes(q, k, v), q.device)
     if error is not None:
         raise error
-    if key is not None and all(call.plan.fallback_reason is None for calls in run.steps for call in calls):
+    run.record()
+    if not known and key is not None and all(call.plan.fallback_reason is None for calls in run.steps
+                                             for call in calls):
         remember(key, run)
     out, lse = RingFunction.apply(q, k, v, sink, run)
     return (out, lse) if return_lse else out
@@ -110,7 +110,7 @@ def _plan(q, k, v, group, world: int, rank: int, options: dict, sink, balance) -
             key = (block.rows, block.keys, block.window)
             if key not in planned:
                 args, plan = plan_block(q[:, :block.rows], k[:, :block.keys], v[:, :block.keys], block.window,
-                                        options)
+                                        options, enforced=False)
                 # The block's launches are recorded and replayed while it runs on its preferred backend.
                 planned[key] = args, plan, {} if plan.fallback_reason is None else None
             args, plan, replays = planned[key]

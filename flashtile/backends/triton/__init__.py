@@ -74,7 +74,7 @@ def _window(call: AttentionCall) -> tuple:
 
 # The forward kernels' names by TileConfig.kernel.
 _KERNEL_LABELS = {"triton": "triton", "gluon": "gluon-sm90", "gluon-slim": "gluon-sm90-slim",
-                  "gluon-ws": "gluon-sm90-ws"}
+                  "gluon-ws": "gluon-sm90-ws", "gluon-ws-pingpong": "gluon-sm90-ws-pingpong"}
 
 
 def describe(call: AttentionCall):

@@ -270,18 +270,19 @@ GLUON_SLIM_FEATURES = frozenset({"window", "softcap", "sink", "varlen"})
 #   softcap 50 full 4x4096 / 2x8192      489/561/546, 507/575/564
 #   ALiBi full 4x4096 / 2x8192           508/509/501, 523/522/519 (a tie: its linear bias spills a little)
 _FWD_SM90_GLUON_WS = TileConfig(64, 128, 4, 2, kernel="gluon-ws")
+GLUON_WS_FULL_KEYS = 4096
+GLUON_WS_CAUSAL_KEYS = 8192
+GLUON_WS_FEATURES = frozenset({"sink", "softcap", "alibi"})
 # GLUON_WS_PINGPONG, by head dim: the warp-specialized forward's two consumers take turns issuing their matmuls
 # (kernels/fwd_sm90_ws.py PINGPONG, FlashAttention-3's scheduler barrier): each one's softmax runs under the other's
 # wgmmas. The tile launch.forward(config=...) takes for it is _FWD_SM90_GLUON_WS_PINGPONG (named "... ws-pingpong").
-# Off until an H200 A/B (scratch/fwd_pingpong_ab.py on branch wip-fwd-pingpong) weighs it:
+# Off until an H200 A/B (scratch/fwd_pingpong_ab.py on branch wip-fwd-pingpong) weighs it; the cycle model
+# (docs/hopper_forward.md) bounds the gain at ~1.25x (softmax ~600 cycles a block under the other consumer's 1024):
 #   d     pingpong   evidence
 #   128   off        unmeasured, compile: 0 new spills (STL full 3 -> 2, causal 4 -> 3, softcap 2 -> 1, sink 1, ALiBi
 #                    90 as off); unmasked loop body 468 -> 475 SASS instructions a key block per consumer warp
 GLUON_WS_PINGPONG = {128: False}
 _FWD_SM90_GLUON_WS_PINGPONG = replace(_FWD_SM90_GLUON_WS, kernel="gluon-ws-pingpong")
-GLUON_WS_FULL_KEYS = 4096
-GLUON_WS_CAUSAL_KEYS = 8192
-GLUON_WS_FEATURES = frozenset({"sink", "softcap", "alibi"})
 
 
 def ws_ctas(causal: bool, tiles: int, sms: int) -> int:

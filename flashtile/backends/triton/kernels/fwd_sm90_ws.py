@@ -27,14 +27,16 @@ take the descales (:func:`_tile_scales`, :func:`_block_scale`), P enters the PV 
 448 (``P_LOG2``: from the exp2, no multiply), V^T's slots are read K-major (:func:`_v_operand`), and O may be summed in
 float32 a block at a time (:func:`_pv_mma`). With ``FP8`` off each of these is the 16-bit code as it was.
 
-``PINGPONG`` (FP8's entry sets it by head dim, the 16-bit entry by the launcher's tile) orders the two consumers' matmuls, FlashAttention-3's scheduler barrier on
-two mbarriers: a consumer issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} only once the other has issued its
-pair for the ring position before, and passes the turn on as soon as its own are issued. Each consumer's
-softmax then runs under the other's matmuls instead of both softmaxes leaving the tensor cores idle together:
-at FP8's doubled matmul rate the softmax takes about as long as a consumer's two matmuls, so that overlap,
-not either one alone, sets the time a key block. P is converted to the operand before the turn is taken, so
-the turn is held only while the wgmmas are issued. Both consumers take a turn at every ring position of the
-tile, read or released unread, so their counts of turns stay equal.
+``PINGPONG`` (FP8's entry sets it by head dim, the 16-bit one by the launcher's tile: configs.GLUON_WS_PINGPONG)
+orders the two consumers' matmuls, FlashAttention-3's scheduler barrier on two mbarriers: a consumer issues
+S_j = Q K_j^T and O += P_{j-1} V_{j-1} only once the other has issued its pair for the ring position before, and
+passes the turn on as soon as its own are issued. Each consumer's softmax then runs under the other's matmuls
+instead of both softmaxes leaving the tensor cores idle together: at FP8's doubled matmul rate the softmax takes
+about as long as a consumer's two matmuls, so that overlap, not either one alone, sets the time a key block; at
+the 16-bit rate the two matmuls take about 1.7 softmaxes (docs/hopper_forward.md), so one consumer's softmax fits
+under the other's matmuls whole. P is converted to the operand before the turn is taken, so the turn is held only
+while the wgmmas are issued. Both consumers take a turn at every ring position of the tile, read or released
+unread, so their counts of turns stay equal.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl

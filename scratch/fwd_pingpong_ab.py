@@ -18,6 +18,7 @@ and ws-pp / ws.
     python scratch/fwd_pingpong_ab.py --dims 128 --seqlens 16384 --rounds 5
 """
 import argparse
+import itertools
 import statistics
 import time
 
@@ -29,7 +30,7 @@ from flashtile import validation
 from flashtile.backends.triton import configs, launch
 from flashtile.bench import common
 from flashtile.bench.suite import TOKENS, WIDTH
-from flashtile.testing import ATOL, assert_close_to_ref, attention_ref
+from flashtile.testing import ATOL, assert_close_to_ref, attention_ref, make_qkv
 
 REF_HEADS = 2
 WS_HEAD_DIMS = (64, 128)
@@ -64,6 +65,45 @@ def wrong(out, lse, ref_hi, ref_lo) -> str:
     return ""
 
 
+def one_shape(head_dim: int, seqlen: int, causal: bool, rounds: int) -> str:
+    """The line of one headline shape: each variant checked, the correct ones timed round by round."""
+    batch, nheads = TOKENS // seqlen, WIDTH // head_dim
+    q, k, v = make_qkv(batch, seqlen, seqlen, nheads, nheads, head_dim, torch.bfloat16, "cuda", requires_grad=False)
+    attn = validation.attn_args(q, k, v, causal=causal)
+    heads = [t[:1, :, :REF_HEADS] for t in (q, k, v)]
+    ref_hi = attention_ref(*heads, causal=causal, upcast=True)
+    ref_lo = attention_ref(*heads, causal=causal, upcast=False)
+    notes, runs, results = [], {}, {}
+    for name, cfg in variants(head_dim).items():
+        try:
+            out, lse = launch.forward(q, k, v, attn, config=cfg)
+            torch.cuda.synchronize()
+        except Exception as error:  # a variant that cannot run is reported, the others go on
+            notes.append(f"{name} FAILED: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
+            continue
+        bad = wrong(out, lse, ref_hi, ref_lo)
+        if bad:
+            notes.append(f"{name} WRONG: {bad}")
+            continue
+        results[name] = (out, lse)
+        runs[name] = lambda cfg=cfg: launch.forward(q, k, v, attn, config=cfg)
+    if "ws" in results and "ws-pp" in results:
+        same = all(torch.equal(a, b) for a, b in zip(results["ws"], results["ws-pp"]))
+        notes.append("same bits" if same else "BITS DIFFER")
+    times = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            times[name].append(triton.testing.do_bench(fn, warmup=10, rep=50))
+    flops = common.fwd_flops(batch, nheads, seqlen, head_dim, causal)
+    tf = {name: common.tflops(flops, statistics.median(ts)) for name, ts in times.items()}
+    line = [f"d{head_dim:<3} N{seqlen:<5} B{batch:<2} H{nheads:<2} {'causal' if causal else 'full  '}",
+            f"table ({table_kernel(q, causal)})"]
+    line += [f"{name} {value:6.1f}" for name, value in tf.items()]
+    if "ws" in tf and "ws-pp" in tf:
+        line.append(f"pp/ws {tf['ws-pp'] / tf['ws']:.3f}")
+    return " | ".join(line + notes)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dims", type=int, nargs="+", default=[64, 128, 256])
@@ -73,48 +113,9 @@ def main() -> None:
     start = time.time()
     print(f"flashtile {flashtile.__file__} on {torch.cuda.get_device_name()}; "
           f"pingpong tile: {hasattr(configs, '_FWD_SM90_GLUON_WS_PINGPONG')}", flush=True)
-    for head_dim in args.dims:
-        for seqlen in args.seqlens:
-            for causal in (False, True):
-                batch, nheads = TOKENS // seqlen, WIDTH // head_dim
-                q, k, v = (torch.randn(batch, seqlen, nheads, head_dim, device="cuda", dtype=torch.bfloat16)
-                           for _ in range(3))
-                attn = validation.attn_args(q, k, v, causal=causal)
-                heads = [t[:1, :, :REF_HEADS] for t in (q, k, v)]
-                ref_hi = attention_ref(*heads, causal=causal, upcast=True)
-                ref_lo = attention_ref(*heads, causal=causal, upcast=False)
-                notes, runs, results = [], {}, {}
-                for name, cfg in variants(head_dim).items():
-                    try:
-                        out, lse = launch.forward(q, k, v, attn, config=cfg)
-                        torch.cuda.synchronize()
-                    except Exception as error:  # a variant that cannot run is reported, the others go on
-                        notes.append(f"{name} FAILED: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
-                        continue
-                    bad = wrong(out, lse, ref_hi, ref_lo)
-                    if bad:
-                        notes.append(f"{name} WRONG: {bad}")
-                        continue
-                    results[name] = (out, lse)
-                    runs[name] = lambda cfg=cfg: launch.forward(q, k, v, attn, config=cfg)
-                if "ws" in results and "ws-pp" in results:
-                    same = all(torch.equal(a, b) for a, b in zip(results["ws"], results["ws-pp"]))
-                    notes.append("same bits" if same else "BITS DIFFER")
-                del results
-                times = {name: [] for name in runs}
-                for _ in range(args.rounds):
-                    for name, fn in runs.items():
-                        times[name].append(triton.testing.do_bench(fn, warmup=10, rep=50))
-                flops = common.fwd_flops(batch, nheads, seqlen, head_dim, causal)
-                tf = {name: common.tflops(flops, statistics.median(ts)) for name, ts in times.items()}
-                line = [f"d{head_dim:<3} N{seqlen:<5} B{batch:<2} H{nheads:<2} {'causal' if causal else 'full  '}",
-                        f"table ({table_kernel(q, causal)})"]
-                line += [f"{name} {value:6.1f}" for name, value in tf.items()]
-                if "ws" in tf and "ws-pp" in tf:
-                    line.append(f"pp/ws {tf['ws-pp'] / tf['ws']:.3f}")
-                print(" | ".join(line + notes), flush=True)
-                del q, k, v, ref_hi, ref_lo, heads
-                torch.cuda.empty_cache()
+    for head_dim, seqlen, causal in itertools.product(args.dims, args.seqlens, (False, True)):
+        print(one_shape(head_dim, seqlen, causal, args.rounds), flush=True)
+        torch.cuda.empty_cache()
     print(f"{time.time() - start:.0f} s", flush=True)
 
 

@@ -49,7 +49,7 @@ def case(which: str, causal: bool, softcap: bool, window: bool = False):
 def _one_pass_case(causal: bool, softcap: bool, alibi: bool, varlen: bool, window: bool, head_dims: tuple):
     """The one-pass launcher's own arguments (launch._backward_sm90_ws) for a 2 x 4096 call of 16 query and 16 KV
     heads at ``head_dims`` (q/k, v), caught at its launch: ``(kernel, runtime args, constexprs, options)``."""
-    from flashtile.backends import AttnArgs
+    from flashtile.backends import AttnArgs, present_features
 
     d, dv = head_dims
     tokens = 2 * 4096
@@ -70,7 +70,9 @@ def _one_pass_case(causal: bool, softcap: bool, alibi: bool, varlen: bool, windo
     kernel = getattr(launch, name)
     setattr(launch, name, lambda key, grid, dynamic, static, **_: caught.update(dynamic, **static()))
     try:
-        launch._backward_sm90_ws(q, k, v, dout, torch.empty(q.shape, dtype=torch.float32), k, v, lse, lse, args, None)
+        features = frozenset(present_features(args, d, dv))
+        launch._backward_sm90_ws(q, k, v, dout, torch.empty(q.shape, dtype=torch.float32), k, v, lse, lse, args,
+                                 features, None)
     finally:
         setattr(launch, name, kernel)
     # The GPU's bf16 calls take the fast tanh (host.fast_tanh: CUDA tensors only).

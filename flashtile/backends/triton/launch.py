@@ -526,7 +526,7 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
         if dsink is not None:
             _sink_grad(args.sink, lse, delta, dsink, varlen)
         if one_pass:
-            _backward_sm90_ws(q, k, v, dout, dq_acc, dk_out, dv_out, lse2, delta, args, key)
+            _backward_sm90_ws(q, k, v, dout, dq_acc, dk_out, dv_out, lse2, delta, args, features, key)
             if dq_acc is not dq_out:
                 _sum_parts(dq_acc, dq_out, 1, varlen)
         else:
@@ -614,12 +614,12 @@ _BWD_WS_CONSUMER_REGS = 240
 _BWD_WS_MAXNREG = 168
 
 
-def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs, key):
+def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs, features: frozenset, key):
     """Launch the one-pass Hopper backward on ``(batch, seqlen, heads, d)`` inputs, or packed ``(tokens, heads, d)``
     ones (varlen): kernels/bwd_sm90_ws.py at head dim 64 or 128, kernels/bwd_sm90_wide.py at 192 with values of 128
     or 192, and at 256 (configs.one_pass_wide). dK and dV go into ``dk``/``dv``, dQ (scaled) is added into the
-    zeroed float32 ``dq_acc`` (q's shape); ``key``: the backward's launch key (which holds no lengths: they are dynamic
-    arguments)."""
+    zeroed float32 ``dq_acc`` (q's shape); ``features``: the call's, as :func:`backward` found them; ``key``: the
+    backward's launch key (which holds no lengths: they are dynamic arguments)."""
     varlen = args.varlen
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, head_dim_v = _shape(q, k, v, args)
     wide = configs.one_pass_wide(head_dim, head_dim_v)
@@ -650,7 +650,7 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
                    softmax_scale=args.softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
     # A CTA's keys; query steps of one_pass_rows rows.
     cta_keys = configs.one_pass_keys(head_dim, head_dim_v)
-    rows = configs.one_pass_rows(head_dim, frozenset(present_features(args, head_dim, head_dim_v)))
+    rows = configs.one_pass_rows(head_dim, features)
     grid = (cdiv(seqlen_k, cta_keys), nheads_kv, batch)
     if wide:
         # Each tensor as its first 128 columns and the rest (192 = 128 + 64, 256 = 128 + 128); no tail of v and dO

@@ -353,17 +353,18 @@ def run_long(options) -> list:
     return [row]
 
 
+def _breakdown(parts) -> str:
+    """`` [span 9.96 attention 7.10 ...]`` of a ``--trace`` breakdown, or nothing without one."""
+    return " [" + " ".join(f"{k} {v:.2f}" for k, v in parts.items()) + "]" if parts else ""
+
+
 def _line(row, methods) -> str:
     cells = [f"P={row['world']} {row['nheads']}/{row['nheads_kv']} {row['tokens_per_gpu']:>6}/gpu "
-             f"T1={row['flashtile_1gpu_ms']:.1f}ms"]
-    if row.get("flashtile_1gpu_breakdown_ms"):
-        cells[-1] += " [" + " ".join(f"{k} {v:.2f}" for k, v in row["flashtile_1gpu_breakdown_ms"].items()) + "]"
+             f"T1={row['flashtile_1gpu_ms']:.1f}ms" + _breakdown(row.get("flashtile_1gpu_breakdown_ms"))]
     for name in methods:
         if row.get(f"{name}_status") == "ok":
             cells.append(f"{name} {row[f'{name}_ms']:.1f}ms eff {row[f'{name}_efficiency']:.2f} "
-                         f"{row[f'{name}_mem_gb']:.1f}GB")
-            if row.get(f"{name}_breakdown_ms"):
-                cells[-1] += " [" + " ".join(f"{k} {v:.2f}" for k, v in row[f"{name}_breakdown_ms"].items()) + "]"
+                         f"{row[f'{name}_mem_gb']:.1f}GB" + _breakdown(row.get(f"{name}_breakdown_ms")))
         else:
             cells.append(f"{name} {row.get(f'{name}_status', '-')[:40]}")
     return " | ".join(cells)

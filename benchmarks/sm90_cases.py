@@ -28,11 +28,8 @@ def case(which: str, causal: bool, softcap: bool, window: bool = False):
                     stride_dvb=k.stride(0), stride_dvn=k.stride(1), stride_dvh=k.stride(2),
                     stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1), seqlen_q=4096, seqlen_k=4096, group=1)
         return attn_bwd_dkdv_sm90, args, dict(common, STAGES=2, num_warps=4), dict(num_warps=4)
-    if which.startswith("fwd-ws"):
-        # fwd-ws[-d64][-n128][-pp][-alibi][-sink]: head dim 64 (128 without), the table's 128-key tile (64-key slots
-        # without), PINGPONG, features.
-        return _fwd_ws_case(causal, softcap, window, *_ws_tile(which), pingpong="-pp" in which,
-                            alibi="-alibi" in which, sink="-sink" in which, head_dim=64 if "-d64" in which else 128)
+    if which == "fwd-ws":
+        return _fwd_ws_case(causal, softcap, window)
     if which.startswith("fwd-fp8"):
         # fwd-fp8[-d64|-d256][-blocks]: head dim (128 without), per-block Q/K descales.
         dims = re.findall(r"-d(\d+)", which)
@@ -106,25 +103,16 @@ def _fused_case(causal: bool, softcap: bool, alibi: bool = False, varlen: bool =
     return attn_bwd_sm90_ws, args, constexprs, dict(num_warps=4, maxnreg=168)
 
 
-def _ws_tile(which: str) -> tuple:
-    """``(block_n, stages)`` of a fwd-ws case: the table's tile with ``-n128``, else 64-key slots, 4 of them."""
-    from flashtile.backends.triton import configs
-    table = configs._FWD_SM90_GLUON_WS
-    return (table.BLOCK_N, table.num_stages) if "-n128" in which else (64, 4)
-
-
-def _fwd_ws_case(causal: bool, softcap: bool, window: bool, block_n: int = 64, stages: int = 4, pingpong: bool = False,
-                 alibi: bool = False, sink: bool = False, head_dim: int = 128):
+def _fwd_ws_case(causal: bool, softcap: bool, window: bool, block_n: int = 64, stages: int = 4):
     from flashtile.backends.triton.kernels.fwd_sm90_ws import attn_fwd_sm90_ws
-    q, k, lse = _inputs(D=head_dim)
+    q, k, lse = _inputs()
     args = dict(q_desc=launch._tma_desc(q, 64), k_desc=launch._tma_desc(k, block_n), v_desc=launch._tma_desc(k, block_n),
                 O=q, LSE=lse, SINK=lse, ALIBI_SLOPES=lse, stride_alibi_b=16, qk_scale=0.1, softcap2=1.0, row_max=0.0,
                 window_left=1024 if window else -1, window_right=0 if causal else -1, stride_ob=q.stride(0),
                 stride_om=q.stride(1), stride_oh=q.stride(2), stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1),
                 seqlen_q=4096, seqlen_k=4096, group=1, nheads=16, num_tiles=1024)
-    constexprs = dict(MASK_LEFT=window, MASK_RIGHT=causal, SOFTCAP=softcap, ALIBI=alibi, HAS_SINK=sink,
-                      FIXED_MAX=softcap and not alibi, FOLD_SCALE=softcap, STAGES=stages, CONSUMER_REGS=240,
-                      PINGPONG=pingpong, num_warps=4)
+    constexprs = dict(MASK_LEFT=window, MASK_RIGHT=causal, SOFTCAP=softcap, ALIBI=False, HAS_SINK=False,
+                      FIXED_MAX=softcap, FOLD_SCALE=softcap, STAGES=stages, CONSUMER_REGS=240, num_warps=4)
     return attn_fwd_sm90_ws, args, constexprs, dict(num_warps=4, maxnreg=168)
 
 

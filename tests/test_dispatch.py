@@ -144,8 +144,7 @@ def test_hopper_forward_kernel_is_gluon_where_it_leads(monkeypatch, window, seql
     name, _, config = triton_backend.describe(call)
     family = kernel.split()[0]
     assert name.startswith(f"flashtile.fwd[{family} d={headdim}")
-    kernels = {"gluon-sm90": "gluon", "gluon-sm90-slim": "gluon-slim", "gluon-sm90-ws": "gluon-ws",
-               "gluon-sm90-ws-pingpong": "gluon-ws-pingpong"}
+    kernels = {"gluon-sm90": "gluon", "gluon-sm90-slim": "gluon-slim", "gluon-sm90-ws": "gluon-ws"}
     assert config["fwd"]["kernel"] == kernels.get(family, "triton")
     if family.startswith("gluon-sm90"):
         tile = kernel.split()[1]
@@ -159,25 +158,6 @@ def test_hopper_forward_kernel_is_gluon_where_it_leads(monkeypatch, window, seql
     assert configs.gluon_fwd_config(headdim, headdim, torch.bfloat16, cuda, rows, seqlen, *window,
                                     frozenset(features)) is None
 
-
-
-@pytest.mark.parametrize("pingpong", [False, True])
-@pytest.mark.parametrize("window, seqlen, features", [
-    ((-1, -1), 4096, ()),
-    ((-1, 0), 16384, ("sink",)),
-    ((-1, -1), 4096, ("softcap",)),
-    ((-1, 0), 8192, ("alibi",)),
-])
-def test_ws_pingpong_named_where_the_table_turns_it_on(monkeypatch, pingpong, window, seqlen, features):
-    """configs.GLUON_WS_PINGPONG picks the warp-specialized forward's tile, and the profiler name (explain, stats)
-    says which one ran; calls the warp-specialized kernel does not take are unchanged."""
-    from flashtile.backends.triton import configs
-    # Off in the table until a GPU A/B weighs it.
-    assert configs.GLUON_WS_PINGPONG == {128: False}
-    monkeypatch.setitem(configs.GLUON_WS_PINGPONG, 128, pingpong)
-    test_hopper_forward_kernel_is_gluon_where_it_leads(monkeypatch, window, seqlen, features, 128,
-                                                       "gluon-sm90-ws" + "-pingpong" * pingpong + " 64x128")
-    test_hopper_forward_kernel_is_gluon_where_it_leads(monkeypatch, (-1, 0), 4096, (), 128, "gluon-sm90 64x128")
 
 @pytest.mark.parametrize("softcap, dtype, features, row_max", [
     (30.0, torch.bfloat16, (), 30.0 / math.log(2)),  # C = 43.3: m = C, the largest term is 1

@@ -43,9 +43,6 @@ def small_gluon_threshold(monkeypatch):
 
 
 WIDE, NARROW, SLIM, WS = "gluon-sm90 BN=128", "gluon-sm90 BN=64", "gluon-sm90-slim BN=64", "gluon-sm90-ws BN=128"
-WS_PINGPONG = "gluon-sm90-ws-pingpong BN=128"
-# feature_options' switches, in order.
-FEATURES = ("softcap", "alibi", "sink")
 
 
 def ran(kernel: str) -> bool:
@@ -358,46 +355,6 @@ def test_warp_specialized_forward_walks_many_tiles_per_cta(rng, monkeypatch, cau
     monkeypatch.setattr(configs, "ws_ctas", lambda causal, tiles, sms: min(tiles, 3))
     check(rng, 2, 777, 777 if causal else 1500, 6, 3, torch.bfloat16, WS, causal=causal,
           **feature_options(rng, 6, sink=True))
-
-
-def run_ws(q, k, v, pingpong: bool, monkeypatch, **options):
-    """``(out, lse)`` of the warp-specialized forward with its consumers' turns (configs.GLUON_WS_PINGPONG) on or
-    off, and that the kernel so named ran."""
-    from flashtile import dispatch
-    monkeypatch.setitem(configs.GLUON_WS_PINGPONG, 128, pingpong)
-    # The kernel names are worked out once per kind of call: forget them with the table changed.
-    dispatch.forget_plans()
-    dispatch._describe.cache_clear()
-    flashtile.reset_stats()
-    out, lse, _ = flashtile.flash_attn_func(q, k, v, return_attn_probs=True, **options)
-    assert ran(WS_PINGPONG if pingpong else WS), flashtile.stats()["kernels"]
-    return out, lse
-
-
-@pytest.mark.usefixtures("ws_rows")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal", [
-    (2, 4133, 4133, 8, 2, False),  # 528 tiles: several a CTA, the turns' phases carried across them
-    (2, 4133, 4133, 8, 2, True),  # the consumers' key blocks differ: turns on blocks released unread
-    (1, 1290, 700, 4, 4, True),  # the first 590 rows see no key: a consumer with no block of its own
-    (2, 700, 1290, 6, 2, True),  # more keys than queries
-    (3, 40, 900, 4, 1, False),  # consumer 1's rows all past the end
-], ids=["full", "causal", "causal-rows-see-none", "causal-more-keys", "short-q"])
-@pytest.mark.parametrize("features", [(), ("softcap",), ("alibi", "sink")], ids=["plain", "softcap", "alibi-sink"])
-def test_warp_specialized_pingpong_same_bits(rng, monkeypatch, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv,
-                                             causal, features):
-    """The consumers' turns (configs.GLUON_WS_PINGPONG) change when each issues its matmuls, not what they compute:
-    out and lse have the same bits with and without them, and with them pass the reference's bounds."""
-    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, 128, dtype, "cuda", generator=rng)
-    options = dict(causal=causal, **feature_options(rng, nheads, *(name in features for name in FEATURES)))
-    out, lse = run_ws(q, k, v, True, monkeypatch, **options)
-    plain = run_ws(q, k, v, False, monkeypatch, **options)
-    assert torch.equal(out, plain[0]) and torch.equal(lse, plain[1])
-    with torch.no_grad():
-        ref_hi = attention_ref(q, k, v, upcast=True, **options)
-        ref_lo = attention_ref(q, k, v, upcast=False, **options)
-    for name, ours, hi, lo in zip(("out", "lse"), (out, lse), ref_hi, ref_lo):
-        assert_close_to_ref(name, ours, hi, lo, ATOL[dtype][0])
 
 
 WS_FLOORS = {False: configs.GLUON_WS_FULL_KEYS, True: configs.GLUON_WS_CAUSAL_KEYS}

@@ -75,8 +75,7 @@ def _window(call: AttentionCall) -> tuple:
 
 # The kernels' names by TileConfig.kernel (and the one-pass backward's kinds).
 _KERNEL_LABELS = {"triton": "triton", "gluon": "gluon-sm90", "gluon-slim": "gluon-sm90-slim",
-                  "gluon-ws": "gluon-sm90-ws", "gluon-ws-pingpong": "gluon-sm90-ws-pingpong",
-                  "gluon-wide": "gluon-sm90-wide"}
+                  "gluon-ws": "gluon-sm90-ws", "gluon-wide": "gluon-sm90-wide"}
 
 
 def describe(call: AttentionCall):

@@ -19,8 +19,7 @@ class TileConfig:
     """One kernel's launch: query tile, key tile, warps, software-pipeline depth, and which forward
     kernel: ``"triton"`` (kernels/fwd.py), ``"gluon"`` (the Hopper kernel in kernels/fwd_sm90.py),
     ``"gluon-slim"`` (that kernel with Q in shared memory and one key slot: see gluon_ring) or
-    ``"gluon-ws"`` (the warp-specialized one in kernels/fwd_sm90_ws.py), ``"gluon-ws-pingpong"`` (that kernel with
-    its consumers taking turns at the tensor cores: GLUON_WS_PINGPONG)."""
+    ``"gluon-ws"`` (the warp-specialized one in kernels/fwd_sm90_ws.py)."""
     BLOCK_M: int
     BLOCK_N: int
     num_warps: int
@@ -273,16 +272,6 @@ _FWD_SM90_GLUON_WS = TileConfig(64, 128, 4, 2, kernel="gluon-ws")
 GLUON_WS_FULL_KEYS = 4096
 GLUON_WS_CAUSAL_KEYS = 8192
 GLUON_WS_FEATURES = frozenset({"sink", "softcap", "alibi"})
-# GLUON_WS_PINGPONG, by head dim: the warp-specialized forward's two consumers take turns issuing their matmuls
-# (kernels/fwd_sm90_ws.py PINGPONG, FlashAttention-3's scheduler barrier): each one's softmax runs under the other's
-# wgmmas. The tile launch.forward(config=...) takes for it is _FWD_SM90_GLUON_WS_PINGPONG (named "... ws-pingpong").
-# Off until an H200 A/B (scratch/fwd_pingpong_ab.py on branch wip-fwd-pingpong) weighs it; the cycle model
-# (docs/hopper_forward.md) bounds the gain at ~1.25x (softmax ~600 cycles a block under the other consumer's 1024):
-#   d     pingpong   evidence
-#   128   off        unmeasured, compile: 0 new spills (STL full 3 -> 2, causal 4 -> 3, softcap 2 -> 1, sink 1, ALiBi
-#                    90 as off); unmasked loop body 468 -> 475 SASS instructions a key block per consumer warp
-GLUON_WS_PINGPONG = {128: False}
-_FWD_SM90_GLUON_WS_PINGPONG = replace(_FWD_SM90_GLUON_WS, kernel="gluon-ws-pingpong")
 
 
 def ws_ctas(causal: bool, tiles: int, sms: int) -> int:
@@ -395,7 +384,7 @@ def gluon_fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device:
     ws_keys = GLUON_WS_FULL_KEYS if window_right < 0 else GLUON_WS_CAUSAL_KEYS
     if (warp_specialized and head_dim_v == 128 and features <= GLUON_WS_FEATURES and window_left < 0
             and seqlen_k >= ws_keys and not {"softcap", "alibi"} <= features):
-        return _FWD_SM90_GLUON_WS_PINGPONG if GLUON_WS_PINGPONG[head_dim] else _FWD_SM90_GLUON_WS
+        return _FWD_SM90_GLUON_WS
     if {"softcap", "alibi"} <= features:
         # The wide tile's linear ALiBi takes the raw scores, not the capped ones; exact there, it spills.
         return _FWD_SM90_GLUON

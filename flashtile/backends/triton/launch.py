@@ -215,7 +215,7 @@ def forward(q, k, v, args: AttnArgs, config=None):
     if cfg is not None and cfg.kernel.startswith("gluon"):
         reason = tma_unfit(q, k, v)
         if reason is None:
-            sm90 = _forward_sm90_ws if cfg.kernel.startswith("gluon-ws") else _forward_sm90
+            sm90 = _forward_sm90_ws if cfg.kernel == "gluon-ws" else _forward_sm90
             sm90(q, k, v, out, lse, args, cfg, (batch, seqlen_q, seqlen_k, nheads // nheads_kv), features)
             return out, lse
         record_fallback(f"the Gluon Hopper forward needs TMA-compatible inputs ({reason})", "triton",
@@ -385,7 +385,7 @@ def _forward_sm90_ws(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, featu
                     num_tiles=tiles, MASK_LEFT=args.window_left >= 0, MASK_RIGHT=causal, SOFTCAP=args.softcap > 0,
                     ALIBI=alibi is not None, HAS_SINK=args.sink is not None, FIXED_MAX=row_max is not None,
                     FOLD_SCALE=fold, STAGES=cfg.num_stages, CONSUMER_REGS=_WS_CONSUMER_REGS,
-                    PINGPONG=cfg.kernel == "gluon-ws-pingpong", num_warps=cfg.num_warps, maxnreg=_WS_MAXNREG)
+                    num_warps=cfg.num_warps, maxnreg=_WS_MAXNREG)
 
     key = (_layout_key(q, k, v, out, lse), q.device, _args_key(args), cfg, ctas, row_max is not None, fold)
     with on_device(q):

@@ -27,16 +27,14 @@ take the descales (:func:`_tile_scales`, :func:`_block_scale`), P enters the PV 
 448 (``P_LOG2``: from the exp2, no multiply), V^T's slots are read K-major (:func:`_v_operand`), and O may be summed in
 float32 a block at a time (:func:`_pv_mma`). With ``FP8`` off each of these is the 16-bit code as it was.
 
-``PINGPONG`` (FP8's entry sets it by head dim, the 16-bit one by the launcher's tile: configs.GLUON_WS_PINGPONG)
-orders the two consumers' matmuls, FlashAttention-3's scheduler barrier on two mbarriers: a consumer issues
-S_j = Q K_j^T and O += P_{j-1} V_{j-1} only once the other has issued its pair for the ring position before, and
-passes the turn on as soon as its own are issued. Each consumer's softmax then runs under the other's matmuls
-instead of both softmaxes leaving the tensor cores idle together: at FP8's doubled matmul rate the softmax takes
-about as long as a consumer's two matmuls, so that overlap, not either one alone, sets the time a key block; at
-the 16-bit rate the two matmuls take about 1.7 softmaxes (docs/hopper_forward.md), so one consumer's softmax fits
-under the other's matmuls whole. P is converted to the operand before the turn is taken, so the turn is held only
-while the wgmmas are issued. Both consumers take a turn at every ring position of the tile, read or released
-unread, so their counts of turns stay equal.
+``PINGPONG`` (FP8's entry sets it) orders the two consumers' matmuls, FlashAttention-3's scheduler barrier on
+two mbarriers: a consumer issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} only once the other has issued its
+pair for the ring position before, and passes the turn on as soon as its own are issued. Each consumer's
+softmax then runs under the other's matmuls instead of both softmaxes leaving the tensor cores idle together:
+at FP8's doubled matmul rate the softmax takes about as long as a consumer's two matmuls, so that overlap,
+not either one alone, sets the time a key block. P is converted to the operand before the turn is taken, so
+the turn is held only while the wgmmas are issued. Both consumers take a turn at every ring position of the
+tile, read or released unread, so their counts of turns stay equal.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -359,11 +357,10 @@ def attn_fwd_sm90_ws(q_desc, k_desc, v_desc, O, LSE, SINK, ALIBI_SLOPES, stride_
                      seqlen_k, group, nheads, num_tiles, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                      SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, HAS_SINK: gl.constexpr, FIXED_MAX: gl.constexpr,
                      FOLD_SCALE: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                     PINGPONG: gl.constexpr, num_warps: gl.constexpr):
+                     num_warps: gl.constexpr):
     """``q_desc``/``k_desc``/``v_desc``: TMA descriptors of the ``(batch, seqlen, heads, headdim)`` inputs with
     ``[1, 64, 1, 128]`` (Q: one consumer's rows) and ``[1, BLOCK_N, 1, 128]`` tiles; ``num_tiles``: batch x
-    heads x 128-row query blocks, walked by ``grid`` CTAs. ``PINGPONG``: the consumers take turns at the tensor
-    cores (configs.GLUON_WS_PINGPONG)."""
+    heads x 128-row query blocks, walked by ``grid`` CTAs."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
@@ -372,7 +369,7 @@ def attn_fwd_sm90_ws(q_desc, k_desc, v_desc, O, LSE, SINK, ALIBI_SLOPES, stride_
     run_partitions(q_desc, k_desc, v_desc, v_smem, O, LSE, SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2,
                    row_max, window_left, window_right, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h,
                    seqlen_q, seqlen_k, group, nheads, num_tiles, descales, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
-                   HAS_SINK, FIXED_MAX, FOLD_SCALE, STAGES, CONSUMER_REGS, False, False, False, PINGPONG, num_warps)
+                   HAS_SINK, FIXED_MAX, FOLD_SCALE, STAGES, CONSUMER_REGS, False, False, False, False, num_warps)
 
 
 @gluon.jit

@@ -536,9 +536,11 @@ DECODE_SM90 = {
 # a 128-key block against 100 KB now) and 16x128 w8 s3 at 2 programs an SM took 395 us at 16 x 32768 keys, 0.82x
 # the bf16 cache's 478, 109.9 us at 1 x 131072 (0.81x of 136); every tile from 16x64 to 16x256, w4/w8, 1-3
 # programs an SM was within 0.5% of it (H200, GQA 32/8, d=128, CUDA graph, flashtile/bench/fp8.py at 4664c6d,
-# results/h200-fp8-2026-11-27-4664c6d.json): bound by the kernel's work per byte, not by memory. Now (ptxas, sm_90,
-# triton 3.6; UNMEASURED on a GPU, scratch/fp8_side_ab.py --sweep times these), SASS instructions of the
-# unmasked loop per 128 keys, registers, shared memory:
+# results/h200-fp8-2026-11-27-4664c6d.json): bound by the kernel's work per byte, not by memory. Now 16x128 w4 s3
+# at 3 programs an SM takes 0.564x the bf16 cache's time at 16 x 32768 keys (392.8 -> 275.6 us), 0.630x at
+# 1 x 131072 (109.4 -> 86.9 us; same call against 5d069c2, results/h200-fp8-side-2026-11-27-02dd45f.json; the
+# other tiles not timed). SASS instructions of the unmasked loop per 128 keys, registers, shared memory (ptxas,
+# sm_90, triton 3.6):
 #   tile          before            now                          programs an SM
 #   16x128 w8 s3  3904, 108, 104 KB  2928, 128, 72 KB            2 (registers)
 #   16x128 w4 s3  -                  2320, 168, 72 KB (chosen)   3 (shared memory)
@@ -628,11 +630,15 @@ ONE_PASS_HEAD_DIMS = (64, 128)
 ONE_PASS_D64_MIN_PAIRS = 1 << 28
 # The wide one-pass kernel (kernels/bwd_sm90_wide.py) at (q/k, v) head dims 192/128 (DeepSeek's) and 192/192: FA4's
 # sm90 tile, CTAs of 64 keys, steps of 64 queries, two consumer warpgroups splitting dK, dV and dQ by head-dim columns;
-# the same features and rule as above (ALiBi exact, so right bounds too). Against the Triton pair on the H200, each
-# shape checked first: 192/128 1.18-1.36x, 192/192 1.57-2.00x (results/h200-bwd-d192-one-pass-2026-11-27-b8fd58c.json).
-# sm_90 ptxas (benchmarks/sm90_compile.py wide[-v192]): see kernels/bwd_sm90_wide.py.
-# Head dim 256 (not yet timed on a GPU) takes it by the same rule, with one Q/dO slot (two would need 296 KB of
-# shared memory): 0 spill stores, 230,672 B (sm90_compile.py wide-d256).
+# the same features and rule as above (ALiBi exact, so right bounds too); head dim 256 with one Q/dO slot (two would
+# need 296 KB of shared memory). H200, bf16, B = 16384 // N, H = 2048 // d, backward TFLOP/s, Triton pair -> wide,
+# one call, out, LSE and every gradient checked at each shape first (results/h200-bwd-one-pass-2026-11-27-02dd45f.json):
+#   d          N=1k full / causal     4k full / causal       16k full / causal      ratio
+#   192/128    218 -> 259 / 174 -> 207  247 -> 321 / 220 -> 295  249 -> 339 / 245 -> 341  1.18-1.39x
+#   192/192    168 -> 294 / 150 -> 235  188 -> 369 / 191 -> 340  190 -> 391 / 212 -> 392  1.57-2.06x
+#   256/256    214 -> 310 / 172 -> 246  236 -> 391 / 221 -> 360  238 -> 412 / 251 -> 413  1.44-1.74x
+# sm_90 ptxas (benchmarks/sm90_compile.py wide[-v192][-d256]): see kernels/bwd_sm90_wide.py (256: 0 spill stores,
+# 230,672 B).
 ONE_PASS_WIDE_HEAD_DIMS = ((192, 128), (192, 192), (256, 256))
 ONE_PASS_WIDE_KEYS = 64
 

@@ -48,7 +48,9 @@ FP8_TILES = {64: (128, 4, True), 128: (128, 4, False), 256: (64, 2, False)}
 # warp: its wgmmas take ~512 cycles of the SM's tensor cores at the FP8 rate, its softmax ~520 issue cycles and
 # 528 of MUFU (66 ex2, 8 cycles a warp each); the H200's ~2570 cycles a block (756 TF/s at 16k, 4664c6d) are
 # about their sum: the consumers' softmaxes run side by side while the tensor cores wait. As FlashAttention-3,
-# FP8 d >= 128 only: d64's wgmmas take half the MUFU's time, nothing to hide them under. Not yet timed.
+# FP8 d >= 128 only: d64's wgmmas take half the MUFU's time, nothing to hide them under. H200, the FP8 bench's 12
+# shapes, one round (results/h200-fp8-fwd-2026-11-27-02dd45f.json): turns on / off 0.96-1.06x (d128 16k full 829 /
+# 784 TF/s, d256 8k causal 752 / 785), 8 of 12 ahead; the kernel 1.00-1.07x 5d069c2's and 1.07-1.49x bf16.
 FP8_PINGPONG = {64: False, 128: True, 256: True}
 QUERY_ROWS = 64
 # The consumers' registers after ``setmaxnreg`` and the cap the kernel is compiled under, as for the bf16

@@ -23,8 +23,10 @@ from .kernels.quant_fp8 import quantize_fp8
 # Warps per program (one QUANT_BLOCK x head-dim tile, rotated in one dot, one stage) and the registers a thread, by
 # head dim: programs an SM are bounded by registers and by shared memory (the +-1 matrix and the tile, 24/64/192 KB
 # at d64/128/256), so the warps an SM has to hide a tile's load and its serial steps (load, rotate, amax, cast,
-# store) come from wider programs. Compiled for sm_90 (ptxas, triton 3.6, the default's second launch, group 1 / 4;
-# not timed on a GPU):
+# store) come from wider programs. With the host path's sync gone: a quantize of the FP8 bench's inputs (16k tokens,
+# 2048 wide) 342-546 -> 181 us at d128, 621-645 -> 227 us at d256 (H200, do_bench, against 5d069c2,
+# results/h200-fp8-side-2026-11-27-02dd45f.json). Compiled for sm_90 (ptxas, triton 3.6, the default's second
+# launch, group 1 / 4):
 #   d    warps, registers   registers used                 programs an SM   warps an SM (was)
 #   64   8, 64              64 / 64, 1 spill store at g4   4                32 (32)
 #   128  16, 64             63 / 64, no spill              2                32 (16: 8 warps, 115-124 registers)

@@ -14,6 +14,7 @@ from flashtile import fp8, testing
 from flashtile.backends import AttnArgs
 from flashtile.backends import torch_fp8
 from flashtile.backends.triton.kernels import decode as decode_kernels
+from flashtile.backends.triton.kernels.quant_fp8 import _divide
 from flashtile.fp8 import _kernel_module
 
 HAS_CUDA = torch.cuda.is_available()
@@ -141,9 +142,10 @@ def test_quantize_kernel_tiny_and_huge_blocks(rng):
     q[:, :128] *= 1e-30
     q[:, 128:256] *= 6e4
     q[:, 256:] = 0
+    q = q.to(DEVICE)
     k, v = q[:, :, :1].clone(), q[:, :, 1:].clone()
     for block_quant in (True, False):
-        ours = quant.quantize(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), block_quant, True, seed=1)
+        ours = quant.quantize(q, k, v, block_quant, True, seed=1)
         _assert_same_quantization(ours, torch_fp8.quantize(q, k, v, block_quant, True, seed=1))
 
 
@@ -170,7 +172,6 @@ def test_quantize_kernel_in_cuda_graph(rng):
 @triton.jit
 def _divide_kernel(Y, DESCALE, OUT, N: tl.constexpr):
     # FMA: the reciprocal path under the interpreter too (its fma rounds twice: within one ulp there).
-    from flashtile.backends.triton.kernels.quant_fp8 import _divide
     offs = tl.arange(0, N)
     row = tl.program_id(0) * N
     tl.store(OUT + row + offs, _divide(tl.load(Y + row + offs), tl.load(DESCALE + tl.program_id(0)), True))

@@ -50,7 +50,7 @@ FP8_TILES = {64: (128, 4, True), 128: (128, 4, False), 256: (64, 2, False)}
 # about their sum: the consumers' softmaxes run side by side while the tensor cores wait. As FlashAttention-3,
 # FP8 d >= 128 only: d64's wgmmas take half the MUFU's time, nothing to hide them under. H200, the FP8 bench's 12
 # shapes, one round (results/h200-fp8-fwd-2026-11-27-02dd45f.json): turns on / off 0.96-1.06x (d128 16k full 829 /
-# 784 TF/s, d256 8k causal 752 / 785), 8 of 12 ahead; the kernel 1.00-1.07x 5d069c2's and 1.07-1.49x bf16.
+# 784 TF/s, d256 8k causal 752 / 785), 7 of 12 ahead; the kernel 1.01-1.07x 5d069c2's and 1.07-1.49x bf16.
 FP8_PINGPONG = {64: False, 128: True, 256: True}
 QUERY_ROWS = 64
 # The consumers' registers after ``setmaxnreg`` and the cap the kernel is compiled under, as for the bf16

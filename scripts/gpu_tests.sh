@@ -2,7 +2,10 @@
 # The whole test suite on a CUDA GPU: bash scripts/gpu_tests.sh [--part I/N] [pytest args...]
 #
 # Every file in tests/ runs with the GPU as the device (the Gluon kernels' tests on sm_90 only), across
-# FLASHTILE_GPU_WORKERS pytest-xdist workers (default 14 of a 16-core machine: the kernels' compiles are CPU-bound).
+# FLASHTILE_GPU_WORKERS pytest-xdist workers (default 16 a GPU, at most one a core: the kernels' compiles are
+# CPU-bound). On a machine of several GPUs each worker takes one of them, round robin (tests/conftest.py reads
+# FLASHTILE_GPUS, set here), so the suite's worker-seconds spread over all of them; tests that need several GPUs
+# see one each and skip (run them on their own: pytest tests/test_distributed.py -k cuda).
 # --part I/N runs the I-th of N slices of the test files (weighed below); the slices together are the whole suite.
 # On a fresh H200 at 3346a9c, four slices by file took about 1250 s in all; plan the device budget with --part I/3
 # (each slice under a call's 10-minute limit). FLASHTILE_FAILURE_LOG=path records each failure as it happens.
@@ -40,8 +43,11 @@ fi)
 # FLASHTILE_COMMIT names the commit when the checkout's git does not (a copied tree).
 commit="${FLASHTILE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 gpu="$(python3 -c 'import torch; print(torch.cuda.get_device_name())' 2>/dev/null || echo "no GPU")"
-FLASHTILE_GPU_SUITE=1 FLASHTILE_NO_VENV=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" \
-  python3 -m pytest -q -p no:cacheprovider -n "${FLASHTILE_GPU_WORKERS:-14}" --dist loadgroup \
+gpus="$(python3 -c 'import torch; print(max(1, torch.cuda.device_count()))' 2>/dev/null || echo 1)"
+workers="${FLASHTILE_GPU_WORKERS:-$(( $(nproc) < 16 * gpus ? $(nproc) : 16 * gpus ))}"
+[[ "$gpus" -gt 1 ]] && gpu="$gpus x $gpu"
+FLASHTILE_GPU_SUITE=1 FLASHTILE_GPUS="$gpus" FLASHTILE_NO_VENV=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" \
+  python3 -m pytest -q -p no:cacheprovider -n "$workers" --dist loadgroup \
   --junitxml="$out/gpu-tests-${index}of${count}.xml" "${selected[@]}" "$@" \
   2>&1 | tee "$out/gpu-tests-${index}of${count}.log"
 status=${PIPESTATUS[0]}

@@ -8,7 +8,16 @@ import pathlib
 import sys
 import zlib
 
-import torch
+# scripts/gpu_tests.sh on a machine of FLASHTILE_GPUS GPUs: each pytest-xdist worker (gw0, gw1, ...) takes one of
+# them, round robin, before torch first asks CUDA for its devices.
+_GPUS = int(os.environ.get("FLASHTILE_GPUS", "1"))
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _GPUS > 1 and _WORKER.startswith("gw"):
+    _visible = os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(_GPUS)))
+    _ids = _visible.split(",")
+    os.environ["CUDA_VISIBLE_DEVICES"] = _ids[int(_WORKER[2:]) % len(_ids)]
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"

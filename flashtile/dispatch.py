@@ -231,15 +231,21 @@ def merge_call(out) -> AttentionCall:
 
 def dispatch(call: AttentionCall) -> Plan:
     """:func:`plan` the call, enforce the fallback policy, and record the choice."""
-    result = plan(call)
+    # stacklevel 5: the user's line that called flash_attn_func (enforce <- dispatch <- _attention <- flash_attn_func).
+    return enforce(plan(call), stacklevel=5)
+
+
+def enforce(result: Plan, stacklevel: int = 2) -> Plan:
+    """What :func:`dispatch` does with the plan it made, for a plan made earlier by :func:`plan`: raise its error,
+    or enforce the fallback policy (a FallbackError in strict mode) and record the choice. ``stacklevel``: that of
+    a fallback's warning, as :func:`record_fallback` takes it."""
     if result.error is not None:
         raise result.error
     reason = result.fallback_reason
     if reason is None:
         record_choice(result)
     else:
-        # stacklevel 4: the user's line that called flash_attn_func (dispatch <- _attention <- flash_attn_func).
-        record_fallback(reason, result.backend, preferred=result.preferred, stacklevel=4)
+        record_fallback(reason, result.backend, preferred=result.preferred, stacklevel=stacklevel)
         record_kernel(result.fwd_name)
     return result
 

@@ -267,10 +267,11 @@ def _getter(indices: list):
     return get if len(indices) > 1 else (lambda items: (get(items),))
 
 
-def replayed(replays: tuple | None, inputs: tuple, counters: tuple = ()):
+def replayed(replays: tuple | None, inputs: tuple, counters: tuple = (), ranged: bool = False):
     """The outputs of the first of ``replays`` that fits ``inputs`` (and ``counters``, a call's dropout seed and
-    offset), or None. Never while a profiler runs, so that the call's profiler ranges are recorded."""
-    if not replays or torch.autograd._profiler_enabled():
+    offset), or None. Never while a profiler runs, so that the call's profiler ranges are recorded, unless the
+    caller opens the call's range around the replay itself (``ranged``)."""
+    if not replays or (not ranged and torch.autograd._profiler_enabled()):
         return None
     for again in replays:
         outputs = again(inputs, counters)

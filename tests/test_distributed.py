@@ -353,6 +353,132 @@ def test_ring_backward_schedule(world, monkeypatch):
     assert backward[-1] == ("reverse", dkv), backward
 
 
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=_INTERPRETER_ONLY), pytest.param("cuda", marks=_gpus(1))])
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_repeat_is_launches_alone(world, device, monkeypatch):
+    """A ring call like an earlier one (same shapes, options and group) skips validation and dispatch, and runs each
+    block as its first call's recorded launches (the Triton backend; the interpreter on CPU): no dispatcher call
+    and no call into the backend's forward or backward, the same stats as the first call, the same results."""
+    from flashtile import dispatch as dispatch_module, validation
+    from flashtile.backends.triton import launch
+    from flashtile.distributed import engine, ring as ring_module
+
+    monkeypatch.setattr(ring_module, "Ring", lambda group: _RecordingRing(world))
+    monkeypatch.setattr(ring_module, "group_size_rank", lambda group: (world, 0))
+    monkeypatch.setattr(ring_module, "check_same_across", lambda *args: None)
+    counts = {}
+
+    def counting(name, fn):
+        def counted(*args, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
+            return fn(*args, **kwargs)
+        return counted
+
+    monkeypatch.setattr(engine, "dispatch", counting("dispatch", dispatch_module.dispatch))
+    monkeypatch.setattr(engine, "plan", counting("plan", dispatch_module.plan))
+    monkeypatch.setattr(validation, "attn_args", counting("attn_args", validation.attn_args))
+    for name in ("forward", "backward"):
+        monkeypatch.setattr(launch, name, counting(name, getattr(launch, name)))
+    # Zigzag chunks of 19 rows (38 a rank) on CPU, 300 on a GPU (its Hopper kernels): blocks over some rows and
+    # some keys at every step.
+    dtype, seqlen, headdim = (torch.bfloat16, 600, 128) if device == "cuda" else (torch.float16, 38, 16)
+    q, k, v = testing.make_qkv(1, seqlen, seqlen, 4, 2, headdim, dtype, device,
+                               generator=torch.Generator().manual_seed(world))
+    dout = testing.random_like(q, torch.Generator().manual_seed(1))
+    results, calls, stats = [], [], []
+    for _ in range(2):
+        counts.clear()
+        flashtile.reset_stats()
+        for x in (q, k, v):
+            x.grad = None
+        with force_backend("triton"):
+            out = ring_attention(q, k, v, causal=True)
+            out.backward(dout)
+        results.append([out.detach(), q.grad, k.grad, v.grad])
+        calls.append(dict(counts))
+        stats.append({name: n for name, n in flashtile.stats()["kernels"].items()})
+    # The first call: two kinds of block call planned (the causal diagonal, a full block), the merge dispatched,
+    # each kind's forward recorded once (later steps replay it). The backward records the full block twice on 4
+    # ranks: the middle steps write their dK/dV beside the sums that are still on their way.
+    assert calls[0] == {"plan": 2, "dispatch": 1, "attn_args": 3, "forward": 2,
+                        "backward": 2 if world == 2 else 3}, calls[0]
+    assert calls[1] == {}, calls[1]
+    assert stats[1] == stats[0] and flashtile.stats()["calls"] == {"triton": 3}, (stats, flashtile.stats())
+    assert torch.equal(results[1][0], results[0][0])
+    for again, first in zip(results[1][1:], results[0][1:]):
+        # dQ of the one-pass Hopper backward adds in the order its programs finish: equal to rounding.
+        torch.testing.assert_close(again, first, atol=1e-2, rtol=0)
+
+@pytest.mark.filterwarnings("ignore:flashtile fell back:RuntimeWarning")
+def test_ring_fallbacks_are_recorded_every_call(monkeypatch):
+    """A ring call whose blocks fall back is planned afresh every call (never kept): its fallbacks are counted on each
+    call, and strict mode refuses each call after the ranks have compared shapes."""
+    from flashtile import dispatch as dispatch_module
+    from flashtile.dispatch import FallbackError, disable_backends
+    from flashtile.distributed import ring as ring_module
+
+    checked = []
+    monkeypatch.setattr(ring_module, "Ring", lambda group: _RecordingRing(2))
+    monkeypatch.setattr(ring_module, "group_size_rank", lambda group: (2, 0))
+    monkeypatch.setattr(ring_module, "check_same_across", lambda *args: checked.append(args[1]))
+    q, k, v = testing.make_qkv(1, 12, 12, 2, 2, 16, torch.float32, "cpu", generator=torch.Generator().manual_seed(3))
+    preferred = dispatch_module.preferred_backend(q.device)
+    other = next(name for name in dispatch_module.BACKENDS if name != preferred)
+    flashtile.reset_stats()
+    with disable_backends(preferred):
+        for _ in range(2):
+            ring_attention(q, k, v, causal=True).sum().backward()
+        # Two kinds of block call and the merge, on each of the two calls.
+        assert sum(flashtile.stats()["fallbacks"].values()) == 6, flashtile.stats()
+        assert flashtile.stats()["calls"] == {other: 6}, flashtile.stats()
+        dispatch_module.set_strict(True)
+        try:
+            with pytest.raises(FallbackError):
+                ring_attention(q, k, v, causal=True)
+        finally:
+            dispatch_module.set_strict(False)
+    assert checked == ["ring_attention"] * 3
+
+@pytest.mark.parametrize("device, backend, headdim", [("cpu", "torch", 16),
+                                                      pytest.param("cpu", "triton", 16, marks=_INTERPRETER_ONLY),
+                                                      pytest.param("cpu", "triton", 192, marks=_INTERPRETER_ONLY),
+                                                      pytest.param("cuda", "triton", 128, marks=_gpus(1))])
+def test_backward_into_float32_sums(device, backend, headdim, monkeypatch):
+    """What the ring's backward asks of a backend: gradients written as float32 (the ring's sums) equal the same
+    call's gradients in q's dtype to that dtype's rounding, and ``add_dq`` adds dQ to what a float32 dq holds
+    (here rows 5: of a longer sum, whose other rows stay as they were). Head dim 192: the dQ kernel's main part and
+    tail. On a GPU the one-pass Hopper backward runs (made to fill a GPU of one SM), its dQ summed in the given
+    float32 tensor itself."""
+    from flashtile.backends import AttnArgs
+    from flashtile.backends.triton import configs
+    from flashtile.dispatch import get_backend
+
+    if device == "cuda":
+        monkeypatch.setattr(configs, "sm_count", lambda device: 1)
+        monkeypatch.setattr(configs, "BWD_SPLIT_MIN_PAIRS", 1 << 62)
+    dtype, seqlen = (torch.bfloat16, 300) if device == "cuda" else (torch.float16, 37)
+    generator = torch.Generator().manual_seed(7)
+    q, k, v = testing.make_qkv(1, seqlen, seqlen, 4, 2, headdim, dtype, device, requires_grad=False,
+                               generator=generator)
+    dout = testing.random_like(q, generator)
+    args = AttnArgs(softmax_scale=headdim ** -0.5, causal=True, window_right=0)
+    run = get_backend(backend)
+    out, lse = run.forward(q, k, v, args)
+    want = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    run.backward(dout, q, k, v, out, lse, args, *want, None, None)
+    sums = [torch.full(t.shape, float("nan"), dtype=torch.float32, device=device) for t in (q, k, v)]
+    run.backward(dout, q, k, v, out, lse, args, *sums, None, None)
+    for got, expected in zip(sums, want):
+        torch.testing.assert_close(got.to(dtype), expected, atol=1e-2, rtol=2e-2)
+    held = torch.randn((1, seqlen + 5, 4, headdim), generator=generator).to(device)
+    before = held.clone()
+    run.backward(dout, q, k, v, out, lse, args, held[:, 5:], *(torch.empty_like(t) for t in (k, v)), None, None,
+                 add_dq=True)
+    torch.testing.assert_close(held[:, 5:], before[:, 5:] + sums[0], atol=1e-3, rtol=1e-3)
+    assert torch.equal(held[:, :5], before[:, :5])
+    with pytest.raises(ValueError, match="add_dq: dq must be a float32 sum"):
+        run.backward(dout, q, k, v, out, lse, args, *want, None, None, add_dq=True)
+
 @_GLOO_IN_CI
 def test_bench_smoke(tmp_path, monkeypatch):
     """The benchmark runs end to end on gloo (tiny sizes) and checks every method before timing it."""

@@ -465,6 +465,36 @@ def test_merge_states(rng, dtype):
     assert torch.equal(out[1, 0], torch.zeros_like(out[1, 0]))
 
 
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=dtype_id)
+def test_merge_states_into(rng, dtype, backend):
+    """``out=``/``lse=``: a merge in place over some rows of out_a and lse_a (as ring attention merges a block
+    over part of its rows), and one into float32 tensors of its own, give the merge's own result."""
+    from flashtile.backends import torch_decode
+
+    merge = merge_states if backend == "triton" else torch_decode.merge_states
+    batch, seqlen, nheads, headdim = 2, 37, 3, 24
+    a_out, b_out = (randn(rng, batch, seqlen, nheads, headdim, dtype=dtype) for _ in range(2))
+    a_lse, b_lse = (randn(rng, batch, nheads, seqlen, dtype=torch.float32) * 3 for _ in range(2))
+    a_lse[0, 1, 5] = b_lse[0, 1, 5] = float("-inf")  # a row that saw no key on either side: out 0, lse -inf
+    rows = slice(11, 30)
+    want_out, want_lse = merge(a_out[:, rows], a_lse[:, :, rows], b_out[:, rows], b_lse[:, :, rows])
+    out = torch.full(want_out.shape, float("nan"), dtype=torch.float32, device=DEVICE)
+    lse = torch.full(want_lse.shape, float("nan"), dtype=torch.float32, device=DEVICE)
+    merge(a_out[:, rows], a_lse[:, :, rows], b_out[:, rows], b_lse[:, :, rows], out, lse)
+    torch.testing.assert_close(out.to(dtype), want_out, atol=0, rtol=0)
+    torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
+    untouched_out, untouched_lse = a_out.clone(), a_lse.clone()
+    merged_out, merged_lse = merge(a_out[:, rows], a_lse[:, :, rows], b_out[:, rows], b_lse[:, :, rows],
+                                   a_out[:, rows], a_lse[:, :, rows])
+    assert merged_out.data_ptr() == a_out[:, rows].data_ptr()
+    torch.testing.assert_close(a_out[:, rows], want_out, atol=0, rtol=0)
+    torch.testing.assert_close(a_lse[:, :, rows], want_lse, atol=0, rtol=0)
+    # The rows outside the merge are left as they were.
+    assert torch.equal(a_out[:, :11], untouched_out[:, :11]) and torch.equal(a_out[:, 30:], untouched_out[:, 30:])
+    assert torch.equal(a_lse[:, :, 30:], untouched_lse[:, :, 30:])
+
 def masked_ref(q, k, v, mask):
     """float64 out, lse of q over k, v where ``mask`` ``(seqlen_q, seqlen_k)`` says which keys each row sees."""
     scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) / math.sqrt(q.shape[-1])

@@ -22,9 +22,11 @@ A backend is two modules: a light one that can always be imported (``supports``,
     ``(batch, nheads, seqlen_q)`` dense or ``(nheads, total_q)`` varlen. A row that sees no key
     (and has no sink) has output 0 and lse ``-inf``.
 
-``backward(dout, q, k, v, out, lse, args, dq, dk, dv, dsink, dbias) -> None``
+``backward(dout, q, k, v, out, lse, args, dq, dk, dv, dsink, dbias, add_dq=False) -> None``
     Writes the gradients into ``dq``, ``dk``, ``dv`` (same shapes as q, k, v; possibly strided
-    views of one packed tensor). dK/dV of a KV head sum over its query-head group. ``dsink``
+    views of one packed tensor; in q's dtype or float32, each stored in its own dtype). With
+    ``add_dq`` (a float32 ``dq``) dQ is added to what ``dq`` holds instead (ring attention sums a
+    row's dQ over its steps). dK/dV of a KV head sum over its query-head group. ``dsink``
     is None or a ``(nheads,)`` tensor to fill (summed in float32, stored in its dtype); ``dbias`` is
     None or a contiguous float32 ``(batch, nheads, seqlen_q, seqlen_k)`` tensor to fill with
     dL/d(score) (the autograd layer sums it down to the bias's broadcast shape). With
@@ -53,11 +55,13 @@ KV-cache attention (``flashtile.flash_attn_with_kvcache``), for backends whose F
     headdim_v)`` in q's dtype, ``lse`` float32 ``(batch, nheads, seqlen_q)``. No host
     synchronization, no allocation whose size depends on tensor values (CUDA-graph capturable).
 
-``merge_states(out_a, lse_a, out_b, lse_b) -> (out, lse)``
+``merge_states(out_a, lse_a, out_b, lse_b, out=None, lse=None) -> (out, lse)``
     The attention of the union of two disjoint key sets from the two partial results:
     ``lse = log(exp(lse_a) + exp(lse_b))``, ``out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b``;
     outs ``(batch, seqlen, nheads, headdim)`` (out_a's dtype for the result), lses float32
-    ``(batch, nheads, seqlen)``. Both ``-inf``: out 0, lse ``-inf``.
+    ``(batch, nheads, seqlen)``. Both ``-inf``: out 0, lse ``-inf``. Given ``out`` and ``lse`` (any float
+    dtype of out, unit last strides), the result is written there; they may be ``out_a`` and ``lse_a``
+    (merged in place, as ring attention accumulates its steps).
 
 The math every backend computes (``diag = seqlen_k - seqlen_q`` of the row's sequence)::
 

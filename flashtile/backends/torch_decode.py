@@ -127,8 +127,9 @@ def _note_bad_values(k_cache, args: KVCacheArgs) -> None:
                 device_errors.note("block_table", b, bad[0])
 
 
-def merge_states(out_a, lse_a, out_b, lse_b):
-    """The attention over the union of two disjoint key sets from each set's ``(out, lse)``.
+def merge_states(out_a, lse_a, out_b, lse_b, out=None, lse=None):
+    """The attention over the union of two disjoint key sets from each set's ``(out, lse)``; written into
+    ``out``, ``lse`` when given (any dtype of out; they may be ``out_a``, ``lse_a``).
 
     ``lse = log(exp(lse_a) + exp(lse_b))`` and ``out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b``,
     computed in fp32 around the larger lse ``m``: the weights ``exp(lse - m)`` are at most 1 and come from
@@ -140,13 +141,19 @@ def merge_states(out_a, lse_a, out_b, lse_b):
     m = m.masked_fill(m == float("-inf"), 0.0)
     weight_a, weight_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
     total = weight_a + weight_b
-    lse = m + torch.log(total)  # log(0) = -inf when neither side saw a key
-    out = torch.zeros(out_a.shape, dtype=torch.float32, device=out_a.device)
+    merged_lse = m + torch.log(total)  # log(0) = -inf when neither side saw a key
+    merged = torch.zeros(out_a.shape, dtype=torch.float32, device=out_a.device)
     for part_out, weight in ((out_a, weight_a), (out_b, weight_b)):
         weight = (weight / total.masked_fill(total == 0, 1.0)).transpose(1, 2).unsqueeze(-1)  # (batch, seqlen, nheads, 1)
         # A side that saw no key adds nothing, whatever its out holds.
-        out += torch.where(weight > 0, weight * part_out.float(), 0.0)
-    return out.to(out_a.dtype), lse
+        merged += torch.where(weight > 0, weight * part_out.float(), 0.0)
+    if out is None:
+        out = merged.to(out_a.dtype)
+    else:
+        out.copy_(merged)
+    if lse is None:
+        return out, merged_lse
+    return out, lse.copy_(merged_lse)
 
 
 def _to_cache(new: torch.Tensor, descale, dtype: torch.dtype) -> torch.Tensor:

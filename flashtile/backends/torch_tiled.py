@@ -246,8 +246,16 @@ def forward(q, k, v, args: AttnArgs):
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink, dbias) -> None:
-    """Write dQ, dK, dV (and dsink, dbias when given) in place; P is recomputed tile by tile from ``lse``."""
+def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink, dbias, add_dq=False) -> None:
+    """Write dQ, dK, dV (and dsink, dbias when given) in place; P is recomputed tile by tile from ``lse``.
+    ``add_dq``: dQ is added to what the float32 ``dq`` holds."""
+    if add_dq:
+        if dq.dtype != torch.float32:
+            raise ValueError(f"add_dq: dq must be a float32 sum to add dQ to, got dq of dtype {dq.dtype}")
+        grad = torch.empty_like(dq)
+        backward(dout, q, k, v, out, lse, args, grad, dk, dv, dsink, dbias)
+        dq.add_(grad)
+        return
     dsink_acc = None if dsink is None else torch.zeros(dsink.shape, dtype=torch.float32, device=q.device)
     if args.varlen:
         # Tokens outside every sequence (past cu_seqlens[-1], or past seqused_k) get zero gradients.

@@ -3,24 +3,43 @@ and the one check per call that every rank was handed matching shapes (so a mism
 instead of leaving some of them waiting in a collective forever)."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
 
 def check_same_across(group, what: str, values: dict, device) -> None:
     """All-gather ``values`` (name -> int) over ``group``; raise the same ValueError on every rank if any
-    rank's values differ from another's."""
+    rank's values differ from another's. On a GPU the gather and its copy to the host run on a stream of
+    their own, so that the host waits for them alone, not for the work queued before the call (earlier
+    layers' kernels): the host goes on queueing while the GPU runs them."""
     world = dist.get_world_size(group)
     if world == 1:
         return
-    mine = torch.tensor(list(values.values()), dtype=torch.long, device=device)
-    gathered = torch.empty(world * mine.numel(), dtype=torch.long, device=device)
-    dist.all_gather_into_tensor(gathered, mine, group=group)
-    rows = gathered.view(world, -1).tolist()  # the call's one wait for the device (one copy; a row each took P)
+    with _own_stream(torch.device(device)):
+        mine = torch.tensor(list(values.values()), dtype=torch.long, device=device)
+        gathered = torch.empty(world * mine.numel(), dtype=torch.long, device=device)
+        dist.all_gather_into_tensor(gathered, mine, group=group)
+        rows = gathered.view(world, -1).tolist()  # the call's one wait for the device (one copy; a row each took P)
     if any(row != rows[0] for row in rows):
         per_rank = "; ".join(f"rank {rank}: " + ", ".join(f"{name}={value}" for name, value in zip(values, row))
                              for rank, row in enumerate(rows))
         raise ValueError(f"{what}: every rank must pass the same shapes, got {per_rank}")
+
+
+_CHECK_STREAMS: dict = {}
+
+
+def _own_stream(device: torch.device):
+    """``torch.cuda.stream`` of a stream kept for the shape checks of ``device`` (nothing on a CPU)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _CHECK_STREAMS.get(index)
+    if stream is None:
+        stream = _CHECK_STREAMS[index] = torch.cuda.Stream(index)
+    return torch.cuda.stream(stream)
 
 
 class Ring:

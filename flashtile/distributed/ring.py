@@ -10,8 +10,11 @@ against the whole held shard (from a later rank).
 """
 from __future__ import annotations
 
+import torch.distributed as dist
 
 from .. import validation
+from ..dispatch import recall, remember, state_key
+from ..interface import _SCALARS, _layouts, _plain_window
 from .blocks import visible_blocks
 from .comm import Ring, check_same_across
 from .engine import BlockCall, RingFunction, RingRun, plan_block
@@ -44,16 +47,58 @@ def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, win
     refuse_alibi(alibi_slopes, "ring_attention")
     validation.check_qkv(q, k, v)
     world, rank = group_size_rank(group)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                   deterministic=deterministic)
+    key = _signature(q, k, v, sink, options, balance, group, world, rank)
+    run = None if key is None else recall(key)
+    known, error = run is not None, None
+    if not known:
+        # Planned before the shapes are compared across the ranks (the call's one wait for the device), so that
+        # the work after that wait is the launches; an error is raised after it, as the comparison's is first.
+        try:
+            run = _plan(q, k, v, group, world, rank, options, sink, balance)
+        except Exception as planning:  # noqa: BLE001 -- raised below, after every rank has compared shapes
+            error = planning
     check_same_across(group, "ring_attention", shapes(q, k, v), q.device)
+    if error is not None:
+        raise error
+    run.record()
+    if not known and key is not None and all(call.plan.fallback_reason is None for calls in run.steps
+                                             for call in calls):
+        remember(key, run)
+    out, lse = RingFunction.apply(q, k, v, sink, run)
+    return (out, lse) if return_lse else out
+
+
+def _signature(q, k, v, sink, options: dict, balance, group, world: int, rank: int):
+    """The key under which a call's :class:`RingRun` is kept for the calls like it (see flashtile.interface's
+    ``_signature``): the shards' shapes, dtypes and devices, the options with their types, the sink's layout,
+    the group, this rank's place in it and the dispatch state; None for a call planned afresh."""
+    sink_layout = _layouts((sink,), strides=True)
+    scalars = tuple(options[name] for name in ("causal", "softmax_scale", "softcap", "deterministic"))
+    types = tuple(map(type, scalars))
+    if sink_layout is None or not _plain_window(options["window_size"]) or not _SCALARS.issuperset(types):
+        return None
+    group = dist.group.WORLD if group is None else group
+    key = ("ring_attention", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+           scalars, types, options["window_size"], sink_layout, balance, group, world, rank, state_key())
+    try:
+        hash(key)
+    except TypeError:  # a balance or group that cannot be a key: validated and planned afresh
+        return None
+    return key
+
+
+def _plan(q, k, v, group, world: int, rank: int, options: dict, sink, balance) -> RingRun:
+    """The :class:`RingRun` of a call: its checks, and each kind of block call validated and dispatched once."""
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"ring_attention: q and k shards must have one length (self-attention over one sharded "
                          f"sequence), got q {tuple(q.shape)} and k {tuple(k.shape)}")
     if balance == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"ring_attention: balance='zigzag' holds two equal chunks per rank, so seqlen_local must "
                          f"be even, got q {tuple(q.shape)}")
-    options, window = block_options(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                                    softcap=softcap, sink=sink, deterministic=deterministic)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    options, window = block_options(q, k, v, sink=sink, **options)
     ring = Ring(group)
     mine = segments(q.shape[1], rank, world, balance)
     planned = {}
@@ -64,10 +109,11 @@ def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, win
         for block in visible_blocks(mine, theirs, window):
             key = (block.rows, block.keys, block.window)
             if key not in planned:
-                planned[key] = plan_block(q[:, :block.rows], k[:, :block.keys], v[:, :block.keys], block.window,
-                                          options)
-            calls.append(BlockCall(block.q0, block.rows, block.k0, block.keys, *planned[key]))
+                args, plan = plan_block(q[:, :block.rows], k[:, :block.keys], v[:, :block.keys], block.window,
+                                        options, enforced=False)
+                # The block's launches are recorded and replayed while it runs on its preferred backend.
+                planned[key] = args, plan, {} if plan.fallback_reason is None else None
+            args, plan, replays = planned[key]
+            calls.append(BlockCall(block.q0, block.rows, block.k0, block.keys, args, plan, replays=replays))
         steps.append(calls)
-    run = RingRun(ring, steps, f"{balance} P={world} {mask_name(window)}")
-    out, lse = RingFunction.apply(q, k, v, sink, run)
-    return (out, lse) if return_lse else out
+    return RingRun(ring, steps, f"{balance} P={world} {mask_name(window)}")

@@ -307,18 +307,26 @@ _MERGE_STRIDES = ("stride_ab", "stride_am", "stride_ah", "stride_bb", "stride_bm
                   "stride_lbb", "stride_lbh", "stride_lbm", "stride_lb", "stride_lh")
 
 
-def merge_states(out_a, lse_a, out_b, lse_b):
+def merge_states(out_a, lse_a, out_b, lse_b, out=None, lse=None):
     """The attention over the union of two disjoint key sets: outs ``(batch, seqlen, nheads, headdim)``
     (any strides), lses float32 ``(batch, nheads, seqlen)`` (any strides); returns ``(out, lse)``, out
-    in out_a's dtype. ``lse = log(exp(lse_a) + exp(lse_b))``; where both are ``-inf``: out 0, lse ``-inf``."""
+    in out_a's dtype. ``lse = log(exp(lse_a) + exp(lse_b))``; where both are ``-inf``: out 0, lse ``-inf``.
+    ``out``, ``lse``: where to write the result instead (any float dtype of out, any strides with a unit last
+    one; they may be ``out_a``, ``lse_a``: each program reads its rows before it writes them)."""
     out_a, out_b = unit_stride(out_a), unit_stride(out_b)
     batch, seqlen, nheads, head_dim = out_a.shape
-    out = empty((batch, seqlen, nheads, head_dim), out_a.dtype, out_a.device)
-    lse = empty((batch, nheads, seqlen), torch.float32, out_a.device)
+    if out is None:
+        out = empty((batch, seqlen, nheads, head_dim), out_a.dtype, out_a.device)
+    if lse is None:
+        lse = empty((batch, nheads, seqlen), torch.float32, out_a.device)
+    if out.stride(-1) != 1 or lse.stride(-1) != 1:
+        raise ValueError(f"merge_states: out and lse need a unit last stride, got strides {out.stride()} and "
+                         f"{lse.stride()}")
     if batch == 0 or seqlen == 0 or nheads == 0:
         return out, lse
     grid = (cdiv(seqlen * nheads, _MERGE_BLOCK_M), batch)
-    key = (_layout(out_a), _layout(out_b), _layout(lse_a), _layout(lse_b), out_a.device)
+    key = (_layout(out_a), _layout(out_b), _layout(lse_a), _layout(lse_b), _layout(out), _layout(lse),
+           out_a.device)
     with on_device(out_a):
         _MERGE(key, grid, dict(OA=out_a, LSE_A=lse_a, OB=out_b, LSE_B=lse_b, O=out, LSE=lse),
                lambda: dict(zip(_MERGE_STRIDES, (*_strides3(out_a), *_strides3(out_b), *_strides3(out),

@@ -427,13 +427,16 @@ def _forward_kvcache_sm90(q, k_cache, v_cache, args: KVCacheArgs, cfg, features:
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, dbias=None, config=None, kv_splits=None):
+def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, dbias=None, config=None, kv_splits=None,
+             add_dq=False):
     """``config`` overrides the tile table and ``kv_splits`` the dK/dV programs per key block (for tuning
     sweeps and tests)."""
+    if add_dq and dq.dtype != torch.float32:
+        raise ValueError(f"add_dq: dq must be a float32 sum to add dQ to, got dq of dtype {dq.dtype}")
     if v.shape[-1] < NARROW_V and q.device.type == "cuda":
         dout, v, out = _widened(dout, v, out)
         dv_wide = torch.empty_like(v)
-        backward(dout, q, k, v, out, lse, args, dq, dk, dv_wide, dsink, dbias, config, kv_splits)
+        backward(dout, q, k, v, out, lse, args, dq, dk, dv_wide, dsink, dbias, config, kv_splits, add_dq)
         dv.copy_(dv_wide[..., :dv.shape[-1]])
         return
     q, k, v, out, dout = (unit_stride(t) for t in (q, k, v, out, dout))
@@ -444,7 +447,9 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
         dbias.zero_()
     if seqlen_q == 0 or seqlen_k == 0 or batch == 0:
         replay.not_replayable("empty gradients are zeroed")
-        dq.zero_(), dk.zero_(), dv.zero_()
+        dk.zero_(), dv.zero_()
+        if not add_dq:
+            dq.zero_()
         if dsink is not None:
             dsink.zero_()
         return
@@ -452,7 +457,8 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
     if args.varlen:
         # Tokens past the last sequence get gradient 0 (the kernels zero keys past seqused_k).
         for grad, cu in ((dq_out, args.cu_seqlens_q), (dk_out, args.cu_seqlens_k), (dv_out, args.cu_seqlens_k)):
-            _fill_tail(grad, cu, 0.0)
+            if grad is not dq_out or not add_dq:
+                _fill_tail(grad, cu, 0.0)
     features = frozenset(present_features(args, head_dim, head_dim_v))
     cfg = config or bwd_config(max(head_dim, head_dim_v), q.dtype, q.device, head_dim_v,
                                row_keys(seqlen_k, args.window_left, args.window_right), features)
@@ -478,9 +484,16 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
         plan = configs.BwdPlan(False, cfg, *configs.bwd_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k,
                                                       (args.window_left, args.window_right), cfg.dkdv.BLOCK_N,
                                                       q.device))
+    # The one-pass kernel adds dQ up in float32 (zeroed by the preprocess, unless add_dq), then cast into dq; a
+    # float32 dq that the TMA can address is that sum itself (no buffer of its own, no cast after).
+    own_sum = plan.one_pass and dq_out.dtype == torch.float32 and tma_unfit(dq_out) is None
+    if add_dq and plan.one_pass and not own_sum:
+        # dQ to add to a sum the one-pass kernel cannot address: the pair's dQ kernel adds it.
+        plan = configs.bwd_choice(cfg, head_dim, head_dim_v, q.dtype, q.device, features,
+                                  (args.window_left, args.window_right), batch, nheads, nheads_kv, seqlen_q, seqlen_k,
+                                  False, one_pass=False)
     one_pass, cfg, splits, alongside = plan.one_pass, plan.cfg, kv_splits or plan.parts, plan.alongside
-    # Its dQ is added up in float32 (zeroed by the preprocess), then cast into dq.
-    dq_acc = empty(q.shape, torch.float32, q.device) if one_pass else None
+    dq_acc = (dq_out if own_sum else empty(q.shape, torch.float32, q.device)) if one_pass else None
     # Split key blocks store float32 partial sums: one partial head per (KV head, part).
     dk_part, dv_part = dk_out, dv_out
     if splits > 1:
@@ -491,7 +504,7 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
                 _fill_tail(part, args.cu_seqlens_k, 0.0)
     # Varlen lengths are dynamic arguments; dense ones are in the layouts.
     key = (_layout_key(q, k, v, out, dout, lse, dq_out, dk_part, dv_part), q.device, _args_key(args, lengths=False),
-           cfg, dbias is not None, splits)
+           cfg, dbias is not None, splits, add_dq, own_sum)
 
     def shared():
         return dict(stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h, group=nheads // nheads_kv,
@@ -508,16 +521,18 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
                     lambda: dict(**_strides(varlen, o=out, do=dout, dq=out if dq_acc is None else dq_acc),
                                  stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h, seqlen_q=rows,
                                  HEAD_DIM_ACTUAL=head_dim_v, HEAD_DIM=padded_head_dim(head_dim_v),
-                                 BLOCK_M=_PREPROCESS_BLOCK_M, ZERO_DQ=one_pass, DQ_DIM_ACTUAL=head_dim,
+                                 BLOCK_M=_PREPROCESS_BLOCK_M, ZERO_DQ=one_pass and not add_dq, DQ_DIM_ACTUAL=head_dim,
                                  DQ_DIM=padded_head_dim(head_dim)))
         if dsink is not None:
             _sink_grad(args.sink, lse, delta, dsink, varlen)
         if one_pass:
             _backward_sm90_ws(q, k, v, dout, dq_acc, dk_out, dv_out, lse2, delta, args, features, key)
-            _sum_parts(dq_acc, dq_out, 1, varlen)
+            if dq_acc is not dq_out:
+                _sum_parts(dq_acc, dq_out, 1, varlen)
         else:
             _backward_pair(cfg, key, tensors, shared, (batch, seqlen_q, seqlen_k, nheads, nheads_kv), splits, alongside,
-                           q, k, v, dout, dq_out, dk_out, dv_out, dk_part, dv_part, lse2, delta, args, features, dbias)
+                           q, k, v, dout, dq_out, dk_out, dv_out, dk_part, dv_part, lse2, delta, args, features, dbias,
+                           add_dq)
         if splits > 1:
             # The parts of each KV head, added in a fixed order (run-to-run identical) and cast on the way.
             for part, grad in ((dk_part, dk_out), (dv_part, dv_out)):
@@ -529,9 +544,10 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
 
 
 def _backward_pair(cfg, key, tensors: dict, shared, shape: tuple, splits: int, alongside: bool, q, k, v, dout, dq, dk,
-                   dv, dk_part, dv_part, lse2, delta, args: AttnArgs, features: frozenset, dbias):
+                   dv, dk_part, dv_part, lse2, delta, args: AttnArgs, features: frozenset, dbias, add_dq: bool):
     """The two-kernel backward: dK/dV (the Gluon kernel, or bwd.py's into ``dk_part``/``dv_part`` with ``splits``
-    parts a key block) and bwd.py's dQ kernel; side by side on an under-filled GPU (``alongside``)."""
+    parts a key block) and bwd.py's dQ kernel (``add_dq``: added to what dq holds); side by side on an under-filled
+    GPU (``alongside``)."""
     batch, seqlen_q, seqlen_k, nheads, nheads_kv = shape
     varlen = args.varlen
     with fork(q, alongside) as side:
@@ -548,7 +564,7 @@ def _backward_pair(cfg, key, tensors: dict, shared, shape: tuple, splits: int, a
         _DQ(key, (cdiv(seqlen_q, cfg.dq.BLOCK_M), nheads, batch),
             dict(DQ=dq, DBIAS=dbias if dbias is not None else q, **tensors),
             lambda: dict(**shared(), **_strides(varlen, dq=dq), BLOCK_M=cfg.dq.BLOCK_M,
-                         BLOCK_N=cfg.dq.BLOCK_N, WRITE_DBIAS=dbias is not None,
+                         BLOCK_N=cfg.dq.BLOCK_N, WRITE_DBIAS=dbias is not None, ADD_DQ=add_dq,
                          EVEN_M=not varlen and seqlen_q % cfg.dq.BLOCK_M == 0,
                          num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages))
 

@@ -384,7 +384,9 @@ def bwd_dq(Q, K, V, DO, DQ, LSE2, DELTA, DBIAS, softmax_scale, softcap, window_l
            MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
            ALIBI: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr, WRITE_DBIAS: tl.constexpr,
            IS_VARLEN: tl.constexpr, HAS_SEQUSED: tl.constexpr,
-           EVEN_M: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+           EVEN_M: tl.constexpr, INPUT_PRECISION: tl.constexpr, ADD_DQ: tl.constexpr = False):
+    """dQ of one block of query rows, written into ``DQ`` or, with ``ADD_DQ``, added to what it holds (ring
+    attention sums a row's dQ over its steps in float32)."""
     # Offsets of long sequences can pass 2**31 elements: do the index math in int64.
     stride_qb, stride_qm, stride_qh = int64(stride_qb, stride_qm, stride_qh)
     stride_kb, stride_kn, stride_kh = int64(stride_kb, stride_kn, stride_kh)
@@ -441,5 +443,11 @@ def bwd_dq(Q, K, V, DO, DQ, LSE2, DELTA, DBIAS, softmax_scale, softcap, window_l
     dq_tail *= softmax_scale
     dq_ptrs, dq_tail_ptrs = _qk_ptrs(head_base(DQ, off_b, off_h, q_start, stride_dqb, stride_dqm, stride_dqh), offs_m,
                                      stride_dqm, HEAD_DIM_QK, TAIL_DIM)
+    if ADD_DQ:
+        summed, summed_tail = _load_qk(dq_ptrs, dq_tail_ptrs, offs_m, seqlen_q, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK,
+                                       TAIL_DIM, True)
+        dq += summed.to(tl.float32)
+        if TAIL_DIM:
+            dq_tail += summed_tail.to(tl.float32)
     _store_qk(dq_ptrs, dq_tail_ptrs, dq.to(DQ.dtype.element_ty), dq_tail.to(DQ.dtype.element_ty), offs_m, seqlen_q,
               HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, TAIL_DIM)

@@ -12,6 +12,7 @@ input dtype, plus a small absolute slack::
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -238,6 +239,9 @@ def assert_results_close(ours: dict, ref_hi: dict, ref_lo: dict, dtype) -> None:
 
 # Whether a Hopper (sm_90) GPU is here: the Gluon kernels' tests run on it alone.
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+# Whether this is scripts/gpu_tests.sh's run: tests that run on the CPU device whatever the machine (gloo
+# collectives, CPU benchmark smoke runs) are CI's there.
+GPU_SUITE = os.environ.get("FLASHTILE_GPU_SUITE") == "1"
 
 
 def ran_backward(name: str) -> bool:

@@ -7,8 +7,8 @@
 # FLASHTILE_GPUS, set here), so the suite's worker-seconds spread over all of them; tests that need several GPUs
 # see one each and skip (run them on their own: pytest tests/test_distributed.py -k cuda).
 # --part I/N runs the I-th of N slices of the test files (weighed below); the slices together are the whole suite.
-# On a fresh H200 at 3346a9c, four slices by file took about 1250 s in all; plan the device budget with --part I/3
-# (each slice under a call's 10-minute limit). FLASHTILE_FAILURE_LOG=path records each failure as it happens.
+# On one H200 the suite is about 13300 worker-seconds (~1100 s in three slices, --part I/3, each under a call's
+# 10-minute limit); a 2-GPU machine halves the wall time, a 4-GPU one quarters it. FLASHTILE_FAILURE_LOG=path records each failure as it happens.
 # The python that has torch with CUDA is used as it is (FLASHTILE_NO_VENV=1). The log and a JUnit file go to
 # $OUT (or ./flashtile-results); the last line is the summary: "GPU suite [part I/N] at <commit> on <GPU>: ...".
 set -uo pipefail
@@ -20,11 +20,16 @@ out="${OUT:-flashtile-results}"
 mkdir -p "$out"
 # FLASHTILE_GPU_TESTS="tests/a.py tests/b.py" runs those files instead of all.
 # --part I/N: the files are dealt out heaviest first, each to the slice with the least weight so far, by the
-# worker-seconds each took on an H200 at 3346a9c (2026-11-27, 14 workers; the gloo cases of test_distributed left to
-# CI); a file not listed weighs 30. Three slices take about 4000 worker-seconds each, 5-7 minutes of wall time.
-weights="paths 4167 fwd_sm90 1716 fuzz 1352 attention 947 bwd_one_pass 568 bench_variants 429 variants 407
-bwd_sm90 366 cli 339 fp8 238 distributed 120 varlen 189 kvcache 164 sdpa 149 benchmark_tools 131 bwd_split 116
-compile 110 replay 91 docs 87 nn 70 transformers 68 fwd_fp8_sm90 61 fastlaunch 58 reliability 47 kvcache_kernels 47"
+# worker-seconds each took on an H200 with 16 workers at 3784a1a (fp8, bwd_sm90, varlen, kvcache* at c55a40a; fuzz,
+# attention, variants, benchmark_tools, bwd_split, docs, nn, fastlaunch from 3346a9c with 14); paths and bench_variants
+# are estimates after their cuts (paths: 5158 measured, less 52 float32 cases of ~49 s for 16 of ~35 s). A file not
+# listed weighs 30. About 13300 worker-seconds in all: three slices of ~4400 (5-6 minutes of wall time each); two of
+# ~6600 (~8 minutes each) fit a call's 10 minutes on the estimate, unmeasured.
+weights="paths 3020 fwd_sm90 2169 bwd_one_pass 1552 fuzz 1352 attention 947 fp8 568 bwd_sm90 510 variants 407
+cli 394 replay 272 varlen 228 fwd_fp8_sm90 181 compile 177 sdpa 164 transformers 155 benchmark_tools 131
+bwd_split 116 reliability 115 kvcache_kernels 99 docs 87 kvcache 81 bwd_tiles 74 nn 70 fastlaunch 58 grid 42
+bench_variants 30 torch_backend 23 configs_golden 18 distributed 5 bwd_preprocess 1 bench_validate 1 validation 1
+bench_results 1 racecheck_report 1 env 1"
 mapfile -t selected < <(if [[ -n "${FLASHTILE_GPU_TESTS:-}" ]]; then printf "%s\n" $FLASHTILE_GPU_TESTS; else
   python3 - "$index" "$count" $weights <<'PY'
 import pathlib, sys
@@ -43,6 +48,9 @@ fi)
 # FLASHTILE_COMMIT names the commit when the checkout's git does not (a copied tree).
 commit="${FLASHTILE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 gpu="$(python3 -c 'import torch; print(torch.cuda.get_device_name())' 2>/dev/null || echo "no GPU")"
+# Compiled kernels go to a git-ignored folder of the checkout, which stays on a warm device machine between calls: the
+# next slice reuses what this one compiled (Triton keys its cache by the kernel's source, constants and compiler).
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/.triton-cache}"
 gpus="$(python3 -c 'import torch; print(max(1, torch.cuda.device_count()))' 2>/dev/null || echo 1)"
 workers="${FLASHTILE_GPU_WORKERS:-$(( $(nproc) < 16 * gpus ? $(nproc) : 16 * gpus ))}"
 [[ "$gpus" -gt 1 ]] && gpu="$gpus x $gpu"

@@ -230,8 +230,7 @@ def _gpus(world):
 _INTERPRETER_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="Triton on CPU tensors: CI (no GPU) runs it")
 # scripts/gpu_tests.sh sets FLASHTILE_GPU_SUITE: the gloo cases on CPU are CI's (10+ worker-minutes there), the GPU
 # suite runs the NCCL ones.
-_GLOO_IN_CI = pytest.mark.skipif(os.environ.get("FLASHTILE_GPU_SUITE") == "1",
-                                 reason="gloo on CPU: CI runs it; the GPU suite runs the NCCL cases")
+_GLOO_IN_CI = pytest.mark.skipif(testing.GPU_SUITE, reason="gloo on CPU: CI runs it; the GPU suite runs the NCCL cases")
 
 
 @pytest.mark.parametrize("c", [pytest.param(c, marks=_GLOO_IN_CI if runs_here(c) else _INTERPRETER_ONLY) for c in CASES]

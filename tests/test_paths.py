@@ -1,7 +1,8 @@
 """Every kernel path the dispatcher can choose, run at the lengths that select it (flashtile/paths.py).
 
 On the CPU (CI): the cases of ``paths.CASES`` must cover every atom (kernel x head-dim family x dtype x MHA/GQA x
-dense/packed, kernel x feature) that the dispatcher produces over ``paths.sweep()`` on an sm_90 GPU of 132 SMs, so a
+dense/packed, for float32 kernel x head-dim family and kernel x MHA/GQA x dense/packed; kernel x feature) that the
+dispatcher produces over ``paths.sweep()`` on an sm_90 GPU of 132 SMs, so a
 new path fails here until a case runs it. On a Hopper GPU: every case runs through the public API with no threshold
 lowered; the profiler must show the kernels its name promises, and out, lse and every gradient are held to the
 tolerance rule against the float32 reference.

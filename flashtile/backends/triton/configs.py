@@ -155,9 +155,15 @@ _BWD_SM80 = {
     128: _bwd(32, 64, 4, 2, 64, 32, 4, 2),
     256: _bwd(32, 32, 4, 1, 32, 32, 4, 1),
 }
-# fp32 tiles take twice the shared memory and registers: halve them.
-_FWD_FP32 = TileConfig(64, 32, 4, 2)
-_BWD_FP32 = _bwd(32, 32, 4, 1, 32, 32, 4, 1)
+# fp32 tiles take twice the shared memory and registers: halve them. The dots run on FMAs, whose operand layouts hold
+# a tile's rows in every thread: up to head dim 128, 8 warps (same tiles) end the spills. Not timed on a GPU. ptxas
+# (sm_90, triton 3.6), 4 -> 8 warps, stack bytes / compile s on one CPU core, fwd, dK/dV, dQ (packed, d=96 and d=64):
+#   d=96    fwd 9208 -> 728 B (32 registers at 4 warps), dK/dV 1792 -> 256, dQ 720 -> 0; 8.9 -> 4.1 s
+#   d=64    fwd 456 -> 0, dK/dV 264 -> 0, dQ 0 -> 0; 3.8 -> 2.4 s
+#   d=256   fwd 2048 -> 3304 (kept at 4 warps), dK/dV 2264 -> 2328, dQ 0 -> 0; 10.4 -> 5.6 s (dense)
+_FWD_FP32 = TileConfig(64, 32, 8, 2)
+_FWD_FP32_D256 = TileConfig(64, 32, 4, 2)
+_BWD_FP32 = _bwd(32, 32, 8, 1, 32, 32, 8, 1)
 _BWD_FP32_D256 = _bwd(16, 32, 4, 1, 32, 16, 4, 1)
 # Under TRITON_INTERPRET=1 small tiles keep the awkward test shapes spanning several blocks.
 _FWD_INTERPRET = TileConfig(32, 32, 4, 1)
@@ -192,9 +198,9 @@ def fwd_config(head_dim: int, dtype: torch.dtype, device: torch.device, seqlen_k
     of the query/key and value head dims, ``head_dim_v`` the values' (0: the same)."""
     if device.type != "cuda":
         return _FWD_INTERPRET
-    if dtype == torch.float32:
-        return _FWD_FP32
     padded = padded_head_dim(head_dim)
+    if dtype == torch.float32:
+        return _FWD_FP32_D256 if padded == 256 else _FWD_FP32
     table = _FWD_SM80
     if _arch(device) == 90:
         table = _FWD_SM90

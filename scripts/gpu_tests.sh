@@ -8,7 +8,8 @@
 # see one each and skip (run them on their own: pytest tests/test_distributed.py -k cuda).
 # --part I/N runs the I-th of N slices of the test files (weighed below); the slices together are the whole suite.
 # On one H200 the suite is about 13300 worker-seconds (~1100 s in three slices, --part I/3, each under a call's
-# 10-minute limit); a 2-GPU machine halves the wall time, a 4-GPU one quarters it. FLASHTILE_FAILURE_LOG=path records each failure as it happens.
+# 10-minute limit); a 2-GPU machine halves the wall time, a 4-GPU one quarters it. FLASHTILE_FAILURE_LOG=path
+# records each failure as it happens.
 # The python that has torch with CUDA is used as it is (FLASHTILE_NO_VENV=1). The log and a JUnit file go to
 # $OUT (or ./flashtile-results); the last line is the summary: "GPU suite [part I/N] at <commit> on <GPU>: ...".
 set -uo pipefail

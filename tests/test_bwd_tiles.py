@@ -21,7 +21,8 @@ HOPPER = torch.device("cuda", 0)
     (16384, ("bias",), torch.bfloat16, 128, (32, 64, 4)),
     (16384, ("dropout",), torch.bfloat16, 128, (32, 64, 4)),
     (16384, (), torch.bfloat16, 64, (64, 64, 4)),  # other head dims keep their tiles
-    (16384, (), torch.float32, 128, (32, 32, 4)),
+    (16384, (), torch.float32, 128, (32, 32, 8)),  # float32: 8 warps up to head dim 128 (no spills)
+    (16384, (), torch.float32, 256, (16, 32, 4)),
 ])
 def test_tile_rule(monkeypatch, row_keys, features, dtype, headdim, expected):
     monkeypatch.setattr(configs, "capability", lambda device: (9, 0))

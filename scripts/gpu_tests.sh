@@ -52,6 +52,9 @@ gpu="$(python3 -c 'import torch; print(torch.cuda.get_device_name())' 2>/dev/nul
 # Compiled kernels go to a git-ignored folder of the checkout, which stays on a warm device machine between calls: the
 # next slice reuses what this one compiled (Triton keys its cache by the kernel's source, constants and compiler).
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/.triton-cache}"
+# One CPU thread a worker: the workers already fill the cores, and 64 workers of 64 torch threads each drove the load
+# average past 1400 on a 64-core 4-GPU host (a quarter of the suite in 570 s; 16 workers on 16 cores hid it).
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 gpus="$(python3 -c 'import torch; print(max(1, torch.cuda.device_count()))' 2>/dev/null || echo 1)"
 workers="${FLASHTILE_GPU_WORKERS:-$(( $(nproc) < 16 * gpus ? $(nproc) : 16 * gpus ))}"
 [[ "$gpus" -gt 1 ]] && gpu="$gpus x $gpu"

@@ -6,18 +6,10 @@ Without CUDA the Triton kernels run on CPU tensors through Triton's interpreter,
 import os
 import pathlib
 import sys
+import time
 import zlib
 
-# scripts/gpu_tests.sh on a machine of FLASHTILE_GPUS GPUs: each pytest-xdist worker (gw0, gw1, ...) takes one of
-# them, round robin, before torch first asks CUDA for its devices.
-_GPUS = int(os.environ.get("FLASHTILE_GPUS", "1"))
-_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
-if _GPUS > 1 and _WORKER.startswith("gw"):
-    _visible = os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(_GPUS)))
-    _ids = _visible.split(",")
-    os.environ["CUDA_VISIBLE_DEVICES"] = _ids[int(_WORKER[2:]) % len(_ids)]
-
-import torch  # noqa: E402
+import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
@@ -211,11 +203,34 @@ def served(monkeypatch):
     return calls
 
 
+def _reporting_here() -> bool:
+    """Whether this process writes the run's logs: pytest-xdist's controller (or a run without workers), which
+    sees every worker's reports, so each line is written once."""
+    return not os.environ.get("PYTEST_XDIST_WORKER")
+
+
+def _progress(line: str) -> None:
+    """With FLASHTILE_PROGRESS_LOG=path, one line per test event as it happens (a run cut off or hung still says
+    what started, what finished, and how long each took)."""
+    log = os.environ.get("FLASHTILE_PROGRESS_LOG")
+    if log and _reporting_here():
+        with open(log, "a") as f:
+            f.write(f"{time.time():.1f} {line}\n")
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _progress(f"start {nodeid}")
+
+
 def pytest_runtest_logreport(report):
     """With FLASHTILE_FAILURE_LOG=path, each failure's id and last traceback lines go there as it happens (a GPU
     run cut off by its time limit still says what failed)."""
+    if report.when == "call" or not report.passed:
+        worker = getattr(getattr(report, "node", None), "gateway", None)
+        _progress(f"{report.outcome} {report.duration:.1f}s {report.nodeid} ({report.when}"
+                  f"{', ' + worker.id if worker else ''})")
     log = os.environ.get("FLASHTILE_FAILURE_LOG")
-    if log and report.failed:
+    if log and report.failed and _reporting_here():
         tail = "\n    ".join(str(report.longrepr).splitlines()[-6:])
         with open(log, "a") as f:
             f.write(f"{report.nodeid} ({report.when}):\n    {tail}\n")

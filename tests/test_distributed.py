@@ -408,6 +408,9 @@ def test_ring_repeat_is_launches_alone(world, device, monkeypatch):
         # dQ of the one-pass Hopper backward adds in the order its programs finish: equal to rounding.
         torch.testing.assert_close(again, first, atol=1e-2, rtol=0)
 
+# CPU tensors with both backends able to run them: Triton's only under the interpreter (on a GPU machine the torch
+# backend is the only one, and disabling it leaves no backend at all).
+@_INTERPRETER_ONLY
 @pytest.mark.filterwarnings("ignore:flashtile fell back:RuntimeWarning")
 def test_ring_fallbacks_are_recorded_every_call(monkeypatch):
     """A ring call whose blocks fall back is planned afresh every call (never kept): its fallbacks are counted on each

@@ -250,6 +250,19 @@ def enforce(result: Plan, stacklevel: int = 2) -> Plan:
     return result
 
 
+def refusal(result: Plan) -> Exception | None:
+    """The error :func:`enforce` would raise for ``result`` (the plan's own, or strict mode's FallbackError), None if
+    it would run; nothing is recorded (a caller that must agree with other processes first asks this)."""
+    if result.error is not None:
+        return result.error
+    reason = result.fallback_reason
+    return None if reason is None or not strict_enabled() else _strict_error(reason, result.preferred)
+
+
+def _strict_error(reason: str, preferred: str) -> FallbackError:
+    return FallbackError(f"flashtile strict mode: the {preferred} backend cannot run this call: {reason}")
+
+
 def record_choice(result: Plan) -> None:
     """Count a call that runs on its preferred backend, as :func:`dispatch` does (for a plan it made earlier)."""
     with _lock:
@@ -299,7 +312,7 @@ def record_fallback(reason: str, backend: str, *, preferred: str = "preferred", 
     :func:`warnings.warn` as seen from the caller.
     """
     if strict_enabled():
-        raise FallbackError(f"flashtile strict mode: the {preferred} backend cannot run this call: {reason}")
+        raise _strict_error(reason, preferred)
     # A replay would skip this record: such a call is never replayed.
     replay.not_replayable(f"a fallback: {reason}")
     with _lock:

@@ -160,9 +160,11 @@ def _run_case(c, meshes):
 
 def _expect_error(make_call):
     """The error a bad call raises on this rank, as ``"Type: message"`` (None if it raised nothing)."""
+    from flashtile.dispatch import FallbackError
+
     try:
         make_call()
-    except (ValueError, TypeError, NotImplementedError) as error:
+    except (ValueError, TypeError, NotImplementedError, FallbackError) as error:
         return f"{type(error).__name__}: {error}"
     return None
 
@@ -181,12 +183,40 @@ def _bad_calls(rank, world):
         "alibi": lambda: ring_attention(y, y, y, alibi_slopes=torch.ones(HEADS)),
         "mesh": lambda: attention(y, y, y, object()),
     }
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        # One rank alone refuses: strict mode on rank 0 only, every rank's blocks falling back (CPU tensors' preferred
+        # backend disabled; the other runs them through the interpreter). Every rank must raise, none wait.
+        calls["strict-one-rank"] = lambda: _strict_on_rank0(rank, lambda: ring_attention(y, y, y, causal=True))
+        calls["strict-one-rank-varlen"] = lambda: _strict_on_rank0(rank, lambda: ring_attention_varlen(
+            y[0], y[0], y[0], torch.tensor([0, 5, 8 * world], dtype=torch.int32), 8 * world, causal=True))
+    # Each rank its own document boundaries: the packed sequence must be the same one everywhere.
+    calls["offsets"] = lambda: ring_attention_varlen(y[0], y[0], y[0],
+                                                     torch.tensor([0, 3 + rank, 8 * world], dtype=torch.int32),
+                                                     8 * world)
     if world == 4:
         from torch.distributed.device_mesh import init_device_mesh
 
         flat = init_device_mesh("cpu", (4,), mesh_dim_names=("ring",))
         calls["mesh-1d"] = lambda: attention(y, y, y, flat)
     return {name: _expect_error(call) for name, call in calls.items()}
+
+
+def _one_rank_check(group, what, values, device, refused=None):
+    """check_same_across of a group of one rank (the stand-in rings of the one-process tests)."""
+    if refused is not None:
+        raise refused
+
+
+def _strict_on_rank0(rank, call):
+    from flashtile import dispatch as dispatch_module
+    from flashtile.dispatch import disable_backends
+
+    dispatch_module.set_strict(rank == 0)
+    try:
+        with disable_backends(dispatch_module.preferred_backend(torch.device("cpu"))):
+            call()
+    finally:
+        dispatch_module.set_strict(False)
 
 
 def _worker(rank, world, init_file, out_dir, device):
@@ -295,6 +325,12 @@ def test_bad_input_fails_on_every_rank(world):
     assert all(per_rank["lengths"] == lengths for per_rank in errors), "ranks disagree on the error"
     assert "nheads=3" in errors[0]["heads"] and "nheads_kv=3" in errors[0]["heads-kv"]
     assert errors[0]["alibi"].startswith("NotImplementedError") and "mesh_dim_names" in errors[0]["mesh"]
+    assert all("cu_seqlens_crc32" in per_rank["offsets"] for per_rank in errors), errors[0]["offsets"]
+    for name in ("strict-one-rank", "strict-one-rank-varlen"):
+        if name in errors[0]:
+            assert errors[0][name].startswith("FallbackError: flashtile strict mode"), errors[0][name]
+            assert all(per_rank[name].startswith("FallbackError") and "rank 0 of the group refused" in per_rank[name]
+                       for per_rank in errors[1:]), [per_rank[name] for per_rank in errors]
 
 
 @_GLOO_IN_CI
@@ -370,7 +406,7 @@ def test_ring_backward_schedule(world, monkeypatch):
     recording = _RecordingRing(world)
     monkeypatch.setattr(ring_module, "Ring", lambda group: recording)
     monkeypatch.setattr(ring_module, "group_size_rank", lambda group: (world, 0))
-    monkeypatch.setattr(ring_module, "check_same_across", lambda *args: None)
+    monkeypatch.setattr(ring_module, "check_same_across", _one_rank_check)
     # bf16 inputs: K/V travel as bf16, the dK/dV partial sums as float32.
     q, k, v = (torch.randn(1, 12, 2, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     with force_backend("torch"):
@@ -394,7 +430,7 @@ def test_ring_repeat_is_launches_alone(world, device, monkeypatch):
 
     monkeypatch.setattr(ring_module, "Ring", lambda group: _RecordingRing(world))
     monkeypatch.setattr(ring_module, "group_size_rank", lambda group: (world, 0))
-    monkeypatch.setattr(ring_module, "check_same_across", lambda *args: None)
+    monkeypatch.setattr(ring_module, "check_same_across", _one_rank_check)
     counts = {}
 
     def counting(name, fn):
@@ -452,7 +488,8 @@ def test_ring_fallbacks_are_recorded_every_call(monkeypatch):
     checked = []
     monkeypatch.setattr(ring_module, "Ring", lambda group: _RecordingRing(2))
     monkeypatch.setattr(ring_module, "group_size_rank", lambda group: (2, 0))
-    monkeypatch.setattr(ring_module, "check_same_across", lambda *args: checked.append(args[1]))
+    monkeypatch.setattr(ring_module, "check_same_across",
+                        lambda *args, **kwargs: (checked.append(args[1]), _one_rank_check(*args, **kwargs)))
     q, k, v = testing.make_qkv(1, 12, 12, 2, 2, 16, torch.float32, "cpu", generator=torch.Generator().manual_seed(3))
     preferred = dispatch_module.preferred_backend(q.device)
     other = next(name for name in dispatch_module.BACKENDS if name != preferred)

@@ -8,24 +8,45 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from ..dispatch import FallbackError
 
-def check_same_across(group, what: str, values: dict, device) -> None:
+
+# The kinds of error a rank may refuse a call with, as the shape check shares them (0: none; the last: any other).
+_REFUSALS = (ValueError, TypeError, NotImplementedError, FallbackError, RuntimeError)
+
+
+def check_same_across(group, what: str, values: dict, device, refused: Exception | None = None) -> None:
     """All-gather ``values`` (name -> int) over ``group``; raise the same ValueError on every rank if any
-    rank's values differ from another's. On a GPU the gather and its copy to the host run on a stream of
-    their own, so that the host waits for them alone, not for the work queued before the call (earlier
-    layers' kernels): the host goes on queueing while the GPU runs them."""
+    rank's values differ from another's. ``refused``: the error this rank's own checks and plans raised (made
+    before the call, so that a refusal of one rank alone, e.g. a block shape that only it has falling back
+    in strict mode, reaches the others instead of leaving them waiting in the ring): the refusing rank raises
+    its error and every other rank one of the same type that names it. On a GPU the gather and its copy to the
+    host run on a stream of their own, so that the host waits for them alone, not for the work queued before
+    the call (earlier layers' kernels): the host goes on queueing while the GPU runs them."""
     world = dist.get_world_size(group)
     if world == 1:
+        if refused is not None:
+            raise refused
         return
+    kind = 0 if refused is None else next((i for i, cls in enumerate(_REFUSALS, 1) if isinstance(refused, cls)),
+                                           len(_REFUSALS))
     with _own_stream(torch.device(device)):
-        mine = torch.tensor(list(values.values()), dtype=torch.long, device=device)
+        mine = torch.tensor([*values.values(), kind], dtype=torch.long, device=device)
         gathered = torch.empty(world * mine.numel(), dtype=torch.long, device=device)
         dist.all_gather_into_tensor(gathered, mine, group=group)
         rows = gathered.view(world, -1).tolist()  # the call's one wait for the device (one copy; a row each took P)
+    kinds = [row.pop() for row in rows]
     if any(row != rows[0] for row in rows):
         per_rank = "; ".join(f"rank {rank}: " + ", ".join(f"{name}={value}" for name, value in zip(values, row))
                              for rank, row in enumerate(rows))
         raise ValueError(f"{what}: every rank must pass the same shapes, got {per_rank}")
+    if refused is not None:
+        raise refused
+    if any(kinds):
+        ranks = [rank for rank, kind in enumerate(kinds) if kind]
+        cls = _REFUSALS[kinds[ranks[0]] - 1]
+        raise cls(f"{what}: rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of the group refused "
+                  f"this call (its error says why there); every rank raises so that none waits in the ring")
 
 
 _CHECK_STREAMS: dict = {}

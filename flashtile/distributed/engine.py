@@ -36,7 +36,8 @@ import torch
 from .. import replay, validation
 from ..alloc import empty
 from ..backends import AttentionCall, AttnArgs
-from ..dispatch import Plan, dispatch, enforce, get_backend, merge_call, plan, profiled, record_choice, record_kernel
+from ..dispatch import (Plan, dispatch, enforce, get_backend, merge_call, plan, profiled, record_choice, record_kernel,
+                        refusal)
 from .comm import Ring
 
 
@@ -105,6 +106,10 @@ class RingRun:
                     seen.add(id(call.plan))
                     # stacklevel 4: the user's line (enforce <- record <- ring_attention).
                     enforce(call.plan, stacklevel=4)
+
+    def refusal(self) -> Exception | None:
+        """The error :meth:`record` would raise (the first block plan's that refuses), without recording."""
+        return next((error for calls in self.steps for call in calls if (error := refusal(call.plan))), None)
 
     def _views(self, call: BlockCall, seq: int, q, k, v):
         batch = seq == 0 and not call.packed

@@ -53,16 +53,16 @@ def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, win
     key = _signature(q, k, v, sink, options, balance, group, world, rank)
     run = None if key is None else recall(key)
     known, error = run is not None, None
-    if not known:
-        # Planned before the shapes are compared across the ranks (the call's one wait for the device), so that
-        # the work after that wait is the launches; an error is raised after it, as the comparison's is first.
-        try:
+    # Planned before the shapes are compared across the ranks (the call's one wait for the device), so that the
+    # work after that wait is the launches. The ranks' blocks differ, so one rank alone may refuse (a plan's error,
+    # or strict mode and a block that falls back): the comparison carries that, and every rank raises.
+    try:
+        if not known:
             run = _plan(q, k, v, group, world, rank, options, sink, balance)
-        except Exception as planning:  # noqa: BLE001 -- raised below, after every rank has compared shapes
-            error = planning
-    check_same_across(group, "ring_attention", shapes(q, k, v), q.device)
-    if error is not None:
-        raise error
+        error = run.refusal()
+    except Exception as planning:  # noqa: BLE001 -- raised by check_same_across, after every rank has compared
+        error = planning
+    check_same_across(group, "ring_attention", shapes(q, k, v), q.device, refused=error)
     run.record()
     if not known and key is not None and all(call.plan.fallback_reason is None for calls in run.steps
                                              for call in calls):

@@ -8,7 +8,9 @@ its two pieces, cut further by the mask (:mod:`.blocks`); every other pair of do
 """
 from __future__ import annotations
 
+import array
 import bisect
+import zlib
 
 import torch
 
@@ -52,6 +54,37 @@ def _shared_document(cu: list, q_start: int, k_start: int, tokens: int):
     return pieces if pieces[0] < pieces[1] and pieces[2] < pieces[3] else None
 
 
+def _plan(q, k, v, cu: list, group, world: int, rank: int, sink, window_size, options: dict) -> RingRun:
+    """The :class:`RingRun` of a call: step 0 on the rank's own documents, then at most one dense call a step on
+    the one document shared with the held shard; each kind of block call planned once (enforced by ``record``)."""
+    tokens = q.shape[0]
+    options, window = block_options(q[None], k[None], v[None], sink=sink, window_size=window_size, **options)
+    ring = Ring(group)
+    start = rank * tokens
+    local = _local_offsets(cu, start, start + tokens)
+    local_cu = torch.tensor(local, dtype=torch.int32, device=q.device)
+    longest = max(b - a for a, b in zip(local, local[1:]))
+    diagonal = plan_block(q, k, v, window, options, enforced=False, cu_seqlens_q=local_cu, cu_seqlens_k=local_cu,
+                          max_seqlen_q=longest, max_seqlen_k=longest)
+    steps = [[BlockCall(0, tokens, 0, tokens, *diagonal, packed=True)]]
+    planned = {}
+    for step in range(1, world):
+        k_start = ring.source(step) * tokens
+        shared = _shared_document(cu, start, k_start, tokens)
+        calls = []
+        if shared is not None:
+            q_lo, q_hi, k_lo, k_hi = shared
+            for block in visible_blocks([(q_lo, q_hi - q_lo)], [(k_lo, k_hi - k_lo)], window):
+                key = (block.rows, block.keys, block.window)
+                if key not in planned:
+                    planned[key] = plan_block(q[None, :block.rows], k[None, :block.keys], v[None, :block.keys],
+                                              block.window, options, enforced=False)
+                calls.append(BlockCall(q_lo - start + block.q0, block.rows, k_lo - k_start + block.k0, block.keys,
+                                       *planned[key]))
+        steps.append(calls)
+    return RingRun(ring, steps, f"varlen P={world} {mask_name(window)}")
+
+
 def ring_attention_varlen(q, k, v, cu_seqlens, max_seqlen, group=None, *, causal=False, softmax_scale=None,
                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sink=None, deterministic=False,
                           return_lse=False):
@@ -76,41 +109,26 @@ def ring_attention_varlen(q, k, v, cu_seqlens, max_seqlen, group=None, *, causal
     validation.check_max_seqlen("max_seqlen", max_seqlen)
     world, rank = group_size_rank(group)
     tokens = q.shape[0]
+    # Planned before the ranks compare their shapes and offsets (the call's one wait for the device). Their
+    # blocks differ, so one rank alone may refuse (strict mode and a block that falls back): the comparison
+    # carries that, and every rank raises.
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    run, error, offsets = None, None, -1
+    try:
+        if k.shape[0] != tokens:
+            raise ValueError(f"ring_attention_varlen: q and k shards must have one length, got q {tuple(q.shape)} "
+                             f"and k {tuple(k.shape)}")
+        cu = _check_cu_seqlens(cu_seqlens, world * tokens, q.device)
+        offsets = zlib.crc32(array.array("q", cu).tobytes())
+        run = _plan(q, k, v, cu, group, world, rank, sink, window_size,
+                    dict(causal=causal, softmax_scale=softmax_scale, softcap=softcap, deterministic=deterministic))
+        error = run.refusal()
+    except Exception as planning:  # noqa: BLE001 -- raised by check_same_across, after every rank has compared
+        error = planning
     check_same_across(group, "ring_attention_varlen",
                       dict(tokens_q=tokens, tokens_k=k.shape[0], nheads=q.shape[1], nheads_kv=k.shape[1],
-                           headdim=q.shape[2], headdim_v=v.shape[2],
-                           cu_seqlens_len=cu_seqlens.shape[0] if isinstance(cu_seqlens, torch.Tensor) else -1),
-                      q.device)
-    if k.shape[0] != tokens:
-        raise ValueError(f"ring_attention_varlen: q and k shards must have one length, got q {tuple(q.shape)} and "
-                         f"k {tuple(k.shape)}")
-    cu = _check_cu_seqlens(cu_seqlens, world * tokens, q.device)
-    options, window = block_options(q[None], k[None], v[None], causal=causal, softmax_scale=softmax_scale,
-                                    window_size=window_size, softcap=softcap, sink=sink, deterministic=deterministic)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    ring = Ring(group)
-    start = rank * tokens
-    local = _local_offsets(cu, start, start + tokens)
-    local_cu = torch.tensor(local, dtype=torch.int32, device=q.device)
-    longest = max(b - a for a, b in zip(local, local[1:]))
-    diagonal = plan_block(q, k, v, window, options, cu_seqlens_q=local_cu, cu_seqlens_k=local_cu,
-                          max_seqlen_q=longest, max_seqlen_k=longest)
-    steps = [[BlockCall(0, tokens, 0, tokens, *diagonal, packed=True)]]
-    planned = {}
-    for step in range(1, world):
-        k_start = ring.source(step) * tokens
-        shared = _shared_document(cu, start, k_start, tokens)
-        calls = []
-        if shared is not None:
-            q_lo, q_hi, k_lo, k_hi = shared
-            for block in visible_blocks([(q_lo, q_hi - q_lo)], [(k_lo, k_hi - k_lo)], window):
-                key = (block.rows, block.keys, block.window)
-                if key not in planned:
-                    planned[key] = plan_block(q[None, :block.rows], k[None, :block.keys], v[None, :block.keys],
-                                              block.window, options)
-                calls.append(BlockCall(q_lo - start + block.q0, block.rows, k_lo - k_start + block.k0, block.keys,
-                                       *planned[key]))
-        steps.append(calls)
-    run = RingRun(ring, steps, f"varlen P={world} {mask_name(window)}")
+                           headdim=q.shape[2], headdim_v=v.shape[2], cu_seqlens_crc32=offsets),
+                      q.device, refused=error)
+    run.record()
     out, lse = RingFunction.apply(q, k, v, sink, run)
     return (out, lse) if return_lse else out

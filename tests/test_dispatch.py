@@ -236,6 +236,30 @@ def test_gluon_head_dims(monkeypatch, head_dim, head_dim_v, features, tile):
     assert cfg == (getattr(configs, tile) if tile else None)
 
 
+@pytest.mark.parametrize("seqlen_k, causal, features, takes", [
+    (4096, False, (), True), (4095, False, (), False), (8192, True, (), True), (8191, True, (), False),
+    (8192, True, ("sink",), True), (4096, False, ("softcap",), True), (4096, False, ("alibi",), True),
+    (4096, False, ("softcap", "alibi"), False), (4096, False, ("window",), False), (8192, True, ("window",), False),
+])
+@pytest.mark.parametrize("switched_on", [False, True], ids=["off", "on"])
+def test_head_dim_64_takes_the_warp_specialized_forward_once_switched_on(monkeypatch, seqlen_k, causal, features,
+                                                                          takes, switched_on):
+    """At d=64 the warp-specialized forward takes the rows (GLUON_WS_FULL_KEYS / GLUON_WS_CAUSAL_KEYS keys) and
+    features it takes at d=128 only while GLUON_WS_D64 holds its tile (off: the Triton kernel); plain causal rows
+    under GLUON_SHORT_CAUSAL_KEYS keep the Gluon 64x64 tile either way."""
+    from flashtile.backends.triton import configs
+    monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
+    if switched_on:
+        monkeypatch.setattr(configs, "GLUON_WS_D64", configs._FWD_SM90_GLUON_WS_D64)
+    window = (100, 0) if "window" in features else (-1, 0 if causal else -1)
+    cuda = torch.device("cuda", 0)
+    cfg = configs.gluon_fwd_config(64, 64, torch.bfloat16, cuda, 1 << 22, seqlen_k, *window, frozenset(features),
+                                   30.0 if "softcap" in features else 0.0)
+    assert cfg == (configs._FWD_SM90_GLUON_WS_D64 if takes and switched_on else None)
+    assert configs.gluon_fwd_config(64, 64, torch.bfloat16, cuda, 1 << 22, 1000, -1, 0, frozenset()) == \
+        configs._FWD_SM90_GLUON
+
+
 def test_small_calls_keep_the_triton_kernel_for_its_cheaper_launch(monkeypatch):
     """The Gluon kernel takes calls of at least GLUON_MIN_PAIRS (row, key) pairs: causal rows count half
     their keys, a window its width. KV-cache calls have their own floor, GLUON_KV_MIN_PAIRS."""

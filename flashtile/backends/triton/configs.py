@@ -278,6 +278,20 @@ _FWD_SM90_GLUON_WS = TileConfig(64, 128, 4, 2, kernel="gluon-ws")
 GLUON_WS_FULL_KEYS = 4096
 GLUON_WS_CAUSAL_KEYS = 8192
 GLUON_WS_FEATURES = frozenset({"sink", "softcap", "alibi"})
+# GLUON_WS_D64, d=64, 16-bit: the warp-specialized forward's tile for the rows and features it takes at d=128 (the same
+# floors), else the Triton kernel; None: off. _FWD_SM90_GLUON_WS_D64 awaits the H200 A/B against the Triton table tile
+# (bf16, B = 16384 // N, 32 heads, N 1k/4k/16k, full and causal; scratch script fwd_ws_d64_ab.py). sm_90 ptxas of the
+# launcher's arguments (benchmarks/sm90_compile.py fwd-ws-d64[-n256][-s4][-sink] [causal] [softcap]), 240 registers a
+# consumer; spill stores a consumer, shared memory, SASS instructions a consumer; HGMMAs a consumer (S over 64 columns
+# 4, P V over 128 keys 8, two sites each):
+#   tile          evidence
+#   64x128 s2     0 STL in every case (plain, causal, sink, softcap; full and causal), 98.7 KB, 2330 / causal 2470-2560
+#                 instructions; 24 HGMMAs (d=128's 64x128 s2: 0-2 STL, 197 KB)
+#   64x128 s4     0 STL, 164.3 KB (s3 131.5 KB): a deeper ring for the A/B
+#   64x256 s2     225-271 STL a consumer (S_j's 128 registers, P_{j-1}'s 64 in flight and O's 32 exceed 240), 164 KB;
+#                 40 HGMMAs. FA3's 192 keys are no power of two for Gluon's tensors.
+_FWD_SM90_GLUON_WS_D64 = TileConfig(64, 128, 4, 2, kernel="gluon-ws")
+GLUON_WS_D64 = None
 
 
 def ws_ctas(causal: bool, tiles: int, sms: int) -> int:
@@ -372,8 +386,14 @@ def gluon_fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device:
     if seqlen_k == 0 or work < (GLUON_MIN_PAIRS if min_pairs is None else min_pairs) * 256:
         return None
     short_causal = window_left < 0 and window_right == 0 and seqlen_k < GLUON_SHORT_CAUSAL_KEYS
+    ws_keys = GLUON_WS_FULL_KEYS if window_right < 0 else GLUON_WS_CAUSAL_KEYS
+    # The warp-specialized kernel: long rows, no left bound, its features (not softcap with ALiBi).
+    ws = (warp_specialized and head_dim_v == head_dim and features <= GLUON_WS_FEATURES and window_left < 0
+          and seqlen_k >= ws_keys and not {"softcap", "alibi"} <= features)
     if head_dim == 64:
-        return _FWD_SM90_GLUON if short_causal and not features else None
+        if short_causal and not features:
+            return _FWD_SM90_GLUON
+        return GLUON_WS_D64 if ws else None
     if head_dim != 128:
         return _FWD_SM90_GLUON_D256 if head_dim == 256 else _FWD_SM90_GLUON
     if window_left >= 0:
@@ -387,9 +407,7 @@ def gluon_fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device:
         return None
     if short_causal:
         return _FWD_SM90_GLUON
-    ws_keys = GLUON_WS_FULL_KEYS if window_right < 0 else GLUON_WS_CAUSAL_KEYS
-    if (warp_specialized and head_dim_v == 128 and features <= GLUON_WS_FEATURES and window_left < 0
-            and seqlen_k >= ws_keys and not {"softcap", "alibi"} <= features):
+    if ws:
         return _FWD_SM90_GLUON_WS
     if {"softcap", "alibi"} <= features:
         # The wide tile's linear ALiBi takes the raw scores, not the capped ones; exact there, it spills.

@@ -1,4 +1,5 @@
-"""Hopper forward, warp-specialized (FA3's plan in Gluon), for long rows at head dim 128.
+"""Hopper forward, warp-specialized (FA3's plan in Gluon), for long rows at head dim 128 (64 where
+configs.GLUON_WS_D64 is on).
 
 fwd_sm90.py runs one warpgroup a program: it issues its own TMA loads and waits on them between its
 matmuls, and a program's fill and drain (Q's load, the first key blocks, the last PV product, the output
@@ -18,9 +19,10 @@ so S and O of a 64 x 128 block each fit without Q in registers.
 The CTA walks tiles of 128 rows, query blocks fastest (causal ones from the last block down, so each
 head's longest rows go first): with ``grid`` below the tile count each CTA takes every grid-th tile
 (persistent: the producer loads the next tile's Q, double-buffered, while the consumers finish this one).
-Inputs: 16-bit, head dim 128 for q, k and v; full rows or causal (the masks are fwd_sm90's, windows
-included, but the dispatcher keeps windows on that kernel's tiles); softcap (``FIXED_MAX``, ``FOLD_SCALE``: as in fwd_sm90, each consumer folds the scale into its own
-Q rows), ALiBi and a sink; no packed sequences or KV cache (the launcher takes fwd_sm90 for those).
+Inputs: 16-bit, head dim 64 or 128 for q, k and v alike (HEAD_DIM is the descriptors'); full rows or causal
+(the masks are fwd_sm90's, windows included, but the dispatcher keeps windows on that kernel's tiles); softcap
+(``FIXED_MAX``, ``FOLD_SCALE``: as in fwd_sm90, each consumer folds the scale into its own Q rows), ALiBi and a
+sink; no packed sequences or KV cache (the launcher takes fwd_sm90 for those).
 
 ``FP8`` (kernels/fwd_sm90_fp8.py's entry) runs the same partitions on float8_e4m3fn Q, K and V^T: the scores
 take the descales (:func:`_tile_scales`, :func:`_block_scale`), P enters the PV wgmma as e4m3 scaled by
@@ -359,7 +361,7 @@ def attn_fwd_sm90_ws(q_desc, k_desc, v_desc, O, LSE, SINK, ALIBI_SLOPES, stride_
                      FOLD_SCALE: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                      num_warps: gl.constexpr):
     """``q_desc``/``k_desc``/``v_desc``: TMA descriptors of the ``(batch, seqlen, heads, headdim)`` inputs with
-    ``[1, 64, 1, 128]`` (Q: one consumer's rows) and ``[1, BLOCK_N, 1, 128]`` tiles; ``num_tiles``: batch x
+    ``[1, 64, 1, d]`` (Q: one consumer's rows) and ``[1, BLOCK_N, 1, d]`` tiles; ``num_tiles``: batch x
     heads x 128-row query blocks, walked by ``grid`` CTAs."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]

@@ -9,7 +9,7 @@ Triton's wheel ships, so kernels can be checked for register pressure before a G
     python benchmarks/sm90_compile.py wide[-alibi|-varlen][-v192] [causal] [softcap] [window]  # bwd_sm90_wide.py,
                                         # 192/128 (192/192 with -v192), through the launcher's own arguments
     python benchmarks/sm90_compile.py fwd-ws [causal] [softcap] [window]  # kernels/fwd_sm90_ws.py, 64-key slots
-    python benchmarks/sm90_compile.py fwd-ws-d64[-n256][-s3][-sink] [causal] [softcap] [window]  # the same kernel
+    python benchmarks/sm90_compile.py fwd-ws-d64[-n256][-s3][-sink] [causal] [softcap] [window]  # that kernel
                                         # at head dim 64 (-d128 too), through its launcher: two slots of 128 keys
                                         # unless -n<keys> / -s<slots> say otherwise
     python benchmarks/sm90_compile.py fwd-fp8[-d64|-d256][-blocks] [causal] [softcap] [window]  # kernels/fwd_sm90_fp8.py

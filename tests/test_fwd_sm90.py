@@ -4,7 +4,8 @@ The dispatcher picks it for 16-bit calls of at least ``GLUON_MIN_PAIRS`` (row, k
 (half as many at 256): at 128 the 64x128 tile for full and causal rows (ALiBi and softcap too; long full
 rows with softcap only where the row max is held fixed: bf16, softcap <= 51.9), the 64x64 tile for
 sliding windows under 4096 keys, softcap with ALiBi and causal rows under 1024 keys; at 256 and 192/128 the
-64x64 tile, at 64 the 64x64 tile on plain causal rows under 1024 keys alone (configs.py).
+64x64 tile, at 64 the 64x64 tile on plain causal rows under 1024 keys alone (configs.py; the warp-specialized
+kernel too once configs.GLUON_WS_D64 is on: its tests switch it on).
 Full rows of GLUON_WS_FULL_KEYS keys and more and causal rows of GLUON_WS_CAUSAL_KEYS take the warp-specialized
 kernel (kernels/fwd_sm90_ws.py) instead; the tests of the one-warpgroup kernel raise those floors, its own tests
 (``ws_rows``) lower them.
@@ -368,6 +369,80 @@ def test_warp_specialized_forward_takes_long_rows(rng, monkeypatch, causal, extr
     monkeypatch.setattr(configs, "GLUON_WS_FULL_KEYS", WS_FLOORS[False])
     monkeypatch.setattr(configs, "GLUON_WS_CAUSAL_KEYS", WS_FLOORS[True])
     check(rng, 1, 300, WS_FLOORS[causal] + extra, 2, 2, torch.bfloat16, kernel, causal=causal)
+
+
+@pytest.fixture
+def ws_d64(monkeypatch):
+    """The warp-specialized forward switched on at head dim 64 (configs.GLUON_WS_D64, off until its A/B), at its
+    own key floors; returns the head dims of its launches (launch._forward_sm90_ws spied on), so a call that
+    silently ran another kernel fails."""
+    monkeypatch.setattr(configs, "GLUON_WS_D64", configs._FWD_SM90_GLUON_WS_D64)
+    monkeypatch.setattr(configs, "GLUON_WS_FULL_KEYS", WS_FLOORS[False])
+    monkeypatch.setattr(configs, "GLUON_WS_CAUSAL_KEYS", WS_FLOORS[True])
+    launched = []
+    real = launch._forward_sm90_ws
+
+    def spy(q, k, v, out, lse, args, cfg, shape, features):
+        launched.append((q.shape[-1], cfg))
+        return real(q, k, v, out, lse, args, cfg, shape, features)
+
+    monkeypatch.setattr(launch, "_forward_sm90_ws", spy)
+    return launched
+
+
+def check_ws_d64(rng, launched, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype=torch.bfloat16, **options):
+    """:func:`check` at head dim 64 on the warp-specialized kernel: its name in the kernel counter and one launch of
+    the d=64 tile."""
+    ours = check(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, WS, head_dims=(64, 64), **options)
+    assert any("fwd[gluon-sm90-ws d=64 " in name for name in flashtile.stats()["kernels"]), flashtile.stats()
+    assert launched == [(64, configs._FWD_SM90_GLUON_WS_D64)], launched
+    return ours
+
+
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal, dtype", [
+    (2, 4100, 4100, 4, 4, False, torch.bfloat16),  # the full floor and 4 keys: a partial last key block
+    (1, 4100, 4100, 8, 2, False, torch.float16),  # GQA 4
+    (2, 300, 4100, 2, 1, False, torch.bfloat16),  # three tiles a head, consumer 1's last rows past the end
+    (1, 8191, 8195, 4, 2, True, torch.bfloat16),  # causal at the floor: more keys, the diagonal moves right
+    (1, 8200, 8192, 4, 4, True, torch.float16),  # fewer keys: the first 8 rows see none
+], ids=["full", "full-gqa-fp16", "full-short-q", "causal-gqa", "causal-rows-see-none-fp16"])
+def test_warp_specialized_forward_at_head_dim_64(rng, ws_d64, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal,
+                                                 dtype):
+    """Switched on, head dim 64 takes the warp-specialized kernel on full rows of GLUON_WS_FULL_KEYS keys and causal
+    rows of GLUON_WS_CAUSAL_KEYS: out, lse and the gradients (the backward unchanged) against the reference."""
+    ours = check_ws_d64(rng, ws_d64, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, causal=causal)
+    if causal and seqlen_q > seqlen_k:
+        none = seqlen_q - seqlen_k
+        assert torch.all(ours["out"][:, :none] == 0) and torch.all(ours["lse"][:, :, :none] == float("-inf"))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype, softcap, alibi, sink", [
+    (torch.bfloat16, False, False, True),
+    (torch.bfloat16, True, False, False),  # bf16 softcap 30: the row max held fixed, the scale folded into Q
+    (torch.float16, True, False, True),  # a running max
+    (torch.bfloat16, False, True, False),
+], ids=["sink", "softcap-fixed-max", "softcap-sink-fp16", "alibi"])
+def test_warp_specialized_forward_at_head_dim_64_with_features(rng, ws_d64, causal, dtype, softcap, alibi, sink):
+    seqlen = WS_FLOORS[causal] + 3
+    check_ws_d64(rng, ws_d64, 1, seqlen, seqlen, 4, 2, dtype, causal=causal,
+                 **feature_options(rng, 4, softcap, alibi, sink))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_warp_specialized_forward_at_head_dim_64_walks_many_tiles_per_cta(rng, monkeypatch, ws_d64, causal):
+    """Three CTAs walk every tile (persistent), carrying ring positions and Q buffers across heads and rows."""
+    monkeypatch.setattr(configs, "ws_ctas", lambda causal, tiles, sms: min(tiles, 3))
+    seqlen = WS_FLOORS[causal] + 65
+    check_ws_d64(rng, ws_d64, 1, seqlen if causal else 777, seqlen, 6, 3, causal=causal,
+                 **feature_options(rng, 6, sink=True))
+
+
+def test_head_dim_64_keeps_the_triton_kernel_while_its_warp_specialized_row_is_off(rng, monkeypatch):
+    """GLUON_WS_D64 is None until its A/B: long d=64 rows run the Triton kernel."""
+    monkeypatch.setattr(configs, "GLUON_WS_FULL_KEYS", WS_FLOORS[False])
+    assert configs.GLUON_WS_D64 is None
+    check(rng, 1, 300, WS_FLOORS[False] + 4, 4, 2, torch.bfloat16, "fwd[triton", head_dims=(64, 64))
 
 
 def test_inputs_the_tma_cannot_read_fall_back_to_triton_and_are_recorded(rng):

@@ -30,6 +30,11 @@ def case(which: str, causal: bool, softcap: bool, window: bool = False):
         return attn_bwd_dkdv_sm90, args, dict(common, STAGES=2, num_warps=4), dict(num_warps=4)
     if which == "fwd-ws":
         return _fwd_ws_case(causal, softcap, window)
+    if which.startswith("fwd-ws-d"):
+        # fwd-ws-d<head dim>[-n<keys a slot>][-sink]: launch._forward_sm90_ws's own arguments.
+        dims, keys = re.findall(r"-d(\d+)", which), re.findall(r"-n(\d+)", which)
+        return _fwd_ws_launch_case(causal, softcap, window, int(dims[0]), int(keys[0]) if keys else 128,
+                                   which.endswith("-sink"))
     if which.startswith("fwd-fp8"):
         # fwd-fp8[-d64|-d256][-blocks]: head dim (128 without), per-block Q/K descales.
         dims = re.findall(r"-d(\d+)", which)
@@ -114,6 +119,30 @@ def _fwd_ws_case(causal: bool, softcap: bool, window: bool, block_n: int = 64, s
     constexprs = dict(MASK_LEFT=window, MASK_RIGHT=causal, SOFTCAP=softcap, ALIBI=False, HAS_SINK=False,
                       FIXED_MAX=softcap, FOLD_SCALE=softcap, STAGES=stages, CONSUMER_REGS=240, num_warps=4)
     return attn_fwd_sm90_ws, args, constexprs, dict(num_warps=4, maxnreg=168)
+
+
+def _fwd_ws_launch_case(causal: bool, softcap: bool, window: bool, head_dim: int, block_n: int, sink: bool):
+    """The warp-specialized forward launcher's own arguments (launch._forward_sm90_ws) for a 2 x 4096 bf16 call of
+    16 query and 16 KV heads at ``head_dim``, the tile's slots of ``block_n`` keys (two), caught at its launch."""
+    from flashtile.backends import AttnArgs, present_features
+    from flashtile.backends.triton import configs
+
+    q, k, lse = _inputs(D=head_dim)
+    args = AttnArgs(softmax_scale=head_dim ** -0.5, causal=causal, window_left=1024 if window else -1,
+                    window_right=0 if causal else -1, softcap=30.0 if softcap else 0.0,
+                    sink=torch.empty(q.shape[2]) if sink else None)
+    cfg = configs.TileConfig(64, block_n, 4, 2, kernel="gluon-ws")
+    caught = {}
+    kernel = launch._FWD_SM90_WS
+    launch._FWD_SM90_WS = lambda key, grid, dynamic, static, **_: caught.update(dynamic, **static())
+    try:
+        launch._forward_sm90_ws(q, k, k, torch.empty_like(q), lse, args, cfg, (2, 4096, 4096, 1),
+                                frozenset(present_features(args, head_dim, head_dim)))
+    finally:
+        launch._FWD_SM90_WS = kernel
+    options = dict(num_warps=caught.pop("num_warps"), maxnreg=caught.pop("maxnreg"))
+    constexprs = {p.name: caught.pop(p.name) for p in kernel.fn.params if p.is_constexpr and p.name in caught}
+    return kernel.fn, caught, dict(constexprs, num_warps=options["num_warps"]), options
 
 
 def _fwd_fp8_case(causal: bool, softcap: bool, window: bool, head_dim: int, blocks: bool):

@@ -290,23 +290,34 @@ def ws_rows(monkeypatch):
         monkeypatch.setattr(configs, ceiling, 0)
 
 
+def assert_rows_see_none(ours: dict, seqlen_q: int, seqlen_k: int, causal: bool) -> None:
+    """Causal rows before the first key (seqlen_q > seqlen_k) come out 0 with lse -inf."""
+    if causal and seqlen_q > seqlen_k:
+        none = seqlen_q - seqlen_k
+        assert torch.all(ours["out"][:, :none] == 0) and torch.all(ours["lse"][:, :, :none] == float("-inf"))
+
+
+# (batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal) of the warp-specialized kernel's tests at every head dim.
+WS_SHAPES = [
+    pytest.param(2, 1000, 1000, 4, 4, False, id="full"),
+    pytest.param(1, 1037, 1037, 4, 2, True, id="causal"),  # the last tile: 13 rows of consumer 1's 64
+    pytest.param(2, 700, 1290, 6, 2, True, id="causal-more-keys"),  # more keys than queries: the diagonal moves right
+    # Fewer: the first 590 rows see no key (consumer 0 reads no key block of some tiles).
+    pytest.param(1, 1290, 700, 4, 4, True, id="causal-rows-see-none"),
+    pytest.param(3, 40, 900, 4, 1, False, id="short-q"),  # one tile, consumer 1's rows all past the end
+]
+
+
 @pytest.mark.usefixtures("ws_rows")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal", [
-    (2, 1000, 1000, 4, 4, False),
-    (1, 1037, 1037, 4, 2, True),  # the last tile: 13 rows of consumer 1's 64
-    (2, 700, 1290, 6, 2, True),  # more keys than queries: the diagonal moves right
-    (1, 1290, 700, 4, 4, True),  # fewer: the first 590 rows see no key
-    (3, 40, 900, 4, 1, False),  # one tile, consumer 1's rows all past the end
-    (1, 300, 4100, 2, 2, False),  # a partial last key block
-], ids=["full", "causal", "causal-more-keys", "causal-rows-see-none", "short-q", "partial-block"])
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal", WS_SHAPES + [
+    pytest.param(1, 300, 4100, 2, 2, False, id="partial-block"),  # a partial last key block
+])
 def test_warp_specialized_forward(rng, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal):
     """Full and causal rows at head dim 128 take the warp-specialized kernel (fwd_sm90_ws.py): out, lse and the
     gradients (the Triton backward on its lse) against the reference."""
     ours = check(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, WS, causal=causal)
-    if causal and seqlen_q > seqlen_k:
-        none = seqlen_q - seqlen_k
-        assert torch.all(ours["out"][:, :none] == 0) and torch.all(ours["lse"][:, :, :none] == float("-inf"))
+    assert_rows_see_none(ours, seqlen_q, seqlen_k, causal)
 
 
 @pytest.mark.usefixtures("ws_rows")
@@ -416,19 +427,11 @@ def test_d256_warp_specialized_forward_at_its_floors(rng, monkeypatch, ws_d256, 
 
 @pytest.mark.usefixtures("ws_rows")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal", [
-    (2, 1000, 1000, 4, 4, False),
-    (1, 1037, 1037, 4, 2, True),  # the last tile: 13 rows of consumer 1's 64
-    (2, 700, 1290, 6, 2, True),  # more keys than queries: the diagonal moves right
-    (1, 1290, 700, 4, 4, True),  # fewer: the first 590 rows see no key (consumer 0 reads no block of some tiles)
-    (3, 40, 900, 4, 1, False),  # one tile, consumer 1's rows all past the end
-], ids=["full", "causal", "causal-more-keys", "causal-rows-see-none", "short-q"])
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal", WS_SHAPES)
 def test_d256_warp_specialized_forward(rng, ws_d256, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal):
     """Awkward lengths at d=256 on the warp-specialized kernel (its floors lowered)."""
     ours = check_d256(rng, ws_d256, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, causal=causal)
-    if causal and seqlen_q > seqlen_k:
-        none = seqlen_q - seqlen_k
-        assert torch.all(ours["out"][:, :none] == 0) and torch.all(ours["lse"][:, :, :none] == float("-inf"))
+    assert_rows_see_none(ours, seqlen_q, seqlen_k, causal)
 
 
 @pytest.mark.usefixtures("ws_rows")

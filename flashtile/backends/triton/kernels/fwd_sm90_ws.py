@@ -19,8 +19,8 @@ The CTA walks tiles of 128 rows, query blocks fastest (causal ones from the last
 head's longest rows go first): with ``grid`` below the tile count each CTA takes every grid-th tile
 (persistent: the producer loads the next tile's Q while the consumers finish this one, into a second Q
 buffer where shared memory holds one, else into the one buffer once both consumers' last S has read it:
-:func:`q_buffers`). Inputs: 16-bit, head dim 128 or 256 for q, k and v alike; full rows or causal (the masks are fwd_sm90's, windows
-included, but the dispatcher keeps windows on that kernel's tiles); softcap (``FIXED_MAX``, ``FOLD_SCALE``: as in fwd_sm90, each consumer folds the scale into its own
+:func:`q_buffers`). Inputs: 16-bit, head dim 128 or 256 for q, k and v alike; full rows or causal (the masks are
+fwd_sm90's, windows included, but the dispatcher keeps windows on that kernel's tiles); softcap (``FIXED_MAX``, ``FOLD_SCALE``: as in fwd_sm90, each consumer folds the scale into its own
 Q rows), ALiBi and a sink; no packed sequences or KV cache (the launcher takes fwd_sm90 for those).
 
 ``FP8`` (kernels/fwd_sm90_fp8.py's entry) runs the same partitions on float8_e4m3fn Q, K and V^T: the scores

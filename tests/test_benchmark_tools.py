@@ -103,3 +103,19 @@ def test_sm90_cases_catch_the_launchers_arguments(monkeypatch, which, v_tail):
     assert tiles["dq_desc"] == (1, 64, 1, 128) and tiles["dq_tail_desc"] == (1, 64, 1, tail)
     assert constexprs["STAGES"] == (1 if tail == 128 else 2)
     assert ("v_tail_desc" in tiles) == (v_tail > 0) and options == dict(num_warps=4, maxnreg=168)
+
+
+@pytest.mark.parametrize("causal, softcap", [(False, False), (True, True)])
+def test_sm90_case_of_the_d256_warp_specialized_forward(monkeypatch, causal, softcap):
+    """The d=256 warp-specialized forward's case runs launch._forward_sm90_ws on CPU tensors and catches its launch:
+    every kernel argument, descriptors of whole 256-column rows (Q in one consumer's 64, K and V in 64-key slots),
+    two stages, and nothing launches."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from sm90_cases import case
+
+    fn, args, constexprs, options = case("fwd-ws-d256-n64", causal, softcap)
+    assert set(args) | set(constexprs) == set(fn.arg_names)
+    assert {name: tuple(args[name].block_shape) for name in ("q_desc", "k_desc", "v_desc")} == {
+        "q_desc": (1, 64, 1, 256), "k_desc": (1, 64, 1, 256), "v_desc": (1, 64, 1, 256)}
+    assert constexprs["STAGES"] == 2 and constexprs["MASK_RIGHT"] == causal and constexprs["SOFTCAP"] == softcap
+    assert options == dict(num_warps=4, maxnreg=168)

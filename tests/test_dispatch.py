@@ -260,6 +260,46 @@ def test_head_dim_64_takes_the_warp_specialized_forward_once_switched_on(monkeyp
         configs._FWD_SM90_GLUON
 
 
+@pytest.mark.parametrize("switch", [False, True])
+@pytest.mark.parametrize("seqlen_k, window, features, takes_ws", [
+    (4096, (-1, -1), (), True), (4100, (-1, -1), ("sink",), True), (16384, (-1, -1), ("softcap",), True),
+    (8192, (-1, 0), (), True), (8200, (-1, 0), ("sink", "softcap"), True),
+    (4095, (-1, -1), (), False), (8191, (-1, 0), (), False),  # under GLUON_WS_FULL_KEYS / GLUON_WS_CAUSAL_KEYS
+    (16384, (-1, -1), ("alibi",), False), (16384, (4096, 0), ("window",), False),
+    (16384, (-1, -1), ("varlen",), False),
+])
+def test_d256_takes_the_warp_specialized_tile_only_when_switched_on(monkeypatch, switch, seqlen_k, window, features,
+                                                                    takes_ws):
+    """GLUON_WS_D256 (off until its GPU A/B) sends long d=256 rows of its features to the warp-specialized kernel at
+    d=128's floors; every other d=256 call, and all of them while it is off, keeps _FWD_SM90_GLUON_D256."""
+    from flashtile.backends.triton import configs
+    monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
+    if switch:
+        monkeypatch.setattr(configs, "GLUON_WS_D256", configs._FWD_SM90_GLUON_WS_D256)
+    cfg = configs.gluon_fwd_config(256, 256, torch.bfloat16, torch.device("cuda", 0), 1 << 20, seqlen_k, *window,
+                                   frozenset(features), 30.0 if "softcap" in features else 0.0)
+    assert cfg == (configs._FWD_SM90_GLUON_WS_D256 if switch and takes_ws else configs._FWD_SM90_GLUON_D256)
+    # A KV-cache call (the warp-specialized kernel reads no cache) keeps the 64x64 tile.
+    assert configs.gluon_fwd_config(256, 256, torch.bfloat16, torch.device("cuda", 0), 1 << 20, seqlen_k, *window,
+                                    frozenset(features), 30.0 if "softcap" in features else 0.0,
+                                    warp_specialized=False) == configs._FWD_SM90_GLUON_D256
+
+
+@pytest.mark.parametrize("tile, head_dim, q_buffers", [
+    ("_FWD_SM90_GLUON_WS", 128, 2), ("_FWD_SM90_GLUON_WS_D256", 256, 1),
+])
+def test_ws_tiles_fit_shared_memory(tile, head_dim, q_buffers):
+    """The warp-specialized forward's 16-bit plans: Q buffers of 128 rows (two, or one where two would not fit beside
+    the K and V rings: fwd_sm90_ws.q_buffers) and the rings, within the CTA's 227 KB."""
+    from flashtile.backends.triton import configs
+    from flashtile.backends.triton.kernels import fwd_sm90_ws
+    cfg = getattr(configs, tile)
+    ring = 2 * cfg.num_stages * cfg.BLOCK_N * head_dim * 2
+    buffers = fwd_sm90_ws.q_buffers(cfg.BLOCK_M, head_dim, 16, ring)
+    assert buffers == q_buffers
+    assert buffers * 2 * cfg.BLOCK_M * head_dim * 2 + ring + 1024 <= 227 * 1024
+
+
 def test_small_calls_keep_the_triton_kernel_for_its_cheaper_launch(monkeypatch):
     """The Gluon kernel takes calls of at least GLUON_MIN_PAIRS (row, key) pairs: causal rows count half
     their keys, a window its width. KV-cache calls have their own floor, GLUON_KV_MIN_PAIRS."""

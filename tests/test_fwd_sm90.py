@@ -8,7 +8,8 @@ sliding windows under 4096 keys, softcap with ALiBi and causal rows under 1024 k
 kernel too once configs.GLUON_WS_D64 is on: its tests switch it on).
 Full rows of GLUON_WS_FULL_KEYS keys and more and causal rows of GLUON_WS_CAUSAL_KEYS take the warp-specialized
 kernel (kernels/fwd_sm90_ws.py) instead; the tests of the one-warpgroup kernel raise those floors, its own tests
-(``ws_rows``) lower them.
+(``ws_rows``) lower them. At d=256 it takes them only with configs.GLUON_WS_D256 switched on (off until its GPU A/B):
+the ``ws_d256`` tests switch it on.
 These tests check which kernel and tile ran (by the kernel counter) and hold out, lse and the gradients
 (the Triton backward on its lse) to the tolerance rule.
 Lengths are awkward: not multiples of the 64-row tiles, seqlen_q != seqlen_k, rows that see no key,
@@ -290,23 +291,34 @@ def ws_rows(monkeypatch):
         monkeypatch.setattr(configs, ceiling, 0)
 
 
+def assert_rows_see_none(ours: dict, seqlen_q: int, seqlen_k: int, causal: bool) -> None:
+    """Causal rows before the first key (seqlen_q > seqlen_k) come out 0 with lse -inf."""
+    if causal and seqlen_q > seqlen_k:
+        none = seqlen_q - seqlen_k
+        assert torch.all(ours["out"][:, :none] == 0) and torch.all(ours["lse"][:, :, :none] == float("-inf"))
+
+
+# (batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal) of the warp-specialized kernel's tests at every head dim.
+WS_SHAPES = [
+    pytest.param(2, 1000, 1000, 4, 4, False, id="full"),
+    pytest.param(1, 1037, 1037, 4, 2, True, id="causal"),  # the last tile: 13 rows of consumer 1's 64
+    pytest.param(2, 700, 1290, 6, 2, True, id="causal-more-keys"),  # more keys than queries: the diagonal moves right
+    # Fewer: the first 590 rows see no key (consumer 0 reads no key block of some tiles).
+    pytest.param(1, 1290, 700, 4, 4, True, id="causal-rows-see-none"),
+    pytest.param(3, 40, 900, 4, 1, False, id="short-q"),  # one tile, consumer 1's rows all past the end
+]
+
+
 @pytest.mark.usefixtures("ws_rows")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal", [
-    (2, 1000, 1000, 4, 4, False),
-    (1, 1037, 1037, 4, 2, True),  # the last tile: 13 rows of consumer 1's 64
-    (2, 700, 1290, 6, 2, True),  # more keys than queries: the diagonal moves right
-    (1, 1290, 700, 4, 4, True),  # fewer: the first 590 rows see no key
-    (3, 40, 900, 4, 1, False),  # one tile, consumer 1's rows all past the end
-    (1, 300, 4100, 2, 2, False),  # a partial last key block
-], ids=["full", "causal", "causal-more-keys", "causal-rows-see-none", "short-q", "partial-block"])
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal", WS_SHAPES + [
+    pytest.param(1, 300, 4100, 2, 2, False, id="partial-block"),  # a partial last key block
+])
 def test_warp_specialized_forward(rng, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal):
     """Full and causal rows at head dim 128 take the warp-specialized kernel (fwd_sm90_ws.py): out, lse and the
     gradients (the Triton backward on its lse) against the reference."""
     ours = check(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, WS, causal=causal)
-    if causal and seqlen_q > seqlen_k:
-        none = seqlen_q - seqlen_k
-        assert torch.all(ours["out"][:, :none] == 0) and torch.all(ours["lse"][:, :, :none] == float("-inf"))
+    assert_rows_see_none(ours, seqlen_q, seqlen_k, causal)
 
 
 @pytest.mark.usefixtures("ws_rows")
@@ -390,6 +402,26 @@ def ws_d64(monkeypatch):
     return launched
 
 
+WS_D256 = "gluon-sm90-ws BN=64"
+D256 = (256, 256)
+
+
+@pytest.fixture
+def ws_d256(monkeypatch):
+    """The d=256 warp-specialized tile switched on (configs.GLUON_WS_D256, off until its GPU A/B); yields the head
+    dims of the warp-specialized launches that ran, so a test sees the launcher itself, not only the planned name."""
+    monkeypatch.setattr(configs, "GLUON_WS_D256", configs._FWD_SM90_GLUON_WS_D256)
+    launched = []
+    forward_ws = launch._forward_sm90_ws
+
+    def spy(q, k, v, out, lse, args, cfg, shape, features):
+        launched.append((q.shape[3], cfg))
+        return forward_ws(q, k, v, out, lse, args, cfg, shape, features)
+
+    monkeypatch.setattr(launch, "_forward_sm90_ws", spy)
+    return launched
+
+
 def check_ws_d64(rng, launched, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype=torch.bfloat16, **options):
     """:func:`check` at head dim 64 on the warp-specialized kernel: its name in the kernel counter and one launch of
     the d=64 tile."""
@@ -443,6 +475,69 @@ def test_head_dim_64_keeps_the_triton_kernel_while_its_warp_specialized_row_is_o
     monkeypatch.setattr(configs, "GLUON_WS_FULL_KEYS", WS_FLOORS[False])
     assert configs.GLUON_WS_D64 is None
     check(rng, 1, 300, WS_FLOORS[False] + 4, 4, 2, torch.bfloat16, "fwd[triton", head_dims=(64, 64))
+
+
+def check_d256(rng, ws_d256, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, kernel=WS_D256, **options):
+    """``check`` at head dim 256, and whether the warp-specialized launcher ran it (``kernel`` WS_D256) or not."""
+    ours = check(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, kernel, head_dims=D256, **options)
+    assert ws_d256 == ([(256, configs._FWD_SM90_GLUON_WS_D256)] if kernel == WS_D256 else [])
+    return ours
+
+
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal, kernel", [
+    (2, 1037, 4100, 4, 2, False, WS_D256),  # full at the floor, GQA, a partial last key block
+    (1, 8191, 8191, 2, 1, False, WS_D256),  # many tiles a CTA (persistent), the last one partial
+    (1, 8200, 8200, 2, 1, True, WS_D256),  # causal over the floor
+    (1, 4100, 8192, 4, 2, True, WS_D256),  # causal at the floor, more keys than queries
+    (1, 300, 4095, 2, 2, False, NARROW),  # under the floors: the 64x64 tile
+    (1, 300, 8191, 2, 2, True, NARROW),
+], ids=["full-4100", "full-8191", "causal-8200", "causal-8192-gqa", "full-under", "causal-under"])
+def test_d256_warp_specialized_forward_at_its_floors(rng, monkeypatch, ws_d256, batch, seqlen_q, seqlen_k, nheads,
+                                                      nheads_kv, causal, kernel):
+    """Switched on, d=256 takes the warp-specialized kernel (64-key slots, one Q buffer) at d=128's key floors."""
+    monkeypatch.setattr(configs, "GLUON_WS_FULL_KEYS", WS_FLOORS[False])
+    monkeypatch.setattr(configs, "GLUON_WS_CAUSAL_KEYS", WS_FLOORS[True])
+    check_d256(rng, ws_d256, batch, seqlen_q, seqlen_k, nheads, nheads_kv, torch.bfloat16, kernel, causal=causal)
+
+
+@pytest.mark.usefixtures("ws_rows")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal", WS_SHAPES)
+def test_d256_warp_specialized_forward(rng, ws_d256, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal):
+    """Awkward lengths at d=256 on the warp-specialized kernel (its floors lowered)."""
+    ours = check_d256(rng, ws_d256, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, causal=causal)
+    assert_rows_see_none(ours, seqlen_q, seqlen_k, causal)
+
+
+@pytest.mark.usefixtures("ws_rows")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype, softcap, sink", [
+    (torch.bfloat16, True, False),  # bf16 softcap 30: the row max held fixed, the scale folded into Q
+    (torch.float16, True, False),  # fp16: a running max
+    (torch.bfloat16, False, True),
+    (torch.bfloat16, True, True),
+], ids=["softcap-fixed-max", "softcap-fp16", "sink", "softcap-sink"])
+def test_d256_warp_specialized_forward_with_softcap_and_sink(rng, ws_d256, causal, dtype, softcap, sink):
+    check_d256(rng, ws_d256, 2, 900, 1100, 4, 2, dtype, causal=causal, **feature_options(rng, 4, softcap, False, sink))
+
+
+@pytest.mark.usefixtures("ws_rows")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_d256_alibi_keeps_the_64x64_tile(rng, ws_d256, causal):
+    """ALiBi at d=256 spills on the warp-specialized kernel (configs.GLUON_WS_D256_FEATURES): switched on or not,
+    the 64x64 tile runs it."""
+    check_d256(rng, ws_d256, 1, 900, 1100, 4, 2, torch.bfloat16, NARROW, causal=causal,
+               **feature_options(rng, 4, alibi=True, sink=True))
+
+
+@pytest.mark.usefixtures("ws_rows")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_d256_warp_specialized_forward_walks_many_tiles_per_cta(rng, monkeypatch, ws_d256, causal):
+    """Three CTAs walk every tile: with one Q buffer each tile's Q waits for both consumers' last S of the tile
+    before (their ring positions and the buffer's phase carried across tiles of other lengths, heads and rows)."""
+    monkeypatch.setattr(configs, "ws_ctas", lambda causal, tiles, sms: min(tiles, 3))
+    check_d256(rng, ws_d256, 2, 777, 777 if causal else 1500, 6, 3, torch.bfloat16, causal=causal,
+               **feature_options(rng, 6, sink=True))
 
 
 def test_inputs_the_tma_cannot_read_fall_back_to_triton_and_are_recorded(rng):

@@ -310,6 +310,22 @@ def ws_ctas(causal: bool, tiles: int, sms: int) -> int:
 #   192/128   614/424/599   560/388/528   542/407/559   438/328/451
 # d=64 takes the Gluon kernel for short causal rows only (GLUON_SHORT_CAUSAL_KEYS): elsewhere it gained at most 6%.
 _FWD_SM90_GLUON_D256 = TileConfig(64, 64, 4, 1, kernel="gluon")
+# GLUON_WS_D256, d=256, 16-bit: the warp-specialized forward's tile on the rows and features it takes at d=128 (the
+# same floors), else _FWD_SM90_GLUON_D256; None: off. It awaits the H200 A/B against _FWD_SM90_GLUON_D256 (bf16,
+# B = 16384 // N, 8 heads, N = 1k/4k/16k, full and causal; scratch script fwd_ws_d256_ab.py). Two 64-key slots
+# each of K and V (128 KB) leave room for one Q buffer (fwd_sm90_ws.q_buffers: 64 KB), 192 KB in all. sm_90 ptxas
+# (benchmarks/sm90_compile.py fwd-ws-d256-n64[-sink] [causal] [softcap]), consumers at 240 registers; a 64-key block
+# is 20 HGMMAs a consumer (16 for S, 4 for P V); spills: none in the key loop (4-8 stores a CTA's tile outside it, as
+# d=128 through this launcher has):
+#   tile                      shared   SASS a key block, consumer warp: full / causal / sink causal / softcap causal
+#   64x64, 2 slots, 1 Q       197 KB   628 / 693 / 693 / 534
+#   64x32, 2 slots, 2 Q       197 KB   450 / 483 for 32 keys (1.4x the non-matmul work a key), no spill at all: the
+#                                      A/B's runner-up
+# ALiBi (exact at 64 keys) spills 16-20 stores a consumer around the key loop and is not in the A/B: it stays on
+# _FWD_SM90_GLUON_D256 (GLUON_WS_D256_FEATURES).
+_FWD_SM90_GLUON_WS_D256 = TileConfig(64, 64, 4, 2, kernel="gluon-ws")
+GLUON_WS_D256 = None
+GLUON_WS_D256_FEATURES = frozenset({"sink", "softcap"})
 
 
 def gluon_ring(cfg: TileConfig, head_dim: int) -> dict:
@@ -394,6 +410,8 @@ def gluon_fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device:
         if short_causal and not features:
             return _FWD_SM90_GLUON
         return GLUON_WS_D64 if ws else None
+    if head_dim == 256 and ws and features <= GLUON_WS_D256_FEATURES and GLUON_WS_D256 is not None:
+        return GLUON_WS_D256
     if head_dim != 128:
         return _FWD_SM90_GLUON_D256 if head_dim == 256 else _FWD_SM90_GLUON
     if window_left >= 0:

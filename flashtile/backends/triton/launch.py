@@ -368,7 +368,7 @@ _WS_MAXNREG = 168
 
 def _forward_sm90_ws(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, features: frozenset):
     """Launch the warp-specialized Hopper forward (kernels/fwd_sm90_ws.py) on dense ``(batch, seqlen, heads, d)``
-    inputs, d = 64 or 128 for q, k and v alike (the descriptors read whole rows); ``shape``: ``(batch, seqlen_q,
+    inputs, d = 64, 128 or 256 for q, k and v alike (the descriptors read whole rows); ``shape``: ``(batch, seqlen_q,
     seqlen_k, group)``."""
     batch, seqlen_q, seqlen_k, group = shape
     nheads = q.shape[2]

@@ -18,11 +18,12 @@ so S and O of a 64 x 128 block each fit without Q in registers.
 
 The CTA walks tiles of 128 rows, query blocks fastest (causal ones from the last block down, so each
 head's longest rows go first): with ``grid`` below the tile count each CTA takes every grid-th tile
-(persistent: the producer loads the next tile's Q, double-buffered, while the consumers finish this one).
-Inputs: 16-bit, head dim 64 or 128 for q, k and v alike (HEAD_DIM is the descriptors'); full rows or causal
-(the masks are fwd_sm90's, windows included, but the dispatcher keeps windows on that kernel's tiles); softcap
-(``FIXED_MAX``, ``FOLD_SCALE``: as in fwd_sm90, each consumer folds the scale into its own Q rows), ALiBi and a
-sink; no packed sequences or KV cache (the launcher takes fwd_sm90 for those).
+(persistent: the producer loads the next tile's Q while the consumers finish this one, into a second Q
+buffer where shared memory holds one, else into the one buffer once both consumers' last S has read it:
+:func:`q_buffers`). Inputs: 16-bit, head dim 64, 128 or 256 for q, k and v alike (HEAD_DIM is the descriptors');
+full rows or causal (the masks are fwd_sm90's, windows included, but the dispatcher keeps windows on that kernel's
+tiles); softcap (``FIXED_MAX``, ``FOLD_SCALE``: as in fwd_sm90, each consumer folds the scale into its own Q rows),
+ALiBi and a sink; no packed sequences or KV cache (the launcher takes fwd_sm90 for those).
 
 ``FP8`` (kernels/fwd_sm90_fp8.py's entry) runs the same partitions on float8_e4m3fn Q, K and V^T: the scores
 take the descales (:func:`_tile_scales`, :func:`_block_scale`), P enters the PV wgmma as e4m3 scaled by
@@ -49,6 +50,8 @@ from .fwd_sm90 import _scale_tile, _softmax_block, _tile, row_start, store_rows,
 # factor rides in the exp2's row term (exp2(s - m + log2 448)), so l sums the scaled P too and O / l takes it
 # back; only the lse subtracts it.
 P_LOG2 = gl.constexpr(8.807354922057604)
+# The shared memory a CTA may take on sm_90 (227 KB), less 1 KB for the barriers.
+SMEM_BYTES = gl.constexpr(226 * 1024)
 # Per-block FP8 descales: one per DESCALE_BLOCK query rows (a CTA's tile) or keys (one or two key blocks).
 DESCALE_BLOCK = gl.constexpr(128)
 
@@ -57,6 +60,15 @@ DESCALE_BLOCK = gl.constexpr(128)
 def operand_width(dtype):
     """A wgmma register operand's ``k_width``: the elements of ``dtype`` in one 32-bit register."""
     return 32 // dtype.primitive_bitwidth
+
+
+@gluon.constexpr_function
+def q_buffers(block_m, head_dim, q_bits, ring_bytes):
+    """Q buffers of two consumers' ``block_m x head_dim`` rows: two (this tile's and the next's) when they fit
+    beside the K and V rings' ``ring_bytes``, else one. 16-bit d256 with two 64-key slots: two would take
+    128 KB beside the rings' 128 KB; one leaves 192 KB."""
+    one = 2 * block_m * head_dim * q_bits // 8
+    return 2 if 2 * one + ring_bytes <= SMEM_BYTES.value else 1
 
 
 @gluon.jit
@@ -218,6 +230,7 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     P_SHIFT: gl.constexpr = p_log2(FP8)
+    Q_BUFFERS: gl.constexpr = q_smem.shape[0] // 2
     num_m = gl.cdiv(seqlen_q, 2 * BLOCK_M)
     if PINGPONG and WG == 1:
         # Consumer 0 takes the first turn.
@@ -238,8 +251,8 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
         pv_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-        qb = i % 2
-        mbarrier.wait(q_ready.index(qb * 2 + WG), (i // 2) & 1)
+        qb = i % Q_BUFFERS
+        mbarrier.wait(q_ready.index(qb * 2 + WG), (i // Q_BUFFERS) & 1)
         q = q_smem.index(qb * 2 + WG).reshape([BLOCK_M, HEAD_DIM])
         off_hk = off_h // group
         score_scale, out_scale = _tile_scales(descales, off_b, off_hk, start_m, qk_scale, FP8, K_BLOCKS)
@@ -290,14 +303,18 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
                 if not FIXED_MAX:
                     # O now holds blocks up to j - 1 under the old row max: move it to the new one.
                     acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
+            # Every S of this tile has been read: its Q buffer is free (the producer may load the next
+            # tile's Q under the last PV product and the store).
+            mbarrier.arrive(q_empty.index(qb), count=1)
             last, ph_last = _slot(base + je - 1, STAGES)
             mbarrier.wait(v_ready.index(last), ph_last)
             acc, pv = _pv_mma(_p_operand(p, p_layout, dtype, True), _v_operand(v_smem, last, FP8), acc, pv_zero,
                               TWO_LEVEL)
             acc = _pv_done(acc, pv, TWO_LEVEL)
             mbarrier.arrive(v_empty.index(last), count=1)
-        # This Q buffer is free for the tile after next.
-        mbarrier.arrive(q_empty.index(qb), count=1)
+        else:
+            # No key block of this tile for these rows: Q is not read.
+            mbarrier.arrive(q_empty.index(qb), count=1)
         for j in range(je, n):
             _release_unread(k_ready, k_empty, v_ready, v_empty, turn, base + j, STAGES, WG, PINGPONG)
         base += n
@@ -318,6 +335,7 @@ def _producer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: g
      stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, group, num_tiles, descales) = args
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
+    Q_BUFFERS: gl.constexpr = q_smem.shape[0] // 2
     num_m = gl.cdiv(seqlen_q, 2 * BLOCK_M)
     c = 0
     i = 0
@@ -326,10 +344,10 @@ def _producer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: g
         off_hk = off_h // group
         lo, n, _, _, _, _, _ = _blocks(start_m, 0, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
                                        MASK_LEFT, MASK_RIGHT)
-        # Q of both consumers' rows into the buffer the tile before last has released (rows past the
-        # sequence arrive as zeros).
-        qb = i % 2
-        mbarrier.wait(q_empty.index(qb), ((i // 2) & 1) ^ 1)
+        # Q of both consumers' rows into the buffer the tile before last (one buffer: the last tile) has
+        # released (rows past the sequence arrive as zeros).
+        qb = i % Q_BUFFERS
+        mbarrier.wait(q_empty.index(qb), ((i // Q_BUFFERS) & 1) ^ 1)
         for w in gl.static_range(2):
             mbarrier.expect(q_ready.index(qb * 2 + w), q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [off_b, start_m * 2 * BLOCK_M + w * BLOCK_M, off_h, 0],
@@ -361,8 +379,8 @@ def attn_fwd_sm90_ws(q_desc, k_desc, v_desc, O, LSE, SINK, ALIBI_SLOPES, stride_
                      FOLD_SCALE: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                      num_warps: gl.constexpr):
     """``q_desc``/``k_desc``/``v_desc``: TMA descriptors of the ``(batch, seqlen, heads, headdim)`` inputs with
-    ``[1, 64, 1, d]`` (Q: one consumer's rows) and ``[1, BLOCK_N, 1, d]`` tiles; ``num_tiles``: batch x
-    heads x 128-row query blocks, walked by ``grid`` CTAs."""
+    ``[1, 64, 1, HEAD_DIM]`` (Q: one consumer's rows) and ``[1, BLOCK_N, 1, HEAD_DIM]`` tiles, HEAD_DIM 64, 128
+    or 256; ``num_tiles``: batch x heads x 128-row query blocks, walked by ``grid`` CTAs."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
@@ -392,19 +410,22 @@ def run_partitions(q_desc, k_desc, v_desc, v_smem, O, LSE, SINK, ALIBI_SLOPES, s
     dtype: gl.constexpr = q_desc.dtype
     gl.static_assert(num_warps == 4, "the default partition is consumer 0, one warpgroup")
     gl.static_assert(not (FP8 and FOLD_SCALE), "FP8 Q cannot take the scale: it is applied to the scores")
-    # Two Q buffers (this tile's and the next's) of two consumers' rows each, and the K ring (V's is given).
-    q_smem = gl.allocate_shared_memory(dtype, [4, 1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
+    # One or two Q buffers (this tile's and the next's) of two consumers' rows each, and the K ring (V's is
+    # given, as large as K's).
+    Q_BUFFERS: gl.constexpr = q_buffers(BLOCK_M, HEAD_DIM, dtype.primitive_bitwidth,
+                                        2 * STAGES * BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8)
+    q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFFERS, 1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for b in gl.static_range(4):
+    for b in gl.static_range(2 * Q_BUFFERS):
         mbarrier.init(q_ready.index(b), count=1)
-    for b in gl.static_range(2):
+    for b in gl.static_range(Q_BUFFERS):
         mbarrier.init(q_empty.index(b), count=2)
     for b in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(b), count=1)

@@ -1,5 +1,5 @@
-"""Hopper forward, warp-specialized (FA3's plan in Gluon), for long rows at head dim 128 (64 where
-configs.GLUON_WS_D64 is on).
+"""Hopper forward, warp-specialized (FA3's plan in Gluon), for long rows at head dim 128 (64 and 256 where
+configs.GLUON_WS_D64 and GLUON_WS_D256 are on).
 
 fwd_sm90.py runs one warpgroup a program: it issues its own TMA loads and waits on them between its
 matmuls, and a program's fill and drain (Q's load, the first key blocks, the last PV product, the output

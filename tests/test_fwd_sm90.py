@@ -360,14 +360,20 @@ def test_warp_specialized_alibi_with_model_slopes(rng, dtype, seqlen_q, seqlen_k
     check(rng, 2, seqlen_q, seqlen_k, 4, 2, dtype, WS, causal=causal, alibi_slopes=slopes.to("cuda"))
 
 
+# A sink, or bf16 softcap 30: the scale folded into each consumer's Q rows in shared memory (FOLD_SCALE), which
+# the TMA then overwrites with the CTA's next tile.
+WALK_FEATURES = pytest.mark.parametrize("features", [dict(sink=True), dict(softcap=True)], ids=["sink", "softcap"])
+
+
 @pytest.mark.usefixtures("ws_rows")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_warp_specialized_forward_walks_many_tiles_per_cta(rng, monkeypatch, causal):
+@WALK_FEATURES
+def test_warp_specialized_forward_walks_many_tiles_per_cta(rng, monkeypatch, causal, features):
     """Three CTAs walk every tile (persistent): each consumer carries its ring position and Q buffer across
     tiles of different lengths, heads and batch rows."""
     monkeypatch.setattr(configs, "ws_ctas", lambda causal, tiles, sms: min(tiles, 3))
     check(rng, 2, 777, 777 if causal else 1500, 6, 3, torch.bfloat16, WS, causal=causal,
-          **feature_options(rng, 6, sink=True))
+          **feature_options(rng, 6, **features))
 
 
 WS_FLOORS = {False: configs.GLUON_WS_FULL_KEYS, True: configs.GLUON_WS_CAUSAL_KEYS}
@@ -532,12 +538,13 @@ def test_d256_alibi_keeps_the_64x64_tile(rng, ws_d256, causal):
 
 @pytest.mark.usefixtures("ws_rows")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_d256_warp_specialized_forward_walks_many_tiles_per_cta(rng, monkeypatch, ws_d256, causal):
+@WALK_FEATURES
+def test_d256_warp_specialized_forward_walks_many_tiles_per_cta(rng, monkeypatch, ws_d256, causal, features):
     """Three CTAs walk every tile: with one Q buffer each tile's Q waits for both consumers' last S of the tile
     before (their ring positions and the buffer's phase carried across tiles of other lengths, heads and rows)."""
     monkeypatch.setattr(configs, "ws_ctas", lambda causal, tiles, sms: min(tiles, 3))
     check_d256(rng, ws_d256, 2, 777, 777 if causal else 1500, 6, 3, torch.bfloat16, causal=causal,
-               **feature_options(rng, 6, sink=True))
+               **feature_options(rng, 6, **features))
 
 
 def test_inputs_the_tma_cannot_read_fall_back_to_triton_and_are_recorded(rng):

@@ -658,6 +658,46 @@ def test_fp8_kvcache_objects(backend, rng):
     assert any("fp8_cache" in name for name in flashtile.stats()["kernels"])
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("per_row", [False, True], ids=["per-head", "per-row"])
+def test_fp8_kvcache_decode_step_compiles(backend, rng, paged, per_row):
+    """torch.compile(fullgraph=True) of a decode step on an e4m3 cache (append with the descales, attend): no graph
+    break, the same out and lse as eager, and the same quantized rows written into the caches."""
+    from torch._dynamo.utils import counters
+
+    batch, nheads, nheads_kv, head_dim, capacity, page_size = 3, 4, 2, 64, 48, 16
+    k_descale, v_descale = _kv_descales(rng, batch, nheads_kv, per_row)
+    caches = [(torch.randn(batch, capacity, nheads_kv, head_dim, generator=rng) * 0.3).to(DEVICE, torch.float8_e4m3fn)
+              for _ in range(2)]
+    block_table = None
+    if paged:
+        pages = capacity // page_size
+        perm = torch.randperm(batch * pages, generator=rng).to(DEVICE)
+        block_table = perm.view(batch, pages).to(torch.int32)
+        caches = [cache.view(batch * pages, page_size, nheads_kv, head_dim)[perm.argsort()] for cache in caches]
+    seqlens = torch.tensor([5, 0, 40], dtype=torch.int32, device=DEVICE)
+    q, k, v = (torch.randn(batch, 2, h, head_dim, generator=rng).to(DEVICE, torch.float16)
+               for h in (nheads, nheads_kv, nheads_kv))
+
+    def step(q, k, v, k_cache, v_cache, seqlens, block_table, k_descale, v_descale):
+        return flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
+                                                 block_table=block_table, causal=True, k_descale=k_descale,
+                                                 v_descale=v_descale, return_softmax_lse=True)
+
+    eager_caches = [cache.clone() for cache in caches]
+    eager = step(q, k, v, *eager_caches, seqlens, block_table, k_descale, v_descale)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v, *caches, seqlens, block_table,
+                                                                         k_descale, v_descale)
+    assert counters["graph_break"] == {}
+    torch.testing.assert_close(compiled[0], eager[0], atol=1e-3, rtol=0)
+    torch.testing.assert_close(compiled[1], eager[1], atol=1e-4, rtol=0)
+    for ours, theirs in zip(caches, eager_caches):
+        assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
+    torch._dynamo.reset()
+
+
 @triton.jit
 def _fp16_operand_probe(X, Y, SCALE, N: tl.constexpr):
     offs = tl.arange(0, 16)[:, None] * N + tl.arange(0, N)[None, :]

@@ -9,7 +9,8 @@ Triton's wheel ships, so kernels can be checked for register pressure before a G
     python benchmarks/sm90_compile.py wide[-alibi|-varlen][-v192] [causal] [softcap] [window]  # bwd_sm90_wide.py,
                                         # 192/128 (192/192 with -v192), through the launcher's own arguments
     python benchmarks/sm90_compile.py fwd-ws [causal] [softcap] [window]  # kernels/fwd_sm90_ws.py, 64-key slots
-    python benchmarks/sm90_compile.py fwd-fp8[-d64|-d256][-blocks] [causal] [softcap] [window]  # kernels/fwd_sm90_fp8.py
+    python benchmarks/sm90_compile.py fwd-fp8[-d64|-d256][-blocks][-varlen] [causal] [softcap] [window]
+                                        # kernels/fwd_sm90_fp8.py; -varlen through its launcher's own arguments
 
 ``window``: a left bound (the kernel's MASK_LEFT; the fused and forward kernels).
 

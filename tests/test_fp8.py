@@ -933,6 +933,26 @@ def test_kernel_launcher_contract(monkeypatch, rng):
     assert fake.calls == [(3, 3, 2), (2, 2, 2), (3, 3, 2)]
 
 
+def test_varlen_plans_the_kernel(monkeypatch):
+    """Packed sequences (with seqused_k) are the FP8 kernel's on a Hopper GPU (simulated): the plan takes it, no
+    fallback reason; seqused_k on dense inputs is still refused by name."""
+    kernel = _kernel_module()
+    if kernel is None:
+        pytest.skip("the Gluon FP8 launcher is not in this build")
+    _as_on_hopper(monkeypatch, kernel)
+    cu = testing.cu_seqlens_of([1, 129], DEVICE)
+    q8 = torch.randn(130, 4, 128).to(DEVICE, torch.float8_e4m3fn)
+    k8 = torch.randn(130, 2, 128).to(DEVICE, torch.float8_e4m3fn)
+    descales = (torch.ones(2, 2, 2, device=DEVICE), torch.ones(2, 2, 2, device=DEVICE), torch.ones(2, 2, device=DEVICE))
+    args = AttnArgs(softmax_scale=0.1, causal=True, window_right=0, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=129,
+                    max_seqlen_k=129, seqused_k=torch.tensor([1, 100], dtype=torch.int32, device=DEVICE))
+    chosen = fp8.plan(q8, k8, args, descales)
+    assert chosen.backend == "triton" and chosen.fallback_reason is None
+    assert chosen.fwd_name.startswith("flashtile.fwd[gluon-sm90 fp8 d=128 causal")
+    dense = AttnArgs(softmax_scale=0.1, seqused_k=args.seqused_k)
+    assert "seqused_k without packed sequences" in fp8.plan(q8[None], k8[None], dense, descales).fallback_reason
+
+
 @pytest.mark.parametrize("shapes,reason", [
     (("kv_block", "kv_block", "tensor"), None),
     (("tensor", "kv_block", "tensor"), None),

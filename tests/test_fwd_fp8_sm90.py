@@ -227,8 +227,12 @@ def test_fp8_supported_reasons():
     args = AttnArgs(softmax_scale=0.1)
     assert fp8.fp8_sm90_supported(args, 128) is None
     assert "head dim 96" in fp8.fp8_sm90_supported(args, 96)
-    varlen = AttnArgs(softmax_scale=0.1, cu_seqlens_q=torch.zeros(2, dtype=torch.int32))
-    assert "packed sequences" in fp8.fp8_sm90_supported(varlen, 128)
+    cu = torch.zeros(2, dtype=torch.int32)
+    varlen = AttnArgs(softmax_scale=0.1, cu_seqlens_q=cu, cu_seqlens_k=cu, seqused_k=cu[:1])
+    assert fp8.fp8_sm90_supported(varlen, 128) is None
+    dense_used = AttnArgs(softmax_scale=0.1, seqused_k=cu[:1])
+    assert "seqused_k without packed sequences" in fp8.fp8_sm90_supported(dense_used, 128)
+    assert "ALiBi" in fp8.fp8_sm90_supported(AttnArgs(softmax_scale=0.1, alibi_slopes=torch.ones(1, 2)), 128)
 
 
 def test_fp8_no_keys(device):

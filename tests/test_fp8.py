@@ -536,6 +536,89 @@ def test_kernel_matches_torch_math(rng, head_dim, seqlens, block_quant):
         assert (lse[seen] - expected_lse[seen]).abs().max() < 1e-3 * head_dim / 64
 
 
+# Packed lengths (query, key) with 1, 127, 128, 129 (around a 128-row tile and descale block), 700 and empty
+# sequences, and rows that see no key (queries over 0 keys).
+VARLEN_LENGTHS = [([1, 127, 128, 129, 700, 0], [1, 127, 128, 129, 700, 0]),
+                  ([129, 0, 700, 1, 5], [300, 5, 128, 127, 0])]
+VARLEN_MODES = {"full": {}, "causal": dict(causal=True), "window": dict(window=(100, 0)),
+                "window-both": dict(window=(64, 32)), "softcap": dict(causal=True, softcap=30.0)}
+
+
+def _varlen_case(rng, lengths_q, lengths_k, head_dim, mode, seqused=False):
+    """Packed bf16 q (8 heads), k, v (GQA: 2 heads), their offsets, the API options of ``mode`` and the matching
+    AttnArgs (for the torch FP8 math)."""
+    options = VARLEN_MODES[mode]
+    cu_q, cu_k = testing.cu_seqlens_of(lengths_q, DEVICE), testing.cu_seqlens_of(lengths_k, DEVICE)
+    q = torch.randn(sum(lengths_q), 8, head_dim, generator=rng).to(DEVICE, torch.bfloat16)
+    k, v = (torch.randn(sum(lengths_k), 2, head_dim, generator=rng).to(DEVICE, torch.bfloat16) for _ in range(2))
+    used = torch.tensor([n * 2 // 3 for n in lengths_k], dtype=torch.int32, device=DEVICE) if seqused else None
+    base = args_of(head_dim, options.get("causal", False), options.get("window", (-1, -1)),
+                   options.get("softcap", 0.0))
+    args = AttnArgs(**{**vars(base), "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": max(lengths_q),
+                       "max_seqlen_k": max(lengths_k), "seqused_k": used})
+    api = dict(causal=options.get("causal", False), window_size=options.get("window", (-1, -1)),
+               softcap=options.get("softcap", 0.0))
+    return (q, k, v), (cu_q, cu_k), api, args
+
+
+def _ran_the_kernel():
+    stats = flashtile.stats()
+    assert any("gluon-sm90 fp8" in name and "varlen" in name for name in stats["kernels"]), stats["kernels"]
+    assert not stats["fallbacks"], stats["fallbacks"]
+
+
+@pytest.mark.cuda
+@pytestmark_kernel
+@pytest.mark.parametrize("lengths_q,lengths_k", VARLEN_LENGTHS)
+@pytest.mark.parametrize("mode", list(VARLEN_MODES))
+@pytest.mark.parametrize("block_quant", [False, True])
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_kernel_varlen_fp8_func(rng, lengths_q, lengths_k, mode, block_quant, head_dim):
+    """flash_attn_varlen_fp8_func on the GPU runs the Gluon FP8 kernel on the packed sequences (named in stats, no
+    fallback, strict mode) and matches the torch FP8 math on the same quantized inputs (the call's own
+    quantizer), out within P's rounding and the lse to 1e-3 per 64 of head dim; rows past the last sequence 0."""
+    (q, k, v), (cu_q, cu_k), api, args = _varlen_case(rng, lengths_q, lengths_k, head_dim, mode)
+    flashtile.reset_stats()
+    with _strict():
+        out, lse = flashtile.flash_attn_varlen_fp8_func(q, k, v, cu_q, cu_k, args.max_seqlen_q, args.max_seqlen_k,
+                                                        block_quant=block_quant, return_lse=True, **api)
+    _ran_the_kernel()
+    q8, k8, v8_t, *descales = fp8._quantize(q, k, v, block_quant, True, 0, args)
+    v8 = v8_t.permute(2, 0, 1)
+    expected, expected_lse = torch_fp8.forward(q8, k8, v8, *descales, args)
+    abs_v_out, _ = torch_fp8.forward(q8, k8, abs_e4m3(v8), *descales, args)
+    assert_within_p_rounding(out, expected, abs_v_out)
+    seen = torch.isfinite(expected_lse)
+    assert torch.equal(torch.isfinite(lse), seen)
+    assert (lse[seen] - expected_lse[seen]).abs().max() < 1e-3 * head_dim / 64
+
+
+@pytest.mark.cuda
+@pytestmark_kernel
+@pytest.mark.parametrize("lengths_q,lengths_k", VARLEN_LENGTHS)
+@pytest.mark.parametrize("mode", ["full", "causal", "window-both", "softcap"])
+@pytest.mark.parametrize("block_quant", [False, True])
+@pytest.mark.parametrize("seqused", [False, True])
+def test_kernel_fa3_varlen_api(rng, lengths_q, lengths_k, mode, block_quant, seqused):
+    """flash_attn_varlen_func on float8_e4m3fn packed inputs (FA3's API), per-tensor or per-block descales, with
+    and without seqused_k: the Gluon FP8 kernel runs it and matches the torch FP8 math on the same inputs."""
+    (q, k, v), (cu_q, cu_k), api, args = _varlen_case(rng, lengths_q, lengths_k, 128, mode, seqused)
+    q8, k8, v8_t, *descales = torch_fp8.quantize_varlen(q, k, v, args, block_quant=block_quant)
+    v8 = v8_t.permute(2, 0, 1).contiguous()
+    flashtile.reset_stats()
+    with _strict():
+        out, lse, _ = flashtile.flash_attn_varlen_func(
+            q8, k8, v8, cu_q, cu_k, args.max_seqlen_q, args.max_seqlen_k, seqused_k=args.seqused_k,
+            return_attn_probs=True, **dict(zip(("q_descale", "k_descale", "v_descale"), descales)), **api)
+    _ran_the_kernel()
+    expected, expected_lse = torch_fp8.forward(q8, k8, v8, *descales, args)
+    abs_v_out, _ = torch_fp8.forward(q8, k8, abs_e4m3(v8), *descales, args)
+    assert_within_p_rounding(out, expected, abs_v_out)
+    seen = torch.isfinite(expected_lse)
+    assert torch.equal(torch.isfinite(lse), seen)
+    assert (lse[seen] - expected_lse[seen]).abs().max() < 2e-3
+
+
 # ---------------------------------------------------------------- the FP8 KV cache
 
 def _kv_descales(rng, batch, nheads_kv, per_row):

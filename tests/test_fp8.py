@@ -545,12 +545,12 @@ VARLEN_MODES = {"full": {}, "causal": dict(causal=True), "window": dict(window=(
 
 
 def _varlen_case(rng, lengths_q, lengths_k, head_dim, mode, seqused=False):
-    """Packed bf16 q (8 heads), k, v (GQA: 2 heads), their offsets, the API options of ``mode`` and the matching
-    AttnArgs (for the torch FP8 math)."""
+    """Packed bf16 q (8 heads), k, v (GQA: 2 heads) with 3 rows past the last sequence (out 0 and lse -inf
+    there), their offsets, the API options of ``mode`` and the matching AttnArgs (for the torch FP8 math)."""
     options = VARLEN_MODES[mode]
     cu_q, cu_k = testing.cu_seqlens_of(lengths_q, DEVICE), testing.cu_seqlens_of(lengths_k, DEVICE)
-    q = torch.randn(sum(lengths_q), 8, head_dim, generator=rng).to(DEVICE, torch.bfloat16)
-    k, v = (torch.randn(sum(lengths_k), 2, head_dim, generator=rng).to(DEVICE, torch.bfloat16) for _ in range(2))
+    q = torch.randn(sum(lengths_q) + 3, 8, head_dim, generator=rng).to(DEVICE, torch.bfloat16)
+    k, v = (torch.randn(sum(lengths_k) + 3, 2, head_dim, generator=rng).to(DEVICE, torch.bfloat16) for _ in range(2))
     used = torch.tensor([n * 2 // 3 for n in lengths_k], dtype=torch.int32, device=DEVICE) if seqused else None
     base = args_of(head_dim, options.get("causal", False), options.get("window", (-1, -1)),
                    options.get("softcap", 0.0))
@@ -591,6 +591,7 @@ def test_kernel_varlen_fp8_func(rng, lengths_q, lengths_k, mode, block_quant, he
     seen = torch.isfinite(expected_lse)
     assert torch.equal(torch.isfinite(lse), seen)
     assert (lse[seen] - expected_lse[seen]).abs().max() < 1e-3 * head_dim / 64
+    assert (out[-3:] == 0).all() and (lse[:, -3:] == float("-inf")).all()
 
 
 @pytest.mark.cuda

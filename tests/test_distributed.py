@@ -10,7 +10,6 @@ global mask on its own, for every world size, balance, step and window.
 import datetime
 import os
 import random
-import sys
 import tempfile
 
 import pytest
@@ -21,8 +20,8 @@ import torch.multiprocessing as mp
 import flashtile
 from flashtile import testing
 from flashtile.dispatch import force_backend
-from flashtile.distributed import (attention, ring_attention, ring_attention_varlen, shard, ulysses_attention,
-                                   unshard)
+from flashtile.distributed import (attention, exit_rank, ring_attention, ring_attention_varlen, shard,
+                                   ulysses_attention, unshard)
 from flashtile.distributed.blocks import visible_blocks
 from flashtile.distributed.sharding import segments
 
@@ -248,11 +247,7 @@ def _worker(rank, world, init_file, out_dir, device):
         torch.save(results, os.path.join(out_dir, "results.pt"))
     dist.barrier()
     dist.destroy_process_group()
-    # Leave without the interpreter's teardown, as flashtile.distributed.bench's ranks do: there, now and then, a gloo
-    # thread still joinable aborts the finished rank ("terminate called without an active exception", SIGABRT).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_rank()
 
 
 def _count_one_pass(patch=setattr) -> list:

@@ -20,8 +20,8 @@ import torch.multiprocessing as mp
 import flashtile
 from flashtile import testing
 from flashtile.dispatch import force_backend
-from flashtile.distributed import (attention, ring_attention, ring_attention_varlen, shard, ulysses_attention,
-                                   unshard)
+from flashtile.distributed import (attention, exit_rank, ring_attention, ring_attention_varlen, shard,
+                                   ulysses_attention, unshard)
 from flashtile.distributed.blocks import visible_blocks
 from flashtile.distributed.sharding import segments
 
@@ -247,6 +247,7 @@ def _worker(rank, world, init_file, out_dir, device):
         torch.save(results, os.path.join(out_dir, "results.pt"))
     dist.barrier()
     dist.destroy_process_group()
+    exit_rank()
 
 
 def _count_one_pass(patch=setattr) -> list:

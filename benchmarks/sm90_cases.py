@@ -149,7 +149,7 @@ def _fwd_fp8_varlen_case(causal: bool, softcap: bool, window: bool, head_dim: in
     cu = torch.tensor([0, lengths[0], tokens], dtype=torch.int32)
     q = torch.empty(tokens, 16, head_dim, dtype=torch.float8_e4m3fn)
     k = torch.empty(tokens, 4, head_dim, dtype=torch.float8_e4m3fn)
-    v_t = torch.empty(4, head_dim, tokens, dtype=torch.float8_e4m3fn)
+    v_t = torch.empty(4, head_dim, fp8.packed_vt_width(tokens, len(lengths)), dtype=torch.float8_e4m3fn)
     out = torch.empty(q.shape, dtype=torch.bfloat16)
     lse = torch.empty(16, tokens, dtype=torch.float32)
     blocks_q = (-(-lengths[0] // fp8.DESCALE_BLOCK), ) if blocks else ()

@@ -117,7 +117,7 @@ def test_sm90_fp8_varlen_case_catches_the_launchers_arguments(monkeypatch, causa
     assert set(args) | set(constexprs) == set(fn.arg_names)
     assert constexprs["IS_VARLEN"] and constexprs["HAS_SEQUSED"] and constexprs["K_BLOCKS"]
     assert constexprs["MASK_RIGHT"] == causal
-    assert args["q_desc"].shape == [1, 8096, 16, 128] and args["vt_desc"].shape == [1, 4, 128, 8096]
+    assert args["q_desc"].shape == [1, 8096, 16, 128] and args["vt_desc"].shape == [1, 4, 128, 8096 + 16]
     assert args["stride_ob"] == 0 and args["stride_lse_b"] == 0 and args["stride_lse_h"] == 8096
     assert args["num_tiles"] == 2 * 16 * 32 and args["seqlen_q"] == args["seqlen_k"] == 4096
     assert args["stride_qds_m"] == 1 and args["stride_qds_h"] == 32

@@ -84,6 +84,30 @@ def test_quantize_kernel_matches_twin(rng, shape, block_quant, incoherent):
     assert v8_t.stride(-1) == 1 and all(stride % 16 == 0 for stride in v8_t.stride()[:-1]), v8_t.stride()
 
 
+@pytest.mark.parametrize("cu", [[0, 100, 129, 329], [3, 8, 8, 25, 153], [0, 16, 32], [0, 1], [0, 0, 0],
+                                [50, 3, 1000, -7]])
+def test_packed_v_t_layout(rng, cu):
+    """pack_v_t puts sequence b's keys at column ``cu[b] // 16 * 16 + 16 b`` (16-byte aligned, as the FP8 kernel's
+    TMA reads V^T), zeros elsewhere; unpack_v_t gives each sequence's rows back; bad offsets index in range."""
+    total = 40 if cu[-1] < 0 else max(cu[-1], 1) + 3
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    v8 = torch.randn(total, 2, 8, generator=rng).to(torch.float8_e4m3fn)
+    v_t = torch_fp8.pack_v_t(v8, cu_t)
+    assert v_t.shape == (2, 8, torch_fp8.packed_vt_width(total, len(cu) - 1))
+    back = torch_fp8.unpack_v_t(v_t, cu_t, total)
+    assert back.shape == v8.shape
+    if any(b > a for a, b in zip(cu[:-1], cu[1:])) and all(b >= a for a, b in zip(cu[:-1], cu[1:])) and cu[0] >= 0:
+        owned = torch.zeros(v_t.shape[2], dtype=torch.bool)
+        for b, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
+            column = start // 16 * 16 + 16 * b
+            assert column % 16 == 0 and not owned[column:column + end - start].any(), "sequences overlap"
+            owned[column:column + end - start] = True
+            assert torch.equal(v_t[..., column:column + end - start].view(torch.uint8),
+                               v8[start:end].permute(1, 2, 0).view(torch.uint8))
+            assert torch.equal(back[start:end].view(torch.uint8), v8[start:end].view(torch.uint8))
+        assert (v_t[..., ~owned].view(torch.uint8) == 0).all()
+
+
 def _assert_same_quantization(ours, twin):
     """Equal e4m3 values and descales, but where the rotation's fp32 sums (a dot against torch's matmul, in
     another order) land a value on the other side of a rounding boundary: one e4m3 step, rarely."""
@@ -305,7 +329,7 @@ def test_fa3_varlen_api(rng):
     q, k, v = (torch.randn(180, 2, 64, generator=rng).to(DEVICE, torch.bfloat16) for _ in range(3))
     args = AttnArgs(softmax_scale=0.125, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=130, max_seqlen_k=130)
     q8, k8, v8_t, qd, kd, vd = torch_fp8.quantize_varlen(q, k, v, args, block_quant=False, incoherent=False)
-    v8 = v8_t.permute(2, 0, 1)
+    v8 = torch_fp8.unpack_v_t(v8_t, cu, 180)
     out = flashtile.flash_attn_varlen_func(q8, k8, v8, cu, cu, 130, 130, q_descale=qd, k_descale=kd, v_descale=vd)
     ref = testing.attention_varlen_ref(q, k, v, cu, cu)[0]
     assert out.shape == q.shape and (out.double() - ref).abs().max() < 0.25
@@ -584,7 +608,7 @@ def test_kernel_varlen_fp8_func(rng, lengths_q, lengths_k, mode, block_quant, he
                                                         block_quant=block_quant, return_lse=True, **api)
     _ran_the_kernel()
     q8, k8, v8_t, *descales = fp8._quantize(q, k, v, block_quant, True, 0, args)
-    v8 = v8_t.permute(2, 0, 1)
+    v8 = torch_fp8.unpack_v_t(v8_t, cu_k, k.shape[0])
     expected, expected_lse = torch_fp8.forward(q8, k8, v8, *descales, args)
     abs_v_out, _ = torch_fp8.forward(q8, k8, abs_e4m3(v8), *descales, args)
     assert_within_p_rounding(out, expected, abs_v_out)
@@ -605,7 +629,7 @@ def test_kernel_fa3_varlen_api(rng, lengths_q, lengths_k, mode, block_quant, seq
     and without seqused_k: the Gluon FP8 kernel runs it and matches the torch FP8 math on the same inputs."""
     (q, k, v), (cu_q, cu_k), api, args = _varlen_case(rng, lengths_q, lengths_k, 128, mode, seqused)
     q8, k8, v8_t, *descales = torch_fp8.quantize_varlen(q, k, v, args, block_quant=block_quant)
-    v8 = v8_t.permute(2, 0, 1).contiguous()
+    v8 = torch_fp8.unpack_v_t(v8_t, cu_k, k.shape[0]).contiguous()
     flashtile.reset_stats()
     with _strict():
         out, lse, _ = flashtile.flash_attn_varlen_func(
@@ -958,7 +982,8 @@ class _FakeKernel:
         varlen = args.varlen
         nheads_kv, head_dim = k.shape[-2], k.shape[-1]
         assert q.dtype == k.dtype == v_t.dtype == torch.float8_e4m3fn and out.dtype == torch.bfloat16
-        assert v_t.shape == ((nheads_kv, head_dim, k.shape[0]) if varlen else
+        batch = args.cu_seqlens_k.shape[0] - 1 if varlen else k.shape[0]
+        assert v_t.shape == ((nheads_kv, head_dim, torch_fp8.packed_vt_width(k.shape[0], batch)) if varlen else
                              (k.shape[0], nheads_kv, head_dim, k.shape[1]))
         # The TMA's rule: unit stride along the keys, every other stride a multiple of 16 bytes.
         assert v_t.stride(-1) == 1 and all(stride % 16 == 0 for stride in v_t.stride()[:-1]), v_t.stride()
@@ -973,7 +998,7 @@ class _FakeKernel:
         for descale, seqlen in ((q_descale, seqlen_q), (k_descale, seqlen_k), (v_descale, None)):
             blocks = () if descale.dim() == 2 else (-(-seqlen // 128),)
             assert tuple(descale.shape) == (batch, nheads_kv, *blocks), descale.shape
-        v = v_t.permute(2, 0, 1) if varlen else v_t.permute(0, 3, 1, 2)
+        v = torch_fp8.unpack_v_t(v_t, args.cu_seqlens_k, k.shape[0]) if varlen else v_t.permute(0, 3, 1, 2)
         expected, expected_lse = torch_fp8.forward(q, k, v, q_descale, k_descale, v_descale, args)
         out.copy_(expected)
         lse.copy_(expected_lse)

@@ -10,6 +10,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ... import device_errors, replay
 from .. import AttnArgs, KVCacheArgs
+from ..torch_fp8 import packed_vt_width
 from . import configs
 from .fastlaunch import CachedLaunch
 from .host import bsh_strides, cdiv, lse_strides, on_device
@@ -144,7 +145,8 @@ def forward_fp8_sm90(q, k, v_t, q_descale, k_descale, v_descale, out, lse, args:
     natural-log sum of each row's exponentials of ``softmax_scale * q.k`` (after softcap), -inf where a row
     sees no key (its output is 0), as the bf16 forward stores it.
     Packed sequences (``args.varlen``): q (total_q, nheads, d), k (total_k, nheads_kv, d), v_t (nheads_kv, d,
-    total_k), out (total_q, nheads, d), lse (nheads, total_q); ``batch`` is the number of sequences,
+    torch_fp8.packed_vt_width(total_k, batch)) with each sequence's keys from a 16-byte-aligned column
+    (torch_fp8.pack_v_t: the TMA reads V^T's key dim at no other coordinate), out (total_q, nheads, d), lse (nheads, total_q); ``batch`` is the number of sequences,
     ``seqlen_q``/``seqlen_k`` ``args.max_seqlen_q``/``_k``, descale blocks count from each sequence's start, and
     ``args.seqused_k`` may cut each sequence's keys. Rows past ``cu_seqlens_q[-1]`` are written as 0 (lse -inf);
     any offsets keep every read and write inside the tensors, bad ones noted in the device error record.
@@ -162,7 +164,8 @@ def forward_fp8_sm90(q, k, v_t, q_descale, k_descale, v_descale, out, lse, args:
     rows_q, rows_k = ((q.shape[0], ), (k.shape[0], )) if varlen else ((batch, seqlen_q), (batch, seqlen_k))
     _check("q", q, (*rows_q, nheads, head_dim), fp8)
     _check("k", k, (*rows_k, nheads_kv, head_dim), fp8)
-    _check("v_t", v_t, (*rows_k[:-1], nheads_kv, head_dim, rows_k[-1]), fp8)
+    columns_v = packed_vt_width(k.shape[0], batch) if varlen else seqlen_k
+    _check("v_t", v_t, (*rows_k[:-1], nheads_kv, head_dim, columns_v), fp8)
     for name, scale, rows in (("q_descale", q_descale, seqlen_q), ("k_descale", k_descale, seqlen_k),
                               ("v_descale", v_descale, None)):
         # validation.check_descales: at least one block, even without rows.

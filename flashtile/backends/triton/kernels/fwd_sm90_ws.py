@@ -41,7 +41,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .common import kv_range, sequence
+from .common import kv_range, packed_vt_start, sequence
 from .fwd_sm90 import _scale_tile, _softmax_block, _tile, row_start, store_rows, wgmma_layout
 
 # P (in [0, 1]) times 448, e4m3's largest finite value, spans the format's range before the FP8 cast. The
@@ -70,8 +70,9 @@ def _tile_of(t, num_m, nheads, LONGEST_FIRST: gl.constexpr):
 @gluon.jit
 def _tile_sequence(off_b, max_seqlen_q, max_seqlen_k, seqs, q_desc, k_desc, IS_VARLEN: gl.constexpr,
                    HAS_SEQUSED: gl.constexpr, RECORD: gl.constexpr):
-    """Where a tile of batch row (or packed sequence) ``off_b`` reads: ``(tma_b, q_start, seqlen_q, k_start,
-    seqlen_k)``, query i at row ``q_start + i`` of the TMA's batch row ``tma_b``, key j at ``k_start + j``. Packed
+    """Where a tile of batch row (or packed sequence) ``off_b`` reads: ``(tma_b, q_start, seqlen_q, k_start, v_start,
+    seqlen_k)``, query i at row ``q_start + i`` of the TMA's batch row ``tma_b``, key j at ``k_start + j`` of K and
+    ``v_start + j`` of V (packed FP8 V^T: :func:`common.packed_vt_start`). Packed
     sequences (``seqs``: ``CU_SEQLENS_Q``, ``CU_SEQLENS_K``, ``SEQUSED_K``, ``ERR``) are common.sequence's clamped
     spans of the one-row ``(1, tokens, heads, d)`` tensors (the descriptors give the tokens), the same in every
     partition; ``RECORD``: this partition notes bad offsets. A sequence with more keys than ``max_seqlen_k``
@@ -81,10 +82,12 @@ def _tile_sequence(off_b, max_seqlen_q, max_seqlen_k, seqs, q_desc, k_desc, IS_V
                                                     SEQUSED_K, q_desc.shape[1], k_desc.shape[1], ERR, IS_VARLEN,
                                                     HAS_SEQUSED, RECORD)
     tma_b = off_b
+    v_start = k_start
     if IS_VARLEN:
         tma_b = 0
+        v_start = packed_vt_start(k_start, off_b)
         seqlen_k = gl.minimum(seqlen_k, max_seqlen_k)
-    return tma_b, q_start, seqlen_q, k_start, seqlen_k
+    return tma_b, q_start, seqlen_q, k_start, v_start, seqlen_k
 
 
 @gluon.jit
@@ -264,8 +267,8 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
     i = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         start_m, off_h, off_b = _tile_of(t, num_m, nheads, MASK_RIGHT and not MASK_LEFT)
-        _, q_start, seqlen_q, _, seqlen_k = _tile_sequence(off_b, max_seqlen_q, max_seqlen_k, seqs, q_desc, k_desc,
-                                                           IS_VARLEN, HAS_SEQUSED, False)
+        _, q_start, seqlen_q, _, _, seqlen_k = _tile_sequence(off_b, max_seqlen_q, max_seqlen_k, seqs, q_desc,
+                                                              k_desc, IS_VARLEN, HAS_SEQUSED, False)
         # A tile past its packed sequence's rows has nothing to load or store: the producer skips it too.
         if start_m * 2 * BLOCK_M < seqlen_q:
             lo, n, jb, je, first_row, full_lo, full_hi = _blocks(start_m, WG, seqlen_q, seqlen_k, window_left,
@@ -383,8 +386,9 @@ def _producer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: g
         start_m, off_h, off_b = _tile_of(t, num_m, nheads, MASK_RIGHT and not MASK_LEFT)
         off_hk = off_h // group
         # The producer alone notes bad offsets: an atomic in a consumer would cost it registers.
-        tma_b, q_start, seqlen_q, k_start, seqlen_k = _tile_sequence(off_b, max_seqlen_q, max_seqlen_k, seqs, q_desc,
-                                                                     k_desc, IS_VARLEN, HAS_SEQUSED, True)
+        tma_b, q_start, seqlen_q, k_start, v_start, seqlen_k = _tile_sequence(off_b, max_seqlen_q, max_seqlen_k,
+                                                                              seqs, q_desc, k_desc, IS_VARLEN,
+                                                                              HAS_SEQUSED, True)
         if start_m * 2 * BLOCK_M < seqlen_q:
             lo, n, _, _, _, _, _ = _blocks(start_m, 0, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M,
                                            BLOCK_N, MASK_LEFT, MASK_RIGHT)
@@ -410,15 +414,15 @@ def _producer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: g
                     if row + BLOCK_N > seqlen_k:
                         # Only the last block can run past the sequence's keys, into the next sequence's: it lands
                         # here first, the producer zeroes those keys, then hands the slot to the consumers.
-                        _load_v(v_desc, v_landed, v_smem.index(s), tma_b, k_start + row, off_hk, FP8)
+                        _load_v(v_desc, v_landed, v_smem.index(s), tma_b, v_start + row, off_hk, FP8)
                         mbarrier.wait(v_landed, tails & 1)
                         _zero_keys(v_smem.index(s).reshape([v_smem.shape[3], v_smem.shape[4]]), seqlen_k - row)
                         mbarrier.arrive(v_ready.index(s), count=1)
                         tails += 1
                     else:
-                        _load_v(v_desc, v_ready.index(s), v_smem.index(s), tma_b, k_start + row, off_hk, FP8)
+                        _load_v(v_desc, v_ready.index(s), v_smem.index(s), tma_b, v_start + row, off_hk, FP8)
                 else:
-                    _load_v(v_desc, v_ready.index(s), v_smem.index(s), tma_b, k_start + row, off_hk, FP8)
+                    _load_v(v_desc, v_ready.index(s), v_smem.index(s), tma_b, v_start + row, off_hk, FP8)
                 c += 1
             i += 1
 

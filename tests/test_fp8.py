@@ -957,13 +957,15 @@ def test_bench_fp8_smoke(tmp_path, monkeypatch):
     device = torch.device(DEVICE)
     timer = common.gpu_timer(5, 10) if HAS_CUDA else common.cpu_timer(runs=1)
     rows = bench_fp8.run(device, timer, head_dims=(64,), seqlens=(256,), decode_shapes=((2, 300),), graphs=HAS_CUDA,
-                         tokens=256, width=128)
-    for row in rows["forward"]:
+                         tokens=256, width=128, varlen_lengths=(100, 29, 127))
+    assert len(rows["varlen"]) == 2 and rows["varlen"][0]["N"] == 256
+    for row in rows["forward"] + rows["varlen"]:
         # A GPU without the Gluon FP8 kernel says so and times bf16 only; elsewhere every provider is timed.
         assert row["status"] == "ok" or row["status"].startswith("fp8 kernel not run"), row["status"]
         assert row["bf16_rmse"] < bench_fp8.BF16_RMSE_LIMIT and "bf16_ms" in row
     assert rows["decode"][0]["status"] == "ok" and rows["decode"][0]["fp8_max_abs_err"] < 2e-2
     assert "| 64 | 256 |" in bench_fp8.markdown(rows, "test")
+    assert "| 64 | packed 100 + 29 + 127 | True |" in bench_fp8.markdown(rows, "test")
 
 
 class _FakeKernel:

@@ -36,9 +36,12 @@ def case(which: str, causal: bool, softcap: bool, window: bool = False):
         return _fwd_ws_launch_case(causal, softcap, window, int(dims[0]), int(keys[0]) if keys else 128,
                                    int(slots[0]) if slots else 2, which.endswith("-sink"))
     if which.startswith("fwd-fp8"):
-        # fwd-fp8[-d64|-d256][-blocks]: head dim (128 without), per-block Q/K descales.
+        # fwd-fp8[-d64|-d256][-blocks][-varlen]: head dim (128 without), per-block Q/K descales, packed sequences.
         dims = re.findall(r"-d(\d+)", which)
-        return _fwd_fp8_case(causal, softcap, window, int(dims[0]) if dims else 128, which.endswith("-blocks"))
+        head_dim, blocks = int(dims[0]) if dims else 128, "-blocks" in which
+        if which.endswith("-varlen"):
+            return _fwd_fp8_varlen_case(causal, softcap, window, head_dim, blocks)
+        return _fwd_fp8_case(causal, softcap, window, head_dim, blocks)
     if which in ("fused", "fused-alibi", "fused-varlen"):
         return _fused_case(causal, softcap, which == "fused-alibi", which == "fused-varlen", window)
     if which.startswith("wide"):
@@ -164,3 +167,37 @@ def _fwd_fp8_case(causal: bool, softcap: bool, window: bool, head_dim: int, bloc
                       STAGES=stages,
                       CONSUMER_REGS=fp8.CONSUMER_REGS, PINGPONG=fp8.FP8_PINGPONG[head_dim], num_warps=4)
     return fp8.attn_fwd_sm90_fp8, args, constexprs, dict(num_warps=4, maxnreg=fp8.MAXNREG)
+
+
+def _fwd_fp8_varlen_case(causal: bool, softcap: bool, window: bool, head_dim: int, blocks: bool):
+    """The FP8 launcher's own arguments (fp8.forward_fp8_sm90) for packed sequences of 4096 and 4000 query and key
+    tokens with seqused_k, 16 query and 4 KV heads, caught at its launch."""
+    from flashtile.backends import AttnArgs
+    from flashtile.backends.triton import fp8
+
+    lengths = (4096, 4000)
+    tokens = sum(lengths)
+    cu = torch.tensor([0, lengths[0], tokens], dtype=torch.int32)
+    q = torch.empty(tokens, 16, head_dim, dtype=torch.float8_e4m3fn)
+    k = torch.empty(tokens, 4, head_dim, dtype=torch.float8_e4m3fn)
+    v_t = torch.empty(4, head_dim, fp8.packed_vt_width(tokens, len(lengths)), dtype=torch.float8_e4m3fn)
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    lse = torch.empty(16, tokens, dtype=torch.float32)
+    blocks_q = (-(-lengths[0] // fp8.DESCALE_BLOCK), ) if blocks else ()
+    q_descale, k_descale = (torch.empty(2, 4, *blocks_q) for _ in range(2))
+    args = AttnArgs(softmax_scale=head_dim ** -0.5, causal=causal, window_left=1024 if window else -1,
+                    window_right=0 if causal else -1, softcap=30.0 if softcap else 0.0, cu_seqlens_q=cu,
+                    cu_seqlens_k=cu, max_seqlen_q=lengths[0], max_seqlen_k=lengths[0],
+                    seqused_k=torch.tensor([4000, 4000], dtype=torch.int32), total_k=tokens)
+    caught = {}
+    kernel, fill_tail = fp8._FWD_FP8, fp8._fill_tail
+    fp8._FWD_FP8 = lambda key, grid, dynamic, static, **_: caught.update(dynamic, **static())
+    # The tail fill is its own (Triton) kernel: not compiled here.
+    fp8._fill_tail = lambda *_, **__: None
+    try:
+        fp8.forward_fp8_sm90(q, k, v_t, q_descale, k_descale, torch.empty(2, 4), out, lse, args)
+    finally:
+        fp8._FWD_FP8, fp8._fill_tail = kernel, fill_tail
+    options = dict(num_warps=caught.pop("num_warps"), maxnreg=caught.pop("maxnreg"))
+    constexprs = {p.name: caught.pop(p.name) for p in kernel.fn.params if p.is_constexpr and p.name in caught}
+    return kernel.fn, caught, dict(constexprs, num_warps=options["num_warps"]), options

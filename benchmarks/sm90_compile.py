@@ -13,7 +13,8 @@ Triton's wheel ships, so kernels can be checked for register pressure before a G
                                         # at head dim 64 (-d128 too), through its launcher: two slots of 128 keys
                                         # unless -n<keys> / -s<slots> say otherwise
     python benchmarks/sm90_compile.py fwd-ws-d256-n64[-sink] [causal] [softcap]  # head dim 256, 64-key slots
-    python benchmarks/sm90_compile.py fwd-fp8[-d64|-d256][-blocks] [causal] [softcap] [window]  # kernels/fwd_sm90_fp8.py
+    python benchmarks/sm90_compile.py fwd-fp8[-d64|-d256][-blocks][-varlen] [causal] [softcap] [window]
+                                        # kernels/fwd_sm90_fp8.py; -varlen through its launcher's own arguments
 
 ``window``: a left bound (the kernel's MASK_LEFT; the fused and forward kernels).
 

@@ -28,7 +28,7 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 import flashtile  # noqa: E402
-from flashtile.distributed import ring_attention, shard, ulysses_attention  # noqa: E402
+from flashtile.distributed import exit_rank, ring_attention, shard, ulysses_attention  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("train_tiny_gpt", pathlib.Path(__file__).with_name("train_tiny_gpt.py"))
 base = importlib.util.module_from_spec(_spec)
@@ -138,6 +138,7 @@ def _spawned(rank, world, init_file, args, out_file):
         dist.barrier()  # no rank leaves while another still talks to it
     finally:
         dist.destroy_process_group()
+    exit_rank()  # skips the interpreter's teardown, where a gloo thread may abort the finished rank
 
 
 def main(argv=None):

@@ -99,9 +99,9 @@ def fp8_call(q, k, v, options: dict, q_descale, k_descale, v_descale, return_att
 def attention(q8, k8, v8, q_descale, k_descale, v_descale, args: AttnArgs, v_transposed: bool = False):
     """``(out, lse)`` of validated e4m3 inputs: ``out`` bfloat16 in q's layout, ``lse`` float32 as every backend.
     ``v8`` is ``(batch, seqlen_k, nheads_kv, d)`` (``(total_k, nheads_kv, d)`` varlen), or with ``v_transposed``
-    the kernel's ``(batch, nheads_kv, d, seqlen_k)`` (``(nheads_kv, d, total_k)``) with rows 16 bytes apart (as
-    the quantizer writes it). Descales in any shape :func:`flashtile.validation.check_descales` takes: those the
-    kernel lacks (q's per query head, v's per block) run the torch math, a recorded fallback on a GPU."""
+    the kernel's ``(batch, nheads_kv, d, seqlen_k)`` (varlen: ``torch_fp8.pack_v_t``'s packed V^T) with rows 16
+    bytes apart (as the quantizer writes it). Descales in any shape :func:`flashtile.validation.check_descales`
+    takes: those the kernel lacks (q's per query head, v's per block) run the torch math, a recorded fallback on a GPU."""
     chosen = plan(q8, k8, args, (q_descale, k_descale, v_descale))
     if chosen.fallback_reason is None:
         record_choice(chosen)
@@ -112,8 +112,10 @@ def attention(q8, k8, v8, q_descale, k_descale, v_descale, args: AttnArgs, v_tra
     with profiled(chosen.fwd_name), torch.no_grad():
         if chosen.backend == TRITON:
             return _run_kernel(q8, k8, v8, q_descale, k_descale, v_descale, args, v_transposed)
-        if v_transposed:
-            v8 = v8.permute(2, 0, 1) if args.varlen else v8.permute(0, 3, 1, 2)
+        if v_transposed and args.varlen:
+            v8 = torch_fp8.unpack_v_t(v8, args.cu_seqlens_k, k8.shape[0])
+        elif v_transposed:
+            v8 = v8.permute(0, 3, 1, 2)
         return torch_fp8.forward(q8, k8, v8, q_descale, k_descale, v_descale, args)
 
 
@@ -190,8 +192,13 @@ def _run_kernel(q8, k8, v8, q_descale, k_descale, v_descale, args: AttnArgs, v_t
     from .alloc import empty
     from .backends.triton.host import tma_rows
     if not v_transposed:
-        v8 = v8.permute(1, 2, 0) if args.varlen else v8.permute(0, 2, 3, 1)
-        v8 = tma_rows(v8.shape, v8.dtype, v8.device).copy_(v8)
+        if args.varlen:
+            total_k, nheads_kv, head_dim = v8.shape
+            width = torch_fp8.packed_vt_width(total_k, args.cu_seqlens_k.shape[0] - 1)
+            v8 = torch_fp8.pack_v_t(v8, args.cu_seqlens_k, tma_rows((nheads_kv, head_dim, width), v8.dtype, v8.device))
+        else:
+            v8 = v8.permute(0, 2, 3, 1)
+            v8 = tma_rows(v8.shape, v8.dtype, v8.device).copy_(v8)
     out = empty(q8.shape, torch.bfloat16, q8.device)
     if args.varlen:
         lse = empty((q8.shape[1], q8.shape[0]), torch.float32, q8.device)

@@ -603,9 +603,6 @@ def _attention_kvcache(q, k_cache, v_cache, k, v, args):
     custom op while compiling (plan None)."""
     with torch.no_grad():
         if torch.compiler.is_compiling():
-            if args.fp8:
-                raise NotImplementedError("an FP8 KV cache (k_descale / v_descale) under torch.compile is not supported "
-                                          "yet: call flash_attn_with_kvcache outside the compiled region")
             return (*ops.attention_with_kvcache(q, k_cache, v_cache, k, v, args), None)
         chosen = dispatch(AttentionCall.of(q, k_cache, v_cache, args))
         return (*ops.run_kvcache(chosen, q, k_cache, v_cache, k, v, args), chosen)

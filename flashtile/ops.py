@@ -181,7 +181,7 @@ def run_merge(chosen: Plan, out_a, lse_a, out_b, lse_b):
 
 def _kvcache_args(q, k_cache, k, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
                   alibi_slopes, sink, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
-                  num_splits) -> KVCacheArgs:
+                  num_splits, k_descale, v_descale) -> KVCacheArgs:
     """The KVCacheArgs of an op call (its arguments were validated by the public function)."""
     batch, seqlen_q, nheads, _ = q.shape
     capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
@@ -191,7 +191,7 @@ def _kvcache_args(q, k_cache, k, cache_seqlens, rotary_cos, rotary_sin, cache_ba
         max_seqlen_q=seqlen_q, max_seqlen_k=capacity, cache_seqlens=cache_seqlens,
         seqlen_new=0 if k is None else k.shape[1], cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
         block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
-        num_splits=num_splits,
+        num_splits=num_splits, k_descale=k_descale, v_descale=v_descale,
     )
 
 
@@ -201,12 +201,12 @@ def attention_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[T
                       cache_batch_idx: Optional[Tensor], cache_leftpad: Optional[Tensor], block_table: Optional[Tensor],
                       alibi_slopes: Optional[Tensor], sink: Optional[Tensor], softmax_scale: float, causal: bool,
                       window_left: int, window_right: int, softcap: float, rotary_interleaved: bool,
-                      num_splits: int) -> tuple[Tensor, Tensor]:
-    """``(out, lse)`` of ``flash_attn_with_kvcache``, k and v appended to the caches in place; the
-    backend is chosen (and recorded) when it runs."""
+                      num_splits: int, k_descale: Optional[Tensor], v_descale: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of ``flash_attn_with_kvcache``, k and v appended to the caches in place (quantized with
+    ``k_descale`` / ``v_descale`` into an FP8 cache); the backend is chosen (and recorded) when it runs."""
     args = _kvcache_args(q, k_cache, k, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad,
                          block_table, alibi_slopes, sink, softmax_scale, causal, window_left, window_right, softcap,
-                         rotary_interleaved, num_splits)
+                         rotary_interleaved, num_splits, k_descale, v_descale)
     chosen = dispatch(AttentionCall.of(q, k_cache, v_cache, args))
     return run_kvcache(chosen, q, k_cache, v_cache, k, v, args)
 
@@ -214,10 +214,10 @@ def attention_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[T
 @attention_kvcache.register_fake
 def _attention_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
                             cache_leftpad, block_table, alibi_slopes, sink, softmax_scale, causal, window_left,
-                            window_right, softcap, rotary_interleaved, num_splits):
+                            window_right, softcap, rotary_interleaved, num_splits, k_descale, v_descale):
     args = _kvcache_args(q, k_cache, k, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad,
                          block_table, alibi_slopes, sink, softmax_scale, causal, window_left, window_right, softcap,
-                         rotary_interleaved, num_splits)
+                         rotary_interleaved, num_splits, k_descale, v_descale)
     check_features(AttentionCall.of(q, k_cache, v_cache, args))
     batch, seqlen_q, nheads, _ = q.shape
     out = q.new_empty((batch, seqlen_q, nheads, v_cache.shape[-1]))
@@ -229,7 +229,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, args: KVCacheArgs):
     return attention_kvcache(
         q, k_cache, v_cache, k, v, args.cache_seqlens, args.rotary_cos, args.rotary_sin, args.cache_batch_idx,
         args.cache_leftpad, args.block_table, args.alibi_slopes, args.sink, args.softmax_scale, args.causal,
-        args.window_left, args.window_right, args.softcap, args.rotary_interleaved, args.num_splits)
+        args.window_left, args.window_right, args.softcap, args.rotary_interleaved, args.num_splits, args.k_descale,
+        args.v_descale)
 
 
 @custom_op("flashtile::merge_states", mutates_args=())

@@ -73,12 +73,15 @@ def test_fp8_renderer_is_the_suite_tables():
                "quantize_ms": 0.4, "fp8_e2e_rmse": 3e-3, "status": "ok"}
     decode = {"B": 16, "L": 32768, "bf16_graph_ms": 0.5, "bf16_graph_GBps": 4300.0, "fp8_graph_ms": 0.4,
               "fp8_graph_GBps": 2700.0, "fp8_over_bf16_graph": 0.8, "status": "ok"}
+    packed = {**forward, "lengths": [3000, 1000], "N": 4000}
     rows = {"forward": [forward, {"D": 256, "N": 8192, "causal": False, "status": "wrong: rmse 0.5"}],
-            "decode": [decode]}
+            "varlen": [packed], "decode": [decode]}
     text = results.RENDERERS["fp8"]({"rows": rows}, {})
     assert "| 128 | 4096 | True | 500 | 650 | 1.30 | 400 | 0.80 | 0.400 | 3.00e-03 | ok |" in text
     assert "| 256 | 8192 | False | - | - | - | - | - | - | - | wrong: rmse 0.5 |" in text
     assert "| 16 x 32768 | 500.0 | 4300 | 400.0 | 2700 | 0.80 | ok |" in text
+    assert "| 128 | packed 3000 + 1000 | True | 500 | 650 | 1.30 |" in text
+    assert results.RENDERERS["fp8"]({"rows": {"forward": [forward], "decode": [decode]}}, {})  # files before varlen
     assert text in fp8.markdown(rows, "GPU")  # the suite's own tables, not a copy
 
 

@@ -119,3 +119,22 @@ def test_sm90_case_of_the_d256_warp_specialized_forward(monkeypatch, causal, sof
         "q_desc": (1, 64, 1, 256), "k_desc": (1, 64, 1, 256), "v_desc": (1, 64, 1, 256)}
     assert constexprs["STAGES"] == 2 and constexprs["MASK_RIGHT"] == causal and constexprs["SOFTCAP"] == softcap
     assert options == dict(num_warps=4, maxnreg=168)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_fp8_varlen_case_catches_the_launchers_arguments(monkeypatch, causal):
+    """The FP8 varlen case runs fp8.forward_fp8_sm90 on packed CPU tensors and catches its launch: every kernel
+    argument, the packed tensors as one TMA batch row, batch strides 0 for out and lse, a CTA per 128-row tile of
+    the longest sequence (2 sequences x 16 heads x 32 tiles) and the per-sequence descale blocks."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from sm90_cases import case
+
+    fn, args, constexprs, options = case("fwd-fp8-blocks-varlen", causal, False)
+    assert set(args) | set(constexprs) == set(fn.arg_names)
+    assert constexprs["IS_VARLEN"] and constexprs["HAS_SEQUSED"] and constexprs["K_BLOCKS"]
+    assert constexprs["MASK_RIGHT"] == causal
+    assert args["q_desc"].shape == [1, 8096, 16, 128] and args["vt_desc"].shape == [1, 4, 128, 8096 + 16]
+    assert args["stride_ob"] == 0 and args["stride_lse_b"] == 0 and args["stride_lse_h"] == 8096
+    assert args["num_tiles"] == 2 * 16 * 32 and args["seqlen_q"] == args["seqlen_k"] == 4096
+    assert args["stride_qds_m"] == 1 and args["stride_qds_h"] == 32
+    assert options == dict(num_warps=4, maxnreg=168)

@@ -84,6 +84,30 @@ def test_quantize_kernel_matches_twin(rng, shape, block_quant, incoherent):
     assert v8_t.stride(-1) == 1 and all(stride % 16 == 0 for stride in v8_t.stride()[:-1]), v8_t.stride()
 
 
+@pytest.mark.parametrize("cu", [[0, 100, 129, 329], [3, 8, 8, 25, 153], [0, 16, 32], [0, 1], [0, 0, 0],
+                                [50, 3, 1000, -7]])
+def test_packed_v_t_layout(rng, cu):
+    """pack_v_t puts sequence b's keys at column ``cu[b] // 16 * 16 + 16 b`` (16-byte aligned, as the FP8 kernel's
+    TMA reads V^T), zeros elsewhere; unpack_v_t gives each sequence's rows back; bad offsets index in range."""
+    total = 40 if cu[-1] < 0 else max(cu[-1], 1) + 3
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    v8 = torch.randn(total, 2, 8, generator=rng).to(torch.float8_e4m3fn)
+    v_t = torch_fp8.pack_v_t(v8, cu_t)
+    assert v_t.shape == (2, 8, torch_fp8.packed_vt_width(total, len(cu) - 1))
+    back = torch_fp8.unpack_v_t(v_t, cu_t, total)
+    assert back.shape == v8.shape
+    if any(b > a for a, b in zip(cu[:-1], cu[1:])) and all(b >= a for a, b in zip(cu[:-1], cu[1:])) and cu[0] >= 0:
+        owned = torch.zeros(v_t.shape[2], dtype=torch.bool)
+        for b, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
+            column = start // 16 * 16 + 16 * b
+            assert column % 16 == 0 and not owned[column:column + end - start].any(), "sequences overlap"
+            owned[column:column + end - start] = True
+            assert torch.equal(v_t[..., column:column + end - start].view(torch.uint8),
+                               v8[start:end].permute(1, 2, 0).view(torch.uint8))
+            assert torch.equal(back[start:end].view(torch.uint8), v8[start:end].view(torch.uint8))
+        assert (v_t[..., ~owned].view(torch.uint8) == 0).all()
+
+
 def _assert_same_quantization(ours, twin):
     """Equal e4m3 values and descales, but where the rotation's fp32 sums (a dot against torch's matmul, in
     another order) land a value on the other side of a rounding boundary: one e4m3 step, rarely."""
@@ -305,7 +329,7 @@ def test_fa3_varlen_api(rng):
     q, k, v = (torch.randn(180, 2, 64, generator=rng).to(DEVICE, torch.bfloat16) for _ in range(3))
     args = AttnArgs(softmax_scale=0.125, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=130, max_seqlen_k=130)
     q8, k8, v8_t, qd, kd, vd = torch_fp8.quantize_varlen(q, k, v, args, block_quant=False, incoherent=False)
-    v8 = v8_t.permute(2, 0, 1)
+    v8 = torch_fp8.unpack_v_t(v8_t, cu, 180)
     out = flashtile.flash_attn_varlen_func(q8, k8, v8, cu, cu, 130, 130, q_descale=qd, k_descale=kd, v_descale=vd)
     ref = testing.attention_varlen_ref(q, k, v, cu, cu)[0]
     assert out.shape == q.shape and (out.double() - ref).abs().max() < 0.25
@@ -536,6 +560,90 @@ def test_kernel_matches_torch_math(rng, head_dim, seqlens, block_quant):
         assert (lse[seen] - expected_lse[seen]).abs().max() < 1e-3 * head_dim / 64
 
 
+# Packed lengths (query, key) with 1, 127, 128, 129 (around a 128-row tile and descale block), 700 and empty
+# sequences, and rows that see no key (queries over 0 keys).
+VARLEN_LENGTHS = [([1, 127, 128, 129, 700, 0], [1, 127, 128, 129, 700, 0]),
+                  ([129, 0, 700, 1, 5], [300, 5, 128, 127, 0])]
+VARLEN_MODES = {"full": {}, "causal": dict(causal=True), "window": dict(window=(100, 0)),
+                "window-both": dict(window=(64, 32)), "softcap": dict(causal=True, softcap=30.0)}
+
+
+def _varlen_case(rng, lengths_q, lengths_k, head_dim, mode, seqused=False):
+    """Packed bf16 q (8 heads), k, v (GQA: 2 heads) with 3 rows past the last sequence (out 0 and lse -inf
+    there), their offsets, the API options of ``mode`` and the matching AttnArgs (for the torch FP8 math)."""
+    options = VARLEN_MODES[mode]
+    cu_q, cu_k = testing.cu_seqlens_of(lengths_q, DEVICE), testing.cu_seqlens_of(lengths_k, DEVICE)
+    q = torch.randn(sum(lengths_q) + 3, 8, head_dim, generator=rng).to(DEVICE, torch.bfloat16)
+    k, v = (torch.randn(sum(lengths_k) + 3, 2, head_dim, generator=rng).to(DEVICE, torch.bfloat16) for _ in range(2))
+    used = torch.tensor([n * 2 // 3 for n in lengths_k], dtype=torch.int32, device=DEVICE) if seqused else None
+    base = args_of(head_dim, options.get("causal", False), options.get("window", (-1, -1)),
+                   options.get("softcap", 0.0))
+    args = AttnArgs(**{**vars(base), "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": max(lengths_q),
+                       "max_seqlen_k": max(lengths_k), "seqused_k": used})
+    api = dict(causal=options.get("causal", False), window_size=options.get("window", (-1, -1)),
+               softcap=options.get("softcap", 0.0))
+    return (q, k, v), (cu_q, cu_k), api, args
+
+
+def _ran_the_kernel():
+    stats = flashtile.stats()
+    assert any("gluon-sm90 fp8" in name and "varlen" in name for name in stats["kernels"]), stats["kernels"]
+    assert not stats["fallbacks"], stats["fallbacks"]
+
+
+@pytest.mark.cuda
+@pytestmark_kernel
+@pytest.mark.parametrize("lengths_q,lengths_k", VARLEN_LENGTHS)
+@pytest.mark.parametrize("mode", list(VARLEN_MODES))
+@pytest.mark.parametrize("block_quant", [False, True])
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_kernel_varlen_fp8_func(rng, lengths_q, lengths_k, mode, block_quant, head_dim):
+    """flash_attn_varlen_fp8_func on the GPU runs the Gluon FP8 kernel on the packed sequences (named in stats, no
+    fallback, strict mode) and matches the torch FP8 math on the same quantized inputs (the call's own
+    quantizer), out within P's rounding and the lse to 1e-3 per 64 of head dim; rows past the last sequence 0."""
+    (q, k, v), (cu_q, cu_k), api, args = _varlen_case(rng, lengths_q, lengths_k, head_dim, mode)
+    flashtile.reset_stats()
+    with _strict():
+        out, lse = flashtile.flash_attn_varlen_fp8_func(q, k, v, cu_q, cu_k, args.max_seqlen_q, args.max_seqlen_k,
+                                                        block_quant=block_quant, return_lse=True, **api)
+    _ran_the_kernel()
+    q8, k8, v8_t, *descales = fp8._quantize(q, k, v, block_quant, True, 0, args)
+    v8 = torch_fp8.unpack_v_t(v8_t, cu_k, k.shape[0])
+    expected, expected_lse = torch_fp8.forward(q8, k8, v8, *descales, args)
+    abs_v_out, _ = torch_fp8.forward(q8, k8, abs_e4m3(v8), *descales, args)
+    assert_within_p_rounding(out, expected, abs_v_out)
+    seen = torch.isfinite(expected_lse)
+    assert torch.equal(torch.isfinite(lse), seen)
+    assert (lse[seen] - expected_lse[seen]).abs().max() < 1e-3 * head_dim / 64
+    assert (out[-3:] == 0).all() and (lse[:, -3:] == float("-inf")).all()
+
+
+@pytest.mark.cuda
+@pytestmark_kernel
+@pytest.mark.parametrize("lengths_q,lengths_k", VARLEN_LENGTHS)
+@pytest.mark.parametrize("mode", ["full", "causal", "window-both", "softcap"])
+@pytest.mark.parametrize("block_quant", [False, True])
+@pytest.mark.parametrize("seqused", [False, True])
+def test_kernel_fa3_varlen_api(rng, lengths_q, lengths_k, mode, block_quant, seqused):
+    """flash_attn_varlen_func on float8_e4m3fn packed inputs (FA3's API), per-tensor or per-block descales, with
+    and without seqused_k: the Gluon FP8 kernel runs it and matches the torch FP8 math on the same inputs."""
+    (q, k, v), (cu_q, cu_k), api, args = _varlen_case(rng, lengths_q, lengths_k, 128, mode, seqused)
+    q8, k8, v8_t, *descales = torch_fp8.quantize_varlen(q, k, v, args, block_quant=block_quant)
+    v8 = torch_fp8.unpack_v_t(v8_t, cu_k, k.shape[0]).contiguous()
+    flashtile.reset_stats()
+    with _strict():
+        out, lse, _ = flashtile.flash_attn_varlen_func(
+            q8, k8, v8, cu_q, cu_k, args.max_seqlen_q, args.max_seqlen_k, seqused_k=args.seqused_k,
+            return_attn_probs=True, **dict(zip(("q_descale", "k_descale", "v_descale"), descales)), **api)
+    _ran_the_kernel()
+    expected, expected_lse = torch_fp8.forward(q8, k8, v8, *descales, args)
+    abs_v_out, _ = torch_fp8.forward(q8, k8, abs_e4m3(v8), *descales, args)
+    assert_within_p_rounding(out, expected, abs_v_out)
+    seen = torch.isfinite(expected_lse)
+    assert torch.equal(torch.isfinite(lse), seen)
+    assert (lse[seen] - expected_lse[seen]).abs().max() < 2e-3
+
+
 # ---------------------------------------------------------------- the FP8 KV cache
 
 def _kv_descales(rng, batch, nheads_kv, per_row):
@@ -656,6 +764,46 @@ def test_fp8_kvcache_objects(backend, rng):
                                    cache.v[:, :length].double() * 0.01, causal=True)
     assert (out.double() - ref).abs().max() < 2e-3
     assert any("fp8_cache" in name for name in flashtile.stats()["kernels"])
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("per_row", [False, True], ids=["per-head", "per-row"])
+def test_fp8_kvcache_decode_step_compiles(backend, rng, paged, per_row):
+    """torch.compile(fullgraph=True) of a decode step on an e4m3 cache (append with the descales, attend): no graph
+    break, the same out and lse as eager, and the same quantized rows written into the caches."""
+    from torch._dynamo.utils import counters
+
+    batch, nheads, nheads_kv, head_dim, capacity, page_size = 3, 4, 2, 64, 48, 16
+    k_descale, v_descale = _kv_descales(rng, batch, nheads_kv, per_row)
+    caches = [(torch.randn(batch, capacity, nheads_kv, head_dim, generator=rng) * 0.3).to(DEVICE, torch.float8_e4m3fn)
+              for _ in range(2)]
+    block_table = None
+    if paged:
+        pages = capacity // page_size
+        perm = torch.randperm(batch * pages, generator=rng).to(DEVICE)
+        block_table = perm.view(batch, pages).to(torch.int32)
+        caches = [cache.view(batch * pages, page_size, nheads_kv, head_dim)[perm.argsort()] for cache in caches]
+    seqlens = torch.tensor([5, 0, 40], dtype=torch.int32, device=DEVICE)
+    q, k, v = (torch.randn(batch, 2, h, head_dim, generator=rng).to(DEVICE, torch.float16)
+               for h in (nheads, nheads_kv, nheads_kv))
+
+    def step(q, k, v, k_cache, v_cache, seqlens, block_table, k_descale, v_descale):
+        return flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
+                                                 block_table=block_table, causal=True, k_descale=k_descale,
+                                                 v_descale=v_descale, return_softmax_lse=True)
+
+    eager_caches = [cache.clone() for cache in caches]
+    eager = step(q, k, v, *eager_caches, seqlens, block_table, k_descale, v_descale)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v, *caches, seqlens, block_table,
+                                                                         k_descale, v_descale)
+    assert counters["graph_break"] == {}
+    torch.testing.assert_close(compiled[0], eager[0], atol=1e-3, rtol=0)
+    torch.testing.assert_close(compiled[1], eager[1], atol=1e-4, rtol=0)
+    for ours, theirs in zip(caches, eager_caches):
+        assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
+    torch._dynamo.reset()
 
 
 @triton.jit
@@ -809,13 +957,15 @@ def test_bench_fp8_smoke(tmp_path, monkeypatch):
     device = torch.device(DEVICE)
     timer = common.gpu_timer(5, 10) if HAS_CUDA else common.cpu_timer(runs=1)
     rows = bench_fp8.run(device, timer, head_dims=(64,), seqlens=(256,), decode_shapes=((2, 300),), graphs=HAS_CUDA,
-                         tokens=256, width=128)
-    for row in rows["forward"]:
+                         tokens=256, width=128, varlen_lengths=(100, 29, 127))
+    assert len(rows["varlen"]) == 2 and rows["varlen"][0]["N"] == 256
+    for row in rows["forward"] + rows["varlen"]:
         # A GPU without the Gluon FP8 kernel says so and times bf16 only; elsewhere every provider is timed.
         assert row["status"] == "ok" or row["status"].startswith("fp8 kernel not run"), row["status"]
         assert row["bf16_rmse"] < bench_fp8.BF16_RMSE_LIMIT and "bf16_ms" in row
     assert rows["decode"][0]["status"] == "ok" and rows["decode"][0]["fp8_max_abs_err"] < 2e-2
     assert "| 64 | 256 |" in bench_fp8.markdown(rows, "test")
+    assert "| 64 | packed 100 + 29 + 127 | True |" in bench_fp8.markdown(rows, "test")
 
 
 class _FakeKernel:
@@ -834,7 +984,8 @@ class _FakeKernel:
         varlen = args.varlen
         nheads_kv, head_dim = k.shape[-2], k.shape[-1]
         assert q.dtype == k.dtype == v_t.dtype == torch.float8_e4m3fn and out.dtype == torch.bfloat16
-        assert v_t.shape == ((nheads_kv, head_dim, k.shape[0]) if varlen else
+        batch = args.cu_seqlens_k.shape[0] - 1 if varlen else k.shape[0]
+        assert v_t.shape == ((nheads_kv, head_dim, torch_fp8.packed_vt_width(k.shape[0], batch)) if varlen else
                              (k.shape[0], nheads_kv, head_dim, k.shape[1]))
         # The TMA's rule: unit stride along the keys, every other stride a multiple of 16 bytes.
         assert v_t.stride(-1) == 1 and all(stride % 16 == 0 for stride in v_t.stride()[:-1]), v_t.stride()
@@ -849,7 +1000,7 @@ class _FakeKernel:
         for descale, seqlen in ((q_descale, seqlen_q), (k_descale, seqlen_k), (v_descale, None)):
             blocks = () if descale.dim() == 2 else (-(-seqlen // 128),)
             assert tuple(descale.shape) == (batch, nheads_kv, *blocks), descale.shape
-        v = v_t.permute(2, 0, 1) if varlen else v_t.permute(0, 3, 1, 2)
+        v = torch_fp8.unpack_v_t(v_t, args.cu_seqlens_k, k.shape[0]) if varlen else v_t.permute(0, 3, 1, 2)
         expected, expected_lse = torch_fp8.forward(q, k, v, q_descale, k_descale, v_descale, args)
         out.copy_(expected)
         lse.copy_(expected_lse)
@@ -891,6 +1042,26 @@ def test_kernel_launcher_contract(monkeypatch, rng):
     cu_q, cu_k = testing.cu_seqlens_of([30, 47], DEVICE), testing.cu_seqlens_of([60, 70], DEVICE)
     flashtile.flash_attn_varlen_fp8_func(q[0], k[0], v[0], cu_q, cu_k, 47, 70)
     assert fake.calls == [(3, 3, 2), (2, 2, 2), (3, 3, 2)]
+
+
+def test_varlen_plans_the_kernel(monkeypatch):
+    """Packed sequences (with seqused_k) are the FP8 kernel's on a Hopper GPU (simulated): the plan takes it, no
+    fallback reason; seqused_k on dense inputs is still refused by name."""
+    kernel = _kernel_module()
+    if kernel is None:
+        pytest.skip("the Gluon FP8 launcher is not in this build")
+    _as_on_hopper(monkeypatch, kernel)
+    cu = testing.cu_seqlens_of([1, 129], DEVICE)
+    q8 = torch.randn(130, 4, 128).to(DEVICE, torch.float8_e4m3fn)
+    k8 = torch.randn(130, 2, 128).to(DEVICE, torch.float8_e4m3fn)
+    descales = (torch.ones(2, 2, 2, device=DEVICE), torch.ones(2, 2, 2, device=DEVICE), torch.ones(2, 2, device=DEVICE))
+    args = AttnArgs(softmax_scale=0.1, causal=True, window_right=0, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=129,
+                    max_seqlen_k=129, seqused_k=torch.tensor([1, 100], dtype=torch.int32, device=DEVICE))
+    chosen = fp8.plan(q8, k8, args, descales)
+    assert chosen.backend == "triton" and chosen.fallback_reason is None
+    assert chosen.fwd_name.startswith("flashtile.fwd[gluon-sm90 fp8 d=128 causal")
+    dense = AttnArgs(softmax_scale=0.1, seqused_k=args.seqused_k)
+    assert "seqused_k without packed sequences" in fp8.plan(q8[None], k8[None], dense, descales).fallback_reason
 
 
 @pytest.mark.parametrize("shapes,reason", [

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from flashtile import testing
-from flashtile.backends import AttnArgs
+from flashtile.backends import AttnArgs, torch_fp8
 from flashtile.backends.triton import fp8
 
 hopper = pytest.mark.skipif(not testing.HOPPER, reason="the FP8 Gluon forward runs on sm_90 only")
@@ -71,6 +71,15 @@ def transpose_v(v8: torch.Tensor) -> torch.Tensor:
     v_t = padded[..., :seqlen_k]
     v_t.copy_(v8.permute(0, 2, 3, 1))
     return v_t
+
+
+def pack_v(v8: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tensor:
+    """Packed V^T of packed v ``(total_k, heads_kv, d)`` as the launcher takes it (torch_fp8.pack_v_t: each
+    sequence from a 16-byte-aligned column, rows 16 bytes apart)."""
+    from flashtile.backends.triton.host import tma_rows
+    total_k, nheads_kv, d = v8.shape
+    width = torch_fp8.packed_vt_width(total_k, cu_seqlens_k.shape[0] - 1)
+    return torch_fp8.pack_v_t(v8, cu_seqlens_k, tma_rows((nheads_kv, d, width), v8.dtype, v8.device))
 
 
 def fp8_inputs(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, q_blocks=False, k_blocks=False):
@@ -227,8 +236,12 @@ def test_fp8_supported_reasons():
     args = AttnArgs(softmax_scale=0.1)
     assert fp8.fp8_sm90_supported(args, 128) is None
     assert "head dim 96" in fp8.fp8_sm90_supported(args, 96)
-    varlen = AttnArgs(softmax_scale=0.1, cu_seqlens_q=torch.zeros(2, dtype=torch.int32))
-    assert "packed sequences" in fp8.fp8_sm90_supported(varlen, 128)
+    cu = torch.zeros(2, dtype=torch.int32)
+    varlen = AttnArgs(softmax_scale=0.1, cu_seqlens_q=cu, cu_seqlens_k=cu, seqused_k=cu[:1])
+    assert fp8.fp8_sm90_supported(varlen, 128) is None
+    dense_used = AttnArgs(softmax_scale=0.1, seqused_k=cu[:1])
+    assert "seqused_k without packed sequences" in fp8.fp8_sm90_supported(dense_used, 128)
+    assert "ALiBi" in fp8.fp8_sm90_supported(AttnArgs(softmax_scale=0.1, alibi_slopes=torch.ones(1, 2)), 128)
 
 
 def test_fp8_no_keys(device):
@@ -242,3 +255,57 @@ def test_fp8_no_keys(device):
     lse = torch.full((2, 4, 5), float("nan"), device=device)
     fp8.forward_fp8_sm90(q, k, v_t, scale, scale, scale, out, lse, AttnArgs(softmax_scale=0.1))
     assert (out == 0).all() and (lse == float("-inf")).all()
+
+
+@hopper
+@pytest.mark.parametrize("cu", [[0, 300, 900], [0, 400, 200, 600], [-5, 100, 600], [0, 129, 600, 700]])
+@pytest.mark.parametrize("k_blocks", [False, True])
+def test_fp8_varlen_bad_offsets_stay_inside(rng, cu, k_blocks):
+    """Packed sequences whose offsets run past the 600 tokens, decrease or start below 0: out and lse are views
+    into buffers with poisoned guard rows either side, which keep their bits; the rows inside are finite and the
+    bad offset is in the device error record (flashtile/device_errors.py)."""
+    from flashtile import device_errors
+    total, guard, nheads, nheads_kv, d = 600, 64, 8, 2, 128
+    cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    batch, longest = len(cu) - 1, 700
+    q8, k8 = (torch.randn(total, h, d, generator=rng).to("cuda", torch.float8_e4m3fn) for h in (nheads, nheads_kv))
+    v_t = pack_v(torch.randn(total, nheads_kv, d, generator=rng).to("cuda", torch.float8_e4m3fn), cu_t)
+    blocks = -(-longest // fp8.DESCALE_BLOCK)
+    q_ds = torch.full((batch, nheads_kv), 0.01, device="cuda")
+    k_ds = torch.full((batch, nheads_kv, blocks) if k_blocks else (batch, nheads_kv), 0.01, device="cuda")
+    out_buf = torch.full((total + 2 * guard, nheads, d), 7.0, dtype=torch.bfloat16, device="cuda")
+    lse_buf = torch.full((nheads, total + 2 * guard), 7.0, device="cuda")
+    out, lse = out_buf[guard:guard + total], lse_buf[:, guard:guard + total]
+    out.zero_(), lse.zero_()
+    args = AttnArgs(softmax_scale=d ** -0.5, causal=True, window_right=0, cu_seqlens_q=cu_t, cu_seqlens_k=cu_t,
+                    max_seqlen_q=longest, max_seqlen_k=longest)
+    device_errors.clear()
+    fp8.forward_fp8_sm90(q8, k8, v_t, q_ds, k_ds, q_ds, out, lse, args)
+    torch.cuda.synchronize()
+    assert (out_buf[:guard] == 7.0).all() and (out_buf[guard + total:] == 7.0).all(), "out: a guard row was written"
+    assert (lse_buf[:, :guard] == 7.0).all() and (lse_buf[:, guard + total:] == 7.0).all(), "lse: guard written"
+    assert torch.isfinite(out.float()).all() and not lse.isnan().any()
+    found = device_errors.pending()
+    device_errors.clear()
+    assert found and found[0]["argument"] in ("cu_seqlens_q", "cu_seqlens_k"), found
+
+
+@hopper
+def test_fp8_varlen_next_sequence_never_leaks(rng):
+    """The keys past a packed sequence in its last key block are the next sequence's: NaN values there (and in
+    the rows past the last sequence) must not reach this sequence's output (the producer zeroes them in V^T)."""
+    lengths, nheads, d = [100, 29, 200], 4, 128
+    total = sum(lengths) + 40
+    cu = torch.tensor([0, 100, 129, 329], dtype=torch.int32, device="cuda")
+    q8, k8 = (torch.randn(total, nheads, d, generator=rng).to("cuda", torch.float8_e4m3fn) for _ in range(2))
+    v8 = torch.randn(1, total, nheads, d, generator=rng).to("cuda", torch.float8_e4m3fn)
+    v8[0, 100:129] = float("nan")
+    v8[0, 329:] = float("nan")
+    scale = torch.full((3, nheads), 0.02, device="cuda")
+    out = torch.full((total, nheads, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((nheads, total), float("nan"), device="cuda")
+    args = AttnArgs(softmax_scale=d ** -0.5, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=200, max_seqlen_k=200)
+    fp8.forward_fp8_sm90(q8, k8, pack_v(v8[0], cu), scale, scale, scale, out, lse, args)
+    assert torch.isfinite(out[:100].float()).all() and torch.isfinite(out[129:329].float()).all()
+    assert (out[329:] == 0).all() and (lse[:, 329:] == float("-inf")).all()
+    assert out[100:129].isnan().all(), "the sequence whose own values are NaN keeps them"

@@ -209,11 +209,68 @@ def forward(q8, k8, v8, q_descale, k_descale, v_descale, args: AttnArgs, out_dty
     return out, lse
 
 
+# Packed V^T (varlen): sequence b's keys start at a column a multiple of VT_ALIGN, ``k_start // 16 * 16 + 16 b``
+# (kernels/common.py: packed_vt_start), since the FP8 kernel's TMA reads V^T's key dim only at 16-byte-aligned
+# coordinates; a sequence before it adds at most VT_ALIGN columns.
+VT_ALIGN = 16
+
+
+def packed_vt_width(total_k: int, batch: int) -> int:
+    """Columns of packed V^T for ``total_k`` keys in ``batch`` sequences (past the last sequence's keys)."""
+    return total_k + VT_ALIGN * max(batch - 1, 0)
+
+
+def _packed_starts(cu_seqlens_k: torch.Tensor, total_k: int) -> tuple:
+    """``(starts, v_starts)`` int64: each sequence's first key row of packed K (clamped into ``[0, total_k]`` as
+    the kernels clamp it) and its first column of packed V^T."""
+    starts = cu_seqlens_k.clamp(0, total_k).long()
+    seq = torch.arange(starts.shape[0], device=starts.device)
+    return starts, starts // VT_ALIGN * VT_ALIGN + VT_ALIGN * seq
+
+
+def pack_v_t(v8: torch.Tensor, cu_seqlens_k: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Packed V^T ``(nheads_kv, d, packed_vt_width)`` of packed v ``(total_k, nheads_kv, d)`` (any dtype), written
+    into ``out`` when given (rows 16 bytes apart for the kernel): each column takes its sequence's key, the
+    columns between sequences 0. Torch ops on the device, no host sync; any offsets index inside v8."""
+    total_k, nheads_kv, head_dim = v8.shape
+    batch = cu_seqlens_k.shape[0] - 1
+    width = packed_vt_width(total_k, batch)
+    if out is None:
+        out = torch.empty((nheads_kv, head_dim, width), dtype=v8.dtype, device=v8.device)
+    if total_k == 0 or batch <= 0:
+        return out.zero_()
+    starts, v_starts = _packed_starts(cu_seqlens_k, total_k)
+    columns = torch.arange(width, device=v8.device)
+    seq = (torch.searchsorted(v_starts[:-1].contiguous(), columns, right=True) - 1).clamp(0, batch - 1)
+    offset = columns - v_starts[seq]
+    inside = (offset >= 0) & (offset < starts[seq + 1] - starts[seq])
+    rows = (starts[seq] + offset).clamp(0, total_k - 1)
+    # e4m3 as its bytes (0 is 0.0): the gather and select then need no FP8 kernels.
+    raw = v8.view(torch.uint8) if v8.element_size() == 1 else v8
+    values = raw.permute(1, 2, 0).index_select(2, rows)
+    out.view(raw.dtype).copy_(torch.where(inside, values, torch.zeros((), dtype=raw.dtype, device=v8.device)))
+    return out
+
+
+def unpack_v_t(v8_t: torch.Tensor, cu_seqlens_k: torch.Tensor, total_k: int) -> torch.Tensor:
+    """Packed v ``(total_k, nheads_kv, d)`` from :func:`pack_v_t`'s layout (rows outside every sequence: some
+    column's value, in range)."""
+    batch = cu_seqlens_k.shape[0] - 1
+    if total_k == 0 or batch <= 0:
+        return v8_t.new_zeros((total_k, *v8_t.shape[:2]))
+    starts, v_starts = _packed_starts(cu_seqlens_k, total_k)
+    rows = torch.arange(total_k, device=v8_t.device)
+    seq = torch.searchsorted(starts[1:-1].contiguous(), rows, right=True)
+    columns = (rows - starts[seq] + v_starts[seq]).clamp(0, v8_t.shape[2] - 1)
+    raw = v8_t.view(torch.uint8) if v8_t.element_size() == 1 else v8_t
+    return raw.index_select(2, columns).permute(2, 0, 1).view(v8_t.dtype)
+
+
 def quantize_varlen(q, k, v, args: AttnArgs, block_quant: bool = True, incoherent: bool = True, seed: int = 0):
     """:func:`quantize` of packed q ``(total_q, nheads, d)``, k, v ``(total_k, nheads_kv, d)``, blocks counted
     from each sequence's start: descales as :func:`quantize` makes them with ``batch`` sequences and
-    ``cdiv(max_seqlen, 128)`` blocks; v8_t ``(nheads_kv, d, total_k)``. Rows outside every sequence are written
-    as 0."""
+    ``cdiv(max_seqlen, 128)`` blocks; v8_t packed, ``(nheads_kv, d, packed_vt_width(total_k, batch))``
+    (:func:`pack_v_t`). Rows outside every sequence are written as 0."""
     batch = args.cu_seqlens_q.shape[0] - 1
     nheads_kv = k.shape[1]
     q8, k8, v8 = (torch.zeros(x.shape, dtype=FP8_DTYPE, device=x.device) for x in (q, k, v))
@@ -234,4 +291,4 @@ def quantize_varlen(q, k, v, args: AttnArgs, block_quant: bool = True, incoheren
                 descale[b, :, :part_descale.shape[2]] = part_descale[0]
             else:
                 descale[b] = part_descale[0]
-    return q8, k8, v8.permute(1, 2, 0).contiguous(), q_descale, k_descale, v_descale
+    return q8, k8, pack_v_t(v8, args.cu_seqlens_k), q_descale, k_descale, v_descale

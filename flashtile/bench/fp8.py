@@ -9,6 +9,10 @@ width, ``batch = 16384 // N``, ``nheads = 2048 // d``, as the main suite), each 
 - ``fp8_e2e``: ``flash_attn_fp8_func`` (the fused quantize, then the FP8 attention);
 - ``quantize``: the fused quantize kernel alone.
 
+Packed cells (``flash_attn_varlen_func`` against ``flash_attn_varlen_fp8_func``): sequences of 3000, 5000, 1000,
+4000 and 3384 tokens (16384 in all, most starting off a 16-token boundary) at each head dim, causal and not,
+measured the same way; their TFLOP/s count each sequence's own attention.
+
 TFLOP/s count the FP8 FLOPs with the bf16 formula (``4 B H N^2 d``, halved when causal). Before any timing a
 cell checks the outputs of the first two heads against fp32 attention (RMSE, max error); a cell that fails is
 marked ``wrong`` and not timed. The FP8 times run only when the Gluon FP8 kernel runs the call (the kernel name
@@ -23,6 +27,7 @@ Writes ``<out>/<gpu>-fp8-<date>.json`` and prints a Markdown table.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from pathlib import Path
@@ -35,6 +40,8 @@ TOKENS, WIDTH = 16384, 2048
 HEAD_DIMS = (128, 256)
 SEQLENS = (4096, 8192, 16384)
 DECODE_SHAPES = ((16, 32768), (1, 131072))
+# Packed sequences of 16384 tokens in all, starting off 16-token boundaries (packed V^T's alignment path).
+VARLEN_LENGTHS = (3000, 5000, 1000, 4000, 3384)
 DECODE_HEADS = (32, 8, 128)
 REF_HEADS = 2
 # An FP8 output whose RMSE against fp32 attention of the bf16 inputs exceeds this is wrong (measured ~3e-3 on
@@ -52,25 +59,76 @@ def forward_cell(batch: int, seqlen: int, nheads: int, head_dim: int, causal: bo
     the quantize kernel, with TFLOP/s and the ratios to bf16."""
     import flashtile
     from .. import fp8, validation
-    from ..backends.triton import quant
     from ..testing import attention_ref
 
     row = {"B": batch, "N": seqlen, "H": nheads, "D": head_dim, "causal": causal}
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     q, k, v = (torch.randn(batch, seqlen, nheads, head_dim, device=device, dtype=dtype) for _ in range(3))
     args = validation.attn_args(q, k, v, causal=causal)
+    runs = {
+        "bf16": lambda: flashtile.flash_attn_func(q, k, v, causal=causal),
+        "fp8_e2e": lambda: flashtile.flash_attn_fp8_func(q, k, v, causal=causal),
+    }
+    # The first heads' float32 (CPU: float64) output: a spot check where the whole reference is slow.
+    reference = lambda: attention_ref(*(t[:, :, :REF_HEADS] for t in (q, k, v)), causal=causal)[0]  # noqa: E731
+    first_heads = lambda out: out[:, :, :REF_HEADS]  # noqa: E731
+    quantize = lambda: _quantize(fp8, device, q, k, v, None)  # noqa: E731
+    return _measure(row, runs, quantize, args, reference, first_heads,
+                    common.fwd_flops(batch, nheads, seqlen, head_dim, causal), timer, device)
+
+
+def varlen_cell(lengths: tuple, nheads: int, head_dim: int, causal: bool, timer, device) -> dict:
+    """A forward cell of packed sequences (``flash_attn_varlen_func`` against ``flash_attn_varlen_fp8_func``),
+    measured as :func:`forward_cell`; TFLOP/s count each sequence's own attention."""
+    import flashtile
+    from .. import fp8, validation
+    from ..testing import attention_varlen_ref
+
+    total, longest = sum(lengths), max(lengths)
+    row = {"lengths": list(lengths), "N": total, "H": nheads, "D": head_dim, "causal": causal}
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q, k, v = (torch.randn(total, nheads, head_dim, device=device, dtype=dtype) for _ in range(3))
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+    args = validation.attn_args(q, k, v, causal=causal, varlen=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                max_seqlen_q=longest, max_seqlen_k=longest)
+    runs = {
+        "bf16": lambda: flashtile.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=causal),
+        "fp8_e2e": lambda: flashtile.flash_attn_varlen_fp8_func(q, k, v, cu, cu, longest, longest, causal=causal),
+    }
+    reference = lambda: attention_varlen_ref(*(t[:, :REF_HEADS] for t in (q, k, v)), cu, cu,  # noqa: E731
+                                             causal=causal)[0]
+    first_heads = lambda out: out[:, :REF_HEADS]  # noqa: E731
+    quantize = lambda: _quantize(fp8, device, q, k, v, args)  # noqa: E731
+    flops = sum(common.fwd_flops(1, nheads, n, head_dim, causal) for n in lengths)
+    return _measure(row, runs, quantize, args, reference, first_heads, flops, timer, device)
+
+
+def _quantize(fp8, device, q, k, v, args):
+    """The fused quantizer on a GPU (its twin on CPU), packed with varlen ``args``."""
+    if device.type != "cuda":
+        return fp8._quantize(q, k, v, True, True, 0, args)
+    from ..backends.triton import quant
+    if args is None:
+        return quant.quantize(q, k, v)
+    return quant.quantize(q, k, v, True, True, 0, args.cu_seqlens_q, args.cu_seqlens_k, args.max_seqlen_q,
+                          args.max_seqlen_k)
+
+
+def _measure(row: dict, runs: dict, quantize, args, reference, first_heads, flops: float, timer, device) -> dict:
+    """Check, then time: ``runs`` (bf16 and FP8 end to end) plus the FP8 kernel alone on ``quantize()``'s
+    inputs; each output's first heads against ``reference()``; a cell over its RMSE limit, or whose end-to-end
+    call ran another kernel than the plan's, is marked wrong and not timed."""
+    import flashtile
+    from .. import fp8
+
     with torch.no_grad():
-        quantized = quant.quantize(q, k, v) if device.type == "cuda" else fp8._quantize(q, k, v, True, True, 0)
+        quantized = quantize()
         plan = fp8.plan(quantized[0], quantized[1], args, tuple(quantized[3:]))
         row["fp8_kernel_name"] = plan.fwd_name
         row["fp8_fallback"] = plan.fallback_reason
-        # The first heads' float32 (CPU: float64) output: a spot check where the whole reference is slow.
-        ref = attention_ref(*(t[:, :, :REF_HEADS] for t in (q, k, v)), causal=causal)[0]
-        runs = {
-            "bf16": lambda: flashtile.flash_attn_func(q, k, v, causal=causal),
-            "fp8_kernel": lambda: fp8.attention(*quantized, args, v_transposed=True)[0],
-            "fp8_e2e": lambda: flashtile.flash_attn_fp8_func(q, k, v, causal=causal),
-        }
+        ref = reference()
+        runs = {"bf16": runs["bf16"], "fp8_kernel": lambda: fp8.attention(*quantized, args, v_transposed=True)[0],
+                "fp8_e2e": runs["fp8_e2e"]}
         for name, fn in runs.items():
             if name != "bf16" and plan.fallback_reason is not None:
                 continue
@@ -84,8 +142,8 @@ def forward_cell(batch: int, seqlen: int, nheads: int, head_dim: int, causal: bo
                 row["fp8_e2e_kernels"] = sorted(stats["kernels"])
                 row["fp8_e2e_fallbacks"] = sorted(stats["fallbacks"])
             row[f"{name}_first_call_s"] = round(time.perf_counter() - start, 3)
-            row[f"{name}_rmse"] = _rmse(out[:, :, :REF_HEADS], ref)
-            row[f"{name}_max_abs_err"] = common.max_abs_err(out[:, :, :REF_HEADS], ref)
+            row[f"{name}_rmse"] = _rmse(first_heads(out), ref)
+            row[f"{name}_max_abs_err"] = common.max_abs_err(first_heads(out), ref)
         limits = {"bf16": BF16_RMSE_LIMIT, "fp8_kernel": FP8_RMSE_LIMIT, "fp8_e2e": FP8_RMSE_LIMIT}
         wrong = [name for name in runs if row.get(f"{name}_rmse", 0.0) > limits[name]]
         if "fp8_e2e_kernels" in row and (plan.fwd_name not in row["fp8_e2e_kernels"] or row["fp8_e2e_fallbacks"]):
@@ -95,10 +153,8 @@ def forward_cell(batch: int, seqlen: int, nheads: int, head_dim: int, causal: bo
         if wrong:
             row["status"] = "wrong: " + ", ".join(f"{name} rmse {row[f'{name}_rmse']:.2e}" for name in wrong)
             return row
-        flops = common.fwd_flops(batch, nheads, seqlen, head_dim, causal)
         timed = {name: fn for name, fn in runs.items() if f"{name}_rmse" in row}
-        timed["quantize"] = lambda: quant.quantize(q, k, v) if device.type == "cuda" else fp8._quantize(
-            q, k, v, True, True, 0)
+        timed["quantize"] = quantize
         for name, fn in timed.items():
             row.update(common.timing_fields(name, timer(fn)))
             if name != "quantize":
@@ -158,15 +214,18 @@ def decode_cell(batch: int, cache_len: int, timer, device, graphs: bool) -> dict
 
 
 def run(device, timer, head_dims=HEAD_DIMS, seqlens=SEQLENS, decode_shapes=DECODE_SHAPES, graphs=True,
-        on_row=None, tokens=TOKENS, width=WIDTH) -> dict:
+        on_row=None, tokens=TOKENS, width=WIDTH, varlen_lengths=VARLEN_LENGTHS) -> dict:
     """Every cell; ``on_row(kind, row)`` after each. A cell that raises is recorded with its error."""
-    rows = {"forward": [], "decode": []}
+    rows = {"forward": [], "varlen": [], "decode": []}
     for head_dim in head_dims:
         for seqlen in seqlens:
             for causal in (False, True):
                 cell = dict(batch=max(1, tokens // seqlen), seqlen=seqlen, nheads=max(1, width // head_dim),
                             head_dim=head_dim, causal=causal)
                 rows["forward"].append(_guarded(forward_cell, cell, timer, device, on_row, "forward"))
+        for causal in (False, True):
+            cell = dict(lengths=varlen_lengths, nheads=max(1, width // head_dim), head_dim=head_dim, causal=causal)
+            rows["varlen"].append(_guarded(varlen_cell, cell, timer, device, on_row, "varlen"))
     for batch, cache_len in decode_shapes:
         rows["decode"].append(_guarded(decode_cell, dict(batch=batch, cache_len=cache_len, graphs=graphs), timer,
                                        device, on_row, "decode"))
@@ -195,12 +254,18 @@ def forward_table(rows: list[dict]) -> str:
              "fp8 rmse | status |", "|" + "---|" * 11]
     for r in rows:
         lines.append(
-            f"| {r.get('D', r.get('head_dim'))} | {r.get('N', r.get('seqlen'))} | {r.get('causal')} | "
+            f"| {r.get('D', r.get('head_dim'))} | {_tokens(r)} | {r.get('causal')} | "
             f"{_fmt(r.get('bf16_tflops'), '.0f')} | {_fmt(r.get('fp8_kernel_tflops'), '.0f')} | "
             f"{_fmt(r.get('fp8_kernel_speedup_vs_bf16'), '.2f')} | {_fmt(r.get('fp8_e2e_tflops'), '.0f')} | "
             f"{_fmt(r.get('fp8_e2e_speedup_vs_bf16'), '.2f')} | {_fmt(r.get('quantize_ms'), '.3f')} | "
             f"{_fmt(r.get('fp8_e2e_rmse'), '.2e')} | {r.get('status')} |")
     return "\n".join(lines)
+
+
+def _tokens(row: dict) -> str:
+    """The N column: the sequence length, or a packed cell's lengths."""
+    lengths = row.get("lengths")
+    return "packed " + " + ".join(map(str, lengths)) if lengths else str(row.get("N", row.get("seqlen")))
 
 
 def decode_table(rows: list[dict]) -> str:
@@ -219,7 +284,7 @@ def decode_table(rows: list[dict]) -> str:
 
 def markdown(rows: dict, gpu: str) -> str:
     """The forward and decode tables."""
-    return "\n".join([f"## FP8 attention on {gpu}", "", forward_table(rows["forward"]), "",
+    return "\n".join([f"## FP8 attention on {gpu}", "", forward_table(rows["forward"] + rows.get("varlen", [])), "",
                       decode_table(rows["decode"])])
 
 
@@ -232,7 +297,8 @@ def main_with_args(args) -> int:
         gpu = torch.cuda.get_device_name(device)
     else:
         timer, gpu = common.cpu_timer(runs=1), "cpu"
-        kwargs = dict(head_dims=(64,), seqlens=(256,), decode_shapes=((2, 512),), graphs=False, tokens=256, width=128)
+        kwargs = dict(head_dims=(64,), seqlens=(256,), decode_shapes=((2, 512),), graphs=False, tokens=256, width=128,
+                      varlen_lengths=(100, 29, 127))
     started = time.perf_counter()
     rows = run(device, timer, on_row=lambda kind, row: common.log(f"fp8 {kind}: {row.get('status')}"), **kwargs)
     payload = {"schema": "flashtile.bench.fp8/1", "gpu": gpu, "env": common.base_env(),

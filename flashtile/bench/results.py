@@ -165,7 +165,8 @@ def _fp8(data: dict, entry: dict) -> str:
     """The FP8 suite (``python -m flashtile bench --suite fp8``): its own forward and decode tables."""
     from . import fp8
 
-    return fp8.forward_table(data["rows"]["forward"]) + "\n\n" + fp8.decode_table(data["rows"]["decode"])
+    forward = data["rows"]["forward"] + data["rows"].get("varlen", [])
+    return fp8.forward_table(forward) + "\n\n" + fp8.decode_table(data["rows"]["decode"])
 
 
 CP_METHODS = ("ring", "ulysses", "hybrid", "torch_cp")

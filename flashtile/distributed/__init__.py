@@ -5,13 +5,16 @@
 - :func:`ulysses_attention`: all-to-all from sequence shards to head shards, attention, and back.
 - :func:`attention`: both on a 2-D DeviceMesh (``"ulysses"`` x ``"ring"``).
 - :func:`ring_attention_varlen`: packed documents (global ``cu_seqlens``), contiguous token shards.
+- :func:`exit_rank`: the clean end of a spawned rank (after ``destroy_process_group``).
 
 See docs/distributed.md.
 """
+from .comm import exit_rank
 from .hybrid import attention
 from .ring import ring_attention
 from .sharding import shard, unshard
 from .ulysses import ulysses_attention
 from .varlen import ring_attention_varlen
 
-__all__ = ["attention", "ring_attention", "ring_attention_varlen", "shard", "ulysses_attention", "unshard"]
+__all__ = ["attention", "exit_rank", "ring_attention", "ring_attention_varlen", "shard", "ulysses_attention",
+           "unshard"]

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ..interface import flash_attn_func
-from . import attention, ring_attention, shard, ulysses_attention, unshard
+from . import attention, exit_rank, ring_attention, shard, ulysses_attention, unshard
 
 METHODS = ("ring", "ulysses", "hybrid", "torch_cp")
 # flashtile's attention kernels (forward, backward); the preprocess, dQ/dK/dV sums and merges count as "other".
@@ -402,11 +402,7 @@ def _spawned(rank, world, init_file, options):
         dist.barrier()  # no rank leaves while another still talks to it
     finally:
         dist.destroy_process_group()
-    # Leave without the interpreter's teardown: there, now and then (1 run in 10-20 of --long on 2 CPU ranks), a
-    # gloo thread still joinable aborts the finished process ("terminate called without an active exception").
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_rank()
 
 
 def main(argv=None) -> int:

@@ -57,9 +57,9 @@ def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, win
     # work after that wait is the launches. The ranks' blocks differ, so one rank alone may refuse (a plan's error,
     # or strict mode and a block that falls back): the comparison carries that, and every rank raises.
     try:
-        if not known:
+        if not known:  # a kept run never refuses: it ran on its preferred backends under this dispatch state
             run = _plan(q, k, v, group, world, rank, options, sink, balance)
-        error = run.refusal()
+            error = run.refusal()
     except Exception as planning:  # noqa: BLE001 -- raised by check_same_across, after every rank has compared
         error = planning
     check_same_across(group, "ring_attention", shapes(q, k, v), q.device, refused=error)

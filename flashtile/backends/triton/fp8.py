@@ -8,11 +8,13 @@ import torch
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ... import replay
+from ... import device_errors, replay
 from .. import AttnArgs, KVCacheArgs
+from ..torch_fp8 import packed_vt_width
 from . import configs
 from .fastlaunch import CachedLaunch
-from .host import cdiv, lse_strides, on_device
+from .host import bsh_strides, cdiv, lse_strides, on_device
+from .launch import _fill_tail, _sequence_tensors
 from .kernels.common import LOG2E
 from .kernels.fwd_sm90_fp8 import attn_fwd_sm90_fp8
 from .kernels.fwd_sm90_ws import DESCALE_BLOCK as _DESCALE_BLOCK
@@ -67,11 +69,12 @@ def fp8_sm90_supported(args: AttnArgs, head_dim: int) -> str | None:
     if isinstance(args, KVCacheArgs):
         return "a KV cache"
     unsupported = [name for name, present in (
-        ("packed sequences (cu_seqlens)", args.varlen), ("seqused_k", args.seqused_k is not None),
+        ("seqused_k without packed sequences", args.seqused_k is not None and not args.varlen),
         ("ALiBi", args.alibi_slopes is not None), ("a sink", args.sink is not None),
         ("an attention bias", args.attn_bias is not None), ("dropout", args.dropout_p > 0)) if present]
     if unsupported:
-        return f"{', '.join(unsupported)} (the FP8 kernel takes causal, windows, GQA and softcap)"
+        return (f"{', '.join(unsupported)} (the FP8 kernel takes causal, windows, GQA, softcap and packed sequences "
+                "with seqused_k)")
     return None
 
 
@@ -114,7 +117,17 @@ def _score_scale(args: AttnArgs) -> tuple:
 
 
 _FWD_FP8 = CachedLaunch(attn_fwd_sm90_fp8, ("q_desc", "k_desc", "vt_desc", "O", "LSE", "Q_DESCALE", "K_DESCALE",
-                                            "V_DESCALE", "qk_scale", "softcap2"))
+                                            "V_DESCALE", "qk_scale", "softcap2", "CU_SEQLENS_Q", "CU_SEQLENS_K",
+                                            "SEQUSED_K", "ERR"))
+
+
+def _sizes(q, k, args: AttnArgs) -> tuple:
+    """``(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim)``; packed sequences: their number and the longest
+    lengths."""
+    if args.varlen:
+        return (args.cu_seqlens_q.shape[0] - 1, args.max_seqlen_q, args.max_seqlen_k, q.shape[1], k.shape[1],
+                q.shape[2])
+    return q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]
 
 
 def forward_fp8_sm90(q, k, v_t, q_descale, k_descale, v_descale, out, lse, args: AttnArgs) -> None:
@@ -131,32 +144,48 @@ def forward_fp8_sm90(q, k, v_t, q_descale, k_descale, v_descale, out, lse, args:
     out: bf16 (batch, seqlen_q, nheads, d), written; lse: float32 (batch, nheads, seqlen_q), written with the
     natural-log sum of each row's exponentials of ``softmax_scale * q.k`` (after softcap), -inf where a row
     sees no key (its output is 0), as the bf16 forward stores it.
+    Packed sequences (``args.varlen``): q (total_q, nheads, d), k (total_k, nheads_kv, d), v_t (nheads_kv, d,
+    torch_fp8.packed_vt_width(total_k, batch)) with each sequence's keys from a 16-byte-aligned column
+    (torch_fp8.pack_v_t: the TMA reads V^T's key dim at no other coordinate), out (total_q, nheads, d), lse (nheads, total_q); ``batch`` is the number of sequences,
+    ``seqlen_q``/``seqlen_k`` ``args.max_seqlen_q``/``_k``, descale blocks count from each sequence's start, and
+    ``args.seqused_k`` may cut each sequence's keys. Rows past ``cu_seqlens_q[-1]`` are written as 0 (lse -inf);
+    any offsets keep every read and write inside the tensors, bad ones noted in the device error record.
     ``args``: causal/window, softcap and softmax_scale are read; ``fp8_sm90_supported(args, d)`` must be None.
     d = 64, 128 or 256 (FP8_TILES)."""
-    batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    varlen = args.varlen
+    batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim = _sizes(q, k, args)
     reason = fp8_sm90_supported(args, head_dim)
     if reason is not None:
         raise ValueError(f"internal: the FP8 Hopper forward does not take {reason}")
     if nheads % nheads_kv:
         raise ValueError(f"internal: nheads={nheads} is not a multiple of nheads_kv={nheads_kv}")
     fp8 = torch.float8_e4m3fn
-    _check("q", q, (batch, seqlen_q, nheads, head_dim), fp8)
-    _check("k", k, (batch, seqlen_k, nheads_kv, head_dim), fp8)
-    _check("v_t", v_t, (batch, nheads_kv, head_dim, seqlen_k), fp8)
+    # The leading dims: (tokens, ) packed, (batch, seqlen) dense.
+    rows_q, rows_k = ((q.shape[0], ), (k.shape[0], )) if varlen else ((batch, seqlen_q), (batch, seqlen_k))
+    _check("q", q, (*rows_q, nheads, head_dim), fp8)
+    _check("k", k, (*rows_k, nheads_kv, head_dim), fp8)
+    columns_v = packed_vt_width(k.shape[0], batch) if varlen else seqlen_k
+    _check("v_t", v_t, (*rows_k[:-1], nheads_kv, head_dim, columns_v), fp8)
     for name, scale, rows in (("q_descale", q_descale, seqlen_q), ("k_descale", k_descale, seqlen_k),
                               ("v_descale", v_descale, None)):
-        blocks = (cdiv(rows, DESCALE_BLOCK), ) if rows is not None and scale.dim() == 3 else ()
+        # validation.check_descales: at least one block, even without rows.
+        blocks = (max(1, cdiv(rows, DESCALE_BLOCK)), ) if rows is not None and scale.dim() == 3 else ()
         _check(name, scale, (batch, nheads_kv, *blocks), torch.float32)
-    _check("out", out, (batch, seqlen_q, nheads, head_dim), torch.bfloat16)
-    _check("lse", lse, (batch, nheads, seqlen_q), torch.float32)
-    if batch == 0 or seqlen_q == 0 or nheads == 0:
+    _check("out", out, (*rows_q, nheads, head_dim), torch.bfloat16)
+    _check("lse", lse, (nheads, rows_q[0]) if varlen else (batch, nheads, seqlen_q), torch.float32)
+    if varlen:
+        # Rows past the last sequence belong to none: their output is 0 and their lse -inf.
+        _fill_tail(out, args.cu_seqlens_q, 0.0, lse)
+    if batch == 0 or seqlen_q == 0 or nheads == 0 or q.numel() == 0:
         return
-    if seqlen_k == 0:
+    if k.numel() == 0:
         # No keys (a TMA descriptor needs a positive extent): every row sees none.
         replay.not_replayable("an output without keys is filled")
         out.zero_(), lse.fill_(float("-inf"))
         return
+    if varlen:
+        # Packed tensors are one batch row of the TMA's 4-d views.
+        q, k, v_t = q.unsqueeze(0), k.unsqueeze(0), v_t.unsqueeze(0)
     for name, t in (("q", q), ("k", k), ("v_t", v_t)):
         _check_tma(name, t)
     if out.stride(-1) != 1 or lse.stride(-1) != 1:
@@ -165,26 +194,31 @@ def forward_fp8_sm90(q, k, v_t, q_descale, k_descale, v_descale, out, lse, args:
     block_n, stages, two_level = FP8_TILES[head_dim]
     causal = args.window_right >= 0
     tiles = cdiv(seqlen_q, 2 * QUERY_ROWS) * nheads * batch
-    ctas = configs.ws_ctas(causal, tiles, configs.sm_count(q.device))
+    # Packed sequences: a CTA per tile, as for causal rows; the tiles past a short sequence's rows end at once.
+    ctas = configs.ws_ctas(causal or varlen, tiles, configs.sm_count(q.device))
     qk_scale, softcap2 = _score_scale(args)
 
     def static():
-        stride_lse_b, stride_lse_h = lse_strides(lse, False)
+        stride_ob, stride_om, stride_oh = bsh_strides(out, varlen)
+        stride_lse_b, stride_lse_h = lse_strides(lse, varlen)
         return dict(stride_qds_b=q_descale.stride(0), stride_qds_h=q_descale.stride(1),
                     stride_qds_m=q_descale.stride(2) if q_descale.dim() == 3 else 0,
                     stride_kds_b=k_descale.stride(0), stride_kds_h=k_descale.stride(1),
                     stride_kds_n=k_descale.stride(2) if k_descale.dim() == 3 else 0,
                     stride_vds_b=v_descale.stride(0), stride_vds_h=v_descale.stride(1),
-                    window_left=args.window_left, window_right=args.window_right, stride_ob=out.stride(0),
-                    stride_om=out.stride(1), stride_oh=out.stride(2), stride_lse_b=stride_lse_b,
+                    window_left=args.window_left, window_right=args.window_right, stride_ob=stride_ob,
+                    stride_om=stride_om, stride_oh=stride_oh, stride_lse_b=stride_lse_b,
                     stride_lse_h=stride_lse_h, seqlen_q=seqlen_q, seqlen_k=seqlen_k, group=nheads // nheads_kv,
                     nheads=nheads, num_tiles=tiles, MASK_LEFT=args.window_left >= 0, MASK_RIGHT=causal,
                     SOFTCAP=args.softcap > 0, K_BLOCKS=k_descale.dim() == 3, TWO_LEVEL=two_level, STAGES=stages,
-                    CONSUMER_REGS=CONSUMER_REGS, PINGPONG=FP8_PINGPONG[head_dim], num_warps=4, maxnreg=MAXNREG)
+                    CONSUMER_REGS=CONSUMER_REGS, PINGPONG=FP8_PINGPONG[head_dim], IS_VARLEN=varlen,
+                    HAS_SEQUSED=args.seqused_k is not None, num_warps=4, maxnreg=MAXNREG)
 
     key = (tuple((t.shape, t.stride()) for t in (q, k, v_t, q_descale, k_descale, v_descale, out, lse)), q.device,
-           args.window_left, args.window_right, args.softcap > 0, ctas, FP8_TILES[head_dim], FP8_PINGPONG[head_dim])
+           args.window_left, args.window_right, args.softcap > 0, ctas, FP8_TILES[head_dim], FP8_PINGPONG[head_dim],
+           varlen, args.seqused_k is not None, batch, seqlen_q, seqlen_k)
     with on_device(q):
         _FWD_FP8(key, (ctas, ), dict(**descriptors(q, k, v_t, head_dim), O=out, LSE=lse, Q_DESCALE=q_descale,
                                      K_DESCALE=k_descale, V_DESCALE=v_descale, qk_scale=qk_scale,
-                                     softcap2=softcap2), static)
+                                     softcap2=softcap2, **_sequence_tensors(q, args),
+                                     ERR=device_errors.record(q.device)), static)

@@ -14,7 +14,7 @@ import math
 import torch
 
 from ...alloc import empty
-from ..torch_fp8 import FP8_DTYPE, QUANT_BLOCK, descale_of, hadamard_signs
+from ..torch_fp8 import FP8_DTYPE, QUANT_BLOCK, descale_of, hadamard_signs, packed_vt_width
 from . import interpreter_enabled
 from .fastlaunch import CachedLaunch
 from .host import cdiv, input_precision, on_device, tma_rows, unit_stride
@@ -56,8 +56,9 @@ def _bsh(t: torch.Tensor, varlen: bool) -> tuple:
 def quantize(q, k, v, block_quant: bool = True, incoherent: bool = True, seed: int = 0, cu_seqlens_q=None,
              cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0):
     """``(q8, k8, v8_t, q_descale, k_descale, v_descale)`` of 16-bit (or fp32) q, k, v with a head dim of 64,
-    128 or 256 (see ``torch_fp8.quantize`` for the layouts; packed tensors with ``cu_seqlens_*``). v8_t's rows
-    (its last dim, the keys) start 16 bytes apart, as the FP8 kernel's TMA reads them."""
+    128 or 256 (see ``torch_fp8.quantize`` for the layouts; packed tensors with ``cu_seqlens_*``, v8_t then as
+    ``torch_fp8.pack_v_t`` lays it out). v8_t's rows (its last dim, the keys) start 16 bytes apart, as the FP8
+    kernel's TMA reads them."""
     varlen = cu_seqlens_q is not None
     q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
     # Triton's interpreter rounds fp32 -> e4m3 wrongly where the rounding carries into the exponent (125.1
@@ -69,7 +70,8 @@ def quantize(q, k, v, block_quant: bool = True, incoherent: bool = True, seed: i
         batch, seqlen_q, seqlen_k = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
         # Rows outside every sequence are never written by the kernel: zeros, not poison.
         q8, k8 = (torch.zeros(x.shape, dtype=dtype, device=x.device) for x in (q, k))
-        v8_t = tma_rows((nheads_kv, head_dim, v.shape[0]), dtype, v.device, zeros=True)
+        # Packed V^T: each sequence from a 16-byte-aligned column (torch_fp8.pack_v_t), zeros between them.
+        v8_t = tma_rows((nheads_kv, head_dim, packed_vt_width(v.shape[0], batch)), dtype, v.device, zeros=True)
         vt_strides = (0, *v8_t.stride())
     else:
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]

@@ -45,6 +45,15 @@ def report_bad(ERR, bad, ARGUMENT: tl.constexpr, value, index):
 
 
 @triton.jit
+def packed_vt_start(k_start, off_b):
+    """Column of packed FP8 V^T ``(heads_kv, d, columns)`` where sequence ``off_b``'s keys (from ``k_start`` of
+    the packed K) begin: ``k_start`` rounded down to 16, plus 16 a sequence before it. The TMA reads V^T's key
+    dim only at 16-byte-aligned coordinates (an unaligned one is an illegal instruction on sm_90), and these
+    starts never overlap: the next sequence's is past this one's last key. Host side: torch_fp8.pack_v_t."""
+    return k_start // 16 * 16 + 16 * off_b
+
+
+@triton.jit
 def packed_span(CU_SEQLENS, off_b, total, ERR, ARGUMENT: tl.constexpr, RECORD: tl.constexpr):
     """``(start, end)`` of sequence ``off_b`` of a packed tensor of ``total`` rows, from its offsets: any
     offset below 0, decreasing or past ``total`` is recorded and clamped, so the span lies inside the tensor

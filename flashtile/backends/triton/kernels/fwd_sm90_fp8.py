@@ -33,10 +33,11 @@ from .fwd_sm90_ws import DESCALE_BLOCK, run_partitions
 def attn_fwd_sm90_fp8(q_desc, k_desc, vt_desc, O, LSE, Q_DESCALE, K_DESCALE, V_DESCALE, stride_qds_b, stride_qds_h,
                       stride_qds_m, stride_kds_b, stride_kds_h, stride_kds_n, stride_vds_b, stride_vds_h, qk_scale,
                       softcap2, window_left, window_right, stride_ob, stride_om, stride_oh, stride_lse_b,
-                      stride_lse_h, seqlen_q, seqlen_k, group, nheads, num_tiles, MASK_LEFT: gl.constexpr,
-                      MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, K_BLOCKS: gl.constexpr, TWO_LEVEL: gl.constexpr,
-                      STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
-                      num_warps: gl.constexpr):
+                      stride_lse_h, seqlen_q, seqlen_k, group, nheads, num_tiles, CU_SEQLENS_Q, CU_SEQLENS_K,
+                      SEQUSED_K, ERR, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                      K_BLOCKS: gl.constexpr, TWO_LEVEL: gl.constexpr, STAGES: gl.constexpr,
+                      CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr,
+                      HAS_SEQUSED: gl.constexpr, num_warps: gl.constexpr):
     """``q_desc``/``k_desc``: TMA descriptors of the FP8 ``(batch, seqlen, heads, headdim)`` inputs with
     ``[1, 64, 1, HEAD_DIM]`` (one consumer's rows) and ``[1, BLOCK_N, 1, HEAD_DIM]`` tiles; ``vt_desc``: of
     V^T ``(batch, heads_kv, headdim, seqlen_k)`` with ``[1, 1, HEAD_DIM, BLOCK_N]`` tiles. ``O``: bf16
@@ -45,7 +46,13 @@ def attn_fwd_sm90_fp8(q_desc, k_desc, vt_desc, O, LSE, Q_DESCALE, K_DESCALE, V_D
     (``stride_qds_m``/``stride_kds_n``: the block strides, 0 without blocks; ``K_BLOCKS``: K's are per block, read
     per key block); ``qk_scale``: ``softmax_scale * log2(e)``, or ``softmax_scale / softcap`` with
     ``SOFTCAP`` (``softcap2 = softcap * log2(e)``); ``TWO_LEVEL``: O summed in float32 a key block at a time (each
-    block's P V in a zeroed accumulator) instead of on the tensor cores across all keys; ``num_tiles``: batch x heads x 128-row query blocks."""
+    block's P V in a zeroed accumulator) instead of on the tensor cores across all keys; ``num_tiles``: batch x heads x 128-row query blocks.
+
+    ``IS_VARLEN``: packed sequences, ``(1, tokens, heads, d)`` q and k, V^T ``(1, heads_kv, d, tokens_k)``, O ``(1,
+    tokens, heads, d)`` (``stride_ob`` 0), LSE ``(heads, tokens)`` (``stride_lse_b`` 0); sequence b's rows from
+    ``CU_SEQLENS_Q``/``CU_SEQLENS_K`` (int32, batch + 1) and its used keys from ``SEQUSED_K`` (``HAS_SEQUSED``),
+    ``seqlen_q``/``seqlen_k`` the longest, ``batch`` the sequences, descales per sequence with blocks counted from
+    its start; bad offsets are clamped into the tensors and noted in ``ERR`` (flashtile/device_errors.py)."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
     gl.static_assert(vt_desc.block_type.shape[2] == HEAD_DIM, "V^T tiles are [1, 1, HEAD_DIM, BLOCK_N]")
@@ -57,5 +64,6 @@ def attn_fwd_sm90_fp8(q_desc, k_desc, vt_desc, O, LSE, Q_DESCALE, K_DESCALE, V_D
     # No ALiBi, sink or fixed row max: LSE stands in for their pointers (never read).
     run_partitions(q_desc, k_desc, vt_desc, vt_smem, O, LSE, LSE, LSE, 0, qk_scale, softcap2, 0.0, window_left,
                    window_right, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k,
-                   group, nheads, num_tiles, descales, MASK_LEFT, MASK_RIGHT, SOFTCAP, False, False, False, False,
-                   STAGES, CONSUMER_REGS, True, K_BLOCKS, TWO_LEVEL, PINGPONG, num_warps)
+                   group, nheads, num_tiles, descales, (CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K, ERR), MASK_LEFT,
+                   MASK_RIGHT, SOFTCAP, False, False, False, False, STAGES, CONSUMER_REGS, True, K_BLOCKS, TWO_LEVEL,
+                   PINGPONG, IS_VARLEN, HAS_SEQUSED, num_warps)

@@ -41,9 +41,10 @@ tile, read or released unread, so their counts of turns stay equal.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 
-from .common import kv_range
+from .common import kv_range, packed_vt_start, sequence
 from .fwd_sm90 import _scale_tile, _softmax_block, _tile, row_start, store_rows, wgmma_layout
 
 # P (in [0, 1]) times 448, e4m3's largest finite value, spans the format's range before the FP8 cast. The
@@ -78,6 +79,47 @@ def _tile_of(t, num_m, nheads, LONGEST_FIRST: gl.constexpr):
     if LONGEST_FIRST:
         start_m = num_m - 1 - start_m
     return start_m, (t // num_m) % nheads, t // (num_m * nheads)
+
+
+@gluon.jit
+def _tile_sequence(off_b, max_seqlen_q, max_seqlen_k, seqs, q_desc, k_desc, IS_VARLEN: gl.constexpr,
+                   HAS_SEQUSED: gl.constexpr, RECORD: gl.constexpr):
+    """Where a tile of batch row (or packed sequence) ``off_b`` reads: ``(tma_b, q_start, seqlen_q, k_start, v_start,
+    seqlen_k)``, query i at row ``q_start + i`` of the TMA's batch row ``tma_b``, key j at ``k_start + j`` of K and
+    ``v_start + j`` of V (packed FP8 V^T: :func:`common.packed_vt_start`). Packed
+    sequences (``seqs``: ``CU_SEQLENS_Q``, ``CU_SEQLENS_K``, ``SEQUSED_K``, ``ERR``) are common.sequence's clamped
+    spans of the one-row ``(1, tokens, heads, d)`` tensors (the descriptors give the tokens), the same in every
+    partition; ``RECORD``: this partition notes bad offsets. A sequence with more keys than ``max_seqlen_k``
+    (recorded) is cut there: K's per-block descales have no block past it."""
+    CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K, ERR = seqs
+    q_start, seqlen_q, k_start, seqlen_k = sequence(off_b, max_seqlen_q, max_seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K,
+                                                    SEQUSED_K, q_desc.shape[1], k_desc.shape[1], ERR, IS_VARLEN,
+                                                    HAS_SEQUSED, RECORD)
+    tma_b = off_b
+    v_start = k_start
+    if IS_VARLEN:
+        tma_b = 0
+        v_start = packed_vt_start(k_start, off_b)
+        seqlen_k = gl.minimum(seqlen_k, max_seqlen_k)
+    return tma_b, q_start, seqlen_q, k_start, v_start, seqlen_k
+
+
+@gluon.jit
+def _zero_keys(tile, keys):
+    """Zero the columns from ``keys`` on of a ``[HEAD_DIM, BLOCK_N]`` V^T tile in shared memory (the keys past a
+    packed sequence: the next sequence's, where even a NaN must not meet a zero probability), 8 rows at a time
+    (the producer's one warp holds 8 registers of them), then make the stores visible to the tensor cores."""
+    ROWS: gl.constexpr = 8
+    HEAD_DIM: gl.constexpr = tile.shape[0]
+    BLOCK_N: gl.constexpr = tile.shape[1]
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [ROWS, 4], [1, 1], [1, 0])
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    for r in gl.static_range(0, HEAD_DIM, ROWS):
+        part = tile.slice(r, ROWS, 0)
+        values = part.load(layout)
+        part.store(gl.where((cols < keys)[None, :], values, gl.zeros_like(values)))
+    fence_async_shared()
+    gl.thread_barrier()
 
 
 @gluon.jit
@@ -215,10 +257,11 @@ def _pv_done(acc, pv, TWO_LEVEL: gl.constexpr):
 def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
               ALIBI: gl.constexpr, HAS_SINK: gl.constexpr, FIXED_MAX: gl.constexpr, FOLD_SCALE: gl.constexpr,
               STAGES: gl.constexpr, FP8: gl.constexpr, K_BLOCKS: gl.constexpr, TWO_LEVEL: gl.constexpr,
-              PINGPONG: gl.constexpr):
+              PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, O,
      LSE, SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, row_max, window_left, window_right, stride_ob,
-     stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, group, num_tiles, descales) = args
+     stride_om, stride_oh, stride_lse_b, stride_lse_h, max_seqlen_q, max_seqlen_k, nheads, group, num_tiles, descales,
+     seqs, v_landed) = args
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
@@ -231,7 +274,7 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     P_SHIFT: gl.constexpr = p_log2(FP8)
     Q_BUFFERS: gl.constexpr = q_smem.shape[0] // 2
-    num_m = gl.cdiv(seqlen_q, 2 * BLOCK_M)
+    num_m = gl.cdiv(max_seqlen_q, 2 * BLOCK_M)
     if PINGPONG and WG == 1:
         # Consumer 0 takes the first turn.
         mbarrier.arrive(turn.index(0), count=1)
@@ -239,136 +282,169 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
     i = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         start_m, off_h, off_b = _tile_of(t, num_m, nheads, MASK_RIGHT and not MASK_LEFT)
-        lo, n, jb, je, first_row, full_lo, full_hi = _blocks(start_m, WG, seqlen_q, seqlen_k, window_left,
-                                                             window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
-        for j in range(0, jb):
-            _release_unread(k_ready, k_empty, v_ready, v_empty, turn, base + j, STAGES, WG, PINGPONG)
+        _, q_start, seqlen_q, _, _, seqlen_k = _tile_sequence(off_b, max_seqlen_q, max_seqlen_k, seqs, q_desc,
+                                                              k_desc, IS_VARLEN, HAS_SEQUSED, False)
+        # A tile past its packed sequence's rows has nothing to load or store: the producer skips it too.
+        if start_m * 2 * BLOCK_M < seqlen_q:
+            lo, n, jb, je, first_row, full_lo, full_hi = _blocks(start_m, WG, seqlen_q, seqlen_k, window_left,
+                                                                 window_right, BLOCK_M, BLOCK_N, MASK_LEFT,
+                                                                 MASK_RIGHT)
+            for j in range(0, jb):
+                _release_unread(k_ready, k_empty, v_ready, v_empty, turn, base + j, STAGES, WG, PINGPONG)
 
-        offs_m = first_row + gl.arange(0, BLOCK_M, layout=rows_s)
-        offs_n = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        m_i, l_i, slope2 = row_start(SINK, row_max, ALIBI_SLOPES, stride_alibi_b, off_b, off_h, BLOCK_M, rows_s,
-                                     HAS_SINK, FIXED_MAX, ALIBI)
-        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-        pv_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-        qb = i % Q_BUFFERS
-        mbarrier.wait(q_ready.index(qb * 2 + WG), (i // Q_BUFFERS) & 1)
-        q = q_smem.index(qb * 2 + WG).reshape([BLOCK_M, HEAD_DIM])
-        off_hk = off_h // group
-        score_scale, out_scale = _tile_scales(descales, off_b, off_hk, start_m, qk_scale, FP8, K_BLOCKS)
-        if FOLD_SCALE:
-            # Softcap's scale (at most 1) into this consumer's Q rows: the tanh then takes q . k as it is.
-            _scale_tile(q, qk_scale, 4)
-            score_scale = 1.0
-        if je > jb:
-            # Block jb: scores and probabilities; its PV product joins the next step.
-            s, ph = _slot(base + jb, STAGES)
-            start_n = lo + jb * BLOCK_N
-            block_scale = _block_scale(score_scale, descales, off_b, off_hk, start_n, K_BLOCKS)
-            mbarrier.wait(k_ready.index(s), ph)
-            _take_turn(turn, base + jb, WG, PINGPONG)
-            qk = warpgroup_mma(q, _tile(k_smem, s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            _pass_turn(turn, WG, PINGPONG)
-            qk = warpgroup_mma_wait(0, deps=(qk, ))
-            mbarrier.arrive(k_empty.index(s), count=1)
-            p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n + jb * BLOCK_N, start_n,
-                                                (start_n < full_lo) | (start_n >= full_hi), seqlen_q, seqlen_k,
-                                                block_scale, softcap2, slope2, window_left, window_right, MASK_LEFT,
-                                                MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX, P_SHIFT)
-            for j in range(jb + 1, je):
-                s, ph = _slot(base + j, STAGES)
-                prev, ph_prev = _slot(base + j - 1, STAGES)
-                start_n = lo + j * BLOCK_N
+            offs_m = first_row + gl.arange(0, BLOCK_M, layout=rows_s)
+            offs_n = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            m_i, l_i, slope2 = row_start(SINK, row_max, ALIBI_SLOPES, stride_alibi_b, off_b, off_h, BLOCK_M, rows_s,
+                                         HAS_SINK, FIXED_MAX, ALIBI)
+            acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+            pv_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+            s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+            qb = i % Q_BUFFERS
+            mbarrier.wait(q_ready.index(qb * 2 + WG), (i // Q_BUFFERS) & 1)
+            q = q_smem.index(qb * 2 + WG).reshape([BLOCK_M, HEAD_DIM])
+            off_hk = off_h // group
+            score_scale, out_scale = _tile_scales(descales, off_b, off_hk, start_m, qk_scale, FP8, K_BLOCKS)
+            if FOLD_SCALE:
+                # Softcap's scale (at most 1) into this consumer's Q rows: the tanh then takes q . k as it is.
+                _scale_tile(q, qk_scale, 4)
+                score_scale = 1.0
+            if je > jb:
+                # Block jb: scores and probabilities; its PV product joins the next step.
+                s, ph = _slot(base + jb, STAGES)
+                start_n = lo + jb * BLOCK_N
                 block_scale = _block_scale(score_scale, descales, off_b, off_hk, start_n, K_BLOCKS)
-                # S_j = Q K_j^T and O += P_{j-1} V_{j-1} both go to the tensor cores (with PINGPONG P is made
-                # the operand before the turn is taken, so the turn is held only while they are issued)...
-                p = _p_operand(p, p_layout, dtype, PINGPONG)
                 mbarrier.wait(k_ready.index(s), ph)
-                _take_turn(turn, base + j, WG, PINGPONG)
+                _take_turn(turn, base + jb, WG, PINGPONG)
                 qk = warpgroup_mma(q, _tile(k_smem, s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                mbarrier.wait(v_ready.index(prev), ph_prev)
-                acc, pv = _pv_mma(_p_operand(p, p_layout, dtype, not PINGPONG), _v_operand(v_smem, prev, FP8), acc,
-                                  pv_zero, TWO_LEVEL)
                 _pass_turn(turn, WG, PINGPONG)
-                # ...S_j is waited for alone (wgmma groups retire in order), and K_j's slot released.
-                qk = warpgroup_mma_wait(1, deps=(qk, ))
+                qk = warpgroup_mma_wait(0, deps=(qk, ))
                 mbarrier.arrive(k_empty.index(s), count=1)
-                # The softmax of S_j runs while the PV product is still in flight.
-                p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n + j * BLOCK_N, start_n,
+                p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n + jb * BLOCK_N, start_n,
                                                     (start_n < full_lo) | (start_n >= full_hi), seqlen_q, seqlen_k,
                                                     block_scale, softcap2, slope2, window_left, window_right,
                                                     MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX, P_SHIFT)
+                for j in range(jb + 1, je):
+                    s, ph = _slot(base + j, STAGES)
+                    prev, ph_prev = _slot(base + j - 1, STAGES)
+                    start_n = lo + j * BLOCK_N
+                    block_scale = _block_scale(score_scale, descales, off_b, off_hk, start_n, K_BLOCKS)
+                    # S_j = Q K_j^T and O += P_{j-1} V_{j-1} both go to the tensor cores (with PINGPONG P is made
+                    # the operand before the turn is taken, so the turn is held only while they are issued)...
+                    p = _p_operand(p, p_layout, dtype, PINGPONG)
+                    mbarrier.wait(k_ready.index(s), ph)
+                    _take_turn(turn, base + j, WG, PINGPONG)
+                    qk = warpgroup_mma(q, _tile(k_smem, s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                    mbarrier.wait(v_ready.index(prev), ph_prev)
+                    acc, pv = _pv_mma(_p_operand(p, p_layout, dtype, not PINGPONG), _v_operand(v_smem, prev, FP8),
+                                      acc, pv_zero, TWO_LEVEL)
+                    _pass_turn(turn, WG, PINGPONG)
+                    # ...S_j is waited for alone (wgmma groups retire in order), and K_j's slot released.
+                    qk = warpgroup_mma_wait(1, deps=(qk, ))
+                    mbarrier.arrive(k_empty.index(s), count=1)
+                    # The softmax of S_j runs while the PV product is still in flight.
+                    p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n + j * BLOCK_N,
+                                                        start_n, (start_n < full_lo) | (start_n >= full_hi), seqlen_q,
+                                                        seqlen_k, block_scale, softcap2, slope2, window_left,
+                                                        window_right, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
+                                                        FIXED_MAX, P_SHIFT)
+                    acc = _pv_done(acc, pv, TWO_LEVEL)
+                    mbarrier.arrive(v_empty.index(prev), count=1)
+                    if not FIXED_MAX:
+                        # O now holds blocks up to j - 1 under the old row max: move it to the new one.
+                        acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
+                # Every S of this tile has been read: its Q buffer is free (the producer may load the next
+                # tile's Q under the last PV product and the store).
+                mbarrier.arrive(q_empty.index(qb), count=1)
+                last, ph_last = _slot(base + je - 1, STAGES)
+                mbarrier.wait(v_ready.index(last), ph_last)
+                acc, pv = _pv_mma(_p_operand(p, p_layout, dtype, True), _v_operand(v_smem, last, FP8), acc,
+                                  pv_zero, TWO_LEVEL)
                 acc = _pv_done(acc, pv, TWO_LEVEL)
-                mbarrier.arrive(v_empty.index(prev), count=1)
-                if not FIXED_MAX:
-                    # O now holds blocks up to j - 1 under the old row max: move it to the new one.
-                    acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
-            # Every S of this tile has been read: its Q buffer is free (the producer may load the next
-            # tile's Q under the last PV product and the store).
-            mbarrier.arrive(q_empty.index(qb), count=1)
-            last, ph_last = _slot(base + je - 1, STAGES)
-            mbarrier.wait(v_ready.index(last), ph_last)
-            acc, pv = _pv_mma(_p_operand(p, p_layout, dtype, True), _v_operand(v_smem, last, FP8), acc, pv_zero,
-                              TWO_LEVEL)
-            acc = _pv_done(acc, pv, TWO_LEVEL)
-            mbarrier.arrive(v_empty.index(last), count=1)
-        else:
-            # No key block of this tile for these rows: Q is not read.
-            mbarrier.arrive(q_empty.index(qb), count=1)
-        for j in range(je, n):
-            _release_unread(k_ready, k_empty, v_ready, v_empty, turn, base + j, STAGES, WG, PINGPONG)
-        base += n
-        i += 1
+                mbarrier.arrive(v_empty.index(last), count=1)
+            else:
+                # No key block of this tile for these rows: Q is not read.
+                mbarrier.arrive(q_empty.index(qb), count=1)
+            for j in range(je, n):
+                _release_unread(k_ready, k_empty, v_ready, v_empty, turn, base + j, STAGES, WG, PINGPONG)
+            base += n
+            i += 1
 
-        if FP8:
-            acc = acc * out_scale
-            # l summed P times 448: the lse takes it out.
-            m_i = m_i - P_LOG2
-        store_rows(acc, m_i, l_i, offs_m, O, LSE, off_b, off_h, first_row, 0, seqlen_q, stride_ob, stride_om,
-                   stride_oh, stride_lse_b, stride_lse_h, O.dtype.element_ty)
+            if FP8:
+                acc = acc * out_scale
+                # l summed P times 448: the lse takes it out.
+                m_i = m_i - P_LOG2
+            store_rows(acc, m_i, l_i, offs_m, O, LSE, off_b, off_h, first_row, q_start, seqlen_q, stride_ob,
+                       stride_om, stride_oh, stride_lse_b, stride_lse_h, O.dtype.element_ty)
 
 
 @gluon.jit
-def _producer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr):
+def _load_v(v_desc, bar, smem, tma_b, row, off_hk, FP8: gl.constexpr):
+    """TMA copy of the key block from ``row`` of V (FP8: of V^T, ``(batch, heads_kv, headdim, seqlen)``, the keys
+    along the last dim) into ``smem``; ``bar`` completes when it lands."""
+    mbarrier.expect(bar, v_desc.block_type.nbytes)
+    if FP8:
+        tma.async_copy_global_to_shared(v_desc, [tma_b, off_hk, 0, row], bar, smem)
+    else:
+        tma.async_copy_global_to_shared(v_desc, [tma_b, row, off_hk, 0], bar, smem)
+
+
+@gluon.jit
+def _producer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr,
+              IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, O,
      LSE, SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, row_max, window_left, window_right, stride_ob,
-     stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, group, num_tiles, descales) = args
+     stride_om, stride_oh, stride_lse_b, stride_lse_h, max_seqlen_q, max_seqlen_k, nheads, group, num_tiles, descales,
+     seqs, v_landed) = args
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     Q_BUFFERS: gl.constexpr = q_smem.shape[0] // 2
-    num_m = gl.cdiv(seqlen_q, 2 * BLOCK_M)
+    num_m = gl.cdiv(max_seqlen_q, 2 * BLOCK_M)
     c = 0
     i = 0
+    tails = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         start_m, off_h, off_b = _tile_of(t, num_m, nheads, MASK_RIGHT and not MASK_LEFT)
         off_hk = off_h // group
-        lo, n, _, _, _, _, _ = _blocks(start_m, 0, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
-                                       MASK_LEFT, MASK_RIGHT)
-        # Q of both consumers' rows into the buffer the tile before last (one buffer: the last tile) has
-        # released (rows past the sequence arrive as zeros).
-        qb = i % Q_BUFFERS
-        mbarrier.wait(q_empty.index(qb), ((i // Q_BUFFERS) & 1) ^ 1)
-        for w in gl.static_range(2):
-            mbarrier.expect(q_ready.index(qb * 2 + w), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [off_b, start_m * 2 * BLOCK_M + w * BLOCK_M, off_h, 0],
-                                            q_ready.index(qb * 2 + w), q_smem.index(qb * 2 + w))
-        for j in range(n):
-            # Each slot is refilled once both consumers have released its last use (the first pass waits
-            # on the phase before the barrier's first, which counts as done).
-            s, ph = _slot(c, STAGES)
-            row = lo + j * BLOCK_N
-            mbarrier.wait(k_empty.index(s), ph ^ 1)
-            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [off_b, row, off_hk, 0], k_ready.index(s), k_smem.index(s))
-            mbarrier.wait(v_empty.index(s), ph ^ 1)
-            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            if FP8:
-                # V^T: (batch, heads_kv, headdim, seqlen), the block's keys along the last dim.
-                tma.async_copy_global_to_shared(v_desc, [off_b, off_hk, 0, row], v_ready.index(s), v_smem.index(s))
-            else:
-                tma.async_copy_global_to_shared(v_desc, [off_b, row, off_hk, 0], v_ready.index(s), v_smem.index(s))
-            c += 1
-        i += 1
+        # The producer alone notes bad offsets: an atomic in a consumer would cost it registers.
+        tma_b, q_start, seqlen_q, k_start, v_start, seqlen_k = _tile_sequence(off_b, max_seqlen_q, max_seqlen_k,
+                                                                              seqs, q_desc, k_desc, IS_VARLEN,
+                                                                              HAS_SEQUSED, True)
+        if start_m * 2 * BLOCK_M < seqlen_q:
+            lo, n, _, _, _, _, _ = _blocks(start_m, 0, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M,
+                                           BLOCK_N, MASK_LEFT, MASK_RIGHT)
+            # Q of both consumers' rows into the buffer the tile before last (one buffer: the last tile) has
+            # released (rows past the tensor arrive as zeros; a packed sequence's next rows are never stored).
+            qb = i % Q_BUFFERS
+            mbarrier.wait(q_empty.index(qb), ((i // Q_BUFFERS) & 1) ^ 1)
+            for w in gl.static_range(2):
+                mbarrier.expect(q_ready.index(qb * 2 + w), q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [tma_b, q_start + start_m * 2 * BLOCK_M + w * BLOCK_M, off_h,
+                                                         0], q_ready.index(qb * 2 + w), q_smem.index(qb * 2 + w))
+            for j in range(n):
+                # Each slot is refilled once both consumers have released its last use (the first pass waits
+                # on the phase before the barrier's first, which counts as done).
+                s, ph = _slot(c, STAGES)
+                row = lo + j * BLOCK_N
+                mbarrier.wait(k_empty.index(s), ph ^ 1)
+                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [tma_b, k_start + row, off_hk, 0], k_ready.index(s),
+                                                k_smem.index(s))
+                mbarrier.wait(v_empty.index(s), ph ^ 1)
+                if IS_VARLEN:
+                    if row + BLOCK_N > seqlen_k:
+                        # Only the last block can run past the sequence's keys, into the next sequence's: it lands
+                        # here first, the producer zeroes those keys, then hands the slot to the consumers.
+                        _load_v(v_desc, v_landed, v_smem.index(s), tma_b, v_start + row, off_hk, FP8)
+                        mbarrier.wait(v_landed, tails & 1)
+                        _zero_keys(v_smem.index(s).reshape([v_smem.shape[3], v_smem.shape[4]]), seqlen_k - row)
+                        mbarrier.arrive(v_ready.index(s), count=1)
+                        tails += 1
+                    else:
+                        _load_v(v_desc, v_ready.index(s), v_smem.index(s), tma_b, v_start + row, off_hk, FP8)
+                else:
+                    _load_v(v_desc, v_ready.index(s), v_smem.index(s), tma_b, v_start + row, off_hk, FP8)
+                c += 1
+            i += 1
 
 
 @gluon.jit
@@ -384,32 +460,37 @@ def attn_fwd_sm90_ws(q_desc, k_desc, v_desc, O, LSE, SINK, ALIBI_SLOPES, stride_
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
-    # No descales: O (never read) stands in for their pointers.
+    # No descales or packed sequences: O (never read) stands in for their pointers.
     descales = (O, 0, 0, 0, O, 0, 0, 0, O, 0, 0)
     run_partitions(q_desc, k_desc, v_desc, v_smem, O, LSE, SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2,
                    row_max, window_left, window_right, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h,
-                   seqlen_q, seqlen_k, group, nheads, num_tiles, descales, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
-                   HAS_SINK, FIXED_MAX, FOLD_SCALE, STAGES, CONSUMER_REGS, False, False, False, False, num_warps)
+                   seqlen_q, seqlen_k, group, nheads, num_tiles, descales, (O, O, O, O), MASK_LEFT, MASK_RIGHT,
+                   SOFTCAP, ALIBI, HAS_SINK, FIXED_MAX, FOLD_SCALE, STAGES, CONSUMER_REGS, False, False, False, False,
+                   False, False, num_warps)
 
 
 @gluon.jit
 def run_partitions(q_desc, k_desc, v_desc, v_smem, O, LSE, SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2,
                    row_max, window_left, window_right, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h,
-                   seqlen_q, seqlen_k, group, nheads, num_tiles, descales, MASK_LEFT: gl.constexpr,
+                   seqlen_q, seqlen_k, group, nheads, num_tiles, descales, seqs, MASK_LEFT: gl.constexpr,
                    MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, HAS_SINK: gl.constexpr,
                    FIXED_MAX: gl.constexpr, FOLD_SCALE: gl.constexpr, STAGES: gl.constexpr,
                    CONSUMER_REGS: gl.constexpr, FP8: gl.constexpr, K_BLOCKS: gl.constexpr, TWO_LEVEL: gl.constexpr,
-                   PINGPONG: gl.constexpr, num_warps: gl.constexpr):
+                   PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
+                   num_warps: gl.constexpr):
     """The CTA's shared memory, barriers and partitions, around the V ring ``v_smem`` the kernel allocated
     (its layout is the kernel's: V's rows, or with ``FP8`` V^T's). ``K_BLOCKS``, ``TWO_LEVEL``: FP8's per-block K
     descales and block-wise float32 sum of O (:func:`_block_scale`, :func:`_pv_mma`); ``PINGPONG``: the consumers
-    take turns issuing their matmuls (:func:`_take_turn`)."""
+    take turns issuing their matmuls (:func:`_take_turn`). ``IS_VARLEN`` (FP8 only; 16-bit packed sequences run
+    fwd_sm90.py): ``seqs`` holds ``(CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K, ERR)``, ``seqlen_q``/``seqlen_k`` are the
+    longest lengths and ``off_b`` of a tile a sequence (:func:`_tile_sequence`)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
     gl.static_assert(num_warps == 4, "the default partition is consumer 0, one warpgroup")
     gl.static_assert(not (FP8 and FOLD_SCALE), "FP8 Q cannot take the scale: it is applied to the scores")
+    gl.static_assert(FP8 or not IS_VARLEN, "the keys past a packed sequence are zeroed in V^T's layout (FP8's)")
     # One or two Q buffers (this tile's and the next's) of two consumers' rows each, and the K ring (V's is
     # given, as large as K's).
     Q_BUFFERS: gl.constexpr = q_buffers(BLOCK_M, HEAD_DIM, dtype.primitive_bitwidth,
@@ -423,6 +504,8 @@ def run_partitions(q_desc, k_desc, v_desc, v_smem, O, LSE, SINK, ALIBI_SLOPES, s
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # A packed sequence's last V^T block lands here first, for the producer to zero the keys past the sequence.
+    v_landed = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for b in gl.static_range(2 * Q_BUFFERS):
         mbarrier.init(q_ready.index(b), count=1)
     for b in gl.static_range(Q_BUFFERS):
@@ -436,13 +519,15 @@ def run_partitions(q_desc, k_desc, v_desc, v_smem, O, LSE, SINK, ALIBI_SLOPES, s
     if PINGPONG:
         for w in gl.static_range(2):
             mbarrier.init(turn.index(w), count=1)
+    if IS_VARLEN:
+        mbarrier.init(v_landed, count=1)
     args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
             turn, O, LSE, SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, row_max, window_left, window_right,
             stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, group, num_tiles,
-            descales)
+            descales, seqs, v_landed)
     gl.warp_specialize([(_consumer, (args, 0, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_SINK, FIXED_MAX, FOLD_SCALE,
-                                     STAGES, FP8, K_BLOCKS, TWO_LEVEL, PINGPONG)),
+                                     STAGES, FP8, K_BLOCKS, TWO_LEVEL, PINGPONG, IS_VARLEN, HAS_SEQUSED)),
                         (_consumer, (args, 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_SINK, FIXED_MAX, FOLD_SCALE,
-                                     STAGES, FP8, K_BLOCKS, TWO_LEVEL, PINGPONG)),
-                        (_producer, (args, MASK_LEFT, MASK_RIGHT, STAGES, FP8))], [4, 1],
+                                     STAGES, FP8, K_BLOCKS, TWO_LEVEL, PINGPONG, IS_VARLEN, HAS_SEQUSED)),
+                        (_producer, (args, MASK_LEFT, MASK_RIGHT, STAGES, FP8, IS_VARLEN, HAS_SEQUSED))], [4, 1],
                        [CONSUMER_REGS, 24])

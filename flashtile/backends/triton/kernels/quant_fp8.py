@@ -10,13 +10,14 @@ descale and casts, ``"reduce"`` (v only) takes its descale from the "amax" launc
 matrix ``diag(signs) H`` (loaded once per program), scaled by ``1 / sqrt(HEAD_DIM)`` in fp32; a one-head block
 (k, MHA's q) is read once: its amax and its cast come from the same registers. The query heads of a GQA group
 are read twice (their amax, then the cast). v is stored transposed, ``(batch, nheads_kv,
-HEAD_DIM, seqlen_k)``, the layout of the FP8 PV product: the tile is transposed in registers so that each row
-of VT8 (consecutive keys) is written contiguously.
+HEAD_DIM, seqlen_k)`` (packed: ``(nheads_kv, HEAD_DIM, columns)``, sequence b's keys from column
+``common.packed_vt_start``), the layout of the FP8 PV product: the tile is transposed in registers so that each
+row of VT8 (consecutive keys) is written contiguously.
 """
 import triton
 import triton.language as tl
 
-from .common import sequence
+from .common import packed_vt_start, sequence
 
 # The largest finite e4m3 value.
 FP8_MAX = tl.constexpr(448.0)
@@ -170,6 +171,10 @@ def quantize_fp8(Q, K, V, Q8, K8, VT8, Q_DESCALE, K_DESCALE, V_DESCALE, V_AMAX, 
     # Offsets clamped inside the packed rows (total_q / total_k) whatever they hold; the attention records them.
     q_start, seqlen_q, k_start, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K,
                                                     CU_SEQLENS_Q, total_q, total_k, CU_SEQLENS_Q, VARLEN, False, False)
+    # Packed V^T: each sequence's keys from a 16-byte-aligned column (the FP8 attention's TMA reads no other).
+    v_start = k_start
+    if VARLEN:
+        v_start = packed_vt_start(k_start, off_b)
     off_b = off_b.to(tl.int64)
     if head < nheads_kv:
         if QK_MODE != "skip":
@@ -197,13 +202,13 @@ def quantize_fp8(Q, K, V, Q8, K8, VT8, Q_DESCALE, K_DESCALE, V_DESCALE, V_AMAX, 
                     tl.store(V_DESCALE + off_b * stride_vdb + head_kv * stride_vdh, v_descale)
                 rows = blk * BLOCK + tl.arange(0, BLOCK)
                 _cast_block(V + off_b * stride_vb + head_kv * stride_vh + k_start.to(tl.int64) * stride_vm,
-                            VT8 + off_b * stride_vtb + head_kv * stride_vth + k_start.to(tl.int64) * stride_vtm,
+                            VT8 + off_b * stride_vtb + head_kv * stride_vth + v_start.to(tl.int64) * stride_vtm,
                             v_descale, R, rows, rows < seqlen_k, 1, stride_vm, 0, 1, 0, stride_vtd, inv_sqrt_d,
                             HEAD_DIM, False, True, INPUT_PRECISION, FMA)
             elif V_MODE != "skip":
                 # v: never rotated; its rows become the columns of VT8.
                 _quantize_block(V + off_b * stride_vb + head_kv * stride_vh + k_start.to(tl.int64) * stride_vm,
-                                VT8 + off_b * stride_vtb + head_kv * stride_vth + k_start.to(tl.int64) * stride_vtm,
+                                VT8 + off_b * stride_vtb + head_kv * stride_vth + v_start.to(tl.int64) * stride_vtm,
                                 V_DESCALE + off_b * stride_vdb + head_kv * stride_vdh + blk * stride_vdm, R,
                                 blk * BLOCK, seqlen_k, 1, stride_vm, 0, 1, 0, stride_vtd, inv_sqrt_d,
                                 HEAD_DIM, BLOCK, False, V_MODE, True, INPUT_PRECISION, FMA)

@@ -101,7 +101,8 @@ def attention(q8, k8, v8, q_descale, k_descale, v_descale, args: AttnArgs, v_tra
     ``v8`` is ``(batch, seqlen_k, nheads_kv, d)`` (``(total_k, nheads_kv, d)`` varlen), or with ``v_transposed``
     the kernel's ``(batch, nheads_kv, d, seqlen_k)`` (varlen: ``torch_fp8.pack_v_t``'s packed V^T) with rows 16
     bytes apart (as the quantizer writes it). Descales in any shape :func:`flashtile.validation.check_descales`
-    takes: those the kernel lacks (q's per query head, v's per block) run the torch math, a recorded fallback on a GPU."""
+    takes: those the kernel lacks (q's per query head, v's per block) run the torch math, a recorded fallback on a
+    GPU."""
     chosen = plan(q8, k8, args, (q_descale, k_descale, v_descale))
     if chosen.fallback_reason is None:
         record_choice(chosen)

@@ -101,7 +101,8 @@ def attention(q8, k8, v8, q_descale, k_descale, v_descale, args: AttnArgs, v_tra
     ``v8`` is ``(batch, seqlen_k, nheads_kv, d)`` (``(total_k, nheads_kv, d)`` varlen), or with ``v_transposed``
     the kernel's ``(batch, nheads_kv, d, seqlen_k)`` (varlen: ``torch_fp8.pack_v_t``'s packed V^T) with rows 16
     bytes apart (as the quantizer writes it). Descales in any shape :func:`flashtile.validation.check_descales`
-    takes: those the kernel lacks (q's per query head, v's per block) run the torch math, a recorded fallback on a GPU."""
+    takes: those the kernel lacks (q's per query head, v's per block) run the torch math, a recorded fallback on a
+    GPU."""
     chosen = plan(q8, k8, args, (q_descale, k_descale, v_descale))
     if chosen.fallback_reason is None:
         record_choice(chosen)
@@ -186,19 +187,25 @@ def _kernel_module():
         return None
 
 
+def kernel_v_layout(v8: torch.Tensor, cu_seqlens_k: torch.Tensor | None = None) -> torch.Tensor:
+    """v ``(batch, seqlen_k, nheads_kv, d)`` in the FP8 kernel's K-major layout ``(batch, nheads_kv, d, seqlen_k)``,
+    rows 16 bytes apart as its TMA reads them; packed v ``(total_k, nheads_kv, d)`` with ``cu_seqlens_k`` as
+    :func:`torch_fp8.pack_v_t` lays it out (each sequence from a 16-byte-aligned column)."""
+    from .backends.triton.host import tma_rows
+    if cu_seqlens_k is None:
+        v_t = v8.permute(0, 2, 3, 1)
+        return tma_rows(v_t.shape, v_t.dtype, v_t.device).copy_(v_t)
+    total_k, nheads_kv, head_dim = v8.shape
+    width = torch_fp8.packed_vt_width(total_k, cu_seqlens_k.shape[0] - 1)
+    return torch_fp8.pack_v_t(v8, cu_seqlens_k, tma_rows((nheads_kv, head_dim, width), v8.dtype, v8.device))
+
+
 def _run_kernel(q8, k8, v8, q_descale, k_descale, v_descale, args: AttnArgs, v_transposed: bool):
     """The Gluon FP8 kernel: out bfloat16, lse float32, v in its K-major layout (a transposing copy into rows 16
     bytes apart, as the TMA reads them, unless given so)."""
     from .alloc import empty
-    from .backends.triton.host import tma_rows
     if not v_transposed:
-        if args.varlen:
-            total_k, nheads_kv, head_dim = v8.shape
-            width = torch_fp8.packed_vt_width(total_k, args.cu_seqlens_k.shape[0] - 1)
-            v8 = torch_fp8.pack_v_t(v8, args.cu_seqlens_k, tma_rows((nheads_kv, head_dim, width), v8.dtype, v8.device))
-        else:
-            v8 = v8.permute(0, 2, 3, 1)
-            v8 = tma_rows(v8.shape, v8.dtype, v8.device).copy_(v8)
+        v8 = kernel_v_layout(v8, args.cu_seqlens_k if args.varlen else None)
     out = empty(q8.shape, torch.bfloat16, q8.device)
     if args.varlen:
         lse = empty((q8.shape[1], q8.shape[0]), torch.float32, q8.device)

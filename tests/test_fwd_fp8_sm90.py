@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from flashtile import testing
-from flashtile.backends import AttnArgs, torch_fp8
+from flashtile.backends import AttnArgs
 from flashtile.backends.triton import fp8
+from flashtile.fp8 import kernel_v_layout
 
 hopper = pytest.mark.skipif(not testing.HOPPER, reason="the FP8 Gluon forward runs on sm_90 only")
 
@@ -63,32 +64,13 @@ def dequantize(x8: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
     return (groups * row_descales(descale, seqlen)).reshape(x8.shape)
 
 
-def transpose_v(v8: torch.Tensor) -> torch.Tensor:
-    """V (batch, seqlen_k, heads_kv, d) as V^T (batch, heads_kv, d, seqlen_k): keys contiguous, in rows padded to a
-    multiple of 16 bytes (the TMA's stride rule)."""
-    batch, seqlen_k, nheads_kv, d = v8.shape
-    padded = torch.empty(batch, nheads_kv, d, (seqlen_k + 15) // 16 * 16, dtype=v8.dtype, device=v8.device)
-    v_t = padded[..., :seqlen_k]
-    v_t.copy_(v8.permute(0, 2, 3, 1))
-    return v_t
-
-
-def pack_v(v8: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tensor:
-    """Packed V^T of packed v ``(total_k, heads_kv, d)`` as the launcher takes it (torch_fp8.pack_v_t: each
-    sequence from a 16-byte-aligned column, rows 16 bytes apart)."""
-    from flashtile.backends.triton.host import tma_rows
-    total_k, nheads_kv, d = v8.shape
-    width = torch_fp8.packed_vt_width(total_k, cu_seqlens_k.shape[0] - 1)
-    return torch_fp8.pack_v_t(v8, cu_seqlens_k, tma_rows((nheads_kv, d, width), v8.dtype, v8.device))
-
-
 def fp8_inputs(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, q_blocks=False, k_blocks=False):
     """Quantized q, k, V^T, their descales (q's and k's per block as asked), and the dequantized q, k, v."""
     q, k, v = testing.make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, torch.float32, "cuda",
                                requires_grad=False, generator=rng)
     (q8, q_ds), (k8, k_ds), (v8, v_ds) = (quantize(t, nheads_kv, blocks) for t, blocks in
                                           ((q, q_blocks), (k, k_blocks), (v, False)))
-    return (q8, k8, transpose_v(v8), q_ds, k_ds, v_ds), (dequantize(q8, q_ds), dequantize(k8, k_ds),
+    return (q8, k8, kernel_v_layout(v8), q_ds, k_ds, v_ds), (dequantize(q8, q_ds), dequantize(k8, k_ds),
                                                          dequantize(v8, v_ds))
 
 
@@ -175,7 +157,7 @@ def test_fp8_block_descales(rng, head_dim, mode, q_blocks, k_blocks, seqlen_q, s
         t.mul_(blocks.repeat_interleave(fp8.DESCALE_BLOCK)[:t.shape[1]].to("cuda")[None, :, None, None])
     (q8, q_ds), (k8, k_ds), (v8, v_ds) = (quantize(t, 2, blocks) for t, blocks in
                                           ((q, q_blocks), (k, k_blocks), (v, False)))
-    out, lse = run((q8, k8, transpose_v(v8), q_ds, k_ds, v_ds), seqlen_q, **options)
+    out, lse = run((q8, k8, kernel_v_layout(v8), q_ds, k_ds, v_ds), seqlen_q, **options)
     check(out, lse, (dequantize(q8, q_ds), dequantize(k8, k_ds), dequantize(v8, v_ds)), **options)
 
 
@@ -269,7 +251,7 @@ def test_fp8_varlen_bad_offsets_stay_inside(rng, cu, k_blocks):
     cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda")
     batch, longest = len(cu) - 1, 700
     q8, k8 = (torch.randn(total, h, d, generator=rng).to("cuda", torch.float8_e4m3fn) for h in (nheads, nheads_kv))
-    v_t = pack_v(torch.randn(total, nheads_kv, d, generator=rng).to("cuda", torch.float8_e4m3fn), cu_t)
+    v_t = kernel_v_layout(torch.randn(total, nheads_kv, d, generator=rng).to("cuda", torch.float8_e4m3fn), cu_t)
     blocks = -(-longest // fp8.DESCALE_BLOCK)
     q_ds = torch.full((batch, nheads_kv), 0.01, device="cuda")
     k_ds = torch.full((batch, nheads_kv, blocks) if k_blocks else (batch, nheads_kv), 0.01, device="cuda")
@@ -305,7 +287,7 @@ def test_fp8_varlen_next_sequence_never_leaks(rng):
     out = torch.full((total, nheads, d), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((nheads, total), float("nan"), device="cuda")
     args = AttnArgs(softmax_scale=d ** -0.5, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=200, max_seqlen_k=200)
-    fp8.forward_fp8_sm90(q8, k8, pack_v(v8[0], cu), scale, scale, scale, out, lse, args)
+    fp8.forward_fp8_sm90(q8, k8, kernel_v_layout(v8[0], cu), scale, scale, scale, out, lse, args)
     assert torch.isfinite(out[:100].float()).all() and torch.isfinite(out[129:329].float()).all()
     assert (out[329:] == 0).all() and (lse[:, 329:] == float("-inf")).all()
     assert out[100:129].isnan().all(), "the sequence whose own values are NaN keeps them"

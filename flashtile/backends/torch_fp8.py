@@ -228,6 +228,11 @@ def _packed_starts(cu_seqlens_k: torch.Tensor, total_k: int) -> tuple:
     return starts, starts // VT_ALIGN * VT_ALIGN + VT_ALIGN * seq
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """e4m3 as its bytes (0 is 0.0), so that gathers and selects need no FP8 kernels; other dtypes as they are."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
 def pack_v_t(v8: torch.Tensor, cu_seqlens_k: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Packed V^T ``(nheads_kv, d, packed_vt_width)`` of packed v ``(total_k, nheads_kv, d)`` (any dtype), written
     into ``out`` when given (rows 16 bytes apart for the kernel): each column takes its sequence's key, the
@@ -245,8 +250,7 @@ def pack_v_t(v8: torch.Tensor, cu_seqlens_k: torch.Tensor, out: torch.Tensor | N
     offset = columns - v_starts[seq]
     inside = (offset >= 0) & (offset < starts[seq + 1] - starts[seq])
     rows = (starts[seq] + offset).clamp(0, total_k - 1)
-    # e4m3 as its bytes (0 is 0.0): the gather and select then need no FP8 kernels.
-    raw = v8.view(torch.uint8) if v8.element_size() == 1 else v8
+    raw = _bytes(v8)
     values = raw.permute(1, 2, 0).index_select(2, rows)
     out.view(raw.dtype).copy_(torch.where(inside, values, torch.zeros((), dtype=raw.dtype, device=v8.device)))
     return out
@@ -262,7 +266,7 @@ def unpack_v_t(v8_t: torch.Tensor, cu_seqlens_k: torch.Tensor, total_k: int) -> 
     rows = torch.arange(total_k, device=v8_t.device)
     seq = torch.searchsorted(starts[1:-1].contiguous(), rows, right=True)
     columns = (rows - starts[seq] + v_starts[seq]).clamp(0, v8_t.shape[2] - 1)
-    raw = v8_t.view(torch.uint8) if v8_t.element_size() == 1 else v8_t
+    raw = _bytes(v8_t)
     return raw.index_select(2, columns).permute(2, 0, 1).view(v8_t.dtype)
 
 

@@ -27,7 +27,6 @@ Writes ``<out>/<gpu>-fp8-<date>.json`` and prints a Markdown table.
 """
 from __future__ import annotations
 
-import itertools
 import json
 import time
 from pathlib import Path
@@ -82,13 +81,13 @@ def varlen_cell(lengths: tuple, nheads: int, head_dim: int, causal: bool, timer,
     measured as :func:`forward_cell`; TFLOP/s count each sequence's own attention."""
     import flashtile
     from .. import fp8, validation
-    from ..testing import attention_varlen_ref
+    from ..testing import attention_varlen_ref, cu_seqlens_of
 
     total, longest = sum(lengths), max(lengths)
     row = {"lengths": list(lengths), "N": total, "H": nheads, "D": head_dim, "causal": causal}
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     q, k, v = (torch.randn(total, nheads, head_dim, device=device, dtype=dtype) for _ in range(3))
-    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+    cu = cu_seqlens_of(lengths, device)
     args = validation.attn_args(q, k, v, causal=causal, varlen=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
                                 max_seqlen_q=longest, max_seqlen_k=longest)
     runs = {
@@ -104,7 +103,8 @@ def varlen_cell(lengths: tuple, nheads: int, head_dim: int, causal: bool, timer,
 
 
 def _quantize(fp8, device, q, k, v, args):
-    """The fused quantizer on a GPU (its twin on CPU), packed with varlen ``args``."""
+    """The fused quantizer on a GPU, called directly so its timing holds no dispatch (its twin on CPU), packed
+    with varlen ``args``."""
     if device.type != "cuda":
         return fp8._quantize(q, k, v, True, True, 0, args)
     from ..backends.triton import quant

@@ -146,10 +146,11 @@ def forward_fp8_sm90(q, k, v_t, q_descale, k_descale, v_descale, out, lse, args:
     sees no key (its output is 0), as the bf16 forward stores it.
     Packed sequences (``args.varlen``): q (total_q, nheads, d), k (total_k, nheads_kv, d), v_t (nheads_kv, d,
     torch_fp8.packed_vt_width(total_k, batch)) with each sequence's keys from a 16-byte-aligned column
-    (torch_fp8.pack_v_t: the TMA reads V^T's key dim at no other coordinate), out (total_q, nheads, d), lse (nheads, total_q); ``batch`` is the number of sequences,
-    ``seqlen_q``/``seqlen_k`` ``args.max_seqlen_q``/``_k``, descale blocks count from each sequence's start, and
-    ``args.seqused_k`` may cut each sequence's keys. Rows past ``cu_seqlens_q[-1]`` are written as 0 (lse -inf);
-    any offsets keep every read and write inside the tensors, bad ones noted in the device error record.
+    (torch_fp8.pack_v_t: the TMA reads V^T's key dim at no other coordinate), out (total_q, nheads, d), lse
+    (nheads, total_q); ``batch`` is the number of sequences, ``seqlen_q``/``seqlen_k`` ``args.max_seqlen_q``/``_k``,
+    descale blocks count from each sequence's start, and ``args.seqused_k`` may cut each sequence's keys. Rows
+    past ``cu_seqlens_q[-1]`` are written as 0 (lse -inf); any offsets keep every read and write inside the
+    tensors, bad ones noted in the device error record.
     ``args``: causal/window, softcap and softmax_scale are read; ``fp8_sm90_supported(args, d)`` must be None.
     d = 64, 128 or 256 (FP8_TILES)."""
     varlen = args.varlen

@@ -18,6 +18,7 @@ TOOLS = {
     "bwd_ws.py": False, "d256_bwd_tiles.py": False, "d256_fwd_tiles.py": False, "decode_short.py": False,
     "decode_splits.py": False, "dense_decode.py": False, "gluon_causal_short.py": False, "gluon_head_dims.py": False,
     "gluon_short.py": False, "gluon_slim.py": False, "gluon_tiles.py": False, "gluon_ws.py": False,
+    "gluon_ws_heads.py": True,
     "host_time.py": True, "kv_prefill.py": False, "sm90_cases.py": False, "sm90_compile.py": False, "tune.py": True,
 }
 SHELL_TOOLS = ("ab_trees.sh",)

@@ -215,11 +215,11 @@ def test_gluon_tiles_fit_their_programs_per_sm(tile, head_dim, head_dim_v, q_in_
 
 
 @pytest.mark.parametrize("head_dim, head_dim_v, features, tile", [
-    (256, 256, (), "_FWD_SM90_GLUON_D256"),
+    (256, 256, (), "_FWD_SM90_GLUON_WS_D256"),  # 4096 keys: the warp-specialized floor
     (256, 256, ("window", "softcap", "alibi", "sink"), "_FWD_SM90_GLUON_D256"),
     (128, 128, (), "_FWD_SM90_GLUON_WS"),
     (128, 128, ("softcap", "alibi"), "_FWD_SM90_GLUON"),
-    (64, 64, (), None),
+    (64, 64, (), "_FWD_SM90_GLUON_WS_D64"),
     (192, 128, ("headdim_v",), "_FWD_SM90_GLUON"),  # q and k read as 128 + 64 columns
     (192, 128, ("headdim_v", "window", "softcap", "alibi", "sink"), "_FWD_SM90_GLUON"),
     (192, 192, (), None),
@@ -227,7 +227,8 @@ def test_gluon_tiles_fit_their_programs_per_sm(tile, head_dim, head_dim_v, q_in_
     (256, 256, ("dropout",), None),
 ])
 def test_gluon_head_dims(monkeypatch, head_dim, head_dim_v, features, tile):
-    """Head dims 128 and 256 (q, k and v alike) and 192/128 take the Gluon kernel, with any of its features."""
+    """Head dims 64, 128 and 256 (q, k and v alike) and 192/128 take the Gluon kernels on 4096 full keys, with any of
+    their features."""
     from flashtile.backends.triton import configs
     monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
     window = (100, 0) if "window" in features else (-1, -1)
@@ -249,8 +250,7 @@ def test_head_dim_64_takes_the_warp_specialized_forward_once_switched_on(monkeyp
     under GLUON_SHORT_CAUSAL_KEYS keep the Gluon 64x64 tile either way."""
     from flashtile.backends.triton import configs
     monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
-    if switched_on:
-        monkeypatch.setattr(configs, "GLUON_WS_D64", configs._FWD_SM90_GLUON_WS_D64)
+    monkeypatch.setattr(configs, "GLUON_WS_D64", configs._FWD_SM90_GLUON_WS_D64 if switched_on else None)
     window = (100, 0) if "window" in features else (-1, 0 if causal else -1)
     cuda = torch.device("cuda", 0)
     cfg = configs.gluon_fwd_config(64, 64, torch.bfloat16, cuda, 1 << 22, seqlen_k, *window, frozenset(features),
@@ -270,12 +270,11 @@ def test_head_dim_64_takes_the_warp_specialized_forward_once_switched_on(monkeyp
 ])
 def test_d256_takes_the_warp_specialized_tile_only_when_switched_on(monkeypatch, switch, seqlen_k, window, features,
                                                                     takes_ws):
-    """GLUON_WS_D256 (off until its GPU A/B) sends long d=256 rows of its features to the warp-specialized kernel at
+    """GLUON_WS_D256 (on; None switches it off) sends long d=256 rows of its features to the warp-specialized kernel at
     d=128's floors; every other d=256 call, and all of them while it is off, keeps _FWD_SM90_GLUON_D256."""
     from flashtile.backends.triton import configs
     monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
-    if switch:
-        monkeypatch.setattr(configs, "GLUON_WS_D256", configs._FWD_SM90_GLUON_WS_D256)
+    monkeypatch.setattr(configs, "GLUON_WS_D256", configs._FWD_SM90_GLUON_WS_D256 if switch else None)
     cfg = configs.gluon_fwd_config(256, 256, torch.bfloat16, torch.device("cuda", 0), 1 << 20, seqlen_k, *window,
                                    frozenset(features), 30.0 if "softcap" in features else 0.0)
     assert cfg == (configs._FWD_SM90_GLUON_WS_D256 if switch and takes_ws else configs._FWD_SM90_GLUON_D256)

@@ -4,12 +4,11 @@ The dispatcher picks it for 16-bit calls of at least ``GLUON_MIN_PAIRS`` (row, k
 (half as many at 256): at 128 the 64x128 tile for full and causal rows (ALiBi and softcap too; long full
 rows with softcap only where the row max is held fixed: bf16, softcap <= 51.9), the 64x64 tile for
 sliding windows under 4096 keys, softcap with ALiBi and causal rows under 1024 keys; at 256 and 192/128 the
-64x64 tile, at 64 the 64x64 tile on plain causal rows under 1024 keys alone (configs.py; the warp-specialized
-kernel too once configs.GLUON_WS_D64 is on: its tests switch it on).
+64x64 tile, at 64 the 64x64 tile on plain causal rows under 1024 keys alone (configs.py).
 Full rows of GLUON_WS_FULL_KEYS keys and more and causal rows of GLUON_WS_CAUSAL_KEYS take the warp-specialized
 kernel (kernels/fwd_sm90_ws.py) instead; the tests of the one-warpgroup kernel raise those floors, its own tests
-(``ws_rows``) lower them. At d=256 it takes them only with configs.GLUON_WS_D256 switched on (off until its GPU A/B):
-the ``ws_d256`` tests switch it on.
+(``ws_rows``) lower them. At d=64 and 256 it takes them while configs.GLUON_WS_D64 / GLUON_WS_D256 hold a tile:
+the ``ws_d64`` / ``ws_d256`` tests make sure they do.
 These tests check which kernel and tile ran (by the kernel counter) and hold out, lse and the gradients
 (the Triton backward on its lse) to the tolerance rule.
 Lengths are awkward: not multiples of the 64-row tiles, seqlen_q != seqlen_k, rows that see no key,
@@ -391,7 +390,7 @@ def test_warp_specialized_forward_takes_long_rows(rng, monkeypatch, causal, extr
 
 @pytest.fixture
 def ws_d64(monkeypatch):
-    """The warp-specialized forward switched on at head dim 64 (configs.GLUON_WS_D64, off until its A/B), at its
+    """The warp-specialized forward switched on at head dim 64 (configs.GLUON_WS_D64), at its
     own key floors; returns the head dims of its launches (launch._forward_sm90_ws spied on), so a call that
     silently ran another kernel fails."""
     monkeypatch.setattr(configs, "GLUON_WS_D64", configs._FWD_SM90_GLUON_WS_D64)
@@ -414,7 +413,7 @@ D256 = (256, 256)
 
 @pytest.fixture
 def ws_d256(monkeypatch):
-    """The d=256 warp-specialized tile switched on (configs.GLUON_WS_D256, off until its GPU A/B); yields the head
+    """The d=256 warp-specialized tile switched on (configs.GLUON_WS_D256); yields the head
     dims of the warp-specialized launches that ran, so a test sees the launcher itself, not only the planned name."""
     monkeypatch.setattr(configs, "GLUON_WS_D256", configs._FWD_SM90_GLUON_WS_D256)
     launched = []
@@ -477,9 +476,9 @@ def test_warp_specialized_forward_at_head_dim_64_walks_many_tiles_per_cta(rng, m
 
 
 def test_head_dim_64_keeps_the_triton_kernel_while_its_warp_specialized_row_is_off(rng, monkeypatch):
-    """GLUON_WS_D64 is None until its A/B: long d=64 rows run the Triton kernel."""
+    """Switched off (GLUON_WS_D64 None), long d=64 rows run the Triton kernel."""
     monkeypatch.setattr(configs, "GLUON_WS_FULL_KEYS", WS_FLOORS[False])
-    assert configs.GLUON_WS_D64 is None
+    monkeypatch.setattr(configs, "GLUON_WS_D64", None)
     check(rng, 1, 300, WS_FLOORS[False] + 4, 4, 2, torch.bfloat16, "fwd[triton", head_dims=(64, 64))
 
 

@@ -279,19 +279,17 @@ GLUON_WS_FULL_KEYS = 4096
 GLUON_WS_CAUSAL_KEYS = 8192
 GLUON_WS_FEATURES = frozenset({"sink", "softcap", "alibi"})
 # GLUON_WS_D64, d=64, 16-bit: the warp-specialized forward's tile for the rows and features it takes at d=128 (the same
-# floors), else the Triton kernel; None: off. _FWD_SM90_GLUON_WS_D64 awaits the H200 A/B against the Triton table tile
-# (bf16, B = 16384 // N, 32 heads, N 1k/4k/16k, full and causal; scratch script fwd_ws_d64_ab.py). sm_90 ptxas of the
-# launcher's arguments (benchmarks/sm90_compile.py fwd-ws-d64[-n256][-s4][-sink] [causal] [softcap]), 240 registers a
-# consumer; spill stores a consumer, shared memory, SASS instructions a consumer; HGMMAs a consumer (S over 64 columns
-# 4, P V over 128 keys 8, two sites each):
-#   tile          evidence
-#   64x128 s2     0 STL in every case (plain, causal, sink, softcap; full and causal), 98.7 KB, 2330 / causal 2470-2560
-#                 instructions; 24 HGMMAs (d=128's 64x128 s2: 0-2 STL, 197 KB)
-#   64x128 s4     0 STL, 164.3 KB (s3 131.5 KB): a deeper ring for the A/B
-#   64x256 s2     225-271 STL a consumer (S_j's 128 registers, P_{j-1}'s 64 in flight and O's 32 exceed 240), 164 KB;
-#                 40 HGMMAs. FA3's 192 keys are no power of two for Gluon's tensors.
+# floors), else the Triton kernel; None: off. H200, bf16, B = 16384 // N, 32 heads, fwd TFLOP/s, Triton table tile /
+# 64x128 s2 / 64x128 s4, median of 2 interleaved rounds (benchmarks/gluon_ws_heads.py, the e02143e tree):
+#   rows                               evidence
+#   full 4x4096 / 1x16384              427/441/439, 442/458/452 (+3-4%)
+#   causal 1x16384                     423/445/436 (+5%)
+#   causal 4x4096 / 16x1024: floors    384/356/350, 273/203/198: under GLUON_WS_CAUSAL_KEYS the Triton tile stays
+# sm_90 ptxas (benchmarks/sm90_compile.py fwd-ws-d64[-n256][-s4][-sink] [causal] [softcap]), 240 registers a
+# consumer: 64x128 s2 0 STL in every case, 98.7 KB, 24 HGMMAs a consumer; s4 0 STL, 164.3 KB; 64x256 s2 225-271 STL
+# (S_j's 128 registers, P_{j-1}'s 64 in flight and O's 32 exceed 240). FA3's 192 keys are no power of two for Gluon.
 _FWD_SM90_GLUON_WS_D64 = TileConfig(64, 128, 4, 2, kernel="gluon-ws")
-GLUON_WS_D64 = None
+GLUON_WS_D64 = _FWD_SM90_GLUON_WS_D64
 
 
 def ws_ctas(causal: bool, tiles: int, sms: int) -> int:
@@ -311,20 +309,21 @@ def ws_ctas(causal: bool, tiles: int, sms: int) -> int:
 # d=64 takes the Gluon kernel for short causal rows only (GLUON_SHORT_CAUSAL_KEYS): elsewhere it gained at most 6%.
 _FWD_SM90_GLUON_D256 = TileConfig(64, 64, 4, 1, kernel="gluon")
 # GLUON_WS_D256, d=256, 16-bit: the warp-specialized forward's tile on the rows and features it takes at d=128 (the
-# same floors), else _FWD_SM90_GLUON_D256; None: off. It awaits the H200 A/B against _FWD_SM90_GLUON_D256 (bf16,
-# B = 16384 // N, 8 heads, N = 1k/4k/16k, full and causal; scratch script fwd_ws_d256_ab.py). Two 64-key slots
-# each of K and V (128 KB) leave room for one Q buffer (fwd_sm90_ws.q_buffers: 64 KB), 192 KB in all. sm_90 ptxas
-# (benchmarks/sm90_compile.py fwd-ws-d256-n64[-sink] [causal] [softcap]), consumers at 240 registers; a 64-key block
-# is 20 HGMMAs a consumer (16 for S, 4 for P V); spills: none in the key loop (4-8 stores a CTA's tile outside it, as
-# d=128 through this launcher has):
-#   tile                      shared   SASS a key block, consumer warp: full / causal / sink causal / softcap causal
-#   64x64, 2 slots, 1 Q       197 KB   628 / 693 / 693 / 534
-#   64x32, 2 slots, 2 Q       197 KB   450 / 483 for 32 keys (1.4x the non-matmul work a key), no spill at all: the
-#                                      A/B's runner-up
-# ALiBi (exact at 64 keys) spills 16-20 stores a consumer around the key loop and is not in the A/B: it stays on
+# same floors), else _FWD_SM90_GLUON_D256; None: off. Two 64-key slots each of K and V (128 KB) leave room for one Q
+# buffer (fwd_sm90_ws.q_buffers: 64 KB), released once both consumers' last S of the tile has read it. H200, bf16,
+# B = 16384 // N, 8 heads, fwd TFLOP/s, 64x64 one warpgroup / WS 64-key slots, one Q / WS 32-key slots, two Q,
+# median of 2 interleaved rounds (benchmarks/gluon_ws_heads.py, the e02143e tree):
+#   rows                               evidence
+#   full 4x4096 / 1x16384              598/631/484, 640/662/508 (+3-6%)
+#   causal 1x16384                     623/660/486 (+6%)
+#   causal 4x4096, full 16x1024        512/559/410, 506/538/422: faster, but under the floors (not taken)
+#   causal 16x1024                     379/369/296
+# sm_90 ptxas (benchmarks/sm90_compile.py fwd-ws-d256-n64[-sink] [causal] [softcap]), consumers at 240 registers,
+# 20 HGMMAs a 64-key block (16 for S, 4 for P V), 197 KB; 1-8 spill stores a CTA's tile outside the key loop, none
+# in it. ALiBi (exact at 64 keys) spills 16-20 stores a consumer around the key loop: it stays on
 # _FWD_SM90_GLUON_D256 (GLUON_WS_D256_FEATURES).
 _FWD_SM90_GLUON_WS_D256 = TileConfig(64, 64, 4, 2, kernel="gluon-ws")
-GLUON_WS_D256 = None
+GLUON_WS_D256 = _FWD_SM90_GLUON_WS_D256
 GLUON_WS_D256_FEATURES = frozenset({"sink", "softcap"})
 
 

@@ -352,17 +352,22 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
                     if not FIXED_MAX:
                         # O now holds blocks up to j - 1 under the old row max: move it to the new one.
                         acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
-                # Every S of this tile has been read: its Q buffer is free (the producer may load the next
-                # tile's Q under the last PV product and the store).
-                mbarrier.arrive(q_empty.index(qb), count=1)
+                if Q_BUFFERS == 1:
+                    # Every S of this tile has been read: the one Q buffer is free (the producer may load the
+                    # next tile's Q under the last PV product and the store).
+                    mbarrier.arrive(q_empty.index(qb), count=1)
                 last, ph_last = _slot(base + je - 1, STAGES)
                 mbarrier.wait(v_ready.index(last), ph_last)
                 acc, pv = _pv_mma(_p_operand(p, p_layout, dtype, True), _v_operand(v_smem, last, FP8), acc,
                                   pv_zero, TWO_LEVEL)
                 acc = _pv_done(acc, pv, TWO_LEVEL)
                 mbarrier.arrive(v_empty.index(last), count=1)
-            else:
+            elif Q_BUFFERS == 1:
                 # No key block of this tile for these rows: Q is not read.
+                mbarrier.arrive(q_empty.index(qb), count=1)
+            if Q_BUFFERS == 2:
+                # This Q buffer is free for the tile after next (released late: an arrive inside the key
+                # loop's branch cost FP8 d256 4% at 16k).
                 mbarrier.arrive(q_empty.index(qb), count=1)
             for j in range(je, n):
                 _release_unread(k_ready, k_empty, v_ready, v_empty, turn, base + j, STAGES, WG, PINGPONG)

@@ -1,0 +1,120 @@
+"""The warp-specialized Hopper forward at head dims 64 and 256 (configs.GLUON_WS_D64 / GLUON_WS_D256) against
+the kernel each head dim ran before it, in one run: evidence for those two config rows.
+
+Through ``launch.forward(config=...)``, bf16, the headline's shapes (B = 16384 // N, H = 2048 // d; N 1k/4k/16k,
+full and causal); variants by head dim:
+
+  d=64   triton  configs.fwd_config's Triton tile
+         ws      configs._FWD_SM90_GLUON_WS_D64: 2 x 64-row consumers, two slots of 128 keys (98.7 KB)
+         ws-s4   the same with four slots (164.3 KB)
+  d=256  gluon   configs._FWD_SM90_GLUON_D256: one warpgroup, 64x64, one K and one V slot
+         ws      configs._FWD_SM90_GLUON_WS_D256: two 64-key slots each of K and V, one Q buffer (197 KB)
+         ws-n32  the same with 32-key slots and two Q buffers (197 KB)
+
+Each variant's out and lse on the first two heads of batch row 0 are held to the tolerance rule against float32
+attention before any timing (a wrong or failing variant is reported, not timed); then ``triton.testing.do_bench``
+(L2 flushed) times the correct ones, interleaved, ``--rounds`` rounds. One line a shape: TF/s of each and each
+against the first variant.
+
+    python benchmarks/gluon_ws_heads.py [--dims 64 256] [--seqlens 1024 4096 16384] [--rounds 2]
+        -> $OUT (default /tmp)/h200-gluon-ws-heads-<date>.json
+"""
+import argparse
+import dataclasses
+import itertools
+import os
+import statistics
+import sys
+
+import torch
+import triton
+
+from flashtile import validation
+from flashtile.backends.triton import configs, launch
+from flashtile.bench import common
+from flashtile.testing import ATOL, assert_close_to_ref, attention_ref, make_qkv
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from host_time import save_results  # noqa: E402
+
+TOKENS, WIDTH, REF_HEADS = 16384, 2048, 2
+
+
+def variants(head_dim: int, seqlen: int, causal: bool) -> dict:
+    """name -> tile, the kernel the head dim ran before first."""
+    if head_dim == 64:
+        ws = configs._FWD_SM90_GLUON_WS_D64
+        before = configs.fwd_config(64, torch.bfloat16, torch.device("cuda"), seqlen, -1, 0 if causal else -1)
+        return {"triton": before, "ws": ws, "ws-s4": dataclasses.replace(ws, num_stages=4)}
+    ws = configs._FWD_SM90_GLUON_WS_D256
+    return {"gluon": configs._FWD_SM90_GLUON_D256, "ws": ws, "ws-n32": dataclasses.replace(ws, BLOCK_N=32)}
+
+
+def wrong(out, lse, ref_hi, ref_lo) -> str:
+    """'' when the first heads of batch row 0 pass the tolerance rule, else why not."""
+    try:
+        assert_close_to_ref("out", out[:1, :, :REF_HEADS], ref_hi[0], ref_lo[0], ATOL[torch.bfloat16][0])
+        assert_close_to_ref("lse", lse[:1, :REF_HEADS], ref_hi[1], ref_lo[1], ATOL[torch.bfloat16][0])
+    except AssertionError as error:
+        return str(error).splitlines()[0]
+    return ""
+
+
+def one_shape(head_dim: int, seqlen: int, causal: bool, rounds: int) -> dict:
+    batch, nheads = TOKENS // seqlen, WIDTH // head_dim
+    q, k, v = make_qkv(batch, seqlen, seqlen, nheads, nheads, head_dim, torch.bfloat16, "cuda", requires_grad=False)
+    attn = validation.attn_args(q, k, v, causal=causal)
+    heads = [t[:1, :, :REF_HEADS] for t in (q, k, v)]
+    ref_hi = attention_ref(*heads, causal=causal, upcast=True)
+    ref_lo = attention_ref(*heads, causal=causal, upcast=False)
+    row = dict(d=head_dim, N=seqlen, B=batch, H=nheads, causal=causal, notes=[], tiles={}, ms={}, tflops={})
+    runs = {}
+    for name, cfg in variants(head_dim, seqlen, causal).items():
+        row["tiles"][name] = dataclasses.asdict(cfg)
+        try:
+            out, lse = launch.forward(q, k, v, attn, config=cfg)
+            torch.cuda.synchronize()
+        except Exception as error:  # a variant that cannot run is reported, the others go on
+            row["notes"].append(f"{name} FAILED: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
+            continue
+        bad = wrong(out, lse, ref_hi, ref_lo)
+        if bad:
+            row["notes"].append(f"{name} WRONG: {bad}")
+            continue
+        runs[name] = lambda cfg=cfg: launch.forward(q, k, v, attn, config=cfg)
+    times = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            times[name].append(triton.testing.do_bench(fn, warmup=10, rep=50))
+    flops = common.fwd_flops(batch, nheads, seqlen, head_dim, causal)
+    for name, ts in times.items():
+        row["ms"][name] = ts
+        row["tflops"][name] = common.tflops(flops, statistics.median(ts))
+    return row
+
+
+def line(row: dict) -> str:
+    tf = row["tflops"]
+    first = next(iter(row["tiles"]))
+    parts = [f"d{row['d']:<3} N{row['N']:<5} B{row['B']:<2} H{row['H']:<2} {'causal' if row['causal'] else 'full  '}"]
+    parts += [f"{name} {value:6.1f}" for name, value in tf.items()]
+    parts += [f"{name}/{first} {tf[name] / tf[first]:.3f}" for name in tf if name != first and first in tf]
+    return " | ".join(parts + row["notes"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dims", type=int, nargs="+", default=[64, 256], choices=[64, 256])
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds a variant")
+    args = parser.parse_args()
+    rows = []
+    for head_dim, seqlen, causal in itertools.product(args.dims, args.seqlens, (False, True)):
+        rows.append(one_shape(head_dim, seqlen, causal, args.rounds))
+        print(line(rows[-1]), flush=True)
+        torch.cuda.empty_cache()
+    print(save_results("gluon-ws-heads", rows, " ".join(sys.argv), rounds=args.rounds))
+
+
+if __name__ == "__main__":
+    main()

@@ -136,6 +136,85 @@ def test_quantize_varlen_kernel_matches_twin(rng):
         _assert_same_quantization(ours, twin)
 
 
+def _owned_columns(cu: list, width: int) -> torch.Tensor:
+    """The packed V^T columns that hold keys of well-formed offsets ``cu`` (pack_v_t's layout)."""
+    owned = torch.zeros(width, dtype=torch.bool)
+    for b, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
+        column = start // 16 * 16 + 16 * b
+        owned[column:column + end - start] = True
+    return owned
+
+
+@pytest.mark.parametrize("block_quant", [True, False])
+@pytest.mark.parametrize("lengths_q,lengths_k,head,tail", [
+    ([37, 0, 130], [129, 5, 200], 0, 3),  # an empty sequence, rows after the last
+    ([16, 32, 1], [16, 48, 127], 0, 0),   # keys ending on 16-key boundaries: a 16-column gap after each
+    ([3, 50], [21, 77], 5, 19),           # rows before the first sequence and after the last
+    ([1], [1], 0, 0),
+])
+def test_quantize_varlen_writes_every_byte(rng, lengths_q, lengths_k, head, tail, block_quant):
+    """Into poisoned outputs (no memset before the kernel), packed: the twin's values, and as 0 every row of q8 and
+    k8 outside the sequences and every column of V^T between them (the FP8 attention's TMA reads past a
+    sequence's keys: its P there is 0, so those bytes must be finite); blocks past a short sequence keep descale
+    1."""
+    from flashtile.backends.triton import quant
+    cu_q = [head + c for c in testing.cu_seqlens_of(lengths_q).tolist()]
+    cu_k = [head + c for c in testing.cu_seqlens_of(lengths_k).tolist()]
+    max_q, max_k = max(lengths_q), max(lengths_k)
+    q = torch.randn(cu_q[-1] + tail, 4, 64, generator=rng).to(DEVICE, torch.float16)
+    k = torch.randn(cu_k[-1] + tail, 2, 64, generator=rng).to(DEVICE, torch.float16)
+    v = torch.randn(cu_k[-1] + tail, 2, 64, generator=rng).to(DEVICE, torch.float16)
+    cu_q_t, cu_k_t = (torch.tensor(cu, dtype=torch.int32, device=DEVICE) for cu in (cu_q, cu_k))
+    args = AttnArgs(softmax_scale=0.125, cu_seqlens_q=cu_q_t, cu_seqlens_k=cu_k_t, max_seqlen_q=max_q,
+                    max_seqlen_k=max_k)
+    ours = quant.quantize(q, k, v, block_quant, True, 0, cu_q_t, cu_k_t, max_q, max_k)
+    _assert_same_quantization(ours, torch_fp8.quantize_varlen(q, k, v, args, block_quant, True, 0))
+    q8, k8, v8_t = (x.view(torch.uint8) for x in ours[:3])
+    for x8, cu in ((q8, cu_q), (k8, cu_k)):
+        assert (x8[:cu[0]] == 0).all() and (x8[cu[-1]:] == 0).all()
+    assert (v8_t[..., ~_owned_columns(cu_k, v8_t.shape[2])] == 0).all()
+    if block_quant:
+        for descale, lengths in ((ours[3], lengths_q), (ours[4], lengths_k)):
+            for b, n in enumerate(lengths):
+                assert (descale[b, :, max(1, -(-n // 128)):] == 1).all()
+
+
+def _guarded_empty(allocations: list):
+    """An ``alloc.empty`` whose buffers sit between two guard bands of 64 bytes of 0xA5 (kept in
+    ``allocations``), poisoned as alloc.empty poisons them."""
+    def empty(shape, dtype, device):
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        raw = torch.full((nbytes + 128, ), 0xA5, dtype=torch.uint8, device=device)
+        allocations.append(raw)
+        return raw[64:64 + nbytes].view(dtype).view(shape).fill_(float("nan"))
+    return empty
+
+
+@pytest.mark.parametrize("cu_q,cu_k,max_q,max_k", [
+    ([50, 3, 1000, -7], [-5, 30, 20, 400], 40, 40),  # negative, decreasing and past the end
+    ([0, 40, 40], [0, 40, 40], 17, 3),                # sequences longer than max_seqlen (past the grid)
+    ([40, 0], [39, 39], 1, 1),                         # one sequence, start past its end
+])
+def test_quantize_varlen_hostile_offsets_stay_in_bounds(monkeypatch, rng, cu_q, cu_k, max_q, max_k):
+    """Whatever cu_seqlens hold, the quantizer's stores stay inside its outputs (the FP8 attention records bad
+    offsets; the quantizer only must not write out of bounds): the bytes around every output are untouched."""
+    from flashtile import alloc
+    from flashtile.backends.triton import quant
+    allocations = []
+    monkeypatch.setattr(alloc, "empty", _guarded_empty(allocations))
+    monkeypatch.setattr(quant, "empty", _guarded_empty(allocations))
+    q = torch.randn(40, 4, 128, generator=rng).to(DEVICE, torch.float16)
+    k, v = (torch.randn(39, 2, 128, generator=rng).to(DEVICE, torch.float16) for _ in range(2))
+    cu_q_t, cu_k_t = (torch.tensor(cu, dtype=torch.int32, device=DEVICE) for cu in (cu_q, cu_k))
+    for block_quant in (True, False):
+        quant.quantize(q, k, v, block_quant, True, 0, cu_q_t, cu_k_t, max_q, max_k)
+    if HAS_CUDA:
+        torch.cuda.synchronize()
+    assert len(allocations) >= 5
+    for raw in allocations:
+        assert (raw[:64] == 0xA5).all() and (raw[-64:] == 0xA5).all()
+
+
 def test_rotation_is_orthonormal_and_keeps_scores():
     for head_dim in (64, 128, 256):
         r = torch_fp8.hadamard_signs(head_dim, seed=7, dtype=torch.float64) / math.sqrt(head_dim)

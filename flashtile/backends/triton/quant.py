@@ -17,7 +17,7 @@ from ...alloc import empty
 from ..torch_fp8 import FP8_DTYPE, QUANT_BLOCK, descale_of, hadamard_signs, packed_vt_width
 from . import interpreter_enabled
 from .fastlaunch import CachedLaunch
-from .host import cdiv, input_precision, on_device, tma_rows, unit_stride
+from .host import bsh_strides, cdiv, input_precision, on_device, tma_rows, unit_stride
 from .kernels.quant_fp8 import quantize_fp8
 
 # Warps per program (one QUANT_BLOCK x head-dim tile, rotated in one dot, one stage) and the registers a thread, by
@@ -48,11 +48,6 @@ _STRIDES = ("stride_qb", "stride_qm", "stride_qh", "stride_kb", "stride_km", "st
             "stride_vah")
 
 
-def _bsh(t: torch.Tensor, varlen: bool) -> tuple:
-    """(batch, row, head) strides; packed tensors have batch stride 0."""
-    return (0, t.stride(0), t.stride(1)) if varlen else (t.stride(0), t.stride(1), t.stride(2))
-
-
 def quantize(q, k, v, block_quant: bool = True, incoherent: bool = True, seed: int = 0, cu_seqlens_q=None,
              cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0):
     """``(q8, k8, v8_t, q_descale, k_descale, v_descale)`` of 16-bit (or fp32) q, k, v with a head dim of 64,
@@ -68,28 +63,26 @@ def quantize(q, k, v, block_quant: bool = True, incoherent: bool = True, seed: i
     nheads_kv = k.shape[-2]
     if varlen:
         batch, seqlen_q, seqlen_k = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
-        # Rows outside every sequence are never written by the kernel: zeros, not poison.
-        q8, k8 = (torch.zeros(x.shape, dtype=dtype, device=x.device) for x in (q, k))
-        # Packed V^T: each sequence from a 16-byte-aligned column (torch_fp8.pack_v_t), zeros between them.
-        v8_t = tma_rows((nheads_kv, head_dim, packed_vt_width(v.shape[0], batch)), dtype, v.device, zeros=True)
+        # Packed V^T: each sequence from a 16-byte-aligned column (torch_fp8.pack_v_t). The kernel writes every
+        # byte, the zeros outside the sequences included: no memset (a whole extra write of the outputs).
+        v8_t = tma_rows((nheads_kv, head_dim, packed_vt_width(v.shape[0], batch)), dtype, v.device)
         vt_strides = (0, *v8_t.stride())
     else:
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
-        q8, k8 = (empty(x.shape, dtype, x.device) for x in (q, k))
         v8_t = tma_rows((batch, nheads_kv, head_dim, seqlen_k), dtype, v.device)
         vt_strides = v8_t.stride()
+    q8, k8 = (empty(x.shape, dtype, x.device) for x in (q, k))
     blocks_q, blocks_k = cdiv(max(seqlen_q, 1), QUANT_BLOCK), cdiv(max(seqlen_k, 1), QUANT_BLOCK)
     rotation = hadamard_signs(head_dim, seed, q.device, q.dtype)
     grid = (max(blocks_q, blocks_k), batch, 2 * nheads_kv)
-    q_descale, k_descale, v_amax, v_descale = _scale_buffers(batch, nheads_kv, blocks_q, blocks_k, block_quant,
-                                                              varlen, q.device)
+    q_descale, k_descale, v_amax, v_descale = _scale_buffers(batch, nheads_kv, blocks_q, blocks_k, q.device)
     # Under the interpreter the cast tensors are fp32 stand-ins: their dtype is in the key with the layouts.
     layouts = tuple((t.shape, t.stride(), t.dtype) for t in (q, k, v, q8, k8, v8_t))
 
     def launch(targets, qk_mode: str, v_mode: str):
         def static():
-            strides = (*_bsh(q, varlen), *_bsh(k, varlen), *_bsh(v, varlen), *_bsh(q8, varlen), *_bsh(k8, varlen),
-                       *vt_strides, *(stride for t in targets for stride in t.stride()), *v_amax.stride()[:2])
+            strides = (*(stride for t in (q, k, v, q8, k8) for stride in bsh_strides(t, varlen)), *vt_strides,
+                       *(stride for t in targets for stride in t.stride()), *v_amax.stride()[:2])
             return dict(zip(_STRIDES, strides), nheads_kv=nheads_kv, group=nheads // nheads_kv,
                         inv_sqrt_d=1.0 / math.sqrt(head_dim), HEAD_DIM=head_dim, BLOCK=QUANT_BLOCK,
                         ROTATE=incoherent, QK_MODE=qk_mode, V_MODE=v_mode, VARLEN=varlen,
@@ -116,22 +109,16 @@ def quantize(q, k, v, block_quant: bool = True, incoherent: bool = True, seed: i
     return (*_cast(q8, k8, v8_t), *per_tensor)
 
 
-def _scale_buffers(batch: int, nheads_kv: int, blocks_q: int, blocks_k: int, block_quant: bool, varlen: bool,
-                   device) -> tuple:
+def _scale_buffers(batch: int, nheads_kv: int, blocks_q: int, blocks_k: int, device) -> tuple:
     """``(q_descale, k_descale, v_amax, v_descale)`` float32 ``(batch, nheads_kv, blocks_q | blocks_k | blocks_k)``
-    and ``(batch, nheads_kv)``: views of one allocation (each costs the host a few microseconds). Dense, every
-    block is written by the kernel. Packed, blocks past a short sequence are never visited: descale 1 there, or
-    amax 0 where a buffer takes amaxes (v's with block scales, all three with per-tensor scales)."""
+    and ``(batch, nheads_kv)``: views of one allocation (each costs the host a few microseconds). Every block is
+    written by the kernel: packed, those past a short sequence by the programs that find no rows there (descale 1,
+    or amax 0 where a buffer takes amaxes), so the buffer needs no fill."""
     rows = batch * nheads_kv
     sizes = (rows * blocks_q, rows * blocks_k, rows * blocks_k, rows)
     # Each view starts 16 bytes apart, as its own allocation would (kernels are specialized on that alignment).
     padded = [cdiv(size, 4) * 4 for size in sizes]
-    if varlen:
-        buffer = torch.zeros(sum(padded), device=device, dtype=torch.float32)
-        if block_quant:
-            buffer[:padded[0] + padded[1]] = 1.0
-    else:
-        buffer = empty((sum(padded), ), torch.float32, device)
+    buffer = empty((sum(padded), ), torch.float32, device)
     parts = [part[:size] for part, size in zip(buffer.split(padded), sizes)]
     return (parts[0].view(batch, nheads_kv, blocks_q), parts[1].view(batch, nheads_kv, blocks_k),
             parts[2].view(batch, nheads_kv, blocks_k), parts[3].view(batch, nheads_kv))

@@ -39,18 +39,19 @@ def _block_values(X, r, rows, row_ok, stride_xm, inv_sqrt_d,
 
 
 @triton.jit
-def _store_block(X8, y, descale, rows, row_ok, stride_8m, stride_8d, HEAD_DIM: tl.constexpr,
+def _store_block(X8, y, descale, rows, store_ok, stride_8m, stride_8d, HEAD_DIM: tl.constexpr,
                  TRANSPOSED: tl.constexpr, FMA: tl.constexpr):
-    """``y / descale``, saturated and cast, into rows ``rows`` of X8 (element ``(m, d)`` at ``X8 + m * stride_8m +
-    d * stride_8d``; ``TRANSPOSED``: ``stride_8m`` is 1, and the tile is written as ``(HEAD_DIM, BLOCK)``)."""
+    """``y / descale``, saturated and cast, into the rows ``rows`` of X8 where ``store_ok`` (element ``(m, d)`` at
+    ``X8 + m * stride_8m + d * stride_8d``; ``TRANSPOSED``: ``stride_8m`` is 1, and the tile is written as
+    ``(HEAD_DIM, BLOCK)``)."""
     # Saturate: e4m3 has no infinity, and a value past 448 would become NaN.
     y8 = tl.minimum(tl.maximum(_divide(y, descale, FMA), -FP8_MAX), FP8_MAX).to(X8.dtype.element_ty)
     offs_d = tl.arange(0, HEAD_DIM)
     if TRANSPOSED:
         # Keys along the fastest dim of the stored tile: each VT8 row is one contiguous run of BLOCK bytes.
-        tl.store(X8 + offs_d[:, None].to(tl.int64) * stride_8d + rows[None, :], tl.trans(y8), mask=row_ok[None, :])
+        tl.store(X8 + offs_d[:, None].to(tl.int64) * stride_8d + rows[None, :], tl.trans(y8), mask=store_ok[None, :])
     else:
-        tl.store(X8 + rows[:, None].to(tl.int64) * stride_8m + offs_d[None, :], y8, mask=row_ok[:, None])
+        tl.store(X8 + rows[:, None].to(tl.int64) * stride_8m + offs_d[None, :], y8, mask=store_ok[:, None])
 
 
 @triton.jit
@@ -102,29 +103,31 @@ def _reduced_descale(AMAX, n_blocks, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _quantize_block(X, X8, DESCALE, R, row0, n_rows, heads, stride_xm, stride_xh, stride_8m, stride_8h, stride_8d,
-                    inv_sqrt_d, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROTATE: tl.constexpr,
+def _quantize_block(X, X8, DESCALE, R, row0, n_rows, n_stored, heads, stride_xm, stride_xh, stride_8m, stride_8h,
+                    stride_8d, inv_sqrt_d, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROTATE: tl.constexpr,
                     MODE: tl.constexpr, TRANSPOSED: tl.constexpr, INPUT_PRECISION: tl.constexpr, FMA: tl.constexpr):
     """Quantize rows ``row0 : min(row0 + BLOCK, n_rows)`` of ``heads`` heads of X (row ``m`` of head ``h`` at
     ``X + m * stride_xm + h * stride_xh``, unit column stride) into X8 (head ``h`` at ``X8 + h * stride_8h``,
-    see :func:`_store_block`), rotated by R with ``ROTATE``, all under the one descale at ``DESCALE``: read with ``MODE`` "given"; else the
-    heads' amax is taken first and written ("amax", which stores nothing else), or its descale ("compute")."""
+    see :func:`_store_block`), rotated by R with ``ROTATE``, all under the one descale at ``DESCALE``: read with
+    ``MODE`` "given"; else the heads' amax is taken first and written ("amax", which stores nothing else), or its
+    descale ("compute"). Rows up to ``n_stored`` (at least ``n_rows``) are stored, those past ``n_rows`` as 0."""
     rows = row0 + tl.arange(0, BLOCK)
     row_ok = rows < n_rows
+    store_ok = rows < n_stored
     r = R
     if ROTATE:
         # The (HEAD_DIM, HEAD_DIM) +-1 matrix, loaded once for all of the block's heads.
         offs_d = tl.arange(0, HEAD_DIM)
         r = tl.load(R + offs_d[:, None] * HEAD_DIM + offs_d[None, :])
     if MODE == "given":
-        _cast_block(X, X8, tl.load(DESCALE), r, rows, row_ok, heads, stride_xm, stride_xh, stride_8m, stride_8h,
-                    stride_8d, inv_sqrt_d, HEAD_DIM, ROTATE, TRANSPOSED, INPUT_PRECISION, FMA)
+        _cast_block(X, X8, tl.load(DESCALE), r, rows, row_ok, store_ok, heads, stride_xm, stride_xh, stride_8m,
+                    stride_8h, stride_8d, inv_sqrt_d, HEAD_DIM, ROTATE, TRANSPOSED, INPUT_PRECISION, FMA)
     elif heads == 1:
         # One head: its amax and its cast from the same registers, one read of the block.
         y = _block_values(X, r, rows, row_ok, stride_xm, inv_sqrt_d, HEAD_DIM, ROTATE, INPUT_PRECISION)
         descale = _block_scale(DESCALE, tl.max(tl.abs(y)), MODE)
         if MODE == "compute":
-            _store_block(X8, y, descale, rows, row_ok, stride_8m, stride_8d, HEAD_DIM, TRANSPOSED, FMA)
+            _store_block(X8, y, descale, rows, store_ok, stride_8m, stride_8d, HEAD_DIM, TRANSPOSED, FMA)
     else:
         # A GQA group shares the scale: every head's amax first, then every head's cast (a second read).
         amax = 0.0
@@ -134,19 +137,51 @@ def _quantize_block(X, X8, DESCALE, R, row0, n_rows, heads, stride_xm, stride_xh
             amax = tl.maximum(amax, tl.max(tl.abs(y)))
         descale = _block_scale(DESCALE, amax, MODE)
         if MODE == "compute":
-            _cast_block(X, X8, descale, r, rows, row_ok, heads, stride_xm, stride_xh, stride_8m, stride_8h,
-                        stride_8d, inv_sqrt_d, HEAD_DIM, ROTATE, TRANSPOSED, INPUT_PRECISION, FMA)
+            _cast_block(X, X8, descale, r, rows, row_ok, store_ok, heads, stride_xm, stride_xh, stride_8m,
+                        stride_8h, stride_8d, inv_sqrt_d, HEAD_DIM, ROTATE, TRANSPOSED, INPUT_PRECISION, FMA)
 
 
 @triton.jit
-def _cast_block(X, X8, descale, r, rows, row_ok, heads, stride_xm, stride_xh, stride_8m, stride_8h, stride_8d,
-                inv_sqrt_d, HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr, TRANSPOSED: tl.constexpr,
+def _cast_block(X, X8, descale, r, rows, row_ok, store_ok, heads, stride_xm, stride_xh, stride_8m, stride_8h,
+                stride_8d, inv_sqrt_d, HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr, TRANSPOSED: tl.constexpr,
                 INPUT_PRECISION: tl.constexpr, FMA: tl.constexpr):
     """Each head's (rotated) rows ``rows`` of X, divided by ``descale``, saturated and cast into X8."""
     for h in range(heads):
         y = _block_values(X + h * stride_xh, r, rows, row_ok, stride_xm, inv_sqrt_d, HEAD_DIM, ROTATE,
                           INPUT_PRECISION)
-        _store_block(X8 + h * stride_8h, y, descale, rows, row_ok, stride_8m, stride_8d, HEAD_DIM, TRANSPOSED, FMA)
+        _store_block(X8 + h * stride_8h, y, descale, rows, store_ok, stride_8m, stride_8d, HEAD_DIM, TRANSPOSED,
+                     FMA)
+
+
+@triton.jit
+def _past_block_scale(DESCALE, MODE: tl.constexpr):
+    """What a block past its sequence's rows holds: amax 0 ("amax"), descale 1 ("compute"), as an empty block's."""
+    if MODE == "amax":
+        tl.store(DESCALE, 0.0)
+    elif MODE == "compute":
+        tl.store(DESCALE, 1.0)
+
+
+@triton.jit
+def _zero_rows(X8, row0, row1, heads, stride_8m, stride_8h, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """Zeros into rows ``[row0, row1)`` of heads ``[0, heads)`` of X8 (unit column stride); none if empty."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    zeros = tl.zeros((BLOCK, HEAD_DIM), dtype=X8.dtype.element_ty)
+    for m0 in range(row0, row1, BLOCK):
+        rows = m0 + tl.arange(0, BLOCK)
+        for h in range(heads):
+            tl.store(X8 + h * stride_8h + rows[:, None].to(tl.int64) * stride_8m + offs_d[None, :], zeros,
+                     mask=rows[:, None] < row1)
+
+
+@triton.jit
+def _zero_columns(VT8, col0, col1, stride_vtd, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """Zeros into columns ``[col0, col1)`` of the ``(HEAD_DIM, columns)`` rows of VT8 (unit column stride)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    zeros = tl.zeros((HEAD_DIM, BLOCK), dtype=VT8.dtype.element_ty)
+    for c0 in range(col0, col1, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        tl.store(VT8 + offs_d[:, None].to(tl.int64) * stride_vtd + cols[None, :], zeros, mask=cols[None, :] < col1)
 
 
 @triton.jit
@@ -162,38 +197,62 @@ def quantize_fp8(Q, K, V, Q8, K8, VT8, Q_DESCALE, K_DESCALE, V_DESCALE, V_AMAX, 
     """Descales are indexed ``(b, kv_head, block)`` by their strides (a per-tensor descale comes with a block
     stride of 0); q's query heads ``[g * group, (g + 1) * group)`` share KV head ``g``'s. ``VARLEN``: the rows of
     sequence ``b`` start at ``cu_seqlens[b]`` of packed tensors (batch strides 0) and blocks count from that
-    start. VT8's key stride ``stride_vtm`` is 1. ``V_MODE`` "reduce": v's descale (one per (b, kv_head)) is that
-    of the largest of its blocks' amaxes at V_AMAX (``(b, kv_head, block)``, unit block stride, the "amax"
-    launch's), written by the sequence's first block, and v is cast with it."""
+    start. VT8's key stride ``stride_vtm`` is 1 and its row pitch ``stride_vtd`` a multiple of 16, past the last
+    key (the host's ``tma_rows``). ``V_MODE`` "reduce": v's descale (one per (b, kv_head)) is that of the largest
+    of its blocks' amaxes at V_AMAX (``(b, kv_head, block)``, unit block stride, the "amax" launch's), written by
+    the sequence's first block, and v is cast with it.
+
+    Every byte of the outputs is written by the launch that casts (no memset before it), the padding as the FP8
+    attention reads it: a sequence's V^T columns up to the next 16-byte boundary (stored with its keys, zero past
+    them: the mask then comes in 16-key groups, one vector store each) and, packed, every other column and every
+    row outside all sequences as 0, written by the sequence's first block (the first and last sequences also
+    those before and after them); blocks of a descale past a short sequence hold amax 0 or descale 1."""
     blk = tl.program_id(0)
     off_b = tl.program_id(1)
     head = tl.program_id(2)
+    # The grid's bounds: blocks of the longest sequence (varlen) or of every one.
+    blocks_q = tl.cdiv(tl.maximum(seqlen_q, 1), BLOCK)
+    blocks_k = tl.cdiv(tl.maximum(seqlen_k, 1), BLOCK)
     # Offsets clamped inside the packed rows (total_q / total_k) whatever they hold; the attention records them.
     q_start, seqlen_q, k_start, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K,
                                                     CU_SEQLENS_Q, total_q, total_k, CU_SEQLENS_Q, VARLEN, False, False)
+    last = off_b == tl.num_programs(1) - 1
     # Packed V^T: each sequence's keys from a 16-byte-aligned column (the FP8 attention's TMA reads no other).
     v_start = k_start
     if VARLEN:
         v_start = packed_vt_start(k_start, off_b)
+    # V^T columns stored with the keys: up to the 16-byte boundary past them, inside the row pitch.
+    v_stored = tl.minimum(tl.cdiv(seqlen_k, 16) * 16, stride_vtd - v_start)
     off_b = off_b.to(tl.int64)
     if head < nheads_kv:
         if QK_MODE != "skip":
+            q_head = head * group
+            q8 = Q8 + off_b * stride_q8b + q_head * stride_q8h
             if blk * BLOCK < tl.maximum(seqlen_q, 1):
-                q_head = head * group
                 _quantize_block(Q + off_b * stride_qb + q_head * stride_qh + q_start.to(tl.int64) * stride_qm,
-                                Q8 + off_b * stride_q8b + q_head * stride_q8h + q_start.to(tl.int64) * stride_q8m,
+                                q8 + q_start.to(tl.int64) * stride_q8m,
                                 Q_DESCALE + off_b * stride_qdb + head * stride_qdh + blk * stride_qdm,
-                                R, blk * BLOCK, seqlen_q, group, stride_qm, stride_qh,
+                                R, blk * BLOCK, seqlen_q, seqlen_q, group, stride_qm, stride_qh,
                                 stride_q8m, stride_q8h, 1, inv_sqrt_d, HEAD_DIM, BLOCK, ROTATE, QK_MODE, False,
                                 INPUT_PRECISION, FMA)
+            elif VARLEN and blk < blocks_q:
+                _past_block_scale(Q_DESCALE + off_b * stride_qdb + head * stride_qdh + blk * stride_qdm, QK_MODE)
+            if VARLEN and (QK_MODE == "compute" or QK_MODE == "given") and blk == 0:
+                # Rows before the first sequence and after the last (none for well-formed offsets).
+                _zero_rows(q8, tl.where(off_b == 0, 0, q_start), q_start, group, stride_q8m, stride_q8h, HEAD_DIM,
+                           BLOCK)
+                _zero_rows(q8, q_start + seqlen_q, tl.where(last, total_q, 0), group, stride_q8m, stride_q8h,
+                           HEAD_DIM, BLOCK)
     else:
         head_kv = head - nheads_kv
+        k8 = K8 + off_b * stride_k8b + head_kv * stride_k8h
+        vt8 = VT8 + off_b * stride_vtb + head_kv * stride_vth
         if blk * BLOCK < tl.maximum(seqlen_k, 1):
             if QK_MODE != "skip":
                 _quantize_block(K + off_b * stride_kb + head_kv * stride_kh + k_start.to(tl.int64) * stride_km,
-                                K8 + off_b * stride_k8b + head_kv * stride_k8h + k_start.to(tl.int64) * stride_k8m,
+                                k8 + k_start.to(tl.int64) * stride_k8m,
                                 K_DESCALE + off_b * stride_kdb + head_kv * stride_kdh + blk * stride_kdm,
-                                R, blk * BLOCK, seqlen_k, 1, stride_km, 0, stride_k8m,
+                                R, blk * BLOCK, seqlen_k, seqlen_k, 1, stride_km, 0, stride_k8m,
                                 0, 1, inv_sqrt_d, HEAD_DIM, BLOCK, ROTATE, QK_MODE, False, INPUT_PRECISION, FMA)
             if V_MODE == "reduce":
                 v_descale = _reduced_descale(V_AMAX + off_b * stride_vab + head_kv * stride_vah,
@@ -202,13 +261,28 @@ def quantize_fp8(Q, K, V, Q8, K8, VT8, Q_DESCALE, K_DESCALE, V_DESCALE, V_AMAX, 
                     tl.store(V_DESCALE + off_b * stride_vdb + head_kv * stride_vdh, v_descale)
                 rows = blk * BLOCK + tl.arange(0, BLOCK)
                 _cast_block(V + off_b * stride_vb + head_kv * stride_vh + k_start.to(tl.int64) * stride_vm,
-                            VT8 + off_b * stride_vtb + head_kv * stride_vth + v_start.to(tl.int64) * stride_vtm,
-                            v_descale, R, rows, rows < seqlen_k, 1, stride_vm, 0, 1, 0, stride_vtd, inv_sqrt_d,
-                            HEAD_DIM, False, True, INPUT_PRECISION, FMA)
+                            vt8 + v_start.to(tl.int64) * stride_vtm, v_descale, R, rows, rows < seqlen_k,
+                            rows < v_stored, 1, stride_vm, 0, 1, 0, stride_vtd, inv_sqrt_d, HEAD_DIM, False, True,
+                            INPUT_PRECISION, FMA)
             elif V_MODE != "skip":
                 # v: never rotated; its rows become the columns of VT8.
                 _quantize_block(V + off_b * stride_vb + head_kv * stride_vh + k_start.to(tl.int64) * stride_vm,
-                                VT8 + off_b * stride_vtb + head_kv * stride_vth + v_start.to(tl.int64) * stride_vtm,
+                                vt8 + v_start.to(tl.int64) * stride_vtm,
                                 V_DESCALE + off_b * stride_vdb + head_kv * stride_vdh + blk * stride_vdm, R,
-                                blk * BLOCK, seqlen_k, 1, stride_vm, 0, 1, 0, stride_vtd, inv_sqrt_d,
+                                blk * BLOCK, seqlen_k, v_stored, 1, stride_vm, 0, 1, 0, stride_vtd, inv_sqrt_d,
                                 HEAD_DIM, BLOCK, False, V_MODE, True, INPUT_PRECISION, FMA)
+        elif VARLEN and blk < blocks_k:
+            if QK_MODE != "skip":
+                _past_block_scale(K_DESCALE + off_b * stride_kdb + head_kv * stride_kdh + blk * stride_kdm, QK_MODE)
+            _past_block_scale(V_DESCALE + off_b * stride_vdb + head_kv * stride_vdh + blk * stride_vdm, V_MODE)
+        if VARLEN and blk == 0:
+            if QK_MODE == "compute" or QK_MODE == "given":
+                _zero_rows(k8, tl.where(off_b == 0, 0, k_start), k_start, 1, stride_k8m, 0, HEAD_DIM, BLOCK)
+                _zero_rows(k8, k_start + seqlen_k, tl.where(last, total_k, 0), 1, stride_k8m, 0, HEAD_DIM, BLOCK)
+            if V_MODE == "reduce" or V_MODE == "given":
+                # The columns from this sequence's stored ones to the next sequence's first (the last: to the
+                # row's end), and those before the first sequence.
+                next_start = tl.minimum(tl.maximum(tl.load(CU_SEQLENS_K + off_b + 1), 0), total_k)
+                v_end = tl.where(last, stride_vtd, tl.minimum(packed_vt_start(next_start, off_b + 1), stride_vtd))
+                _zero_columns(vt8, v_start + v_stored, v_end, stride_vtd, HEAD_DIM, BLOCK)
+                _zero_columns(vt8, 0, tl.where(off_b == 0, v_start, 0), stride_vtd, HEAD_DIM, BLOCK)

@@ -19,12 +19,14 @@ class TileConfig:
     """One kernel's launch: query tile, key tile, warps, software-pipeline depth, and which forward
     kernel: ``"triton"`` (kernels/fwd.py), ``"gluon"`` (the Hopper kernel in kernels/fwd_sm90.py),
     ``"gluon-slim"`` (that kernel with Q in shared memory and one key slot: see gluon_ring) or
-    ``"gluon-ws"`` (the warp-specialized one in kernels/fwd_sm90_ws.py)."""
+    ``"gluon-ws"`` (the warp-specialized one in kernels/fwd_sm90_ws.py). ``heads``: KV heads a program of the
+    KV-cache kernel (kernels/decode.py ``HEADS``; 1 for every other kernel)."""
     BLOCK_M: int
     BLOCK_N: int
     num_warps: int
     num_stages: int
     kernel: str = "triton"
+    heads: int = 1
 
 
 @dataclass(frozen=True)
@@ -551,7 +553,16 @@ DECODE_SM90 = {
 #   16x128 w8 s3  3904, 108, 104 KB  2928, 128, 72 KB            2 (registers)
 #   16x128 w4 s3  -                  2320, 168, 72 KB (chosen)   3 (shared memory)
 #   16x256 w8 s2  -                  2388, 164, 76 KB            1 (registers)
-# Other rows and head dims take the bf16 table's tiles.
+# Other rows and head dims take the bf16 table's tiles. The decode row is the FP8 step's own split/tile choice
+# (decode_plan: this tile, DECODE_FP8_PROGRAMS_PER_SM x SMs // programs splits; the bf16 row's 1 an SM is not
+# assumed). ``heads``: KV heads a program (kernels/decode.py HEADS: key rows of heads x 128 bytes, where one head's
+# are 128-byte pieces 1 KB apart). Time over the bf16 cache's step, H200, GQA 32/8, d=128, CUDA graph:
+#   value                        16 x 32768       1 x 131072   evidence
+#   16x128 w4 s3 heads 1, 3/SM   0.565 (3 splits) 0.633 (49)   bench --suite fp8, h200-fp8-2026-11-28-1043737.json
+#   heads 2 / 4, other tiles     pending          pending      the issue-45 A/B (SASS of the unmasked loop, a warp:
+#                                                              heads 2 16x64 w4 s3 634 per 32 KB of cache, 74 KB of
+#                                                              shared memory; heads 2 16x128 w4 s3 1051 per 64 KB,
+#                                                              140 KB; heads 4 16x32 w4 s3 710 per 32 KB, 81 KB)
 DECODE_SM90_FP8 = {128: (TileConfig(16, 128, 4, 3), TileConfig(32, 64, 4, 3), TileConfig(64, 64, 4, 3))}
 DECODE_FP8_PROGRAMS_PER_SM = 3
 # DECODE_SM90_GATHER: pages smaller than a key block, each key row looked up on its own page (the next block's table
@@ -781,16 +792,25 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, packe
 
 
 def decode_plan(head_dim: int, dtype: torch.dtype, device: torch.device, rows: int, programs: int, capacity: int,
-                num_splits: int = 0, page_size: int = 0, config: TileConfig | None = None, fp8: bool = False) -> tuple:
+                num_splits: int = 0, page_size: int = 0, config: TileConfig | None = None, fp8: bool = False,
+                nheads_kv: int = 1) -> tuple:
     """``(tiles, splits)`` of the KV-cache kernel: :func:`decode_config`'s tiles and :func:`decode_splits`'s
     count, with the short-cache rules above. ``rows``: packed query rows a (batch row, KV head);
-    ``programs``: batch x KV heads (the row blocks are counted here); ``config``: tiles given instead of
-    the table's (tuning sweeps), taken as they are; ``fp8``: the cache is e4m3 (DECODE_SM90_FP8)."""
+    ``programs``: batch x KV heads (the row blocks and the KV heads a program are counted here); ``config``:
+    tiles given instead of the table's (tuning sweeps), taken as they are; ``fp8``: the cache is e4m3
+    (DECODE_SM90_FP8); ``nheads_kv``: KV heads a batch row (a table tile of several heads a program that do not
+    divide them, or whose rows overflow one row block, takes one)."""
     cfg = config or decode_config(head_dim, dtype, device, rows, page_size, fp8)
-    programs *= -(-rows // cfg.BLOCK_M)
-    gather = bool(page_size) and page_size % cfg.BLOCK_N != 0
     # The e4m3 decode tile (not a sweep's, nor small pages' gather tile) runs more programs an SM.
     fp8_tile = fp8 and config is None and cfg == DECODE_SM90_FP8.get(padded_head_dim(head_dim), (None,))[0]
+    if config is not None and nheads_kv % config.heads:
+        raise ValueError(f"decode config {config} takes {config.heads} KV heads a program, which must divide "
+                         f"nheads_kv={nheads_kv}")
+    if config is None and cfg.heads > 1 and (nheads_kv % cfg.heads or rows * cfg.heads > cfg.BLOCK_M):
+        # Row blocks holding one head's rows would read every head's keys for it.
+        cfg = replace(cfg, heads=1)
+    programs = programs // cfg.heads * -(-rows * cfg.heads // cfg.BLOCK_M)
+    gather = bool(page_size) and page_size % cfg.BLOCK_N != 0
     per_sm = DECODE_FP8_PROGRAMS_PER_SM if fp8_tile else DECODE_PROGRAMS_PER_SM
     splits = decode_splits(num_splits, programs, capacity, device, cfg.BLOCK_N, gather, per_sm=per_sm)
     if device.type != "cuda" or config is not None:

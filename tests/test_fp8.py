@@ -943,8 +943,9 @@ def test_fp8_kvcache_bf16_query_beyond_fp16_range(rng):
 
 
 def test_fp8_cache_decode_plan(monkeypatch):
-    """An e4m3 cache's decode step takes DECODE_SM90_FP8's tile and DECODE_FP8_PROGRAMS_PER_SM programs an SM on
-    sm_90 (a bf16 cache: DECODE_SM90's, one program an SM); small pages keep the gather tile."""
+    """An e4m3 cache's decode step takes DECODE_SM90_FP8's tile (two KV heads a program: the programs are batch x 4)
+    and DECODE_FP8_PROGRAMS_PER_SM[2] programs an SM on sm_90 (a bf16 cache: DECODE_SM90's, one program an SM);
+    small pages keep the gather tile."""
     from flashtile.backends.triton import configs
 
     monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
@@ -952,11 +953,13 @@ def test_fp8_cache_decode_plan(monkeypatch):
     cuda = torch.device("cuda", 0)
     for batch, capacity in ((16, 32768), (1, 131072)):
         programs = batch * 8
-        fp8 = configs.decode_plan(128, torch.bfloat16, cuda, 4, programs, capacity, fp8=True)
+        fp8 = configs.decode_plan(128, torch.bfloat16, cuda, 4, programs, capacity, fp8=True, nheads_kv=8)
         bf16 = configs.decode_plan(128, torch.bfloat16, cuda, 4, programs, capacity)
-        assert fp8 == (configs.DECODE_SM90_FP8[128][0], configs.DECODE_FP8_PROGRAMS_PER_SM * 132 // programs)
+        tile = configs.DECODE_SM90_FP8[128][0]
+        assert tile.heads == 2
+        assert fp8 == (tile, configs.DECODE_FP8_PROGRAMS_PER_SM[2] * 132 // (programs // 2))
         assert bf16 == (configs.DECODE_SM90[128][0], 132 // programs)
-    assert configs.decode_plan(128, torch.bfloat16, cuda, 4, 128, 32768, page_size=256, fp8=True)[0] == \
+    assert configs.decode_plan(128, torch.bfloat16, cuda, 4, 128, 32768, page_size=256, fp8=True, nheads_kv=8)[0] == \
         configs.DECODE_SM90_FP8[128][0]
     assert configs.decode_plan(128, torch.bfloat16, cuda, 4, 128, 32768, page_size=16, fp8=True)[0] == \
         configs.DECODE_SM90_GATHER[128]
@@ -965,7 +968,7 @@ def test_fp8_cache_decode_plan(monkeypatch):
 def test_fp8_cache_decode_plan_heads(monkeypatch):
     """A table tile of 2 KV heads a program halves the programs the splits are counted over; where the heads do not
     divide nheads_kv, or their rows overflow one row block (a block holding one head's rows would read both heads'
-    keys), the step takes one head a program, still at DECODE_FP8_PROGRAMS_PER_SM programs an SM."""
+    keys), the step takes one head a program, at DECODE_FP8_PROGRAMS_PER_SM[1] programs an SM."""
     from dataclasses import replace
 
     from flashtile.backends.triton import configs
@@ -977,10 +980,10 @@ def test_fp8_cache_decode_plan_heads(monkeypatch):
     per_sm = configs.DECODE_FP8_PROGRAMS_PER_SM
     cuda = torch.device("cuda", 0)
     assert configs.decode_plan(128, torch.bfloat16, cuda, 4, 16 * 8, 32768, fp8=True, nheads_kv=8) == \
-        (tile, per_sm * 132 // 64)
+        (tile, per_sm[2] * 132 // 64)
     for rows, nheads_kv in ((4, 5), (12, 8)):
         assert configs.decode_plan(128, torch.bfloat16, cuda, rows, 8 * nheads_kv, 32768, fp8=True,
-                                   nheads_kv=nheads_kv) == (replace(tile, heads=1), per_sm * 132 // (8 * nheads_kv))
+                                   nheads_kv=nheads_kv) == (replace(tile, heads=1), per_sm[1] * 132 // (8 * nheads_kv))
 
 
 @pytest.mark.parametrize("change,error,words", [

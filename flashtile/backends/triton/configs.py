@@ -554,17 +554,22 @@ DECODE_SM90 = {
 #   16x128 w4 s3  -                  2320, 168, 72 KB (chosen)   3 (shared memory)
 #   16x256 w8 s2  -                  2388, 164, 76 KB            1 (registers)
 # Other rows and head dims take the bf16 table's tiles. The decode row is the FP8 step's own split/tile choice
-# (decode_plan: this tile, DECODE_FP8_PROGRAMS_PER_SM x SMs // programs splits; the bf16 row's 1 an SM is not
-# assumed). ``heads``: KV heads a program (kernels/decode.py HEADS: key rows of heads x 128 bytes, where one head's
-# are 128-byte pieces 1 KB apart). Time over the bf16 cache's step, H200, GQA 32/8, d=128, CUDA graph:
-#   value                        16 x 32768       1 x 131072   evidence
-#   16x128 w4 s3 heads 1, 3/SM   0.565 (3 splits) 0.633 (49)   bench --suite fp8, h200-fp8-2026-11-28-1043737.json
-#   heads 2 / 4, other tiles     pending          pending      the issue-45 A/B (SASS of the unmasked loop, a warp:
-#                                                              heads 2 16x64 w4 s3 634 per 32 KB of cache, 74 KB of
-#                                                              shared memory; heads 2 16x128 w4 s3 1051 per 64 KB,
-#                                                              140 KB; heads 4 16x32 w4 s3 710 per 32 KB, 81 KB)
-DECODE_SM90_FP8 = {128: (TileConfig(16, 128, 4, 3), TileConfig(32, 64, 4, 3), TileConfig(64, 64, 4, 3))}
-DECODE_FP8_PROGRAMS_PER_SM = 3
+# (decode_plan: this tile, DECODE_FP8_PROGRAMS_PER_SM[heads] x SMs // programs splits; the bf16 row's 1 an SM is
+# not assumed). ``heads``: KV heads a program (kernels/decode.py HEADS: key rows of heads x 128 bytes, where one
+# head's are 128-byte pieces 1 KB apart); a call whose heads do not divide nheads_kv, or whose rows overflow the row
+# block, takes one head a program at 3 an SM. Time over the bf16 cache's step (splits), H200, GQA 32/8, d=128, CUDA
+# graph, one round (benchmarks/decode_fp8_tiles.py, results/h200-fp8-decode-tiles-2026-11-28-2ee657b.json):
+#   value                        16 x 32768     1 x 131072     evidence
+#   16x128 w4 s3 heads 2, 1/SM   0.529 (2)      0.607 (33)     chosen
+#   16x128 w4 s2 heads 2, 2/SM   0.538 (4)      0.619 (66)
+#   16x128 w4 s3 heads 1, 3/SM   0.557 (3)      0.628 (49)     the row before; 2/SM 0.539 / 0.623, 1/SM 0.645 / 0.667
+#   16x64 heads 2, 16x32 heads 4 0.547-0.568    0.621-0.633
+#   head-major cache, heads 1    0.542          0.625          each head's keys contiguous: the layout is not the limit
+# At 1 x 131072 the split kernel takes 66.8 of the FP8 step's 85.2 us (bf16 121.2 of 135.6; torch profiler): the ~14-18
+# us the step takes beyond it (the graph's launch, the split-KV combine) hold the ratio above 0.55 there.
+DECODE_SM90_FP8 = {128: (TileConfig(16, 128, 4, 3, heads=2), TileConfig(32, 64, 4, 3), TileConfig(64, 64, 4, 3))}
+# Programs an SM by KV heads a program: two heads' slots (140 KB of shared memory) leave room for one.
+DECODE_FP8_PROGRAMS_PER_SM = {1: 3, 2: 1}
 # DECODE_SM90_GATHER: pages smaller than a key block, each key row looked up on its own page (the next block's table
 # read lands before its K/V loads), with DECODE_GATHER_PROGRAMS programs an SM making up the bytes in flight. Time
 # over the contiguous cache's (H200, bf16, 32/8 heads, d=128, page 16, CUDA graph, scratch sweep 2026-11-21):
@@ -811,7 +816,7 @@ def decode_plan(head_dim: int, dtype: torch.dtype, device: torch.device, rows: i
         cfg = replace(cfg, heads=1)
     programs = programs // cfg.heads * -(-rows * cfg.heads // cfg.BLOCK_M)
     gather = bool(page_size) and page_size % cfg.BLOCK_N != 0
-    per_sm = DECODE_FP8_PROGRAMS_PER_SM if fp8_tile else DECODE_PROGRAMS_PER_SM
+    per_sm = DECODE_FP8_PROGRAMS_PER_SM[cfg.heads] if fp8_tile else DECODE_PROGRAMS_PER_SM
     splits = decode_splits(num_splits, programs, capacity, device, cfg.BLOCK_N, gather, per_sm=per_sm)
     if device.type != "cuda" or config is not None:
         return cfg, splits

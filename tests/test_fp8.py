@@ -915,15 +915,24 @@ def test_fp8_kvcache_awkward_shapes(backend, rng, nheads, nheads_kv, head_dim, l
     seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     out = flashtile.flash_attn_with_kvcache(q, k8, v8, cache_seqlens=seqlens, causal=True, num_splits=num_splits,
                                             k_descale=k_descale, v_descale=v_descale)
+    _check_fp8_decode(q, k8, v8, k_descale, v_descale, lengths, out)
+
+
+def _check_fp8_decode(q, k8, v8, k_descale, v_descale, lengths, out, lse=None):
+    """A causal fp16 decode step on an e4m3 cache (per-(row, head) descales) against float64 attention on the
+    dequantized cache, row by row: out within the 2x rule, lse (when given) close; rows of no key output 0."""
+    batch = len(lengths)
     keys_k, keys_v = _dequantized(k8, k_descale, batch), _dequantized(v8, v_descale, batch)
     for b, n in enumerate(lengths):
         if n == 0:
             assert torch.equal(out[b], torch.zeros_like(out[b]))
             continue
-        hi, _ = testing.attention_ref(q[b:b + 1].double(), keys_k[b:b + 1, :n], keys_v[b:b + 1, :n], causal=True)
+        hi, hi_lse = testing.attention_ref(q[b:b + 1].double(), keys_k[b:b + 1, :n], keys_v[b:b + 1, :n], causal=True)
         lo, _ = testing.attention_ref(q[b:b + 1], keys_k[b:b + 1, :n].half(), keys_v[b:b + 1, :n].half(),
                                       causal=True, upcast=False)
         testing.assert_close_to_ref("out", out[b:b + 1], hi, lo, atol=1e-3)
+        if lse is not None:
+            torch.testing.assert_close(lse[b:b + 1].double(), hi_lse.double(), atol=1e-3, rtol=1e-4)
 
 
 @pytest.mark.parametrize("offset", [0, 1, 2, 3])
@@ -944,6 +953,35 @@ def test_fp8_kvcache_unaligned_v(backend, rng, offset):
     torch.testing.assert_close(out, aligned, atol=1e-3, rtol=0)
     ref, _ = testing.attention_ref(q[:1].double(), k8[:1].double() * 0.01, v8[:1].double() * 0.01, causal=True)
     assert (out[:1].double() - ref).abs().max() < 2e-3
+
+
+@pytest.mark.parametrize("heads", [2, 4])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_fp8_kvcache_heads_per_program(rng, heads, aligned):
+    """Several KV heads a program (TileConfig.heads) on an e4m3 cache with a descale per (row, head): each row
+    scores with its own head's k descale (folded into q's rows) and scales by its own v descale; V read as pairs of
+    columns (aligned) or a byte at a time (a view at an odd byte); split, with an empty and a partial row. Within
+    the 2x rule of float64 attention on the dequantized cache, and close to one head a program."""
+    from flashtile.backends.triton.configs import TileConfig
+    from flashtile.backends.triton.decode import attention_kv
+    from flashtile import validation
+
+    batch, nheads_kv, group, head_dim, capacity = 3, 4, 2, 64, 90
+    lengths = (77, 0, 90)
+    k_descale, v_descale = _kv_descales(rng, batch, nheads_kv, per_row=True)
+    k8 = torch_fp8.to_fp8(torch.randn(batch, capacity, nheads_kv, head_dim, generator=rng).to(DEVICE) * 100)
+    v_full = torch_fp8.to_fp8(torch.randn(batch, capacity, nheads_kv, head_dim + 2, generator=rng).to(DEVICE) * 100)
+    v8 = v_full[..., :head_dim] if aligned else v_full[..., 1:head_dim + 1]
+    q = torch.randn(batch, 1, nheads_kv * group, head_dim, generator=rng).to(DEVICE, torch.float16)
+    args = validation.kvcache_args(q, k8, v8, cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device=DEVICE),
+                                   causal=True, num_splits=3, k_descale=k_descale, v_descale=v_descale)
+    block_n = 16 if DEVICE == "cpu" else 64
+    out, lse = attention_kv(q, k8, v8, args, TileConfig(16, block_n, 4, 2, heads=heads))
+    one_head = attention_kv(q, k8, v8, args, TileConfig(16, block_n, 4, 2))
+    torch.testing.assert_close(out, one_head[0], atol=2e-3, rtol=0)
+    # The k descale joins q before its fp16 rounding (one head a program: after it): scores differ by 2^-12 or so.
+    torch.testing.assert_close(lse, one_head[1], atol=1e-4, rtol=1e-4)
+    _check_fp8_decode(q, k8, v8, k_descale, v_descale, lengths, out, lse)
 
 
 @pytest.mark.parametrize("amax", [1.0, 32767.0, 32768.0, 65504.0, 70000.0, 3.0e6, 1.0e30])
@@ -984,8 +1022,9 @@ def test_fp8_kvcache_bf16_query_beyond_fp16_range(rng):
 
 
 def test_fp8_cache_decode_plan(monkeypatch):
-    """An e4m3 cache's decode step takes DECODE_SM90_FP8's tile and DECODE_FP8_PROGRAMS_PER_SM programs an SM on
-    sm_90 (a bf16 cache: DECODE_SM90's, one program an SM); small pages keep the gather tile."""
+    """An e4m3 cache's decode step takes DECODE_SM90_FP8's tile (two KV heads a program: the programs are batch x 4)
+    and DECODE_FP8_PROGRAMS_PER_SM[2] programs an SM on sm_90 (a bf16 cache: DECODE_SM90's, one program an SM);
+    small pages keep the gather tile."""
     from flashtile.backends.triton import configs
 
     monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
@@ -993,14 +1032,37 @@ def test_fp8_cache_decode_plan(monkeypatch):
     cuda = torch.device("cuda", 0)
     for batch, capacity in ((16, 32768), (1, 131072)):
         programs = batch * 8
-        fp8 = configs.decode_plan(128, torch.bfloat16, cuda, 4, programs, capacity, fp8=True)
+        fp8 = configs.decode_plan(128, torch.bfloat16, cuda, 4, programs, capacity, fp8=True, nheads_kv=8)
         bf16 = configs.decode_plan(128, torch.bfloat16, cuda, 4, programs, capacity)
-        assert fp8 == (configs.DECODE_SM90_FP8[128][0], configs.DECODE_FP8_PROGRAMS_PER_SM * 132 // programs)
+        tile = configs.DECODE_SM90_FP8[128][0]
+        assert tile.heads == 2
+        assert fp8 == (tile, configs.DECODE_FP8_PROGRAMS_PER_SM[2] * 132 // (programs // 2))
         assert bf16 == (configs.DECODE_SM90[128][0], 132 // programs)
-    assert configs.decode_plan(128, torch.bfloat16, cuda, 4, 128, 32768, page_size=256, fp8=True)[0] == \
+    assert configs.decode_plan(128, torch.bfloat16, cuda, 4, 128, 32768, page_size=256, fp8=True, nheads_kv=8)[0] == \
         configs.DECODE_SM90_FP8[128][0]
     assert configs.decode_plan(128, torch.bfloat16, cuda, 4, 128, 32768, page_size=16, fp8=True)[0] == \
         configs.DECODE_SM90_GATHER[128]
+
+
+def test_fp8_cache_decode_plan_heads(monkeypatch):
+    """A table tile of 2 KV heads a program halves the programs the splits are counted over; where the heads do not
+    divide nheads_kv, or their rows overflow one row block (a block holding one head's rows would read both heads'
+    keys), the step takes one head a program, at DECODE_FP8_PROGRAMS_PER_SM[1] programs an SM."""
+    from dataclasses import replace
+
+    from flashtile.backends.triton import configs
+
+    monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)
+    tile = configs.TileConfig(16, 64, 4, 3, heads=2)
+    monkeypatch.setitem(configs.DECODE_SM90_FP8, 128, (tile, *configs.DECODE_SM90_FP8[128][1:]))
+    per_sm = configs.DECODE_FP8_PROGRAMS_PER_SM
+    cuda = torch.device("cuda", 0)
+    assert configs.decode_plan(128, torch.bfloat16, cuda, 4, 16 * 8, 32768, fp8=True, nheads_kv=8) == \
+        (tile, per_sm[2] * 132 // 64)
+    for rows, nheads_kv in ((4, 5), (12, 8)):
+        assert configs.decode_plan(128, torch.bfloat16, cuda, rows, 8 * nheads_kv, 32768, fp8=True,
+                                   nheads_kv=nheads_kv) == (replace(tile, heads=1), per_sm[1] * 132 // (8 * nheads_kv))
 
 
 @pytest.mark.parametrize("change,error,words", [

@@ -86,10 +86,10 @@ def reference(q, k_cache, v_cache, args, seqlen_new=0, cache_batch_idx=None, upc
     return torch.cat(outs), torch.cat(lses)
 
 
-def check_attention(q, k_cache, v_cache, args, logical=None, **ref_options):
+def check_attention(q, k_cache, v_cache, args, logical=None, config=None, **ref_options):
     """Run attention_kv and hold out and lse to the tolerance rule; ``logical``: the contiguous (k, v)
-    the reference reads when the kernels get a paged cache."""
-    out, lse = attention_kv(q, k_cache, v_cache, args)
+    the reference reads when the kernels get a paged cache; ``config``: tiles instead of the table's."""
+    out, lse = attention_kv(q, k_cache, v_cache, args, config)
     assert out.shape == (*q.shape[:3], v_cache.shape[-1]) and out.dtype == q.dtype
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
     k_ref, v_ref = logical if logical is not None else (k_cache, v_cache)
@@ -250,6 +250,49 @@ def test_variants(rng, dtype):
     args = kv_args(headdim, 80, window=(20, 1), cache_seqlens=int32([75, 0, 33]), softcap=5.0, alibi_slopes=slopes,
                    sink=sink, num_splits=3)
     check_attention(q, k_cache, v_cache, args)
+
+
+# Several KV heads a program (TileConfig.heads): rows of 1 (group 3 x 1 token x 4 heads = 12 of a 16-row tile) or
+# 3 row blocks (3 tokens: 36 rows, blocks holding rows of two heads); head dim 40 (padded 64) masks q's and the
+# output's padded features in each head's columns.
+@pytest.mark.parametrize("heads", [2, 4])
+@pytest.mark.parametrize("case", ["decode", "causal3", "paged", "variants"])
+def test_heads_per_program(rng, heads, case):
+    from flashtile.backends.triton.configs import TileConfig
+
+    nheads_kv, group, headdim, capacity = 4, 3, 40, 96
+    seqlen_q = 1 if case in ("decode", "paged") else 3
+    k_cache, v_cache = caches(rng, 3, capacity, nheads_kv, headdim)
+    q = randn(rng, 3, seqlen_q, nheads_kv * group, headdim)
+    fields = dict(cache_seqlens=int32([77, 0, 96]), num_splits=3)
+    logical = None
+    if case == "paged":
+        k_pages, table = to_paged(k_cache, 16, rng)
+        v_pages = torch.empty_like(k_pages)
+        v_pages[table.long().flatten()] = v_cache.reshape(-1, 16, nheads_kv, headdim)
+        logical, k_cache, v_cache = (k_cache, v_cache), k_pages, v_pages
+        fields["block_table"] = table
+    if case == "variants":
+        fields.update(alibi_slopes=torch.rand(3, nheads_kv * group, generator=rng).to(DEVICE) * 0.3,
+                      sink=randn(rng, nheads_kv * group, dtype=torch.float32), softcap=5.0)
+    args = kv_args(headdim, capacity, causal=case != "variants", window=(20, 1) if case == "variants" else (-1, -1),
+                   **fields)
+    config = TileConfig(16, 16, 4, 1, heads=heads)
+    chosen = plan(q, k_cache, v_cache, args, config)
+    assert chosen.grid[:2] == (-(-seqlen_q * group * heads // 16), 3 * nheads_kv // heads)
+    out, lse = check_attention(q, k_cache, v_cache, args, logical=logical, config=config)
+    one_head = attention_kv(q, k_cache, v_cache, args, TileConfig(16, 16, 4, 1))
+    torch.testing.assert_close(out, one_head[0], atol=2e-3, rtol=0)
+    torch.testing.assert_close(lse, one_head[1], atol=1e-5, rtol=0)
+
+
+def test_heads_per_program_must_divide(rng):
+    from flashtile.backends.triton.configs import TileConfig
+
+    k_cache, v_cache = caches(rng, 1, 32, 3, 32)
+    q = randn(rng, 1, 1, 6, 32)
+    with pytest.raises(ValueError, match="takes 2 KV heads a program, which must divide nheads_kv=3"):
+        attention_kv(q, k_cache, v_cache, kv_args(32, 32), TileConfig(16, 16, 4, 1, heads=2))
 
 
 def test_window_causal_empty_rows(rng):

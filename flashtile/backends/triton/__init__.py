@@ -158,8 +158,9 @@ def _decode_name(call: AttentionCall, extras: str, page_size: int):
     # The call does not carry num_splits: this is what auto (num_splits=0) picks for these shapes.
     cfg, splits = decode_plan(max(call.headdim, call.headdim_v), call.dtype, call.device, rows,
                               call.batch * call.nheads_kv, call.seqlen_k, 0, page_size,
-                              fp8="fp8_cache" in call.feature_names)
+                              fp8="fp8_cache" in call.feature_names, nheads_kv=call.nheads_kv)
     mask = "causal" if call.causal else "full"
+    heads = f" heads={cfg.heads}" if cfg.heads > 1 else ""
     name = (f"flashtile.decode[triton d={call.headdim} gqa={group} {mask}{extras} splits=auto "
-            f"BM={cfg.BLOCK_M} BN={cfg.BLOCK_N}]")
+            f"BM={cfg.BLOCK_M} BN={cfg.BLOCK_N}{heads}]")
     return name, {"decode": vars(cfg), "auto_num_splits": splits}

@@ -19,12 +19,14 @@ class TileConfig:
     """One kernel's launch: query tile, key tile, warps, software-pipeline depth, and which forward
     kernel: ``"triton"`` (kernels/fwd.py), ``"gluon"`` (the Hopper kernel in kernels/fwd_sm90.py),
     ``"gluon-slim"`` (that kernel with Q in shared memory and one key slot: see gluon_ring) or
-    ``"gluon-ws"`` (the warp-specialized one in kernels/fwd_sm90_ws.py)."""
+    ``"gluon-ws"`` (the warp-specialized one in kernels/fwd_sm90_ws.py). ``heads``: KV heads a program of the
+    KV-cache kernel (kernels/decode.py ``HEADS``; 1 for every other kernel)."""
     BLOCK_M: int
     BLOCK_N: int
     num_warps: int
     num_stages: int
     kernel: str = "triton"
+    heads: int = 1
 
 
 @dataclass(frozen=True)
@@ -586,9 +588,23 @@ DECODE_SM90 = {
 #   16x128 w8 s3  3904, 108, 104 KB  2928, 128, 72 KB            2 (registers)
 #   16x128 w4 s3  -                  2320, 168, 72 KB (chosen)   3 (shared memory)
 #   16x256 w8 s2  -                  2388, 164, 76 KB            1 (registers)
-# Other rows and head dims take the bf16 table's tiles.
-DECODE_SM90_FP8 = {128: (TileConfig(16, 128, 4, 3), TileConfig(32, 64, 4, 3), TileConfig(64, 64, 4, 3))}
-DECODE_FP8_PROGRAMS_PER_SM = 3
+# Other rows and head dims take the bf16 table's tiles. The decode row is the FP8 step's own split/tile choice
+# (decode_plan: this tile, DECODE_FP8_PROGRAMS_PER_SM[heads] x SMs // programs splits; the bf16 row's 1 an SM is
+# not assumed). ``heads``: KV heads a program (kernels/decode.py HEADS: key rows of heads x 128 bytes, where one
+# head's are 128-byte pieces 1 KB apart); a call whose heads do not divide nheads_kv, or whose rows overflow the row
+# block, takes one head a program at 3 an SM. Time over the bf16 cache's step (splits), H200, GQA 32/8, d=128, CUDA
+# graph, one round (benchmarks/decode_fp8_tiles.py, results/h200-fp8-decode-tiles-2026-11-28-2ee657b.json):
+#   value                        16 x 32768     1 x 131072     evidence
+#   16x128 w4 s3 heads 2, 1/SM   0.529 (2)      0.607 (33)     chosen
+#   16x128 w4 s2 heads 2, 2/SM   0.538 (4)      0.619 (66)
+#   16x128 w4 s3 heads 1, 3/SM   0.557 (3)      0.628 (49)     the row before; 2/SM 0.539 / 0.623, 1/SM 0.645 / 0.667
+#   16x64 heads 2, 16x32 heads 4 0.547-0.568    0.621-0.633
+#   head-major cache, heads 1    0.542          0.625          each head's keys contiguous: the layout is not the limit
+# At 1 x 131072 the split kernel takes 66.8 of the FP8 step's 85.2 us (bf16 121.2 of 135.6; torch profiler): the ~14-18
+# us the step takes beyond it (the graph's launch, the split-KV combine) hold the ratio above 0.55 there.
+DECODE_SM90_FP8 = {128: (TileConfig(16, 128, 4, 3, heads=2), TileConfig(32, 64, 4, 3), TileConfig(64, 64, 4, 3))}
+# Programs an SM by KV heads a program: two heads' slots (140 KB of shared memory) leave room for one.
+DECODE_FP8_PROGRAMS_PER_SM = {1: 3, 2: 1}
 # DECODE_SM90_GATHER: pages smaller than a key block, each key row looked up on its own page (the next block's table
 # read lands before its K/V loads), with DECODE_GATHER_PROGRAMS programs an SM making up the bytes in flight. Time
 # over the contiguous cache's (H200, bf16, 32/8 heads, d=128, page 16, CUDA graph, scratch sweep 2026-11-21):
@@ -816,17 +832,26 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, packe
 
 
 def decode_plan(head_dim: int, dtype: torch.dtype, device: torch.device, rows: int, programs: int, capacity: int,
-                num_splits: int = 0, page_size: int = 0, config: TileConfig | None = None, fp8: bool = False) -> tuple:
+                num_splits: int = 0, page_size: int = 0, config: TileConfig | None = None, fp8: bool = False,
+                nheads_kv: int = 1) -> tuple:
     """``(tiles, splits)`` of the KV-cache kernel: :func:`decode_config`'s tiles and :func:`decode_splits`'s
     count, with the short-cache rules above. ``rows``: packed query rows a (batch row, KV head);
-    ``programs``: batch x KV heads (the row blocks are counted here); ``config``: tiles given instead of
-    the table's (tuning sweeps), taken as they are; ``fp8``: the cache is e4m3 (DECODE_SM90_FP8)."""
+    ``programs``: batch x KV heads (the row blocks and the KV heads a program are counted here); ``config``:
+    tiles given instead of the table's (tuning sweeps), taken as they are; ``fp8``: the cache is e4m3
+    (DECODE_SM90_FP8); ``nheads_kv``: KV heads a batch row (a table tile of several heads a program that do not
+    divide them, or whose rows overflow one row block, takes one)."""
     cfg = config or decode_config(head_dim, dtype, device, rows, page_size, fp8)
-    programs *= -(-rows // cfg.BLOCK_M)
-    gather = bool(page_size) and page_size % cfg.BLOCK_N != 0
     # The e4m3 decode tile (not a sweep's, nor small pages' gather tile) runs more programs an SM.
     fp8_tile = fp8 and config is None and cfg == DECODE_SM90_FP8.get(padded_head_dim(head_dim), (None,))[0]
-    per_sm = DECODE_FP8_PROGRAMS_PER_SM if fp8_tile else DECODE_PROGRAMS_PER_SM
+    if config is not None and nheads_kv % config.heads:
+        raise ValueError(f"decode config {config} takes {config.heads} KV heads a program, which must divide "
+                         f"nheads_kv={nheads_kv}")
+    if config is None and cfg.heads > 1 and (nheads_kv % cfg.heads or rows * cfg.heads > cfg.BLOCK_M):
+        # Row blocks holding one head's rows would read every head's keys for it.
+        cfg = replace(cfg, heads=1)
+    programs = programs // cfg.heads * -(-rows * cfg.heads // cfg.BLOCK_M)
+    gather = bool(page_size) and page_size % cfg.BLOCK_N != 0
+    per_sm = DECODE_FP8_PROGRAMS_PER_SM[cfg.heads] if fp8_tile else DECODE_PROGRAMS_PER_SM
     splits = decode_splits(num_splits, programs, capacity, device, cfg.BLOCK_N, gather, per_sm=per_sm)
     if device.type != "cuda" or config is not None:
         return cfg, splits

@@ -172,10 +172,12 @@ def _plan(batch, seqlen_q, nheads, nheads_kv, head_dim, head_dim_v, dtype, devic
           page_size: int, config: TileConfig | None, fp8: bool) -> DecodePlan:
     rows = seqlen_q * (nheads // nheads_kv)
     cfg, splits = decode_plan(max(head_dim, head_dim_v), dtype, device, rows, batch * nheads_kv, capacity, num_splits,
-                              page_size, config, fp8)
-    m_blocks = cdiv(rows, cfg.BLOCK_M)
+                              page_size, config, fp8, nheads_kv)
+    # A program's rows: those of its cfg.heads KV heads, one head's after the other.
+    m_blocks = cdiv(rows * cfg.heads, cfg.BLOCK_M)
     combine_block = min(triton.next_power_of_2(splits), max(1, _COMBINE_TILE // padded_head_dim(head_dim_v)))
-    return DecodePlan(cfg, splits, (m_blocks, batch * nheads_kv, splits), (seqlen_q * nheads, batch), combine_block)
+    return DecodePlan(cfg, splits, (m_blocks, batch * nheads_kv // cfg.heads, splits), (seqlen_q * nheads, batch),
+                      combine_block)
 
 
 def _query_shape(q: torch.Tensor, args: KVCacheArgs) -> tuple:
@@ -252,7 +254,7 @@ def attend(q, k_cache, v_cache, out, lse, args: KVCacheArgs, config: TileConfig 
             num_splits=p.num_splits, total_q=q.shape[0], GROUP=nheads // nheads_kv,
             HEAD_DIM_QK_ACTUAL=head_dim, HEAD_DIM_QK=padded_head_dim(head_dim),
             HEAD_DIM_V_ACTUAL=head_dim_v, HEAD_DIM_V=padded_head_dim(head_dim_v),
-            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, HEADS=cfg.heads,
             MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0, SOFTCAP=args.softcap > 0,
             FAST_TANH=fast_tanh(q),
             ALIBI=alibi is not None, HAS_SINK=args.sink is not None,

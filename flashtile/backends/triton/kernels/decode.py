@@ -162,8 +162,8 @@ def _fp16_operand(q):
 
 @triton.jit
 def _decode_inner(acc, acc_odd, l_i, m_i, q, K_HEAD, V_HEAD, table_row, stride_kb, stride_kn, stride_vb, stride_vn,
-                  offs_t, offs_dk, offs_dv, lo, hi, leftpad, cache_b, page_size, num_blocks, seqlen_q, seqlen_k,
-                  qk_scale, softcap2, slope2, window_left, window_right,
+                  offs_t, offs_dk, offs_dv, cols_k, cols_v, lo, hi, leftpad, cache_b, page_size, num_blocks, seqlen_q,
+                  seqlen_k, qk_scale, softcap2, slope2, window_left, window_right,
                   BLOCK_N: tl.constexpr, HEAD_DIM_QK_ACTUAL: tl.constexpr, HEAD_DIM_QK: tl.constexpr,
                   HEAD_DIM_V_ACTUAL: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                   MASK: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
@@ -171,12 +171,15 @@ def _decode_inner(acc, acc_odd, l_i, m_i, q, K_HEAD, V_HEAD, table_row, stride_k
                   PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                   FP8_CACHE: tl.constexpr, V_PAIRS: tl.constexpr, PTX: tl.constexpr):
     """The key blocks ``[lo, hi)`` into the running ``(acc, l_i, m_i)``; with ``V_PAIRS`` ``acc`` holds the even
-    output columns and ``acc_odd`` the odd ones (else ``acc_odd`` is carried untouched)."""
+    output columns and ``acc_odd`` the odd ones (else ``acc_odd`` is carried untouched). ``cols_k``, ``cols_v``:
+    each tile column's element offset from the program's first KV head (``_head_columns``), ``offs_dk``,
+    ``offs_dv``: its feature in its head (for the padded-feature masks); with ``V_PAIRS`` ``cols_v`` and ``offs_dv``
+    count V's pairs of columns (16-bit words)."""
     offs_n = lo + tl.arange(0, BLOCK_N)
     slot, offset = _block_slots(lo, leftpad, seqlen_k, cache_b, table_row, page_size, num_blocks,
                                 BLOCK_N, PAGED, PAGE_ALIGNED)
     for start_n in range(lo, hi, BLOCK_N):
-        k_ptrs = K_HEAD + (slot * stride_kb + offset.to(tl.int64) * stride_kn)[:, None] + offs_dk[None, :]
+        k_ptrs = K_HEAD + (slot * stride_kb + offset.to(tl.int64) * stride_kn)[:, None] + cols_k[None, :]
         # Full blocks lie below seqlen_k by construction: only masked blocks check the key boundary.
         k = load_tile(k_ptrs, offs_n, seqlen_k, offs_dk, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, MASK)
         if FP8_CACHE:
@@ -199,12 +202,13 @@ def _decode_inner(acc, acc_odd, l_i, m_i, q, K_HEAD, V_HEAD, table_row, stride_k
         # (weights below 2^-24 of the row's largest drop out).
         if V_PAIRS:
             acc_odd = acc_odd * alpha[:, None]
-            v_even, v_odd = _e4m3_pairs(v_rows, offs_n, seqlen_k, BLOCK_N, HEAD_DIM_V_ACTUAL, HEAD_DIM_V, MASK, PTX)
+            v_even, v_odd = _e4m3_pairs(v_rows, cols_v, offs_dv, offs_n, seqlen_k, HEAD_DIM_V_ACTUAL, HEAD_DIM_V,
+                                        MASK, PTX)
             p16 = p.to(tl.float16)
             acc = tl.dot(p16, v_even, acc, input_precision=INPUT_PRECISION)
             acc_odd = tl.dot(p16, v_odd, acc_odd, input_precision=INPUT_PRECISION)
         else:
-            v = load_tile(v_rows[:, None] + offs_dv[None, :], offs_n, seqlen_k, offs_dv, HEAD_DIM_V_ACTUAL,
+            v = load_tile(v_rows[:, None] + cols_v[None, :], offs_n, seqlen_k, offs_dv, HEAD_DIM_V_ACTUAL,
                           HEAD_DIM_V, MASK)
             if FP8_CACHE:
                 v = v.to(tl.float16)
@@ -218,10 +222,11 @@ def _decode_inner(acc, acc_odd, l_i, m_i, q, K_HEAD, V_HEAD, table_row, stride_k
 
 
 @triton.jit
-def _e4m3_pairs(row_ptrs, offs_n, seqlen_k, BLOCK_N: tl.constexpr, HEAD_DIM_ACTUAL: tl.constexpr,
-                HEAD_DIM: tl.constexpr, CHECK_ROWS: tl.constexpr, PTX: tl.constexpr):
-    """The ``[BLOCK_N, HEAD_DIM]`` e4m3 tile at ``row_ptrs`` (rows 2-byte aligned) as its even and its odd
-    columns, two ``[BLOCK_N, HEAD_DIM // 2]`` fp16 tiles, for ``P @ V`` as two products.
+def _e4m3_pairs(row_ptrs, cols_w, offs_w, offs_n, seqlen_k, HEAD_DIM_ACTUAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+                CHECK_ROWS: tl.constexpr, PTX: tl.constexpr):
+    """The e4m3 tile at ``row_ptrs`` (rows and head strides 2-byte aligned) as its even and its odd columns, two
+    ``[BLOCK_N, W]`` fp16 tiles, for ``P @ V`` as two products; its ``W`` pairs of columns are at ``cols_w`` (in
+    16-bit words), pair ``offs_w`` of their head (``_head_columns`` of half the head dim).
 
     The tile is read as 16-bit pairs of columns. Its conversions are elementwise, so Triton loads the pairs from
     shared memory straight into the dot operand's layout, whose registers run along keys: a 16-bit transposing
@@ -229,8 +234,7 @@ def _e4m3_pairs(row_ptrs, offs_n, seqlen_k, BLOCK_N: tl.constexpr, HEAD_DIM_ACTU
     fp16 tile) it would be moved through shared memory again, or loaded a byte at a time (sm_90 has no 8-bit
     transposing ldmatrix). ``PTX``: ``prmt`` and ``cvt.rn.f16x2.e4m3x2`` (on a GPU); else shifts and casts, the
     same values (the interpreter runs no PTX)."""
-    offs_w = tl.arange(0, HEAD_DIM // 2)
-    w_ptrs = row_ptrs.to(tl.pointer_type(tl.int16), bitcast=True)[:, None] + offs_w[None, :]
+    w_ptrs = row_ptrs.to(tl.pointer_type(tl.int16), bitcast=True)[:, None] + cols_w[None, :]
     pairs = load_tile(w_ptrs, offs_n, seqlen_k, offs_w, HEAD_DIM_ACTUAL // 2, HEAD_DIM // 2, CHECK_ROWS)
     if PTX:
         # Two elements a call: bytes (e0 even, e0 odd, e1 even, e1 odd) -> (e0 even, e1 even | e0 odd, e1 odd).
@@ -269,6 +273,17 @@ def _block_slots(start_n, leftpad, seqlen_k, cache_b, table_row, page_size, num_
     return slot, offset
 
 
+@triton.jit
+def _head_columns(HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, stride_h):
+    """Columns of a tile spanning ``HEADS`` heads of ``HEAD_DIM`` features: ``(feature, head slot, offset)``, the
+    offset from the first head's feature 0 (``stride_h``: between heads)."""
+    offs = tl.arange(0, HEADS * HEAD_DIM)
+    if HEADS == 1:
+        return offs, offs * 0, offs
+    else:
+        return offs % HEAD_DIM, offs // HEAD_DIM, (offs // HEAD_DIM) * stride_h + offs % HEAD_DIM
+
+
 # Lengths and counts that only bound loops and masks are not specialized on (Triton would compile a variant
 # for each of "is 1", "divides by 16" and neither): a cache that grows a token a step keeps one kernel.
 @triton.jit(do_not_specialize=["max_seqlen_k", "num_blocks", "num_splits"])
@@ -282,7 +297,7 @@ def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 
                 total_q, GROUP: tl.constexpr,
                 HEAD_DIM_QK_ACTUAL: tl.constexpr, HEAD_DIM_QK: tl.constexpr,
                 HEAD_DIM_V_ACTUAL: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS: tl.constexpr,
                 MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
                 ALIBI: tl.constexpr, HAS_SINK: tl.constexpr, PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr,
                 HAS_SEQLENS: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
@@ -293,15 +308,19 @@ def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 
     ``O``/``LSE`` are the output ``(batch, seqlen_q, nheads, headdim_v)`` / ``(batch, nheads, seqlen_q)``
     (one split, ``stride_os = stride_ls = 0``) or the float32 partials with a leading split dim. With
     ``Q_VARLEN`` the output is packed (``stride_ob = stride_lb = 0``, rows from ``cu_seqlens_q[b]``) and
-    ``seqlen_q`` is ``max_seqlen_q``. ``PDL``: the combine is launched as a programmatic dependent."""
+    ``seqlen_q`` is ``max_seqlen_q``. ``PDL``: the combine is launched as a programmatic dependent. ``HEADS``: KV
+    heads a program (adjacent ones: each key row's read is ``HEADS`` heads long); their rows are packed one head
+    after the other, and the tiles span the heads' features side by side, q and the output masked to each row's own
+    head's columns (a block-diagonal product: the other heads' columns of a row are computed and dropped)."""
     if PDL:
         # Let the combine's programs start now: they wait in gdc_wait until this grid has finished.
         gdc_launch_dependents()
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     split = tl.program_id(2)
-    off_b = (off_bh // nheads_kv).to(tl.int64)
-    off_hk = off_bh % nheads_kv
+    # The program's first KV head.
+    off_b = (off_bh // (nheads_kv // HEADS)).to(tl.int64)
+    off_hk = off_bh % (nheads_kv // HEADS) * HEADS
     _, leftpad, seqlen_k, cache_b = cache_sequence(off_b, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, seqlen_new,
                                                    max_seqlen_k, num_blocks, ERR, HAS_SEQLENS, HAS_LEFTPAD,
                                                    HAS_BATCH_IDX, Q_VARLEN)
@@ -311,8 +330,9 @@ def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 
         report_bad(ERR, (used < 0) | (used > seqlen_k), 3, used, off_b)
         seqlen_k = tl.minimum(tl.maximum(used, 0), seqlen_k)
     q_start, seqlen_q = packed_queries(off_b, seqlen_q, CU_SEQLENS_Q, total_q, ERR, Q_VARLEN)
-    # Packed row r is query token r // GROUP of query head off_hk * GROUP + r % GROUP.
-    n_rows = seqlen_q * GROUP
+    # Packed row r of a KV head's seqlen_q * GROUP is query token r // GROUP of query head off_hk * GROUP + r % GROUP;
+    # with HEADS > 1 the next KV head's rows follow.
+    n_rows = seqlen_q * GROUP * HEADS
     if Q_VARLEN:
         # The grid is sized for the longest sequence.
         if start_m * BLOCK_M >= n_rows:
@@ -320,14 +340,27 @@ def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 
     # The partials are laid out by (batch row, token); a packed output by token row.
     o_start = tl.where(num_splits > 1, 0, q_start)
     offs_r = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_t = offs_r // GROUP
-    heads = off_hk * GROUP + offs_r % GROUP
+    if HEADS == 1:
+        slot_r = offs_r * 0
+        offs_t = offs_r // GROUP
+        heads = off_hk * GROUP + offs_r % GROUP
+    else:
+        head_rows = tl.maximum(seqlen_q * GROUP, 1)
+        slot_r = offs_r // head_rows
+        offs_t = offs_r % head_rows // GROUP
+        heads = (off_hk + slot_r) * GROUP + offs_r % GROUP
     row_ok = offs_r < n_rows
-    offs_dk = tl.arange(0, HEAD_DIM_QK)
-    offs_dv = tl.arange(0, HEAD_DIM_V)
+    offs_dk, slot_k, cols_k = _head_columns(HEADS, HEAD_DIM_QK, stride_kh)
+    offs_dv, slot_v, cols_v = _head_columns(HEADS, HEAD_DIM_V, stride_vh)
     q_ptrs = (Q + off_b * stride_qb + ((q_start + offs_t).to(tl.int64) * stride_qm
                                        + heads.to(tl.int64) * stride_qh)[:, None] + offs_dk[None, :])
-    q = load_tile(q_ptrs, offs_r, n_rows, offs_dk, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, True)
+    if HEADS == 1:
+        q = load_tile(q_ptrs, offs_r, n_rows, offs_dk, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, True)
+    else:
+        # Each row holds its own head's features; the other heads' columns are 0, so they add nothing to its scores.
+        q_mask = (row_ok[:, None] & (slot_k[None, :] == slot_r[:, None])
+                  & (offs_dk[None, :] < HEAD_DIM_QK_ACTUAL))
+        q = tl.load(q_ptrs, mask=q_mask, other=0.0)
 
     if HAS_SINK:
         # The sink joins the softmax once: in split 0 (the combine carries it into the others).
@@ -338,20 +371,27 @@ def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if V_PAIRS:
-        # The output's even and odd columns, accumulated apart (see _e4m3_pairs).
-        acc = tl.zeros([BLOCK_M, HEAD_DIM_V // 2], dtype=tl.float32)
-        acc_odd = tl.zeros([BLOCK_M, HEAD_DIM_V // 2], dtype=tl.float32)
+        # The output's even and odd columns, accumulated apart (see _e4m3_pairs); V read by 16-bit words.
+        acc = tl.zeros([BLOCK_M, HEADS * HEAD_DIM_V // 2], dtype=tl.float32)
+        acc_odd = tl.zeros([BLOCK_M, HEADS * HEAD_DIM_V // 2], dtype=tl.float32)
+        offs_dv_in, _, cols_v_in = _head_columns(HEADS, HEAD_DIM_V // 2, stride_vh // 2)
     else:
-        acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEADS * HEAD_DIM_V], dtype=tl.float32)
+        offs_dv_in, cols_v_in = offs_dv, cols_v
         acc_odd = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
     qk_scale = score_scale(softmax_scale, softcap, SOFTCAP)
     slope2, _, _ = head_terms(off_b, heads, nheads, ALIBI_SLOPES, stride_alibi_b, Q, 0, 0, ALIBI)
     if ALIBI:
         slope2 = slope2[:, None]
 
-    # The keys the block's queries see, then this split's share of them.
-    first_t = start_m * BLOCK_M // GROUP
-    last_t = tl.minimum((start_m * BLOCK_M + BLOCK_M - 1) // GROUP, seqlen_q - 1)
+    # The keys the block's queries see, then this split's share of them (with HEADS > 1 a block's rows may hold any
+    # token: those of all the queries).
+    if HEADS == 1:
+        first_t = start_m * BLOCK_M // GROUP
+        last_t = tl.minimum((start_m * BLOCK_M + BLOCK_M - 1) // GROUP, seqlen_q - 1)
+    else:
+        first_t = 0
+        last_t = seqlen_q - 1
     lo, full_lo, full_hi, hi = kv_range(first_t, last_t, seqlen_q, seqlen_k, window_left, window_right,
                                         BLOCK_N, MASK_LEFT, MASK_RIGHT)
     split_lo, split_hi = split_range(lo, hi, split, num_splits, BLOCK_N)
@@ -361,8 +401,14 @@ def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 
     if FP8_CACHE:
         # The scores are (q / q_scale) . k8 * q_scale * k_descale: both factors join qk_scale, which every score
         # takes anyway.
-        q, q_scale = _fp16_operand(q)
-        qk_scale = qk_scale * (tl.load(K_DESCALE + off_b * stride_kdb + off_hk * stride_kdh) * q_scale)
+        if HEADS == 1:
+            q, q_scale = _fp16_operand(q)
+            qk_scale = qk_scale * (tl.load(K_DESCALE + off_b * stride_kdb + off_hk * stride_kdh) * q_scale)
+        else:
+            # Each row's own KV head's descale: into q's rows (fp32), before the fp16 rounding.
+            k_descale = tl.load(K_DESCALE + off_b * stride_kdb + (off_hk + slot_r) * stride_kdh)
+            q, q_scale = _fp16_operand(q.to(tl.float32) * k_descale[:, None])
+            qk_scale = qk_scale * q_scale
     if PAGED:
         # The row's last page, checked once a program (a table not grown with the sequence shows there); pages
         # are clamped as they are read, but a check in the key loop would cost registers (sm90: 128 -> 168).
@@ -374,7 +420,8 @@ def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 
         if run != 0 or MASK_LEFT:
             acc, acc_odd, l_i, m_i = _decode_inner(
                 acc, acc_odd, l_i, m_i, q, K_HEAD, V_HEAD, table_row, stride_kb, stride_kn, stride_vb, stride_vn,
-                offs_t, offs_dk, offs_dv, tl.maximum(run_lo, split_lo), tl.minimum(run_hi, split_hi),
+                offs_t, offs_dk, offs_dv_in, cols_k, cols_v_in, tl.maximum(run_lo, split_lo),
+                tl.minimum(run_hi, split_hi),
                 leftpad, cache_b, page_size, num_blocks, seqlen_q, seqlen_k,
                 qk_scale, softcap * LOG2E, slope2, window_left, window_right,
                 BLOCK_N, HEAD_DIM_QK_ACTUAL, HEAD_DIM_QK, HEAD_DIM_V_ACTUAL, HEAD_DIM_V,
@@ -382,18 +429,26 @@ def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 
                 FP8_CACHE, V_PAIRS, PTX)
     if V_PAIRS:
         # Column 2j + i of the output is column j of the i-th accumulator.
-        acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, HEAD_DIM_V])
+        acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, HEADS * HEAD_DIM_V])
 
     # A row that saw no key (and no sink) has l = 0: output 0, lse -inf (an empty split, too).
     seen = l_i > 0.0
     if FP8_CACHE:
-        acc = acc * tl.load(V_DESCALE + off_b * stride_vdb + off_hk * stride_vdh)
+        if HEADS == 1:
+            acc = acc * tl.load(V_DESCALE + off_b * stride_vdb + off_hk * stride_vdh)
+        else:
+            acc = acc * tl.load(V_DESCALE + off_b * stride_vdb + (off_hk + slot_r) * stride_vdh)[:, None]
     acc = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
     o_rows = (split.to(tl.int64) * stride_os + off_b * stride_ob + (o_start + offs_t).to(tl.int64) * stride_om
               + heads * stride_oh)
-    store_tile(O + o_rows[:, None] + offs_dv[None, :], acc.to(O.dtype.element_ty), offs_r, n_rows, offs_dv,
-               HEAD_DIM_V_ACTUAL)
+    if HEADS == 1:
+        store_tile(O + o_rows[:, None] + offs_dv[None, :], acc.to(O.dtype.element_ty), offs_r, n_rows, offs_dv,
+                   HEAD_DIM_V_ACTUAL)
+    else:
+        # Each row's own head's columns.
+        o_mask = row_ok[:, None] & (slot_v[None, :] == slot_r[:, None]) & (offs_dv[None, :] < HEAD_DIM_V_ACTUAL)
+        tl.store(O + o_rows[:, None] + offs_dv[None, :], acc.to(O.dtype.element_ty), mask=o_mask)
     lse_ptrs = LSE + split.to(tl.int64) * stride_ls + off_b * stride_lb + heads * stride_lh + o_start + offs_t
     tl.store(lse_ptrs, lse, mask=row_ok)
 

@@ -77,6 +77,25 @@ def families():
     kvcache(2, 4096, 300, 300, 8, 8, 128)
 
 
+def fp8():
+    """The fused FP8 quantize and the Gluon FP8 forward, dense and packed (sequences starting off 16-key
+    boundaries: packed V^T's gaps, rows past the last sequence), and decode steps on an e4m3 cache (two KV heads a
+    program, split-KV) with appends."""
+    q, k, v = (randn(2, 1100, 4, 128) for _ in range(3))
+    flashtile.flash_attn_fp8_func(q, k, v, causal=True)
+    lengths = [300, 7, 1000, 77]
+    cu = int32([0] + torch.tensor(lengths).cumsum(0).tolist())
+    q, k, v = (randn(sum(lengths) + 5, 4, 128) for _ in range(3))
+    flashtile.flash_attn_varlen_fp8_func(q, k, v, cu, cu, max(lengths), max(lengths))
+    for batch, capacity in ((3, 5000), (1, 40000)):
+        k_cache, v_cache = (randn(batch, capacity, 8, 128).to(torch.float8_e4m3fn) for _ in range(2))
+        k, v = (randn(batch, 1, 8, 128) for _ in range(2))
+        descale = torch.full((batch, 8), 0.02, device=DEVICE)
+        flashtile.flash_attn_with_kvcache(randn(batch, 1, 32, 128), k_cache, v_cache, k, v,
+                                          cache_seqlens=int32([capacity - 1 - b for b in range(batch)]), causal=True,
+                                          k_descale=descale, v_descale=descale)
+
+
 def warp_specialized(small: bool):
     """The one-pass backward (d128 MHA bf16 with CTAs enough to fill the GPU; the wide kernel at 192/128 dense,
     192/192 packed and 256 dense, GQA) and the warp-specialized forward.
@@ -128,13 +147,14 @@ def main(mode: str) -> int:
         warp_specialized(small=True)
     else:
         families()
+        fp8()
         warp_specialized(small=False)
     torch.cuda.synchronize()
     kernels = flashtile.stats()["kernels"]
     for name, count in sorted(kernels.items()):
         print(f"  {count} x {name}")
     wanted = (["one-pass", "gluon-sm90-ws", "gluon-sm90-wide"] if mode == "ws"
-              else ["triton", "gluon", "one-pass", "gluon-sm90-wide", "decode"])
+              else ["triton", "gluon", "one-pass", "gluon-sm90-wide", "decode", " fp8 ", "fp8_cache"])
     missing = [w for w in wanted if not any(w in name for name in kernels)]
     status = 0
     if missing:

@@ -105,6 +105,21 @@ def test_sm90_cases_catch_the_launchers_arguments(monkeypatch, which, v_tail):
     assert ("v_tail_desc" in tiles) == (v_tail > 0) and options == dict(num_warps=4, maxnreg=168)
 
 
+def test_sm90_wide_case_takes_one_pass_knobs(monkeypatch):
+    """sm90_compile.py's ``knob=value`` arguments reach the wide kernel through the launcher: its constexprs and
+    compile options are the knobs given, the rest its head dim's defaults."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from sm90_cases import case
+
+    _, _, base, options = case("wide", True, False)
+    assert (base["DQ_FIRST"], base["RELEASE_EACH"], base["ROTATE"], base["STAGES"]) == (False, False, False, 2)
+    assert base["CONSUMER_REGS"] == 240 and options["maxnreg"] == 168
+    _, _, knobs, options = case("wide", True, False, tiles=dict(dq_first=1, rotate=1, stages=1, consumer_regs=232,
+                                                                  maxnreg=160))
+    assert (knobs["DQ_FIRST"], knobs["RELEASE_EACH"], knobs["ROTATE"], knobs["STAGES"]) == (1, False, 1, 1)
+    assert knobs["CONSUMER_REGS"] == 232 and options["maxnreg"] == 160
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_sm90_fp8_varlen_case_catches_the_launchers_arguments(monkeypatch, causal):
     """The FP8 varlen case runs fp8.forward_fp8_sm90 on packed CPU tensors and catches its launch: every kernel

@@ -665,6 +665,31 @@ def one_pass_stages(head_dim: int) -> int:
     return 1 if head_dim == 256 else 2
 
 
+# The one-pass kernels' consumer warpgroups after ``setmaxnreg`` (240 each, the producer and reducer warps' group 24:
+# the SM's 64K registers), and the cap they are compiled under (12 warps at 168).
+ONE_PASS_CONSUMER_REGS = 240
+ONE_PASS_MAXNREG = 168
+
+
+@dataclass(frozen=True)
+class OnePassConfig:
+    """The one-pass backward's knobs (tuning sweeps pass one to launch.backward as ``one_pass``): Q/dO ring slots,
+    the consumers' registers after ``setmaxnreg`` and the compile cap; the wide kernel's (kernels/bwd_sm90_wide.py)
+    order of dQ's product before dK's (``dq_first``), release of each dQ staging buffer as soon as it is read
+    (``release_each``) and walk begun at each CTA's key block (``rotate``)."""
+    stages: int
+    consumer_regs: int = ONE_PASS_CONSUMER_REGS
+    maxnreg: int = ONE_PASS_MAXNREG
+    dq_first: bool = False
+    release_each: bool = False
+    rotate: bool = False
+
+
+def one_pass_config(head_dim: int) -> OnePassConfig:
+    """The one-pass backward's knobs at this head dim."""
+    return OnePassConfig(one_pass_stages(head_dim))
+
+
 def one_pass_keys(head_dim: int, head_dim_v: int) -> int:
     """Keys a CTA of the one-pass backward owns."""
     return ONE_PASS_WIDE_KEYS if one_pass_wide(head_dim, head_dim_v) else ONE_PASS_KEYS

@@ -30,6 +30,15 @@ Per step (64 queries), each consumer:
     rest); wait for dQ
     stage dQ[:, own] (float32, scaled) in shared memory for the reducer (``dq_full``/``dq_empty``)
 
+What limits it at 192/128 (issue 46: 0.67-0.71x FA4's backward): bytes moved a multiply-add, set by the CTA's 64
+keys. A step's 3.41M multiply-adds read about 224 KB of wgmma operands from shared memory (each consumer reads all of
+Q and dO for S and dP on only 32 keys: N = 32 products), plus 96 KB of dQ staging (stored, then read by the reduce),
+16 KB of P^T/dS^T and 40 KB of TMA loads: about 376 KB, 2,900 cycles at 128 B a cycle against 1,700 of tensor-core
+work; and 88 KB of L2 traffic (Q/dO loads, dQ's float32 reduce). FA4 takes 96 keys a CTA (m 64, n 96, two
+warpgroups of 48 keys): the same fixed costs a step over 1.5x the work, about 1.36x fewer shared-memory bytes and
+1.5x fewer L2 bytes a multiply-add, near its 1.48x lead. Gluon's tiles are powers of two, so 96 keys would take
+three consumer warpgroups of 32 keys (dK^T and dV^T as swapped products, 80 accumulator registers each at 160).
+
 Tuning variants (configs.OnePassConfig, launch.backward's ``one_pass``): ``DQ_FIRST`` issues dQ's product before
 dK's and stages dQ while dK's runs (FA3's order; Q's slot then goes back after the staging); ``RELEASE_EACH`` has
 the reducer hand consumer 0's staging buffer back as soon as its reduce has read it, not after consumer 1's too;

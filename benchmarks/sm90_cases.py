@@ -70,12 +70,15 @@ def _one_pass_case(causal: bool, softcap: bool, alibi: bool, varlen: bool, windo
                     alibi_slopes=torch.empty(2, q.shape[-2]) if alibi else None, **extra)
     caught = {}
     name = "_BWD_WIDE" if launch.configs.one_pass_wide(d, dv) else "_BWD_WS"
+    if tiles.get("keys96"):
+        name = "_BWD_WIDE96"
     kernel = getattr(launch, name)
     setattr(launch, name, lambda key, grid, dynamic, static, **_: caught.update(dynamic, **static()))
     try:
         features = frozenset(present_features(args, d, dv))
         launch._backward_sm90_ws(q, k, v, dout, torch.empty(q.shape, dtype=torch.float32), k, v, lse, lse, args,
-                                 features, None, replace(launch.configs.one_pass_config(d), **tiles))
+                                 features, None,
+                                 replace(launch.configs.one_pass_config(d, bool(tiles.get("keys96"))), **tiles))
     finally:
         setattr(launch, name, kernel)
     # The GPU's bf16 calls take the fast tanh (host.fast_tanh: CUDA tensors only).

@@ -120,6 +120,23 @@ def test_sm90_wide_case_takes_one_pass_knobs(monkeypatch):
     assert knobs["CONSUMER_REGS"] == 232 and options["maxnreg"] == 160
 
 
+def test_sm90_wide96_case_catches_the_launchers_arguments(monkeypatch):
+    """``keys96=1``: the 96-key kernel's launch through the launcher: three consumers' 32-key K and V tiles, dQ
+    added 64 columns at a time, its own registers (160 a worker consumer, 128 the compile cap of 16 warps) and no
+    switches of packed sequences or of the 64-key kernel."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from sm90_cases import case
+
+    fn, args, constexprs, options = case("wide", True, False, tiles=dict(keys96=1))
+    assert fn.__name__ == "attn_bwd_sm90_wide96" and set(args) | set(constexprs) == set(fn.arg_names)
+    tiles = {name: tuple(args[name].block_shape) for name in args if name.endswith("_desc")}
+    assert tiles == {"q_desc": (1, 64, 1, 128), "q_tail_desc": (1, 64, 1, 64), "k_desc": (1, 32, 1, 128),
+                     "k_tail_desc": (1, 32, 1, 64), "v_desc": (1, 32, 1, 128), "do_desc": (1, 64, 1, 128),
+                     "dq_desc": (1, 64, 1, 64)}
+    assert constexprs["CONSUMER_REGS"] == 160 and options == dict(num_warps=4, maxnreg=128)
+    assert "IS_VARLEN" not in constexprs and "DQ_FIRST" not in constexprs and constexprs["MASK_RIGHT"]
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_sm90_fp8_varlen_case_catches_the_launchers_arguments(monkeypatch, causal):
     """The FP8 varlen case runs fp8.forward_fp8_sm90 on packed CPU tensors and catches its launch: every kernel

@@ -238,6 +238,29 @@ def test_wide_variants(rng, variant, causal, head_dim, head_dim_v):
                          reference_results(q, k, v, dout, hi=False, causal=causal), torch.bfloat16)
 
 
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (100, 0), (50, 70)], ids=["full", "causal", "local", "window"])
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(333, 461), (500, 300)])
+def test_wide96(rng, window, seqlen_q, seqlen_k):
+    """The 96-key variant at 192/128 (kernels/bwd_sm90_wide96.py, launch.backward's ``one_pass``): every gradient
+    (poisoned first) to the tolerance rule on GQA calls whose last key block (CTAs of 96 keys, the third consumer's
+    keys all past the end at 461) and query block are partial, with more queries than keys too."""
+    from flashtile.backends import AttnArgs
+    from flashtile.backends.triton import launch
+
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, 2, 192, torch.bfloat16, "cuda", generator=rng)
+    v = v[..., :128].contiguous()
+    dout = torch.randn(*q.shape[:3], 128, generator=rng).to("cuda", torch.bfloat16)
+    causal = window == (-1, 0)
+    args = AttnArgs(softmax_scale=192 ** -0.5, causal=causal, window_left=window[0], window_right=window[1])
+    out, lse = launch.forward(q, k, v, args)
+    grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    launch.backward(dout, q, k, v, out, lse, args, *grads, one_pass=configs.one_pass_config(192, keys96=True))
+    ours = {"out": out, "lse": lse, **dict(zip(("dq", "dk", "dv"), grads))}
+    ref = dict(causal=causal, window_size=window)
+    assert_results_close(ours, reference_results(q, k, v, dout, hi=True, **ref),
+                         reference_results(q, k, v, dout, hi=False, **ref), torch.bfloat16)
+
+
 @pytest.mark.parametrize("how", ["argument", "torch"])
 def test_deterministic_takes_the_pair(rng, how):
     """``deterministic=True``, or torch's deterministic mode, runs the dK/dV + dQ pair: every gradient

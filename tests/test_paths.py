@@ -83,6 +83,15 @@ def test_one_pass_override_is_refused_off_its_path(rng):
     with pytest.raises(ValueError, match="one_pass: a one-pass override"):
         launch.backward(out, q, k, v, out, lse, args, *grads, config=configs.bwd_config(192, q.dtype, q.device),
                         one_pass=tiles)
+    # 96-key CTAs: 192/128 alone (here 192/192), and no softcap.
+    with pytest.raises(ValueError, match="one_pass: 96-key CTAs.*192/192"):
+        launch.backward(out, q, k, v, out, lse, args, *grads, one_pass=configs.one_pass_config(192, keys96=True))
+    v128 = v[..., :128].contiguous()
+    capped = AttnArgs(softmax_scale=192 ** -0.5, softcap=30.0)
+    out, lse = launch.forward(q, k, v128, capped)
+    with pytest.raises(ValueError, match="one_pass: 96-key CTAs.*softcap"):
+        launch.backward(out, q, k, v128, out, lse, capped, grads[0], grads[1], torch.empty_like(v128),
+                        one_pass=configs.one_pass_config(192, keys96=True))
 
 
 def _inputs(case: paths.Case, rng, device):

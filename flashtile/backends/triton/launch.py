@@ -27,6 +27,7 @@ from .host import (bsh_strides, cdiv, fast_tanh, fold_scale, fork, input_precisi
 from .kernels.bwd import bwd_dkdv, bwd_dq, bwd_preprocess, bwd_sink_grad, bwd_sum_parts
 from .kernels.bwd_sm90 import attn_bwd_dkdv_sm90
 from .kernels.bwd_sm90_wide import attn_bwd_sm90_wide
+from .kernels.bwd_sm90_wide96 import attn_bwd_sm90_wide96
 from .kernels.bwd_sm90_ws import attn_bwd_sm90_ws
 from .kernels.common import LOG2E as _LOG2E
 from .kernels.fwd import attn_fwd
@@ -464,6 +465,10 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
             if grad is not dq_out or not add_dq:
                 _fill_tail(grad, cu, 0.0)
     features = frozenset(present_features(args, head_dim, head_dim_v))
+    if one_pass is not None and one_pass.keys96 and ((head_dim, head_dim_v) != (192, 128)
+                                                     or not features <= configs.ONE_PASS_96_FEATURES):
+        raise ValueError(f"one_pass: 96-key CTAs take dense calls at head dims 192/128 with no feature but "
+                         f"{sorted(configs.ONE_PASS_96_FEATURES)}, got {head_dim}/{head_dim_v} with {sorted(features)}")
     cfg = config or bwd_config(max(head_dim, head_dim_v), q.dtype, q.device, head_dim_v,
                                row_keys(seqlen_k, args.window_left, args.window_right), features)
     varlen = args.varlen
@@ -617,6 +622,8 @@ _ONE_PASS_DYNAMIC = ("DK", "DV", "LSE2", "DELTA", "CU_SEQLENS_Q", "CU_SEQLENS_K"
 _BWD_WS = CachedLaunch(attn_bwd_sm90_ws, ("q_desc", "k_desc", "v_desc", "do_desc", "dq_desc") + _ONE_PASS_DYNAMIC)
 _BWD_WIDE = CachedLaunch(attn_bwd_sm90_wide, ("q_desc", "q_tail_desc", "k_desc", "k_tail_desc", "v_desc", "v_tail_desc",
                                               "do_desc", "do_tail_desc", "dq_desc", "dq_tail_desc") + _ONE_PASS_DYNAMIC)
+_BWD_WIDE96 = CachedLaunch(attn_bwd_sm90_wide96, ("q_desc", "q_tail_desc", "k_desc", "k_tail_desc", "v_desc", "do_desc",
+                                                  "dq_desc") + _ONE_PASS_DYNAMIC)
 
 
 def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs, features: frozenset, key,
@@ -626,7 +633,8 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
     or 192, and at 256 (configs.one_pass_wide). dK and dV go into ``dk``/``dv``, dQ (scaled) is added into the
     zeroed float32 ``dq_acc`` (q's shape); ``features``: the call's, as :func:`backward` found them; ``key``: the
     backward's launch key (which holds no lengths: they are dynamic arguments); ``tiles``: the kernel's knobs (the
-    wide kernel's alone take ``dq_first``, ``release_each`` and ``rotate``)."""
+    wide kernel's alone take ``dq_first``, ``release_each`` and ``rotate``; ``keys96`` runs
+    kernels/bwd_sm90_wide96.py instead)."""
     varlen = args.varlen
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, head_dim_v = _shape(q, k, v, args)
     wide = configs.one_pass_wide(head_dim, head_dim_v)
@@ -642,13 +650,16 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
         # past their first 128 columns as a tail.
         own = (dict(V_TAIL=head_dim_v - 128, DQ_FIRST=tiles.dq_first, RELEASE_EACH=tiles.release_each,
                     ROTATE=tiles.rotate) if wide else dict(ALIBI_LINEAR=alibi is not None and args.window_right == 0))
+        sequences = dict(IS_VARLEN=varlen, HAS_SEQUSED=args.seqused_k is not None)
+        if tiles.keys96:
+            # 96-key CTAs (kernels/bwd_sm90_wide96.py): dense calls, values of 128, none of the 64-key switches.
+            own, sequences = {}, {}
         return dict(window_left=args.window_left, window_right=args.window_right, **_strides(varlen, dk=dk, dv=dv),
                     stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h, group=nheads // nheads_kv,
                     MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0,
                     stride_alibi_b=alibi.stride(0) if alibi is not None else 0, SOFTCAP=args.softcap > 0,
-                    FAST_TANH=fast_tanh(q), ALIBI=alibi is not None, **own, IS_VARLEN=varlen,
-                    HAS_SEQUSED=args.seqused_k is not None, STAGES=tiles.stages, CONSUMER_REGS=tiles.consumer_regs,
-                    num_warps=4, maxnreg=tiles.maxnreg)
+                    FAST_TANH=fast_tanh(q), ALIBI=alibi is not None, **own, **sequences, STAGES=tiles.stages,
+                    CONSUMER_REGS=tiles.consumer_regs, num_warps=4, maxnreg=tiles.maxnreg)
 
     if varlen:
         # One batch row of all tokens for the TMA; each CTA finds its sequence's rows (the descriptors' rows bound
@@ -668,8 +679,16 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
             main = _tma_desc(t[..., :128], rows)
             return (main, _tma_desc(t[..., 128:], rows)) if t.shape[3] > 128 else (main, None)
 
-        (q_main, q_tail), (k_main, k_tail) = parts(q, rows), parts(k, cta_keys)
-        (v_main, v_tail), (do_main, do_tail) = parts(v, cta_keys), parts(dout, rows)
+        (q_main, q_tail), (do_main, do_tail) = parts(q, rows), parts(dout, rows)
+        if tiles.keys96:
+            # Three consumers of 32 keys, each adding 64 of dQ's 192 columns.
+            k_main, k_tail = parts(k, 32)
+            _BWD_WIDE96(key, (cdiv(seqlen_k, 96), nheads_kv, batch),
+                        dict(q_desc=q_main, q_tail_desc=q_tail, k_desc=k_main, k_tail_desc=k_tail,
+                             v_desc=_tma_desc(v, 32), do_desc=do_main, dq_desc=_tma_desc(dq_acc, rows, 64), **tensors),
+                        static)
+            return
+        (k_main, k_tail), (v_main, v_tail) = parts(k, cta_keys), parts(v, cta_keys)
         dq_main, dq_tail = parts(dq_acc, rows)
         _BWD_WIDE(key, grid, dict(q_desc=q_main, q_tail_desc=q_tail, k_desc=k_main, k_tail_desc=k_tail, v_desc=v_main,
                                   v_tail_desc=v_tail, do_desc=do_main, do_tail_desc=do_tail, dq_desc=dq_main,

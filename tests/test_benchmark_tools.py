@@ -135,6 +135,7 @@ def test_sm90_wide96_case_catches_the_launchers_arguments(monkeypatch):
                      "dq_desc": (1, 64, 1, 64)}
     assert constexprs["CONSUMER_REGS"] == 160 and options == dict(num_warps=4, maxnreg=128)
     assert "IS_VARLEN" not in constexprs and "DQ_FIRST" not in constexprs and constexprs["MASK_RIGHT"]
+    assert constexprs["DS_BUFS"] == 1 and case("wide", True, False, tiles=dict(keys96=1, ds_bufs=2))[2]["DS_BUFS"] == 2
 
 
 @pytest.mark.parametrize("causal", [False, True])

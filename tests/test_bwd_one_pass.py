@@ -240,10 +240,14 @@ def test_wide_variants(rng, variant, causal, head_dim, head_dim_v):
 
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (100, 0), (50, 70)], ids=["full", "causal", "local", "window"])
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(333, 461), (500, 300)])
-def test_wide96(rng, window, seqlen_q, seqlen_k):
-    """The 96-key variant at 192/128 (kernels/bwd_sm90_wide96.py, launch.backward's ``one_pass``): every gradient
-    (poisoned first) to the tolerance rule on GQA calls whose last key block (CTAs of 96 keys, the third consumer's
-    keys all past the end at 461) and query block are partial, with more queries than keys too."""
+@pytest.mark.parametrize("ds_bufs", [1, 2])
+def test_wide96(rng, window, seqlen_q, seqlen_k, ds_bufs):
+    """The 96-key variant at 192/128 (kernels/bwd_sm90_wide96.py, launch.backward's ``one_pass``), with one or two
+    dS buffers: every gradient (poisoned first) to the tolerance rule on GQA calls whose last key block (CTAs of 96
+    keys, the third consumer's keys all past the end at 461) and query block are partial, more queries than keys
+    too."""
+    from dataclasses import replace
+
     from flashtile.backends import AttnArgs
     from flashtile.backends.triton import launch
 
@@ -254,7 +258,8 @@ def test_wide96(rng, window, seqlen_q, seqlen_k):
     args = AttnArgs(softmax_scale=192 ** -0.5, causal=causal, window_left=window[0], window_right=window[1])
     out, lse = launch.forward(q, k, v, args)
     grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
-    launch.backward(dout, q, k, v, out, lse, args, *grads, one_pass=configs.one_pass_config(192, keys96=True))
+    tiles = replace(configs.one_pass_config(192, keys96=True), ds_bufs=ds_bufs)
+    launch.backward(dout, q, k, v, out, lse, args, *grads, one_pass=tiles)
     ours = {"out": out, "lse": lse, **dict(zip(("dq", "dk", "dv"), grads))}
     ref = dict(causal=causal, window_size=window)
     assert_results_close(ours, reference_results(q, k, v, dout, hi=True, **ref),

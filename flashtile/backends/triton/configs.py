@@ -684,7 +684,7 @@ class OnePassConfig:
     order of dQ's product before dK's (``dq_first``), release of each dQ staging buffer as soon as it is read
     (``release_each``) and walk begun at each CTA's key block (``rotate``); at 192/128 dense, CTAs of 96 keys on
     three consumer warpgroups (``keys96``: kernels/bwd_sm90_wide96.py, FA4's tile; :func:`one_pass_config` gives it
-    its registers)."""
+    its registers) and its dS buffers (``ds_bufs``: 1 or 2)."""
     stages: int
     consumer_regs: int = ONE_PASS_CONSUMER_REGS
     maxnreg: int = ONE_PASS_MAXNREG
@@ -692,6 +692,7 @@ class OnePassConfig:
     release_each: bool = False
     rotate: bool = False
     keys96: bool = False
+    ds_bufs: int = 1
 
 
 def one_pass_config(head_dim: int, keys96: bool = False) -> OnePassConfig:

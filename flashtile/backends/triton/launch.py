@@ -653,7 +653,7 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
         sequences = dict(IS_VARLEN=varlen, HAS_SEQUSED=args.seqused_k is not None)
         if tiles.keys96:
             # 96-key CTAs (kernels/bwd_sm90_wide96.py): dense calls, values of 128, none of the 64-key switches.
-            own, sequences = {}, {}
+            own, sequences = dict(DS_BUFS=tiles.ds_bufs), {}
         return dict(window_left=args.window_left, window_right=args.window_right, **_strides(varlen, dk=dk, dv=dv),
                     stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h, group=nheads // nheads_kv,
                     MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0,

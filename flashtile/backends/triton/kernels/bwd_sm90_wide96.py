@@ -20,8 +20,9 @@ there cost 16 spill instructions in the causal key loop (the other two consumers
 sm_90 ptxas (benchmarks/sm90_compile.py wide keys96=1 consumer_regs=160 maxnreg=128): 0 spill instructions full,
 2 in the causal key loop, 218,840 B of shared memory; softcap spills (64), so the launcher takes neither it nor
 ALiBi here. Shared memory: Q 2 x 24 KB, dO 2 x 16 KB, K 36 KB, V
-24 KB, P and dS 12 KB each (one buffer: a consumer writes its dS only once all three have read the step before's,
-``ds_empty``), dQ staging 48 KB: about 214 KB. Dense calls only (no packed sequences, no seqused_k); masks, windows
+24 KB, P 12 KB, dS 12 KB a buffer (a consumer writes its dS only once all three have read that buffer's last,
+``ds_empty``; ``DS_BUFS`` = 2 lets a consumer run a step ahead of the others, at 231,128 B of the 232,448), dQ
+staging 48 KB: 218,840 B with one dS buffer. Dense calls only (no packed sequences, no seqused_k); masks, windows
 and sinks (through the lse) as bwd_sm90_wide.py takes them.
 """
 from triton.experimental import gluon
@@ -40,7 +41,7 @@ NUM_WG = gl.constexpr(3)
 
 @gluon.jit
 def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-              FAST_TANH: gl.constexpr, ALIBI: gl.constexpr, STAGES: gl.constexpr):
+              FAST_TANH: gl.constexpr, ALIBI: gl.constexpr, STAGES: gl.constexpr, DS_BUFS: gl.constexpr):
     (q_desc, qt_desc, k_desc, do_desc, q_smem, qt_smem, do_smem, k_smem, kt_smem, v_smem, p_smem, ds_smem, dq_smem,
      rows_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_full, dq_empty, DK, DV,
      ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, softmax_scale, stride_dkb, stride_dkn, stride_dkh, stride_dvb,
@@ -74,7 +75,6 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
     s_zero = gl.zeros([BLOCK_M, KEYS], gl.float32, s_layout)
     dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
     p_own = p_smem.index(WG)
-    ds_own = ds_smem.index(WG)
     mbarrier.wait(kv_ready, 0)
     for it in range(n_it):
         slot, phase, _, _, off_h, row, slope2 = consumer_step(it, it, n_q, lo, off_hk, group, ALIBI_SLOPES,
@@ -114,25 +114,29 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
             ds = ds * (1.0 - t * t)
-        # dS is every warpgroup's (dQ's A operand): written once all three have read the step before's.
-        mbarrier.wait(ds_empty.index(0), (it & 1) ^ 1)
+        # dS is every warpgroup's (dQ's A operand): its buffer is written once all three have read it DS_BUFS steps
+        # before.
+        ds_buf = it % DS_BUFS
+        ds_phase = (it // DS_BUFS) & 1
+        ds_own = ds_smem.index(ds_buf * NUM_WG + WG)
+        mbarrier.wait(ds_empty.index(ds_buf), ds_phase ^ 1)
         ds_own.store(ds.to(dtype))
         fence_async_shared()
         gl.thread_barrier()
-        mbarrier.arrive(ds_ready.index(0), count=1)
+        mbarrier.arrive(ds_ready.index(ds_buf), count=1)
         dkt = warpgroup_mma(q.permute((1, 0)), ds_own, dkt, is_async=True)
         dkt_tail = warpgroup_mma(qt.permute((1, 0)), ds_own, dkt_tail, is_async=True)
         # dQ[:, own columns] over the three warpgroups' keys.
-        mbarrier.wait(ds_ready.index(0), it & 1)
+        mbarrier.wait(ds_ready.index(ds_buf), ds_phase)
         dq = dq_zero
         for j in gl.static_range(NUM_WG):
             if WG < NUM_WG - 1:
                 k_cols = _tile(k_smem, j + zero).slice(WG * DQ_COLS, DQ_COLS, 1)
             else:
                 k_cols = _tile(kt_smem, j + zero)
-            dq = warpgroup_mma(ds_smem.index(j), k_cols, dq, use_acc=j > 0, is_async=True)
+            dq = warpgroup_mma(ds_smem.index(ds_buf * NUM_WG + j), k_cols, dq, use_acc=j > 0, is_async=True)
         dq, dkt, dkt_tail, dvt = warpgroup_mma_wait(0, deps=(dq, dkt, dkt_tail, dvt))
-        mbarrier.arrive(ds_empty.index(0), count=1)
+        mbarrier.arrive(ds_empty.index(ds_buf), count=1)
         mbarrier.arrive(do_empty.index(slot), count=1)
         mbarrier.arrive(q_empty.index(slot), count=1)
         # Stage dQ's columns once the reduce of the step before has read them.
@@ -217,7 +221,7 @@ def attn_bwd_sm90_wide96(q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, do_de
                          softmax_scale, window_left, window_right, stride_dkb, stride_dkn, stride_dkh, stride_dvb,
                          stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group,
                          MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                         FAST_TANH: gl.constexpr, ALIBI: gl.constexpr, STAGES: gl.constexpr,
+                         FAST_TANH: gl.constexpr, ALIBI: gl.constexpr, STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
                          CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """``q_desc``/``q_tail_desc``: TMA descriptors of the ``(batch, seqlen, heads, 128)`` and ``(.., 64)`` views of q
     with ``[1, 64, 1, cols]`` tiles, ``k_desc``/``k_tail_desc`` the same of k with ``[1, 32, 1, cols]`` (one
@@ -245,7 +249,7 @@ def attn_bwd_sm90_wide96(q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, do_de
     # Each consumer's P and dS (queries x its keys), one buffer; dQ staging, one tile of columns a consumer.
     pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, KEYS], dtype)
     p_smem = gl.allocate_shared_memory(dtype, [NUM_WG, BLOCK_M, KEYS], pds_layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [NUM_WG, BLOCK_M, KEYS], pds_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [DS_BUFS * NUM_WG, BLOCK_M, KEYS], pds_layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_WG, 1, BLOCK_M, 1, DQ_COLS], dq_desc.layout)
     rows_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     kv_ready = barrier(1)
@@ -255,8 +259,8 @@ def attn_bwd_sm90_wide96(q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, do_de
     do_ready = barriers(STAGES, 1)
     do_empty = barriers(STAGES, NUM_WG)
     # The three dS tiles in place / read by the three dQ products; a consumer's dQ staged / read by the reduce.
-    ds_ready = barriers(1, NUM_WG)
-    ds_empty = barriers(1, NUM_WG)
+    ds_ready = barriers(DS_BUFS, NUM_WG)
+    ds_empty = barriers(DS_BUFS, NUM_WG)
     dq_full = barriers(NUM_WG, 1)
     dq_empty = barriers(NUM_WG, 1)
     walk = (seqlen_q, seqlen_k, window_left, window_right, group, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K)
@@ -268,9 +272,12 @@ def attn_bwd_sm90_wide96(q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, do_de
                 v_smem, rows_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, LSE2, DELTA, stride_lse_b,
                 stride_lse_h)
     reducer = (q_desc, k_desc, dq_desc, dq_smem, dq_full, dq_empty)
-    gl.warp_specialize([(_consumer, (consumer, walk, 0, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, STAGES)),
-                        (_consumer, (consumer, walk, 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, STAGES)),
-                        (_consumer, (consumer, walk, 2, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, STAGES)),
+    gl.warp_specialize([(_consumer, (consumer, walk, 0, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, STAGES,
+                                     DS_BUFS)),
+                        (_consumer, (consumer, walk, 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, STAGES,
+                                     DS_BUFS)),
+                        (_consumer, (consumer, walk, 2, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, STAGES,
+                                     DS_BUFS)),
                         (_producer, (producer, walk, MASK_LEFT, MASK_RIGHT, STAGES)),
                         (_reducer, (reducer, walk, MASK_LEFT, MASK_RIGHT))], [4, 4, 1, 1],
                        [CONSUMER_REGS, CONSUMER_REGS, 24, 24])

@@ -299,6 +299,37 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
 
 
 @gluon.jit
+def load_step(rings, it, tma_b, q_start, off_b, off_h, row, seqlen_q, STAGES: gl.constexpr, V_TAIL: gl.constexpr):
+    """The producer's step ``it``: rows from ``row`` of batch row ``off_b``'s query head ``off_h`` (TMA batch row
+    ``tma_b``, from token ``q_start``) of dO (and its ``V_TAIL`` columns) and of Q (main and tail) into their rings'
+    slot ``it % STAGES``, with the rows' lse and delta. A slot is refilled once its consumers have released its last
+    use (the first pass waits on the phase before the barrier's first, which counts as done); dO first, whose last
+    use (dV) comes before Q's (dK). ``rings``: the descriptors, rings and barriers, LSE2 and DELTA and their
+    strides."""
+    (q_desc, qt_desc, do_desc, dot_desc, q_smem, qt_smem, do_smem, dot_smem, rows_smem, q_ready, q_empty, do_ready,
+     do_empty, LSE2, DELTA, stride_lse_b, stride_lse_h) = rings
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
+    q_bytes: gl.constexpr = q_desc.block_type.nbytes + qt_desc.block_type.nbytes
+    do_bytes: gl.constexpr = do_desc.block_type.nbytes + (dot_desc.block_type.nbytes if V_TAIL > 0 else 0)
+    slot = it % STAGES
+    phase = (it // STAGES) & 1
+    mbarrier.wait(do_empty.index(slot), phase ^ 1)
+    bar = do_ready.index(slot)
+    mbarrier.expect(bar, do_bytes)
+    tma.async_copy_global_to_shared(do_desc, [tma_b, q_start + row, off_h, 0], bar, do_smem.index(slot))
+    if V_TAIL > 0:
+        tma.async_copy_global_to_shared(dot_desc, [tma_b, q_start + row, off_h, 0], bar, dot_smem.index(slot))
+    # Q's barrier also waits for the rows' lse and delta, which share its slot.
+    mbarrier.wait(q_empty.index(slot), phase ^ 1)
+    bar = q_ready.index(slot)
+    mbarrier.expect(bar, q_bytes)
+    tma.async_copy_global_to_shared(q_desc, [tma_b, q_start + row, off_h, 0], bar, q_smem.index(slot))
+    tma.async_copy_global_to_shared(qt_desc, [tma_b, q_start + row, off_h, 0], bar, qt_smem.index(slot))
+    stage_rows(rows_smem, slot, bar, LSE2, DELTA, off_b * stride_lse_b + off_h * stride_lse_h + q_start, row,
+               seqlen_q, BLOCK_M)
+
+
+@gluon.jit
 def _producer(args, walk, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
               HAS_SEQUSED: gl.constexpr, STAGES: gl.constexpr, V_TAIL: gl.constexpr, ROTATE: gl.constexpr):
     (q_desc, qt_desc, k_desc, kt_desc, v_desc, vt_desc, do_desc, dot_desc, q_smem, qt_smem, do_smem, dot_smem, k_smem,
@@ -323,28 +354,11 @@ def _producer(args, walk, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_
     tma.async_copy_global_to_shared(v_desc, [tma_b, key_row, off_hk, 0], kv_ready, v_smem.index(0))
     if V_TAIL > 0:
         tma.async_copy_global_to_shared(vt_desc, [tma_b, key_row, off_hk, 0], kv_ready, vt_smem.index(0))
-    q_bytes: gl.constexpr = q_desc.block_type.nbytes + qt_desc.block_type.nbytes
-    do_bytes: gl.constexpr = do_desc.block_type.nbytes + (dot_desc.block_type.nbytes if V_TAIL > 0 else 0)
+    rings = (q_desc, qt_desc, do_desc, dot_desc, q_smem, qt_smem, do_smem, dot_smem, rows_smem, q_ready, q_empty,
+             do_ready, do_empty, LSE2, DELTA, stride_lse_b, stride_lse_h)
     for it in range(n_it):
-        # A slot is refilled once both consumers have released its last use (the first pass waits on the phase
-        # before the barrier's first, which counts as done); dO first, whose last use (dV) comes before Q's (dK).
-        slot = it % STAGES
-        phase = (it // STAGES) & 1
         off_h, row = _query_block(_walk_step(it, n_it, ROTATE), n_q, lo, off_hk, group, BLOCK_M)
-        mbarrier.wait(do_empty.index(slot), phase ^ 1)
-        bar = do_ready.index(slot)
-        mbarrier.expect(bar, do_bytes)
-        tma.async_copy_global_to_shared(do_desc, [tma_b, q_start + row, off_h, 0], bar, do_smem.index(slot))
-        if V_TAIL > 0:
-            tma.async_copy_global_to_shared(dot_desc, [tma_b, q_start + row, off_h, 0], bar, dot_smem.index(slot))
-        # Q's barrier also waits for the rows' lse and delta, which share its slot.
-        mbarrier.wait(q_empty.index(slot), phase ^ 1)
-        bar = q_ready.index(slot)
-        mbarrier.expect(bar, q_bytes)
-        tma.async_copy_global_to_shared(q_desc, [tma_b, q_start + row, off_h, 0], bar, q_smem.index(slot))
-        tma.async_copy_global_to_shared(qt_desc, [tma_b, q_start + row, off_h, 0], bar, qt_smem.index(slot))
-        stage_rows(rows_smem, slot, bar, LSE2, DELTA, off_b * stride_lse_b + off_h * stride_lse_h + q_start, row,
-                   seqlen_q, BLOCK_M)
+        load_step(rings, it, tma_b, q_start, off_b, off_h, row, seqlen_q, STAGES, V_TAIL)
 
 
 @gluon.jit

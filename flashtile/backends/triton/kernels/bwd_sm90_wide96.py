@@ -31,7 +31,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .bwd_sm90 import _query_block, store_key_rows
-from .bwd_sm90_ws import _reduce_add, _walk, barrier, barriers, consumer_step, opaque_zero, stage_rows
+from .bwd_sm90_wide import load_step
+from .bwd_sm90_ws import _reduce_add, _walk, barrier, barriers, consumer_step, opaque_zero
 from .common import scores, visible
 from .fwd_sm90 import _tile, wgmma_layout
 
@@ -174,24 +175,12 @@ def _producer(args, walk, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STA
         tma.async_copy_global_to_shared(k_desc, [tma_b, key_row, off_hk, 0], kv_ready, k_smem.index(w))
         tma.async_copy_global_to_shared(kt_desc, [tma_b, key_row, off_hk, 0], kv_ready, kt_smem.index(w))
         tma.async_copy_global_to_shared(v_desc, [tma_b, key_row, off_hk, 0], kv_ready, v_smem.index(w))
-    q_bytes: gl.constexpr = q_desc.block_type.nbytes + qt_desc.block_type.nbytes
+    # No tail of dO: its descriptor and ring stand in for the tail's, never read.
+    rings = (q_desc, qt_desc, do_desc, do_desc, q_smem, qt_smem, do_smem, do_smem, rows_smem, q_ready, q_empty,
+             do_ready, do_empty, LSE2, DELTA, stride_lse_b, stride_lse_h)
     for it in range(n_it):
-        # A slot is refilled once the three consumers have released it (the first pass waits on the phase before
-        # the barrier's first, which counts as done).
-        slot = it % STAGES
-        phase = (it // STAGES) & 1
         off_h, row = _query_block(it, n_q, lo, off_hk, group, BLOCK_M)
-        mbarrier.wait(do_empty.index(slot), phase ^ 1)
-        bar = do_ready.index(slot)
-        mbarrier.expect(bar, do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [tma_b, q_start + row, off_h, 0], bar, do_smem.index(slot))
-        mbarrier.wait(q_empty.index(slot), phase ^ 1)
-        bar = q_ready.index(slot)
-        mbarrier.expect(bar, q_bytes)
-        tma.async_copy_global_to_shared(q_desc, [tma_b, q_start + row, off_h, 0], bar, q_smem.index(slot))
-        tma.async_copy_global_to_shared(qt_desc, [tma_b, q_start + row, off_h, 0], bar, qt_smem.index(slot))
-        stage_rows(rows_smem, slot, bar, LSE2, DELTA, off_b * stride_lse_b + off_h * stride_lse_h + q_start, row,
-                   seqlen_q, BLOCK_M)
+        load_step(rings, it, tma_b, q_start, off_b, off_h, row, seqlen_q, STAGES, 0)
 
 
 @gluon.jit

@@ -1,6 +1,7 @@
 """Kernel arguments for benchmarks/sm90_compile.py: CPU tensors stand in for the GPU's (only their shapes,
 strides and dtypes matter to the compiler)."""
 import re
+from dataclasses import replace
 
 import torch
 
@@ -15,7 +16,8 @@ def _inputs(B=2, S=4096, H=16, Hk=16, D=128, dtype=torch.bfloat16):
     return q, k, lse
 
 
-def case(which: str, causal: bool, softcap: bool, window: bool = False):
+def case(which: str, causal: bool, softcap: bool, window: bool = False, tiles: dict | None = None):
+    """``tiles``: configs.OnePassConfig fields that the one-pass cases (wide*) take over their head dim's."""
     q, k, lse = _inputs()
     common = dict(MASK_LEFT=False, MASK_RIGHT=causal, SOFTCAP=softcap, FAST_TANH=True, FOLD_SCALE=softcap,
                   IS_VARLEN=False, HAS_SEQUSED=False)
@@ -47,11 +49,12 @@ def case(which: str, causal: bool, softcap: bool, window: bool = False):
     if which.startswith("wide"):
         # wide[-alibi|-varlen][-v192|-d256]: 192/128, 192/192 with -v192, 256/256 with -d256.
         dims = (256, 256) if which.endswith("-d256") else (192, 192 if which.endswith("-v192") else 128)
-        return _one_pass_case(causal, softcap, "-alibi" in which, "-varlen" in which, window, dims)
+        return _one_pass_case(causal, softcap, "-alibi" in which, "-varlen" in which, window, dims, tiles or {})
     raise ValueError(which)
 
 
-def _one_pass_case(causal: bool, softcap: bool, alibi: bool, varlen: bool, window: bool, head_dims: tuple):
+def _one_pass_case(causal: bool, softcap: bool, alibi: bool, varlen: bool, window: bool, head_dims: tuple,
+                   tiles: dict):
     """The one-pass launcher's own arguments (launch._backward_sm90_ws) for a 2 x 4096 call of 16 query and 16 KV
     heads at ``head_dims`` (q/k, v), caught at its launch: ``(kernel, runtime args, constexprs, options)``."""
     from flashtile.backends import AttnArgs, present_features
@@ -72,12 +75,15 @@ def _one_pass_case(causal: bool, softcap: bool, alibi: bool, varlen: bool, windo
                     alibi_slopes=torch.empty(2, q.shape[-2]) if alibi else None, **extra)
     caught = {}
     name = "_BWD_WIDE" if launch.configs.one_pass_wide(d, dv) else "_BWD_WS"
+    if tiles.get("keys96"):
+        name = "_BWD_WIDE96"
     kernel = getattr(launch, name)
     setattr(launch, name, lambda key, grid, dynamic, static, **_: caught.update(dynamic, **static()))
     try:
         features = frozenset(present_features(args, d, dv))
         launch._backward_sm90_ws(q, k, v, dout, torch.empty(q.shape, dtype=torch.float32), k, v, lse, lse, args,
-                                 features, None)
+                                 features, None,
+                                 replace(launch.configs.one_pass_config(d, bool(tiles.get("keys96"))), **tiles))
     finally:
         setattr(launch, name, kernel)
     # The GPU's bf16 calls take the fast tanh (host.fast_tanh: CUDA tensors only).

@@ -6,8 +6,9 @@ Triton's wheel ships, so kernels can be checked for register pressure before a G
     python benchmarks/sm90_compile.py dkdv [causal] [softcap]          # kernels/bwd_sm90.py
     python benchmarks/sm90_compile.py fused [causal] [softcap] [window] # kernels/bwd_sm90_ws.py, dense
     python benchmarks/sm90_compile.py fused-alibi|fused-varlen [causal] [softcap] [window]
-    python benchmarks/sm90_compile.py wide[-alibi|-varlen][-v192] [causal] [softcap] [window]  # bwd_sm90_wide.py,
-                                        # 192/128 (192/192 with -v192), through the launcher's own arguments
+    python benchmarks/sm90_compile.py wide[-alibi|-varlen][-v192] [causal] [softcap] [window] [knob=value ...]
+                                        # bwd_sm90_wide.py, 192/128 (192/192 with -v192), through the launcher's
+                                        # own arguments; knobs: configs.OnePassConfig's (stages=1 dq_first=1 ...)
     python benchmarks/sm90_compile.py fwd-ws [causal] [softcap] [window]  # kernels/fwd_sm90_ws.py, 64-key slots
     python benchmarks/sm90_compile.py fwd-ws-d64[-n256][-s3][-sink] [causal] [softcap] [window]  # that kernel
                                         # at head dim 64 (-d128 too), through its launcher: two slots of 128 keys
@@ -99,7 +100,9 @@ if __name__ == "__main__":
     window = "window" in sys.argv
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from sm90_cases import case  # noqa: E402
-    fn, args, constexprs, options = case(which, causal, softcap, window)
+    # knob=value: a configs.OnePassConfig field of the one-pass cases (ints; 0/1 for the switches).
+    tiles = {name: int(value) for name, value in (arg.split("=") for arg in sys.argv[2:] if "=" in arg)}
+    fn, args, constexprs, options = case(which, causal, softcap, window, tiles)
     k = compile_gluon(fn, args, constexprs, **options)
-    report(k, f"{which} causal={causal} softcap={softcap} window={window}")
+    report(k, f"{which} causal={causal} softcap={softcap} window={window} {tiles or ''}")
     print("setmaxnreg", _setmaxnreg(k))

@@ -122,6 +122,39 @@ def test_sm90_case_of_the_d256_warp_specialized_forward(monkeypatch, causal, sof
     assert options == dict(num_warps=4, maxnreg=168)
 
 
+def test_sm90_wide_case_takes_one_pass_knobs(monkeypatch):
+    """sm90_compile.py's ``knob=value`` arguments reach the wide kernel through the launcher: its constexprs and
+    compile options are the knobs given, the rest its head dim's defaults."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from sm90_cases import case
+
+    _, _, base, options = case("wide", True, False)
+    assert (base["DQ_FIRST"], base["RELEASE_EACH"], base["ROTATE"], base["STAGES"]) == (False, False, False, 2)
+    assert base["CONSUMER_REGS"] == 240 and options["maxnreg"] == 168
+    _, _, knobs, options = case("wide", True, False, tiles=dict(dq_first=1, rotate=1, stages=1, consumer_regs=232,
+                                                                  maxnreg=160))
+    assert (knobs["DQ_FIRST"], knobs["RELEASE_EACH"], knobs["ROTATE"], knobs["STAGES"]) == (1, False, 1, 1)
+    assert knobs["CONSUMER_REGS"] == 232 and options["maxnreg"] == 160
+
+
+def test_sm90_wide96_case_catches_the_launchers_arguments(monkeypatch):
+    """``keys96=1``: the 96-key kernel's launch through the launcher: three consumers' 32-key K and V tiles, dQ
+    added 64 columns at a time, its own registers (160 a worker consumer, 128 the compile cap of 16 warps) and no
+    switches of packed sequences or of the 64-key kernel."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from sm90_cases import case
+
+    fn, args, constexprs, options = case("wide", True, False, tiles=dict(keys96=1))
+    assert fn.__name__ == "attn_bwd_sm90_wide96" and set(args) | set(constexprs) == set(fn.arg_names)
+    tiles = {name: tuple(args[name].block_shape) for name in args if name.endswith("_desc")}
+    assert tiles == {"q_desc": (1, 64, 1, 128), "q_tail_desc": (1, 64, 1, 64), "k_desc": (1, 32, 1, 128),
+                     "k_tail_desc": (1, 32, 1, 64), "v_desc": (1, 32, 1, 128), "do_desc": (1, 64, 1, 128),
+                     "dq_desc": (1, 64, 1, 64)}
+    assert constexprs["CONSUMER_REGS"] == 160 and options == dict(num_warps=4, maxnreg=128)
+    assert "IS_VARLEN" not in constexprs and "DQ_FIRST" not in constexprs and constexprs["MASK_RIGHT"]
+    assert constexprs["DS_BUFS"] == 1 and case("wide", True, False, tiles=dict(keys96=1, ds_bufs=2))[2]["DS_BUFS"] == 2
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_sm90_fp8_varlen_case_catches_the_launchers_arguments(monkeypatch, causal):
     """The FP8 varlen case runs fp8.forward_fp8_sm90 on packed CPU tensors and catches its launch: every kernel

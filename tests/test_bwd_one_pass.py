@@ -208,6 +208,64 @@ def test_one_pass_dk_dv_repeat_exactly(rng, head_dim, head_dim_v):
         assert torch.allclose(first[0].float(), again[0].float(), rtol=1e-2, atol=1e-3)
 
 
+# The wide kernel's tuning variants (configs.OnePassConfig fields over the head dim's), as sweeps pass them.
+WIDE_VARIANTS = {"dq_first": dict(dq_first=True), "release_each": dict(release_each=True), "rotate": dict(rotate=True),
+                 "all": dict(dq_first=True, release_each=True, rotate=True), "stages1": dict(stages=1, rotate=True)}
+
+
+@pytest.mark.parametrize("variant", list(WIDE_VARIANTS))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim, head_dim_v", WIDE_HEAD_DIMS[:2], ids=WIDE_HEAD_DIM_IDS[:2])
+def test_wide_variants(rng, variant, causal, head_dim, head_dim_v):
+    """launch.backward's ``one_pass`` runs the wide kernel with a sweep's knobs (dQ's product first, each dQ buffer
+    released once read, walks rotated per CTA, one Q/dO slot): every gradient (poisoned first) to the tolerance rule,
+    on a GQA call of uneven lengths whose last key block and query block are partial."""
+    from dataclasses import replace
+
+    from flashtile.backends import AttnArgs
+    from flashtile.backends.triton import launch
+
+    q, k, v = make_qkv(2, 333, 461, 4, 2, head_dim, torch.bfloat16, "cuda", generator=rng)
+    v = v[..., :head_dim_v].contiguous()
+    dout = torch.randn(*q.shape[:3], head_dim_v, generator=rng).to("cuda", torch.bfloat16)
+    args = AttnArgs(softmax_scale=head_dim ** -0.5, causal=causal, window_right=0 if causal else -1)
+    out, lse = launch.forward(q, k, v, args)
+    grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    tiles = replace(configs.one_pass_config(head_dim), **WIDE_VARIANTS[variant])
+    launch.backward(dout, q, k, v, out, lse, args, *grads, one_pass=tiles)
+    ours = {"out": out, "lse": lse, **dict(zip(("dq", "dk", "dv"), grads))}
+    assert_results_close(ours, reference_results(q, k, v, dout, hi=True, causal=causal),
+                         reference_results(q, k, v, dout, hi=False, causal=causal), torch.bfloat16)
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (100, 0), (50, 70)], ids=["full", "causal", "local", "window"])
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(333, 461), (500, 300)])
+@pytest.mark.parametrize("ds_bufs", [1, 2])
+def test_wide96(rng, window, seqlen_q, seqlen_k, ds_bufs):
+    """The 96-key variant at 192/128 (kernels/bwd_sm90_wide96.py, launch.backward's ``one_pass``), with one or two
+    dS buffers: every gradient (poisoned first) to the tolerance rule on GQA calls whose last key block (CTAs of 96
+    keys, the third consumer's keys all past the end at 461) and query block are partial, more queries than keys
+    too."""
+    from dataclasses import replace
+
+    from flashtile.backends import AttnArgs
+    from flashtile.backends.triton import launch
+
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, 2, 192, torch.bfloat16, "cuda", generator=rng)
+    v = v[..., :128].contiguous()
+    dout = torch.randn(*q.shape[:3], 128, generator=rng).to("cuda", torch.bfloat16)
+    causal = window == (-1, 0)
+    args = AttnArgs(softmax_scale=192 ** -0.5, causal=causal, window_left=window[0], window_right=window[1])
+    out, lse = launch.forward(q, k, v, args)
+    grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    tiles = replace(configs.one_pass_config(192, keys96=True), ds_bufs=ds_bufs)
+    launch.backward(dout, q, k, v, out, lse, args, *grads, one_pass=tiles)
+    ours = {"out": out, "lse": lse, **dict(zip(("dq", "dk", "dv"), grads))}
+    ref = dict(causal=causal, window_size=window)
+    assert_results_close(ours, reference_results(q, k, v, dout, hi=True, **ref),
+                         reference_results(q, k, v, dout, hi=False, **ref), torch.bfloat16)
+
+
 @pytest.mark.parametrize("how", ["argument", "torch"])
 def test_deterministic_takes_the_pair(rng, how):
     """``deterministic=True``, or torch's deterministic mode, runs the dK/dV + dQ pair: every gradient

@@ -66,6 +66,34 @@ def test_one_pass_never_takes_split_parts(hopper_132):
     assert "one-pass" in bwd_name and "parts" not in bwd_name
 
 
+def test_one_pass_override_is_refused_off_its_path(rng):
+    """launch.backward's ``one_pass`` (a sweep's knobs) never runs another backward in its place: a call the one-pass
+    kernel does not take (here a CPU one), or one that also asks for the pair's tiles, raises a ValueError that names
+    the argument."""
+    from flashtile.backends import AttnArgs
+    from flashtile.backends.triton import launch
+
+    q, k, v = testing.make_qkv(1, 37, 65, 2, 1, 192, torch.float32, "cpu", generator=rng)
+    args = AttnArgs(softmax_scale=192 ** -0.5)
+    out, lse = launch.forward(q, k, v, args)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    tiles = configs.one_pass_config(192)
+    with pytest.raises(ValueError, match="one_pass: this call"):
+        launch.backward(out, q, k, v, out, lse, args, *grads, one_pass=tiles)
+    with pytest.raises(ValueError, match="one_pass: a one-pass override"):
+        launch.backward(out, q, k, v, out, lse, args, *grads, config=configs.bwd_config(192, q.dtype, q.device),
+                        one_pass=tiles)
+    # 96-key CTAs: 192/128 alone (here 192/192), and no softcap.
+    with pytest.raises(ValueError, match="one_pass: 96-key CTAs.*192/192"):
+        launch.backward(out, q, k, v, out, lse, args, *grads, one_pass=configs.one_pass_config(192, keys96=True))
+    v128 = v[..., :128].contiguous()
+    capped = AttnArgs(softmax_scale=192 ** -0.5, softcap=30.0)
+    out, lse = launch.forward(q, k, v128, capped)
+    with pytest.raises(ValueError, match="one_pass: 96-key CTAs.*softcap"):
+        launch.backward(out, q, k, v128, out, lse, capped, grads[0], grads[1], torch.empty_like(v128),
+                        one_pass=configs.one_pass_config(192, keys96=True))
+
+
 def _inputs(case: paths.Case, rng, device):
     dtype = getattr(torch, case.dtype)
     if "varlen" in case.features:

@@ -716,6 +716,43 @@ def one_pass_stages(head_dim: int) -> int:
     return 1 if head_dim == 256 else 2
 
 
+# The one-pass kernels' consumer warpgroups after ``setmaxnreg`` (240 each, the producer and reducer warps' group 24:
+# the SM's 64K registers), and the cap they are compiled under (12 warps at 168).
+ONE_PASS_CONSUMER_REGS = 240
+ONE_PASS_MAXNREG = 168
+# The 96-key variant at 192/128 (kernels/bwd_sm90_wide96.py): 14 warps, counted as 16 by the compiler, at 128 registers;
+# two consumer warpgroups at 160 and the third (the default partition) at the 168 left (sm_90 ptxas, 2 x 4096: 0 spill
+# instructions full, 2 in the causal key loop; softcap or ALiBi spill there, so it takes neither).
+ONE_PASS_96_CONSUMER_REGS = 160
+ONE_PASS_96_MAXNREG = 128
+ONE_PASS_96_FEATURES = frozenset({"window", "sink", "headdim_v"})
+
+
+@dataclass(frozen=True)
+class OnePassConfig:
+    """The one-pass backward's knobs (tuning sweeps pass one to launch.backward as ``one_pass``): Q/dO ring slots,
+    the consumers' registers after ``setmaxnreg`` and the compile cap; the wide kernel's (kernels/bwd_sm90_wide.py)
+    order of dQ's product before dK's (``dq_first``), release of each dQ staging buffer as soon as it is read
+    (``release_each``) and walk begun at each CTA's key block (``rotate``); at 192/128 dense, CTAs of 96 keys on
+    three consumer warpgroups (``keys96``: kernels/bwd_sm90_wide96.py, FA4's tile; :func:`one_pass_config` gives it
+    its registers) and its dS buffers (``ds_bufs``: 1 or 2)."""
+    stages: int
+    consumer_regs: int = ONE_PASS_CONSUMER_REGS
+    maxnreg: int = ONE_PASS_MAXNREG
+    dq_first: bool = False
+    release_each: bool = False
+    rotate: bool = False
+    keys96: bool = False
+    ds_bufs: int = 1
+
+
+def one_pass_config(head_dim: int, keys96: bool = False) -> OnePassConfig:
+    """The one-pass backward's knobs at this head dim (``keys96``: the 96-key variant's at 192/128)."""
+    if keys96:
+        return OnePassConfig(2, ONE_PASS_96_CONSUMER_REGS, ONE_PASS_96_MAXNREG, keys96=True)
+    return OnePassConfig(one_pass_stages(head_dim))
+
+
 def one_pass_keys(head_dim: int, head_dim_v: int) -> int:
     """Keys a CTA of the one-pass backward owns."""
     return ONE_PASS_WIDE_KEYS if one_pass_wide(head_dim, head_dim_v) else ONE_PASS_KEYS

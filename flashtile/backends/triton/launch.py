@@ -27,6 +27,7 @@ from .host import (bsh_strides, cdiv, fast_tanh, fold_scale, fork, input_precisi
 from .kernels.bwd import bwd_dkdv, bwd_dq, bwd_preprocess, bwd_sink_grad, bwd_sum_parts
 from .kernels.bwd_sm90 import attn_bwd_dkdv_sm90
 from .kernels.bwd_sm90_wide import attn_bwd_sm90_wide
+from .kernels.bwd_sm90_wide96 import attn_bwd_sm90_wide96
 from .kernels.bwd_sm90_ws import attn_bwd_sm90_ws
 from .kernels.common import LOG2E as _LOG2E
 from .kernels.fwd import attn_fwd
@@ -429,15 +430,19 @@ def _forward_kvcache_sm90(q, k_cache, v_cache, args: KVCacheArgs, cfg, features:
 
 
 def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, dbias=None, config=None, kv_splits=None,
-             add_dq=False):
+             add_dq=False, one_pass=None):
     """``config`` overrides the tile table and ``kv_splits`` the dK/dV programs per key block (for tuning
-    sweeps and tests)."""
+    sweeps and tests); ``one_pass`` (a configs.OnePassConfig) makes a call that the one-pass kernel takes run it
+    with those knobs (tuning sweeps), and is refused for any other."""
     if add_dq and dq.dtype != torch.float32:
         raise ValueError(f"add_dq: dq must be a float32 sum to add dQ to, got dq of dtype {dq.dtype}")
+    if one_pass is not None and (config is not None or kv_splits):
+        raise ValueError(f"one_pass: a one-pass override runs no pair, so config and kv_splits must be None, got "
+                         f"config={config}, kv_splits={kv_splits}")
     if v.shape[-1] < NARROW_V and q.device.type == "cuda":
         dout, v, out = _widened(dout, v, out)
         dv_wide = torch.empty_like(v)
-        backward(dout, q, k, v, out, lse, args, dq, dk, dv_wide, dsink, dbias, config, kv_splits, add_dq)
+        backward(dout, q, k, v, out, lse, args, dq, dk, dv_wide, dsink, dbias, config, kv_splits, add_dq, one_pass)
         dv.copy_(dv_wide[..., :dv.shape[-1]])
         return
     q, k, v, out, dout = (unit_stride(t) for t in (q, k, v, out, dout))
@@ -461,6 +466,10 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
             if grad is not dq_out or not add_dq:
                 _fill_tail(grad, cu, 0.0)
     features = frozenset(present_features(args, head_dim, head_dim_v))
+    if one_pass is not None and one_pass.keys96 and ((head_dim, head_dim_v) != (192, 128)
+                                                     or not features <= configs.ONE_PASS_96_FEATURES):
+        raise ValueError(f"one_pass: 96-key CTAs take dense calls at head dims 192/128 with no feature but "
+                         f"{sorted(configs.ONE_PASS_96_FEATURES)}, got {head_dim}/{head_dim_v} with {sorted(features)}")
     cfg = config or bwd_config(max(head_dim, head_dim_v), q.dtype, q.device, head_dim_v,
                                row_keys(seqlen_k, args.window_left, args.window_right), features)
     varlen = args.varlen
@@ -493,6 +502,11 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
         plan = configs.bwd_choice(cfg, head_dim, head_dim_v, q.dtype, q.device, features,
                                   (args.window_left, args.window_right), batch, nheads, nheads_kv, seqlen_q, seqlen_k,
                                   False, one_pass=False)
+    if one_pass is not None and not plan.one_pass:
+        raise ValueError(f"one_pass: this call (head dims {head_dim}/{head_dim_v}, {q.dtype}, batch {batch}, "
+                         f"{nheads_kv} KV heads, {seqlen_k} keys, features {sorted(features)}) does not take the "
+                         f"one-pass backward, got one_pass={one_pass}")
+    tiles = one_pass or configs.one_pass_config(head_dim)
     one_pass, cfg, splits, alongside = plan.one_pass, plan.cfg, kv_splits or plan.parts, plan.alongside
     dq_acc = (dq_out if own_sum else empty(q.shape, torch.float32, q.device)) if one_pass else None
     # Split key blocks store float32 partial sums: one partial head per (KV head, part).
@@ -527,7 +541,7 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
         if dsink is not None:
             _sink_grad(args.sink, lse, delta, dsink, varlen)
         if one_pass:
-            _backward_sm90_ws(q, k, v, dout, dq_acc, dk_out, dv_out, lse2, delta, args, features, key)
+            _backward_sm90_ws(q, k, v, dout, dq_acc, dk_out, dv_out, lse2, delta, args, features, key, tiles)
             if dq_acc is not dq_out:
                 _sum_parts(dq_acc, dq_out, 1, varlen)
         else:
@@ -609,21 +623,23 @@ _ONE_PASS_DYNAMIC = ("DK", "DV", "LSE2", "DELTA", "CU_SEQLENS_Q", "CU_SEQLENS_K"
 _BWD_WS = CachedLaunch(attn_bwd_sm90_ws, ("q_desc", "k_desc", "v_desc", "do_desc", "dq_desc") + _ONE_PASS_DYNAMIC)
 _BWD_WIDE = CachedLaunch(attn_bwd_sm90_wide, ("q_desc", "q_tail_desc", "k_desc", "k_tail_desc", "v_desc", "v_tail_desc",
                                               "do_desc", "do_tail_desc", "dq_desc", "dq_tail_desc") + _ONE_PASS_DYNAMIC)
-# The one-pass backward's consumer warpgroups after ``setmaxnreg`` (240 each, the producer and reducer warps' group
-# 24: the SM's 64K registers), and the cap the kernel is compiled under (12 warps at 168).
-_BWD_WS_CONSUMER_REGS = 240
-_BWD_WS_MAXNREG = 168
+_BWD_WIDE96 = CachedLaunch(attn_bwd_sm90_wide96, ("q_desc", "q_tail_desc", "k_desc", "k_tail_desc", "v_desc", "do_desc",
+                                                  "dq_desc") + _ONE_PASS_DYNAMIC)
 
 
-def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs, features: frozenset, key):
+def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs, features: frozenset, key,
+                      tiles: configs.OnePassConfig):
     """Launch the one-pass Hopper backward on ``(batch, seqlen, heads, d)`` inputs, or packed ``(tokens, heads, d)``
     ones (varlen): kernels/bwd_sm90_ws.py at head dim 64 or 128, kernels/bwd_sm90_wide.py at 192 with values of 128
     or 192, and at 256 (configs.one_pass_wide). dK and dV go into ``dk``/``dv``, dQ (scaled) is added into the
     zeroed float32 ``dq_acc`` (q's shape); ``features``: the call's, as :func:`backward` found them; ``key``: the
-    backward's launch key (which holds no lengths: they are dynamic arguments)."""
+    backward's launch key (which holds no lengths: they are dynamic arguments); ``tiles``: the kernel's knobs (the
+    wide kernel's alone take ``dq_first``, ``release_each`` and ``rotate``; ``keys96`` runs
+    kernels/bwd_sm90_wide96.py instead)."""
     varlen = args.varlen
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, head_dim_v = _shape(q, k, v, args)
     wide = configs.one_pass_wide(head_dim, head_dim_v)
+    key = (key, tiles)
     # Softcap's scale stays a multiply an element (the fold is not taken): folded into K, as the dK/dV kernel
     # does, it would round the K that dQ's product reads.
     qk_scale, softcap2, _, _ = _score_constants(args, q.dtype, frozenset())
@@ -633,14 +649,18 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
         stride_lse_b, stride_lse_h = lse_strides(lse2, varlen)
         # The wide kernel's score tiles are small: it takes ALiBi exactly, with no linear form; it reads v and dO
         # past their first 128 columns as a tail.
-        own = dict(V_TAIL=head_dim_v - 128) if wide else dict(ALIBI_LINEAR=alibi is not None and args.window_right == 0)
+        own = (dict(V_TAIL=head_dim_v - 128, DQ_FIRST=tiles.dq_first, RELEASE_EACH=tiles.release_each,
+                    ROTATE=tiles.rotate) if wide else dict(ALIBI_LINEAR=alibi is not None and args.window_right == 0))
+        sequences = dict(IS_VARLEN=varlen, HAS_SEQUSED=args.seqused_k is not None)
+        if tiles.keys96:
+            # 96-key CTAs (kernels/bwd_sm90_wide96.py): dense calls, values of 128, none of the 64-key switches.
+            own, sequences = dict(DS_BUFS=tiles.ds_bufs), {}
         return dict(window_left=args.window_left, window_right=args.window_right, **_strides(varlen, dk=dk, dv=dv),
                     stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h, group=nheads // nheads_kv,
                     MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0,
                     stride_alibi_b=alibi.stride(0) if alibi is not None else 0, SOFTCAP=args.softcap > 0,
-                    FAST_TANH=fast_tanh(q), ALIBI=alibi is not None, **own, IS_VARLEN=varlen,
-                    HAS_SEQUSED=args.seqused_k is not None, STAGES=configs.one_pass_stages(head_dim),
-                    CONSUMER_REGS=_BWD_WS_CONSUMER_REGS, num_warps=4, maxnreg=_BWD_WS_MAXNREG)
+                    FAST_TANH=fast_tanh(q), ALIBI=alibi is not None, **own, **sequences, STAGES=tiles.stages,
+                    CONSUMER_REGS=tiles.consumer_regs, num_warps=4, maxnreg=tiles.maxnreg)
 
     if varlen:
         # One batch row of all tokens for the TMA; each CTA finds its sequence's rows (the descriptors' rows bound
@@ -660,8 +680,16 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
             main = _tma_desc(t[..., :128], rows)
             return (main, _tma_desc(t[..., 128:], rows)) if t.shape[3] > 128 else (main, None)
 
-        (q_main, q_tail), (k_main, k_tail) = parts(q, rows), parts(k, cta_keys)
-        (v_main, v_tail), (do_main, do_tail) = parts(v, cta_keys), parts(dout, rows)
+        (q_main, q_tail), (do_main, do_tail) = parts(q, rows), parts(dout, rows)
+        if tiles.keys96:
+            # Three consumers of 32 keys, each adding 64 of dQ's 192 columns.
+            k_main, k_tail = parts(k, 32)
+            _BWD_WIDE96(key, (cdiv(seqlen_k, 96), nheads_kv, batch),
+                        dict(q_desc=q_main, q_tail_desc=q_tail, k_desc=k_main, k_tail_desc=k_tail,
+                             v_desc=_tma_desc(v, 32), do_desc=do_main, dq_desc=_tma_desc(dq_acc, rows, 64), **tensors),
+                        static)
+            return
+        (k_main, k_tail), (v_main, v_tail) = parts(k, cta_keys), parts(v, cta_keys)
         dq_main, dq_tail = parts(dq_acc, rows)
         _BWD_WIDE(key, grid, dict(q_desc=q_main, q_tail_desc=q_tail, k_desc=k_main, k_tail_desc=k_tail, v_desc=v_main,
                                   v_tail_desc=v_tail, do_desc=do_main, do_tail_desc=do_tail, dq_desc=dq_main,

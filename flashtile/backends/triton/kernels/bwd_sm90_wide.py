@@ -30,6 +30,22 @@ Per step (64 queries), each consumer:
     rest); wait for dQ
     stage dQ[:, own] (float32, scaled) in shared memory for the reducer (``dq_full``/``dq_empty``)
 
+What limits it at 192/128 (issue 46: 0.67-0.71x FA4's backward): bytes moved a multiply-add, set by the CTA's 64
+keys. A step's 3.41M multiply-adds read about 224 KB of wgmma operands from shared memory (each consumer reads all of
+Q and dO for S and dP on only 32 keys: N = 32 products), plus 96 KB of dQ staging (stored, then read by the reduce),
+16 KB of P^T/dS^T and 40 KB of TMA loads: about 376 KB, 2,900 cycles at 128 B a cycle against 1,700 of tensor-core
+work; and 88 KB of L2 traffic (Q/dO loads, dQ's float32 reduce). FA4 takes 96 keys a CTA (m 64, n 96, two
+warpgroups of 48 keys): the same fixed costs a step over 1.5x the work, about 1.36x fewer shared-memory bytes and
+1.5x fewer L2 bytes a multiply-add, near its 1.48x lead. Gluon's tiles are powers of two, so 96 keys would take
+three consumer warpgroups of 32 keys (dK^T and dV^T as swapped products, 80 accumulator registers each at 160).
+
+Tuning variants (configs.OnePassConfig, launch.backward's ``one_pass``): ``DQ_FIRST`` issues dQ's product before
+dK's and stages dQ while dK's runs (FA3's order; Q's slot then goes back after the staging); ``RELEASE_EACH`` has
+the reducer hand consumer 0's staging buffer back as soon as its reduce has read it, not after consumer 1's too;
+``ROTATE`` starts each CTA's walk at its key block's index (modulo its steps), so that the CTAs running together (the
+key blocks of one head) add into different rows of dQ instead of all into the same 64 (the order of the steps is
+free: dK and dV add over all of them, dQ's reduce in any order).
+
 P^T and dS^T are double-buffered: a consumer reaches a buffer's next use only after the other consumer has arrived
 at the previous step's ``ds_ready``, after its products of the step before have finished. The reduce order varies
 from run to run, so dQ is not bit-identical between runs (the launcher never takes this kernel for deterministic
@@ -93,9 +109,30 @@ def _stage_own(smem, ready, index, tile):
 
 
 @gluon.jit
+def _walk_step(it, n_it, ROTATE: gl.constexpr):
+    """The step of the walk that loop step ``it`` takes: ``it``, or (``ROTATE``) the walk begun at this CTA's key
+    block (modulo its ``n_it`` steps), so that the CTAs running together add into different rows of dQ."""
+    step = it
+    if ROTATE:
+        step = (it + gl.program_id(0)) % n_it
+    return step
+
+
+@gluon.jit
+def _stage_dq(dq_own, dq, dq_full, dq_empty, WG: gl.constexpr, it):
+    """Stage consumer ``WG``'s dQ columns (float32, scaled) in ``dq_own`` for the reducer, once the reduce of the
+    step before has read them."""
+    mbarrier.wait(dq_empty.index(WG), (it & 1) ^ 1)
+    dq_own.reshape([dq.shape[0], dq.shape[1]]).store(dq)
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(dq_full.index(WG), count=1)
+
+
+@gluon.jit
 def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
               FAST_TANH: gl.constexpr, ALIBI: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
-              STAGES: gl.constexpr, V_TAIL: gl.constexpr):
+              STAGES: gl.constexpr, V_TAIL: gl.constexpr, DQ_FIRST: gl.constexpr, ROTATE: gl.constexpr):
     (q_desc, qt_desc, k_desc, do_desc, q_smem, qt_smem, do_smem, dot_smem, k_smem, kt_smem, v_smem, vt_smem, pt_smem,
      dst_smem, dq_smem, dqt_smem, rows_smem, kv_ready, kv_zeroed, q_ready, q_empty, do_ready, do_empty, tail_ready,
      p_ready, ds_ready, dq_full, dq_empty, DK, DV, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, softmax_scale,
@@ -150,7 +187,8 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
         mbarrier.wait(kv_zeroed, 0)
     n_tail = 0
     for it in range(n_it):
-        slot, phase, buf, buf_phase, off_h, row, slope2 = consumer_step(it, n_q, lo, off_hk, group, ALIBI_SLOPES,
+        slot, phase, buf, buf_phase, off_h, row, slope2 = consumer_step(it, _walk_step(it, n_it, ROTATE), n_q, lo,
+                                                                        off_hk, group, ALIBI_SLOPES,
                                                                         off_b * stride_alibi_b, BLOCK_M, STAGES, ALIBI)
         offs_m = row + gl.arange(0, BLOCK_M, layout=queries_layout)
         # The step's views of shared memory go through an index the compilers cannot see is 0 (a ring of one slot
@@ -228,23 +266,30 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
         # dK[:, own] += dS^T Q[:, own] and dQ[:, own] = dS K[:, own], over both consumers' keys.
         mbarrier.wait(ds_ready.index(buf), buf_phase)
         ds_t = dst_smem.index(buf)
-        dk = warpgroup_mma(ds_t, q_own, dk, is_async=True)
-        dq = warpgroup_mma(ds_t.permute((1, 0)), k_own, dq_zero, use_acc=False, is_async=True)
-        # Each slot goes back once its last product is done (dO: dV, issued first; Q: dK), for the producer to refill
-        # while the rest runs.
-        if HAS_DV:
-            dv = warpgroup_mma_wait(2, deps=(dv, ))
-        mbarrier.arrive(do_empty.index(slot), count=1)
-        dk = warpgroup_mma_wait(1, deps=(dk, ))
-        mbarrier.arrive(q_empty.index(slot), count=1)
-        dq = warpgroup_mma_wait(0, deps=(dq, ))
-        # Stage dQ's columns once the reduce of the step before has read them.
-        mbarrier.wait(dq_empty.index(WG), (it & 1) ^ 1)
         dq_own = dq_smem if WG == 0 else dqt_smem
-        dq_own.reshape([BLOCK_M, OWN]).store(dq * softmax_scale)
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(dq_full.index(WG), count=1)
+        if DQ_FIRST:
+            # FA3's order: dQ first, staged for the reducer while dK's product runs.
+            dq = warpgroup_mma(ds_t.permute((1, 0)), k_own, dq_zero, use_acc=False, is_async=True)
+            dk = warpgroup_mma(ds_t, q_own, dk, is_async=True)
+            if HAS_DV:
+                dv = warpgroup_mma_wait(2, deps=(dv, ))
+            mbarrier.arrive(do_empty.index(slot), count=1)
+            dq = warpgroup_mma_wait(1, deps=(dq, ))
+            _stage_dq(dq_own, dq * softmax_scale, dq_full, dq_empty, WG, it)
+            dk = warpgroup_mma_wait(0, deps=(dk, ))
+            mbarrier.arrive(q_empty.index(slot), count=1)
+        else:
+            dk = warpgroup_mma(ds_t, q_own, dk, is_async=True)
+            dq = warpgroup_mma(ds_t.permute((1, 0)), k_own, dq_zero, use_acc=False, is_async=True)
+            # Each slot goes back once its last product is done (dO: dV, issued first; Q: dK), for the producer to
+            # refill while the rest runs.
+            if HAS_DV:
+                dv = warpgroup_mma_wait(2, deps=(dv, ))
+            mbarrier.arrive(do_empty.index(slot), count=1)
+            dk = warpgroup_mma_wait(1, deps=(dk, ))
+            mbarrier.arrive(q_empty.index(slot), count=1)
+            dq = warpgroup_mma_wait(0, deps=(dq, ))
+            _stage_dq(dq_own, dq * softmax_scale, dq_full, dq_empty, WG, it)
 
     store_key_rows(dk * softmax_scale, WG * MAIN, first_key, k_start, seqlen_k, key_rows, DK, off_b, off_hk,
                    stride_dkb, stride_dkn, stride_dkh, HAS_SEQUSED)
@@ -254,8 +299,39 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
 
 
 @gluon.jit
+def load_step(rings, it, tma_b, q_start, off_b, off_h, row, seqlen_q, STAGES: gl.constexpr, V_TAIL: gl.constexpr):
+    """The producer's step ``it``: rows from ``row`` of batch row ``off_b``'s query head ``off_h`` (TMA batch row
+    ``tma_b``, from token ``q_start``) of dO (and its ``V_TAIL`` columns) and of Q (main and tail) into their rings'
+    slot ``it % STAGES``, with the rows' lse and delta. A slot is refilled once its consumers have released its last
+    use (the first pass waits on the phase before the barrier's first, which counts as done); dO first, whose last
+    use (dV) comes before Q's (dK). ``rings``: the descriptors, rings and barriers, LSE2 and DELTA and their
+    strides."""
+    (q_desc, qt_desc, do_desc, dot_desc, q_smem, qt_smem, do_smem, dot_smem, rows_smem, q_ready, q_empty, do_ready,
+     do_empty, LSE2, DELTA, stride_lse_b, stride_lse_h) = rings
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
+    q_bytes: gl.constexpr = q_desc.block_type.nbytes + qt_desc.block_type.nbytes
+    do_bytes: gl.constexpr = do_desc.block_type.nbytes + (dot_desc.block_type.nbytes if V_TAIL > 0 else 0)
+    slot = it % STAGES
+    phase = (it // STAGES) & 1
+    mbarrier.wait(do_empty.index(slot), phase ^ 1)
+    bar = do_ready.index(slot)
+    mbarrier.expect(bar, do_bytes)
+    tma.async_copy_global_to_shared(do_desc, [tma_b, q_start + row, off_h, 0], bar, do_smem.index(slot))
+    if V_TAIL > 0:
+        tma.async_copy_global_to_shared(dot_desc, [tma_b, q_start + row, off_h, 0], bar, dot_smem.index(slot))
+    # Q's barrier also waits for the rows' lse and delta, which share its slot.
+    mbarrier.wait(q_empty.index(slot), phase ^ 1)
+    bar = q_ready.index(slot)
+    mbarrier.expect(bar, q_bytes)
+    tma.async_copy_global_to_shared(q_desc, [tma_b, q_start + row, off_h, 0], bar, q_smem.index(slot))
+    tma.async_copy_global_to_shared(qt_desc, [tma_b, q_start + row, off_h, 0], bar, qt_smem.index(slot))
+    stage_rows(rows_smem, slot, bar, LSE2, DELTA, off_b * stride_lse_b + off_h * stride_lse_h + q_start, row,
+               seqlen_q, BLOCK_M)
+
+
+@gluon.jit
 def _producer(args, walk, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
-              HAS_SEQUSED: gl.constexpr, STAGES: gl.constexpr, V_TAIL: gl.constexpr):
+              HAS_SEQUSED: gl.constexpr, STAGES: gl.constexpr, V_TAIL: gl.constexpr, ROTATE: gl.constexpr):
     (q_desc, qt_desc, k_desc, kt_desc, v_desc, vt_desc, do_desc, dot_desc, q_smem, qt_smem, do_smem, dot_smem, k_smem,
      kt_smem, v_smem, vt_smem, rows_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, LSE2, DELTA, stride_lse_b,
      stride_lse_h) = args
@@ -278,33 +354,16 @@ def _producer(args, walk, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_
     tma.async_copy_global_to_shared(v_desc, [tma_b, key_row, off_hk, 0], kv_ready, v_smem.index(0))
     if V_TAIL > 0:
         tma.async_copy_global_to_shared(vt_desc, [tma_b, key_row, off_hk, 0], kv_ready, vt_smem.index(0))
-    q_bytes: gl.constexpr = q_desc.block_type.nbytes + qt_desc.block_type.nbytes
-    do_bytes: gl.constexpr = do_desc.block_type.nbytes + (dot_desc.block_type.nbytes if V_TAIL > 0 else 0)
+    rings = (q_desc, qt_desc, do_desc, dot_desc, q_smem, qt_smem, do_smem, dot_smem, rows_smem, q_ready, q_empty,
+             do_ready, do_empty, LSE2, DELTA, stride_lse_b, stride_lse_h)
     for it in range(n_it):
-        # A slot is refilled once both consumers have released its last use (the first pass waits on the phase
-        # before the barrier's first, which counts as done); dO first, whose last use (dV) comes before Q's (dK).
-        slot = it % STAGES
-        phase = (it // STAGES) & 1
-        off_h, row = _query_block(it, n_q, lo, off_hk, group, BLOCK_M)
-        mbarrier.wait(do_empty.index(slot), phase ^ 1)
-        bar = do_ready.index(slot)
-        mbarrier.expect(bar, do_bytes)
-        tma.async_copy_global_to_shared(do_desc, [tma_b, q_start + row, off_h, 0], bar, do_smem.index(slot))
-        if V_TAIL > 0:
-            tma.async_copy_global_to_shared(dot_desc, [tma_b, q_start + row, off_h, 0], bar, dot_smem.index(slot))
-        # Q's barrier also waits for the rows' lse and delta, which share its slot.
-        mbarrier.wait(q_empty.index(slot), phase ^ 1)
-        bar = q_ready.index(slot)
-        mbarrier.expect(bar, q_bytes)
-        tma.async_copy_global_to_shared(q_desc, [tma_b, q_start + row, off_h, 0], bar, q_smem.index(slot))
-        tma.async_copy_global_to_shared(qt_desc, [tma_b, q_start + row, off_h, 0], bar, qt_smem.index(slot))
-        stage_rows(rows_smem, slot, bar, LSE2, DELTA, off_b * stride_lse_b + off_h * stride_lse_h + q_start, row,
-                   seqlen_q, BLOCK_M)
+        off_h, row = _query_block(_walk_step(it, n_it, ROTATE), n_q, lo, off_hk, group, BLOCK_M)
+        load_step(rings, it, tma_b, q_start, off_b, off_h, row, seqlen_q, STAGES, V_TAIL)
 
 
 @gluon.jit
 def _reducer(args, walk, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
-             HAS_SEQUSED: gl.constexpr):
+             HAS_SEQUSED: gl.constexpr, RELEASE_EACH: gl.constexpr, ROTATE: gl.constexpr):
     q_desc, k_desc, dq_desc, dqt_desc, dq_smem, dqt_smem, dq_full, dq_empty = args
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
@@ -314,15 +373,20 @@ def _reducer(args, walk, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_V
     tma_b, q_start, _, _, _, _ = seq
     group = walk[4]
     for it in range(n_it):
-        off_h, row = _query_block(it, n_q, lo, off_hk, group, BLOCK_M)
+        off_h, row = _query_block(_walk_step(it, n_it, ROTATE), n_q, lo, off_hk, group, BLOCK_M)
         # Each part as soon as its consumer has staged it (rows past the tensor are clipped; rows past a packed
         # sequence, the next one's, get zeros added); both buffers go back once the reduces have read them.
         mbarrier.wait(dq_full.index(0), it & 1)
         _reduce_add(dq_desc, [tma_b, q_start + row, off_h, 0], dq_smem)
+        if RELEASE_EACH:
+            # Consumer 0's buffer goes back once read, without waiting for consumer 1's part.
+            tma.store_wait(0)
+            mbarrier.arrive(dq_empty.index(0), count=1)
         mbarrier.wait(dq_full.index(1), it & 1)
         _reduce_add(dqt_desc, [tma_b, q_start + row, off_h, 0], dqt_smem)
         tma.store_wait(0)
-        mbarrier.arrive(dq_empty.index(0), count=1)
+        if not RELEASE_EACH:
+            mbarrier.arrive(dq_empty.index(0), count=1)
         mbarrier.arrive(dq_empty.index(1), count=1)
 
 
@@ -335,7 +399,8 @@ def attn_bwd_sm90_wide(q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, v_tail_
                        MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                        FAST_TANH: gl.constexpr, ALIBI: gl.constexpr, IS_VARLEN: gl.constexpr,
                        HAS_SEQUSED: gl.constexpr, STAGES: gl.constexpr, V_TAIL: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                       CONSUMER_REGS: gl.constexpr, DQ_FIRST: gl.constexpr, RELEASE_EACH: gl.constexpr,
+                       ROTATE: gl.constexpr, num_warps: gl.constexpr):
     """``q_desc``/``q_tail_desc``: TMA descriptors of ``(batch, seqlen, heads, 128)`` and ``(.., 64)`` views of q
     (its main columns and its tail) with ``[1, 64, 1, cols]`` tiles, ``k_desc``/``k_tail_desc`` the same of k,
     ``v_desc``/``do_desc`` of v and dO (their first 128 columns), ``v_tail_desc``/``do_tail_desc`` of their ``V_TAIL``
@@ -397,9 +462,12 @@ def attn_bwd_sm90_wide(q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, v_tail_
                 do_empty, LSE2, DELTA, stride_lse_b, stride_lse_h)
     reducer = (q_desc, k_desc, dq_desc, dq_tail_desc, dq_smem, dqt_smem, dq_full, dq_empty)
     gl.warp_specialize([(_consumer, (consumer, walk, 0, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, IS_VARLEN,
-                                     HAS_SEQUSED, STAGES, V_TAIL)),
+                                     HAS_SEQUSED, STAGES, V_TAIL, DQ_FIRST, ROTATE)),
                         (_consumer, (consumer, walk, 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, IS_VARLEN,
-                                     HAS_SEQUSED, STAGES, V_TAIL)),
-                        (_producer, (producer, walk, MASK_LEFT, MASK_RIGHT, IS_VARLEN, HAS_SEQUSED, STAGES, V_TAIL)),
-                        (_reducer, (reducer, walk, MASK_LEFT, MASK_RIGHT, IS_VARLEN, HAS_SEQUSED))], [4, 1, 1],
+                                     HAS_SEQUSED, STAGES, V_TAIL, DQ_FIRST, ROTATE)),
+                        (_producer, (producer, walk, MASK_LEFT, MASK_RIGHT, IS_VARLEN, HAS_SEQUSED, STAGES, V_TAIL,
+                                     ROTATE)),
+                        (_reducer, (reducer, walk, MASK_LEFT, MASK_RIGHT, IS_VARLEN, HAS_SEQUSED, RELEASE_EACH,
+                                    ROTATE))],
+                       [4, 1, 1],
                        [CONSUMER_REGS, 24, 24])

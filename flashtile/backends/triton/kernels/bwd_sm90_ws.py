@@ -98,13 +98,14 @@ def opaque_zero(it):
 
 
 @gluon.jit
-def consumer_step(it, n_q, lo, off_hk, group, ALIBI_SLOPES, alibi_row, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                  ALIBI: gl.constexpr):
-    """Step ``it`` of a consumer's walk: ``(slot, phase, buf, buf_phase, off_h, row, slope2)``, its Q/dO ring slot
-    and the slot's phase, its buffer of the double-buffered tiles (dS, dQ staging) and that buffer's phase, its query
-    head and first row, and the head's ALiBi slope in log2 units (0 without ALiBi; ``alibi_row``: the batch row's
-    offset in ``ALIBI_SLOPES``)."""
-    off_h, row = _query_block(it, n_q, lo, off_hk, group, BLOCK_M)
+def consumer_step(it, step, n_q, lo, off_hk, group, ALIBI_SLOPES, alibi_row, BLOCK_M: gl.constexpr,
+                  STAGES: gl.constexpr, ALIBI: gl.constexpr):
+    """Loop step ``it`` of a consumer's walk, which takes query block ``step`` of the walk (``it`` itself unless the
+    walk is rotated): ``(slot, phase, buf, buf_phase, off_h, row, slope2)``, its Q/dO ring slot and the slot's phase,
+    its buffer of the double-buffered tiles (dS, dQ staging) and that buffer's phase, its query head and first row,
+    and the head's ALiBi slope in log2 units (0 without ALiBi; ``alibi_row``: the batch row's offset in
+    ``ALIBI_SLOPES``)."""
+    off_h, row = _query_block(step, n_q, lo, off_hk, group, BLOCK_M)
     slope2 = 0.0
     if ALIBI:
         slope2 = gl.load(ALIBI_SLOPES + alibi_row + off_h) * 1.4426950408889634
@@ -195,7 +196,7 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
             _zero_tail(_tile(v_smem, WG), seqlen_k - first_key, 4)
     n_tail = 0
     for it in range(n_it):
-        slot, phase, buf, buf_phase, off_h, row, slope2 = consumer_step(it, n_q, lo, off_hk, group, ALIBI_SLOPES,
+        slot, phase, buf, buf_phase, off_h, row, slope2 = consumer_step(it, it, n_q, lo, off_hk, group, ALIBI_SLOPES,
                                                                         off_b * stride_alibi_b, BLOCK_M, STAGES, ALIBI)
         offs_m = row + gl.arange(0, BLOCK_M, layout=queries_layout)
         # The step's views of shared memory through an index the compilers cannot see is 0: their wgmma

@@ -87,7 +87,8 @@ def kernel_ids(fwd_name: str, bwd_name: str) -> tuple:
     if not bwd_name:
         return fwd_id, None
     if "one-pass" in bwd_name:
-        return fwd_id, "bwd:one-pass-wide" if "gluon-sm90-wide" in bwd_name else "bwd:one-pass"
+        keys96 = "-96" if "xBN96]" in bwd_name else ""
+        return fwd_id, f"bwd:one-pass-wide{keys96}" if "gluon-sm90-wide" in bwd_name else "bwd:one-pass"
     dkdv = re.search(r"dkdv=((?:\S+ )?)BM(\d+)xBN(\d+)", bwd_name)
     dq = re.search(r"dq=BM(\d+)xBN(\d+)", bwd_name)
     label = dkdv.group(1).strip() or "triton"
@@ -154,6 +155,12 @@ ONE_PASS_LONG = [
 # Chosen greedily from the sweep (most uncovered atoms per pair first) and held fixed here, so that a change of the
 # dispatcher that adds a path fails tests/test_paths.py until a case for it is added.
 CASES = ONE_PASS_LONG + [
+    # The warp-specialized forward at head dim 256 (one Q buffer), and the 96-key one-pass backward at 192/128 with
+    # a window; the wide backward's sink at 256.
+    Case(1, 16, 32768, 32, 8, 256, 256, "bfloat16", "full", ("sink",)),
+    Case(1, 16, 32768, 32, 8, 256, 256, "bfloat16", "full", ("deterministic",)),
+    Case(1, 16384, 16384, 2, 2, 256, 256, "bfloat16", "causal", ("softcap",)),
+    Case(1, 1, 4096, 32, 8, 192, 128, "bfloat16", "1024,0"),
     # The one-pass backward at head dim 64 (calls of 2^28+ visible pairs), MHA and GQA, dense and packed.
     Case(1, 4096, 4096, 16, 16, 64, 64, "bfloat16", "full"),
     Case(2, 4096, 4096, 16, 4, 64, 64, "bfloat16", "causal", ("sink",)),

@@ -14,7 +14,7 @@ BENCHMARKS = ROOT / "benchmarks"
 
 # The maintained tools; those with a --help of their own are marked True.
 TOOLS = {
-    "bwd_dkdv_gluon.py": False, "bwd_dkdv_tiles.py": False, "bwd_power.py": False, "bwd_split_rule.py": True,
+    "bwd_dkdv_gluon.py": False, "bwd_one_pass_192.py": False, "bwd_dkdv_tiles.py": False, "bwd_power.py": False, "bwd_split_rule.py": True,
     "bwd_ws.py": False, "d256_bwd_tiles.py": False, "d256_fwd_tiles.py": False, "decode_fp8_tiles.py": False, "decode_short.py": False,
     "decode_splits.py": False, "dense_decode.py": False, "gluon_causal_short.py": False, "gluon_head_dims.py": False,
     "gluon_short.py": False, "gluon_slim.py": False, "gluon_tiles.py": False, "gluon_ws.py": False,

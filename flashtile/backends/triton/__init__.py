@@ -10,8 +10,8 @@ import torch
 from ... import env
 from .. import AttentionCall, missing_features
 from .configs import (MAX_GRID_Y, capability, bwd_choice, bwd_config, decode_plan, dense_takes_decode, deterministic,
-                      fwd_config, gluon_fwd_config, gluon_kv_config, one_pass_keys, one_pass_rows, one_pass_wide,
-                      row_keys)
+                      fwd_config, gluon_fwd_config, gluon_kv_config, one_pass_keys, one_pass_keys96, one_pass_rows,
+                      one_pass_wide, row_keys)
 
 FEATURES = frozenset({"dropout", "window", "softcap", "alibi", "sink", "bias", "varlen", "headdim_v", "kvcache",
                       "paged", "merge", "fp8_cache"})
@@ -100,7 +100,8 @@ def describe(call: AttentionCall):
                       deterministic(call.deterministic))
     if plan.one_pass:
         rows = one_pass_rows(call.headdim, call.feature_names)
-        keys = one_pass_keys(call.headdim, call.headdim_v)
+        keys = one_pass_keys(call.headdim, call.headdim_v, one_pass_keys96(call.headdim, call.headdim_v,
+                                                                          call.feature_names))
         kernel = "gluon-wide" if one_pass_wide(call.headdim, call.headdim_v) else "gluon-ws"
         bwd_name = (f"flashtile.bwd[{_KERNEL_LABELS[kernel]} d={call.headdim} {mask}{extras} one-pass "
                     f"BM{rows}xBN{keys}]")

@@ -726,6 +726,16 @@ ONE_PASS_MAXNREG = 168
 ONE_PASS_96_CONSUMER_REGS = 160
 ONE_PASS_96_MAXNREG = 128
 ONE_PASS_96_FEATURES = frozenset({"window", "sink", "headdim_v"})
+# ONE_PASS_96: dense 192/128 calls of ONE_PASS_96_FEATURES take the 96-key CTAs (False: the 64-key wide kernel).
+# H200, bf16, backward alone, TFLOP/s (2.5 x 2 B H N^2 (d + dv), halved when causal), 64-key wide kernel / its
+# dq_first + release_each + rotate / 96 keys / 96 keys with two dS buffers, 2 interleaved rounds, every variant's
+# out, lse, dQ, dK, dV checked first (benchmarks/bwd_one_pass_192.py, results/h200-bwd192-2026-11-28-f1ac707.json):
+#   rows                               evidence
+#   1 x 16384, 10 heads, full          347/370/400/402 (96 keys 1.15x)
+#   1 x 16384, 10 heads, causal        339/370/384/383 (1.13x)
+#   DeepSeek 2 x 4096, 16 heads, causal 293/324/329/330 (1.12x)
+# Softcap and ALiBi spill in its key loop and packed sequences are not implemented: they keep the 64-key kernel.
+ONE_PASS_96 = True
 
 
 @dataclass(frozen=True)
@@ -753,8 +763,16 @@ def one_pass_config(head_dim: int, keys96: bool = False) -> OnePassConfig:
     return OnePassConfig(one_pass_stages(head_dim))
 
 
-def one_pass_keys(head_dim: int, head_dim_v: int) -> int:
-    """Keys a CTA of the one-pass backward owns."""
+def one_pass_keys96(head_dim: int, head_dim_v: int, features: frozenset) -> bool:
+    """Whether the one-pass backward runs 96-key CTAs (kernels/bwd_sm90_wide96.py): dense 192/128 calls of its
+    features."""
+    return ONE_PASS_96 and (head_dim, head_dim_v) == (192, 128) and features <= ONE_PASS_96_FEATURES
+
+
+def one_pass_keys(head_dim: int, head_dim_v: int, keys96: bool = False) -> int:
+    """Keys a CTA of the one-pass backward owns (``keys96``: the 96-key CTAs run, :func:`one_pass_keys96`)."""
+    if keys96:
+        return 96
     return ONE_PASS_WIDE_KEYS if one_pass_wide(head_dim, head_dim_v) else ONE_PASS_KEYS
 
 
@@ -776,7 +794,8 @@ def one_pass_bwd(head_dim: int, head_dim_v: int, dtype: torch.dtype, device: tor
             and features - {"headdim_v"} <= ONE_PASS_FEATURES
             and not ("alibi" in features and window_right > 0 and not wide) and not deterministic
             and (head_dim != 64 or pairs >= ONE_PASS_D64_MIN_PAIRS)
-            and -(-seqlen_k // one_pass_keys(head_dim, head_dim_v)) * nheads_kv * batch >= sm_count(device))
+            and -(-seqlen_k // one_pass_keys(head_dim, head_dim_v, one_pass_keys96(head_dim, head_dim_v, features)))
+                 * nheads_kv * batch >= sm_count(device))
 
 
 @dataclass(frozen=True)

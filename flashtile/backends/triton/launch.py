@@ -506,7 +506,7 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
         raise ValueError(f"one_pass: this call (head dims {head_dim}/{head_dim_v}, {q.dtype}, batch {batch}, "
                          f"{nheads_kv} KV heads, {seqlen_k} keys, features {sorted(features)}) does not take the "
                          f"one-pass backward, got one_pass={one_pass}")
-    tiles = one_pass or configs.one_pass_config(head_dim)
+    tiles = one_pass or configs.one_pass_config(head_dim, configs.one_pass_keys96(head_dim, head_dim_v, features))
     one_pass, cfg, splits, alongside = plan.one_pass, plan.cfg, kv_splits or plan.parts, plan.alongside
     dq_acc = (dq_out if own_sum else empty(q.shape, torch.float32, q.device)) if one_pass else None
     # Split key blocks store float32 partial sums: one partial head per (KV head, part).
@@ -670,7 +670,7 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
                    ALIBI_SLOPES=alibi if alibi is not None else lse2, qk_scale=qk_scale, softcap2=softcap2,
                    softmax_scale=args.softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
     # A CTA's keys; query steps of one_pass_rows rows.
-    cta_keys = configs.one_pass_keys(head_dim, head_dim_v)
+    cta_keys = configs.one_pass_keys(head_dim, head_dim_v, tiles.keys96)
     rows = configs.one_pass_rows(head_dim, features)
     grid = (cdiv(seqlen_k, cta_keys), nheads_kv, batch)
     if wide:

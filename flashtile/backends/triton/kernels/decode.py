@@ -346,7 +346,8 @@ def attn_decode(Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX, 
         heads = off_hk * GROUP + offs_r % GROUP
     else:
         head_rows = tl.maximum(seqlen_q * GROUP, 1)
-        slot_r = offs_r // head_rows
+        # Rows past the last head's stay on it: their descales, sink and slopes are read in bounds (and not stored).
+        slot_r = tl.minimum(offs_r // head_rows, HEADS - 1)
         offs_t = offs_r % head_rows // GROUP
         heads = (off_hk + slot_r) * GROUP + offs_r % GROUP
     row_ok = offs_r < n_rows

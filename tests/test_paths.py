@@ -66,14 +66,14 @@ def test_one_pass_never_takes_split_parts(hopper_132):
     assert "one-pass" in bwd_name and "parts" not in bwd_name
 
 
-def test_one_pass_override_is_refused_off_its_path(rng):
+def test_one_pass_override_is_refused_off_its_path(rng, device):
     """launch.backward's ``one_pass`` (a sweep's knobs) never runs another backward in its place: a call the one-pass
-    kernel does not take (here a CPU one), or one that also asks for the pair's tiles, raises a ValueError that names
-    the argument."""
+    kernel does not take (here float32, too short to fill a GPU), or one that also asks for the pair's tiles, raises a
+    ValueError that names the argument."""
     from flashtile.backends import AttnArgs
     from flashtile.backends.triton import launch
 
-    q, k, v = testing.make_qkv(1, 37, 65, 2, 1, 192, torch.float32, "cpu", generator=rng)
+    q, k, v = testing.make_qkv(1, 37, 65, 2, 1, 192, torch.float32, device, generator=rng)
     args = AttnArgs(softmax_scale=192 ** -0.5)
     out, lse = launch.forward(q, k, v, args)
     grads = [torch.empty_like(t) for t in (q, k, v)]
@@ -137,7 +137,8 @@ def _expect_kernels(case, names: set, device):
     kind, label = fwd_id.split()[0].split(":")
     wanted = ["attn_decode" if kind == "decode" and label == "triton" else FWD_FUNCTIONS[label]]
     if bwd_id is not None and bwd_id.startswith("bwd:one-pass"):
-        wanted.append("attn_bwd_sm90_wide" if bwd_id == "bwd:one-pass-wide" else "attn_bwd_sm90_ws")
+        wanted.append({"bwd:one-pass-wide": "attn_bwd_sm90_wide", "bwd:one-pass-wide-96": "attn_bwd_sm90_wide96"}
+                      .get(bwd_id, "attn_bwd_sm90_ws"))
     elif bwd_id is not None:
         wanted += ["attn_bwd_dkdv_sm90" if bwd_id.startswith("bwd:gluon-sm90 ") else "bwd_dkdv", "bwd_dq"]
         if " parts" in bwd_id:

@@ -282,11 +282,12 @@ GLUON_WS_CAUSAL_KEYS = 8192
 GLUON_WS_FEATURES = frozenset({"sink", "softcap", "alibi"})
 # GLUON_WS_D64, d=64, 16-bit: the warp-specialized forward's tile for the rows and features it takes at d=128 (the same
 # floors), else the Triton kernel; None: off. H200, bf16, B = 16384 // N, 32 heads, fwd TFLOP/s, Triton table tile /
-# 64x128 s2 / 64x128 s4, median of 2 interleaved rounds (benchmarks/gluon_ws_heads.py, the e02143e tree):
+# 64x128 s2 / 64x128 s4, median of 2 interleaved rounds (benchmarks/gluon_ws_heads.py at 0259788,
+# results/h200-gluon-ws-heads-2026-11-28-0259788.json; a first run of the e02143e tree beside it):
 #   rows                               evidence
-#   full 4x4096 / 1x16384              427/441/439, 442/458/452 (+3-4%)
-#   causal 1x16384                     423/445/436 (+5%)
-#   causal 4x4096 / 16x1024: floors    384/356/350, 273/203/198: under GLUON_WS_CAUSAL_KEYS the Triton tile stays
+#   full 4x4096 / 1x16384              389/431/393, 436/446/443 (+2-11%; first run 427/441, 442/458)
+#   causal 1x16384                     429/442/437 (+3%; first run 423/445)
+#   causal 4x4096 / 16x1024: floors    344/162/160, 269/204/199 (first run 384/356, 273/203): the Triton tile stays
 # sm_90 ptxas (benchmarks/sm90_compile.py fwd-ws-d64[-n256][-s4][-sink] [causal] [softcap]), 240 registers a
 # consumer: 64x128 s2 0 STL in every case, 98.7 KB, 24 HGMMAs a consumer; s4 0 STL, 164.3 KB; 64x256 s2 225-271 STL
 # (S_j's 128 registers, P_{j-1}'s 64 in flight and O's 32 exceed 240). FA3's 192 keys are no power of two for Gluon.
@@ -314,12 +315,13 @@ _FWD_SM90_GLUON_D256 = TileConfig(64, 64, 4, 1, kernel="gluon")
 # same floors), else _FWD_SM90_GLUON_D256; None: off. Two 64-key slots each of K and V (128 KB) leave room for one Q
 # buffer (fwd_sm90_ws.q_buffers: 64 KB), released once both consumers' last S of the tile has read it. H200, bf16,
 # B = 16384 // N, 8 heads, fwd TFLOP/s, 64x64 one warpgroup / WS 64-key slots, one Q / WS 32-key slots, two Q,
-# median of 2 interleaved rounds (benchmarks/gluon_ws_heads.py, the e02143e tree):
+# median of 2 interleaved rounds (benchmarks/gluon_ws_heads.py at 0259788,
+# results/h200-gluon-ws-heads-2026-11-28-0259788.json; a first run of the e02143e tree beside it):
 #   rows                               evidence
-#   full 4x4096 / 1x16384              598/631/484, 640/662/508 (+3-6%)
-#   causal 1x16384                     623/660/486 (+6%)
-#   causal 4x4096, full 16x1024        512/559/410, 506/538/422: faster, but under the floors (not taken)
-#   causal 16x1024                     379/369/296
+#   full 4x4096 / 1x16384              601/621/475, 608/652/506 (+3-7%; first run 598/631, 640/662)
+#   causal 1x16384                     622/655/483 (+5%; first run 623/660)
+#   causal 4x4096, full 16x1024        531/532/411, 511/522/419 (first run 512/559, 506/538): under the floors
+#   causal 16x1024                     381/368/296
 # sm_90 ptxas (benchmarks/sm90_compile.py fwd-ws-d256-n64[-sink] [causal] [softcap]), consumers at 240 registers,
 # 20 HGMMAs a 64-key block (16 for S, 4 for P V), 197 KB; 1-8 spill stores a CTA's tile outside the key loop, none
 # in it. ALiBi (exact at 64 keys) spills 16-20 stores a consumer around the key loop: it stays on
@@ -595,7 +597,7 @@ DECODE_SM90 = {
 # block, takes one head a program at 3 an SM. Time over the bf16 cache's step (splits), H200, GQA 32/8, d=128, CUDA
 # graph, one round (benchmarks/decode_fp8_tiles.py, results/h200-fp8-decode-tiles-2026-11-28-2ee657b.json):
 #   value                        16 x 32768     1 x 131072     evidence
-#   16x128 w4 s3 heads 2, 1/SM   0.529 (2)      0.607 (33)     chosen
+#   16x128 w4 s3 heads 2, 1/SM   0.529 (2)      0.607 (33)     chosen; bench --suite fp8 at 8b93cf6: 0.52 / 0.61
 #   16x128 w4 s2 heads 2, 2/SM   0.538 (4)      0.619 (66)
 #   16x128 w4 s3 heads 1, 3/SM   0.557 (3)      0.628 (49)     the row before; 2/SM 0.539 / 0.623, 1/SM 0.645 / 0.667
 #   16x64 heads 2, 16x32 heads 4 0.547-0.568    0.621-0.633

@@ -29,7 +29,8 @@ BUDGET_S = int(os.environ.get("BUDGET_S", 200))
 # (label, batch, heads, seqlen, causal)
 SHAPES = [("16k full", 1, 10, 16384, False), ("16k causal", 1, 10, 16384, True),
           ("deepseek 2x4k causal", 2, 16, 4096, True)]
-# OnePassConfig fields over main's (configs.one_pass_config(192)).
+# OnePassConfig fields over the 64-key wide kernel's ("main": configs.one_pass_config(192), what 192/128 calls with
+# softcap, ALiBi or packed sequences run).
 # keys96: the 96-key kernel (kernels/bwd_sm90_wide96.py) with its own registers (configs.one_pass_config).
 VARIANTS = {
     "main": {},

@@ -5,7 +5,7 @@ Variants of the e4m3 step: main's plan (auto tiles and splits), main's plan on a
 (batch, seq, head, dim) tensor as a transposed view of (batch, head, seq, dim): each KV head's keys contiguous, so a
 128-key tile is one 16 KB run instead of 128-byte rows 1 KB apart: isolates DRAM locality), and tiles x programs
 an SM (``per_sm``: the split count decode_splits gives, as DECODE_FP8_PROGRAMS_PER_SM would), plus the kernel's
-KV heads a program (``heads``, TileConfig.heads) where the checkout has it. Each variant is checked against fp32 attention on
+KV heads a program (``heads``, TileConfig.heads). Each variant is checked against fp32 attention on
 the dequantized cache (batch row 0) before it is timed.
 
     python benchmarks/decode_fp8_tiles.py      # table on stdout, $OUT/decode-sweep.json
@@ -55,7 +55,6 @@ VARIANTS = [
 ]
 # Cells whose graph is also profiled kernel by kernel.
 PROFILED = ("bf16 main", "fp8 main")
-HAS_HP = "heads" in TileConfig.__dataclass_fields__
 
 
 def head_major(x: torch.Tensor) -> torch.Tensor:
@@ -147,10 +146,7 @@ def main():
             if tile is None:
                 cells.append((f"fp8 {name}", k8, v8, (kd, vd), 0, None, ref8, n8))
                 continue
-            if hp > 1:
-                if not HAS_HP:
-                    continue
-                tile = replace(tile, heads=hp)
+            tile = replace(tile, heads=hp)
             programs = batch * NHEADS_KV // hp * -(-GROUP * hp // tile.BLOCK_M)
             splits = configs.decode_splits(0, programs, cache_len, device, tile.BLOCK_N, per_sm=per_sm)
             cells.append((f"fp8 {name}", k8, v8, (kd, vd), splits, tile, ref8, n8))
@@ -176,8 +172,7 @@ def main():
     for r in rows:
         if r.get("kernel_us"):
             print(f"{r['B']}x{r['L']} {r['variant']}: kernels (us a replay) {r['kernel_us']}")
-    meta = dict(gpu=gpu, sms=sms, torch=torch.__version__, commit=common.git_commit(),
-                has_heads=HAS_HP)
+    meta = dict(gpu=gpu, sms=sms, torch=torch.__version__, commit=common.git_commit())
     out = os.environ.get("OUT", ".")
     with open(os.path.join(out, "decode-sweep.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)

@@ -765,10 +765,14 @@ def one_pass_config(head_dim: int, keys96: bool = False) -> OnePassConfig:
     return OnePassConfig(one_pass_stages(head_dim))
 
 
+def one_pass_96_takes(head_dim: int, head_dim_v: int, features: frozenset) -> bool:
+    """Whether the 96-key CTAs (kernels/bwd_sm90_wide96.py) can run a call: dense 192/128 calls of its features."""
+    return (head_dim, head_dim_v) == (192, 128) and features <= ONE_PASS_96_FEATURES
+
+
 def one_pass_keys96(head_dim: int, head_dim_v: int, features: frozenset) -> bool:
-    """Whether the one-pass backward runs 96-key CTAs (kernels/bwd_sm90_wide96.py): dense 192/128 calls of its
-    features."""
-    return ONE_PASS_96 and (head_dim, head_dim_v) == (192, 128) and features <= ONE_PASS_96_FEATURES
+    """Whether the one-pass backward runs 96-key CTAs: they can (:func:`one_pass_96_takes`) and ONE_PASS_96 is on."""
+    return ONE_PASS_96 and one_pass_96_takes(head_dim, head_dim_v, features)
 
 
 def one_pass_keys(head_dim: int, head_dim_v: int, keys96: bool = False) -> int:

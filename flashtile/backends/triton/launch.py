@@ -466,8 +466,7 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
             if grad is not dq_out or not add_dq:
                 _fill_tail(grad, cu, 0.0)
     features = frozenset(present_features(args, head_dim, head_dim_v))
-    if one_pass is not None and one_pass.keys96 and ((head_dim, head_dim_v) != (192, 128)
-                                                     or not features <= configs.ONE_PASS_96_FEATURES):
+    if one_pass is not None and one_pass.keys96 and not configs.one_pass_96_takes(head_dim, head_dim_v, features):
         raise ValueError(f"one_pass: 96-key CTAs take dense calls at head dims 192/128 with no feature but "
                          f"{sorted(configs.ONE_PASS_96_FEATURES)}, got {head_dim}/{head_dim_v} with {sorted(features)}")
     cfg = config or bwd_config(max(head_dim, head_dim_v), q.dtype, q.device, head_dim_v,
@@ -684,7 +683,7 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
         if tiles.keys96:
             # Three consumers of 32 keys, each adding 64 of dQ's 192 columns.
             k_main, k_tail = parts(k, 32)
-            _BWD_WIDE96(key, (cdiv(seqlen_k, 96), nheads_kv, batch),
+            _BWD_WIDE96(key, grid,
                         dict(q_desc=q_main, q_tail_desc=q_tail, k_desc=k_main, k_tail_desc=k_tail,
                              v_desc=_tma_desc(v, 32), do_desc=do_main, dq_desc=_tma_desc(dq_acc, rows, 64), **tensors),
                         static)

@@ -727,8 +727,9 @@ ONE_PASS_MAXNREG = 168
 # instructions full, 2 in the causal key loop; softcap or ALiBi spill there, so it takes neither).
 ONE_PASS_96_CONSUMER_REGS = 160
 ONE_PASS_96_MAXNREG = 128
-ONE_PASS_96_FEATURES = frozenset({"window", "sink", "headdim_v"})
-# ONE_PASS_96: dense 192/128 calls of ONE_PASS_96_FEATURES take the 96-key CTAs (False: the 64-key wide kernel).
+ONE_PASS_96_FEATURES = frozenset({"window", "sink", "varlen", "headdim_v"})
+# ONE_PASS_96: 192/128 calls of ONE_PASS_96_FEATURES (dense or packed) take the 96-key CTAs (False: the 64-key wide
+# kernel).
 # H200, bf16, backward alone, TFLOP/s (2.5 x 2 B H N^2 (d + dv), halved when causal), 64-key wide kernel / its
 # dq_first + release_each + rotate / 96 keys / 96 keys with two dS buffers, 2 interleaved rounds, every variant's
 # out, lse, dQ, dK, dV checked first (benchmarks/bwd_one_pass_192.py, results/h200-bwd192-2026-11-28-f1ac707.json):
@@ -736,7 +737,8 @@ ONE_PASS_96_FEATURES = frozenset({"window", "sink", "headdim_v"})
 #   1 x 16384, 10 heads, full          347/370/400/402 (96 keys 1.15x)
 #   1 x 16384, 10 heads, causal        339/370/384/383 (1.13x)
 #   DeepSeek 2 x 4096, 16 heads, causal 293/324/329/330 (1.12x)
-# Softcap and ALiBi spill in its key loop and packed sequences are not implemented: they keep the 64-key kernel.
+# Packed sequences follow the dense rows (same steps; a sequence's last, partial CTA and query block cost both kernels
+# alike), not yet measured packed. Softcap and ALiBi spill in its key loop: they keep the 64-key kernel.
 ONE_PASS_96 = True
 
 
@@ -745,7 +747,7 @@ class OnePassConfig:
     """The one-pass backward's knobs (tuning sweeps pass one to launch.backward as ``one_pass``): Q/dO ring slots,
     the consumers' registers after ``setmaxnreg`` and the compile cap; the wide kernel's (kernels/bwd_sm90_wide.py)
     order of dQ's product before dK's (``dq_first``), release of each dQ staging buffer as soon as it is read
-    (``release_each``) and walk begun at each CTA's key block (``rotate``); at 192/128 dense, CTAs of 96 keys on
+    (``release_each``) and walk begun at each CTA's key block (``rotate``); at 192/128, CTAs of 96 keys on
     three consumer warpgroups (``keys96``: kernels/bwd_sm90_wide96.py, FA4's tile; :func:`one_pass_config` gives it
     its registers) and its dS buffers (``ds_bufs``: 1 or 2)."""
     stages: int
@@ -766,8 +768,8 @@ def one_pass_config(head_dim: int, keys96: bool = False) -> OnePassConfig:
 
 
 def one_pass_keys96(head_dim: int, head_dim_v: int, features: frozenset) -> bool:
-    """Whether the one-pass backward runs 96-key CTAs (kernels/bwd_sm90_wide96.py): dense 192/128 calls of its
-    features."""
+    """Whether the one-pass backward runs 96-key CTAs (kernels/bwd_sm90_wide96.py): 192/128 calls of its features,
+    packed sequences among them."""
     return ONE_PASS_96 and (head_dim, head_dim_v) == (192, 128) and features <= ONE_PASS_96_FEATURES
 
 

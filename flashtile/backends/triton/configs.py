@@ -724,10 +724,14 @@ ONE_PASS_CONSUMER_REGS = 240
 ONE_PASS_MAXNREG = 168
 # The 96-key variant at 192/128 (kernels/bwd_sm90_wide96.py): 14 warps, counted as 16 by the compiler, at 128 registers;
 # two consumer warpgroups at 160 and the third (the default partition) at the 168 left (sm_90 ptxas, 2 x 4096: 0 spill
-# instructions full, 2 in the causal key loop; softcap or ALiBi spill there, so it takes neither).
+# instructions full, 2 in the causal key loop; softcap or ALiBi spill there, so it takes neither). Packed sequences
+# (4096 + 4096 with seqused_k): 0 spill instructions in the key loops full and causal; with a window as well, 1 spill
+# store and 4-5 reloads a step in the two worker consumers' loops (dense windows: 1-2 reloads), so packed calls with a
+# window keep the 64-key kernel (ONE_PASS_96_APART).
 ONE_PASS_96_CONSUMER_REGS = 160
 ONE_PASS_96_MAXNREG = 128
 ONE_PASS_96_FEATURES = frozenset({"window", "sink", "varlen", "headdim_v"})
+ONE_PASS_96_APART = frozenset({"window", "varlen"})
 # ONE_PASS_96: 192/128 calls of ONE_PASS_96_FEATURES (dense or packed) take the 96-key CTAs (False: the 64-key wide
 # kernel).
 # H200, bf16, backward alone, TFLOP/s (2.5 x 2 B H N^2 (d + dv), halved when causal), 64-key wide kernel / its
@@ -767,10 +771,17 @@ def one_pass_config(head_dim: int, keys96: bool = False) -> OnePassConfig:
     return OnePassConfig(one_pass_stages(head_dim))
 
 
+def one_pass_96_takes(head_dim: int, head_dim_v: int, features: frozenset) -> bool:
+    """Whether the 96-key kernel (kernels/bwd_sm90_wide96.py) takes a call: head dims 192/128, features of
+    ONE_PASS_96_FEATURES but not all of ONE_PASS_96_APART (a window on packed sequences)."""
+    return ((head_dim, head_dim_v) == (192, 128) and features <= ONE_PASS_96_FEATURES
+            and not ONE_PASS_96_APART <= features)
+
+
 def one_pass_keys96(head_dim: int, head_dim_v: int, features: frozenset) -> bool:
-    """Whether the one-pass backward runs 96-key CTAs (kernels/bwd_sm90_wide96.py): 192/128 calls of its features,
-    packed sequences among them."""
-    return ONE_PASS_96 and (head_dim, head_dim_v) == (192, 128) and features <= ONE_PASS_96_FEATURES
+    """Whether the one-pass backward runs 96-key CTAs: the calls the 96-key kernel takes
+    (:func:`one_pass_96_takes`), dense or packed, unless ONE_PASS_96 is off."""
+    return ONE_PASS_96 and one_pass_96_takes(head_dim, head_dim_v, features)
 
 
 def one_pass_keys(head_dim: int, head_dim_v: int, keys96: bool = False) -> int:

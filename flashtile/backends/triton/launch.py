@@ -466,10 +466,10 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
             if grad is not dq_out or not add_dq:
                 _fill_tail(grad, cu, 0.0)
     features = frozenset(present_features(args, head_dim, head_dim_v))
-    if one_pass is not None and one_pass.keys96 and ((head_dim, head_dim_v) != (192, 128)
-                                                     or not features <= configs.ONE_PASS_96_FEATURES):
+    if one_pass is not None and one_pass.keys96 and not configs.one_pass_96_takes(head_dim, head_dim_v, features):
         raise ValueError(f"one_pass: 96-key CTAs take calls at head dims 192/128 with no feature but "
-                         f"{sorted(configs.ONE_PASS_96_FEATURES)}, got {head_dim}/{head_dim_v} with {sorted(features)}")
+                         f"{sorted(configs.ONE_PASS_96_FEATURES)}, not all of {sorted(configs.ONE_PASS_96_APART)}, "
+                         f"got {head_dim}/{head_dim_v} with {sorted(features)}")
     cfg = config or bwd_config(max(head_dim, head_dim_v), q.dtype, q.device, head_dim_v,
                                row_keys(seqlen_k, args.window_left, args.window_right), features)
     varlen = args.varlen

@@ -22,8 +22,18 @@ sm_90 ptxas (benchmarks/sm90_compile.py wide keys96=1 consumer_regs=160 maxnreg=
 ALiBi here. Shared memory: Q 2 x 24 KB, dO 2 x 16 KB, K 36 KB, V
 24 KB, P 12 KB, dS 12 KB a buffer (a consumer writes its dS only once all three have read that buffer's last,
 ``ds_empty``; ``DS_BUFS`` = 2 lets a consumer run a step ahead of the others, at 231,128 B of the 232,448), dQ
-staging 48 KB: 218,840 B with one dS buffer. Dense calls only (no packed sequences, no seqused_k); masks, windows
-and sinks (through the lse) as bwd_sm90_wide.py takes them.
+staging 48 KB: 218,840 B with one dS buffer. Masks, windows and sinks (through the lse) as bwd_sm90_wide.py takes
+them.
+
+Packed sequences (``IS_VARLEN``, ``HAS_SEQUSED``) as bwd_sm90_wide.py reads them: descriptors of the whole ``(1,
+tokens, heads, d)`` tensors, each CTA's sequence from bwd_sm90_ws._walk. Each consumer zeroes its own key rows past
+the sequence's used keys (dQ's product reads all three's: ``kv_zeroed``); a step's query rows past the sequence are
+zeroed by consumer 0, the default partition, which the others wait for (``tail_ready``), 16 rows at a time: a whole
+tile beside the accumulators, or a share in each 160-register consumer, spilled in the key loops (13-18 and 4-7 spill
+instructions). sm_90 ptxas (wide-varlen keys96=1, 4096 + 4096 tokens with seqused_k): 0 spill instructions in the
+key loops full and causal (8 + 13 and 14 + 19 in the prologue and stores), 218,920 B; with a window too, 1 spill
+store and 4-5 reloads a step in two loops, so configs.one_pass_96_takes keeps packed calls with a window on the
+64-key kernel.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -49,21 +59,6 @@ def _zero_rows(tile, rows):
     for c in gl.static_range(tile.shape[0] // CHUNK):
         if rows < (c + 1) * CHUNK:
             _zero_tail(tile.slice(c * CHUNK, CHUNK, 0), rows - c * CHUNK, 4)
-
-
-@gluon.jit
-def _zero_step_tail(q, qt, do, q_ready, do_ready, phase, rows, WG: gl.constexpr):
-    """Consumer ``WG``'s share of zeroing a step's rows from ``rows`` on, once they have landed: Q's main columns
-    (0), its tail (1) or dO (2)."""
-    if WG == 2:
-        mbarrier.wait(do_ready, phase)
-        _zero_rows(do, rows)
-    else:
-        mbarrier.wait(q_ready, phase)
-        if WG == 0:
-            _zero_rows(q, rows)
-        else:
-            _zero_rows(qt, rows)
 
 
 @gluon.jit
@@ -130,13 +125,20 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
         do = _tile(do_smem, slot)
         if IS_VARLEN:
             if row + BLOCK_M > seqlen_q:
-                # The rows past this sequence's queries are the next sequence's: zeroed, so that not even an
-                # infinity there meets this one's zero probabilities; one tile a consumer (Q's main columns, its
-                # tail, dO), each waiting for all three. Only each head's last block has such rows: the walk's
-                # heads count the tail's phases.
-                _zero_step_tail(q, qt, do, q_ready.index(slot), do_ready.index(slot), phase, seqlen_q - row, WG)
-                mbarrier.arrive(tail_ready, count=1)
-                mbarrier.wait(tail_ready, (it // n_q) & 1)
+                # The rows past this sequence's queries are the next sequence's: consumer 0 (the default
+                # partition, 8 registers more) zeroes them, so that not even an infinity there meets this one's
+                # zero probabilities, and the others wait for it (a share each spilled in their key loops: 7
+                # reloads a step with a window). Only each head's last block has such rows: the walk's heads count
+                # the tail's phases.
+                if WG == 0:
+                    mbarrier.wait(q_ready.index(slot), phase)
+                    mbarrier.wait(do_ready.index(slot), phase)
+                    _zero_rows(q, seqlen_q - row)
+                    _zero_rows(qt, seqlen_q - row)
+                    _zero_rows(do, seqlen_q - row)
+                    mbarrier.arrive(tail_ready, count=1)
+                else:
+                    mbarrier.wait(tail_ready, (it // n_q) & 1)
         # S first, dP only once P is in shared memory: dP's accumulator is not held under the exponentials (the
         # other two consumers' products keep the tensor cores busy meanwhile).
         mbarrier.wait(q_ready.index(slot), phase)
@@ -272,8 +274,9 @@ def attn_bwd_sm90_wide96(q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, do_de
     consumer's keys), ``v_desc`` of v (128 columns) with ``[1, 32, 1, 128]``, ``do_desc`` of dO with
     ``[1, 64, 1, 128]``, ``dq_desc`` of the zeroed float32 dQ buffer (all 192 columns) with ``[1, 64, 1, 64]`` (one
     consumer's columns); one CTA per (96 keys, KV head, batch row). ``qk_scale``/``softcap2`` as common.scores takes
-    them; LSE2 and DELTA are bwd_preprocess's; the sequence tensors are never read (dense calls). dQ arrives in its
-    buffer scaled, to be cast."""
+    them; LSE2 and DELTA are bwd_preprocess's. With ``IS_VARLEN`` the tensors are packed ``(1, tokens, heads, d)``,
+    a batch row is a sequence (``CU_SEQLENS_*``, ``SEQUSED_K`` with ``HAS_SEQUSED``, as in bwd.py's kernels) and the
+    lengths are the longest ones; dense calls never read them. dQ arrives in its buffer scaled, to be cast."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     KEYS: gl.constexpr = k_desc.block_type.shape[1]
     MAIN: gl.constexpr = q_desc.block_type.shape[3]
@@ -299,7 +302,7 @@ def attn_bwd_sm90_wide96(q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, do_de
     kv_ready = barrier(1)
     # Packed sequences: the three consumers' key rows past the sequence zeroed, and a step's query rows.
     kv_zeroed = barrier(NUM_WG)
-    tail_ready = barrier(NUM_WG)
+    tail_ready = barrier(1)
     # A ring slot's Q (and rows) / dO: landed, and released by the three consumers.
     q_ready = barriers(STAGES, 2)
     q_empty = barriers(STAGES, NUM_WG)

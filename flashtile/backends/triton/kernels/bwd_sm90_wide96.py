@@ -316,8 +316,8 @@ def attn_bwd_sm90_wide96(q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, do_de
     walk = (seqlen_q, seqlen_k, window_left, window_right, group, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K)
     consumer = (q_desc, q_tail_desc, k_desc, do_desc, q_smem, qt_smem, do_smem, k_smem, kt_smem, v_smem, p_smem,
                 ds_smem, dq_smem, rows_smem, kv_ready, kv_zeroed, q_ready, q_empty, do_ready, do_empty, tail_ready,
-                ds_ready, ds_empty, dq_full, dq_empty, DK, DV, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, softmax_scale, stride_dkb,
-                stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh)
+                ds_ready, ds_empty, dq_full, dq_empty, DK, DV, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2,
+                softmax_scale, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh)
     producer = (q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, do_desc, q_smem, qt_smem, do_smem, k_smem, kt_smem,
                 v_smem, rows_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, LSE2, DELTA, stride_lse_b,
                 stride_lse_h)

@@ -8,7 +8,8 @@ Triton's wheel ships, so kernels can be checked for register pressure before a G
     python benchmarks/sm90_compile.py fused-alibi|fused-varlen [causal] [softcap] [window]
     python benchmarks/sm90_compile.py wide[-alibi|-varlen][-v192] [causal] [softcap] [window] [knob=value ...]
                                         # bwd_sm90_wide.py, 192/128 (192/192 with -v192), through the launcher's
-                                        # own arguments; knobs: configs.OnePassConfig's (stages=1 dq_first=1 ...)
+                                        # own arguments; knobs: configs.OnePassConfig's (stages=1 dq_first=1 ...;
+                                        # keys96=1: bwd_sm90_wide96.py, dense or -varlen)
     python benchmarks/sm90_compile.py fwd-ws [causal] [softcap] [window]  # kernels/fwd_sm90_ws.py, 64-key slots
     python benchmarks/sm90_compile.py fwd-ws-d64[-n256][-s3][-sink] [causal] [softcap] [window]  # that kernel
                                         # at head dim 64 (-d128 too), through its launcher: two slots of 128 keys

@@ -173,6 +173,9 @@ CASES = ONE_PASS_LONG + [
     Case(1, 256, 256, 2, 2, 192, 128, "bfloat16", "causal", ("softcap",)),
     Case(1, 1, 4096, 32, 8, 192, 128, "bfloat16", "full", ("sink",)),
     Case(8, 256, 256, 16, 16, 192, 128, "bfloat16", "full", ("varlen",)),
+    # Packed sequences with a window keep the 64-key CTAs at 192/128 (configs.ONE_PASS_96_APART), MHA and GQA.
+    Case(8, 256, 256, 16, 16, 192, 128, "bfloat16", "1024,0", ("varlen",)),
+    Case(8, 512, 512, 16, 4, 192, 128, "bfloat16", "255,63", ("varlen",)),
     # The wide one-pass backward at head dim 256 (one Q/dO slot): a long causal row ending mid-CTA, GQA with a
     # window and softcap, packed sequences.
     Case(2, 4096, 4157, 16, 16, 256, 256, "bfloat16", "causal"),

@@ -139,8 +139,8 @@ def test_sm90_wide_case_takes_one_pass_knobs(monkeypatch):
 
 def test_sm90_wide96_case_catches_the_launchers_arguments(monkeypatch):
     """``keys96=1``: the 96-key kernel's launch through the launcher: three consumers' 32-key K and V tiles, dQ
-    added 64 columns at a time, its own registers (160 a worker consumer, 128 the compile cap of 16 warps) and no
-    switches of packed sequences or of the 64-key kernel."""
+    added 64 columns at a time, its own registers (160 a worker consumer, 128 the compile cap of 16 warps), packed
+    sequences' switches off and none of the 64-key kernel's."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     from sm90_cases import case
 
@@ -151,8 +151,51 @@ def test_sm90_wide96_case_catches_the_launchers_arguments(monkeypatch):
                      "k_tail_desc": (1, 32, 1, 64), "v_desc": (1, 32, 1, 128), "do_desc": (1, 64, 1, 128),
                      "dq_desc": (1, 64, 1, 64)}
     assert constexprs["CONSUMER_REGS"] == 160 and options == dict(num_warps=4, maxnreg=128)
-    assert "IS_VARLEN" not in constexprs and "DQ_FIRST" not in constexprs and constexprs["MASK_RIGHT"]
+    assert not constexprs["IS_VARLEN"] and not constexprs["HAS_SEQUSED"] and constexprs["MASK_RIGHT"]
+    assert "DQ_FIRST" not in constexprs
     assert constexprs["DS_BUFS"] == 1 and case("wide", True, False, tiles=dict(keys96=1, ds_bufs=2))[2]["DS_BUFS"] == 2
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_wide96_varlen_case_catches_the_launchers_arguments(monkeypatch, causal):
+    """``wide-varlen keys96=1``: the 96-key kernel's launch on packed sequences (4096 + 4096 tokens, seqused_k)
+    through the launcher: descriptors over one TMA batch row of all tokens, the sequence tensors passed and read
+    (IS_VARLEN, HAS_SEQUSED), dK/dV batch strides 0, and a grid of 96-key CTAs over the longest sequence for each
+    (KV head, sequence)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import torch
+    from sm90_cases import case
+
+    from flashtile.backends.triton import launch
+
+    fn, args, constexprs, options = case("wide-varlen", causal, False, tiles=dict(keys96=1))
+    assert fn.__name__ == "attn_bwd_sm90_wide96" and set(args) | set(constexprs) == set(fn.arg_names)
+    assert constexprs["IS_VARLEN"] and constexprs["HAS_SEQUSED"] and constexprs["MASK_RIGHT"] == causal
+    shapes = {name: (*args[name].shape, *args[name].block_shape) for name in args if name.endswith("_desc")}
+    # (1 batch row, 8192 tokens, 16 heads, columns), then the tile.
+    assert shapes == {"q_desc": (1, 8192, 16, 128, 1, 64, 1, 128), "q_tail_desc": (1, 8192, 16, 64, 1, 64, 1, 64),
+                      "k_desc": (1, 8192, 16, 128, 1, 32, 1, 128), "k_tail_desc": (1, 8192, 16, 64, 1, 32, 1, 64),
+                      "v_desc": (1, 8192, 16, 128, 1, 32, 1, 128), "do_desc": (1, 8192, 16, 128, 1, 64, 1, 128),
+                      "dq_desc": (1, 8192, 16, 192, 1, 64, 1, 64)}
+    assert args["CU_SEQLENS_Q"].tolist() == args["CU_SEQLENS_K"].tolist() == [0, 4096, 8192]
+    assert args["SEQUSED_K"].tolist() == [4000, 4096] and args["seqlen_q"] == args["seqlen_k"] == 4096
+    assert args["stride_dkb"] == args["stride_dvb"] == 0 and options == dict(num_warps=4, maxnreg=128)
+    # The grid: sequences of 100 and 8092 tokens, 4 KV heads.
+    from flashtile.backends import AttnArgs, present_features
+    from flashtile.backends.triton import configs
+
+    grids = []
+    monkeypatch.setattr(launch, "_BWD_WIDE96", lambda key, grid, dynamic, static, **_: grids.append(grid))
+    cu = torch.tensor([0, 100, 8192], dtype=torch.int32)
+    q, k, v = (torch.empty(8192, heads, d, dtype=torch.bfloat16) for heads, d in ((16, 192), (4, 192), (4, 128)))
+    lse = torch.empty(16, 8192)
+    packed = AttnArgs(softmax_scale=0.1, causal=causal, window_right=0 if causal else -1, cu_seqlens_q=cu,
+                      cu_seqlens_k=cu, max_seqlen_q=8092, max_seqlen_k=8092, total_k=8192)
+    launch._backward_sm90_ws(q, k, v, torch.empty(8192, 16, 128, dtype=torch.bfloat16),
+                             torch.empty(q.shape, dtype=torch.float32), k, v, lse, lse, packed,
+                             frozenset(present_features(packed, 192, 128)), None,
+                             configs.one_pass_config(192, keys96=True))
+    assert grids == [(-(-8092 // 96), 4, 2)]
 
 
 @pytest.mark.parametrize("causal", [False, True])

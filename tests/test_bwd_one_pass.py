@@ -1,5 +1,6 @@
-"""The one-pass Hopper backward (kernels/bwd_sm90_ws.py, and bwd_sm90_wide.py at 192/128, 192/192 and 256) through
-the public API, on an sm_90 GPU only.
+"""The one-pass Hopper backward (kernels/bwd_sm90_ws.py, and bwd_sm90_wide.py at 192/128, 192/192 and 256, with
+bwd_sm90_wide96.py's 96-key CTAs at 192/128 unless softcap, ALiBi, or a window on packed sequences) through the
+public API, on an sm_90 GPU only.
 
 The dispatcher gives it 16-bit calls at head dim 128, 192 with values of 128 or 192, and 256 (windows, softcap, ALiBi,
 sinks, packed sequences, alone and together) once its CTAs fill the GPU, unless the call is deterministic. These
@@ -264,6 +265,41 @@ def test_wide96(rng, window, seqlen_q, seqlen_k, ds_bufs):
     ref = dict(causal=causal, window_size=window)
     assert_results_close(ours, reference_results(q, k, v, dout, hi=True, **ref),
                          reference_results(q, k, v, dout, hi=False, **ref), torch.bfloat16)
+
+
+# Packed 192/128 lengths (queries, keys) awkward for 96-key CTAs of three 32-key consumers: keys ending one into a
+# CTA (97), inside the first consumer (5), in the second at its first key (33), off 16-key boundaries in the third
+# (461 = 4 x 96 + 77, 650), on a CTA's end (96), none (0); queries of 0, 1, one past a 64-row block (129), more queries
+# than keys and fewer. seqused_k leaves out the second CTA and 7 keys of the first (90 of 97), all of a sequence's
+# (0 of 5), all but one (1 of 96), and none (33 of 33).
+WIDE96_PACKED = ([129, 0, 1, 96, 333, 64, 700], [97, 5, 0, 96, 461, 33, 650])
+WIDE96_SEQUSED_K = [90, 0, 0, 1, 400, 33, 641]
+
+
+@pytest.mark.parametrize("options, keys", [(dict(), 96), (dict(causal=True), 96), (dict(causal=True, sink=True), 96),
+                                           (dict(window_size=(100, 0)), 64)],
+                         ids=["full", "causal", "causal-sink", "local"])
+@pytest.mark.parametrize("seqused", [False, True], ids=["all-keys", "seqused_k"])
+@pytest.mark.parametrize("nheads, nheads_kv", [(3, 3), (6, 2)], ids=["mha", "gqa-3"])
+@pytest.mark.parametrize("ds_bufs", [1, 2])
+def test_wide96_varlen(rng, monkeypatch, options, keys, seqused, nheads, nheads_kv, ds_bufs):
+    """Packed sequences on the 96-key variant (kernels/bwd_sm90_wide96.py), with one or two dS buffers, through the
+    public API: each CTA's sequence and keys, key rows past its used keys zeroed by their consumer, query rows past
+    its queries by consumer 0 once for each head of the GQA group (NaN and infinite values past the last sequence and
+    in the keys seqused_k leaves out); out, lse and every gradient (poisoned first) to the tolerance rule. With a
+    window, packed calls keep the 64-key kernel (configs.ONE_PASS_96_APART)."""
+    from dataclasses import replace
+
+    one_pass_config = configs.one_pass_config
+    monkeypatch.setattr(configs, "one_pass_config", lambda head_dim, keys96=False: replace(
+        one_pass_config(head_dim, keys96), **(dict(ds_bufs=ds_bufs) if keys96 else {})))
+    options = dict(options)
+    if options.pop("sink", False):
+        options["sink"] = torch.randn(nheads, generator=rng).to("cuda").requires_grad_()
+    if seqused:
+        options["seqused_k"] = WIDE96_SEQUSED_K
+    testing.check_packed(rng, *WIDE96_PACKED, nheads, nheads_kv, torch.bfloat16, (192, 128), **options)
+    assert ran(f"{WIDE} d=192") and ran(f"BM64xBN{keys}]"), flashtile.stats()["kernels"]
 
 
 @pytest.mark.parametrize("how", ["argument", "torch"])

@@ -591,6 +591,38 @@ def test_one_pass_backward_where_it_serves(monkeypatch, case, one_pass):
     assert ("gluon-sm90-wide" in bwd_name) == (one_pass and head_dim in (192, 256)), bwd_name
 
 
+@pytest.mark.parametrize("features, window, keys", [
+    ((), (-1, -1), 96), ((), (-1, 0), 96), (("sink",), (-1, 0), 96), (("window",), (1024, 0), 64),
+    (("softcap",), (-1, 0), 64), (("alibi",), (-1, 0), 64)], ids=["full", "causal", "causal-sink", "window",
+                                                                   "softcap", "alibi"])
+def test_packed_192_128_takes_96_key_ctas(monkeypatch, features, window, keys):
+    """Packed 192/128 calls run the 96-key one-pass backward (kernels/bwd_sm90_wide96.py) as dense ones do, except
+    with a window (its key loops spill on packed sequences: configs.ONE_PASS_96_APART), softcap or ALiBi, which keep
+    the 64-key wide kernel; its name says BN96 (paths.kernel_ids: bwd:one-pass-wide-96), and the SM-fill rule counts
+    the CTAs of the kernel that would run, over the longest sequence: 2 sequences of up to 4224 keys on 1 KV head
+    fill 88 of 132 SMs with 96-key CTAs and keep the pair, all 132 with 64-key ones and take them."""
+    from dataclasses import replace
+
+    from flashtile import paths
+    from flashtile.backends import AttentionCall
+    from flashtile.backends import triton as triton_backend
+    from flashtile.backends.triton import configs
+    monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)
+    names = ("varlen", *features, "headdim_v")
+    call = AttentionCall(torch.device("cuda", 0), torch.bfloat16, 8, 4096, 4096, 16, 4, 192, window[1] == 0,
+                         tuple((name, f"{name}: test") for name in names), window=window,
+                         softcap=30.0 if "softcap" in features else 0.0, headdim_v=128)
+    fwd_name, bwd_name, config = triton_backend.describe(call)
+    assert "one-pass" in bwd_name and f"BM64xBN{keys}]" in bwd_name, bwd_name
+    assert config["bwd_one_pass"] == {"BLOCK_M": 64, "BLOCK_N": keys, "kernel": "gluon-wide"}
+    assert paths.kernel_ids(fwd_name, bwd_name)[1] == ("bwd:one-pass-wide-96" if keys == 96 else "bwd:one-pass-wide")
+    assert configs.one_pass_keys96(192, 128, frozenset(names) | ({"window"} if window[0] >= 0 else set())) == (
+        keys == 96)
+    few = replace(call, batch=2, seqlen_q=4224, seqlen_k=4224, nheads=2, nheads_kv=1)
+    assert ("one-pass" in triton_backend.describe(few)[1]) == (keys == 64) and -(-4224 // 64) * 2 == 132
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_deterministic_reaches_the_backward(rng, monkeypatch, deterministic):
     """``deterministic`` travels with the call's arguments to the backend's backward."""

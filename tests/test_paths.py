@@ -92,6 +92,16 @@ def test_one_pass_override_is_refused_off_its_path(rng, device):
     with pytest.raises(ValueError, match="one_pass: 96-key CTAs.*softcap"):
         launch.backward(out, q, k, v128, out, lse, capped, grads[0], grads[1], torch.empty_like(v128),
                         one_pass=configs.one_pass_config(192, keys96=True))
+    # Nor packed sequences with a window (configs.ONE_PASS_96_APART: its key loops spill there).
+    cu = testing.cu_seqlens_of([37, 28], device)
+    packed = AttnArgs(softmax_scale=192 ** -0.5, causal=True, window_left=16, window_right=0, cu_seqlens_q=cu,
+                      cu_seqlens_k=cu, max_seqlen_q=37, max_seqlen_k=37, total_k=65)
+    q, k = (t[0].contiguous() for t in (q, k))
+    out = torch.randn(65, 2, 128, generator=rng).to(device)
+    with pytest.raises(ValueError, match=r"one_pass: 96-key CTAs.*'varlen', 'window'.*got 192/128"):
+        launch.backward(out, q, k, out[:, :1], out, torch.zeros(2, 65, device=device), packed, torch.empty_like(q),
+                        torch.empty_like(k), torch.empty_like(out[:, :1]),
+                        one_pass=configs.one_pass_config(192, keys96=True))
 
 
 def _inputs(case: paths.Case, rng, device):

@@ -724,11 +724,16 @@ ONE_PASS_CONSUMER_REGS = 240
 ONE_PASS_MAXNREG = 168
 # The 96-key variant at 192/128 (kernels/bwd_sm90_wide96.py): 14 warps, counted as 16 by the compiler, at 128 registers;
 # two consumer warpgroups at 160 and the third (the default partition) at the 168 left (sm_90 ptxas, 2 x 4096: 0 spill
-# instructions full, 2 in the causal key loop; softcap or ALiBi spill there, so it takes neither).
+# instructions full, 2 in the causal key loop; softcap or ALiBi spill there, so it takes neither). Packed sequences
+# (4096 + 4096 with seqused_k): 0 spill instructions in the key loops full and causal; with a window as well, 1 spill
+# store and 4-5 reloads a step in the two worker consumers' loops (dense windows: 1-2 reloads), so packed calls with a
+# window keep the 64-key kernel (ONE_PASS_96_APART).
 ONE_PASS_96_CONSUMER_REGS = 160
 ONE_PASS_96_MAXNREG = 128
-ONE_PASS_96_FEATURES = frozenset({"window", "sink", "headdim_v"})
-# ONE_PASS_96: dense 192/128 calls of ONE_PASS_96_FEATURES take the 96-key CTAs (False: the 64-key wide kernel).
+ONE_PASS_96_FEATURES = frozenset({"window", "sink", "varlen", "headdim_v"})
+ONE_PASS_96_APART = frozenset({"window", "varlen"})
+# ONE_PASS_96: 192/128 calls of ONE_PASS_96_FEATURES (dense or packed) take the 96-key CTAs (False: the 64-key wide
+# kernel).
 # H200, bf16, backward alone, TFLOP/s (2.5 x 2 B H N^2 (d + dv), halved when causal), 64-key wide kernel / its
 # dq_first + release_each + rotate / 96 keys / 96 keys with two dS buffers, 2 interleaved rounds, every variant's
 # out, lse, dQ, dK, dV checked first (benchmarks/bwd_one_pass_192.py, results/h200-bwd192-2026-11-28-f1ac707.json):
@@ -736,7 +741,8 @@ ONE_PASS_96_FEATURES = frozenset({"window", "sink", "headdim_v"})
 #   1 x 16384, 10 heads, full          347/370/400/402 (96 keys 1.15x)
 #   1 x 16384, 10 heads, causal        339/370/384/383 (1.13x)
 #   DeepSeek 2 x 4096, 16 heads, causal 293/324/329/330 (1.12x)
-# Softcap and ALiBi spill in its key loop and packed sequences are not implemented: they keep the 64-key kernel.
+# Packed sequences follow the dense rows (same steps; a sequence's last, partial CTA and query block cost both kernels
+# alike), not yet measured packed. Softcap and ALiBi spill in its key loop: they keep the 64-key kernel.
 ONE_PASS_96 = True
 
 
@@ -745,7 +751,7 @@ class OnePassConfig:
     """The one-pass backward's knobs (tuning sweeps pass one to launch.backward as ``one_pass``): Q/dO ring slots,
     the consumers' registers after ``setmaxnreg`` and the compile cap; the wide kernel's (kernels/bwd_sm90_wide.py)
     order of dQ's product before dK's (``dq_first``), release of each dQ staging buffer as soon as it is read
-    (``release_each``) and walk begun at each CTA's key block (``rotate``); at 192/128 dense, CTAs of 96 keys on
+    (``release_each``) and walk begun at each CTA's key block (``rotate``); at 192/128, CTAs of 96 keys on
     three consumer warpgroups (``keys96``: kernels/bwd_sm90_wide96.py, FA4's tile; :func:`one_pass_config` gives it
     its registers) and its dS buffers (``ds_bufs``: 1 or 2)."""
     stages: int
@@ -766,12 +772,15 @@ def one_pass_config(head_dim: int, keys96: bool = False) -> OnePassConfig:
 
 
 def one_pass_96_takes(head_dim: int, head_dim_v: int, features: frozenset) -> bool:
-    """Whether the 96-key CTAs (kernels/bwd_sm90_wide96.py) can run a call: dense 192/128 calls of its features."""
-    return (head_dim, head_dim_v) == (192, 128) and features <= ONE_PASS_96_FEATURES
+    """Whether the 96-key kernel (kernels/bwd_sm90_wide96.py) takes a call: head dims 192/128, features of
+    ONE_PASS_96_FEATURES but not all of ONE_PASS_96_APART (a window on packed sequences)."""
+    return ((head_dim, head_dim_v) == (192, 128) and features <= ONE_PASS_96_FEATURES
+            and not ONE_PASS_96_APART <= features)
 
 
 def one_pass_keys96(head_dim: int, head_dim_v: int, features: frozenset) -> bool:
-    """Whether the one-pass backward runs 96-key CTAs: they can (:func:`one_pass_96_takes`) and ONE_PASS_96 is on."""
+    """Whether the one-pass backward runs 96-key CTAs: the calls the 96-key kernel takes
+    (:func:`one_pass_96_takes`), dense or packed, unless ONE_PASS_96 is off."""
     return ONE_PASS_96 and one_pass_96_takes(head_dim, head_dim_v, features)
 
 

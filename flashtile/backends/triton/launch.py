@@ -467,8 +467,9 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
                 _fill_tail(grad, cu, 0.0)
     features = frozenset(present_features(args, head_dim, head_dim_v))
     if one_pass is not None and one_pass.keys96 and not configs.one_pass_96_takes(head_dim, head_dim_v, features):
-        raise ValueError(f"one_pass: 96-key CTAs take dense calls at head dims 192/128 with no feature but "
-                         f"{sorted(configs.ONE_PASS_96_FEATURES)}, got {head_dim}/{head_dim_v} with {sorted(features)}")
+        raise ValueError(f"one_pass: 96-key CTAs take calls at head dims 192/128 with no feature but "
+                         f"{sorted(configs.ONE_PASS_96_FEATURES)}, not all of {sorted(configs.ONE_PASS_96_APART)}, "
+                         f"got {head_dim}/{head_dim_v} with {sorted(features)}")
     cfg = config or bwd_config(max(head_dim, head_dim_v), q.dtype, q.device, head_dim_v,
                                row_keys(seqlen_k, args.window_left, args.window_right), features)
     varlen = args.varlen
@@ -652,8 +653,8 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
                     ROTATE=tiles.rotate) if wide else dict(ALIBI_LINEAR=alibi is not None and args.window_right == 0))
         sequences = dict(IS_VARLEN=varlen, HAS_SEQUSED=args.seqused_k is not None)
         if tiles.keys96:
-            # 96-key CTAs (kernels/bwd_sm90_wide96.py): dense calls, values of 128, none of the 64-key switches.
-            own, sequences = dict(DS_BUFS=tiles.ds_bufs), {}
+            # 96-key CTAs (kernels/bwd_sm90_wide96.py): values of 128, none of the 64-key switches.
+            own = dict(DS_BUFS=tiles.ds_bufs)
         return dict(window_left=args.window_left, window_right=args.window_right, **_strides(varlen, dk=dk, dv=dv),
                     stride_lse_b=stride_lse_b, stride_lse_h=stride_lse_h, group=nheads // nheads_kv,
                     MASK_LEFT=args.window_left >= 0, MASK_RIGHT=args.window_right >= 0,
@@ -683,10 +684,9 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
         if tiles.keys96:
             # Three consumers of 32 keys, each adding 64 of dQ's 192 columns.
             k_main, k_tail = parts(k, 32)
-            _BWD_WIDE96(key, grid,
-                        dict(q_desc=q_main, q_tail_desc=q_tail, k_desc=k_main, k_tail_desc=k_tail,
-                             v_desc=_tma_desc(v, 32), do_desc=do_main, dq_desc=_tma_desc(dq_acc, rows, 64), **tensors),
-                        static)
+            _BWD_WIDE96(key, grid, dict(q_desc=q_main, q_tail_desc=q_tail, k_desc=k_main, k_tail_desc=k_tail,
+                                        v_desc=_tma_desc(v, 32), do_desc=do_main, dq_desc=_tma_desc(dq_acc, rows, 64),
+                                        **tensors), static)
             return
         (k_main, k_tail), (v_main, v_tail) = parts(k, cta_keys), parts(v, cta_keys)
         dq_main, dq_tail = parts(dq_acc, rows)

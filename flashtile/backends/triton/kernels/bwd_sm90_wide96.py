@@ -22,8 +22,18 @@ sm_90 ptxas (benchmarks/sm90_compile.py wide keys96=1 consumer_regs=160 maxnreg=
 ALiBi here. Shared memory: Q 2 x 24 KB, dO 2 x 16 KB, K 36 KB, V
 24 KB, P 12 KB, dS 12 KB a buffer (a consumer writes its dS only once all three have read that buffer's last,
 ``ds_empty``; ``DS_BUFS`` = 2 lets a consumer run a step ahead of the others, at 231,128 B of the 232,448), dQ
-staging 48 KB: 218,840 B with one dS buffer. Dense calls only (no packed sequences, no seqused_k); masks, windows
-and sinks (through the lse) as bwd_sm90_wide.py takes them.
+staging 48 KB: 218,840 B with one dS buffer. Masks, windows and sinks (through the lse) as bwd_sm90_wide.py takes
+them.
+
+Packed sequences (``IS_VARLEN``, ``HAS_SEQUSED``) as bwd_sm90_wide.py reads them: descriptors of the whole ``(1,
+tokens, heads, d)`` tensors, each CTA's sequence from bwd_sm90_ws._walk. Each consumer zeroes its own key rows past
+the sequence's used keys (dQ's product reads all three's: ``kv_zeroed``); a step's query rows past the sequence are
+zeroed by consumer 0, the default partition, which the others wait for (``tail_ready``), 16 rows at a time: a whole
+tile beside the accumulators, or a share in each 160-register consumer, spilled in the key loops (13-18 and 4-7 spill
+instructions). sm_90 ptxas (wide-varlen keys96=1, 4096 + 4096 tokens with seqused_k): 0 spill instructions in the
+key loops full and causal (8 + 13 and 14 + 19 in the prologue and stores), 218,920 B; with a window too, 1 spill
+store and 4-5 reloads a step in two loops, so configs.one_pass_96_takes keeps packed calls with a window on the
+64-key kernel.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -34,17 +44,30 @@ from .bwd_sm90 import _query_block, store_key_rows
 from .bwd_sm90_wide import load_step
 from .bwd_sm90_ws import _reduce_add, _walk, barrier, barriers, consumer_step, opaque_zero
 from .common import scores, visible
-from .fwd_sm90 import _tile, wgmma_layout
+from .fwd_sm90 import _tile, _zero_tail, wgmma_layout
 
 # Consumer warpgroups, each with a third of the CTA's keys and of dQ's columns.
 NUM_WG = gl.constexpr(3)
 
 
 @gluon.jit
+def _zero_rows(tile, rows):
+    """fwd_sm90._zero_tail of a ``[rows, columns]`` shared-memory tile 16 rows at a time (those wholly before
+    ``rows`` untouched): a consumer holds its accumulators meanwhile, and a whole tile's rows would not fit beside
+    them."""
+    CHUNK: gl.constexpr = 16
+    for c in gl.static_range(tile.shape[0] // CHUNK):
+        if rows < (c + 1) * CHUNK:
+            _zero_tail(tile.slice(c * CHUNK, CHUNK, 0), rows - c * CHUNK, 4)
+
+
+@gluon.jit
 def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-              FAST_TANH: gl.constexpr, ALIBI: gl.constexpr, STAGES: gl.constexpr, DS_BUFS: gl.constexpr):
+              FAST_TANH: gl.constexpr, ALIBI: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
+              STAGES: gl.constexpr, DS_BUFS: gl.constexpr):
     (q_desc, qt_desc, k_desc, do_desc, q_smem, qt_smem, do_smem, k_smem, kt_smem, v_smem, p_smem, ds_smem, dq_smem,
-     rows_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_full, dq_empty, DK, DV,
+     rows_smem, kv_ready, kv_zeroed, q_ready, q_empty, do_ready, do_empty, tail_ready, ds_ready, ds_empty, dq_full,
+     dq_empty, DK, DV,
      ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, softmax_scale, stride_dkb, stride_dkn, stride_dkh, stride_dvb,
      stride_dvn, stride_dvh) = args
     window_left, window_right = walk[2], walk[3]
@@ -66,8 +89,8 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
     cta_key = gl.program_id(0) * NUM_WG * KEYS
     first_key = cta_key + WG * KEYS
     seq, lo, full_lo, full_hi, n_q, n_it = _walk(walk, q_desc, k_desc, BLOCK_M, NUM_WG * KEYS, MASK_LEFT, MASK_RIGHT,
-                                                 False, False)
-    _, q_start, seqlen_q, k_start, seqlen_k, key_rows = seq
+                                                 IS_VARLEN, HAS_SEQUSED)
+    _, _, seqlen_q, _, seqlen_k, _ = seq
     group = walk[4]
     offs_n = first_key + gl.arange(0, KEYS, layout=keys_layout)
     dkt = gl.zeros([MAIN, KEYS], gl.float32, s_layout)
@@ -77,6 +100,16 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
     dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
     p_own = p_smem.index(WG)
     mbarrier.wait(kv_ready, 0)
+    if IS_VARLEN:
+        # Key rows past the sequence's used keys hold the next sequence's keys or ones seqused_k leaves out, which
+        # S, dP and dQ's product would read: zeros instead (their own dK and dV rows are stored as zeros or not at
+        # all). Each consumer zeroes its own 32 keys; dQ's product reads all three's, so each waits for the others.
+        if first_key + KEYS > seqlen_k:
+            _zero_rows(_tile(k_smem, WG), seqlen_k - first_key)
+            _zero_rows(_tile(kt_smem, WG), seqlen_k - first_key)
+            _zero_rows(_tile(v_smem, WG), seqlen_k - first_key)
+        mbarrier.arrive(kv_zeroed, count=1)
+        mbarrier.wait(kv_zeroed, 0)
     for it in range(n_it):
         slot, phase, _, _, off_h, row, slope2 = consumer_step(it, it, n_q, lo, off_hk, group, ALIBI_SLOPES,
                                                               off_b * stride_alibi_b, BLOCK_M, STAGES, ALIBI)
@@ -90,6 +123,22 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
         q = _tile(q_smem, slot)
         qt = _tile(qt_smem, slot)
         do = _tile(do_smem, slot)
+        if IS_VARLEN:
+            if row + BLOCK_M > seqlen_q:
+                # The rows past this sequence's queries are the next sequence's: consumer 0 (the default
+                # partition, 8 registers more) zeroes them, so that not even an infinity there meets this one's
+                # zero probabilities, and the others wait for it (a share each spilled in their key loops: 7
+                # reloads a step with a window). Only each head's last block has such rows: the walk's heads count
+                # the tail's phases.
+                if WG == 0:
+                    mbarrier.wait(q_ready.index(slot), phase)
+                    mbarrier.wait(do_ready.index(slot), phase)
+                    _zero_rows(q, seqlen_q - row)
+                    _zero_rows(qt, seqlen_q - row)
+                    _zero_rows(do, seqlen_q - row)
+                    mbarrier.arrive(tail_ready, count=1)
+                else:
+                    mbarrier.wait(tail_ready, (it // n_q) & 1)
         # S first, dP only once P is in shared memory: dP's accumulator is not held under the exponentials (the
         # other two consumers' products keep the tensor cores busy meanwhile).
         mbarrier.wait(q_ready.index(slot), phase)
@@ -147,24 +196,29 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
         gl.thread_barrier()
         mbarrier.arrive(dq_full.index(WG), count=1)
 
+    # The sequence's rows once more, not held through the walk (a packed call's are no kernel arguments).
+    seq, _, _, _, _, _ = _walk(walk, q_desc, k_desc, BLOCK_M, NUM_WG * KEYS, MASK_LEFT, MASK_RIGHT, IS_VARLEN,
+                               HAS_SEQUSED)
+    _, _, _, k_start, seqlen_k, key_rows = seq
     store_key_rows(gl.permute(dkt * softmax_scale, (1, 0)), 0, first_key, k_start, seqlen_k, key_rows, DK, off_b,
-                   off_hk, stride_dkb, stride_dkn, stride_dkh, False)
+                   off_hk, stride_dkb, stride_dkn, stride_dkh, HAS_SEQUSED)
     store_key_rows(gl.permute(dkt_tail * softmax_scale, (1, 0)), MAIN, first_key, k_start, seqlen_k, key_rows, DK,
-                   off_b, off_hk, stride_dkb, stride_dkn, stride_dkh, False)
+                   off_b, off_hk, stride_dkb, stride_dkn, stride_dkh, HAS_SEQUSED)
     store_key_rows(gl.permute(dvt, (1, 0)), 0, first_key, k_start, seqlen_k, key_rows, DV, off_b, off_hk, stride_dvb,
-                   stride_dvn, stride_dvh, False)
+                   stride_dvn, stride_dvh, HAS_SEQUSED)
 
 
 @gluon.jit
-def _producer(args, walk, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr):
+def _producer(args, walk, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
+              HAS_SEQUSED: gl.constexpr, STAGES: gl.constexpr):
     (q_desc, qt_desc, k_desc, kt_desc, v_desc, do_desc, q_smem, qt_smem, do_smem, k_smem, kt_smem, v_smem, rows_smem,
      kv_ready, q_ready, q_empty, do_ready, do_empty, LSE2, DELTA, stride_lse_b, stride_lse_h) = args
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     KEYS: gl.constexpr = k_desc.block_type.shape[1]
     off_hk = gl.program_id(1)
     off_b = gl.program_id(2)
-    seq, lo, _, _, n_q, n_it = _walk(walk, q_desc, k_desc, BLOCK_M, NUM_WG * KEYS, MASK_LEFT, MASK_RIGHT, False,
-                                     False)
+    seq, lo, _, _, n_q, n_it = _walk(walk, q_desc, k_desc, BLOCK_M, NUM_WG * KEYS, MASK_LEFT, MASK_RIGHT, IS_VARLEN,
+                                     HAS_SEQUSED)
     tma_b, q_start, seqlen_q, k_start, _, _ = seq
     group = walk[4]
     # The three key tiles of K (main, tail) and V (rows past the tensor arrive as zeros) complete one barrier.
@@ -184,19 +238,21 @@ def _producer(args, walk, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STA
 
 
 @gluon.jit
-def _reducer(args, walk, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+def _reducer(args, walk, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
+             HAS_SEQUSED: gl.constexpr):
     q_desc, k_desc, dq_desc, dq_smem, dq_full, dq_empty = args
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     KEYS: gl.constexpr = k_desc.block_type.shape[1]
     DQ_COLS: gl.constexpr = dq_desc.block_type.shape[3]
     off_hk = gl.program_id(1)
-    seq, lo, _, _, n_q, n_it = _walk(walk, q_desc, k_desc, BLOCK_M, NUM_WG * KEYS, MASK_LEFT, MASK_RIGHT, False,
-                                     False)
+    seq, lo, _, _, n_q, n_it = _walk(walk, q_desc, k_desc, BLOCK_M, NUM_WG * KEYS, MASK_LEFT, MASK_RIGHT, IS_VARLEN,
+                                     HAS_SEQUSED)
     tma_b, q_start, _, _, _, _ = seq
     group = walk[4]
     for it in range(n_it):
         off_h, row = _query_block(it, n_q, lo, off_hk, group, BLOCK_M)
-        # Each consumer's columns as soon as staged (rows past the tensor are clipped); its buffer goes back once read.
+        # Each consumer's columns as soon as staged (rows past the tensor are clipped; rows past a packed sequence,
+        # the next one's, get zeros added); its buffer goes back once read.
         for w in gl.static_range(NUM_WG):
             mbarrier.wait(dq_full.index(w), it & 1)
             _reduce_add(dq_desc, [tma_b, q_start + row, off_h, w * DQ_COLS], dq_smem.index(w))
@@ -210,15 +266,17 @@ def attn_bwd_sm90_wide96(q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, do_de
                          softmax_scale, window_left, window_right, stride_dkb, stride_dkn, stride_dkh, stride_dvb,
                          stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group,
                          MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                         FAST_TANH: gl.constexpr, ALIBI: gl.constexpr, STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
+                         FAST_TANH: gl.constexpr, ALIBI: gl.constexpr, IS_VARLEN: gl.constexpr,
+                         HAS_SEQUSED: gl.constexpr, STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
                          CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """``q_desc``/``q_tail_desc``: TMA descriptors of the ``(batch, seqlen, heads, 128)`` and ``(.., 64)`` views of q
     with ``[1, 64, 1, cols]`` tiles, ``k_desc``/``k_tail_desc`` the same of k with ``[1, 32, 1, cols]`` (one
     consumer's keys), ``v_desc`` of v (128 columns) with ``[1, 32, 1, 128]``, ``do_desc`` of dO with
     ``[1, 64, 1, 128]``, ``dq_desc`` of the zeroed float32 dQ buffer (all 192 columns) with ``[1, 64, 1, 64]`` (one
     consumer's columns); one CTA per (96 keys, KV head, batch row). ``qk_scale``/``softcap2`` as common.scores takes
-    them; LSE2 and DELTA are bwd_preprocess's; the sequence tensors are never read (dense calls). dQ arrives in its
-    buffer scaled, to be cast."""
+    them; LSE2 and DELTA are bwd_preprocess's. With ``IS_VARLEN`` the tensors are packed ``(1, tokens, heads, d)``,
+    a batch row is a sequence (``CU_SEQLENS_*``, ``SEQUSED_K`` with ``HAS_SEQUSED``, as in bwd.py's kernels) and the
+    lengths are the longest ones; dense calls never read them. dQ arrives in its buffer scaled, to be cast."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     KEYS: gl.constexpr = k_desc.block_type.shape[1]
     MAIN: gl.constexpr = q_desc.block_type.shape[3]
@@ -242,6 +300,9 @@ def attn_bwd_sm90_wide96(q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, do_de
     dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_WG, 1, BLOCK_M, 1, DQ_COLS], dq_desc.layout)
     rows_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     kv_ready = barrier(1)
+    # Packed sequences: the three consumers' key rows past the sequence zeroed, and a step's query rows.
+    kv_zeroed = barrier(NUM_WG)
+    tail_ready = barrier(1)
     # A ring slot's Q (and rows) / dO: landed, and released by the three consumers.
     q_ready = barriers(STAGES, 2)
     q_empty = barriers(STAGES, NUM_WG)
@@ -254,19 +315,19 @@ def attn_bwd_sm90_wide96(q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, do_de
     dq_empty = barriers(NUM_WG, 1)
     walk = (seqlen_q, seqlen_k, window_left, window_right, group, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K)
     consumer = (q_desc, q_tail_desc, k_desc, do_desc, q_smem, qt_smem, do_smem, k_smem, kt_smem, v_smem, p_smem,
-                ds_smem, dq_smem, rows_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty,
-                dq_full, dq_empty, DK, DV, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, softmax_scale, stride_dkb,
-                stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh)
+                ds_smem, dq_smem, rows_smem, kv_ready, kv_zeroed, q_ready, q_empty, do_ready, do_empty, tail_ready,
+                ds_ready, ds_empty, dq_full, dq_empty, DK, DV, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2,
+                softmax_scale, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh)
     producer = (q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, do_desc, q_smem, qt_smem, do_smem, k_smem, kt_smem,
                 v_smem, rows_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, LSE2, DELTA, stride_lse_b,
                 stride_lse_h)
     reducer = (q_desc, k_desc, dq_desc, dq_smem, dq_full, dq_empty)
-    gl.warp_specialize([(_consumer, (consumer, walk, 0, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, STAGES,
-                                     DS_BUFS)),
-                        (_consumer, (consumer, walk, 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, STAGES,
-                                     DS_BUFS)),
-                        (_consumer, (consumer, walk, 2, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, STAGES,
-                                     DS_BUFS)),
-                        (_producer, (producer, walk, MASK_LEFT, MASK_RIGHT, STAGES)),
-                        (_reducer, (reducer, walk, MASK_LEFT, MASK_RIGHT))], [4, 4, 1, 1],
+    gl.warp_specialize([(_consumer, (consumer, walk, 0, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, IS_VARLEN,
+                                     HAS_SEQUSED, STAGES, DS_BUFS)),
+                        (_consumer, (consumer, walk, 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, IS_VARLEN,
+                                     HAS_SEQUSED, STAGES, DS_BUFS)),
+                        (_consumer, (consumer, walk, 2, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI, IS_VARLEN,
+                                     HAS_SEQUSED, STAGES, DS_BUFS)),
+                        (_producer, (producer, walk, MASK_LEFT, MASK_RIGHT, IS_VARLEN, HAS_SEQUSED, STAGES)),
+                        (_reducer, (reducer, walk, MASK_LEFT, MASK_RIGHT, IS_VARLEN, HAS_SEQUSED))], [4, 4, 1, 1],
                        [CONSUMER_REGS, CONSUMER_REGS, 24, 24])

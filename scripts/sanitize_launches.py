@@ -34,11 +34,12 @@ def fwd_bwd(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, headdim_v=Non
     flashtile.flash_attn_func(q, k, v, **options).sum().backward()
 
 
-def varlen_fwd_bwd(lengths, nheads, headdim, spare=3, **options):
+def varlen_fwd_bwd(lengths, nheads, headdim, spare=3, headdim_v=None, **options):
     # Rows past cu_seqlens[-1]: the tail kernel fills them.
     total = sum(lengths)
     cu = int32([0] + torch.tensor(lengths).cumsum(0).tolist())
-    q, k, v = (randn(total + spare, nheads, headdim, grad=True) for _ in range(3))
+    q, k = (randn(total + spare, nheads, headdim, grad=True) for _ in range(2))
+    v = randn(total + spare, nheads, headdim_v or headdim, grad=True)
     out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), **options)
     out.sum().backward()
 
@@ -97,8 +98,8 @@ def fp8():
 
 
 def warp_specialized(small: bool):
-    """The one-pass backward (d128 MHA bf16 with CTAs enough to fill the GPU; the wide kernel at 192/128 dense,
-    192/192 packed and 256 dense, GQA) and the warp-specialized forward.
+    """The one-pass backward (d128 MHA bf16 with CTAs enough to fill the GPU; the wide kernel at 192/128 dense
+    and packed, 192/192 packed and 256 dense, GQA) and the warp-specialized forward.
     ``small`` (racecheck, which runs a kernel hundreds of times slower): a few CTAs, the Hopper kernels taken
     by telling the plans the GPU has one SM and any amount of work is enough."""
     batch, nheads, keys = (1, 2, 384) if small else (2, 8, 2048)
@@ -110,6 +111,7 @@ def warp_specialized(small: bool):
     varlen_fwd_bwd([200, 7, 300] if small else [1100, 7, 2100, 900], nheads, 128)
     fwd_bwd(batch, keys, keys - 37, nheads, nheads, 192, 128, causal=True)
     varlen_fwd_bwd([200, 7, 300] if small else [1100, 7, 2100, 900], nheads, 192, causal=True)
+    varlen_fwd_bwd([200, 7, 300] if small else [1100, 7, 2100, 900], nheads, 192, headdim_v=128, causal=True)
     fwd_bwd(batch, keys - 37, keys, nheads, nheads // 2, 256, causal=True)
     # The warp-specialized forward at head dims 64, 128 and 256: keys from GLUON_WS_FULL_KEYS on, (rows x keys)
     # from GLUON_MIN_PAIRS on.

@@ -741,8 +741,9 @@ ONE_PASS_96_APART = frozenset({"window", "varlen"})
 #   1 x 16384, 10 heads, full          347/370/400/402 (96 keys 1.15x)
 #   1 x 16384, 10 heads, causal        339/370/384/383 (1.13x)
 #   DeepSeek 2 x 4096, 16 heads, causal 293/324/329/330 (1.12x)
-# Packed sequences follow the dense rows (same steps; a sequence's last, partial CTA and query block cost both kernels
-# alike), not yet measured packed. Softcap and ALiBi spill in its key loop: they keep the 64-key kernel.
+#   packed 16k, 8 seqs 263-4096, causal 268/-/290/- (1.08x; DeepSeek's 16 heads; SWEEP_SHAPES=packed,
+#                                      results/h200-bwd192-packed-2026-11-28-a7e461c.json)
+# Softcap and ALiBi spill in its key loop: they keep the 64-key kernel.
 ONE_PASS_96 = True
 
 

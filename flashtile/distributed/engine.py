@@ -20,8 +20,8 @@ receive), during which the dK/dV partial sums of that shard come home from the n
 transfer overlaps with blocks -- none is left exposed after the last step -- and on 2 ranks the
 backward moves no K/V at all. A step's blocks run before it waits for the partial sums it adds to.
 The kernels write their gradients straight into the sums where they can (:class:`_Sum`): float32 rows
-that hold nothing yet, and on the last step the result in the inputs' dtype, to which the float32 sums
-are then added.
+that hold nothing yet, and on the last step a float32 result, to which the sums that came home are added
+in one pass that writes the inputs' dtype (one rounding, as a float32 sum cast at the end).
 
 The host's work per call is small: the block calls are validated and dispatched once per kind of call
 (:mod:`.ring` keeps them), and each block's launches are recorded on its first call and replayed on
@@ -205,7 +205,9 @@ class RingRun:
                 final = step == 0  # the sums are complete: written in the inputs' dtype
                 # The held shard's partial sums from the ranks it visited before arrive after this step's blocks.
                 ready = dkv_pending is None
-                dk, dv = _Sum(k, seq), _Sum(v, seq)
+                # The last step's gradients in float32 where sums come home to be added to them: rounded once.
+                last_dtype = torch.float32 if len(self.steps) > 1 else None
+                dk, dv = _Sum(k, seq, last_dtype), _Sum(v, seq, last_dtype)
                 for call in self.steps[step]:
                     batch = seq == 0 and not call.packed
                     self._block_backward(call, seq, dout, q, *held, out, lse, *dq.target(call.q0, call.rows, batch),
@@ -304,14 +306,15 @@ class _Sum:
 
     Until the last step the sum is float32 and a kernel writes a part straight into rows of it that hold nothing
     yet (no zeroed accumulator, no upcast, no add). On the last step the kernels write straight into the result,
-    in the inputs' dtype, and the float32 sum is added to it where it holds something (rounded once, as a float32
-    sum cast at the end). A part over rows that already hold one, or of a step whose earlier sums have not arrived
+    in ``last_dtype`` (float32 where sums come home: the sum is then added to it and rounded to the inputs' dtype
+    in one pass, rounded once as a float32 sum cast at the end; None: the inputs' dtype). A part over rows that already hold one, or of a step whose earlier sums have not arrived
     yet (its blocks run before the wait), is written beside, in the inputs' dtype, and added to the float32 sum."""
 
-    def __init__(self, like: torch.Tensor, seq: int):
+    def __init__(self, like: torch.Tensor, seq: int, last_dtype: torch.dtype | None = None):
         self.like, self.seq = like, seq
+        self.last_dtype = like.dtype if last_dtype is None else last_dtype
         self.total, self.covered = None, []  # the float32 sum and the row spans of it that hold something
-        self.last, self.written = None, []  # the last step's result in like's dtype and the row spans written
+        self.last, self.written = None, []  # the last step's result in last_dtype and the row spans written
         self.beside = []  # (start, length, batch, grad) to add to the float32 sum
 
     def target(self, start: int, length: int, batch: bool, final: bool, ready: bool = True) -> torch.Tensor:
@@ -320,7 +323,7 @@ class _Sum:
         end = start + length
         if final:
             if self.last is None:
-                self.last = empty(self.like.shape, self.like.dtype, self.like.device)
+                self.last = empty(self.like.shape, self.last_dtype, self.like.device)
             if _disjoint(self.written, start, end):
                 self.written.append((start, end))
                 return _narrow(self.last, self.seq, start, length, batch)
@@ -364,7 +367,12 @@ class _Sum:
         self.add_beside()
         if self.last is None:
             return self.float32().to(self.like.dtype)
-        for start, end, summed, written in _pieces(self.like.shape[self.seq], self.covered, self.written):
+        length = self.like.shape[self.seq]
+        pieces = _pieces(length, self.covered, self.written)
+        if self.last.dtype != self.like.dtype and pieces == [(0, length, True, True)]:
+            # Every row written and summed: added and rounded to like's dtype in one pass.
+            return torch.add(self.last, self.total, out=empty(self.like.shape, self.like.dtype, self.like.device))
+        for start, end, summed, written in pieces:
             rows = self.last.narrow(self.seq, start, end - start)
             if summed and written:
                 rows.add_(self.total.narrow(self.seq, start, end - start))
@@ -372,7 +380,7 @@ class _Sum:
                 rows.copy_(self.total.narrow(self.seq, start, end - start))
             elif not written:
                 rows.zero_()
-        return self.last
+        return self.last.to(self.like.dtype)
 
 
 def _sink_rows(sink: torch.Tensor, packed: bool) -> torch.Tensor:

@@ -12,7 +12,8 @@ one more merge at the end (a logit with no value).
 
 Backward (as in ring-flash-attention): each query row's global ``out`` and ``lse`` are final, so the
 backend's block backward, given them, recomputes that block's probabilities exactly. dQ adds up
-locally; the dK/dV partial sums of the held shard travel with it and arrive back at their owner.
+locally; the dK/dV partial sums of the held shard travel with it and arrive back at their owner (float32, or
+with ``dkv_transfer="input"`` rounded to the inputs' dtype on each hop and added to in float32 between hops).
 The backward runs the steps last to first on the ring reversed (rank r + 1 sends to r). It starts on
 the shard the forward ended with (saved for it: one more K/V shard of activation memory until then,
 and nothing to exchange before the first blocks) and ends on the rank's own shard (no K/V to
@@ -87,10 +88,13 @@ class RingRun:
     (lse ``(batch, nheads, seqlen)``) or packed ``(tokens, nheads, d)`` (lse ``(nheads, tokens)``).
     """
 
-    def __init__(self, ring: Ring, steps: list, label: str):
+    def __init__(self, ring: Ring, steps: list, label: str, dkv_dtype: torch.dtype = torch.float32):
         self.ring, self.steps = ring, steps
-        # What a profiler trace and flashtile.stats() show, e.g. flashtile.ring[fwd zigzag P=4 causal].
-        self.fwd_name, self.bwd_name = f"flashtile.ring[fwd {label}]", f"flashtile.ring[bwd {label}]"
+        # The dtype the backward sends the dK/dV partial sums in (float32, or the inputs' 16-bit dtype).
+        self.dkv_dtype = dkv_dtype
+        sent = "" if dkv_dtype == torch.float32 else f" dkv={str(dkv_dtype).removeprefix('torch.')}"
+        # What a profiler trace and flashtile.stats() show, e.g. flashtile.ring[bwd zigzag P=4 causal dkv=bfloat16].
+        self.fwd_name, self.bwd_name = f"flashtile.ring[fwd {label}]", f"flashtile.ring[bwd {label}{sent}]"
         # The merge's plan, made on the first forward (kept while it runs on its preferred backend).
         self.merge = None
         # The last block call: the merge that takes it writes the inputs' dtype.
@@ -216,7 +220,8 @@ class RingRun:
                 if dkv_pending is not None:
                     for total, earlier in zip((dk, dv), self.ring.finish(dkv_pending)):
                         total.receive(earlier)
-                dkv_pending = None if final else self.ring.start((dk.float32(), dv.float32()), reverse=True)
+                dkv_pending = None if final else self.ring.start((dk.sent(self.dkv_dtype), dv.sent(self.dkv_dtype)),
+                                                                 reverse=True)
                 held = self.ring.finish(pending) if pending is not None else (k, v)
         dsink = None if sink is None else _sink_grad(dout, out, lse, sink, packed)
         return dq.result(), dk.result(), dv.result(), dsink
@@ -308,7 +313,9 @@ class _Sum:
     yet (no zeroed accumulator, no upcast, no add). On the last step the kernels write straight into the result,
     in ``last_dtype`` (float32 where sums come home: the sum is then added to it and rounded to the inputs' dtype
     in one pass, rounded once as a float32 sum cast at the end; None: the inputs' dtype). A part over rows that already hold one, or of a step whose earlier sums have not arrived
-    yet (its blocks run before the wait), is written beside, in the inputs' dtype, and added to the float32 sum."""
+    yet (its blocks run before the wait), is written beside, in the inputs' dtype, and added to the float32 sum.
+    The sums may travel rounded to the inputs' dtype (:meth:`sent`): one received so is made float32 again before
+    a part is added to it."""
 
     def __init__(self, like: torch.Tensor, seq: int, last_dtype: torch.dtype | None = None):
         self.like, self.seq = like, seq
@@ -338,7 +345,9 @@ class _Sum:
         return grad
 
     def receive(self, total: torch.Tensor) -> None:
-        """The float32 sums of the earlier steps over every row (from the next rank)."""
+        """The sums of the earlier steps over every row (from the next rank): float32, or rounded to the inputs'
+        dtype on the way (made float32 before anything is added to them; the last step's result takes them as
+        they are)."""
         self.total, self.covered = total, [(0, self.like.shape[self.seq])]
 
     def add_beside(self) -> None:
@@ -353,14 +362,23 @@ class _Sum:
         length = self.like.shape[self.seq]
         if self.total is None:
             self.total = torch.zeros(self.like.shape, dtype=torch.float32, device=self.like.device)
+        elif self.total.dtype != torch.float32:
+            self.total = self.total.float()  # received in 16 bits: the sum goes on in float32
         _zero_gaps(self.total, self.seq, self.covered)
         self.covered = [(0, length)]
 
     def float32(self) -> torch.Tensor:
-        """The float32 sum over every row (what travels to the next rank)."""
+        """The float32 sum over every row."""
         self.add_beside()
         self._fill()
         return self.total
+
+    def sent(self, dtype: torch.dtype) -> torch.Tensor:
+        """The sum over every row as it travels to the next rank: float32, or rounded to ``dtype`` (a sum received
+        in ``dtype`` that nothing was added to goes on as it came)."""
+        if dtype != torch.float32 and not self.beside and self.total is not None and self.total.dtype == dtype:
+            return self.total
+        return self.float32().to(dtype)
 
     def result(self) -> torch.Tensor:
         """The sum in like's dtype."""

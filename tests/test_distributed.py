@@ -411,7 +411,8 @@ def test_stats_name_the_parallel_calls():
     for name in ("flashtile.ring[fwd zigzag P=2 causal]", "flashtile.ring[bwd zigzag P=2 causal]",
                  "flashtile.ring[fwd contiguous P=2 causal]", "flashtile.ring[fwd varlen P=2 causal]",
                  "flashtile.ring[bwd zigzag P=2 window=(5,0)]", "flashtile.ulysses[zigzag P=2 causal]",
-                 "flashtile.ring[bwd zigzag P=2 causal dkv=bfloat16]", "flashtile.ring[bwd zigzag P=2 full dkv=float16]"):
+                 "flashtile.ring[bwd zigzag P=2 causal dkv=bfloat16]",
+                 "flashtile.ring[bwd zigzag P=2 full dkv=float16]"):
         assert kernels.get(name, 0) > 0, (name, sorted(kernels))
     # The blocks ran on flashtile's kernels, counted like any call's.
     assert any(name.startswith("flashtile.bwd[torch") for name in kernels), sorted(kernels)
@@ -502,7 +503,8 @@ def test_dkv_transfer_must_be_named(call, value):
              "varlen": lambda: ring_attention_varlen(x[0], x[0], x[0], torch.tensor([0, 8], dtype=torch.int32), 8,
                                                      dkv_transfer=value),
              "hybrid": lambda: attention(x, x, x, object(), dkv_transfer=value)}
-    with pytest.raises(ValueError, match=r"dkv_transfer must be one of \('float32', 'input'\), got " + re.escape(repr(value))):
+    expected = r"dkv_transfer must be one of \('float32', 'input'\), got " + re.escape(repr(value))
+    with pytest.raises(ValueError, match=expected):
         calls[call]()
 
 

@@ -206,7 +206,7 @@ class RingRun:
             for step in reversed(range(len(self.steps))):
                 # The shard of step - 1 comes from the next rank; step 0's is this rank's own.
                 pending = self.ring.start(held, reverse=True) if step > 1 else None
-                final = step == 0  # the sums are complete: written in the inputs' dtype
+                final = step == 0  # the sums are complete: the result is made
                 # The held shard's partial sums from the ranks it visited before arrive after this step's blocks.
                 ready = dkv_pending is None
                 # The last step's gradients in float32 where sums come home to be added to them: rounded once.
@@ -311,9 +311,10 @@ class _Sum:
 
     Until the last step the sum is float32 and a kernel writes a part straight into rows of it that hold nothing
     yet (no zeroed accumulator, no upcast, no add). On the last step the kernels write straight into the result,
-    in ``last_dtype`` (float32 where sums come home: the sum is then added to it and rounded to the inputs' dtype
-    in one pass, rounded once as a float32 sum cast at the end; None: the inputs' dtype). A part over rows that already hold one, or of a step whose earlier sums have not arrived
-    yet (its blocks run before the wait), is written beside, in the inputs' dtype, and added to the float32 sum.
+    in ``last_dtype``: float32 where sums come home (they are added to it in the pass that rounds it to the inputs'
+    dtype: rounded once, as a float32 sum cast at the end), else (None) the inputs' dtype. A part over rows that
+    already hold one, or of a step whose earlier sums have not arrived yet (its blocks run before the wait), is
+    written beside, in the inputs' dtype, and added to the float32 sum.
     The sums may travel rounded to the inputs' dtype (:meth:`sent`): one received so is made float32 again before
     a part is added to it."""
 

@@ -375,9 +375,15 @@ class _Sum:
         return self.total
 
     def sent(self, dtype: torch.dtype) -> torch.Tensor:
-        """The sum over every row as it travels to the next rank: float32, or rounded to ``dtype`` (a sum received
-        in ``dtype`` that nothing was added to goes on as it came)."""
-        if dtype != torch.float32 and not self.beside and self.total is not None and self.total.dtype == dtype:
+        """The sum over every row as it travels to the next rank: float32, or rounded to ``dtype``. A sum received
+        in ``dtype`` takes the parts written beside (over rows apart) in place: each row's add runs in float32 and
+        is rounded once, as through a float32 copy, with no copy and only the rows of the parts read and written."""
+        spans = sorted((start, start + length) for start, length, _, _ in self.beside)
+        apart = all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+        if dtype != torch.float32 and self.total is not None and self.total.dtype == dtype and apart:
+            for start, length, batch, grad in self.beside:
+                _narrow(self.total, self.seq, start, length, batch).add_(grad)
+            self.beside = []
             return self.total
         return self.float32().to(dtype)
 

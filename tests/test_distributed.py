@@ -85,8 +85,10 @@ CASES = [
     case("ulysses", 8, nheads=8), case("ulysses", 8, nheads=8, nheads_kv=2, balance="contiguous", causal=False),
     case("hybrid", 8, nheads=8, nheads_kv=2, mesh=(2, 4)), case("hybrid", 8, nheads=8, mesh=(4, 2)),
     case("varlen", 8, nheads_kv=2, window=(7, -1)),
-    # The dK/dV sums sent in 16 bits through the packed-document ring and the hybrid's ring.
+    # The dK/dV sums sent in 16 bits through the packed-document ring and the hybrid's ring, and with a window: steps
+    # of two blocks over some rows alike, whose parts are added to the received 16-bit sums in float32.
     case("varlen", 4, nheads_kv=2, dtype=torch.bfloat16, dkv="input"),
+    case("ring", 4, causal=False, window=(9, -1), dtype=torch.float16, dkv="input"),
     case("hybrid", 8, nheads=8, nheads_kv=2, mesh=(2, 4), dtype=torch.float16, dkv="input"),
     # The study of the dK/dV sums sent in 16 bits (issue 47), each case beside float32 sums on the same inputs. Among
     # them fp16 P=2 causal MQA: keys early in the sequence gather dV from most rows, which the last step's own-shard

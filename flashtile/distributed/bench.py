@@ -19,6 +19,8 @@ value); a method that is off is reported
 ``wrong`` and not timed. Peak memory per GPU (max over ranks) is reported with each time.
 ``--long 262144`` on 4 GPUs runs the ring alone on 1M tokens (GQA by ``--heads``' last pair) and
 checks 16 rows spread over the sequence against a float32 reference.
+``--dkv-transfer input`` sends the ring's dK/dV partial sums in bf16 instead of float32 (the ring's and the
+hybrid's ``dkv_transfer``; every row records it).
 Without ``RANK`` in the environment it spawns ``--gpus`` processes itself. ``--device cpu`` runs a
 smoke test on gloo (tiny sizes; torch's context_parallel is CUDA-only there).
 """
@@ -37,6 +39,7 @@ import torch.distributed as dist
 
 from ..interface import flash_attn_func
 from . import attention, exit_rank, ring_attention, shard, ulysses_attention, unshard
+from .options import DKV_TRANSFERS
 
 METHODS = ("ring", "ulysses", "hybrid", "torch_cp")
 # flashtile's attention kernels (forward, backward); the preprocess, dQ/dK/dV sums and merges count as "other".
@@ -56,6 +59,9 @@ def parse(argv=None):
     parser.add_argument("--long", type=int, default=0, metavar="TOKENS_PER_GPU",
                         help="instead of the grid: one ring run at this length (262144 on 4 GPUs = 1M tokens), its "
                              "time and memory, and sampled rows of out checked against a float32 reference")
+    parser.add_argument("--dkv-transfer", default="float32", choices=DKV_TRANSFERS,
+                        help="how the ring (and the hybrid's ring) sends its dK/dV partial sums: float32 or the "
+                             "inputs' dtype")
     parser.add_argument("--trace", default=None, metavar="DIR",
                         help="after timing, run each method once more under torch.profiler: a chrome trace per rank "
                              "in DIR and, per method, where rank 0's time went (attention kernels, NCCL, other "
@@ -154,8 +160,8 @@ class _Method:
     """One context-parallel method on this rank's shards: ``step()`` runs forward + backward; ``results()`` gathers
     out and the gradients of the whole sequence (for the check)."""
 
-    def __init__(self, name, q, k, v, dout, group, mesh):
-        self.name, self.group, self.mesh = name, group, mesh
+    def __init__(self, name, q, k, v, dout, group, mesh, dkv_transfer="float32"):
+        self.name, self.group, self.mesh, self.dkv_transfer = name, group, mesh, dkv_transfer
         where = mesh if name == "hybrid" else group
         self.where = where
         self.local = [shard(x, where).requires_grad_() for x in (q, k, v)]
@@ -165,10 +171,10 @@ class _Method:
     def run(self):
         q, k, v = self.local
         if self.name == "ring":
-            return ring_attention(q, k, v, self.group, causal=True)
+            return ring_attention(q, k, v, self.group, causal=True, dkv_transfer=self.dkv_transfer)
         if self.name == "ulysses":
             return ulysses_attention(q, k, v, self.group, causal=True)
-        return attention(q, k, v, self.mesh, causal=True)
+        return attention(q, k, v, self.mesh, causal=True, dkv_transfer=self.dkv_transfer)
 
     def step(self):
         for x in self.local:
@@ -240,7 +246,8 @@ def run(options) -> list:
                        for h in (nheads, nheads_kv, nheads_kv))
             dout = torch.randn(1, n, nheads, options.headdim, device=device, dtype=dtype, generator=generator)
             row = dict(world=world, tokens_per_gpu=tokens, N=n, nheads=nheads, nheads_kv=nheads_kv,
-                       headdim=options.headdim, dtype=str(dtype).replace("torch.", ""), causal=True)
+                       headdim=options.headdim, dtype=str(dtype).replace("torch.", ""), causal=True,
+                       dkv_transfer=options.dkv_transfer)
             leaves = [x.clone().requires_grad_() for x in (q, k, v)]
 
             def one_gpu():
@@ -264,7 +271,7 @@ def run(options) -> list:
                 method = None
                 try:
                     method = _TorchCP(q, k, v, dout, mesh1d) if name == "torch_cp" else _Method(
-                        name, q, k, v, dout, None, mesh2d)
+                        name, q, k, v, dout, None, mesh2d, options.dkv_transfer)
                     if reference is not None:
                         err = _check(method.results(), reference)
                         row[f"{name}_rel_err"] = err
@@ -319,7 +326,7 @@ def run_long(options) -> list:
         nonlocal out
         for x in local:
             x.grad = None
-        out = ring_attention(*local, causal=True)
+        out = ring_attention(*local, causal=True, dkv_transfer=options.dkv_transfer)
         out.backward(dout)
 
     ms, mem = _max_over_ranks(*_timed(step, 1, device))
@@ -336,7 +343,8 @@ def run_long(options) -> list:
         sampled[i] = out[0, index].float()
     dist.all_reduce(sampled)
     row = dict(world=world, tokens_per_gpu=options.long, N=n, nheads=nheads, nheads_kv=nheads_kv,
-               headdim=options.headdim, ring_ms=ms, ring_mem_gb=mem, sampled_rows=rows)
+               headdim=options.headdim, dkv_transfer=options.dkv_transfer, ring_ms=ms, ring_mem_gb=mem,
+               sampled_rows=rows)
     if rank == 0:
         q, k, v = full
         group = nheads // nheads_kv
@@ -360,7 +368,8 @@ def _breakdown(parts) -> str:
 
 def _line(row, methods) -> str:
     cells = [f"P={row['world']} {row['nheads']}/{row['nheads_kv']} {row['tokens_per_gpu']:>6}/gpu "
-             f"T1={row['flashtile_1gpu_ms']:.1f}ms" + _breakdown(row.get("flashtile_1gpu_breakdown_ms"))]
+             f"T1={row['flashtile_1gpu_ms']:.1f}ms" + _breakdown(row.get("flashtile_1gpu_breakdown_ms"))
+             + (f" dkv_transfer={row['dkv_transfer']}" if row["dkv_transfer"] != "float32" else "")]
     for name in methods:
         if row.get(f"{name}_status") == "ok":
             cells.append(f"{name} {row[f'{name}_ms']:.1f}ms eff {row[f'{name}_efficiency']:.2f} "

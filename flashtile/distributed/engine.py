@@ -12,7 +12,8 @@ one more merge at the end (a logit with no value).
 
 Backward (as in ring-flash-attention): each query row's global ``out`` and ``lse`` are final, so the
 backend's block backward, given them, recomputes that block's probabilities exactly. dQ adds up
-locally; the dK/dV partial sums of the held shard travel with it and arrive back at their owner.
+locally; the dK/dV partial sums of the held shard travel with it and arrive back at their owner (float32, or
+with ``dkv_transfer="input"`` rounded to the inputs' dtype on each hop and added to in float32 between hops).
 The backward runs the steps last to first on the ring reversed (rank r + 1 sends to r). It starts on
 the shard the forward ended with (saved for it: one more K/V shard of activation memory until then,
 and nothing to exchange before the first blocks) and ends on the rank's own shard (no K/V to
@@ -20,8 +21,8 @@ receive), during which the dK/dV partial sums of that shard come home from the n
 transfer overlaps with blocks -- none is left exposed after the last step -- and on 2 ranks the
 backward moves no K/V at all. A step's blocks run before it waits for the partial sums it adds to.
 The kernels write their gradients straight into the sums where they can (:class:`_Sum`): float32 rows
-that hold nothing yet, and on the last step the result in the inputs' dtype, to which the float32 sums
-are then added.
+that hold nothing yet, and on the last step a float32 result, to which the sums that came home are added
+in one pass that writes the inputs' dtype (one rounding, as a float32 sum cast at the end).
 
 The host's work per call is small: the block calls are validated and dispatched once per kind of call
 (:mod:`.ring` keeps them), and each block's launches are recorded on its first call and replayed on
@@ -87,10 +88,13 @@ class RingRun:
     (lse ``(batch, nheads, seqlen)``) or packed ``(tokens, nheads, d)`` (lse ``(nheads, tokens)``).
     """
 
-    def __init__(self, ring: Ring, steps: list, label: str):
+    def __init__(self, ring: Ring, steps: list, label: str, dkv_dtype: torch.dtype = torch.float32):
         self.ring, self.steps = ring, steps
-        # What a profiler trace and flashtile.stats() show, e.g. flashtile.ring[fwd zigzag P=4 causal].
-        self.fwd_name, self.bwd_name = f"flashtile.ring[fwd {label}]", f"flashtile.ring[bwd {label}]"
+        # The dtype the backward sends the dK/dV partial sums in (float32, or the inputs' 16-bit dtype).
+        self.dkv_dtype = dkv_dtype
+        sent = "" if dkv_dtype == torch.float32 else f" dkv={str(dkv_dtype).removeprefix('torch.')}"
+        # What a profiler trace and flashtile.stats() show, e.g. flashtile.ring[bwd zigzag P=4 causal dkv=bfloat16].
+        self.fwd_name, self.bwd_name = f"flashtile.ring[fwd {label}]", f"flashtile.ring[bwd {label}{sent}]"
         # The merge's plan, made on the first forward (kept while it runs on its preferred backend).
         self.merge = None
         # The last block call: the merge that takes it writes the inputs' dtype.
@@ -202,10 +206,12 @@ class RingRun:
             for step in reversed(range(len(self.steps))):
                 # The shard of step - 1 comes from the next rank; step 0's is this rank's own.
                 pending = self.ring.start(held, reverse=True) if step > 1 else None
-                final = step == 0  # the sums are complete: written in the inputs' dtype
+                final = step == 0  # the sums are complete: the result is made
                 # The held shard's partial sums from the ranks it visited before arrive after this step's blocks.
                 ready = dkv_pending is None
-                dk, dv = _Sum(k, seq), _Sum(v, seq)
+                # The last step's gradients in float32 where sums come home to be added to them: rounded once.
+                last_dtype = torch.float32 if len(self.steps) > 1 else None
+                dk, dv = _Sum(k, seq, last_dtype), _Sum(v, seq, last_dtype)
                 for call in self.steps[step]:
                     batch = seq == 0 and not call.packed
                     self._block_backward(call, seq, dout, q, *held, out, lse, *dq.target(call.q0, call.rows, batch),
@@ -214,7 +220,8 @@ class RingRun:
                 if dkv_pending is not None:
                     for total, earlier in zip((dk, dv), self.ring.finish(dkv_pending)):
                         total.receive(earlier)
-                dkv_pending = None if final else self.ring.start((dk.float32(), dv.float32()), reverse=True)
+                dkv_pending = None if final else self.ring.start((dk.sent(self.dkv_dtype), dv.sent(self.dkv_dtype)),
+                                                                 reverse=True)
                 held = self.ring.finish(pending) if pending is not None else (k, v)
         dsink = None if sink is None else _sink_grad(dout, out, lse, sink, packed)
         return dq.result(), dk.result(), dv.result(), dsink
@@ -304,14 +311,18 @@ class _Sum:
 
     Until the last step the sum is float32 and a kernel writes a part straight into rows of it that hold nothing
     yet (no zeroed accumulator, no upcast, no add). On the last step the kernels write straight into the result,
-    in the inputs' dtype, and the float32 sum is added to it where it holds something (rounded once, as a float32
-    sum cast at the end). A part over rows that already hold one, or of a step whose earlier sums have not arrived
-    yet (its blocks run before the wait), is written beside, in the inputs' dtype, and added to the float32 sum."""
+    in ``last_dtype``: float32 where sums come home (they are added to it in the pass that rounds it to the inputs'
+    dtype: rounded once, as a float32 sum cast at the end), else (None) the inputs' dtype. A part over rows that
+    already hold one, or of a step whose earlier sums have not arrived yet (its blocks run before the wait), is
+    written beside, in the inputs' dtype, and added to the float32 sum.
+    The sums may travel rounded to the inputs' dtype (:meth:`sent`): one received so is made float32 again before
+    a part is added to it."""
 
-    def __init__(self, like: torch.Tensor, seq: int):
+    def __init__(self, like: torch.Tensor, seq: int, last_dtype: torch.dtype | None = None):
         self.like, self.seq = like, seq
+        self.last_dtype = like.dtype if last_dtype is None else last_dtype
         self.total, self.covered = None, []  # the float32 sum and the row spans of it that hold something
-        self.last, self.written = None, []  # the last step's result in like's dtype and the row spans written
+        self.last, self.written = None, []  # the last step's result in last_dtype and the row spans written
         self.beside = []  # (start, length, batch, grad) to add to the float32 sum
 
     def target(self, start: int, length: int, batch: bool, final: bool, ready: bool = True) -> torch.Tensor:
@@ -320,7 +331,7 @@ class _Sum:
         end = start + length
         if final:
             if self.last is None:
-                self.last = empty(self.like.shape, self.like.dtype, self.like.device)
+                self.last = empty(self.like.shape, self.last_dtype, self.like.device)
             if _disjoint(self.written, start, end):
                 self.written.append((start, end))
                 return _narrow(self.last, self.seq, start, length, batch)
@@ -335,7 +346,9 @@ class _Sum:
         return grad
 
     def receive(self, total: torch.Tensor) -> None:
-        """The float32 sums of the earlier steps over every row (from the next rank)."""
+        """The sums of the earlier steps over every row (from the next rank): float32, or rounded to the inputs'
+        dtype on the way (made float32 before anything is added to them; the last step's result takes them as
+        they are)."""
         self.total, self.covered = total, [(0, self.like.shape[self.seq])]
 
     def add_beside(self) -> None:
@@ -350,21 +363,41 @@ class _Sum:
         length = self.like.shape[self.seq]
         if self.total is None:
             self.total = torch.zeros(self.like.shape, dtype=torch.float32, device=self.like.device)
+        elif self.total.dtype != torch.float32:
+            self.total = self.total.float()  # received in 16 bits: the sum goes on in float32
         _zero_gaps(self.total, self.seq, self.covered)
         self.covered = [(0, length)]
 
     def float32(self) -> torch.Tensor:
-        """The float32 sum over every row (what travels to the next rank)."""
+        """The float32 sum over every row."""
         self.add_beside()
         self._fill()
         return self.total
+
+    def sent(self, dtype: torch.dtype) -> torch.Tensor:
+        """The sum over every row as it travels to the next rank: float32, or rounded to ``dtype``. A sum received
+        in ``dtype`` takes the parts written beside (over rows apart) in place: each row's add runs in float32 and
+        is rounded once, as through a float32 copy, with no copy and only the rows of the parts read and written."""
+        spans = sorted((start, start + length) for start, length, _, _ in self.beside)
+        apart = all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+        if dtype != torch.float32 and self.total is not None and self.total.dtype == dtype and apart:
+            for start, length, batch, grad in self.beside:
+                _narrow(self.total, self.seq, start, length, batch).add_(grad)
+            self.beside = []
+            return self.total
+        return self.float32().to(dtype)
 
     def result(self) -> torch.Tensor:
         """The sum in like's dtype."""
         self.add_beside()
         if self.last is None:
             return self.float32().to(self.like.dtype)
-        for start, end, summed, written in _pieces(self.like.shape[self.seq], self.covered, self.written):
+        length = self.like.shape[self.seq]
+        pieces = _pieces(length, self.covered, self.written)
+        if self.last.dtype != self.like.dtype and pieces == [(0, length, True, True)]:
+            # Every row written and summed: added and rounded to like's dtype in one pass.
+            return torch.add(self.last, self.total, out=empty(self.like.shape, self.like.dtype, self.like.device))
+        for start, end, summed, written in pieces:
             rows = self.last.narrow(self.seq, start, end - start)
             if summed and written:
                 rows.add_(self.total.narrow(self.seq, start, end - start))
@@ -372,7 +405,7 @@ class _Sum:
                 rows.copy_(self.total.narrow(self.seq, start, end - start))
             elif not written:
                 rows.zero_()
-        return self.last
+        return self.last.to(self.like.dtype)
 
 
 def _sink_rows(sink: torch.Tensor, packed: bool) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .. import validation
 from .comm import check_same_across, heads_to_seq
-from .options import shapes
+from .options import check_dkv_transfer, shapes
 from .ring import ring_attention
 from .ulysses import heads_of, split_heads
 
@@ -28,7 +28,7 @@ def mesh_groups(mesh) -> tuple:
 
 
 def attention(q, k, v, mesh, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, sink=None,
-              balance="zigzag", deterministic=False):
+              balance="zigzag", deterministic=False, dkv_transfer="float32"):
     """Exact attention over the whole sequence on a ``("ulysses", "ring")`` DeviceMesh.
 
     Args:
@@ -37,11 +37,13 @@ def attention(q, k, v, mesh, *, causal=False, softmax_scale=None, window_size=(-
             multiple or a divisor of U (see :func:`ulysses_attention`).
         mesh: a 2-D DeviceMesh with dims ``"ulysses"`` and ``"ring"``; a 1-sized dim makes it plain
             ring (U = 1) or plain Ulysses (R = 1).
-        causal, softmax_scale, window_size, softcap, sink, deterministic, balance: as in :func:`ring_attention`.
+        causal, softmax_scale, window_size, softcap, sink, deterministic, balance, dkv_transfer: as in
+            :func:`ring_attention` (``dkv_transfer``: how the ring across ``"ring"`` sends its dK/dV sums).
 
     Returns:
         ``out`` ``(batch, seqlen_local, nheads, headdim_v)`` in q's dtype, differentiable.
     """
+    check_dkv_transfer(dkv_transfer)
     ulysses, ring = mesh_groups(mesh)
     validation.check_qkv(q, k, v)
     # Across the Ulysses ranks here (before their all-to-all); across the ring by ring_attention.
@@ -49,6 +51,6 @@ def attention(q, k, v, mesh, *, causal=False, softmax_scale=None, window_size=(-
     qh, kh, vh = split_heads(q, k, v, ulysses, "attention (the mesh's 'ulysses' dim)")
     out = ring_attention(qh, kh, vh, ring, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                          softcap=softcap, sink=heads_of(sink, q.shape[2], ulysses), balance=balance,
-                         deterministic=deterministic)
+                         deterministic=deterministic, dkv_transfer=dkv_transfer)
     return heads_to_seq(out, ulysses)
 

@@ -16,6 +16,22 @@ def block_options(q, k, v, *, causal, softmax_scale, window_size, softcap, sink,
     return options, (args.window_left, args.window_right)
 
 
+# How the ring's backward sends the dK/dV partial sums of a shard on to the next rank: as float32 (the sums' own
+# dtype) or rounded to the inputs' dtype (half the bytes for bf16/fp16; each hop's sum is still float32).
+DKV_TRANSFERS = ("float32", "input")
+
+
+def check_dkv_transfer(dkv_transfer) -> str:
+    if not isinstance(dkv_transfer, str) or dkv_transfer not in DKV_TRANSFERS:
+        raise ValueError(f"dkv_transfer must be one of {DKV_TRANSFERS}, got {dkv_transfer!r}")
+    return dkv_transfer
+
+
+def dkv_dtype(dkv_transfer: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the dK/dV partial sums travel in, for inputs of ``dtype``."""
+    return torch.float32 if dkv_transfer == "float32" else dtype
+
+
 def refuse_alibi(alibi_slopes, where: str) -> None:
     if alibi_slopes is not None:
         raise NotImplementedError(

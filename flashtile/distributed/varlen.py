@@ -18,7 +18,7 @@ from .. import validation
 from .blocks import visible_blocks
 from .comm import Ring, check_same_across
 from .engine import BlockCall, RingFunction, RingRun, plan_block
-from .options import block_options, mask_name, refuse_alibi
+from .options import DKV_TRANSFERS, block_options, check_dkv_transfer, dkv_dtype, mask_name, refuse_alibi
 from .sharding import group_size_rank
 
 
@@ -54,7 +54,8 @@ def _shared_document(cu: list, q_start: int, k_start: int, tokens: int):
     return pieces if pieces[0] < pieces[1] and pieces[2] < pieces[3] else None
 
 
-def _plan(q, k, v, cu: list, group, world: int, rank: int, sink, window_size, options: dict) -> RingRun:
+def _plan(q, k, v, cu: list, group, world: int, rank: int, sink, window_size, options: dict,
+          dkv_transfer: str) -> RingRun:
     """The :class:`RingRun` of a call: step 0 on the rank's own documents, then at most one dense call a step on
     the one document shared with the held shard; each kind of block call planned once (enforced by ``record``)."""
     tokens = q.shape[0]
@@ -82,12 +83,12 @@ def _plan(q, k, v, cu: list, group, world: int, rank: int, sink, window_size, op
                 calls.append(BlockCall(q_lo - start + block.q0, block.rows, k_lo - k_start + block.k0, block.keys,
                                        *planned[key]))
         steps.append(calls)
-    return RingRun(ring, steps, f"varlen P={world} {mask_name(window)}")
+    return RingRun(ring, steps, f"varlen P={world} {mask_name(window)}", dkv_dtype(dkv_transfer, q.dtype))
 
 
 def ring_attention_varlen(q, k, v, cu_seqlens, max_seqlen, group=None, *, causal=False, softmax_scale=None,
                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sink=None, deterministic=False,
-                          return_lse=False):
+                          return_lse=False, dkv_transfer="float32"):
     """Ring attention over packed documents, each token attending only within its document.
 
     Args:
@@ -100,10 +101,12 @@ def ring_attention_varlen(q, k, v, cu_seqlens, max_seqlen, group=None, *, causal
             :func:`flashtile.flash_attn_varlen_func`, positions counted within each document.
         alibi_slopes: not implemented (NotImplementedError).
         return_lse: also return the float32 lse ``(nheads, tokens_local)``.
+        dkv_transfer: ``"float32"`` or ``"input"``, as in :func:`ring_attention`.
 
     Returns:
         ``out`` ``(tokens_local, nheads, headdim_v)`` in q's dtype (and ``lse``), differentiable.
     """
+    check_dkv_transfer(dkv_transfer)
     refuse_alibi(alibi_slopes, "ring_attention_varlen")
     validation.check_qkv(q, k, v, varlen=True)
     validation.check_max_seqlen("max_seqlen", max_seqlen)
@@ -121,13 +124,15 @@ def ring_attention_varlen(q, k, v, cu_seqlens, max_seqlen, group=None, *, causal
         cu = _check_cu_seqlens(cu_seqlens, world * tokens, q.device)
         offsets = zlib.crc32(array.array("q", cu).tobytes())
         run = _plan(q, k, v, cu, group, world, rank, sink, window_size,
-                    dict(causal=causal, softmax_scale=softmax_scale, softcap=softcap, deterministic=deterministic))
+                    dict(causal=causal, softmax_scale=softmax_scale, softcap=softcap, deterministic=deterministic),
+                    dkv_transfer)
         error = run.refusal()
     except Exception as planning:  # noqa: BLE001 -- raised by check_same_across, after every rank has compared
         error = planning
     check_same_across(group, "ring_attention_varlen",
                       dict(tokens_q=tokens, tokens_k=k.shape[0], nheads=q.shape[1], nheads_kv=k.shape[1],
-                           headdim=q.shape[2], headdim_v=v.shape[2], cu_seqlens_crc32=offsets),
+                           headdim=q.shape[2], headdim_v=v.shape[2], cu_seqlens_crc32=offsets,
+                           dkv_transfer=DKV_TRANSFERS.index(dkv_transfer)),
                       q.device, refused=error)
     run.record()
     out, lse = RingFunction.apply(q, k, v, sink, run)

@@ -89,7 +89,9 @@ class RingRun:
 
     def __init__(self, ring: Ring, steps: list, label: str):
         self.ring, self.steps = ring, steps
-        # What a profiler trace and flashtile.stats() show, e.g. flashtile.ring[fwd zigzag P=4 causal].
+        # What a profiler trace and flashtile.stats() show, e.g. flashtile.ring[fwd zigzag P=4 causal], with the
+        # transfers' stream priority when one was set (flashtile.ring[fwd zigzag P=4 causal nccl=high]).
+        label += ring.note
         self.fwd_name, self.bwd_name = f"flashtile.ring[fwd {label}]", f"flashtile.ring[bwd {label}]"
         # The merge's plan, made on the first forward (kept while it runs on its preferred backend).
         self.merge = None

@@ -789,15 +789,17 @@ def test_bench_smoke(tmp_path, monkeypatch):
     assert env["torch"] == torch.__version__ and env["git_commit"] and env["date"], env
     assert env["command"].startswith("python -m flashtile.distributed.bench --device cpu --gpus 2 "), env
     assert row["ring_rel_err"] < 1e-4 and row["ring_ms"] > 0 and row["flashtile_1gpu_ms"] > 0, row
+    assert row["nccl_priority"] == "default", row
     # --trace: a chrome trace per method and rank (no CUDA kernels on CPU: the breakdown is empty there).
     bench.main(["--device", "cpu", "--gpus", "2", "--tokens-per-gpu", "16", "--heads", "4/2", "--headdim", "16",
                 "--runs", "1", "--methods", "ring", "--out", str(out), "--trace", str(tmp_path / "traces")])
     assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == [
         "flashtile_1gpu-4x2-16.json", "ring-4x2-16-rank0.json", "ring-4x2-16-rank1.json"]
+    # --nccl-priority: the ring's transfers asked on high-priority NCCL streams (a no-op on gloo), named in the row.
     bench.main(["--device", "cpu", "--gpus", "2", "--long", "32", "--heads", "4/2", "--headdim", "16", "--out",
-                str(out)])
+                str(out), "--nccl-priority", "high"])
     row = json.loads(out.read_text())["rows"][0]
-    assert row["N"] == 64 and row["max_err"] < 1e-5 and row["ring_ms"] > 0, row
+    assert row["N"] == 64 and row["max_err"] < 1e-5 and row["ring_ms"] > 0 and row["nccl_priority"] == "high", row
 
 
 def test_bench_breakdown_splits_the_span():

@@ -99,7 +99,9 @@ def high_priority_group(group):
     Without a device bound to the default group, a group of the ranks (``new_group`` with
     ``use_local_synchronization``: the ranks outside it take no part; its communicator is made at its first
     transfer). With one, ``new_group`` would split the default group's communicator, a collective of every rank
-    of the job: ``group``'s own communicator is split instead (``split_group``)."""
+    of the job: ``group``'s own communicator is split instead (``split_group``). Both name the new group by its
+    ranks and the number of groups this process holds, so the ranks must have made as many groups before (torch's
+    rule for these calls: the same order of group creation everywhere). It has torch's default timeout."""
     found = _HIGH_PRIORITY_GROUPS.get(group)
     if found is None:
         options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)

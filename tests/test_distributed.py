@@ -21,8 +21,8 @@ import torch.multiprocessing as mp
 import flashtile
 from flashtile import testing
 from flashtile.dispatch import force_backend
-from flashtile.distributed import (attention, exit_rank, ring_attention, ring_attention_varlen, shard,
-                                   ulysses_attention, unshard)
+from flashtile.distributed import (attention, exit_rank, ring_attention, ring_attention_varlen, set_nccl_priority,
+                                   shard, ulysses_attention, unshard)
 from flashtile.distributed.blocks import visible_blocks
 from flashtile.distributed.sharding import segments
 
@@ -35,21 +35,25 @@ SEQLEN = {2: 24, 4: 40, 8: 48}
 
 def case(kind, world, *, balance="zigzag", causal=True, window=(-1, -1), nheads_kv=HEADS, dtype=torch.float32,
          seqlen=None, batch=1, sink=False, softcap=0.0, backend="torch", device="cpu", nheads=HEADS, headdim=HEADDIM,
-         docs=None, mesh=None, one_pass=False, dkv="float32", seed=None):
-    """A case of ``kind`` on ``world`` ranks; ``dkv``: the ring's ``dkv_transfer``; ``seed``: of the inputs (None:
-    from the name; two cases with one seed and shapes have the same inputs)."""
+         docs=None, mesh=None, one_pass=False, dkv="float32", nccl_priority="default", seed=None):
+    """A case of ``kind`` on ``world`` ranks; ``dkv``: the ring's ``dkv_transfer``; ``nccl_priority``: its transfers'
+    stream priority (the inputs stay those of the case at the default priority); ``seed``: of the inputs (None: from
+    the name; two cases with one seed and shapes have the same inputs)."""
     mesh = mesh or ((2, world // 2) if kind == "hybrid" else None)  # ("ulysses", "ring") sizes
     name = f"{kind}-P{world}-{balance}-{'causal' if causal else 'full'}-w{window[0]}_{window[1]}-kv{nheads_kv}" \
            f"-{str(dtype)[6:]}-b{batch}{'-sink' if sink else ''}{'-softcap' if softcap else ''}-{backend}-{device}" \
            f"{f'-h{nheads}' if nheads != HEADS else ''}{f'-d{headdim}' if headdim not in (HEADDIM, 128) else ''}" \
            f"{f'-mesh{mesh[0]}x{mesh[1]}' if mesh else ''}{f'-dkv_{dkv}' if dkv != 'float32' else ''}" \
            f"{f'-seed{seed}' if seed is not None else ''}"
+    seed = sum(map(ord, name)) if seed is None else seed
+    if nccl_priority != "default":
+        name += f"-nccl_{nccl_priority}"
     seqlen = seqlen or SEQLEN[world]
     docs = docs or DOCS[world]
     return dict(name=name, kind=kind, world=world, balance=balance, causal=causal, window=window, nheads=nheads,
                 nheads_kv=nheads_kv, headdim=headdim, dtype=dtype, seqlen=seqlen, batch=batch, sink=sink,
                 softcap=softcap, backend=backend, device=device, docs=docs, mesh=mesh, one_pass=one_pass, dkv=dkv,
-                seed=sum(map(ord, name)) if seed is None else seed)
+                nccl_priority=nccl_priority, seed=seed)
 
 
 def dkv_study(seeds=(0,), tokens_per_rank=256, headdim=64):
@@ -95,6 +99,8 @@ CASES = [
     # part and the partial sums that come home share; summed in float32 and rounded once, dv is 1.8e-3 off (the bar
     # 7.4e-3), where the own part rounded to fp16 before the add made it 7.7e-3.
     *dkv_study(),
+    # The ring's transfers asked on NCCL streams of high priority: a no-op on gloo (bit for bit the cases above).
+    case("ring", 2, nccl_priority="high"), case("varlen", 2, nccl_priority="high"),
 ]
 # GPUs (NCCL, the Triton/Gluon kernels, bf16 under the 2x rule): awkward lengths at head dim 128.
 GPU = dict(dtype=torch.bfloat16, backend="triton", device="cuda", nheads=8, headdim=128)
@@ -117,6 +123,12 @@ GPU_CASES = [
     # The dK/dV sums sent in bf16 (issue 47), beside the same inputs with float32 sums.
     *(case("ring", world, seqlen=world * 2000, nheads_kv=kv, dkv=dkv, seed=47, **GPU)
       for world, kv in ((2, 8), (4, 2)) for dkv in ("float32", "input")),
+    # The ring's transfers on NCCL streams of high priority (set_nccl_priority): on the default group, and on the
+    # hybrid's ring groups (sub-groups of the mesh: one high-priority group each).
+    case("ring", 2, seqlen=2 * 1000, nheads_kv=2, nccl_priority="high", **GPU),
+    case("varlen", 2, docs=(700, 1, 1500, 391, 1408), nccl_priority="high", **GPU),
+    case("ring", 4, seqlen=4 * 1000, nheads_kv=2, nccl_priority="high", **GPU),
+    case("hybrid", 4, seqlen=4 * 1000, nheads_kv=2, nccl_priority="high", **GPU),
 ]
 
 
@@ -163,6 +175,7 @@ def _run_case(c, meshes):
     local = [shard(x, where, dim, sharding).requires_grad_() for x in (q, k, v)]
     local_sink = sink.clone().requires_grad_() if sink is not None else None
     lse = None
+    set_nccl_priority(c["nccl_priority"])
     with force_backend(c["backend"]):
         if kind == "ring":
             out, lse = ring_attention(*local, sink=local_sink, balance=balance, return_lse=True, **ring_options)
@@ -173,6 +186,7 @@ def _run_case(c, meshes):
         else:
             out, lse = ring_attention_varlen(*local, cu_seqlens(c, q.device), max(c["docs"]), sink=local_sink,
                                              return_lse=True, **ring_options)
+        set_nccl_priority("default")  # read when the call is planned: its backward keeps the call's priority
         out.backward(shard(dout, where, dim, sharding))
     results = {"out": out}
     if lse is not None:
@@ -275,10 +289,20 @@ def _worker(rank, world, init_file, out_dir, device):
     torch.save(errors, os.path.join(out_dir, f"errors{rank}.pt"))
     if rank == 0:
         results["kernels"] = dict(flashtile.stats()["kernels"])
+        results["priority_groups"] = _priority_groups(device)
         torch.save(results, os.path.join(out_dir, "results.pt"))
     dist.barrier()
     dist.destroy_process_group()
     exit_rank()
+
+
+def _priority_groups(device) -> list:
+    """``[(ranks, is_high_priority_stream)]`` of the high-priority groups the ring calls made (none on gloo)."""
+    from flashtile.distributed import comm
+
+    return [(dist.get_process_group_ranks(group),
+             group._get_backend(torch.device(device)).options.is_high_priority_stream)
+            for group in comm._HIGH_PRIORITY_GROUPS.values()]
 
 
 def _count_one_pass(patch=setattr) -> list:
@@ -330,6 +354,11 @@ def test_matches_reference(c):
     if c["one_pass"]:
         # Rank 0's two blocks (rows 1100 of step 1, all 2200 rows of step 0, against 2200 keys) ran on it.
         assert results["one_pass"][c["name"]] >= 2, results["one_pass"]
+    _assert_matches_reference(c, ours)
+
+
+def _assert_matches_reference(c, ours):
+    """``ours`` (gathered out, lse and gradients of case ``c``) against the single-process reference."""
     hi, lo = references(c)
     if "lse" not in ours:
         hi, lo = ({name: x for name, x in ref.items() if name != "lse"} for ref in (hi, lo))
@@ -341,8 +370,8 @@ _REFERENCES = {}
 
 def references(c) -> tuple:
     """``(hi, lo)``: the reference results of a case's inputs (on the CPU), kept for the cases that share them (the
-    same inputs with the dK/dV sums sent either way)."""
-    key = c["name"].replace("-dkv_input", "")
+    same inputs with the dK/dV sums sent either way, or the transfers at another priority)."""
+    key = c["name"].replace("-dkv_input", "").replace("-nccl_high", "")
     if key not in _REFERENCES:
         q, k, v, dout, sink = inputs(c)
         if sink is not None:
@@ -420,6 +449,189 @@ def test_stats_name_the_parallel_calls():
     assert any(name.startswith("flashtile.bwd[torch") for name in kernels), sorted(kernels)
 
 
+@_GLOO_IN_CI
+def test_nccl_priority_is_a_noop_on_gloo():
+    """High-priority NCCL streams asked on gloo: the same results bit for bit, no group made, and the profiler names
+    say that the setting did nothing there."""
+    results = run_world(2)[0]
+    for c in CASES:
+        if c["world"] == 2 and c["nccl_priority"] == "high":
+            default = results[c["name"].removesuffix("-nccl_high")]
+            ours = results[c["name"]]
+            assert ours.keys() == default.keys()
+            for name in ours:
+                assert torch.equal(ours[name], default[name]), (c["name"], name)
+    assert results["priority_groups"] == []
+    for name in ("flashtile.ring[fwd zigzag P=2 causal nccl=high (no-op: not NCCL)]",
+                 "flashtile.ring[bwd zigzag P=2 causal nccl=high (no-op: not NCCL)]",
+                 "flashtile.ring[fwd varlen P=2 causal nccl=high (no-op: not NCCL)]"):
+        assert results["kernels"].get(name, 0) > 0, (name, sorted(results["kernels"]))
+
+
+@pytest.mark.parametrize("world", [pytest.param(2, marks=_gpus(2)), pytest.param(4, marks=_gpus(4))])
+def test_nccl_priority_groups_on_gpus(world):
+    """On NCCL the ring calls asked for high priority made one group of high-priority streams per user group, with
+    its ranks (the cases' results are checked by test_matches_reference), and the profiler names say so."""
+    results = run_world(world, "cuda")[0]
+    # Rank 0's: the default group's, and on 4 GPUs its hybrid ring on the (2, 2) mesh (ranks 0 and 1).
+    ring_groups = [list(range(world))] + ([[0, 1]] if world == 4 else [])
+    assert sorted(results["priority_groups"]) == sorted((ranks, True) for ranks in ring_groups), \
+        results["priority_groups"]
+    assert results["kernels"].get(f"flashtile.ring[bwd zigzag P={world} causal nccl=high]", 0) > 0, \
+        sorted(results["kernels"])
+
+
+def _bound_worker(rank, world, init_file, out_dir):
+    """Ring cases at high priority with a device bound to the default group (its groups made by splitting NCCL
+    communicators): rank 0 saves its gathered results and its high-priority groups."""
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120), device_id=torch.device("cuda", rank))
+    results = {}
+    for c in BOUND_CASES:
+        for _ in range(2):
+            results[c["name"]] = _run_case(c, {})
+    if rank == 0:
+        results["priority_groups"] = _priority_groups("cuda")
+        torch.save(results, os.path.join(out_dir, "results.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+    exit_rank()
+
+
+BOUND_CASES = [case("ring", 2, seqlen=2 * 1000, nheads_kv=2, nccl_priority="high", **GPU),
+               case("varlen", 2, docs=(700, 1, 1500, 391, 1408), nccl_priority="high", **GPU)]
+
+
+@_gpus(2)
+def test_nccl_priority_with_a_bound_device():
+    """init_process_group(device_id=...): the high-priority group is split from the ring's group (a collective of its
+    ranks alone), its streams have high priority, and the results match the reference."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_bound_worker, args=(2, os.path.join(out_dir, "init"), out_dir), nprocs=2)
+        results = torch.load(os.path.join(out_dir, "results.pt"))
+    assert results["priority_groups"] == [([0, 1], True)], results["priority_groups"]
+    for c in BOUND_CASES:
+        _assert_matches_reference(c, results[c["name"]])
+
+
+class _FakeDist:
+    """The parts of torch.distributed that comm.Ring and high_priority_group use, for this process as global rank 5
+    (no process group, no NCCL): it records the groups made and the transfers' operations."""
+
+    isend, irecv = "isend", "irecv"
+
+    def __init__(self, bound=None, backend="nccl"):
+        self.group = type("group", (), {"WORLD": type("world", (), {"bound_device_id": bound})()})
+        self.ProcessGroupNCCL = type("ProcessGroupNCCL", (), {"Options": _FakeOptions})
+        self.backend, self.made, self.ops = backend, [], []
+
+    def new_group(self, ranks, **kwargs):
+        self.made.append(("new_group", list(ranks), kwargs))
+        return object()
+
+    def split_group(self, **kwargs):
+        self.made.append(("split_group", kwargs))
+        return object()
+
+    @staticmethod
+    def get_process_group_ranks(group):
+        return group.ranks
+
+    @staticmethod
+    def get_world_size(group):
+        return len(group.ranks)
+
+    @staticmethod
+    def get_rank(group):
+        return group.ranks.index(5)
+
+    @staticmethod
+    def get_global_rank(group, rank):
+        return group.ranks[rank]
+
+    def get_backend(self, group):
+        return self.backend
+
+    @staticmethod
+    def P2POp(op, tensor, peer, group):
+        return op, peer, group
+
+    def batch_isend_irecv(self, ops):
+        self.ops.append(ops)
+        return []
+
+
+class _FakeOptions:
+    def __init__(self, is_high_priority_stream=False):
+        self.is_high_priority_stream = is_high_priority_stream
+
+
+class _FakeGroup:
+    def __init__(self, *ranks):
+        self.ranks = list(ranks)
+
+
+def test_high_priority_groups_are_made_once_per_group(monkeypatch):
+    """One high-priority group per user group (the same ranks), made at its first transfer and kept; the transfers
+    go through it and name their peers by global rank; on CPU tensors, or at the default priority, the user's group
+    carries them and nothing is made."""
+    from flashtile.distributed import comm
+
+    fake = _FakeDist()
+    monkeypatch.setattr(comm, "dist", fake)
+    monkeypatch.setattr(comm, "_HIGH_PRIORITY_GROUPS", {})
+    monkeypatch.setattr(comm, "_nccl_priority", ["default"])
+    first, second = _FakeGroup(1, 3, 5, 7), _FakeGroup(5, 6)
+    cuda, kv = torch.device("cuda", 0), (torch.ones(2),)
+
+    def sent(ring):
+        """The group and the peers of one start()'s operations."""
+        ring.start(kv)
+        ops = fake.ops.pop()
+        assert len({group for _, _, group in ops}) == 1
+        return ops[0][2], [(op, peer) for op, peer, _ in ops]
+
+    ring = comm.Ring(first, cuda)
+    assert ring.note == "" and sent(ring) == (first, [("isend", 7), ("irecv", 3)]) and fake.made == []
+    comm.set_nccl_priority("high")
+    assert comm.nccl_priority() == "high"
+    ring = comm.Ring(first, cuda)
+    assert ring.note == " nccl=high" and fake.made == []  # made at the first transfer, not when planned
+    high, peers = sent(ring)
+    assert peers == [("isend", 7), ("irecv", 3)] and high is not first
+    (how, ranks, kwargs), = fake.made
+    assert how == "new_group" and ranks == [1, 3, 5, 7] and kwargs["use_local_synchronization"], fake.made
+    assert kwargs["pg_options"].is_high_priority_stream
+    # Kept: later rings of the group (other calls) and later steps use it; another group gets its own.
+    assert sent(comm.Ring(first, cuda))[0] is high and sent(ring)[0] is high and len(fake.made) == 1
+    other = sent(comm.Ring(second, cuda))[0]
+    assert other is not high and len(fake.made) == 2 and fake.made[1][1] == [5, 6]
+    assert sent(comm.Ring(second, cuda))[0] is other and len(fake.made) == 2
+    # Tensors that do not go through NCCL: the user's group, nothing made, and the name says the setting did nothing.
+    ring = comm.Ring(first, torch.device("cpu"))
+    assert ring.note == " nccl=high (no-op: not NCCL)" and sent(ring)[0] is first
+    fake.backend = "gloo"
+    assert sent(comm.Ring(second, cuda))[0] is second and len(fake.made) == 2
+    # A device bound to the default group: the group's own communicator is split (its ranks alone take part).
+    bound = _FakeDist(bound=cuda)
+    monkeypatch.setattr(comm, "dist", bound)
+    comm.high_priority_group(third := _FakeGroup(0, 5, 9))
+    (how, kwargs), = bound.made
+    assert how == "split_group" and kwargs["parent_pg"] is third and kwargs["split_ranks"] == [[0, 1, 2]], bound.made
+    assert kwargs["pg_options"].is_high_priority_stream
+
+
+@pytest.mark.parametrize("bad", ["low", "HIGH", None, 1])
+def test_set_nccl_priority_checks_its_value(bad, monkeypatch):
+    from flashtile.distributed import comm
+
+    monkeypatch.setattr(comm, "_nccl_priority", ["default"])
+    with pytest.raises(ValueError, match=re.escape(f"priority must be one of ('default', 'high'), got {bad!r}")):
+        set_nccl_priority(bad)
+    assert comm.nccl_priority() == "default"
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("balance", ["zigzag", "contiguous"])
 def test_blocks_cover_the_global_mask_once(world, balance):
@@ -458,6 +670,8 @@ class _RecordingRing:
     """A stand-in for comm.Ring as rank 0 of ``size`` ranks sees it: it records every transfer and hands the
     sent tensors back as the received ones (the values are wrong; only the schedule is looked at)."""
 
+    note = ""  # no stream priority set
+
     def __init__(self, size):
         self.size, self.rank, self.sent = size, 0, []
 
@@ -482,7 +696,7 @@ def test_ring_backward_schedule(world, dkv_transfer, sums, monkeypatch):
     from flashtile.distributed import ring as ring_module
 
     recording = _RecordingRing(world)
-    monkeypatch.setattr(ring_module, "Ring", lambda group: recording)
+    monkeypatch.setattr(ring_module, "Ring", lambda group, device: recording)
     monkeypatch.setattr(ring_module, "group_size_rank", lambda group: (world, 0))
     monkeypatch.setattr(ring_module, "check_same_across", _one_rank_check)
     # bf16 inputs: K/V travel as bf16, the dK/dV partial sums as float32 or bf16.
@@ -520,7 +734,7 @@ def test_ring_repeat_is_launches_alone(world, device, monkeypatch):
     from flashtile.backends.triton import launch
     from flashtile.distributed import engine, ring as ring_module
 
-    monkeypatch.setattr(ring_module, "Ring", lambda group: _RecordingRing(world))
+    monkeypatch.setattr(ring_module, "Ring", lambda group, device: _RecordingRing(world))
     monkeypatch.setattr(ring_module, "group_size_rank", lambda group: (world, 0))
     monkeypatch.setattr(ring_module, "check_same_across", _one_rank_check)
     counts = {}
@@ -578,7 +792,7 @@ def test_ring_fallbacks_are_recorded_every_call(monkeypatch):
     from flashtile.distributed import ring as ring_module
 
     checked = []
-    monkeypatch.setattr(ring_module, "Ring", lambda group: _RecordingRing(2))
+    monkeypatch.setattr(ring_module, "Ring", lambda group, device: _RecordingRing(2))
     monkeypatch.setattr(ring_module, "group_size_rank", lambda group: (2, 0))
     monkeypatch.setattr(ring_module, "check_same_across",
                         lambda *args, **kwargs: (checked.append(args[1]), _one_rank_check(*args, **kwargs)))
@@ -644,6 +858,7 @@ def test_backward_into_float32_sums(device, backend, headdim, monkeypatch):
     with pytest.raises(ValueError, match="add_dq: dq must be a float32 sum"):
         run.backward(dout, q, k, v, out, lse, args, *want, None, None, add_dq=True)
 
+
 @_GLOO_IN_CI
 def test_bench_smoke(tmp_path, monkeypatch):
     """The benchmark runs end to end on gloo (tiny sizes) and checks every method before timing it."""
@@ -664,7 +879,7 @@ def test_bench_smoke(tmp_path, monkeypatch):
     assert env["torch"] == torch.__version__ and env["git_commit"] and env["date"], env
     assert env["command"].startswith("python -m flashtile.distributed.bench --device cpu --gpus 2 "), env
     assert row["ring_rel_err"] < 1e-4 and row["ring_ms"] > 0 and row["flashtile_1gpu_ms"] > 0, row
-    assert row["dkv_transfer"] == "float32", row
+    assert row["dkv_transfer"] == "float32" and row["nccl_priority"] == "default", row
     # --trace: a chrome trace per method and rank (no CUDA kernels on CPU: the breakdown is empty there). The dK/dV
     # sums in the inputs' dtype (float32 here: the option is carried and recorded, the sums unchanged).
     bench.main(["--device", "cpu", "--gpus", "2", "--tokens-per-gpu", "16", "--heads", "4/2", "--headdim", "16",
@@ -674,10 +889,11 @@ def test_bench_smoke(tmp_path, monkeypatch):
     assert row["dkv_transfer"] == "input" and row["ring_status"] == "ok", row
     assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == [
         "flashtile_1gpu-4x2-16.json", "ring-4x2-16-rank0.json", "ring-4x2-16-rank1.json"]
+    # --nccl-priority: the ring's transfers asked on high-priority NCCL streams (a no-op on gloo), named in the row.
     bench.main(["--device", "cpu", "--gpus", "2", "--long", "32", "--heads", "4/2", "--headdim", "16", "--out",
-                str(out)])
+                str(out), "--nccl-priority", "high"])
     row = json.loads(out.read_text())["rows"][0]
-    assert row["N"] == 64 and row["max_err"] < 1e-5 and row["ring_ms"] > 0, row
+    assert row["N"] == 64 and row["max_err"] < 1e-5 and row["ring_ms"] > 0 and row["nccl_priority"] == "high", row
 
 
 def test_bench_breakdown_splits_the_span():
@@ -695,7 +911,6 @@ def test_bench_breakdown_splits_the_span():
 def test_train_tiny_gpt_cp_matches_one_process():
     """examples/train_tiny_gpt_cp.py on 2 gloo processes follows the single-process loss curve (fp32 rounding)."""
     import pathlib
-    import re
     import subprocess
     import sys
 

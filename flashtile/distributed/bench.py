@@ -21,6 +21,8 @@ value); a method that is off is reported
 checks 16 rows spread over the sequence against a float32 reference.
 ``--dkv-transfer input`` sends the ring's dK/dV partial sums in bf16 instead of float32 (the ring's and the
 hybrid's ``dkv_transfer``; every row records it).
+``--nccl-priority high`` runs the ring's transfers (the ring's and the hybrid's) on NCCL streams of high
+priority (:func:`set_nccl_priority`); each row names the priority it ran with.
 Without ``RANK`` in the environment it spawns ``--gpus`` processes itself. ``--device cpu`` runs a
 smoke test on gloo (tiny sizes; torch's context_parallel is CUDA-only there).
 """
@@ -38,7 +40,8 @@ import torch
 import torch.distributed as dist
 
 from ..interface import flash_attn_func
-from . import attention, exit_rank, ring_attention, shard, ulysses_attention, unshard
+from . import attention, exit_rank, ring_attention, set_nccl_priority, shard, ulysses_attention, unshard
+from .comm import NCCL_PRIORITIES
 from .options import DKV_TRANSFERS
 
 METHODS = ("ring", "ulysses", "hybrid", "torch_cp")
@@ -62,6 +65,8 @@ def parse(argv=None):
     parser.add_argument("--dkv-transfer", default="float32", choices=DKV_TRANSFERS,
                         help="how the ring (and the hybrid's ring) sends its dK/dV partial sums: float32 or the "
                              "inputs' dtype")
+    parser.add_argument("--nccl-priority", default="default", choices=NCCL_PRIORITIES,
+                        help="the CUDA stream priority of the ring's transfers (ring and hybrid; set_nccl_priority)")
     parser.add_argument("--trace", default=None, metavar="DIR",
                         help="after timing, run each method once more under torch.profiler: a chrome trace per rank "
                              "in DIR and, per method, where rank 0's time went (attention kernels, NCCL, other "
@@ -247,7 +252,7 @@ def run(options) -> list:
             dout = torch.randn(1, n, nheads, options.headdim, device=device, dtype=dtype, generator=generator)
             row = dict(world=world, tokens_per_gpu=tokens, N=n, nheads=nheads, nheads_kv=nheads_kv,
                        headdim=options.headdim, dtype=str(dtype).replace("torch.", ""), causal=True,
-                       dkv_transfer=options.dkv_transfer)
+                       dkv_transfer=options.dkv_transfer, nccl_priority=options.nccl_priority)
             leaves = [x.clone().requires_grad_() for x in (q, k, v)]
 
             def one_gpu():
@@ -343,7 +348,8 @@ def run_long(options) -> list:
         sampled[i] = out[0, index].float()
     dist.all_reduce(sampled)
     row = dict(world=world, tokens_per_gpu=options.long, N=n, nheads=nheads, nheads_kv=nheads_kv,
-               headdim=options.headdim, dkv_transfer=options.dkv_transfer, ring_ms=ms, ring_mem_gb=mem,
+               headdim=options.headdim, dkv_transfer=options.dkv_transfer,
+               nccl_priority=options.nccl_priority, ring_ms=ms, ring_mem_gb=mem,
                sampled_rows=rows)
     if rank == 0:
         q, k, v = full
@@ -369,7 +375,8 @@ def _breakdown(parts) -> str:
 def _line(row, methods) -> str:
     cells = [f"P={row['world']} {row['nheads']}/{row['nheads_kv']} {row['tokens_per_gpu']:>6}/gpu "
              f"T1={row['flashtile_1gpu_ms']:.1f}ms" + _breakdown(row.get("flashtile_1gpu_breakdown_ms"))
-             + (f" dkv_transfer={row['dkv_transfer']}" if row["dkv_transfer"] != "float32" else "")]
+             + (f" dkv_transfer={row['dkv_transfer']}" if row["dkv_transfer"] != "float32" else "")
+             + (f" nccl={row['nccl_priority']}" if row["nccl_priority"] != "default" else "")]
     for name in methods:
         if row.get(f"{name}_status") == "ok":
             cells.append(f"{name} {row[f'{name}_ms']:.1f}ms eff {row[f'{name}_efficiency']:.2f} "
@@ -383,6 +390,7 @@ def _main_rank(options):
     device = options.device
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+    set_nccl_priority(options.nccl_priority)
     rows = run_long(options) if options.long else run(options)
     if dist.get_rank() == 0:
         from ..bench import common

@@ -65,16 +65,81 @@ def _own_stream(device: torch.device):
     return torch.cuda.stream(stream)
 
 
-class Ring:
-    """The ring of ``group``: every rank sends to the next rank and receives from the previous one."""
+# The CUDA stream priority of the ring's transfers: "default", or "high" (set_nccl_priority).
+NCCL_PRIORITIES = ("default", "high")
+_nccl_priority = ["default"]
 
-    def __init__(self, group):
+
+def set_nccl_priority(priority: str) -> None:
+    """Run the ring's K/V and dK/dV transfers on NCCL streams of ``priority``: ``"default"`` (the user's group
+    itself) or ``"high"`` (a group of the same ranks whose NCCL streams have high priority, made on the first ring
+    call over that group: when the attention kernels' CTAs retire, the block scheduler starts the transfer's CTAs
+    before the next attention kernel's). Off until measured (docs/distributed.md); ring_attention,
+    ring_attention_varlen and the hybrid's ring read it at each call. A no-op on groups whose tensors do not go
+    through NCCL (gloo on CPU): their profiler names say so."""
+    if not isinstance(priority, str) or priority not in NCCL_PRIORITIES:
+        raise ValueError(f"priority must be one of {NCCL_PRIORITIES}, got {priority!r}")
+    _nccl_priority[0] = priority
+
+
+def nccl_priority() -> str:
+    """The priority :func:`set_nccl_priority` set (``"default"`` unless set)."""
+    return _nccl_priority[0]
+
+
+# The groups of high-priority NCCL streams, by the user's group they stand for (one each, made once).
+_HIGH_PRIORITY_GROUPS: dict = {}
+
+
+def high_priority_group(group):
+    """The process group of ``group``'s ranks whose NCCL streams have high priority (made on the first call: a
+    collective of ``group``'s ranks alone, which they all reach in the same order, since every rank of the group
+    makes the same ring calls).
+
+    Without a device bound to the default group, a group of the ranks (``new_group`` with
+    ``use_local_synchronization``: the ranks outside it take no part; its communicator is made at its first
+    transfer). With one, ``new_group`` would split the default group's communicator, a collective of every rank
+    of the job: ``group``'s own communicator is split instead (``split_group``). Both name the new group by its
+    ranks and the number of groups this process holds, so the ranks must have made as many groups before (torch's
+    rule for these calls: the same order of group creation everywhere). It has torch's default timeout."""
+    found = _HIGH_PRIORITY_GROUPS.get(group)
+    if found is None:
+        options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+        description = "flashtile_ring_high_priority"
+        if dist.group.WORLD.bound_device_id is None:
+            found = dist.new_group(dist.get_process_group_ranks(group), pg_options=options,
+                                   use_local_synchronization=True, group_desc=description)
+        else:
+            found = dist.split_group(parent_pg=group, split_ranks=[list(range(dist.get_world_size(group)))],
+                                     pg_options=options, group_desc=description)
+        _HIGH_PRIORITY_GROUPS[group] = found
+    return found
+
+
+def _through_nccl(group, device: torch.device) -> bool:
+    """Whether ``group``'s point-to-point operations on ``device``'s tensors run on NCCL."""
+    return device.type == "cuda" and "nccl" in str(dist.get_backend(group))
+
+
+class Ring:
+    """The ring of ``group``: every rank sends to the next rank and receives from the previous one, on NCCL
+    streams of the priority set by :func:`set_nccl_priority` when the call was planned (``device``: where the
+    tensors are)."""
+
+    def __init__(self, group, device: torch.device):
         self.group = dist.group.WORLD if group is None else group
         self.size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
-        # Point-to-point operations name their peers by global rank.
+        # Point-to-point operations name their peers by global rank (so any group of the same ranks carries them).
         self.next = dist.get_global_rank(self.group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.size)
+        high = nccl_priority() == "high" and self.size > 1
+        applied = high and _through_nccl(self.group, device)
+        # What the profiler names add (RingRun): the priority asked for and whether it applies here.
+        self.note = "" if not high else " nccl=high" if applied else " nccl=high (no-op: not NCCL)"
+        # The group the transfers go through: the high-priority one is made at the first start(), after the ranks
+        # have compared shapes (so that every rank of the group reaches its creation).
+        self.p2p = None if applied else self.group
 
     def source(self, step: int) -> int:
         """The rank whose shard this rank holds at ``step`` (step 0: its own)."""
@@ -87,10 +152,12 @@ class Ring:
         tensors: they must live until sent)."""
         if self.size == 1:
             return tensors, [], ()
+        if self.p2p is None:
+            self.p2p = high_priority_group(self.group)
         to, source = (self.prev, self.next) if reverse else (self.next, self.prev)
         received = tuple(torch.empty_like(t) for t in tensors)
-        ops = [dist.P2POp(dist.isend, t, to, self.group) for t in tensors]
-        ops += [dist.P2POp(dist.irecv, t, source, self.group) for t in received]
+        ops = [dist.P2POp(dist.isend, t, to, self.p2p) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, t, source, self.p2p) for t in received]
         return received, dist.batch_isend_irecv(ops), tensors
 
     @staticmethod

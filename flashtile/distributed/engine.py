@@ -93,7 +93,9 @@ class RingRun:
         # The dtype the backward sends the dK/dV partial sums in (float32, or the inputs' 16-bit dtype).
         self.dkv_dtype = dkv_dtype
         sent = "" if dkv_dtype == torch.float32 else f" dkv={str(dkv_dtype).removeprefix('torch.')}"
-        # What a profiler trace and flashtile.stats() show, e.g. flashtile.ring[bwd zigzag P=4 causal dkv=bfloat16].
+        # What a profiler trace and flashtile.stats() show, e.g. flashtile.ring[bwd zigzag P=4 causal dkv=bfloat16],
+        # with the transfers' stream priority when one was set (flashtile.ring[fwd zigzag P=4 causal nccl=high]).
+        label += ring.note
         self.fwd_name, self.bwd_name = f"flashtile.ring[fwd {label}]", f"flashtile.ring[bwd {label}{sent}]"
         # The merge's plan, made on the first forward (kept while it runs on its preferred backend).
         self.merge = None

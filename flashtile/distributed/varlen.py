@@ -60,7 +60,7 @@ def _plan(q, k, v, cu: list, group, world: int, rank: int, sink, window_size, op
     the one document shared with the held shard; each kind of block call planned once (enforced by ``record``)."""
     tokens = q.shape[0]
     options, window = block_options(q[None], k[None], v[None], sink=sink, window_size=window_size, **options)
-    ring = Ring(group)
+    ring = Ring(group, q.device)
     start = rank * tokens
     local = _local_offsets(cu, start, start + tokens)
     local_cu = torch.tensor(local, dtype=torch.int32, device=q.device)

@@ -7,8 +7,8 @@ sliding windows under 4096 keys, softcap with ALiBi and causal rows under 1024 k
 64x64 tile, at 64 the 64x64 tile on plain causal rows under 1024 keys alone (configs.py).
 Full rows of GLUON_WS_FULL_KEYS keys and more and causal rows of GLUON_WS_CAUSAL_KEYS take the warp-specialized
 kernel (kernels/fwd_sm90_ws.py) instead; the tests of the one-warpgroup kernel raise those floors, its own tests
-(``ws_rows``) lower them. At d=64 and 256 it takes them while configs.GLUON_WS_D64 / GLUON_WS_D256 hold a tile:
-the ``ws_d64`` / ``ws_d256`` tests make sure they do.
+(``ws_rows``) lower them. At d=64, 256 and 192/128 it takes them while configs.GLUON_WS_D64 / GLUON_WS_D256 /
+GLUON_WS_D192 hold a tile: the ``ws_d64`` / ``ws_d256`` / ``ws_d192`` tests make sure they do.
 These tests check which kernel and tile ran (by the kernel counter) and hold out, lse and the gradients
 (the Triton backward on its lse) to the tolerance rule.
 Lengths are awkward: not multiples of the 64-row tiles, seqlen_q != seqlen_k, rows that see no key,
@@ -388,14 +388,9 @@ def test_warp_specialized_forward_takes_long_rows(rng, monkeypatch, causal, extr
     check(rng, 1, 300, WS_FLOORS[causal] + extra, 2, 2, torch.bfloat16, kernel, causal=causal)
 
 
-@pytest.fixture
-def ws_d64(monkeypatch):
-    """The warp-specialized forward switched on at head dim 64 (configs.GLUON_WS_D64), at its
-    own key floors; returns the head dims of its launches (launch._forward_sm90_ws spied on), so a call that
-    silently ran another kernel fails."""
-    monkeypatch.setattr(configs, "GLUON_WS_D64", configs._FWD_SM90_GLUON_WS_D64)
-    monkeypatch.setattr(configs, "GLUON_WS_FULL_KEYS", WS_FLOORS[False])
-    monkeypatch.setattr(configs, "GLUON_WS_CAUSAL_KEYS", WS_FLOORS[True])
+def spy_ws_launches(monkeypatch) -> list:
+    """``(q's head dim, tile)`` of each launch of the warp-specialized forward from now on (launch._forward_sm90_ws
+    spied on), so a test sees the launcher itself run, not only the planned name."""
     launched = []
     real = launch._forward_sm90_ws
 
@@ -407,6 +402,17 @@ def ws_d64(monkeypatch):
     return launched
 
 
+@pytest.fixture
+def ws_d64(monkeypatch):
+    """The warp-specialized forward switched on at head dim 64 (configs.GLUON_WS_D64), at its
+    own key floors; returns the head dims of its launches (:func:`spy_ws_launches`), so a call that
+    silently ran another kernel fails."""
+    monkeypatch.setattr(configs, "GLUON_WS_D64", configs._FWD_SM90_GLUON_WS_D64)
+    monkeypatch.setattr(configs, "GLUON_WS_FULL_KEYS", WS_FLOORS[False])
+    monkeypatch.setattr(configs, "GLUON_WS_CAUSAL_KEYS", WS_FLOORS[True])
+    return spy_ws_launches(monkeypatch)
+
+
 WS_D256 = "gluon-sm90-ws BN=64"
 D256 = (256, 256)
 
@@ -414,17 +420,9 @@ D256 = (256, 256)
 @pytest.fixture
 def ws_d256(monkeypatch):
     """The d=256 warp-specialized tile switched on (configs.GLUON_WS_D256); yields the head
-    dims of the warp-specialized launches that ran, so a test sees the launcher itself, not only the planned name."""
+    dims of the warp-specialized launches that ran (:func:`spy_ws_launches`)."""
     monkeypatch.setattr(configs, "GLUON_WS_D256", configs._FWD_SM90_GLUON_WS_D256)
-    launched = []
-    forward_ws = launch._forward_sm90_ws
-
-    def spy(q, k, v, out, lse, args, cfg, shape, features):
-        launched.append((q.shape[3], cfg))
-        return forward_ws(q, k, v, out, lse, args, cfg, shape, features)
-
-    monkeypatch.setattr(launch, "_forward_sm90_ws", spy)
-    return launched
+    return spy_ws_launches(monkeypatch)
 
 
 def check_ws_d64(rng, launched, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype=torch.bfloat16, **options):
@@ -544,6 +542,103 @@ def test_d256_warp_specialized_forward_walks_many_tiles_per_cta(rng, monkeypatch
     monkeypatch.setattr(configs, "ws_ctas", lambda causal, tiles, sms: min(tiles, 3))
     check_d256(rng, ws_d256, 2, 777, 777 if causal else 1500, 6, 3, torch.bfloat16, causal=causal,
                **feature_options(rng, 6, **features))
+
+
+WS_D192 = "gluon-sm90-ws BN=128"
+D192 = (192, 128)
+
+
+@pytest.fixture
+def ws_d192(monkeypatch):
+    """The 192/128 warp-specialized tile switched on (configs.GLUON_WS_D192, off in the table until its A/B); yields
+    the head dims of the warp-specialized launches that ran (:func:`spy_ws_launches`)."""
+    monkeypatch.setattr(configs, "GLUON_WS_D192", configs._FWD_SM90_GLUON_WS_D192)
+    return spy_ws_launches(monkeypatch)
+
+
+def check_d192(rng, ws_d192, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, kernel=WS_D192, **options):
+    """``check`` at DeepSeek's head dims 192/128, and whether the warp-specialized launcher ran it (``kernel``
+    WS_D192: its 192/128 name in the kernel counter and one launch of its tile) or not."""
+    ours = check(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, kernel, head_dims=D192, **options)
+    takes = kernel == WS_D192
+    assert ws_d192 == ([(192, configs._FWD_SM90_GLUON_WS_D192)] if takes else [])
+    assert any("fwd[gluon-sm90-ws d=192 " in name for name in flashtile.stats()["kernels"]) == takes, \
+        flashtile.stats()["kernels"]
+    return ours
+
+
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal, kernel", [
+    (2, 1037, 4157, 4, 2, False, WS_D192),  # full at the floor, GQA, a last key block of 61 keys
+    (2, 4096, 4096, 4, 4, False, WS_D192),  # DeepSeek's 2 x 4096, full
+    (1, 16384, 16384, 2, 1, False, WS_D192),  # 256 tiles on 132 SMs: CTAs walk two (persistent)
+    (1, 16384, 16384, 2, 2, True, WS_D192),  # 1 x 16384 causal: a CTA a tile, longest first
+    (1, 4100, 8192, 4, 2, True, WS_D192),  # causal at the floor, more keys than queries
+    (1, 8200, 8195, 2, 2, True, WS_D192),  # fewer keys: the first 5 rows see none
+    (2, 4096, 4096, 4, 4, True, NARROW),  # DeepSeek's 2 x 4096 causal: under the causal floor, the 64x64 tile
+    (1, 300, 4095, 2, 2, False, NARROW),  # one key under the full floor
+], ids=["full-4157-gqa", "full-2x4096", "full-16384", "causal-16384", "causal-8192-gqa", "causal-rows-see-none",
+        "causal-2x4096-under", "full-under"])
+def test_d192_warp_specialized_forward_at_its_floors(rng, monkeypatch, ws_d192, batch, seqlen_q, seqlen_k, nheads,
+                                                      nheads_kv, causal, kernel):
+    """Switched on, 192/128 takes the warp-specialized kernel (q and k as 128 + 64 columns, 128-key slots, one Q
+    buffer) at d=128's key floors: out, lse and the gradients against the reference."""
+    monkeypatch.setattr(configs, "GLUON_WS_FULL_KEYS", WS_FLOORS[False])
+    monkeypatch.setattr(configs, "GLUON_WS_CAUSAL_KEYS", WS_FLOORS[True])
+    ours = check_d192(rng, ws_d192, batch, seqlen_q, seqlen_k, nheads, nheads_kv, torch.bfloat16, kernel,
+                      causal=causal)
+    assert_rows_see_none(ours, seqlen_q, seqlen_k, causal)
+
+
+@pytest.mark.usefixtures("ws_rows")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal", WS_SHAPES)
+def test_d192_warp_specialized_forward(rng, ws_d192, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal):
+    """Awkward lengths at 192/128 on the warp-specialized kernel (its floors lowered)."""
+    ours = check_d192(rng, ws_d192, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, causal=causal)
+    assert_rows_see_none(ours, seqlen_q, seqlen_k, causal)
+
+
+@pytest.mark.usefixtures("ws_rows")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype, softcap, sink", [
+    (torch.bfloat16, True, False),  # bf16 softcap 30: the row max held fixed, the scale folded into both Q parts
+    (torch.float16, True, False),  # fp16: a running max
+    (torch.bfloat16, False, True),
+    (torch.bfloat16, True, True),
+], ids=["softcap-fixed-max", "softcap-fp16", "sink", "softcap-sink"])
+def test_d192_warp_specialized_forward_with_softcap_and_sink(rng, ws_d192, causal, dtype, softcap, sink):
+    check_d192(rng, ws_d192, 2, 900, 1100, 4, 2, dtype, causal=causal, **feature_options(rng, 4, softcap, False, sink))
+
+
+@pytest.mark.usefixtures("ws_rows")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("features, left", [(dict(alibi=True, sink=True), -1), (dict(), 700)],
+                         ids=["alibi-sink", "window"])
+def test_d192_alibi_and_windows_keep_the_64x64_tile(rng, ws_d192, causal, features, left):
+    """Switched on, 192/128 calls with ALiBi (not in configs.GLUON_WS_D192_FEATURES) or a left window bound still run
+    the 64x64 tile."""
+    mask = dict(window_size=(left, 0 if causal else 300)) if left >= 0 else dict(causal=causal)
+    check_d192(rng, ws_d192, 1, 900, 1100, 4, 2, torch.bfloat16, NARROW, **mask, **feature_options(rng, 4, **features))
+
+
+@pytest.mark.usefixtures("ws_rows")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@WALK_FEATURES
+def test_d192_warp_specialized_forward_walks_many_tiles_per_cta(rng, monkeypatch, ws_d192, causal, features):
+    """Three CTAs walk every tile: the one Q buffer (and its tail) waits for both consumers' last S of the tile before,
+    ring positions and the buffer's phase carried across tiles of other lengths, heads and rows."""
+    monkeypatch.setattr(configs, "ws_ctas", lambda causal, tiles, sms: min(tiles, 3))
+    check_d192(rng, ws_d192, 2, 777, 777 if causal else 1500, 6, 3, torch.bfloat16, causal=causal,
+               **feature_options(rng, 6, **features))
+
+
+def test_d192_keeps_the_64x64_tile_while_its_warp_specialized_row_is_off(rng, monkeypatch):
+    """Switched off (GLUON_WS_D192 None, the table's value until its A/B), long 192/128 rows run the 64x64 tile."""
+    monkeypatch.setattr(configs, "GLUON_WS_FULL_KEYS", WS_FLOORS[False])
+    monkeypatch.setattr(configs, "GLUON_WS_D192", None)
+    launched = spy_ws_launches(monkeypatch)
+    check(rng, 1, 300, WS_FLOORS[False] + 61, 4, 2, torch.bfloat16, NARROW, head_dims=D192)
+    assert launched == []
 
 
 def test_inputs_the_tma_cannot_read_fall_back_to_triton_and_are_recorded(rng):

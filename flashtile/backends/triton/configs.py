@@ -331,19 +331,19 @@ GLUON_WS_D256 = _FWD_SM90_GLUON_WS_D256
 GLUON_WS_D256_FEATURES = frozenset({"sink", "softcap"})
 # GLUON_WS_D192, 192/128 (DeepSeek's MLA heads: q and k read as 128 + 64 columns, the kernel's TAIL), 16-bit: the
 # warp-specialized forward's tile on d=128's floors and GLUON_WS_D192_FEATURES, else the 64x64 tile above; None: off
-# until a GPU A/B (benchmarks/gluon_ws_heads.py --dims 192) sets it. Shared memory a CTA (228 KB an SM, one CTA), two
-# consumers' Q of 64 x 192 (48 KB a buffer) and slots of K (BLOCK_N x 192) and V (BLOCK_N x 128):
+# until a GPU A/B (benchmarks/gluon_ws_heads.py --dims 192 --seqlens 4096 16384) sets it. Shared memory, one CTA an SM
+# (227 KB): two consumers' Q of 64 x 192 (48 KB a buffer), slots of K (BLOCK_N x 192) and V (BLOCK_N x 128):
 #   tile                        Q        K and V rings      total (fwd_sm90_ws.q_buffers)
-#   128-key slots x2 (chosen)   1 x 48   2 x (48 + 32)      208 KB: two Q buffers would take 256
+#   128-key slots x2 (the row)  1 x 48   2 x (48 + 32)      208 KB (two Q buffers would take 256)
 #   64-key slots x2             2 x 48   2 x (24 + 16)      176 KB
 #   64-key slots x3             2 x 48   3 x (24 + 16)      216 KB
-# 128-key blocks halve the per-block softmax bookkeeping against 64 (20 HGMMAs a block: 12 for S over 192 columns,
-# 8 for P V) and keep d=128's scores (64 x 128 fp32) and O (64 x 128 fp32) in the 240 registers of a consumer. sm_90
-# ptxas (benchmarks/sm90_compile.py fwd-ws-d192[-n64][-s3][-sink] [causal] [softcap]), spill stores / loads a
-# consumer, none in the key loops (loop_stl/loop_ldl 0 in every case):
-#   128-key x2   full 9/15, 5/13; causal 10/18, 12/23; 213.4 KB
-#   64-key x2    0 everywhere, 180.7 KB;  64-key x3: 0, 221.7 KB
-# ALiBi (exact off the linear blocks) stays on the 64x64 tile, as at d=256.
+# 128-key blocks halve the per-block softmax bookkeeping (row max, sum, rescale of O) against 64, with d=128's
+# registers (S 64 x 128 and O 64 x 128 in float32); 20 HGMMAs a block (12 for S over 192 columns, 8 for P V). sm_90
+# ptxas, 240 registers a consumer (benchmarks/sm90_compile.py fwd-ws-d192[-n64][-s3][-sink] [causal] [softcap]),
+# spill stores of consumer 0 / 1, none inside the key loops (loop_stl = loop_ldl = 0 in every case):
+#   128-key x2   full 9/5, causal 10/12, softcap 6/4 and 9/9 causal, sink 10/5 and 10/12 causal; 213.4 KB
+#   64-key x2    0 spills in every case, 180.7 KB;  64-key x3: 0, 221.7 KB
+# ALiBi stays on the 64x64 tile, as at d=256 (not compiled here).
 _FWD_SM90_GLUON_WS_D192 = TileConfig(64, 128, 4, 2, kernel="gluon-ws")
 GLUON_WS_D192 = None
 GLUON_WS_D192_FEATURES = frozenset({"headdim_v", "sink", "softcap"})

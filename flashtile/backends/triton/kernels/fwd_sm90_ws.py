@@ -1,5 +1,5 @@
-"""Hopper forward, warp-specialized (FA3's plan in Gluon), for long rows at head dim 128 (64 and 256 where
-configs.GLUON_WS_D64 and GLUON_WS_D256 are on).
+"""Hopper forward, warp-specialized (FA3's plan in Gluon), for long rows at head dim 128 (64, 256 and 192/128 where
+configs.GLUON_WS_D64, GLUON_WS_D256 and GLUON_WS_D192 are on).
 
 fwd_sm90.py runs one warpgroup a program: it issues its own TMA loads and waits on them between its
 matmuls, and a program's fill and drain (Q's load, the first key blocks, the last PV product, the output
@@ -20,7 +20,8 @@ The CTA walks tiles of 128 rows, query blocks fastest (causal ones from the last
 head's longest rows go first): with ``grid`` below the tile count each CTA takes every grid-th tile
 (persistent: the producer loads the next tile's Q while the consumers finish this one, into a second Q
 buffer where shared memory holds one, else into the one buffer once both consumers' last S has read it:
-:func:`q_buffers`). Inputs: 16-bit, head dim 64, 128 or 256 for q, k and v alike (HEAD_DIM is the descriptors');
+:func:`q_buffers`). Inputs: 16-bit, head dim 64, 128 or 256 for q, k and v alike (HEAD_DIM is the descriptors'), or
+192 for q and k with 128 for v (DeepSeek's; ``TAIL``: q and k in two parts, 128 + 64 columns, as fwd_sm90 reads them);
 full rows or causal (the masks are fwd_sm90's, windows included, but the dispatcher keeps windows on that kernel's
 tiles); softcap (``FIXED_MAX``, ``FOLD_SCALE``: as in fwd_sm90, each consumer folds the scale into its own Q rows),
 ALiBi and a sink; no packed sequences or KV cache (the launcher takes fwd_sm90 for those).
@@ -312,7 +313,9 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
             qb = i % Q_BUFFERS
             mbarrier.wait(q_ready.index(qb * 2 + WG), (i // Q_BUFFERS) & 1)
             q = q_smem.index(qb * 2 + WG).reshape([BLOCK_M, HEAD_DIM])
-            q_tail = q_tail_smem.index(qb * 2 + WG).reshape([BLOCK_M, q_tail_smem.shape[4]])
+            q_tail = q
+            if TAIL:
+                q_tail = q_tail_smem.index(qb * 2 + WG).reshape([BLOCK_M, q_tail_smem.shape[4]])
             off_hk = off_h // group
             score_scale, out_scale = _tile_scales(descales, off_b, off_hk, start_m, qk_scale, FP8, K_BLOCKS)
             if FOLD_SCALE:
@@ -407,6 +410,17 @@ def _load_v(v_desc, bar, smem, tma_b, row, off_hk, FP8: gl.constexpr):
 
 
 @gluon.jit
+def _load_rows(desc, tail_desc, bar, ring, tail_ring, slot, off_b, row, off_h, TAIL: gl.constexpr):
+    """TMA copy of rows ``row..`` of (batch ``off_b``, head ``off_h``) into slot ``slot`` of ``ring``, with ``TAIL``
+    their last columns into ``tail_ring``'s (fwd_sm90._load_qk); ``bar`` completes when all have landed."""
+    if TAIL:
+        _load_qk(desc, tail_desc, bar, ring.index(slot), tail_ring.index(slot), off_b, row, off_h, True, True)
+    else:
+        mbarrier.expect(bar, desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc, [off_b, row, off_h, 0], bar, ring.index(slot))
+
+
+@gluon.jit
 def _producer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr,
               IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr, TAIL: gl.constexpr):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, O,
@@ -436,17 +450,16 @@ def _producer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: g
             qb = i % Q_BUFFERS
             mbarrier.wait(q_empty.index(qb), ((i // Q_BUFFERS) & 1) ^ 1)
             for w in gl.static_range(2):
-                _load_qk(q_desc, q_tail_desc, q_ready.index(qb * 2 + w), q_smem.index(qb * 2 + w),
-                         q_tail_smem.index(qb * 2 + w), tma_b, q_start + start_m * 2 * BLOCK_M + w * BLOCK_M, off_h,
-                         True, TAIL)
+                _load_rows(q_desc, q_tail_desc, q_ready.index(qb * 2 + w), q_smem, q_tail_smem, qb * 2 + w, tma_b,
+                           q_start + start_m * 2 * BLOCK_M + w * BLOCK_M, off_h, TAIL)
             for j in range(n):
                 # Each slot is refilled once both consumers have released its last use (the first pass waits
                 # on the phase before the barrier's first, which counts as done).
                 s, ph = _slot(c, STAGES)
                 row = lo + j * BLOCK_N
                 mbarrier.wait(k_empty.index(s), ph ^ 1)
-                _load_qk(k_desc, k_tail_desc, k_ready.index(s), k_smem.index(s), k_tail_smem.index(s), tma_b,
-                         k_start + row, off_hk, True, TAIL)
+                _load_rows(k_desc, k_tail_desc, k_ready.index(s), k_smem, k_tail_smem, s, tma_b, k_start + row, off_hk,
+                           TAIL)
                 mbarrier.wait(v_empty.index(s), ph ^ 1)
                 if IS_VARLEN:
                     if row + BLOCK_N > seqlen_k:
@@ -528,8 +541,8 @@ def run_partitions(q_desc, k_desc, v_desc, v_smem, O, LSE, SINK, ALIBI_SLOPES, s
         k_tail_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, TAIL_DIM], k_tail_desc.layout)
         tails = (q_tail_desc, k_tail_desc, q_tail_smem, k_tail_smem)
     else:
-        # No tail: Q's and K's own descriptors and rings stand in (never read).
-        tails = (q_desc, k_desc, q_smem, k_smem)
+        # No tail (nothing more for the partitions to capture).
+        tails = (None, None, None, None)
     q_ready = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())

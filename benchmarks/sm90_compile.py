@@ -23,7 +23,8 @@ Triton's wheel ships, so kernels can be checked for register pressure before a G
 ``window``: a left bound (the kernel's MASK_LEFT; the fused and forward kernels).
 
 The one-pass kernel's spills quoted in BENCHMARKS.md and kernels/bwd_sm90_ws.py come from the partitions'
-STL/LDL counts here. Kernel arguments: benchmarks/sm90_cases.py.
+STL/LDL counts here; ``loop_stl``/``loop_ldl``: those inside a partition's key loops (its innermost loops that hold
+a matmul), where a spill costs every key block. Kernel arguments: benchmarks/sm90_cases.py.
 """
 import os
 import re

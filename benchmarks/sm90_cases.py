@@ -33,10 +33,10 @@ def case(which: str, causal: bool, softcap: bool, window: bool = False, tiles: d
     if which == "fwd-ws":
         return _fwd_ws_case(causal, softcap, window)
     if which.startswith("fwd-ws-d"):
-        # fwd-ws-d<head dim>[-n<keys a slot>][-s<slots>][-sink]: launch._forward_sm90_ws's own arguments.
+        # fwd-ws-d<head dim>[-n<keys a slot>][-s<slots>][-sink][-alibi]: launch._forward_sm90_ws's own arguments.
         dims, keys, slots = (re.findall(rf"-{c}(\d+)", which) for c in "dns")
         return _fwd_ws_launch_case(causal, softcap, window, int(dims[0]), int(keys[0]) if keys else 128,
-                                   int(slots[0]) if slots else 2, which.endswith("-sink"))
+                                   int(slots[0]) if slots else 2, "-sink" in which, "-alibi" in which)
     if which.startswith("fwd-fp8"):
         # fwd-fp8[-d64|-d256][-blocks][-varlen]: head dim (128 without), per-block Q/K descales, packed sequences.
         dims = re.findall(r"-d(\d+)", which)
@@ -132,7 +132,7 @@ def _fwd_ws_case(causal: bool, softcap: bool, window: bool, block_n: int = 64, s
 
 
 def _fwd_ws_launch_case(causal: bool, softcap: bool, window: bool, head_dim: int, block_n: int, stages: int,
-                        sink: bool):
+                        sink: bool, alibi: bool = False):
     """The warp-specialized forward launcher's own arguments (launch._forward_sm90_ws) for a 2 x 4096 bf16 call of
     16 query and 16 KV heads at ``head_dim`` (192: DeepSeek's 192/128, values of 128), the tile's ``stages`` slots of
     ``block_n`` keys, caught at its launch."""
@@ -144,7 +144,8 @@ def _fwd_ws_launch_case(causal: bool, softcap: bool, window: bool, head_dim: int
     v = torch.empty(*k.shape[:3], head_dim_v, dtype=k.dtype)
     args = AttnArgs(softmax_scale=head_dim ** -0.5, causal=causal, window_left=1024 if window else -1,
                     window_right=0 if causal else -1, softcap=30.0 if softcap else 0.0,
-                    sink=torch.empty(q.shape[2]) if sink else None)
+                    sink=torch.empty(q.shape[2]) if sink else None,
+                    alibi_slopes=torch.empty(2, q.shape[2]) if alibi else None)
     cfg = configs.TileConfig(64, block_n, 4, stages, kernel="gluon-ws")
     caught = {}
     kernel = launch._FWD_SM90_WS

@@ -15,7 +15,7 @@ Triton's wheel ships, so kernels can be checked for register pressure before a G
                                         # at head dim 64 (-d128 too), through its launcher: two slots of 128 keys
                                         # unless -n<keys> / -s<slots> say otherwise
     python benchmarks/sm90_compile.py fwd-ws-d256-n64[-sink] [causal] [softcap]  # head dim 256, 64-key slots
-    python benchmarks/sm90_compile.py fwd-ws-d192[-n64][-s3][-sink] [causal] [softcap]  # 192/128 (q and k read as
+    python benchmarks/sm90_compile.py fwd-ws-d192[-n64][-s3][-sink][-alibi] [causal] [softcap]  # 192/128 (q, k as
                                         # 128 + 64 columns), two 128-key slots unless -n / -s say otherwise
     python benchmarks/sm90_compile.py fwd-fp8[-d64|-d256][-blocks][-varlen] [causal] [softcap] [window]
                                         # kernels/fwd_sm90_fp8.py; -varlen through its launcher's own arguments

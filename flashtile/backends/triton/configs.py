@@ -345,7 +345,8 @@ GLUON_WS_D256_FEATURES = frozenset({"sink", "softcap"})
 #   64-key x2    0 spills in every case, 180.7 KB;  64-key x3: 0, 221.7 KB
 # The key loop a consumer issues 971 SASS instructions a 128-key block against 2 x 554 on 64-key blocks (d=128's
 # 128-key loop: 934), for the same tensor-core work; the spills above run once a tile, outside it.
-# ALiBi stays on the 64x64 tile, as at d=256 (not compiled here).
+# ALiBi stays on the 64x64 tile, as at d=256: its linear bias spills inside the key loop (-alibi: 2-5 stores and
+# 28-36 loads a consumer there, 50-64 stores in all; d=128's ALiBi alike, a tie in its A/B).
 _FWD_SM90_GLUON_WS_D192 = TileConfig(64, 128, 4, 2, kernel="gluon-ws")
 GLUON_WS_D192 = None
 GLUON_WS_D192_FEATURES = frozenset({"headdim_v", "sink", "softcap"})

@@ -1,8 +1,9 @@
-"""The warp-specialized Hopper forward at head dims 64 and 256 (configs.GLUON_WS_D64 / GLUON_WS_D256) against
-the kernel each head dim ran before it, in one run: evidence for those two config rows.
+"""The warp-specialized Hopper forward at head dims 64, 256 and 192/128 (configs.GLUON_WS_D64 / GLUON_WS_D256 /
+GLUON_WS_D192) against the kernel each head dim ran before it, in one run: evidence for those config rows.
 
 Through ``launch.forward(config=...)``, bf16, the headline's shapes (B = 16384 // N, H = 2048 // d; N 1k/4k/16k,
-full and causal); variants by head dim:
+full and causal; at 192/128 DeepSeek's: values of 128, H = 16, B = 8192 // N, so 2 x 4096 and 1 x 16384); variants
+by head dim:
 
   d=64   triton  configs.fwd_config's Triton tile
          ws      configs._FWD_SM90_GLUON_WS_D64: 2 x 64-row consumers, two slots of 128 keys (98.7 KB)
@@ -10,14 +11,19 @@ full and causal); variants by head dim:
   d=256  gluon   configs._FWD_SM90_GLUON_D256: one warpgroup, 64x64, one K and one V slot
          ws      configs._FWD_SM90_GLUON_WS_D256: two 64-key slots each of K and V, one Q buffer (197 KB)
          ws-n32  the same with 32-key slots and two Q buffers (197 KB)
+  d=192  gluon   configs._FWD_SM90_GLUON: one warpgroup, 64x64, q and k as 128 + 64 columns, two slots each
+         ws      configs._FWD_SM90_GLUON_WS_D192: two 128-key slots each of K and V, one Q buffer (213 KB)
+         ws-n64  the same with 64-key slots and two Q buffers (181 KB)
+         ws-n64-s3  64-key slots, three of them (222 KB)
 
 Each variant's out and lse on the first two heads of batch row 0 are held to the tolerance rule against float32
 attention before any timing (a wrong or failing variant is reported, not timed); then ``triton.testing.do_bench``
 (L2 flushed) times the correct ones, interleaved, ``--rounds`` rounds. One line a shape: TF/s of each and each
 against the first variant.
 
-    python benchmarks/gluon_ws_heads.py [--dims 64 256] [--seqlens 1024 4096 16384] [--rounds 2]
+    python benchmarks/gluon_ws_heads.py [--dims 64 256 192] [--seqlens 1024 4096 16384] [--rounds 2]
         -> $OUT (default /tmp)/h200-gluon-ws-heads-<date>.json
+    python benchmarks/gluon_ws_heads.py --dims 192 --seqlens 4096 16384    # issue 46's 192/128 rows
 """
 import argparse
 import dataclasses
@@ -38,6 +44,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from host_time import save_results  # noqa: E402
 
 TOKENS, WIDTH, REF_HEADS = 16384, 2048, 2
+# DeepSeek's MLA heads (q and k of 192, v of 128) as the bench suite runs them: 16 heads, 2 x 4096.
+HEAD_DIM_V, D192_TOKENS, D192_HEADS = {192: 128}, 8192, 16
+
+
+def shape(head_dim: int, seqlen: int) -> tuple:
+    """``(batch, heads, head_dim_v)`` of the head dim's row at ``seqlen`` keys."""
+    if head_dim == 192:
+        return max(1, D192_TOKENS // seqlen), D192_HEADS, HEAD_DIM_V[192]
+    return TOKENS // seqlen, WIDTH // head_dim, head_dim
 
 
 def variants(head_dim: int, seqlen: int, causal: bool) -> dict:
@@ -46,6 +61,10 @@ def variants(head_dim: int, seqlen: int, causal: bool) -> dict:
         ws = configs._FWD_SM90_GLUON_WS_D64
         before = configs.fwd_config(64, torch.bfloat16, torch.device("cuda"), seqlen, -1, 0 if causal else -1)
         return {"triton": before, "ws": ws, "ws-s4": dataclasses.replace(ws, num_stages=4)}
+    if head_dim == 192:
+        ws = configs._FWD_SM90_GLUON_WS_D192
+        return {"gluon": configs._FWD_SM90_GLUON, "ws": ws, "ws-n64": dataclasses.replace(ws, BLOCK_N=64),
+                "ws-n64-s3": dataclasses.replace(ws, BLOCK_N=64, num_stages=3)}
     ws = configs._FWD_SM90_GLUON_WS_D256
     return {"gluon": configs._FWD_SM90_GLUON_D256, "ws": ws, "ws-n32": dataclasses.replace(ws, BLOCK_N=32)}
 
@@ -61,13 +80,15 @@ def wrong(out, lse, ref_hi, ref_lo) -> str:
 
 
 def one_shape(head_dim: int, seqlen: int, causal: bool, rounds: int) -> dict:
-    batch, nheads = TOKENS // seqlen, WIDTH // head_dim
+    batch, nheads, head_dim_v = shape(head_dim, seqlen)
     q, k, v = make_qkv(batch, seqlen, seqlen, nheads, nheads, head_dim, torch.bfloat16, "cuda", requires_grad=False)
+    v = v[..., :head_dim_v].contiguous()
     attn = validation.attn_args(q, k, v, causal=causal)
     heads = [t[:1, :, :REF_HEADS] for t in (q, k, v)]
     ref_hi = attention_ref(*heads, causal=causal, upcast=True)
     ref_lo = attention_ref(*heads, causal=causal, upcast=False)
-    row = dict(d=head_dim, N=seqlen, B=batch, H=nheads, causal=causal, notes=[], tiles={}, ms={}, tflops={})
+    row = dict(d=head_dim, dv=head_dim_v, N=seqlen, B=batch, H=nheads, causal=causal, notes=[], tiles={}, ms={},
+               tflops={})
     runs = {}
     for name, cfg in variants(head_dim, seqlen, causal).items():
         row["tiles"][name] = dataclasses.asdict(cfg)
@@ -86,7 +107,7 @@ def one_shape(head_dim: int, seqlen: int, causal: bool, rounds: int) -> dict:
     for _ in range(rounds):
         for name, fn in runs.items():
             times[name].append(triton.testing.do_bench(fn, warmup=10, rep=50))
-    flops = common.fwd_flops(batch, nheads, seqlen, head_dim, causal)
+    flops = common.attn_flops(batch, nheads, seqlen, seqlen, head_dim, causal, head_dim_v)
     for name, ts in times.items():
         row["ms"][name] = ts
         row["tflops"][name] = common.tflops(flops, statistics.median(ts))
@@ -96,7 +117,8 @@ def one_shape(head_dim: int, seqlen: int, causal: bool, rounds: int) -> dict:
 def line(row: dict) -> str:
     tf = row["tflops"]
     first = next(iter(row["tiles"]))
-    parts = [f"d{row['d']:<3} N{row['N']:<5} B{row['B']:<2} H{row['H']:<2} {'causal' if row['causal'] else 'full  '}"]
+    mask = "causal" if row["causal"] else "full  "
+    parts = [f"d{row['d']}/{row['dv']:<3} N{row['N']:<5} B{row['B']:<2} H{row['H']:<2} {mask}"]
     parts += [f"{name} {value:6.1f}" for name, value in tf.items()]
     parts += [f"{name}/{first} {tf[name] / tf[first]:.3f}" for name in tf if name != first and first in tf]
     return " | ".join(parts + row["notes"])
@@ -104,7 +126,8 @@ def line(row: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dims", type=int, nargs="+", default=[64, 256], choices=[64, 256])
+    parser.add_argument("--dims", type=int, nargs="+", default=[64, 256], choices=[64, 256, 192],
+                        help="q/k head dims (192: values of 128)")
     parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds a variant")
     args = parser.parse_args()

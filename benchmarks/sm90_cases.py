@@ -33,10 +33,10 @@ def case(which: str, causal: bool, softcap: bool, window: bool = False, tiles: d
     if which == "fwd-ws":
         return _fwd_ws_case(causal, softcap, window)
     if which.startswith("fwd-ws-d"):
-        # fwd-ws-d<head dim>[-n<keys a slot>][-s<slots>][-sink]: launch._forward_sm90_ws's own arguments.
+        # fwd-ws-d<head dim>[-n<keys a slot>][-s<slots>][-sink][-alibi]: launch._forward_sm90_ws's own arguments.
         dims, keys, slots = (re.findall(rf"-{c}(\d+)", which) for c in "dns")
         return _fwd_ws_launch_case(causal, softcap, window, int(dims[0]), int(keys[0]) if keys else 128,
-                                   int(slots[0]) if slots else 2, which.endswith("-sink"))
+                                   int(slots[0]) if slots else 2, "-sink" in which, "-alibi" in which)
     if which.startswith("fwd-fp8"):
         # fwd-fp8[-d64|-d256][-blocks][-varlen]: head dim (128 without), per-block Q/K descales, packed sequences.
         dims = re.findall(r"-d(\d+)", which)
@@ -121,34 +121,38 @@ def _fwd_ws_case(causal: bool, softcap: bool, window: bool, block_n: int = 64, s
     from flashtile.backends.triton.kernels.fwd_sm90_ws import attn_fwd_sm90_ws
     q, k, lse = _inputs()
     args = dict(q_desc=launch._tma_desc(q, 64), k_desc=launch._tma_desc(k, block_n), v_desc=launch._tma_desc(k, block_n),
-                O=q, LSE=lse, SINK=lse, ALIBI_SLOPES=lse, stride_alibi_b=16, qk_scale=0.1, softcap2=1.0, row_max=0.0,
+                q_tail_desc=None, k_tail_desc=None, O=q, LSE=lse, SINK=lse, ALIBI_SLOPES=lse, stride_alibi_b=16, qk_scale=0.1, softcap2=1.0, row_max=0.0,
                 window_left=1024 if window else -1, window_right=0 if causal else -1, stride_ob=q.stride(0),
                 stride_om=q.stride(1), stride_oh=q.stride(2), stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1),
                 seqlen_q=4096, seqlen_k=4096, group=1, nheads=16, num_tiles=1024)
     constexprs = dict(MASK_LEFT=window, MASK_RIGHT=causal, SOFTCAP=softcap, ALIBI=False, HAS_SINK=False,
-                      FIXED_MAX=softcap, FOLD_SCALE=softcap, STAGES=stages, CONSUMER_REGS=240, num_warps=4)
+                      FIXED_MAX=softcap, FOLD_SCALE=softcap, STAGES=stages, CONSUMER_REGS=240, TAIL=False,
+                      num_warps=4)
     return attn_fwd_sm90_ws, args, constexprs, dict(num_warps=4, maxnreg=168)
 
 
 def _fwd_ws_launch_case(causal: bool, softcap: bool, window: bool, head_dim: int, block_n: int, stages: int,
-                        sink: bool):
+                        sink: bool, alibi: bool = False):
     """The warp-specialized forward launcher's own arguments (launch._forward_sm90_ws) for a 2 x 4096 bf16 call of
-    16 query and 16 KV heads at ``head_dim``, the tile's ``stages`` slots of ``block_n`` keys, caught at its
-    launch."""
+    16 query and 16 KV heads at ``head_dim`` (192: DeepSeek's 192/128, values of 128), the tile's ``stages`` slots of
+    ``block_n`` keys, caught at its launch."""
     from flashtile.backends import AttnArgs, present_features
     from flashtile.backends.triton import configs
 
     q, k, lse = _inputs(D=head_dim)
+    head_dim_v = 128 if head_dim == 192 else head_dim
+    v = torch.empty(*k.shape[:3], head_dim_v, dtype=k.dtype)
     args = AttnArgs(softmax_scale=head_dim ** -0.5, causal=causal, window_left=1024 if window else -1,
                     window_right=0 if causal else -1, softcap=30.0 if softcap else 0.0,
-                    sink=torch.empty(q.shape[2]) if sink else None)
+                    sink=torch.empty(q.shape[2]) if sink else None,
+                    alibi_slopes=torch.empty(2, q.shape[2]) if alibi else None)
     cfg = configs.TileConfig(64, block_n, 4, stages, kernel="gluon-ws")
     caught = {}
     kernel = launch._FWD_SM90_WS
     launch._FWD_SM90_WS = lambda key, grid, dynamic, static, **_: caught.update(dynamic, **static())
     try:
-        launch._forward_sm90_ws(q, k, k, torch.empty_like(q), lse, args, cfg, (2, 4096, 4096, 1),
-                                frozenset(present_features(args, head_dim, head_dim)))
+        launch._forward_sm90_ws(q, k, v, torch.empty(*q.shape[:3], head_dim_v, dtype=q.dtype), lse, args, cfg,
+                                (2, 4096, 4096, 1), frozenset(present_features(args, head_dim, head_dim_v)))
     finally:
         launch._FWD_SM90_WS = kernel
     options = dict(num_warps=caught.pop("num_warps"), maxnreg=caught.pop("maxnreg"))

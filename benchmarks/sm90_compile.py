@@ -15,13 +15,16 @@ Triton's wheel ships, so kernels can be checked for register pressure before a G
                                         # at head dim 64 (-d128 too), through its launcher: two slots of 128 keys
                                         # unless -n<keys> / -s<slots> say otherwise
     python benchmarks/sm90_compile.py fwd-ws-d256-n64[-sink] [causal] [softcap]  # head dim 256, 64-key slots
+    python benchmarks/sm90_compile.py fwd-ws-d192[-n64][-s3][-sink][-alibi] [causal] [softcap]  # 192/128 (q, k as
+                                        # 128 + 64 columns), two 128-key slots unless -n / -s say otherwise
     python benchmarks/sm90_compile.py fwd-fp8[-d64|-d256][-blocks][-varlen] [causal] [softcap] [window]
                                         # kernels/fwd_sm90_fp8.py; -varlen through its launcher's own arguments
 
 ``window``: a left bound (the kernel's MASK_LEFT; the fused and forward kernels).
 
 The one-pass kernel's spills quoted in BENCHMARKS.md and kernels/bwd_sm90_ws.py come from the partitions'
-STL/LDL counts here. Kernel arguments: benchmarks/sm90_cases.py.
+STL/LDL counts here; ``loop_stl``/``loop_ldl``: those inside a partition's key loops (its innermost loops that hold
+a matmul), where a spill costs every key block. Kernel arguments: benchmarks/sm90_cases.py.
 """
 import os
 import re
@@ -74,19 +77,41 @@ def report(kernel, name: str) -> dict:
     return out
 
 
+def _key_loops(insts: list) -> list:
+    """The address ranges of the innermost loops that hold a matmul (the key loops): a loop is a predicated branch
+    ``@P BRA`` to an earlier address (the unpredicated ones jump back from the out-of-line waits past the end),
+    innermost when no other matmul loop lies inside it."""
+    address = [int(re.match(r"\s+/\*([0-9a-f]+)\*/", line).group(1), 16) for line in insts]
+    loops = []
+    for at, line in zip(address, insts):
+        target = re.search(r"@!?U?P\w+ BRA (?:\S+ )?0x([0-9a-f]+)", line)
+        if target and int(target.group(1), 16) < at:
+            loops.append((int(target.group(1), 16), at))
+    mma = [a for a, line in zip(address, insts) if "GMMA" in line]
+    loops = [(lo, hi) for lo, hi in loops if any(lo <= a <= hi for a in mma)]
+    return [(lo, hi) for lo, hi in loops
+            if not any((lo, hi) != (lo2, hi2) and lo <= lo2 and hi2 <= hi for lo2, hi2 in loops)]
+
+
 def _regions(insts: list) -> list:
-    """Instruction counts between consecutive ``USETMAXREG``s (a warp-specialized partition's code)."""
+    """Instruction counts between consecutive ``USETMAXREG``s (a warp-specialized partition's code);
+    ``loop_stl``/``loop_ldl``: the spills inside its key loops (:func:`_key_loops`)."""
+    loops = _key_loops(insts)
     regions, current = [], None
     for line in insts:
         if "USETMAXREG" in line:
             current = dict(setmaxreg=re.search(r"USETMAXREG\S* [^;]*", line).group(0), n=0, stl=0, ldl=0, hgmma=0,
-                           qgmma=0, mufu=0, shfl=0, sts=0, lds=0)
+                           qgmma=0, mufu=0, shfl=0, sts=0, lds=0, loop_stl=0, loop_ldl=0)
             regions.append(current)
         if current is not None:
             current["n"] += 1
             for name, op in (("stl", "STL"), ("ldl", "LDL"), ("hgmma", "HGMMA"), ("qgmma", "QGMMA"), ("mufu", "MUFU"),
                              ("shfl", "SHFL"), ("sts", "STS"), ("lds", "LDS")):
                 current[name] += op in line
+            at = int(re.match(r"\s+/\*([0-9a-f]+)\*/", line).group(1), 16)
+            if any(lo <= at <= hi for lo, hi in loops):
+                current["loop_stl"] += "STL" in line
+                current["loop_ldl"] += "LDL" in line
     return [r for r in regions if r["hgmma"] or r["qgmma"]]
 
 

@@ -107,17 +107,24 @@ def test_sm90_cases_catch_the_launchers_arguments(monkeypatch, which, v_tail):
 
 
 @pytest.mark.parametrize("causal, softcap", [(False, False), (True, True)])
-def test_sm90_case_of_the_d256_warp_specialized_forward(monkeypatch, causal, softcap):
-    """The d=256 warp-specialized forward's case runs launch._forward_sm90_ws on CPU tensors and catches its launch:
-    every kernel argument, descriptors of whole 256-column rows (Q in one consumer's 64, K and V in 64-key slots),
-    two stages, and nothing launches."""
+@pytest.mark.parametrize("which, tiles", [
+    ("fwd-ws-d256-n64", {"q_desc": (1, 64, 1, 256), "k_desc": (1, 64, 1, 256), "v_desc": (1, 64, 1, 256)}),
+    # 192/128: q and k as 128 + 64 columns, 128-key slots of both parts, values of 128.
+    ("fwd-ws-d192", {"q_desc": (1, 64, 1, 128), "q_tail_desc": (1, 64, 1, 64), "k_desc": (1, 128, 1, 128),
+                     "k_tail_desc": (1, 128, 1, 64), "v_desc": (1, 128, 1, 128)}),
+])
+def test_sm90_case_of_the_wide_warp_specialized_forwards(monkeypatch, causal, softcap, which, tiles):
+    """The d=256 and 192/128 warp-specialized forwards' cases run launch._forward_sm90_ws on CPU tensors and catch
+    its launch: every kernel argument, the descriptors' tiles (Q in one consumer's 64 rows; no tail descriptors at
+    256), two stages, and nothing launches."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     from sm90_cases import case
 
-    fn, args, constexprs, options = case("fwd-ws-d256-n64", causal, softcap)
+    fn, args, constexprs, options = case(which, causal, softcap)
     assert set(args) | set(constexprs) == set(fn.arg_names)
-    assert {name: tuple(args[name].block_shape) for name in ("q_desc", "k_desc", "v_desc")} == {
-        "q_desc": (1, 64, 1, 256), "k_desc": (1, 64, 1, 256), "v_desc": (1, 64, 1, 256)}
+    descriptors = {name: tuple(value.block_shape) for name, value in args.items() if name.endswith("_desc") and value}
+    assert descriptors == tiles
+    assert constexprs["TAIL"] == ("q_tail_desc" in tiles)
     assert constexprs["STAGES"] == 2 and constexprs["MASK_RIGHT"] == causal and constexprs["SOFTCAP"] == softcap
     assert options == dict(num_warps=4, maxnreg=168)
 
@@ -215,3 +222,20 @@ def test_sm90_fp8_varlen_case_catches_the_launchers_arguments(monkeypatch, causa
     assert args["num_tiles"] == 2 * 16 * 32 and args["seqlen_q"] == args["seqlen_k"] == 4096
     assert args["stride_qds_m"] == 1 and args["stride_qds_h"] == 32
     assert options == dict(num_warps=4, maxnreg=168)
+
+
+def test_gluon_ws_heads_times_deepseeks_192_128_rows(monkeypatch):
+    """gluon_ws_heads.py --dims 192: DeepSeek's rows (16 heads, values of 128; 2 x 4096 and 1 x 16384) and the kernel
+    192/128 runs now (the 64x64 tile) first, then the warp-specialized tile of configs.GLUON_WS_D192's row and its
+    64-key variants."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import gluon_ws_heads
+    from flashtile.backends.triton import configs
+
+    assert [gluon_ws_heads.shape(192, n) for n in (4096, 16384)] == [(2, 16, 128), (1, 16, 128)]
+    assert gluon_ws_heads.shape(256, 4096) == (4, 8, 256)
+    tiles = gluon_ws_heads.variants(192, 16384, True)
+    assert list(tiles) == ["gluon", "ws", "ws-n64", "ws-n64-s3"]
+    assert tiles["gluon"] == configs._FWD_SM90_GLUON and tiles["ws"] == configs._FWD_SM90_GLUON_WS_D192
+    assert [(t.BLOCK_N, t.num_stages, t.kernel) for t in tiles.values()][2:] == [(64, 2, "gluon-ws"),
+                                                                                  (64, 3, "gluon-ws")]

@@ -284,19 +284,71 @@ def test_d256_takes_the_warp_specialized_tile_only_when_switched_on(monkeypatch,
                                     warp_specialized=False) == configs._FWD_SM90_GLUON_D256
 
 
-@pytest.mark.parametrize("tile, head_dim, q_buffers", [
-    ("_FWD_SM90_GLUON_WS", 128, 2), ("_FWD_SM90_GLUON_WS_D256", 256, 1),
+@pytest.mark.parametrize("tile, head_dim, head_dim_v, q_buffers", [
+    ("_FWD_SM90_GLUON_WS", 128, 128, 2), ("_FWD_SM90_GLUON_WS_D256", 256, 256, 1),
+    ("_FWD_SM90_GLUON_WS_D192", 192, 128, 1),
 ])
-def test_ws_tiles_fit_shared_memory(tile, head_dim, q_buffers):
+def test_ws_tiles_fit_shared_memory(tile, head_dim, head_dim_v, q_buffers):
     """The warp-specialized forward's 16-bit plans: Q buffers of 128 rows (two, or one where two would not fit beside
     the K and V rings: fwd_sm90_ws.q_buffers) and the rings, within the CTA's 227 KB."""
     from flashtile.backends.triton import configs
     from flashtile.backends.triton.kernels import fwd_sm90_ws
     cfg = getattr(configs, tile)
-    ring = 2 * cfg.num_stages * cfg.BLOCK_N * head_dim * 2
+    ring = cfg.num_stages * cfg.BLOCK_N * (head_dim + head_dim_v) * 2
     buffers = fwd_sm90_ws.q_buffers(cfg.BLOCK_M, head_dim, 16, ring)
     assert buffers == q_buffers
     assert buffers * 2 * cfg.BLOCK_M * head_dim * 2 + ring + 1024 <= 227 * 1024
+
+
+@pytest.mark.parametrize("switch", [False, True], ids=["off", "on"])
+@pytest.mark.parametrize("seqlen_k, window, features, takes_ws", [
+    (4096, (-1, -1), (), True), (4157, (-1, -1), ("sink",), True), (16384, (-1, -1), ("softcap",), True),
+    (8192, (-1, 0), (), True), (16384, (-1, 0), ("sink", "softcap"), True),
+    (4095, (-1, -1), (), False), (8191, (-1, 0), (), False),  # under GLUON_WS_FULL_KEYS / GLUON_WS_CAUSAL_KEYS
+    (16384, (-1, -1), ("alibi",), False), (16384, (-1, 0), ("alibi", "sink"), False),
+    (16384, (4096, 0), ("window",), False), (16384, (-1, -1), ("varlen",), False),
+])
+def test_d192_takes_the_warp_specialized_tile_only_when_switched_on(monkeypatch, switch, seqlen_k, window, features,
+                                                                    takes_ws):
+    """GLUON_WS_D192 (None: off) sends long 192/128 rows of GLUON_WS_D192_FEATURES to the warp-specialized kernel at
+    d=128's floors; every other 192/128 call, and all of them while it is off, keeps the 64x64 tile. ALiBi, windows
+    and packed sequences are refused by the rule, and a KV-cache call (the kernel reads no cache) and 192/192 never
+    take it."""
+    from flashtile.backends.triton import configs
+    monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(configs, "GLUON_WS_D192", configs._FWD_SM90_GLUON_WS_D192 if switch else None)
+    cuda = torch.device("cuda", 0)
+    features = frozenset(("headdim_v", *features))
+    softcap = 30.0 if "softcap" in features else 0.0
+    cfg = configs.gluon_fwd_config(192, 128, torch.bfloat16, cuda, 1 << 20, seqlen_k, *window, features, softcap)
+    assert cfg == (configs._FWD_SM90_GLUON_WS_D192 if switch and takes_ws else configs._FWD_SM90_GLUON)
+    assert configs.gluon_fwd_config(192, 128, torch.bfloat16, cuda, 1 << 20, seqlen_k, *window, features, softcap,
+                                    warp_specialized=False) == configs._FWD_SM90_GLUON
+    assert configs.gluon_fwd_config(192, 192, torch.bfloat16, cuda, 1 << 20, seqlen_k, *window,
+                                    features - {"headdim_v"}, softcap) is None
+    # Neither dtype nor other head dims see the switch: float32 stays off the Gluon kernels.
+    assert configs.gluon_fwd_config(192, 128, torch.float32, cuda, 1 << 20, seqlen_k, *window, features,
+                                    softcap) is None
+
+
+@pytest.mark.parametrize("switch", [False, True], ids=["off", "on"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_d192_warp_specialized_forward_is_named(monkeypatch, switch, causal):
+    """describe() names the kernel that runs: DeepSeek's 1 x 16384 rows at 192/128 on the warp-specialized kernel
+    (``gluon-sm90-ws d=192 ... headdim_v``, 128-key slots) once GLUON_WS_D192 is on, else the 64x64 Gluon tile."""
+    from flashtile.backends import AttentionCall
+    from flashtile.backends import triton as triton_backend
+    from flashtile.backends.triton import configs
+    monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)
+    monkeypatch.setattr(configs, "GLUON_WS_D192", configs._FWD_SM90_GLUON_WS_D192 if switch else None)
+    call = AttentionCall(torch.device("cuda", 0), torch.bfloat16, 1, 16384, 16384, 16, 16, 192, causal,
+                         (("headdim_v", "headdim_v: test"),), headdim_v=128, window=(-1, 0 if causal else -1))
+    name, _, tiles = triton_backend.describe(call)
+    mask = "causal" if causal else "full"
+    expected = "gluon-sm90-ws d=192 {} headdim_v BM=64 BN=128" if switch else "gluon-sm90 d=192 {} headdim_v BM=64 BN=64"
+    assert name == f"flashtile.fwd[{expected.format(mask)}]", name
+    assert tiles["fwd"]["kernel"] == ("gluon-ws" if switch else "gluon")
 
 
 def test_small_calls_keep_the_triton_kernel_for_its_cheaper_launch(monkeypatch):

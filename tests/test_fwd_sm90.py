@@ -7,8 +7,8 @@ sliding windows under 4096 keys, softcap with ALiBi and causal rows under 1024 k
 64x64 tile, at 64 the 64x64 tile on plain causal rows under 1024 keys alone (configs.py).
 Full rows of GLUON_WS_FULL_KEYS keys and more and causal rows of GLUON_WS_CAUSAL_KEYS take the warp-specialized
 kernel (kernels/fwd_sm90_ws.py) instead; the tests of the one-warpgroup kernel raise those floors, its own tests
-(``ws_rows``) lower them. At d=64 and 256 it takes them while configs.GLUON_WS_D64 / GLUON_WS_D256 hold a tile:
-the ``ws_d64`` / ``ws_d256`` tests make sure they do.
+(``ws_rows``) lower them. At d=64, 256 and 192/128 it takes them while configs.GLUON_WS_D64 / GLUON_WS_D256 /
+GLUON_WS_D192 hold a tile: the ``ws_d64`` and ``wide`` tests make sure they do.
 These tests check which kernel and tile ran (by the kernel counter) and hold out, lse and the gradients
 (the Triton backward on its lse) to the tolerance rule.
 Lengths are awkward: not multiples of the 64-row tiles, seqlen_q != seqlen_k, rows that see no key,
@@ -388,14 +388,9 @@ def test_warp_specialized_forward_takes_long_rows(rng, monkeypatch, causal, extr
     check(rng, 1, 300, WS_FLOORS[causal] + extra, 2, 2, torch.bfloat16, kernel, causal=causal)
 
 
-@pytest.fixture
-def ws_d64(monkeypatch):
-    """The warp-specialized forward switched on at head dim 64 (configs.GLUON_WS_D64), at its
-    own key floors; returns the head dims of its launches (launch._forward_sm90_ws spied on), so a call that
-    silently ran another kernel fails."""
-    monkeypatch.setattr(configs, "GLUON_WS_D64", configs._FWD_SM90_GLUON_WS_D64)
-    monkeypatch.setattr(configs, "GLUON_WS_FULL_KEYS", WS_FLOORS[False])
-    monkeypatch.setattr(configs, "GLUON_WS_CAUSAL_KEYS", WS_FLOORS[True])
+def spy_ws_launches(monkeypatch) -> list:
+    """``(q's head dim, tile)`` of each launch of the warp-specialized forward from now on (launch._forward_sm90_ws
+    spied on), so a test sees the launcher itself run, not only the planned name."""
     launched = []
     real = launch._forward_sm90_ws
 
@@ -407,24 +402,31 @@ def ws_d64(monkeypatch):
     return launched
 
 
-WS_D256 = "gluon-sm90-ws BN=64"
-D256 = (256, 256)
-
-
 @pytest.fixture
-def ws_d256(monkeypatch):
-    """The d=256 warp-specialized tile switched on (configs.GLUON_WS_D256); yields the head
-    dims of the warp-specialized launches that ran, so a test sees the launcher itself, not only the planned name."""
-    monkeypatch.setattr(configs, "GLUON_WS_D256", configs._FWD_SM90_GLUON_WS_D256)
-    launched = []
-    forward_ws = launch._forward_sm90_ws
+def ws_d64(monkeypatch):
+    """The warp-specialized forward switched on at head dim 64 (configs.GLUON_WS_D64), at its
+    own key floors; returns the head dims of its launches (:func:`spy_ws_launches`), so a call that
+    silently ran another kernel fails."""
+    monkeypatch.setattr(configs, "GLUON_WS_D64", configs._FWD_SM90_GLUON_WS_D64)
+    monkeypatch.setattr(configs, "GLUON_WS_FULL_KEYS", WS_FLOORS[False])
+    monkeypatch.setattr(configs, "GLUON_WS_CAUSAL_KEYS", WS_FLOORS[True])
+    return spy_ws_launches(monkeypatch)
 
-    def spy(q, k, v, out, lse, args, cfg, shape, features):
-        launched.append((q.shape[3], cfg))
-        return forward_ws(q, k, v, out, lse, args, cfg, shape, features)
 
-    monkeypatch.setattr(launch, "_forward_sm90_ws", spy)
-    return launched
+WS_D256, WS_D192 = "gluon-sm90-ws BN=64", "gluon-sm90-ws BN=128"
+D256, D192 = (256, 256), (192, 128)
+# The wide head dims' warp-specialized tiles: (q/k, v) head dims -> (their switch in configs, the tile, its name).
+WIDE_WS = {D256: ("GLUON_WS_D256", "_FWD_SM90_GLUON_WS_D256", WS_D256),
+           D192: ("GLUON_WS_D192", "_FWD_SM90_GLUON_WS_D192", WS_D192)}
+WIDE_HEAD_DIMS = pytest.mark.parametrize("head_dims", [D256, D192], ids=["d256", "d192-128"])
+
+
+def switch_on_wide_ws(monkeypatch, head_dims: tuple) -> list:
+    """The warp-specialized tile of ``head_dims`` switched on (configs.GLUON_WS_D256 / GLUON_WS_D192, the latter off
+    in the table until its A/B); returns its launches (:func:`spy_ws_launches`)."""
+    switch, tile, _ = WIDE_WS[head_dims]
+    monkeypatch.setattr(configs, switch, getattr(configs, tile))
+    return spy_ws_launches(monkeypatch)
 
 
 def check_ws_d64(rng, launched, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype=torch.bfloat16, **options):
@@ -482,68 +484,113 @@ def test_head_dim_64_keeps_the_triton_kernel_while_its_warp_specialized_row_is_o
     check(rng, 1, 300, WS_FLOORS[False] + 4, 4, 2, torch.bfloat16, "fwd[triton", head_dims=(64, 64))
 
 
-def check_d256(rng, ws_d256, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, kernel=WS_D256, **options):
-    """``check`` at head dim 256, and whether the warp-specialized launcher ran it (``kernel`` WS_D256) or not."""
-    ours = check(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, kernel, head_dims=D256, **options)
-    assert ws_d256 == ([(256, configs._FWD_SM90_GLUON_WS_D256)] if kernel == WS_D256 else [])
+def check_wide_ws(rng, launched, head_dims, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, ws=True,
+                  **options):
+    """``check`` at head dims 256 or 192/128, and whether the warp-specialized launcher ran it (``ws``: its name in the
+    kernel counter and one launch of its tile) or the 64x64 tile did."""
+    _, tile, kernel = WIDE_WS[head_dims]
+    ours = check(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, kernel if ws else NARROW,
+                 head_dims=head_dims, **options)
+    assert launched == ([(head_dims[0], getattr(configs, tile))] if ws else [])
+    named = any(f"fwd[gluon-sm90-ws d={head_dims[0]} " in name for name in flashtile.stats()["kernels"])
+    assert named == ws, flashtile.stats()["kernels"]
     return ours
 
 
-@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal, kernel", [
-    (2, 1037, 4100, 4, 2, False, WS_D256),  # full at the floor, GQA, a partial last key block
-    (1, 8191, 8191, 4, 2, False, WS_D256),  # 256 tiles on 132 SMs: CTAs walk two (persistent), the last partial
-    (1, 8200, 8200, 2, 1, True, WS_D256),  # causal over the floor
-    (1, 4100, 8192, 4, 2, True, WS_D256),  # causal at the floor, more keys than queries
-    (1, 300, 4095, 2, 2, False, NARROW),  # under the floors: the 64x64 tile
-    (1, 300, 8191, 2, 2, True, NARROW),
-], ids=["full-4100", "full-8191", "causal-8200", "causal-8192-gqa", "full-under", "causal-under"])
-def test_d256_warp_specialized_forward_at_its_floors(rng, monkeypatch, ws_d256, batch, seqlen_q, seqlen_k, nheads,
-                                                      nheads_kv, causal, kernel):
-    """Switched on, d=256 takes the warp-specialized kernel (64-key slots, one Q buffer) at d=128's key floors."""
+@pytest.mark.parametrize("head_dims, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal, ws", [
+    (D256, 2, 1037, 4100, 4, 2, False, True),  # full at the floor, GQA, a partial last key block
+    (D256, 1, 8191, 8191, 4, 2, False, True),  # 256 tiles on 132 SMs: CTAs walk two (persistent), the last partial
+    (D256, 1, 8200, 8200, 2, 1, True, True),  # causal over the floor
+    (D256, 1, 4100, 8192, 4, 2, True, True),  # causal at the floor, more keys than queries
+    (D256, 1, 300, 4095, 2, 2, False, False),  # under the floors: the 64x64 tile
+    (D256, 1, 300, 8191, 2, 2, True, False),
+    (D192, 2, 1037, 4157, 4, 2, False, True),  # full at the floor, GQA, a last key block of 61 keys
+    (D192, 2, 4096, 4096, 4, 4, False, True),  # DeepSeek's 2 x 4096, full
+    (D192, 1, 16384, 16384, 2, 1, False, True),  # 256 tiles on 132 SMs: CTAs walk two (persistent)
+    (D192, 1, 16384, 16384, 2, 2, True, True),  # 1 x 16384 causal: a CTA a tile, longest first
+    (D192, 1, 4100, 8192, 4, 2, True, True),  # causal at the floor, more keys than queries
+    (D192, 1, 8200, 8195, 2, 2, True, True),  # fewer keys: the first 5 rows see none
+    (D192, 2, 4096, 4096, 4, 4, True, False),  # DeepSeek's 2 x 4096 causal: under the causal floor, the 64x64 tile
+    (D192, 1, 300, 4095, 2, 2, False, False),  # one key under the full floor
+], ids=["d256-full-4100", "d256-full-8191", "d256-causal-8200", "d256-causal-8192-gqa", "d256-full-under",
+        "d256-causal-under", "d192-full-4157-gqa", "d192-full-2x4096", "d192-full-16384", "d192-causal-16384",
+        "d192-causal-8192-gqa", "d192-causal-rows-see-none", "d192-causal-2x4096-under", "d192-full-under"])
+def test_wide_warp_specialized_forward_at_its_floors(rng, monkeypatch, head_dims, batch, seqlen_q, seqlen_k, nheads,
+                                                     nheads_kv, causal, ws):
+    """Switched on, d=256 (64-key slots) and 192/128 (q and k as 128 + 64 columns, 128-key slots) take the
+    warp-specialized kernel, one Q buffer, at d=128's key floors: out, lse and the gradients against the reference."""
     monkeypatch.setattr(configs, "GLUON_WS_FULL_KEYS", WS_FLOORS[False])
     monkeypatch.setattr(configs, "GLUON_WS_CAUSAL_KEYS", WS_FLOORS[True])
-    check_d256(rng, ws_d256, batch, seqlen_q, seqlen_k, nheads, nheads_kv, torch.bfloat16, kernel, causal=causal)
-
-
-@pytest.mark.usefixtures("ws_rows")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal", WS_SHAPES)
-def test_d256_warp_specialized_forward(rng, ws_d256, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal):
-    """Awkward lengths at d=256 on the warp-specialized kernel (its floors lowered)."""
-    ours = check_d256(rng, ws_d256, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, causal=causal)
+    launched = switch_on_wide_ws(monkeypatch, head_dims)
+    ours = check_wide_ws(rng, launched, head_dims, batch, seqlen_q, seqlen_k, nheads, nheads_kv, torch.bfloat16, ws,
+                         causal=causal)
     assert_rows_see_none(ours, seqlen_q, seqlen_k, causal)
 
 
 @pytest.mark.usefixtures("ws_rows")
+@WIDE_HEAD_DIMS
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal", WS_SHAPES)
+def test_wide_warp_specialized_forward(rng, monkeypatch, head_dims, dtype, batch, seqlen_q, seqlen_k, nheads,
+                                       nheads_kv, causal):
+    """Awkward lengths at d=256 and 192/128 on the warp-specialized kernel (its floors lowered)."""
+    launched = switch_on_wide_ws(monkeypatch, head_dims)
+    ours = check_wide_ws(rng, launched, head_dims, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, causal=causal)
+    assert_rows_see_none(ours, seqlen_q, seqlen_k, causal)
+
+
+@pytest.mark.usefixtures("ws_rows")
+@WIDE_HEAD_DIMS
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype, softcap, sink", [
-    (torch.bfloat16, True, False),  # bf16 softcap 30: the row max held fixed, the scale folded into Q
+    (torch.bfloat16, True, False),  # bf16 softcap 30: the row max held fixed, the scale folded into Q (both parts)
     (torch.float16, True, False),  # fp16: a running max
     (torch.bfloat16, False, True),
     (torch.bfloat16, True, True),
 ], ids=["softcap-fixed-max", "softcap-fp16", "sink", "softcap-sink"])
-def test_d256_warp_specialized_forward_with_softcap_and_sink(rng, ws_d256, causal, dtype, softcap, sink):
-    check_d256(rng, ws_d256, 2, 900, 1100, 4, 2, dtype, causal=causal, **feature_options(rng, 4, softcap, False, sink))
+def test_wide_warp_specialized_forward_with_softcap_and_sink(rng, monkeypatch, head_dims, causal, dtype, softcap,
+                                                             sink):
+    launched = switch_on_wide_ws(monkeypatch, head_dims)
+    check_wide_ws(rng, launched, head_dims, 2, 900, 1100, 4, 2, dtype, causal=causal,
+                  **feature_options(rng, 4, softcap, False, sink))
 
 
 @pytest.mark.usefixtures("ws_rows")
+@WIDE_HEAD_DIMS
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_d256_alibi_keeps_the_64x64_tile(rng, ws_d256, causal):
-    """ALiBi at d=256 spills on the warp-specialized kernel (configs.GLUON_WS_D256_FEATURES): switched on or not,
-    the 64x64 tile runs it."""
-    check_d256(rng, ws_d256, 1, 900, 1100, 4, 2, torch.bfloat16, NARROW, causal=causal,
-               **feature_options(rng, 4, alibi=True, sink=True))
+@pytest.mark.parametrize("features, left", [(dict(alibi=True, sink=True), -1), (dict(), 700)],
+                         ids=["alibi-sink", "window"])
+def test_wide_alibi_and_windows_keep_the_64x64_tile(rng, monkeypatch, head_dims, causal, features, left):
+    """ALiBi spills on the warp-specialized kernel at d=256 (configs.GLUON_WS_D256_FEATURES; GLUON_WS_D192_FEATURES
+    leave it out too), and windows with a left bound keep the one-warpgroup tiles: switched on or not, the 64x64 tile
+    runs them."""
+    launched = switch_on_wide_ws(monkeypatch, head_dims)
+    mask = dict(window_size=(left, 0 if causal else 300)) if left >= 0 else dict(causal=causal)
+    check_wide_ws(rng, launched, head_dims, 1, 900, 1100, 4, 2, torch.bfloat16, False, **mask,
+                  **feature_options(rng, 4, **features))
 
 
 @pytest.mark.usefixtures("ws_rows")
+@WIDE_HEAD_DIMS
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @WALK_FEATURES
-def test_d256_warp_specialized_forward_walks_many_tiles_per_cta(rng, monkeypatch, ws_d256, causal, features):
-    """Three CTAs walk every tile: with one Q buffer each tile's Q waits for both consumers' last S of the tile
-    before (their ring positions and the buffer's phase carried across tiles of other lengths, heads and rows)."""
+def test_wide_warp_specialized_forward_walks_many_tiles_per_cta(rng, monkeypatch, head_dims, causal, features):
+    """Three CTAs walk every tile: with one Q buffer (and at 192/128 its tail) each tile's Q waits for both consumers'
+    last S of the tile before (their ring positions and the buffer's phase carried across tiles of other lengths,
+    heads and rows)."""
     monkeypatch.setattr(configs, "ws_ctas", lambda causal, tiles, sms: min(tiles, 3))
-    check_d256(rng, ws_d256, 2, 777, 777 if causal else 1500, 6, 3, torch.bfloat16, causal=causal,
-               **feature_options(rng, 6, **features))
+    launched = switch_on_wide_ws(monkeypatch, head_dims)
+    check_wide_ws(rng, launched, head_dims, 2, 777, 777 if causal else 1500, 6, 3, torch.bfloat16, causal=causal,
+                  **feature_options(rng, 6, **features))
+
+
+def test_d192_keeps_the_64x64_tile_while_its_warp_specialized_row_is_off(rng, monkeypatch):
+    """Switched off (GLUON_WS_D192 None, the table's value until its A/B), long 192/128 rows run the 64x64 tile."""
+    monkeypatch.setattr(configs, "GLUON_WS_FULL_KEYS", WS_FLOORS[False])
+    monkeypatch.setattr(configs, "GLUON_WS_D192", None)
+    launched = spy_ws_launches(monkeypatch)
+    check(rng, 1, 300, WS_FLOORS[False] + 61, 4, 2, torch.bfloat16, NARROW, head_dims=D192)
+    assert launched == []
 
 
 def test_inputs_the_tma_cannot_read_fall_back_to_triton_and_are_recorded(rng):

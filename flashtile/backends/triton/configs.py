@@ -329,6 +329,27 @@ _FWD_SM90_GLUON_D256 = TileConfig(64, 64, 4, 1, kernel="gluon")
 _FWD_SM90_GLUON_WS_D256 = TileConfig(64, 64, 4, 2, kernel="gluon-ws")
 GLUON_WS_D256 = _FWD_SM90_GLUON_WS_D256
 GLUON_WS_D256_FEATURES = frozenset({"sink", "softcap"})
+# GLUON_WS_D192, 192/128 (DeepSeek's MLA heads: q and k read as 128 + 64 columns, the kernel's TAIL), 16-bit: the
+# warp-specialized forward's tile on d=128's floors and GLUON_WS_D192_FEATURES, else the 64x64 tile above; None: off
+# until a GPU A/B (benchmarks/gluon_ws_heads.py --dims 192 --seqlens 4096 16384) sets it. Shared memory, one CTA an SM
+# (227 KB): two consumers' Q of 64 x 192 (48 KB a buffer), slots of K (BLOCK_N x 192) and V (BLOCK_N x 128):
+#   tile                        Q        K and V rings      total (fwd_sm90_ws.q_buffers)
+#   128-key slots x2 (the row)  1 x 48   2 x (48 + 32)      208 KB (two Q buffers would take 256)
+#   64-key slots x2             2 x 48   2 x (24 + 16)      176 KB
+#   64-key slots x3             2 x 48   3 x (24 + 16)      216 KB
+# 128-key blocks halve the per-block softmax bookkeeping (row max, sum, rescale of O) against 64, with d=128's
+# registers (S 64 x 128 and O 64 x 128 in float32); 20 HGMMAs a block (12 for S over 192 columns, 8 for P V). sm_90
+# ptxas, 240 registers a consumer (benchmarks/sm90_compile.py fwd-ws-d192[-n64][-s3][-sink] [causal] [softcap]),
+# spill stores of consumer 0 / 1, none inside the key loops (loop_stl = loop_ldl = 0 in every case):
+#   128-key x2   full 9/5, causal 10/12, softcap 6/4 and 9/9 causal, sink 10/5 and 10/12 causal; 213.4 KB
+#   64-key x2    0 spills in every case, 180.7 KB;  64-key x3: 0, 221.7 KB
+# The key loop a consumer issues 971 SASS instructions a 128-key block against 2 x 554 on 64-key blocks (d=128's
+# 128-key loop: 934), for the same tensor-core work; the spills above run once a tile, outside it.
+# ALiBi stays on the 64x64 tile, as at d=256: its linear bias spills inside the key loop (-alibi: 2-5 stores and
+# 28-36 loads a consumer there, 50-64 stores in all; d=128's ALiBi alike, a tie in its A/B).
+_FWD_SM90_GLUON_WS_D192 = TileConfig(64, 128, 4, 2, kernel="gluon-ws")
+GLUON_WS_D192 = None
+GLUON_WS_D192_FEATURES = frozenset({"headdim_v", "sink", "softcap"})
 
 
 def gluon_ring(cfg: TileConfig, head_dim: int) -> dict:
@@ -407,14 +428,17 @@ def gluon_fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device:
     short_causal = window_left < 0 and window_right == 0 and seqlen_k < GLUON_SHORT_CAUSAL_KEYS
     ws_keys = GLUON_WS_FULL_KEYS if window_right < 0 else GLUON_WS_CAUSAL_KEYS
     # The warp-specialized kernel: long rows, no left bound, its features (not softcap with ALiBi).
-    ws = (warp_specialized and head_dim_v == head_dim and features <= GLUON_WS_FEATURES and window_left < 0
-          and seqlen_k >= ws_keys and not {"softcap", "alibi"} <= features)
+    ws_rows = warp_specialized and window_left < 0 and seqlen_k >= ws_keys
+    ws = (ws_rows and head_dim_v == head_dim and features <= GLUON_WS_FEATURES
+          and not {"softcap", "alibi"} <= features)
     if head_dim == 64:
         if short_causal and not features:
             return _FWD_SM90_GLUON
         return GLUON_WS_D64 if ws else None
     if head_dim == 256 and ws and features <= GLUON_WS_D256_FEATURES and GLUON_WS_D256 is not None:
         return GLUON_WS_D256
+    if head_dim == 192 and ws_rows and features <= GLUON_WS_D192_FEATURES and GLUON_WS_D192 is not None:
+        return GLUON_WS_D192
     if head_dim != 128:
         return _FWD_SM90_GLUON_D256 if head_dim == 256 else _FWD_SM90_GLUON
     if window_left >= 0:

@@ -305,6 +305,18 @@ def _score_constants(args: AttnArgs, dtype: torch.dtype, features: frozenset) ->
     return qk_scale, softcap2, fixed_row_max(args.softcap, dtype, features), fold_scale(args)
 
 
+def _qk_descs(q, k, cfg) -> tuple:
+    """The Gluon forwards' TMA descriptors of q and k (``cfg.BLOCK_M`` and ``cfg.BLOCK_N`` rows): ``(q_desc, k_desc,
+    q_tail, k_tail)``. A head dim that is no power of two (192) is read as its largest power-of-two columns (128)
+    and the rest (the kernels' ``TAIL``); without a tail the kernel reads no tail descriptor, and None spares the
+    launcher encoding one per call."""
+    main = 1 << (q.shape[3].bit_length() - 1)
+    if main == q.shape[3]:
+        return _tma_desc(q, cfg.BLOCK_M), _tma_desc(k, cfg.BLOCK_N), None, None
+    return (_tma_desc(q[..., :main], cfg.BLOCK_M), _tma_desc(k[..., :main], cfg.BLOCK_N),
+            _tma_desc(q[..., main:], cfg.BLOCK_M), _tma_desc(k[..., main:], cfg.BLOCK_N))
+
+
 def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, features: frozenset):
     """Launch the Gluon Hopper forward (kernels/fwd_sm90.py); ``shape``: ``(batch, seqlen_q, seqlen_k, group)``,
     the seqlens of packed sequences their maxima, a KV cache's ``seqlen_k`` its capacity."""
@@ -337,14 +349,8 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, features
             **dict(zip(("HAS_SEQLENS", "HAS_LEFTPAD", "HAS_BATCH_IDX"), (t is not None for t in cache_tensors))),
             num_warps=cfg.num_warps)
 
-    # A head dim that is no power of two (192) is read as its largest power-of-two columns (128) and the rest.
-    main = 1 << (q.shape[3].bit_length() - 1)
-    tail = main != q.shape[3]
-    q_desc = _tma_desc(q[..., :main] if tail else q, cfg.BLOCK_M)
-    k_desc = _tma_desc(k[..., :main] if tail else k, cfg.BLOCK_N)
-    # Without a tail the kernel reads no tail descriptor: None spares the launcher encoding one per call.
-    q_tail = _tma_desc(q[..., main:], cfg.BLOCK_M) if tail else None
-    k_tail = _tma_desc(k[..., main:], cfg.BLOCK_N) if tail else None
+    q_desc, k_desc, q_tail, k_tail = _qk_descs(q, k, cfg)
+    tail = q_tail is not None
     key = (_layout_key(q, k, v, out, lse), q.device, _args_key(args), cfg, row_max is not None, fold,
            decode.cache_key(args) if kvcache else None)
     with on_device(q):
@@ -358,8 +364,8 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, features
                   static)
 
 
-_FWD_SM90_WS = CachedLaunch(attn_fwd_sm90_ws, ("q_desc", "k_desc", "v_desc", "O", "LSE", "SINK", "ALIBI_SLOPES",
-                                               "qk_scale", "softcap2", "row_max"))
+_FWD_SM90_WS = CachedLaunch(attn_fwd_sm90_ws, ("q_desc", "k_desc", "v_desc", "q_tail_desc", "k_tail_desc", "O", "LSE",
+                                               "SINK", "ALIBI_SLOPES", "qk_scale", "softcap2", "row_max"))
 # The consumers' registers after ``setmaxnreg``, and the cap the kernel is compiled under (what each warp
 # holds before the partitions resize): 2 x 4 consumer warps at 240 and the producer warp at 24 fit the
 # SM's 64K registers.
@@ -369,8 +375,8 @@ _WS_MAXNREG = 168
 
 def _forward_sm90_ws(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, features: frozenset):
     """Launch the warp-specialized Hopper forward (kernels/fwd_sm90_ws.py) on dense ``(batch, seqlen, heads, d)``
-    inputs, d = 64, 128 or 256 for q, k and v alike (the descriptors read whole rows); ``shape``: ``(batch, seqlen_q,
-    seqlen_k, group)``."""
+    inputs, d = 64, 128 or 256 for q, k and v alike (the descriptors read whole rows), or 192 for q and k with 128 for
+    v (q and k read as 128 + 64 columns: :func:`_qk_descs`); ``shape``: ``(batch, seqlen_q, seqlen_k, group)``."""
     batch, seqlen_q, seqlen_k, group = shape
     nheads = q.shape[2]
     causal = args.window_right >= 0
@@ -387,12 +393,13 @@ def _forward_sm90_ws(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, featu
                     num_tiles=tiles, MASK_LEFT=args.window_left >= 0, MASK_RIGHT=causal, SOFTCAP=args.softcap > 0,
                     ALIBI=alibi is not None, HAS_SINK=args.sink is not None, FIXED_MAX=row_max is not None,
                     FOLD_SCALE=fold, STAGES=cfg.num_stages, CONSUMER_REGS=_WS_CONSUMER_REGS,
-                    num_warps=cfg.num_warps, maxnreg=_WS_MAXNREG)
+                    TAIL=q_tail is not None, num_warps=cfg.num_warps, maxnreg=_WS_MAXNREG)
 
+    q_desc, k_desc, q_tail, k_tail = _qk_descs(q, k, cfg)
     key = (_layout_key(q, k, v, out, lse), q.device, _args_key(args), cfg, ctas, row_max is not None, fold)
     with on_device(q):
-        _FWD_SM90_WS(key, (ctas, ), dict(q_desc=_tma_desc(q, cfg.BLOCK_M), k_desc=_tma_desc(k, cfg.BLOCK_N),
-                                         v_desc=_tma_desc(v, cfg.BLOCK_N), O=out, LSE=lse,
+        _FWD_SM90_WS(key, (ctas, ), dict(q_desc=q_desc, k_desc=k_desc, v_desc=_tma_desc(v, cfg.BLOCK_N),
+                                         q_tail_desc=q_tail, k_tail_desc=k_tail, O=out, LSE=lse,
                                          SINK=args.sink if args.sink is not None else q,
                                          ALIBI_SLOPES=alibi if alibi is not None else q, qk_scale=qk_scale,
                                          softcap2=softcap2, row_max=row_max or 0.0), static)

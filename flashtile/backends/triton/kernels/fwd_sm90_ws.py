@@ -1,5 +1,5 @@
-"""Hopper forward, warp-specialized (FA3's plan in Gluon), for long rows at head dim 128 (64 and 256 where
-configs.GLUON_WS_D64 and GLUON_WS_D256 are on).
+"""Hopper forward, warp-specialized (FA3's plan in Gluon), for long rows at head dim 128 (64, 256 and 192/128 where
+configs.GLUON_WS_D64, GLUON_WS_D256 and GLUON_WS_D192 are on).
 
 fwd_sm90.py runs one warpgroup a program: it issues its own TMA loads and waits on them between its
 matmuls, and a program's fill and drain (Q's load, the first key blocks, the last PV product, the output
@@ -20,7 +20,8 @@ The CTA walks tiles of 128 rows, query blocks fastest (causal ones from the last
 head's longest rows go first): with ``grid`` below the tile count each CTA takes every grid-th tile
 (persistent: the producer loads the next tile's Q while the consumers finish this one, into a second Q
 buffer where shared memory holds one, else into the one buffer once both consumers' last S has read it:
-:func:`q_buffers`). Inputs: 16-bit, head dim 64, 128 or 256 for q, k and v alike (HEAD_DIM is the descriptors');
+:func:`q_buffers`). Inputs: 16-bit, head dim 64, 128 or 256 for q, k and v alike (HEAD_DIM is the descriptors'), or
+192 for q and k with 128 for v (DeepSeek's; ``TAIL``: q and k in two parts, 128 + 64 columns, as fwd_sm90 reads them);
 full rows or causal (the masks are fwd_sm90's, windows included, but the dispatcher keeps windows on that kernel's
 tiles); softcap (``FIXED_MAX``, ``FOLD_SCALE``: as in fwd_sm90, each consumer folds the scale into its own Q rows),
 ALiBi and a sink; no packed sequences or KV cache (the launcher takes fwd_sm90 for those).
@@ -45,7 +46,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .common import kv_range, packed_vt_start, sequence
-from .fwd_sm90 import _scale_tile, _softmax_block, _tile, row_start, store_rows, wgmma_layout
+from .fwd_sm90 import (_load_qk, _scale_tile, _scores_mma, _softmax_block, _tile, row_start, store_rows,
+                       wgmma_layout)
 
 # P (in [0, 1]) times 448, e4m3's largest finite value, spans the format's range before the FP8 cast. The
 # factor rides in the exp2's row term (exp2(s - m + log2 448)), so l sums the scaled P too and O / l takes it
@@ -70,6 +72,13 @@ def q_buffers(block_m, head_dim, q_bits, ring_bytes):
     128 KB beside the rings' 128 KB; one leaves 192 KB."""
     one = 2 * block_m * head_dim * q_bits // 8
     return 2 if 2 * one + ring_bytes <= SMEM_BYTES.value else 1
+
+
+@gluon.constexpr_function
+def value_dim(block_shape, FP8):
+    """The value head dim of V's TMA tile ``block_shape``: ``[1, BLOCK_N, 1, HEAD_DIM_V]``, or FP8's V^T
+    ``[1, 1, HEAD_DIM_V, BLOCK_N]``."""
+    return block_shape[2] if FP8 else block_shape[3]
 
 
 @gluon.jit
@@ -257,18 +266,20 @@ def _pv_done(acc, pv, TWO_LEVEL: gl.constexpr):
 def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
               ALIBI: gl.constexpr, HAS_SINK: gl.constexpr, FIXED_MAX: gl.constexpr, FOLD_SCALE: gl.constexpr,
               STAGES: gl.constexpr, FP8: gl.constexpr, K_BLOCKS: gl.constexpr, TWO_LEVEL: gl.constexpr,
-              PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr):
+              PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr, TAIL: gl.constexpr):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, O,
      LSE, SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, row_max, window_left, window_right, stride_ob,
      stride_om, stride_oh, stride_lse_b, stride_lse_h, max_seqlen_q, max_seqlen_k, nheads, group, num_tiles, descales,
-     seqs, v_landed) = args
+     seqs, v_landed, tails) = args
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
+    HEAD_DIM_V: gl.constexpr = value_dim(v_desc.block_type.shape, FP8)
     dtype: gl.constexpr = q_desc.dtype
+    q_tail_smem, k_tail_smem = tails[2], tails[3]
     # Accumulator layouts of the two matmuls (one warpgroup), and P as the register operand of the second.
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N, 4, dtype.primitive_bitwidth)
-    o_layout: gl.constexpr = wgmma_layout(HEAD_DIM, 4, dtype.primitive_bitwidth)
+    o_layout: gl.constexpr = wgmma_layout(HEAD_DIM_V, 4, dtype.primitive_bitwidth)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=operand_width(dtype))
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -296,17 +307,22 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
             offs_n = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             m_i, l_i, slope2 = row_start(SINK, row_max, ALIBI_SLOPES, stride_alibi_b, off_b, off_h, BLOCK_M, rows_s,
                                          HAS_SINK, FIXED_MAX, ALIBI)
-            acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-            pv_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+            acc = gl.zeros([BLOCK_M, HEAD_DIM_V], gl.float32, o_layout)
+            pv_zero = gl.zeros([BLOCK_M, HEAD_DIM_V], gl.float32, o_layout)
             s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
             qb = i % Q_BUFFERS
             mbarrier.wait(q_ready.index(qb * 2 + WG), (i // Q_BUFFERS) & 1)
             q = q_smem.index(qb * 2 + WG).reshape([BLOCK_M, HEAD_DIM])
+            q_tail = q
+            if TAIL:
+                q_tail = q_tail_smem.index(qb * 2 + WG).reshape([BLOCK_M, q_tail_smem.shape[4]])
             off_hk = off_h // group
             score_scale, out_scale = _tile_scales(descales, off_b, off_hk, start_m, qk_scale, FP8, K_BLOCKS)
             if FOLD_SCALE:
                 # Softcap's scale (at most 1) into this consumer's Q rows: the tanh then takes q . k as it is.
                 _scale_tile(q, qk_scale, 4)
+                if TAIL:
+                    _scale_tile(q_tail, qk_scale, 4)
                 score_scale = 1.0
             if je > jb:
                 # Block jb: scores and probabilities; its PV product joins the next step.
@@ -315,7 +331,7 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
                 block_scale = _block_scale(score_scale, descales, off_b, off_hk, start_n, K_BLOCKS)
                 mbarrier.wait(k_ready.index(s), ph)
                 _take_turn(turn, base + jb, WG, PINGPONG)
-                qk = warpgroup_mma(q, _tile(k_smem, s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                qk = _scores_mma(q, q_tail, k_smem, k_tail_smem, s, s_zero, TAIL)
                 _pass_turn(turn, WG, PINGPONG)
                 qk = warpgroup_mma_wait(0, deps=(qk, ))
                 mbarrier.arrive(k_empty.index(s), count=1)
@@ -333,7 +349,7 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
                     p = _p_operand(p, p_layout, dtype, PINGPONG)
                     mbarrier.wait(k_ready.index(s), ph)
                     _take_turn(turn, base + j, WG, PINGPONG)
-                    qk = warpgroup_mma(q, _tile(k_smem, s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                    qk = _scores_mma(q, q_tail, k_smem, k_tail_smem, s, s_zero, TAIL)
                     mbarrier.wait(v_ready.index(prev), ph_prev)
                     acc, pv = _pv_mma(_p_operand(p, p_layout, dtype, not PINGPONG), _v_operand(v_smem, prev, FP8),
                                       acc, pv_zero, TWO_LEVEL)
@@ -394,15 +410,27 @@ def _load_v(v_desc, bar, smem, tma_b, row, off_hk, FP8: gl.constexpr):
 
 
 @gluon.jit
+def _load_rows(desc, tail_desc, bar, ring, tail_ring, slot, off_b, row, off_h, TAIL: gl.constexpr):
+    """TMA copy of rows ``row..`` of (batch ``off_b``, head ``off_h``) into slot ``slot`` of ``ring``, with ``TAIL``
+    their last columns into ``tail_ring``'s (fwd_sm90._load_qk); ``bar`` completes when all have landed."""
+    if TAIL:
+        _load_qk(desc, tail_desc, bar, ring.index(slot), tail_ring.index(slot), off_b, row, off_h, True, True)
+    else:
+        mbarrier.expect(bar, desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc, [off_b, row, off_h, 0], bar, ring.index(slot))
+
+
+@gluon.jit
 def _producer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr,
-              IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr):
+              IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr, TAIL: gl.constexpr):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, O,
      LSE, SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, row_max, window_left, window_right, stride_ob,
      stride_om, stride_oh, stride_lse_b, stride_lse_h, max_seqlen_q, max_seqlen_k, nheads, group, num_tiles, descales,
-     seqs, v_landed) = args
+     seqs, v_landed, tails) = args
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     Q_BUFFERS: gl.constexpr = q_smem.shape[0] // 2
+    q_tail_desc, k_tail_desc, q_tail_smem, k_tail_smem = tails
     num_m = gl.cdiv(max_seqlen_q, 2 * BLOCK_M)
     c = 0
     i = 0
@@ -422,18 +450,16 @@ def _producer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: g
             qb = i % Q_BUFFERS
             mbarrier.wait(q_empty.index(qb), ((i // Q_BUFFERS) & 1) ^ 1)
             for w in gl.static_range(2):
-                mbarrier.expect(q_ready.index(qb * 2 + w), q_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [tma_b, q_start + start_m * 2 * BLOCK_M + w * BLOCK_M, off_h,
-                                                         0], q_ready.index(qb * 2 + w), q_smem.index(qb * 2 + w))
+                _load_rows(q_desc, q_tail_desc, q_ready.index(qb * 2 + w), q_smem, q_tail_smem, qb * 2 + w, tma_b,
+                           q_start + start_m * 2 * BLOCK_M + w * BLOCK_M, off_h, TAIL)
             for j in range(n):
                 # Each slot is refilled once both consumers have released its last use (the first pass waits
                 # on the phase before the barrier's first, which counts as done).
                 s, ph = _slot(c, STAGES)
                 row = lo + j * BLOCK_N
                 mbarrier.wait(k_empty.index(s), ph ^ 1)
-                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [tma_b, k_start + row, off_hk, 0], k_ready.index(s),
-                                                k_smem.index(s))
+                _load_rows(k_desc, k_tail_desc, k_ready.index(s), k_smem, k_tail_smem, s, tma_b, k_start + row, off_hk,
+                           TAIL)
                 mbarrier.wait(v_empty.index(s), ph ^ 1)
                 if IS_VARLEN:
                     if row + BLOCK_N > seqlen_k:
@@ -453,55 +479,70 @@ def _producer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: g
 
 
 @gluon.jit
-def attn_fwd_sm90_ws(q_desc, k_desc, v_desc, O, LSE, SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, row_max,
-                     window_left, window_right, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q,
-                     seqlen_k, group, nheads, num_tiles, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-                     SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, HAS_SINK: gl.constexpr, FIXED_MAX: gl.constexpr,
-                     FOLD_SCALE: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                     num_warps: gl.constexpr):
+def attn_fwd_sm90_ws(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, SINK, ALIBI_SLOPES, stride_alibi_b,
+                     qk_scale, softcap2, row_max, window_left, window_right, stride_ob, stride_om, stride_oh,
+                     stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group, nheads, num_tiles,
+                     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+                     HAS_SINK: gl.constexpr, FIXED_MAX: gl.constexpr, FOLD_SCALE: gl.constexpr, STAGES: gl.constexpr,
+                     CONSUMER_REGS: gl.constexpr, TAIL: gl.constexpr, num_warps: gl.constexpr):
     """``q_desc``/``k_desc``/``v_desc``: TMA descriptors of the ``(batch, seqlen, heads, headdim)`` inputs with
-    ``[1, 64, 1, HEAD_DIM]`` (Q: one consumer's rows) and ``[1, BLOCK_N, 1, HEAD_DIM]`` tiles, HEAD_DIM 64, 128
-    or 256; ``num_tiles``: batch x heads x 128-row query blocks, walked by ``grid`` CTAs."""
+    ``[1, 64, 1, HEAD_DIM]`` (Q: one consumer's rows), ``[1, BLOCK_N, 1, HEAD_DIM]`` and ``[1, BLOCK_N, 1,
+    HEAD_DIM_V]`` tiles, HEAD_DIM 64, 128 or 256 (v's alike); with ``TAIL`` q and k of head dim 192 come in two
+    parts, as fwd_sm90 reads them: ``q_desc``/``k_desc`` their first 128 columns, ``q_tail_desc``/``k_tail_desc``
+    the last 64 (None without ``TAIL``), and v has 128. ``num_tiles``: batch x heads x 128-row query blocks,
+    walked by ``grid`` CTAs."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
-    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
+    HEAD_DIM_V: gl.constexpr = v_desc.block_type.shape[3]
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM_V], v_desc.layout)
     # No descales or packed sequences: O (never read) stands in for their pointers.
     descales = (O, 0, 0, 0, O, 0, 0, 0, O, 0, 0)
     run_partitions(q_desc, k_desc, v_desc, v_smem, O, LSE, SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2,
                    row_max, window_left, window_right, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h,
-                   seqlen_q, seqlen_k, group, nheads, num_tiles, descales, (O, O, O, O), MASK_LEFT, MASK_RIGHT,
-                   SOFTCAP, ALIBI, HAS_SINK, FIXED_MAX, FOLD_SCALE, STAGES, CONSUMER_REGS, False, False, False, False,
-                   False, False, num_warps)
+                   seqlen_q, seqlen_k, group, nheads, num_tiles, descales, (O, O, O, O), (q_tail_desc, k_tail_desc),
+                   MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_SINK, FIXED_MAX, FOLD_SCALE, STAGES, CONSUMER_REGS, False,
+                   False, False, False, False, False, TAIL, num_warps)
 
 
 @gluon.jit
 def run_partitions(q_desc, k_desc, v_desc, v_smem, O, LSE, SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2,
                    row_max, window_left, window_right, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h,
-                   seqlen_q, seqlen_k, group, nheads, num_tiles, descales, seqs, MASK_LEFT: gl.constexpr,
+                   seqlen_q, seqlen_k, group, nheads, num_tiles, descales, seqs, tail_descs, MASK_LEFT: gl.constexpr,
                    MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, HAS_SINK: gl.constexpr,
                    FIXED_MAX: gl.constexpr, FOLD_SCALE: gl.constexpr, STAGES: gl.constexpr,
                    CONSUMER_REGS: gl.constexpr, FP8: gl.constexpr, K_BLOCKS: gl.constexpr, TWO_LEVEL: gl.constexpr,
-                   PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
+                   PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr, TAIL: gl.constexpr,
                    num_warps: gl.constexpr):
     """The CTA's shared memory, barriers and partitions, around the V ring ``v_smem`` the kernel allocated
     (its layout is the kernel's: V's rows, or with ``FP8`` V^T's). ``K_BLOCKS``, ``TWO_LEVEL``: FP8's per-block K
     descales and block-wise float32 sum of O (:func:`_block_scale`, :func:`_pv_mma`); ``PINGPONG``: the consumers
     take turns issuing their matmuls (:func:`_take_turn`). ``IS_VARLEN`` (FP8 only; 16-bit packed sequences run
     fwd_sm90.py): ``seqs`` holds ``(CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K, ERR)``, ``seqlen_q``/``seqlen_k`` are the
-    longest lengths and ``off_b`` of a tile a sequence (:func:`_tile_sequence`)."""
+    longest lengths and ``off_b`` of a tile a sequence (:func:`_tile_sequence`). ``TAIL``: ``tail_descs`` holds the
+    descriptors of q's and k's last columns (192 = 128 + 64), which get rings of their own beside Q's and K's."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
+    q_tail_desc, k_tail_desc = tail_descs
+    TAIL_DIM: gl.constexpr = q_tail_desc.block_type.shape[3] if TAIL else 0
+    HEAD_DIM_V: gl.constexpr = value_dim(v_desc.block_type.shape, FP8)
     gl.static_assert(num_warps == 4, "the default partition is consumer 0, one warpgroup")
     gl.static_assert(not (FP8 and FOLD_SCALE), "FP8 Q cannot take the scale: it is applied to the scores")
     gl.static_assert(FP8 or not IS_VARLEN, "the keys past a packed sequence are zeroed in V^T's layout (FP8's)")
     # One or two Q buffers (this tile's and the next's) of two consumers' rows each, and the K ring (V's is
-    # given, as large as K's).
-    Q_BUFFERS: gl.constexpr = q_buffers(BLOCK_M, HEAD_DIM, dtype.primitive_bitwidth,
-                                        2 * STAGES * BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8)
+    # given, with as many slots).
+    Q_BUFFERS: gl.constexpr = q_buffers(BLOCK_M, HEAD_DIM + TAIL_DIM, dtype.primitive_bitwidth,
+                                        STAGES * BLOCK_N * (HEAD_DIM + TAIL_DIM + HEAD_DIM_V)
+                                        * dtype.primitive_bitwidth // 8)
     q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFFERS, 1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
+    if TAIL:
+        q_tail_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFFERS, 1, BLOCK_M, 1, TAIL_DIM], q_tail_desc.layout)
+        k_tail_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, TAIL_DIM], k_tail_desc.layout)
+        tails = (q_tail_desc, k_tail_desc, q_tail_smem, k_tail_smem)
+    else:
+        # No tail (nothing more for the partitions to capture).
+        tails = (None, None, None, None)
     q_ready = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -529,10 +570,10 @@ def run_partitions(q_desc, k_desc, v_desc, v_smem, O, LSE, SINK, ALIBI_SLOPES, s
     args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
             turn, O, LSE, SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, row_max, window_left, window_right,
             stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, group, num_tiles,
-            descales, seqs, v_landed)
+            descales, seqs, v_landed, tails)
     gl.warp_specialize([(_consumer, (args, 0, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_SINK, FIXED_MAX, FOLD_SCALE,
-                                     STAGES, FP8, K_BLOCKS, TWO_LEVEL, PINGPONG, IS_VARLEN, HAS_SEQUSED)),
+                                     STAGES, FP8, K_BLOCKS, TWO_LEVEL, PINGPONG, IS_VARLEN, HAS_SEQUSED, TAIL)),
                         (_consumer, (args, 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_SINK, FIXED_MAX, FOLD_SCALE,
-                                     STAGES, FP8, K_BLOCKS, TWO_LEVEL, PINGPONG, IS_VARLEN, HAS_SEQUSED)),
-                        (_producer, (args, MASK_LEFT, MASK_RIGHT, STAGES, FP8, IS_VARLEN, HAS_SEQUSED))], [4, 1],
-                       [CONSUMER_REGS, 24])
+                                     STAGES, FP8, K_BLOCKS, TWO_LEVEL, PINGPONG, IS_VARLEN, HAS_SEQUSED, TAIL)),
+                        (_producer, (args, MASK_LEFT, MASK_RIGHT, STAGES, FP8, IS_VARLEN, HAS_SEQUSED, TAIL))],
+                       [4, 1], [CONSUMER_REGS, 24])

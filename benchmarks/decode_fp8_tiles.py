@@ -34,25 +34,27 @@ DTYPE = torch.float16 if SMOKE else torch.bfloat16
 NHEADS, NHEADS_KV, D = 32, 8, 128
 GROUP = NHEADS // NHEADS_KV
 MAX_ERR = 2e-2
-# (name, tile, programs an SM, KV heads a program); tile None: main's plan (auto tiles and splits).
+# (tile, programs an SM, KV heads a program) besides main's plan (auto tiles and splits).
 # Programs an SM as shared memory and registers allow (ptxas, sm_90, triton 3.6: 16x128 w4 s3 72 KB 166 registers;
 # heads 2: 16x64 w4 s3 74 KB, s4 106 KB, 16x128 w4 s3 140 KB, s2 76 KB 250 registers; heads 4: 16x32 w4 s3 81 KB).
-VARIANTS = [
-    ("main", None, None, 1),
-    ("16x128 w4 s3 ps1", TileConfig(16, 128, 4, 3), 1, 1),
-    ("16x128 w4 s3 ps2", TileConfig(16, 128, 4, 3), 2, 1),
-    ("16x128 w4 s3 ps4", TileConfig(16, 128, 4, 3), 4, 1),
-    ("16x128 w4 s4 ps2", TileConfig(16, 128, 4, 4), 2, 1),
-    ("16x256 w4 s2 ps2", TileConfig(16, 256, 4, 2), 2, 1),
-    ("16x256 w8 s3 ps1", TileConfig(16, 256, 8, 3), 1, 1),
-    ("16x64 w4 s4 ps3", TileConfig(16, 64, 4, 4), 3, 1),
-    ("heads2 16x64 w4 s3 ps3", TileConfig(16, 64, 4, 3), 3, 2),
-    ("heads2 16x64 w4 s4 ps2", TileConfig(16, 64, 4, 4), 2, 2),
-    ("heads2 16x128 w4 s3 ps1", TileConfig(16, 128, 4, 3), 1, 2),
-    ("heads2 16x128 w4 s2 ps2", TileConfig(16, 128, 4, 2), 2, 2),
-    ("heads2 16x128 w8 s3 ps1", TileConfig(16, 128, 8, 3), 1, 2),
-    ("heads4 16x32 w4 s3 ps2", TileConfig(16, 32, 4, 3), 2, 4),
+TILES = [
+    (TileConfig(16, 128, 4, 3), 1, 1), (TileConfig(16, 128, 4, 3), 2, 1), (TileConfig(16, 128, 4, 3), 4, 1),
+    (TileConfig(16, 128, 4, 4), 2, 1), (TileConfig(16, 256, 4, 2), 2, 1), (TileConfig(16, 256, 8, 3), 1, 1),
+    (TileConfig(16, 64, 4, 4), 3, 1),
+    (TileConfig(16, 64, 4, 3), 3, 2), (TileConfig(16, 64, 4, 4), 2, 2), (TileConfig(16, 128, 4, 3), 1, 2),
+    (TileConfig(16, 128, 4, 2), 2, 2), (TileConfig(16, 128, 8, 3), 1, 2),
+    (TileConfig(16, 32, 4, 3), 2, 4),
 ]
+
+
+def variant_name(tile: TileConfig, per_sm: int, heads: int) -> str:
+    """E.g. ``heads2 16x128 w4 s3 ps1``: KV heads a program (when more than one), the tile, programs an SM."""
+    return (f"heads{heads} " if heads > 1 else "") + \
+        f"{tile.BLOCK_M}x{tile.BLOCK_N} w{tile.num_warps} s{tile.num_stages} ps{per_sm}"
+
+
+# (name, tile, programs an SM, KV heads a program); tile None: main's plan.
+VARIANTS = [("main", None, None, 1)] + [(variant_name(*row), *row) for row in TILES]
 # Cells whose graph is also profiled kernel by kernel.
 PROFILED = ("bf16 main", "fp8 main")
 

@@ -173,8 +173,8 @@ CASES = ONE_PASS_LONG + [
     Case(1, 256, 256, 2, 2, 192, 128, "bfloat16", "causal", ("softcap",)),
     Case(1, 1, 4096, 32, 8, 192, 128, "bfloat16", "full", ("sink",)),
     Case(8, 256, 256, 16, 16, 192, 128, "bfloat16", "full", ("varlen",)),
-    # The 64x64 forward at 192/128, GQA, under the warp-specialized floors: the 4096-key cases above leave it for the
-    # warp-specialized kernel once configs.GLUON_WS_D192 is on.
+    # The 64x64 forward at 192/128, GQA, under the warp-specialized floors: the 4096-key cases above take the
+    # warp-specialized kernel (configs.GLUON_WS_D192).
     Case(8, 1024, 1024, 16, 4, 192, 128, "bfloat16", "full", ("deterministic",)),
     # Packed sequences with a window keep the 64-key CTAs at 192/128 (configs.ONE_PASS_96_APART), MHA and GQA.
     Case(8, 256, 256, 16, 16, 192, 128, "bfloat16", "1024,0", ("varlen",)),

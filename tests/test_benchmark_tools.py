@@ -226,7 +226,7 @@ def test_sm90_fp8_varlen_case_catches_the_launchers_arguments(monkeypatch, causa
 
 def test_gluon_ws_heads_times_deepseeks_192_128_rows(monkeypatch):
     """gluon_ws_heads.py --dims 192: DeepSeek's rows (16 heads, values of 128; 2 x 4096 and 1 x 16384) and the kernel
-    192/128 runs now (the 64x64 tile) first, then the warp-specialized tile of configs.GLUON_WS_D192's row and its
+    192/128 ran before (the 64x64 tile) first, then the warp-specialized tile of configs.GLUON_WS_D192's row and its
     64-key variants."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import gluon_ws_heads

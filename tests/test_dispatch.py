@@ -220,7 +220,7 @@ def test_gluon_tiles_fit_their_programs_per_sm(tile, head_dim, head_dim_v, q_in_
     (128, 128, (), "_FWD_SM90_GLUON_WS"),
     (128, 128, ("softcap", "alibi"), "_FWD_SM90_GLUON"),
     (64, 64, (), "_FWD_SM90_GLUON_WS_D64"),
-    (192, 128, ("headdim_v",), "_FWD_SM90_GLUON"),  # q and k read as 128 + 64 columns
+    (192, 128, ("headdim_v",), "_FWD_SM90_GLUON_WS_D192"),  # q and k read as 128 + 64 columns
     (192, 128, ("headdim_v", "window", "softcap", "alibi", "sink"), "_FWD_SM90_GLUON"),
     (192, 192, (), None),
     (256, 128, ("headdim_v",), None),

@@ -422,8 +422,8 @@ WIDE_HEAD_DIMS = pytest.mark.parametrize("head_dims", [D256, D192], ids=["d256",
 
 
 def switch_on_wide_ws(monkeypatch, head_dims: tuple) -> list:
-    """The warp-specialized tile of ``head_dims`` switched on (configs.GLUON_WS_D256 / GLUON_WS_D192, the latter off
-    in the table until its A/B); returns its launches (:func:`spy_ws_launches`)."""
+    """The warp-specialized tile of ``head_dims`` switched on (configs.GLUON_WS_D256 / GLUON_WS_D192, whatever the
+    table holds); returns its launches (:func:`spy_ws_launches`)."""
     switch, tile, _ = WIDE_WS[head_dims]
     monkeypatch.setattr(configs, switch, getattr(configs, tile))
     return spy_ws_launches(monkeypatch)

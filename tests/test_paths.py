@@ -38,7 +38,7 @@ def hopper_132(monkeypatch):
 
 @pytest.mark.parametrize("ws_d192", [False, True], ids=["ws-d192-off", "ws-d192-on"])
 def test_cases_cover_every_path(hopper_132, monkeypatch, ws_d192):
-    """With configs.GLUON_WS_D192 as the table holds it and switched on (its A/B may turn it on)."""
+    """With configs.GLUON_WS_D192 switched off and on (the table holds it on)."""
     monkeypatch.setattr(configs, "GLUON_WS_D192", configs._FWD_SM90_GLUON_WS_D192 if ws_d192 else None)
     covered = set().union(*(paths.atoms(case, hopper_132) for case in paths.CASES))
     missing = {}

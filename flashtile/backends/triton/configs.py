@@ -330,8 +330,16 @@ _FWD_SM90_GLUON_WS_D256 = TileConfig(64, 64, 4, 2, kernel="gluon-ws")
 GLUON_WS_D256 = _FWD_SM90_GLUON_WS_D256
 GLUON_WS_D256_FEATURES = frozenset({"sink", "softcap"})
 # GLUON_WS_D192, 192/128 (DeepSeek's MLA heads: q and k read as 128 + 64 columns, the kernel's TAIL), 16-bit: the
-# warp-specialized forward's tile on d=128's floors and GLUON_WS_D192_FEATURES, else the 64x64 tile above; None: off
-# until a GPU A/B (benchmarks/gluon_ws_heads.py --dims 192 --seqlens 4096 16384) sets it. Shared memory, one CTA an SM
+# warp-specialized forward's tile on d=128's floors and GLUON_WS_D192_FEATURES, else the 64x64 tile above; None: off.
+# H200, bf16, 16 heads, fwd TFLOP/s, 64x64 one warpgroup / WS 128-key slots / WS 64-key slots / WS 64-key x3, mean of
+# 2 interleaved rounds (benchmarks/gluon_ws_heads.py --dims 192 --seqlens 4096 16384 at dc0a4a4, one GPU of a host
+# running tests on the other three; results/h200-gluon-ws-heads-d192-2026-11-28-dc0a4a4.json):
+#   rows                 evidence
+#   full 2x4096          588/640/574/585 (+9%)
+#   full 1x16384         602/672/617/601 (+12%)
+#   causal 1x16384       630/641/641/594 (+2%; rounds 1.88/2.41 ms against 2.17/2.19)
+#   causal 2x4096        under the causal floor; rounds of 0.32-2.6 ms (the host's tests): no evidence either way
+# Shared memory, one CTA an SM
 # (227 KB): two consumers' Q of 64 x 192 (48 KB a buffer), slots of K (BLOCK_N x 192) and V (BLOCK_N x 128):
 #   tile                        Q        K and V rings      total (fwd_sm90_ws.q_buffers)
 #   128-key slots x2 (the row)  1 x 48   2 x (48 + 32)      208 KB (two Q buffers would take 256)
@@ -348,7 +356,7 @@ GLUON_WS_D256_FEATURES = frozenset({"sink", "softcap"})
 # ALiBi stays on the 64x64 tile, as at d=256: its linear bias spills inside the key loop (-alibi: 2-5 stores and
 # 28-36 loads a consumer there, 50-64 stores in all; d=128's ALiBi alike, a tie in its A/B).
 _FWD_SM90_GLUON_WS_D192 = TileConfig(64, 128, 4, 2, kernel="gluon-ws")
-GLUON_WS_D192 = None
+GLUON_WS_D192 = _FWD_SM90_GLUON_WS_D192
 GLUON_WS_D192_FEATURES = frozenset({"headdim_v", "sink", "softcap"})
 
 

@@ -520,7 +520,50 @@ def test_dense_plot_has_a_figure_per_configuration(tmp_path):
     for r in rows:
         r["causal"] = r["config"].endswith("causal")
     paths, note = plots.write_all(_payload(dense=rows), tmp_path / "run")
-    assert note is None and [p.name for p in paths] == ["run-dense-bf16-d128-h16-16.png"]
+    assert note is None and [p.name for p in paths] == ["run-dense-bf16-d128-h16-16.png", "run-headline.png"]
+
+
+def test_headline_plot_takes_the_longest_causal_rows_of_each_configuration(tmp_path):
+    rows = [_dense_row(p, ms * n / 1024, N=n, config=f"bf16 d{d} h16/16 {c}")
+            for p, ms in (("flashtile", 1.0), ("cudnn", 0.9)) for n in (1024, 4096) for c in ("causal", "full")
+            for d in (64, 128)]
+    for r in rows:
+        r["causal"] = r["config"].endswith("causal")
+    paths = plots.headline(_payload(dense=rows), tmp_path / "run", _RecordingFigure)
+    assert [p.name for p in paths] == ["run-headline.png"]
+    want = {p: [r["fwd_tflops"] for r in rows if r["prov"] == p and r["causal"] and r["N"] == 4096]
+            for p in ("flashtile", "cudnn")}
+    assert _RecordingFigure.bars == [("flashtile", want["flashtile"]), ("cudnn", want["cudnn"]),  # forward
+                                     ("flashtile", [0, 0]), ("cudnn", [0, 0])]  # no backward rows
+    assert plots.headline(_payload(dense=[r for r in rows if r["N"] == 1024]), tmp_path / "one", _RecordingFigure) == []
+
+
+class _RecordingAxes:
+    def __init__(self, bars):
+        self.bars = bars
+
+    def bar(self, xs, heights, width, label):
+        self.bars.append((label, list(heights)))
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+class _RecordingFigure:
+    """A matplotlib Figure stand-in that records the bars drawn on it."""
+    bars: list = []
+
+    def __init__(self, **kwargs):
+        type(self).bars = []
+
+    def subplots(self, rows, cols, **kwargs):
+        return [_RecordingAxes(type(self).bars) for _ in range(cols)]
+
+    def suptitle(self, *args, **kwargs):
+        pass
+
+    def savefig(self, path, **kwargs):
+        path.write_bytes(b"png")
 
 
 # ---------------------------------------------------------------- schema, merge, exit status

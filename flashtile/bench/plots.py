@@ -3,6 +3,7 @@ display or global state is needed):
 
 - dense: one figure per configuration (dtype, head dims, heads), subplots stage x causal, TFLOP/s
   against seqlen on a log2 axis, one line per provider;
+- headline: bars per provider and configuration on the longest causal rows, forward and backward;
 - decode: achieved K/V bandwidth per provider and layout, per step and per graph replay, with the
   bandwidth ceiling;
 - e2e: prefill latency against prompt length, decode tokens/s;
@@ -69,6 +70,40 @@ def dense(payload: dict, stem: Path, figure) -> list[Path]:
         fig.savefig(path, dpi=100)
         paths.append(path)
     return paths
+
+
+def headline(payload: dict, stem: Path, figure) -> list[Path]:
+    """Bars of every provider's TFLOP/s on the causal rows of the longest seqlen, forward and backward, one
+    cluster per dense configuration that has several seqlens (the README's figure)."""
+    from .providers import NAMES
+
+    rows = [r for r in payload.get("dense", []) if r.get("causal") and r.get("config") == f"{r.get('group')} causal"]
+    rows = [r for r in rows if len({x["N"] for x in rows if x["group"] == r["group"]}) > 1]
+    if not rows:
+        return []
+    longest = max(r["N"] for r in rows)
+    rows = [r for r in rows if r["N"] == longest]
+    groups = list(dict.fromkeys(r["group"] for r in rows))
+    provs = [p for p in NAMES if any(r["prov"] == p for r in rows)]
+    env = payload["env"]
+    fig = figure(figsize=(9, 3.2), layout="constrained")
+    axes = fig.subplots(1, 2, sharey=True)
+    width = 0.8 / len(provs)
+    for ax, stage in zip(axes, ("fwd", "bwd")):
+        for i, prov in enumerate(provs):
+            cells = {r["group"]: r.get(f"{stage}_tflops") for r in rows if r["prov"] == prov}
+            ax.bar([g + (i - (len(provs) - 1) / 2) * width for g in range(len(groups))],
+                   [cells.get(group) or 0 for group in groups], width, label=prov)
+        ax.set_xticks(range(len(groups)))
+        ax.set_xticklabels([group.split()[1] for group in groups])
+        ax.set_title(f"{stage}, causal, N={longest // 1024}k")
+        ax.set_ylabel("TFLOP/s")
+    axes[1].legend(fontsize=8, ncols=2)
+    fig.suptitle(f"{_title(payload)}, {rows[0]['dtype']}, {env.get('date')}, flashtile {env.get('git_commit')} "
+                 "(every cell validated before timing)", fontsize=9)
+    path = Path(f"{stem}-headline.png")
+    fig.savefig(path, dpi=100)
+    return [path]
 
 
 def decode(payload: dict, stem: Path, figure) -> list[Path]:
@@ -154,7 +189,7 @@ def cpu(payload: dict, stem: Path, figure) -> list[Path]:
     return [path]
 
 
-PLOTTERS = {"dense": dense, "decode": decode, "e2e": e2e, "cpu": cpu}
+PLOTTERS = {"dense": dense, "headline": headline, "decode": decode, "e2e": e2e, "cpu": cpu}
 
 
 def write_all(payload: dict, stem: Path) -> tuple[list[Path], str | None]:

@@ -113,11 +113,12 @@ def warp_specialized(small: bool):
     varlen_fwd_bwd([200, 7, 300] if small else [1100, 7, 2100, 900], nheads, 192, causal=True)
     varlen_fwd_bwd([200, 7, 300] if small else [1100, 7, 2100, 900], nheads, 192, headdim_v=128, causal=True)
     fwd_bwd(batch, keys - 37, keys, nheads, nheads // 2, 256, causal=True)
-    # The warp-specialized forward at head dims 64, 128 and 256: keys from GLUON_WS_FULL_KEYS on, (rows x keys)
-    # from GLUON_MIN_PAIRS on.
-    for head_dim in (64, 128, 256):
+    # The warp-specialized forward at head dims 64, 128, 256 and 192/128: keys from GLUON_WS_FULL_KEYS on,
+    # (rows x keys) from GLUON_MIN_PAIRS on.
+    for head_dim, head_dim_v in ((64, 64), (128, 128), (256, 256), (192, 128)):
         q = randn(1, 256 if small else 2304, 2 if small else 4, head_dim)
-        k, v = (randn(1, configs.GLUON_WS_FULL_KEYS + 77, 2 if small else 4, head_dim) for _ in range(2))
+        k = randn(1, configs.GLUON_WS_FULL_KEYS + 77, 2 if small else 4, head_dim)
+        v = randn(1, configs.GLUON_WS_FULL_KEYS + 77, 2 if small else 4, head_dim_v)
         flashtile.flash_attn_func(q, k, v)
 
 

@@ -20,13 +20,16 @@ class TileConfig:
     kernel: ``"triton"`` (kernels/fwd.py), ``"gluon"`` (the Hopper kernel in kernels/fwd_sm90.py),
     ``"gluon-slim"`` (that kernel with Q in shared memory and one key slot: see gluon_ring) or
     ``"gluon-ws"`` (the warp-specialized one in kernels/fwd_sm90_ws.py). ``heads``: KV heads a program of the
-    KV-cache kernel (kernels/decode.py ``HEADS``; 1 for every other kernel)."""
+    KV-cache kernel (kernels/decode.py ``HEADS``; 1 for every other kernel). ``exp2_emu``: the warp-specialized
+    forward computes one exp2 of P in every ``exp2_emu`` on the FMA pipe instead of the MUFU (its ``EXP2_EMU``;
+    0, every other kernel: none)."""
     BLOCK_M: int
     BLOCK_N: int
     num_warps: int
     num_stages: int
     kernel: str = "triton"
     heads: int = 1
+    exp2_emu: int = 0
 
 
 @dataclass(frozen=True)

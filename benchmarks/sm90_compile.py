@@ -20,7 +20,8 @@ Triton's wheel ships, so kernels can be checked for register pressure before a G
     python benchmarks/sm90_compile.py fwd-fp8[-d64|-d256][-blocks][-varlen] [causal] [softcap] [window]
                                         # kernels/fwd_sm90_fp8.py; -varlen through its launcher's own arguments
 
-``window``: a left bound (the kernel's MASK_LEFT; the fused and forward kernels).
+``window``: a left bound (the kernel's MASK_LEFT; the fused and forward kernels). ``-emu<n>`` on the ``fwd-ws-d*`` and
+``fwd-fp8`` cases: one exp2 of P in every n on the FMA pipe (the forward's EXP2_EMU), e.g. ``fwd-ws-d64-emu16``.
 
 The one-pass kernel's spills quoted in BENCHMARKS.md and kernels/bwd_sm90_ws.py come from the partitions'
 STL/LDL counts here; ``loop_stl``/``loop_ldl``: those inside a partition's key loops (its innermost loops that hold

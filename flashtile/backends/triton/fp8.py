@@ -54,10 +54,12 @@ FP8_TILES = {64: (128, 4, True), 128: (128, 4, False), 256: (64, 2, False)}
 # shapes, one round (results/h200-fp8-fwd-2026-11-27-02dd45f.json): turns on / off 0.96-1.06x (d128 16k full 829 /
 # 784 TF/s, d256 8k causal 752 / 785), 7 of 12 ahead; the kernel 1.01-1.07x 5d069c2's and 1.07-1.49x bf16.
 FP8_PINGPONG = {64: False, 128: True, 256: True}
-# By head dim: one exp2 of P in every n on the FMA pipe instead of the MUFU (kernels/fwd_sm90_ws.py EXP2_EMU; 0: none).
-# At FP8's doubled matmul rate a 128-key block's 66 ex2 a consumer warp take ~528 MUFU cycles against its wgmmas' ~512
-# (above): the MUFU, not the tensor cores, sets d128's pace. Off until a GPU A/B weighs it
-# (benchmarks/gluon_ws_heads.py --fp8 --exp2-emu ...).
+# By head dim: one exp2 of P in every n on the FMA pipe instead of the MUFU (kernels/fwd_sm90_ws.py EXP2_EMU; 0: none),
+# off until a GPU A/B weighs it (benchmarks/gluon_ws_heads.py --fp8 --dims 128 --exp2-emu 8 16 32). sm_90 ptxas, d128,
+# an unmasked block of one consumer warp (benchmarks/sm90_compile.py fwd-fp8[-emu<n>]; no spills), instructions /
+# MUFU.EX2 / FFMA: n=0 517 / 66 / 66, 16: 550 / 62 / 78, 8: 582 / 58 / 90, 2: 774 / 34 / 162. Each emulated exp2
+# takes 8 issue slots more and 8 MUFU cycles less: with the issue (2 warps x 517) level with the MUFU (2 x 528) and the
+# tensor cores (1024 a block), it can pay only where the MUFU's latency, not its rate, holds the softmax back.
 FP8_EXP2_EMU = {64: 0, 128: 0, 256: 0}
 QUERY_ROWS = 64
 # The consumers' registers after ``setmaxnreg`` and the cap the kernel is compiled under, as for the bf16

@@ -1,5 +1,6 @@
 """The warp-specialized Hopper forward at head dims 64, 256 and 192/128 (configs.GLUON_WS_D64 / GLUON_WS_D256 /
-GLUON_WS_D192) against the kernel each head dim ran before it, in one run: evidence for those config rows.
+GLUON_WS_D192) against the kernel each head dim ran before it, in one run: evidence for those config rows; and its
+exp2 emulation (TileConfig.exp2_emu, fp8.FP8_EXP2_EMU: one exp2 of P in every n on the FMA pipe) on and off.
 
 Through ``launch.forward(config=...)``, bf16, the headline's shapes (B = 16384 // N, H = 2048 // d; N 1k/4k/16k,
 full and causal; at 192/128 DeepSeek's: values of 128, H = 16, B = 8192 // N, so 2 x 4096 and 1 x 16384); variants
@@ -15,6 +16,11 @@ by head dim:
          ws      configs._FWD_SM90_GLUON_WS_D192: two 128-key slots each of K and V, one Q buffer (213 KB)
          ws-n64  the same with 64-key slots and two Q buffers (181 KB)
          ws-n64-s3  64-key slots, three of them (222 KB)
+  d=128  ws      configs._FWD_SM90_GLUON_WS (the emulation's baseline)
+  any    ws-emu<n>  the head dim's ws tile with exp2_emu=n, for each n of --exp2-emu (d=64 then runs ws first,
+                    not triton and ws-s4)
+  --fp8  fp8, fp8-emu<n>: the FP8 forward (fp8.attention on inputs quantized beforehand, as the FP8 bench's
+         fp8_kernel) with fp8.FP8_EXP2_EMU as it is and at n; its outputs checked by RMSE (bench.fp8's limit)
 
 Each variant's out and lse on the first two heads of batch row 0 are held to the tolerance rule against float32
 attention before any timing (a wrong or failing variant is reported, not timed); then ``triton.testing.do_bench``
@@ -24,6 +30,8 @@ against the first variant.
     python benchmarks/gluon_ws_heads.py [--dims 64 256 192] [--seqlens 1024 4096 16384] [--rounds 2]
         -> $OUT (default /tmp)/h200-gluon-ws-heads-<date>.json
     python benchmarks/gluon_ws_heads.py --dims 192 --seqlens 4096 16384    # issue 46's 192/128 rows
+    python benchmarks/gluon_ws_heads.py --dims 64 128 --exp2-emu 8 16 --seqlens 4096 16384    # exp2 on FMA, bf16
+    python benchmarks/gluon_ws_heads.py --fp8 --dims 128 --exp2-emu 8 16 --seqlens 4096 16384  # and FP8
 """
 import argparse
 import dataclasses
@@ -36,8 +44,10 @@ import torch
 import triton
 
 from flashtile import validation
-from flashtile.backends.triton import configs, launch
+from flashtile import fp8 as fp8_api
+from flashtile.backends.triton import configs, fp8, launch, quant
 from flashtile.bench import common
+from flashtile.bench.fp8 import FP8_RMSE_LIMIT
 from flashtile.testing import ATOL, assert_close_to_ref, attention_ref, make_qkv
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -55,8 +65,17 @@ def shape(head_dim: int, seqlen: int) -> tuple:
     return TOKENS // seqlen, WIDTH // head_dim, head_dim
 
 
-def variants(head_dim: int, seqlen: int, causal: bool) -> dict:
-    """name -> tile, the kernel the head dim ran before first."""
+def variants(head_dim: int, seqlen: int, causal: bool, exp2_emu: tuple = ()) -> dict:
+    """name -> tile, the kernel the head dim ran before first; then the ws tile with each ``exp2_emu``."""
+    tiles = _tiles(head_dim, seqlen, causal, bool(exp2_emu))
+    return {**tiles, **{f"ws-emu{n}": dataclasses.replace(tiles["ws"], exp2_emu=n) for n in exp2_emu}}
+
+
+def _tiles(head_dim: int, seqlen: int, causal: bool, emu: bool) -> dict:
+    if head_dim == 128:
+        return {"ws": configs._FWD_SM90_GLUON_WS}
+    if head_dim == 64 and emu:
+        return {"ws": configs._FWD_SM90_GLUON_WS_D64}
     if head_dim == 64:
         ws = configs._FWD_SM90_GLUON_WS_D64
         before = configs.fwd_config(64, torch.bfloat16, torch.device("cuda"), seqlen, -1, 0 if causal else -1)
@@ -69,8 +88,12 @@ def variants(head_dim: int, seqlen: int, causal: bool) -> dict:
     return {"gluon": configs._FWD_SM90_GLUON_D256, "ws": ws, "ws-n32": dataclasses.replace(ws, BLOCK_N=32)}
 
 
-def wrong(out, lse, ref_hi, ref_lo) -> str:
-    """'' when the first heads of batch row 0 pass the tolerance rule, else why not."""
+def wrong(out, lse, ref_hi, ref_lo, fp8_out: bool = False) -> str:
+    """'' when the first heads of batch row 0 pass the tolerance rule (``fp8_out``: the FP8 bench's RMSE limit on
+    out), else why not."""
+    if fp8_out:
+        rmse = (out[:1, :, :REF_HEADS].float() - ref_hi[0]).pow(2).mean().sqrt().item()
+        return f"out RMSE {rmse:.3g} > {FP8_RMSE_LIMIT}" if rmse > FP8_RMSE_LIMIT or rmse != rmse else ""
     try:
         assert_close_to_ref("out", out[:1, :, :REF_HEADS], ref_hi[0], ref_lo[0], ATOL[torch.bfloat16][0])
         assert_close_to_ref("lse", lse[:1, :REF_HEADS], ref_hi[1], ref_lo[1], ATOL[torch.bfloat16][0])
@@ -79,7 +102,24 @@ def wrong(out, lse, ref_hi, ref_lo) -> str:
     return ""
 
 
-def one_shape(head_dim: int, seqlen: int, causal: bool, rounds: int) -> dict:
+def fp8_calls(q, k, v, attn, head_dim: int, exp2_emu: tuple) -> dict:
+    """name -> a call of the FP8 forward on q, k, v quantized once, at fp8.FP8_EXP2_EMU's value and at each
+    ``exp2_emu`` (set around the call: the launcher keys its kernel by it)."""
+    quantized = quant.quantize(q, k, v)
+
+    def call(n):
+        saved = fp8.FP8_EXP2_EMU[head_dim]
+        fp8.FP8_EXP2_EMU[head_dim] = saved if n is None else n
+        try:
+            return fp8_api.attention(*quantized, attn, v_transposed=True)
+        finally:
+            fp8.FP8_EXP2_EMU[head_dim] = saved
+
+    return {"fp8": lambda: call(None), **{f"fp8-emu{n}": lambda n=n: call(n) for n in exp2_emu}}
+
+
+def one_shape(head_dim: int, seqlen: int, causal: bool, rounds: int, exp2_emu: tuple = (),
+              use_fp8: bool = False) -> dict:
     batch, nheads, head_dim_v = shape(head_dim, seqlen)
     q, k, v = make_qkv(batch, seqlen, seqlen, nheads, nheads, head_dim, torch.bfloat16, "cuda", requires_grad=False)
     v = v[..., :head_dim_v].contiguous()
@@ -89,20 +129,27 @@ def one_shape(head_dim: int, seqlen: int, causal: bool, rounds: int) -> dict:
     ref_lo = attention_ref(*heads, causal=causal, upcast=False)
     row = dict(d=head_dim, dv=head_dim_v, N=seqlen, B=batch, H=nheads, causal=causal, notes=[], tiles={}, ms={},
                tflops={})
+    if use_fp8:
+        calls = fp8_calls(q, k, v, attn, head_dim, exp2_emu)
+        emus = dict(fp8=fp8.FP8_EXP2_EMU[head_dim], **{f"fp8-emu{n}": n for n in exp2_emu})
+        row["tiles"] = {name: dict(fp8_tile=fp8.FP8_TILES[head_dim], exp2_emu=emus[name]) for name in calls}
+    else:
+        tiles = variants(head_dim, seqlen, causal, exp2_emu)
+        row["tiles"] = {name: dataclasses.asdict(cfg) for name, cfg in tiles.items()}
+        calls = {name: lambda cfg=cfg: launch.forward(q, k, v, attn, config=cfg) for name, cfg in tiles.items()}
     runs = {}
-    for name, cfg in variants(head_dim, seqlen, causal).items():
-        row["tiles"][name] = dataclasses.asdict(cfg)
+    for name, fn in calls.items():
         try:
-            out, lse = launch.forward(q, k, v, attn, config=cfg)
+            out, lse = fn()
             torch.cuda.synchronize()
         except Exception as error:  # a variant that cannot run is reported, the others go on
             row["notes"].append(f"{name} FAILED: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
             continue
-        bad = wrong(out, lse, ref_hi, ref_lo)
+        bad = wrong(out, lse, ref_hi, ref_lo, use_fp8)
         if bad:
             row["notes"].append(f"{name} WRONG: {bad}")
             continue
-        runs[name] = lambda cfg=cfg: launch.forward(q, k, v, attn, config=cfg)
+        runs[name] = fn
     times = {name: [] for name in runs}
     for _ in range(rounds):
         for name, fn in runs.items():
@@ -126,17 +173,21 @@ def line(row: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dims", type=int, nargs="+", default=[64, 256], choices=[64, 256, 192],
+    parser.add_argument("--dims", type=int, nargs="+", default=[64, 256], choices=[64, 128, 256, 192],
                         help="q/k head dims (192: values of 128)")
+    parser.add_argument("--exp2-emu", type=int, nargs="*", default=[],
+                        help="add the ws tile (--fp8: the FP8 forward) with one exp2 in every n on the FMA pipe")
+    parser.add_argument("--fp8", action="store_true", help="the FP8 forward (head dims 64, 128, 256) instead")
     parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds a variant")
     args = parser.parse_args()
     rows = []
     for head_dim, seqlen, causal in itertools.product(args.dims, args.seqlens, (False, True)):
-        rows.append(one_shape(head_dim, seqlen, causal, args.rounds))
+        rows.append(one_shape(head_dim, seqlen, causal, args.rounds, tuple(args.exp2_emu), args.fp8))
         print(line(rows[-1]), flush=True)
         torch.cuda.empty_cache()
-    print(save_results("gluon-ws-heads", rows, " ".join(sys.argv), rounds=args.rounds))
+    name = "gluon-ws-heads" + ("-fp8" if args.fp8 else "") + ("-exp2-emu" if args.exp2_emu else "")
+    print(save_results(name, rows, " ".join(sys.argv), rounds=args.rounds))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ Triton's wheel ships, so kernels can be checked for register pressure before a G
     python benchmarks/sm90_compile.py fwd-fp8[-d64|-d256][-blocks][-varlen] [causal] [softcap] [window]
                                         # kernels/fwd_sm90_fp8.py; -varlen through its launcher's own arguments
 
-``window``: a left bound (the kernel's MASK_LEFT; the fused and forward kernels).
+``window``: a left bound (the kernel's MASK_LEFT; the fused and forward kernels). ``-emu<n>`` on the ``fwd-ws-d*`` and
+``fwd-fp8`` cases: one exp2 of P in every n on the FMA pipe (the forward's EXP2_EMU), e.g. ``fwd-ws-d64-emu16``.
 
 The one-pass kernel's spills quoted in BENCHMARKS.md and kernels/bwd_sm90_ws.py come from the partitions'
 STL/LDL counts here; ``loop_stl``/``loop_ldl``: those inside a partition's key loops (its innermost loops that hold
@@ -95,13 +96,14 @@ def _key_loops(insts: list) -> list:
 
 def _regions(insts: list) -> list:
     """Instruction counts between consecutive ``USETMAXREG``s (a warp-specialized partition's code);
-    ``loop_stl``/``loop_ldl``: the spills inside its key loops (:func:`_key_loops`)."""
+    ``loop_stl``/``loop_ldl``: the spills inside its key loops (:func:`_key_loops`); ``loops``: each key loop's
+    instructions, MUFU.EX2s and FFMAs (a key block's work for one warp of the partition)."""
     loops = _key_loops(insts)
     regions, current = [], None
     for line in insts:
         if "USETMAXREG" in line:
             current = dict(setmaxreg=re.search(r"USETMAXREG\S* [^;]*", line).group(0), n=0, stl=0, ldl=0, hgmma=0,
-                           qgmma=0, mufu=0, shfl=0, sts=0, lds=0, loop_stl=0, loop_ldl=0)
+                           qgmma=0, mufu=0, shfl=0, sts=0, lds=0, loop_stl=0, loop_ldl=0, loops={})
             regions.append(current)
         if current is not None:
             current["n"] += 1
@@ -109,9 +111,14 @@ def _regions(insts: list) -> list:
                              ("shfl", "SHFL"), ("sts", "STS"), ("lds", "LDS")):
                 current[name] += op in line
             at = int(re.match(r"\s+/\*([0-9a-f]+)\*/", line).group(1), 16)
-            if any(lo <= at <= hi for lo, hi in loops):
-                current["loop_stl"] += "STL" in line
-                current["loop_ldl"] += "LDL" in line
+            for lo, hi in loops:
+                if lo <= at <= hi:
+                    current["loop_stl"] += "STL" in line
+                    current["loop_ldl"] += "LDL" in line
+                    loop = current["loops"].setdefault(f"{lo:x}", dict(n=0, ex2=0, ffma=0))
+                    loop["n"] += 1
+                    loop["ex2"] += "MUFU.EX2" in line
+                    loop["ffma"] += " FFMA" in line
     return [r for r in regions if r["hgmma"] or r["qgmma"]]
 
 

@@ -129,6 +129,18 @@ def test_sm90_case_of_the_wide_warp_specialized_forwards(monkeypatch, causal, so
     assert options == dict(num_warps=4, maxnreg=168)
 
 
+@pytest.mark.parametrize("which, exp2_emu", [("fwd-ws-d64", 0), ("fwd-ws-d64-emu8", 8), ("fwd-ws-d128-emu16", 16),
+                                             ("fwd-fp8", 0), ("fwd-fp8-emu4", 4)])
+def test_sm90_forward_cases_take_exp2_emu(monkeypatch, which, exp2_emu):
+    """``-emu<n>``: the warp-specialized forwards' EXP2_EMU (through the bf16 launcher's tile, or the FP8 case's
+    constexprs), 0 without."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from sm90_cases import case
+
+    fn, _, constexprs, _ = case(which, False, False)
+    assert "EXP2_EMU" in fn.arg_names and constexprs["EXP2_EMU"] == exp2_emu
+
+
 def test_sm90_wide_case_takes_one_pass_knobs(monkeypatch):
     """sm90_compile.py's ``knob=value`` arguments reach the wide kernel through the launcher: its constexprs and
     compile options are the knobs given, the rest its head dim's defaults."""

@@ -20,13 +20,16 @@ class TileConfig:
     kernel: ``"triton"`` (kernels/fwd.py), ``"gluon"`` (the Hopper kernel in kernels/fwd_sm90.py),
     ``"gluon-slim"`` (that kernel with Q in shared memory and one key slot: see gluon_ring) or
     ``"gluon-ws"`` (the warp-specialized one in kernels/fwd_sm90_ws.py). ``heads``: KV heads a program of the
-    KV-cache kernel (kernels/decode.py ``HEADS``; 1 for every other kernel)."""
+    KV-cache kernel (kernels/decode.py ``HEADS``; 1 for every other kernel). ``exp2_emu``: the warp-specialized
+    forward computes one exp2 of P in every ``exp2_emu`` on the FMA pipe instead of the MUFU (its ``EXP2_EMU``;
+    0, every other kernel: none)."""
     BLOCK_M: int
     BLOCK_N: int
     num_warps: int
     num_stages: int
     kernel: str = "triton"
     heads: int = 1
+    exp2_emu: int = 0
 
 
 @dataclass(frozen=True)
@@ -293,6 +296,20 @@ GLUON_WS_FEATURES = frozenset({"sink", "softcap", "alibi"})
 # (S_j's 128 registers, P_{j-1}'s 64 in flight and O's 32 exceed 240). FA3's 192 keys are no power of two for Gluon.
 _FWD_SM90_GLUON_WS_D64 = TileConfig(64, 128, 4, 2, kernel="gluon-ws")
 GLUON_WS_D64 = _FWD_SM90_GLUON_WS_D64
+# exp2_emu (one exp2 of P in every n on the FMA pipe, kernels/common.exp2_split) is 0 in every warp-specialized row
+# until a GPU A/B sets it (benchmarks/gluon_ws_heads.py --dims 64 128 --exp2-emu 8 16 32). sm_90 ptxas, an unmasked
+# 128-key block of one consumer warp (its softmax path and the loop's common code; benchmarks/sm90_compile.py
+# fwd-ws-d64[-emu<n>], fwd-ws-d128[-emu<n>]; no spills in any key loop), instructions / MUFU.EX2 / FFMA:
+#   n     d64            d128
+#   0     420 / 66 / 66  461 / 66 / 66
+#   32    437 / 64 / 72
+#   16    453 / 62 / 78  494 / 62 / 78
+#   8     483 / 58 / 90  526 / 58 / 90
+#   2     677 / 34 / 162 718 / 34 / 162
+# An emulated exp2 costs 8 more issue slots and saves 8 cycles of the warp's MUFU time (16 ex2 a clock an SM). Two
+# consumer warps share a scheduler: at d64 a block's 2 x 420 issue cycles sit under 2 x 66 x 8 = 1056 of MUFU and
+# 1024 of tensor cores, so n = 16-32 moves the bound to the tensor cores (at most 3% by this count) and n <= 8 to
+# issue; at d128 the tensor cores (2048) bound it already.
 
 
 def ws_ctas(causal: bool, tiles: int, sms: int) -> int:

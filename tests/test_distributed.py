@@ -22,7 +22,7 @@ import flashtile
 from flashtile import testing
 from flashtile.dispatch import force_backend
 from flashtile.distributed import (attention, exit_rank, ring_attention, ring_attention_varlen, set_nccl_priority,
-                                   shard, ulysses_attention, unshard)
+                                   set_transport, shard, ulysses_attention, unshard)
 from flashtile.distributed.blocks import visible_blocks
 from flashtile.distributed.sharding import segments
 
@@ -35,10 +35,10 @@ SEQLEN = {2: 24, 4: 40, 8: 48}
 
 def case(kind, world, *, balance="zigzag", causal=True, window=(-1, -1), nheads_kv=HEADS, dtype=torch.float32,
          seqlen=None, batch=1, sink=False, softcap=0.0, backend="torch", device="cpu", nheads=HEADS, headdim=HEADDIM,
-         docs=None, mesh=None, one_pass=False, dkv="float32", nccl_priority="default", seed=None):
-    """A case of ``kind`` on ``world`` ranks; ``dkv``: the ring's ``dkv_transfer``; ``nccl_priority``: its transfers'
-    stream priority (the inputs stay those of the case at the default priority); ``seed``: of the inputs (None: from
-    the name; two cases with one seed and shapes have the same inputs)."""
+         docs=None, mesh=None, one_pass=False, dkv="float32", nccl_priority="default", transport="nccl", seed=None):
+    """A case of ``kind`` on ``world`` ranks; ``dkv``: the ring's ``dkv_transfer``; ``nccl_priority``, ``transport``:
+    its transfers' stream priority and transport (the inputs stay those of the case with the defaults); ``seed``: of
+    the inputs (None: from the name; two cases with one seed and shapes have the same inputs)."""
     mesh = mesh or ((2, world // 2) if kind == "hybrid" else None)  # ("ulysses", "ring") sizes
     name = f"{kind}-P{world}-{balance}-{'causal' if causal else 'full'}-w{window[0]}_{window[1]}-kv{nheads_kv}" \
            f"-{str(dtype)[6:]}-b{batch}{'-sink' if sink else ''}{'-softcap' if softcap else ''}-{backend}-{device}" \
@@ -48,12 +48,14 @@ def case(kind, world, *, balance="zigzag", causal=True, window=(-1, -1), nheads_
     seed = sum(map(ord, name)) if seed is None else seed
     if nccl_priority != "default":
         name += f"-nccl_{nccl_priority}"
+    if transport != "nccl":
+        name += f"-transport_{transport}"
     seqlen = seqlen or SEQLEN[world]
     docs = docs or DOCS[world]
     return dict(name=name, kind=kind, world=world, balance=balance, causal=causal, window=window, nheads=nheads,
                 nheads_kv=nheads_kv, headdim=headdim, dtype=dtype, seqlen=seqlen, batch=batch, sink=sink,
                 softcap=softcap, backend=backend, device=device, docs=docs, mesh=mesh, one_pass=one_pass, dkv=dkv,
-                nccl_priority=nccl_priority, seed=seed)
+                nccl_priority=nccl_priority, transport=transport, seed=seed)
 
 
 def dkv_study(seeds=(0,), tokens_per_rank=256, headdim=64):
@@ -129,6 +131,14 @@ GPU_CASES = [
     case("varlen", 2, docs=(700, 1, 1500, 391, 1408), nccl_priority="high", **GPU),
     case("ring", 4, seqlen=4 * 1000, nheads_kv=2, nccl_priority="high", **GPU),
     case("hybrid", 4, seqlen=4 * 1000, nheads_kv=2, nccl_priority="high", **GPU),
+    # The ring's transfers on the copy engines (set_transport): on the default group, a packed sequence, the dK/dV sums
+    # in bf16 (messages of two sizes in one direction), and the hybrid's ring groups (symmetric memory of sub-groups).
+    case("ring", 2, seqlen=2 * 1000, nheads_kv=2, transport="copy_engine", **GPU),
+    case("ring", 2, seqlen=1904, causal=False, balance="contiguous", transport="copy_engine", **GPU),
+    case("varlen", 2, docs=(700, 1, 1500, 391, 1408), transport="copy_engine", **GPU),
+    case("ring", 2, seqlen=2 * 2000, nheads_kv=8, dkv="input", seed=47, transport="copy_engine", **GPU),
+    case("ring", 4, seqlen=4 * 1000, nheads_kv=2, transport="copy_engine", **GPU),
+    case("hybrid", 4, seqlen=4 * 1000, nheads_kv=2, transport="copy_engine", **GPU),
 ]
 
 
@@ -176,6 +186,7 @@ def _run_case(c, meshes):
     local_sink = sink.clone().requires_grad_() if sink is not None else None
     lse = None
     set_nccl_priority(c["nccl_priority"])
+    set_transport(c["transport"])
     with force_backend(c["backend"]):
         if kind == "ring":
             out, lse = ring_attention(*local, sink=local_sink, balance=balance, return_lse=True, **ring_options)
@@ -187,6 +198,7 @@ def _run_case(c, meshes):
             out, lse = ring_attention_varlen(*local, cu_seqlens(c, q.device), max(c["docs"]), sink=local_sink,
                                              return_lse=True, **ring_options)
         set_nccl_priority("default")  # read when the call is planned: its backward keeps the call's priority
+        set_transport("nccl")  # and its transport
         out.backward(shard(dout, where, dim, sharding))
     results = {"out": out}
     if lse is not None:
@@ -370,8 +382,8 @@ _REFERENCES = {}
 
 def references(c) -> tuple:
     """``(hi, lo)``: the reference results of a case's inputs (on the CPU), kept for the cases that share them (the
-    same inputs with the dK/dV sums sent either way, or the transfers at another priority)."""
-    key = c["name"].replace("-dkv_input", "").replace("-nccl_high", "")
+    same inputs with the dK/dV sums sent either way, or the transfers at another priority or by another transport)."""
+    key = c["name"].replace("-dkv_input", "").replace("-nccl_high", "").replace("-transport_copy_engine", "")
     if key not in _REFERENCES:
         q, k, v, dout, sink = inputs(c)
         if sink is not None:
@@ -630,6 +642,73 @@ def test_set_nccl_priority_checks_its_value(bad, monkeypatch):
     with pytest.raises(ValueError, match=re.escape(f"priority must be one of ('default', 'high'), got {bad!r}")):
         set_nccl_priority(bad)
     assert comm.nccl_priority() == "default"
+
+
+def _transport_pairs(cases):
+    """``(NCCL case, copy-engine case)``: each case of the ring's transfers on the copy engines beside the case of the
+    same inputs through NCCL."""
+    by_name = {c["name"]: c for c in cases}
+    return [(by_name[c["name"].replace("-transport_copy_engine", "")], c) for c in cases
+            if c["transport"] == "copy_engine" and c["name"].replace("-transport_copy_engine", "") in by_name]
+
+
+@pytest.mark.parametrize("pair", [pytest.param(p, marks=_gpus(p[0]["world"])) for p in _transport_pairs(GPU_CASES)],
+                         ids=[p[1]["name"] for p in _transport_pairs(GPU_CASES)])
+def test_copy_engine_transport_matches_nccl(pair):
+    """The same inputs with the ring's transfers on the copy engines and through NCCL: the same bytes arrive, so out
+    and lse are bit for bit NCCL's; the gradients equal to the rounding of the backward's atomic adds (their order
+    varies from run to run). test_matches_reference holds each to the reference. The calls are named by transport."""
+    results = run_world(pair[0]["world"], "cuda")[0]
+    nccl, ours = (results[c["name"]] for c in pair)
+    assert ours.keys() == nccl.keys()
+    for name in ours:
+        if name in ("out", "lse"):
+            assert torch.equal(ours[name], nccl[name]), name
+        else:
+            torch.testing.assert_close(ours[name], nccl[name], atol=1e-2, rtol=0, msg=name)
+    assert any(name.endswith(" transport=copy_engine]") for name in results["kernels"]), sorted(results["kernels"])
+
+
+@pytest.mark.parametrize("bad", ["NCCL", "dma", None, 1])
+def test_set_transport_checks_its_value(bad, monkeypatch):
+    from flashtile.distributed import comm
+
+    monkeypatch.setattr(comm, "_transport", ["nccl"])
+    with pytest.raises(ValueError, match=re.escape(f"transport must be one of ('nccl', 'copy_engine'), got {bad!r}")):
+        set_transport(bad)
+    assert comm.transport() == "nccl"
+
+
+def test_copy_engine_transport_routes_the_ring(monkeypatch):
+    """With set_transport("copy_engine") a ring over CUDA tensors sends through the group's copy-engine channel (made
+    at the first transfer, not when planned), and says so in its name; over CPU tensors it refuses with a ValueError
+    (never NCCL or gloo instead); a ring of one rank sends nothing either way."""
+    from flashtile.distributed import comm, copy_engine
+
+    fake = _FakeDist()
+    monkeypatch.setattr(comm, "dist", fake)
+    monkeypatch.setattr(comm, "_transport", ["nccl"])
+    channels = []
+
+    class _Channel:
+        def __init__(self, group, device):
+            channels.append((group, device))
+
+        @staticmethod
+        def start(tensors, reverse):
+            return ("received", reverse), [], tensors
+
+    monkeypatch.setattr(copy_engine, "channel", _Channel)
+    group, cuda, kv = _FakeGroup(1, 3, 5, 7), torch.device("cuda", 0), (torch.ones(2),)
+    set_transport("copy_engine")
+    assert comm.transport() == "copy_engine"
+    ring = comm.Ring(group, cuda)
+    assert ring.note == " transport=copy_engine" and channels == []
+    assert ring.start(kv, reverse=True)[0] == ("received", True) and channels == [(group, cuda)] and fake.ops == []
+    with pytest.raises(ValueError, match=re.escape("need CUDA tensors, got tensors on cpu")):
+        comm.Ring(group, torch.device("cpu"))
+    alone = comm.Ring(_FakeGroup(5), torch.device("cpu"))
+    assert alone.note == "" and alone.start(kv) == (kv, [], ()) and len(channels) == 1
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])

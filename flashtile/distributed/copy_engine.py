@@ -96,6 +96,12 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst <- src``, flat bytes mapped on this GPU (its own or a peer's memory): one ``cudaMemcpyAsync`` on the
+    current stream, which a copy engine runs."""
+    dst.copy_(src)
+
+
 class _Copied:
     """What :meth:`Ring.finish` waits for (a ``Work``'s ``wait``): the current stream waits for the side stream's
     event recorded after the message's copies."""
@@ -170,13 +176,13 @@ class Channel:
             mine = self._slot(self.rank, direction, n)
             for t, offset in zip(tensors, offsets):
                 data = _bytes(t.contiguous())
-                mine.narrow(0, offset, data.numel()).copy_(data)
+                _copy(mine.narrow(0, offset, data.numel()), data)
             ops.write(stream, self._flag(to, _READY + direction), n + 1)
             ops.wait_at_least(stream, self._flag(self.rank, _READY + direction), n + 1)
             theirs = self._slot(source, direction, n)
             for r, offset in zip(received, offsets):
                 data = _bytes(r)
-                data.copy_(theirs.narrow(0, offset, data.numel()))
+                _copy(data, theirs.narrow(0, offset, data.numel()))
             ops.write(stream, self._flag(source, _PULLED + direction), n + 1)
             copied = torch.cuda.Event()
             copied.record(stream)

@@ -975,6 +975,16 @@ def test_bench_smoke(tmp_path, monkeypatch):
     assert row["N"] == 64 and row["max_err"] < 1e-5 and row["ring_ms"] > 0 and row["nccl_priority"] == "high", row
 
 
+def test_bench_transport_needs_cuda(capsys):
+    """--transport copy_engine on --device cpu: refused when the arguments are read, naming both."""
+    from flashtile.distributed.bench import parse
+
+    assert parse(["--device", "cuda", "--transport", "copy_engine"]).transport == "copy_engine"
+    with pytest.raises(SystemExit):
+        parse(["--device", "cpu", "--transport", "copy_engine"])
+    assert "it needs --device cuda, got --device cpu" in capsys.readouterr().err
+
+
 def test_bench_breakdown_splits_the_span():
     """--trace's breakdown: overlapping kernels count once, attention first, then other compute, then NCCL alone."""
     from flashtile.distributed.bench import breakdown_ms
@@ -983,6 +993,11 @@ def test_bench_breakdown_splits_the_span():
                ("elementwise_add", 4500, 5500), ("bwd_preprocess", 8000, 9000), ("attn_bwd_sm90_ws", 9000, 10000)]
     got = breakdown_ms(kernels)
     assert got == {"span": 10.0, "attention": 6.0, "other": 1.5, "nccl_exposed": 0.5, "idle": 2.0, "nccl": 5.0}, got
+    # The copy-engine transport's transfers are memcpys: counted as NCCL's kernels are.
+    copies = [("attn_fwd_sm90_ws", 0, 4000), ("Memcpy PtoP (Device -> Device)", 1000, 5000),
+              ("Memcpy DtoD (Device -> Device)", 5000, 5500)]
+    got = breakdown_ms(copies)
+    assert got == {"span": 5.5, "attention": 4.0, "other": 0.0, "nccl_exposed": 1.5, "idle": 0.0, "nccl": 4.5}, got
     assert breakdown_ms([]) == {}
 
 

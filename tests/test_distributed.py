@@ -634,14 +634,22 @@ def test_high_priority_groups_are_made_once_per_group(monkeypatch):
     assert kwargs["pg_options"].is_high_priority_stream
 
 
-@pytest.mark.parametrize("bad", ["low", "HIGH", None, 1])
-def test_set_nccl_priority_checks_its_value(bad, monkeypatch):
+# The ring's transfer settings: their setter, where they are kept, their default and the error's start.
+_SETTINGS = {"nccl_priority": (set_nccl_priority, "_nccl_priority", "default",
+                               "priority must be one of ('default', 'high')"),
+             "transport": (set_transport, "_transport", "nccl", "transport must be one of ('nccl', 'copy_engine')")}
+
+
+@pytest.mark.parametrize("setting", sorted(_SETTINGS))
+@pytest.mark.parametrize("bad", ["HIGH", "NCCL", None, 1])
+def test_ring_settings_check_their_value(setting, bad, monkeypatch):
     from flashtile.distributed import comm
 
-    monkeypatch.setattr(comm, "_nccl_priority", ["default"])
-    with pytest.raises(ValueError, match=re.escape(f"priority must be one of ('default', 'high'), got {bad!r}")):
-        set_nccl_priority(bad)
-    assert comm.nccl_priority() == "default"
+    setter, kept, default, message = _SETTINGS[setting]
+    monkeypatch.setattr(comm, kept, [default])
+    with pytest.raises(ValueError, match=re.escape(f"{message}, got {bad!r}")):
+        setter(bad)
+    assert getattr(comm, kept) == [default]
 
 
 def _transport_pairs(cases):
@@ -667,16 +675,6 @@ def test_copy_engine_transport_matches_nccl(pair):
         else:
             torch.testing.assert_close(ours[name], nccl[name], atol=1e-2, rtol=0, msg=name)
     assert any(name.endswith(" transport=copy_engine]") for name in results["kernels"]), sorted(results["kernels"])
-
-
-@pytest.mark.parametrize("bad", ["NCCL", "dma", None, 1])
-def test_set_transport_checks_its_value(bad, monkeypatch):
-    from flashtile.distributed import comm
-
-    monkeypatch.setattr(comm, "_transport", ["nccl"])
-    with pytest.raises(ValueError, match=re.escape(f"transport must be one of ('nccl', 'copy_engine'), got {bad!r}")):
-        set_transport(bad)
-    assert comm.transport() == "nccl"
 
 
 def test_copy_engine_transport_routes_the_ring(monkeypatch):

@@ -239,6 +239,11 @@ def _bad_calls(rank, world):
         "mesh": lambda: attention(y, y, y, object()),
         # Each rank its own way of sending the dK/dV sums: the receive buffers would not match the sends.
         "dkv-transfer": lambda: ring_attention(y, y, y, dkv_transfer=("float32", "input")[rank % 2]),
+        # The copy-engine transport on CPU tensors: refused on every rank (never NCCL or gloo instead).
+        "transport-cpu": lambda: _with_transport("copy_engine", lambda: ring_attention(y, y, y)),
+        # Each rank its own transport: the ranks would wait for each other forever.
+        "transport-mixed": lambda: _with_transport(("nccl", "copy_engine")[rank % 2], lambda: ring_attention_varlen(
+            y[0], y[0], y[0], torch.tensor([0, 8 * world], dtype=torch.int32), 8 * world)),
     }
     if os.environ.get("TRITON_INTERPRET") == "1":
         # One rank alone refuses: strict mode on rank 0 only, every rank's blocks falling back (CPU tensors' preferred
@@ -256,6 +261,14 @@ def _bad_calls(rank, world):
         flat = init_device_mesh("cpu", (4,), mesh_dim_names=("ring",))
         calls["mesh-1d"] = lambda: attention(y, y, y, flat)
     return {name: _expect_error(call) for name, call in calls.items()}
+
+
+def _with_transport(name, call):
+    set_transport(name)
+    try:
+        call()
+    finally:
+        set_transport("nccl")
 
 
 def _one_rank_check(group, what, values, device, refused=None):
@@ -441,6 +454,10 @@ def test_bad_input_fails_on_every_rank(world):
     assert errors[0]["alibi"].startswith("NotImplementedError") and "mesh_dim_names" in errors[0]["mesh"]
     assert all("cu_seqlens_crc32" in per_rank["offsets"] for per_rank in errors), errors[0]["offsets"]
     assert "dkv_transfer=0" in errors[0]["dkv-transfer"] and "dkv_transfer=1" in errors[0]["dkv-transfer"]
+    assert all(per_rank["transport-cpu"].startswith("ValueError: set_transport('copy_engine')")
+               and "need CUDA tensors, got tensors on cpu" in per_rank["transport-cpu"] for per_rank in errors)
+    assert all("transport=0" in per_rank["transport-mixed"] and "transport=1" in per_rank["transport-mixed"]
+               for per_rank in errors), errors[0]["transport-mixed"]
     for name in ("strict-one-rank", "strict-one-rank-varlen"):
         if name in errors[0]:
             assert errors[0][name].startswith("FallbackError: flashtile strict mode"), errors[0][name]

@@ -193,8 +193,9 @@ def _simulate(world, seed, ahead, monkeypatch):
             source = (rank + (1 if reverse else -1)) % world
             for ours, theirs in zip(got, _message(kind, source, index)):
                 assert torch.equal(ours, theirs), dict(seed=seed, ahead=ahead, rank=rank, reverse=reverse, index=index)
-    # Grown to the float32 sums: two tensors of 480 bytes, each starting 256-byte aligned.
-    assert channels[0].slot_bytes == 2 * 512
+    # Each direction's slots fit its largest message, each tensor starting 256-byte aligned: the forward's K/V (bf16,
+    # 240 bytes each), the backward's float32 sums (480 bytes each, grown to from its K/V).
+    assert channels[0].slot_bytes == [2 * 256, 2 * 512]
 
 
 def _record(event, stream=None):

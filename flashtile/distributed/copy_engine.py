@@ -20,8 +20,9 @@ The flags are 32-bit words in symmetric memory, written and waited on with the d
 and no host wait. The write has a memory fence before it, so the data copied before it lands first.
 
 The received tensors are fresh (as NCCL's), so nothing the ring keeps aliases a slot; the cost against NCCL is one
-local copy a message (into the slot, at memory speed). Needs CUDA tensors, every rank's GPUs peers of each other (one
-NVLink domain), and a PyTorch with symmetric memory; NVLink multicast is not used.
+local copy a message (into the slot, at memory speed), and memory for two slots of the largest message each way.
+Needs CUDA tensors, every rank's GPUs peers of each other (one NVLink domain), and a PyTorch with symmetric memory;
+NVLink multicast is not used.
 """
 from __future__ import annotations
 
@@ -125,8 +126,9 @@ class Channel:
         self.flags, self.peer_flags = _symmetric(_FLAGS, torch.int32, device, group)
         self.flags.zero_()
         self._quiesce()  # every rank's flags zero before any peer writes one
-        self.slot_bytes = 0
-        self.slots = self.peer_slots = None
+        # Each direction's two slots, sized by its largest message (the forward's K/V, the backward's dK/dV sums).
+        self.slot_bytes = [0, 0]
+        self.slots, self.peer_slots = [None, None], [None, None]
         self.sent = [0, 0]  # messages sent (and received) in each direction
 
     def _quiesce(self) -> None:
@@ -137,19 +139,20 @@ class Channel:
         dist.barrier(group=self.group, device_ids=[self.device.index] if nccl else None)
         torch.cuda.synchronize(self.device)
 
-    def _reserve(self, nbytes: int) -> None:
-        """Slots of at least ``nbytes`` (every rank asks for the same sizes at the same message)."""
-        if nbytes <= self.slot_bytes:
+    def _reserve(self, direction: int, nbytes: int) -> None:
+        """Slots of at least ``nbytes`` in ``direction`` (every rank asks for the same sizes at the same message)."""
+        if nbytes <= self.slot_bytes[direction]:
             return
-        if self.slots is not None:
+        if self.slots[direction] is not None:
             self._quiesce()  # no peer still copies out of the slots about to be freed
-        self.slots = self.peer_slots = None
-        self.slots, self.peer_slots = _symmetric(4 * nbytes, torch.uint8, self.device, self.group)
-        self.slot_bytes = nbytes
+        self.slots[direction] = self.peer_slots[direction] = None
+        self.slots[direction], self.peer_slots[direction] = _symmetric(2 * nbytes, torch.uint8, self.device,
+                                                                       self.group)
+        self.slot_bytes[direction] = nbytes
 
     def _slot(self, rank: int, direction: int, index: int) -> torch.Tensor:
-        start = (2 * direction + index % 2) * self.slot_bytes
-        return self.peer_slots[rank].narrow(0, start, self.slot_bytes)
+        size = self.slot_bytes[direction]
+        return self.peer_slots[direction][rank].narrow(0, index % 2 * size, size)
 
     def _flag(self, rank: int, word: int) -> int:
         return self.peer_flags[rank].data_ptr() + 4 * word
@@ -165,7 +168,7 @@ class Channel:
         for t in tensors:
             offsets.append(end)
             end += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-        self._reserve(end)
+        self._reserve(direction, end)
         received = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors)
         n = self.sent[direction]
         stream, ops = self.stream, self.ops

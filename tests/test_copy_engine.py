@@ -2,14 +2,20 @@
 in one process, its streams as queues that a scheduler runs (a wait runs once its flag holds), its symmetric memory as
 CPU tensors that every simulated rank sees. The ring's sequence of messages (a forward's K/V, then a backward's K/V and
 dK/dV sums in the other direction, twice) must arrive intact, in every order the scheduler may run the streams, and
-never deadlock. The GPU run of the same code: tests/test_distributed.py -k copy_engine."""
+never deadlock. On GPUs (skipped without them) the same sequence runs through real copies and flags, one process a GPU;
+the ring attention through it: tests/test_distributed.py -k copy_engine."""
 import contextlib
+import datetime
+import os
 import random
+import tempfile
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from flashtile.distributed import copy_engine
+from flashtile.distributed import copy_engine, exit_rank
 
 
 class _Stream:
@@ -200,3 +206,44 @@ def _simulate(world, seed, ahead, monkeypatch):
 
 def _record(event, stream=None):
     event.at = (stream, len(stream.ops))
+
+
+def _gpu_worker(rank, world, init_file, out_dir):
+    """The message sequence through a real channel on GPU ``rank``; the messages that arrived wrong, saved."""
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    channel = copy_engine.channel(dist.group.WORLD, torch.device("cuda", rank))
+    if rank == 1:
+        torch.cuda._sleep(int(5e7))  # ~25 ms on rank 1's stream: the other ranks run ahead as far as the flags let them
+    received, counts = [], [0, 0]
+    for reverse, kind in _schedule(world, calls=3):
+        index = counts[reverse]
+        counts[reverse] += 1
+        got, works, _ = channel.start(tuple(t.cuda() for t in _message(kind, rank, index)), reverse)
+        for work in works:
+            work.wait()
+        received.append((reverse, index, kind, got))
+    torch.cuda.synchronize()
+    wrong = [(reverse, index) for reverse, index, kind, got in received
+             if not all(torch.equal(ours.cpu(), theirs) for ours, theirs in
+                        zip(got, _message(kind, (rank + (1 if reverse else -1)) % world, index)))]
+    torch.save(wrong, os.path.join(out_dir, f"wrong{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+    exit_rank()
+
+
+def _gpus(world):
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return pytest.mark.skipif(have < world, reason=f"needs {world} CUDA devices, found {have}")
+
+
+@pytest.mark.parametrize("world", [pytest.param(2, marks=_gpus(2)), pytest.param(4, marks=_gpus(4))])
+def test_messages_arrive_intact_on_gpus(world):
+    """The sequence of test_messages_arrive_intact, three calls, through symmetric memory, copy engines and stream
+    memory operations: every message intact on every rank, with one rank's GPU started late."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_gpu_worker, args=(world, os.path.join(out_dir, "init"), out_dir), nprocs=world)
+        wrong = [torch.load(os.path.join(out_dir, f"wrong{rank}.pt")) for rank in range(world)]
+    assert wrong == [[]] * world, wrong

@@ -22,11 +22,13 @@ and no host wait. The write has a memory fence before it, so the data copied bef
 The received tensors are fresh (as NCCL's), so nothing the ring keeps aliases a slot; the cost against NCCL is one
 local copy a message (into the slot, at memory speed), and memory for two slots of the largest message each way.
 Needs CUDA tensors, every rank's GPUs peers of each other (one NVLink domain), and a PyTorch with symmetric memory;
-NVLink multicast is not used.
+NVLink multicast is not used (TORCH_SYMM_MEM_DISABLE_MULTICAST=1 is set where the process has not set it).
 """
 from __future__ import annotations
 
 import ctypes
+import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -80,10 +82,12 @@ def _symmetric(numel: int, dtype: torch.dtype, device: torch.device, group) -> t
     except ImportError as error:
         raise RuntimeError(f"the copy-engine ring transport needs torch.distributed._symmetric_memory (torch "
                            f"{torch.__version__} has none): {error}") from error
+    # The slots need no NVLink multicast object (symmetric memory makes one per buffer where the GPUs can): asked off
+    # unless the process already says otherwise.
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     name = group.group_name
     enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
     if enable is not None and not symm_mem.is_symm_mem_enabled_for_group(name):
-        import warnings
         with warnings.catch_warnings():  # deprecated where rendezvous finds the group itself; needed before
             warnings.simplefilter("ignore", FutureWarning)
             enable(name)

@@ -7,10 +7,11 @@
 - :func:`ring_attention_varlen`: packed documents (global ``cu_seqlens``), contiguous token shards.
 - :func:`exit_rank`: the clean end of a spawned rank (after ``destroy_process_group``).
 - :func:`set_nccl_priority`: the ring's transfers on NCCL streams of high priority (opt-in; off until measured).
+- :func:`set_transport`: the ring's transfers on the GPUs' copy engines instead of NCCL (opt-in; until measured).
 
 See docs/distributed.md.
 """
-from .comm import exit_rank, nccl_priority, set_nccl_priority
+from .comm import exit_rank, nccl_priority, set_nccl_priority, set_transport, transport
 from .hybrid import attention
 from .ring import ring_attention
 from .sharding import shard, unshard
@@ -18,4 +19,4 @@ from .ulysses import ulysses_attention
 from .varlen import ring_attention_varlen
 
 __all__ = ["attention", "exit_rank", "nccl_priority", "ring_attention", "ring_attention_varlen", "set_nccl_priority",
-           "shard", "ulysses_attention", "unshard"]
+           "set_transport", "shard", "transport", "ulysses_attention", "unshard"]

@@ -641,7 +641,7 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
     or 192, and at 256 (configs.one_pass_wide). dK and dV go into ``dk``/``dv``, dQ (scaled) is added into the
     zeroed float32 ``dq_acc`` (q's shape); ``features``: the call's, as :func:`backward` found them; ``key``: the
     backward's launch key (which holds no lengths: they are dynamic arguments); ``tiles``: the kernel's knobs (the
-    wide kernel's alone take ``dq_first``, ``release_each`` and ``rotate``; ``keys96`` runs
+    wide kernel's alone take ``release_each`` and ``rotate``, the one at 64/128 alone ``dk_rs``; ``keys96`` runs
     kernels/bwd_sm90_wide96.py instead)."""
     varlen = args.varlen
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, head_dim_v = _shape(q, k, v, args)
@@ -657,7 +657,8 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
         # The wide kernel's score tiles are small: it takes ALiBi exactly, with no linear form; it reads v and dO
         # past their first 128 columns as a tail.
         own = (dict(V_TAIL=head_dim_v - 128, DQ_FIRST=tiles.dq_first, RELEASE_EACH=tiles.release_each,
-                    ROTATE=tiles.rotate) if wide else dict(ALIBI_LINEAR=alibi is not None and args.window_right == 0))
+                    ROTATE=tiles.rotate) if wide else dict(ALIBI_LINEAR=alibi is not None and args.window_right == 0,
+                                                           DQ_FIRST=tiles.dq_first, DK_RS=tiles.dk_rs))
         sequences = dict(IS_VARLEN=varlen, HAS_SEQUSED=args.seqused_k is not None)
         if tiles.keys96:
             # 96-key CTAs (kernels/bwd_sm90_wide96.py): values of 128, none of the 64-key switches.

@@ -152,9 +152,20 @@ def _alibi_linear(s_t, lse2, offs_m, offs_n, first_key, diag, slope2):
 
 
 @gluon.jit
+def _stage_dq(dq_smem, dq, dq_full, dq_empty, buf, buf_phase, WG: gl.constexpr):
+    """Stage consumer ``WG``'s half of a step's dQ (float32, scaled) in its staging buffer ``buf`` once the reduce of
+    two steps back has read it, and tell the reducer (``dq_full``)."""
+    mbarrier.wait(dq_empty.index(buf), buf_phase ^ 1)
+    dq_smem.index(buf * 2 + WG).reshape(dq.shape).store(dq)
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(dq_full.index(buf), count=1)
+
+
+@gluon.jit
 def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
               FAST_TANH: gl.constexpr, ALIBI: gl.constexpr, ALIBI_LINEAR: gl.constexpr, IS_VARLEN: gl.constexpr,
-              HAS_SEQUSED: gl.constexpr, STAGES: gl.constexpr):
+              HAS_SEQUSED: gl.constexpr, STAGES: gl.constexpr, DQ_FIRST: gl.constexpr, DK_RS: gl.constexpr):
     (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_ready, q_ready,
      do_ready, q_empty, ds_ready, dq_full, dq_empty, tail_ready, DK, DV, ALIBI_SLOPES, stride_alibi_b, qk_scale,
      softcap2, softmax_scale, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh) = args
@@ -249,28 +260,44 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
         ds_t = p_t * (dp_t - delta[None, :])
         if SOFTCAP:
             ds_t = ds_t * w16.to(gl.float32)
-        # This consumer's half of dS^T goes to shared memory: dK's operand here, dQ's in both consumers.
+        ds16 = ds_t.to(dtype)
+        if DK_RS:
+            # dS^T as dK's register operand, as P^T is dV's (FA3's): not read back from shared memory.
+            ds_op = gl.convert_layout(ds16, op_layout)
+            if not DQ_FIRST:
+                # Issued before dS^T is stored, under the store and the hand-over.
+                dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+        # This consumer's half of dS^T goes to shared memory: dK's operand here (without DK_RS), dQ's in both
+        # consumers.
         ds_own = ds_smem.index(buf * 2 + WG)
-        ds_own.store(ds_t.to(dtype))
+        ds_own.store(ds16)
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(ds_ready.index(buf), count=1)
-        dk = warpgroup_mma(ds_own, q, dk, is_async=True)
+        if not DK_RS and not DQ_FIRST:
+            dk = warpgroup_mma(ds_own, q, dk, is_async=True)
         # dQ[:, half] = dS K[:, half], over both consumers' keys.
         mbarrier.wait(ds_ready.index(buf), buf_phase)
         dq = warpgroup_mma(ds_smem.index(buf * 2).permute((1, 0)),
                            _tile(k_smem, zero).slice(WG * HALF_D, HALF_D, 1), dq_zero, use_acc=False, is_async=True)
         dq = warpgroup_mma(ds_smem.index(buf * 2 + 1).permute((1, 0)),
                            _tile(k_smem, 1 + zero).slice(WG * HALF_D, HALF_D, 1), dq, is_async=True)
-        dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
-        # Both consumers release the Q/dO slot; the producer refills it.
-        mbarrier.arrive(q_empty.index(slot), count=1)
-        # Stage dQ's half once the reduce of two steps back has read this buffer.
-        mbarrier.wait(dq_empty.index(buf), buf_phase ^ 1)
-        dq_smem.index(buf * 2 + WG).reshape([BLOCK_M, HALF_D]).store(dq * softmax_scale)
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(dq_full.index(buf), count=1)
+        if DQ_FIRST:
+            # FA3's order: dK's product after dQ's, and dQ staged for the reducer while dK's runs.
+            if DK_RS:
+                dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+            else:
+                dk = warpgroup_mma(ds_own, q, dk, is_async=True)
+            dq, dv = warpgroup_mma_wait(1, deps=(dq, dv))
+            _stage_dq(dq_smem, dq * softmax_scale, dq_full, dq_empty, buf, buf_phase, WG)
+            dk = warpgroup_mma_wait(0, deps=(dk, ))
+            # Both consumers release the Q/dO slot (dK's product read Q last); the producer refills it.
+            mbarrier.arrive(q_empty.index(slot), count=1)
+        else:
+            dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
+            # Both consumers release the Q/dO slot; the producer refills it.
+            mbarrier.arrive(q_empty.index(slot), count=1)
+            _stage_dq(dq_smem, dq * softmax_scale, dq_full, dq_empty, buf, buf_phase, WG)
 
     store_dkdv(dk * softmax_scale, dv, first_key, k_start, seqlen_k, key_rows, DK, DV, off_b, off_hk, stride_dkb,
                stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, HAS_SEQUSED)
@@ -341,7 +368,8 @@ def attn_bwd_sm90_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE2, DEL
                      stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group, MASK_LEFT: gl.constexpr,
                      MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, FAST_TANH: gl.constexpr, ALIBI: gl.constexpr,
                      ALIBI_LINEAR: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
-                     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, DQ_FIRST: gl.constexpr, DK_RS: gl.constexpr,
+                     num_warps: gl.constexpr):
     """``q_desc``/``do_desc``: TMA descriptors of ``(batch, seqlen, heads, HEAD_DIM)`` q and dO with ``[1, 64, 1,
     HEAD_DIM]`` tiles, ``k_desc``/``v_desc`` of k and v with ``[1, 64, 1, HEAD_DIM]`` (one consumer's keys),
     ``dq_desc`` of the zeroed float32 dQ buffer with ``[1, 64, 1, HEAD_DIM / 2]`` (one consumer's half); one CTA per (128 keys, KV
@@ -382,9 +410,9 @@ def attn_bwd_sm90_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE2, DEL
                 do_ready, q_empty, LSE2, DELTA, stride_lse_b, stride_lse_h)
     reducer = (q_desc, k_desc, dq_desc, dq_smem, dq_full, dq_empty)
     gl.warp_specialize([(_consumer, (consumer, walk, 0, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI,
-                                     ALIBI_LINEAR, IS_VARLEN, HAS_SEQUSED, STAGES)),
+                                     ALIBI_LINEAR, IS_VARLEN, HAS_SEQUSED, STAGES, DQ_FIRST, DK_RS)),
                         (_consumer, (consumer, walk, 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI,
-                                     ALIBI_LINEAR, IS_VARLEN, HAS_SEQUSED, STAGES)),
+                                     ALIBI_LINEAR, IS_VARLEN, HAS_SEQUSED, STAGES, DQ_FIRST, DK_RS)),
                         (_producer, (producer, walk, MASK_LEFT, MASK_RIGHT, IS_VARLEN, HAS_SEQUSED, STAGES)),
                         (_reducer, (reducer, walk, MASK_LEFT, MASK_RIGHT, IS_VARLEN, HAS_SEQUSED))], [4, 1, 1],
                        [CONSUMER_REGS, 24, 24])

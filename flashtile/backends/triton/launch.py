@@ -477,6 +477,9 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
         raise ValueError(f"one_pass: 96-key CTAs take calls at head dims 192/128 with no feature but "
                          f"{sorted(configs.ONE_PASS_96_FEATURES)}, not all of {sorted(configs.ONE_PASS_96_APART)}, "
                          f"got {head_dim}/{head_dim_v} with {sorted(features)}")
+    if one_pass is not None and one_pass.dk_rs and configs.one_pass_wide(head_dim, head_dim_v):
+        raise ValueError(f"one_pass: dk_rs is a knob of the one-pass kernel at head dims 64 and 128 "
+                         f"(kernels/bwd_sm90_ws.py), got head dims {head_dim}/{head_dim_v}")
     cfg = config or bwd_config(max(head_dim, head_dim_v), q.dtype, q.device, head_dim_v,
                                row_keys(seqlen_k, args.window_left, args.window_right), features)
     varlen = args.varlen

@@ -45,7 +45,7 @@ def case(which: str, causal: bool, softcap: bool, window: bool = False, tiles: d
             return _fwd_fp8_varlen_case(causal, softcap, window, head_dim, blocks)
         return _fwd_fp8_case(causal, softcap, window, head_dim, blocks)
     if which.startswith("fused-d"):
-        # fused-d64 / fused-d128: kernels/bwd_sm90_ws.py through the launcher's own arguments (at 64, its 128-row steps).
+        # fused-d64 / fused-d128: kernels/bwd_sm90_ws.py through the launcher's own arguments (128-row steps at 64).
         dim = int(re.findall(r"-d(\d+)", which)[0])
         return _one_pass_case(causal, softcap, False, False, window, (dim, dim), tiles or {})
     if which in ("fused", "fused-alibi", "fused-varlen"):

@@ -148,7 +148,7 @@ def test_sm90_wide_case_takes_one_pass_knobs(monkeypatch):
 def test_sm90_fused_case_takes_one_pass_knobs(monkeypatch, head_dim, rows):
     """``fused-d64``/``fused-d128``: kernels/bwd_sm90_ws.py through the launcher, its query steps (128 rows at 64),
     the CTA's two 64-key halves and dQ's column halves; ``dq_first``/``dk_rs`` reach its constexprs (off by
-    default)."""
+    default), ``dq_rows`` its dQ tile (half the rows at 64)."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     from sm90_cases import case
 
@@ -160,6 +160,10 @@ def test_sm90_fused_case_takes_one_pass_knobs(monkeypatch, head_dim, rows):
     assert (base["DQ_FIRST"], base["DK_RS"]) == (False, False) and options == dict(num_warps=4, maxnreg=168)
     _, _, knobs, _ = case(f"fused-d{head_dim}", True, False, tiles=dict(dq_first=1, dk_rs=1))
     assert (knobs["DQ_FIRST"], knobs["DK_RS"]) == (1, 1)
+    if head_dim == 64:
+        # dq_rows: each consumer adds half of dQ's rows, all its columns.
+        _, split, _, _ = case("fused-d64", True, False, tiles=dict(dq_rows=1))
+        assert tuple(split["dq_desc"].block_shape) == (1, 64, 1, 64)
 
 
 def test_sm90_wide96_case_catches_the_launchers_arguments(monkeypatch):

@@ -787,8 +787,9 @@ class OnePassConfig:
     (``release_each``) and walk begun at each CTA's key block (``rotate``); at 192/128, CTAs of 96 keys on
     three consumer warpgroups (``keys96``: kernels/bwd_sm90_wide96.py, FA4's tile; :func:`one_pass_config` gives it
     its registers) and its dS buffers (``ds_bufs``: 1 or 2). At head dims 64 and 128 (kernels/bwd_sm90_ws.py)
-    ``dq_first`` too, and dK's product with dS^T from registers (``dk_rs``, FA3's), issued before dS^T is stored
-    unless ``dq_first``."""
+    ``dq_first`` too, dK's product with dS^T from registers (``dk_rs``, FA3's), issued before dS^T is stored
+    unless ``dq_first``, and at 128-row steps (head dim 64) dQ split between the consumers by rows, not columns
+    (``dq_rows``, FA3's: products of N = 64, not 32)."""
     stages: int
     consumer_regs: int = ONE_PASS_CONSUMER_REGS
     maxnreg: int = ONE_PASS_MAXNREG
@@ -798,6 +799,7 @@ class OnePassConfig:
     keys96: bool = False
     ds_bufs: int = 1
     dk_rs: bool = False
+    dq_rows: bool = False
 
 
 def one_pass_config(head_dim: int, keys96: bool = False) -> OnePassConfig:

@@ -480,6 +480,10 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
     if one_pass is not None and one_pass.dk_rs and configs.one_pass_wide(head_dim, head_dim_v):
         raise ValueError(f"one_pass: dk_rs is a knob of the one-pass kernel at head dims 64 and 128 "
                          f"(kernels/bwd_sm90_ws.py), got head dims {head_dim}/{head_dim_v}")
+    if one_pass is not None and one_pass.dq_rows and (configs.one_pass_wide(head_dim, head_dim_v)
+                                                      or configs.one_pass_rows(head_dim, features) != 128):
+        raise ValueError(f"one_pass: dq_rows splits 128-row steps (head dim 64 without softcap or packed "
+                         f"sequences), got head dims {head_dim}/{head_dim_v} with {sorted(features)}")
     cfg = config or bwd_config(max(head_dim, head_dim_v), q.dtype, q.device, head_dim_v,
                                row_keys(seqlen_k, args.window_left, args.window_right), features)
     varlen = args.varlen
@@ -644,7 +648,8 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
     or 192, and at 256 (configs.one_pass_wide). dK and dV go into ``dk``/``dv``, dQ (scaled) is added into the
     zeroed float32 ``dq_acc`` (q's shape); ``features``: the call's, as :func:`backward` found them; ``key``: the
     backward's launch key (which holds no lengths: they are dynamic arguments); ``tiles``: the kernel's knobs (the
-    wide kernel's alone take ``release_each`` and ``rotate``, the one at 64/128 alone ``dk_rs``; ``keys96`` runs
+    wide kernel's alone take ``release_each`` and ``rotate``, the one at 64/128 alone ``dk_rs`` and ``dq_rows``;
+    ``keys96`` runs
     kernels/bwd_sm90_wide96.py instead)."""
     varlen = args.varlen
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, head_dim_v = _shape(q, k, v, args)
@@ -705,10 +710,11 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
                                   v_tail_desc=v_tail, do_desc=do_main, do_tail_desc=do_tail, dq_desc=dq_main,
                                   dq_tail_desc=dq_tail, **tensors), static)
         return
-    # Each consumer owns half the CTA's keys and adds half of dQ's columns.
+    # Each consumer owns half the CTA's keys and adds half of dQ's columns (dq_rows: half its rows).
+    dq_desc = _tma_desc(dq_acc, rows // 2, head_dim) if tiles.dq_rows else _tma_desc(dq_acc, rows, head_dim // 2)
     _BWD_WS(key, grid, dict(q_desc=_tma_desc(q, rows), k_desc=_tma_desc(k, cta_keys // 2),
-                            v_desc=_tma_desc(v, cta_keys // 2), do_desc=_tma_desc(dout, rows),
-                            dq_desc=_tma_desc(dq_acc, rows, head_dim // 2), **tensors), static)
+                            v_desc=_tma_desc(v, cta_keys // 2), do_desc=_tma_desc(dout, rows), dq_desc=dq_desc,
+                            **tensors), static)
 
 
 _SUM_BLOCK_M = 64

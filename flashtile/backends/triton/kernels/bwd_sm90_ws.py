@@ -18,6 +18,12 @@ Per step (64 queries), each consumer:
     wait for the other consumer's half -> issue dQ[:, half] = dS K[:, half]; wait for all three
     stage dQ (float32, scaled) in shared memory for the reducer
 
+Tuning variants (configs.OnePassConfig, launch.backward's ``one_pass``; off by default, FA3's choices):
+``DQ_FIRST`` issues dQ's product before dK's and stages dQ while dK's runs (Q's slot then goes back after the
+staging); ``DK_RS`` takes dK's product with dS^T from registers, as dV's takes P^T (16 KB less wgmma operand traffic
+a CTA step at 128, 32 KB at 64), issued before dS^T is stored unless ``DQ_FIRST``; at 128-row steps (head dim 64) a
+``dq_desc`` of half the rows and all the columns has the consumers split dQ by rows (products of N = 64, not 32).
+
 dS^T and the staging tiles are double-buffered, so a consumer never waits on the reduce of the step it just
 staged. Everything a consumer stores or reads goes through mbarriers: ``ds_ready`` (both halves of dS^T are
 in place; count 2), ``dq_full``/``dq_empty`` (a staging buffer is filled / has been read by the reduce),

@@ -3,11 +3,15 @@ gradient differences on awkward shapes, then whole-backward times (preprocess, z
 bf16, d=128, median of alternating rounds.
 
     FLASHTILE_NO_VENV=1 PYTHONPATH=$PWD python benchmarks/bwd_ws.py [check] [time] [varlen] [ab OLD=path] [ROUNDS=3]
+    FLASHTILE_NO_VENV=1 PYTHONPATH=$PWD python benchmarks/bwd_ws.py knobs [D=128,64] [ROUNDS=3]
 
 The pair is what ``deterministic=True`` runs. ``varlen``: packed sequences (16 lengths drawn from 128..4096) with
 the features, through ``flash_attn_varlen_func``'s backward. ``ab``: the one-pass kernel against an earlier
 version of kernels/bwd_sm90_ws.py (the file at ``OLD``, e.g. from ``git show REV:path``), whole backwards in
-alternating rounds. Results: BENCHMARKS.md, results/h200-bwd-one-pass-*.json.
+alternating rounds. ``knobs``: the kernel at head dims ``D`` with each of configs.OnePassConfig's knobs of
+bwd_sm90_ws.py (KNOBS; dq_rows at 64 only) against its default, the backward alone on the suite's dense shapes
+(16384 tokens, 2048 // D heads, N 1k/4k/16k, full and causal), alternating rounds; every variant's dQ, dK, dV
+compared with the default's first. Results: BENCHMARKS.md, results/h200-bwd-one-pass-*.json.
 """
 import json
 import os
@@ -52,6 +56,21 @@ def backward(t, one_pass):
     q, k, v, do, out, lse, args = t
     grads = tuple(torch.full_like(x, float("nan")) for x in (q, k, v))
     launch.backward(do, q, k, v, out, lse, replace(args, deterministic=not one_pass), *grads)
+    return grads
+
+
+# The knobs of kernels/bwd_sm90_ws.py (configs.OnePassConfig fields over the head dim's defaults); dq_rows at head
+# dim 64 alone (128-row steps).
+KNOBS = {"default": {}, "dq_first": dict(dq_first=True), "dk_rs": dict(dk_rs=True),
+         "both": dict(dq_first=True, dk_rs=True), "dq_rows": dict(dq_rows=True),
+         "fa3": dict(dq_first=True, dk_rs=True, dq_rows=True)}
+
+
+def one_pass_backward(t, tiles):
+    """The backward with the one-pass kernel's knobs ``tiles`` (a configs.OnePassConfig)."""
+    q, k, v, do, out, lse, args = t
+    grads = tuple(torch.full_like(x, float("nan")) for x in (q, k, v))
+    launch.backward(do, q, k, v, out, lse, args, *grads, one_pass=tiles)
     return grads
 
 
@@ -216,4 +235,33 @@ if __name__ == "__main__":
             res["ab"].append(row)
             print("ab", shape, window, cap, "  ".join(f"{k}={v:.3f}" for k, v in med.items()),
                   "new/old %.3f" % row["new_over_old"], "rel diff", ["%.1e" % d for d in same], flush=True)
+    if "knobs" in modes:
+        options = dict(a.split("=") for a in sys.argv[1:] if "=" in a)
+        res["knobs"] = []
+        for D in (int(d) for d in options.get("D", "128,64").split(",")):
+            tiles = {name: replace(launch.configs.one_pass_config(D), **knobs) for name, knobs in KNOBS.items()
+                     if D == 64 or "dq_rows" not in knobs}
+            for S in (1024, 4096, 16384):
+                for window in ((-1, -1), (-1, 0)):
+                    B, H = 16384 // S, 2048 // D
+                    t = make(B, S, H, H, window, 0.0, D=D)
+                    grads = {name: one_pass_backward(t, c) for name, c in tiles.items()}
+                    # dQ's reduce order varies run to run; each variant's gradients against the default's.
+                    diff = {name: [rel(a, b) for a, b in zip(g, grads["default"])] for name, g in grads.items()}
+                    good = all(d <= 2e-2 for ds in diff.values() for d in ds)
+                    ok &= good
+                    times = {name: [] for name in tiles}
+                    for _ in range(rounds):
+                        for name, c in tiles.items():
+                            times[name].append(time_it(lambda: one_pass_backward(t, c), n=5, calls=10))
+                    med = {name: sorted(ts)[rounds // 2] for name, ts in times.items()}
+                    flops = 2.5 * 4 * B * H * S * S * D / (2 if window == (-1, 0) else 1)
+                    row = dict(head_dim=D, shape=(B, S, H, H), window=window, ms=med,
+                               tflops={name: flops / v / 1e9 for name, v in med.items()}, rel_diff_dq_dk_dv=diff,
+                               ok=good)
+                    res["knobs"].append(row)
+                    print("knobs", f"d{D}", (B, S, H), "causal" if window == (-1, 0) else "full", "  ".join(
+                        f"{name}={v:.3f}({row['tflops'][name]:.0f}, x{med['default'] / v:.3f})"
+                        for name, v in med.items()), "" if good else "BAD " + str(diff), flush=True)
+        print("knobs", "pass" if ok else "FAIL", flush=True)
     json.dump(res, open(os.path.join(os.environ.get("OUT", "/tmp"), "bwd_ws.json"), "w"), indent=1)

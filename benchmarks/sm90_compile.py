@@ -1,11 +1,15 @@
 """Compile a Gluon kernel for sm_90 on a machine without a GPU and report what ptxas made of it: registers,
 spills, shared memory and SASS instruction counts, in all and for each warp-specialized partition (the code
-between two ``setmaxnreg``s: the consumers' loops are the ones with HGMMAs, QGMMAs on FP8). Uses the ptxas and cuobjdump that
+between two ``setmaxnreg``s: the consumers' loops are the ones with HGMMAs, QGMMAs on FP8), and for each of its key
+loops by kind (a key block's instructions for one warp: matmuls by shape, MUFU.EX2, float ops, loads, stores,
+barriers). Uses the ptxas and cuobjdump that
 Triton's wheel ships, so kernels can be checked for register pressure before a GPU run.
 
     python benchmarks/sm90_compile.py dkdv [causal] [softcap]          # kernels/bwd_sm90.py
     python benchmarks/sm90_compile.py fused [causal] [softcap] [window] # kernels/bwd_sm90_ws.py, dense
     python benchmarks/sm90_compile.py fused-alibi|fused-varlen [causal] [softcap] [window]
+    python benchmarks/sm90_compile.py fused-d64|fused-d128 [causal] [softcap] [knob=value ...]  # the same kernel
+                                        # through its launcher (head dim 64: 128-row steps)
     python benchmarks/sm90_compile.py wide[-alibi|-varlen][-v192] [causal] [softcap] [window] [knob=value ...]
                                         # bwd_sm90_wide.py, 192/128 (192/192 with -v192), through the launcher's
                                         # own arguments; knobs: configs.OnePassConfig's (stages=1 dq_first=1 ...;
@@ -94,10 +98,32 @@ def _key_loops(insts: list) -> list:
             if not any((lo, hi) != (lo2, hi2) and lo <= lo2 and hi2 <= hi for lo2, hi2 in loops)]
 
 
+# A key loop's instructions by kind, by opcode prefix (the first that matches): what a key block costs one warp
+# of the partition, in static instructions (a causal loop holds its masked and unmasked paths both).
+_LOOP_KINDS = (("ex2", ("MUFU.EX2", )), ("ffma", ("FFMA", )), ("fp32", ("FMUL", "FADD")), ("cvt", ("F2FP", )),
+               ("lds", ("LDS", "LDSM")), ("sts", ("STS", "STSM")), ("bar", ("BAR", )), ("mbar", ("SYNCS", )),
+               ("fence", ("FENCE", "MEMBAR")), ("wgmma_sync", ("WARPGROUP", )), ("red", ("RED", "ATOM", "UBLKRED")),
+               ("spill", ("STL", "LDL")), ("uniform", ("U", "R2UR")), ("branch", ("BRA", )))
+
+
+def _loop_counts(body: list) -> dict:
+    """:data:`_LOOP_KINDS` counts of a key loop's ``body`` (SASS lines; ``alu``: the rest, integer and select),
+    its matmuls by shape (``HGMMA.64x128x16``: n) and its total."""
+    counts = dict(n=len(body), **{kind: 0 for kind, _ in _LOOP_KINDS}, alu=0, mma={})
+    for line in body:
+        op = re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?(\S+)", line).group(1)
+        if "GMMA" in op:
+            shape = ".".join(op.split(".")[:2])
+            counts["mma"][shape] = counts["mma"].get(shape, 0) + 1
+            continue
+        counts[next((kind for kind, prefixes in _LOOP_KINDS if op.startswith(prefixes)), "alu")] += 1
+    return counts
+
+
 def _regions(insts: list) -> list:
     """Instruction counts between consecutive ``USETMAXREG``s (a warp-specialized partition's code);
     ``loop_stl``/``loop_ldl``: the spills inside its key loops (:func:`_key_loops`); ``loops``: each key loop's
-    instructions, MUFU.EX2s and FFMAs (a key block's work for one warp of the partition)."""
+    counts by kind (:func:`_loop_counts`), keyed by its first address."""
     loops = _key_loops(insts)
     regions, current = [], None
     for line in insts:
@@ -115,10 +141,9 @@ def _regions(insts: list) -> list:
                 if lo <= at <= hi:
                     current["loop_stl"] += "STL" in line
                     current["loop_ldl"] += "LDL" in line
-                    loop = current["loops"].setdefault(f"{lo:x}", dict(n=0, ex2=0, ffma=0))
-                    loop["n"] += 1
-                    loop["ex2"] += "MUFU.EX2" in line
-                    loop["ffma"] += " FFMA" in line
+                    current["loops"].setdefault(f"{lo:x}", []).append(line)
+    for region in regions:
+        region["loops"] = {at: _loop_counts(body) for at, body in region["loops"].items()}
     return [r for r in regions if r["hgmma"] or r["qgmma"]]
 
 

@@ -156,6 +156,28 @@ def test_sm90_wide_case_takes_one_pass_knobs(monkeypatch):
     assert knobs["CONSUMER_REGS"] == 232 and options["maxnreg"] == 160
 
 
+@pytest.mark.parametrize("head_dim, rows", [(64, 128), (128, 64)])
+def test_sm90_fused_case_takes_one_pass_knobs(monkeypatch, head_dim, rows):
+    """``fused-d64``/``fused-d128``: kernels/bwd_sm90_ws.py through the launcher, its query steps (128 rows at 64),
+    the CTA's two 64-key halves and dQ's column halves; ``dq_first``/``dk_rs`` reach its constexprs (off by
+    default), ``dq_rows`` its dQ tile (half the rows at 64)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from sm90_cases import case
+
+    fn, args, base, options = case(f"fused-d{head_dim}", True, False)
+    assert fn.__name__ == "attn_bwd_sm90_ws" and set(args) | set(base) == set(fn.arg_names)
+    tiles = {name: tuple(args[name].block_shape) for name in args if name.endswith("_desc")}
+    assert tiles == {"q_desc": (1, rows, 1, head_dim), "k_desc": (1, 64, 1, head_dim), "v_desc": (1, 64, 1, head_dim),
+                     "do_desc": (1, rows, 1, head_dim), "dq_desc": (1, rows, 1, head_dim // 2)}
+    assert (base["DQ_FIRST"], base["DK_RS"]) == (False, False) and options == dict(num_warps=4, maxnreg=168)
+    _, _, knobs, _ = case(f"fused-d{head_dim}", True, False, tiles=dict(dq_first=1, dk_rs=1))
+    assert (knobs["DQ_FIRST"], knobs["DK_RS"]) == (1, 1)
+    if head_dim == 64:
+        # dq_rows: each consumer adds half of dQ's rows, all its columns.
+        _, split, _, _ = case("fused-d64", True, False, tiles=dict(dq_rows=1))
+        assert tuple(split["dq_desc"].block_shape) == (1, 64, 1, 64)
+
+
 def test_sm90_wide96_case_catches_the_launchers_arguments(monkeypatch):
     """``keys96=1``: the 96-key kernel's launch through the launcher: three consumers' 32-key K and V tiles, dQ
     added 64 columns at a time, its own registers (160 a worker consumer, 128 the compile cap of 16 warps), packed

@@ -239,6 +239,93 @@ def test_wide_variants(rng, variant, causal, head_dim, head_dim_v):
                          reference_results(q, k, v, dout, hi=False, causal=causal), torch.bfloat16)
 
 
+# The knobs of the kernel at head dims 64 and 128 (kernels/bwd_sm90_ws.py; configs.OnePassConfig fields over the head
+# dim's): FA3's order (dQ's product before dK's, dQ staged under dK's), dK's product from registers, both, and at
+# head dim 64's 128-row steps dQ split by rows, alone and with the other two (FA3's plan).
+WS_VARIANTS = {"dq_first": dict(dq_first=True), "dk_rs": dict(dk_rs=True), "both": dict(dq_first=True, dk_rs=True),
+               "dq_rows": dict(dq_rows=True), "fa3": dict(dq_first=True, dk_rs=True, dq_rows=True)}
+# (variant, head dim): dq_rows at head dim 64 only.
+WS_CASES = [(variant, head_dim) for head_dim in (64, 128) for variant in WS_VARIANTS
+            if head_dim == 64 or "dq_rows" not in WS_VARIANTS[variant]]
+WS_CASE_IDS = [f"{variant}-d{head_dim}" for variant, head_dim in WS_CASES]
+
+
+def variant_configs(monkeypatch, variant: str) -> None:
+    """Make every one-pass call at head dims 64 and 128 run with ``variant``'s knobs."""
+    from dataclasses import replace
+
+    default = configs.one_pass_config
+    monkeypatch.setattr(configs, "one_pass_config",
+                        lambda head_dim, keys96=False: replace(default(head_dim, keys96), **WS_VARIANTS[variant]))
+
+
+@pytest.mark.parametrize("variant, head_dim", WS_CASES, ids=WS_CASE_IDS)
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal",
+                         testing.SM90_BWD_SHAPES + [(1, 77, 77, 2, 1, True)],
+                         ids=testing.SM90_BWD_SHAPE_IDS + ["tiny"])
+def test_ws_variants(rng, monkeypatch, variant, head_dim, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal):
+    """The knobs through the public API (d64: 128-row steps): out, lse and every gradient to the tolerance rule on
+    partial blocks, rows that see no key, GQA groups of 1 to 4."""
+    variant_configs(monkeypatch, variant)
+    run(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal=causal, head_dim=head_dim,
+        kernel="one-pass BM128" if head_dim == 64 else ONE_PASS)
+
+
+@pytest.mark.parametrize("variant, head_dim", WS_CASES, ids=WS_CASE_IDS)
+@pytest.mark.parametrize("options", [dict(causal=True, softcap=30.0), dict(window_size=(257, 33)),
+                                     dict(causal=True, alibi=True)],
+                         ids=["causal-softcap", "two-sided", "causal-alibi"])
+def test_ws_variants_features(rng, monkeypatch, variant, head_dim, options):
+    """The knobs with softcap (its 1 - tanh^2 factor in dS; 64-row steps at d64), a two-sided window and causal ALiBi,
+    on a GQA call with partial blocks, dense and packed (64-row steps); dq_rows where the steps have 128 rows."""
+    rows_split = "dq_rows" in WS_VARIANTS[variant]
+    if rows_split and "softcap" in options:
+        pytest.skip("softcap takes 64-row steps, which dq_rows does not split")
+    variant_configs(monkeypatch, variant)
+    options = dict(options)
+    if options.pop("alibi", False):
+        options["alibi_slopes"] = (2.0 ** (-8.0 * torch.arange(1, 5) / 4)).to("cuda")
+    run(rng, 2, 333, 461, 4, 2, head_dim=head_dim, **options)
+    if not rows_split:
+        testing.check_packed(rng, *testing.PACKED_LENGTHS, 4, 2, torch.bfloat16, (head_dim, head_dim), **options)
+    assert ran(ONE_PASS), flashtile.stats()["kernels"]
+
+
+@pytest.mark.parametrize("head_dim, options", [(64, dict(causal=True, softcap=30.0)), (128, dict(causal=True))],
+                         ids=["d64-softcap", "d128"])
+def test_dq_rows_is_refused_on_64_row_steps(rng, head_dim, options):
+    """dq_rows splits 128-row steps: a call of 64-row steps given it is refused, not run without it."""
+    from dataclasses import replace
+
+    from flashtile.backends import AttnArgs
+    from flashtile.backends.triton import launch
+
+    q, k, v = make_qkv(1, 200, 200, 2, 2, head_dim, torch.bfloat16, "cuda", generator=rng)
+    args = AttnArgs(softmax_scale=head_dim ** -0.5, causal=True, window_right=0, softcap=options.get("softcap", 0.0))
+    out, lse = launch.forward(q, k, v, args)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    with pytest.raises(ValueError, match="dq_rows"):
+        launch.backward(torch.randn_like(out), q, k, v, out, lse, args, *grads,
+                        one_pass=replace(configs.one_pass_config(head_dim), dq_rows=True))
+
+
+def test_dk_rs_is_refused_on_wide_heads(rng):
+    """dk_rs is a knob of kernels/bwd_sm90_ws.py alone: a wide call given it is refused, not run without it."""
+    from dataclasses import replace
+
+    from flashtile.backends import AttnArgs
+    from flashtile.backends.triton import launch
+
+    q, k, v = make_qkv(1, 200, 200, 2, 2, 192, torch.bfloat16, "cuda", generator=rng)
+    v = v[..., :128].contiguous()
+    args = AttnArgs(softmax_scale=192 ** -0.5)
+    out, lse = launch.forward(q, k, v, args)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    with pytest.raises(ValueError, match="dk_rs"):
+        launch.backward(torch.randn_like(out), q, k, v, out, lse, args, *grads,
+                        one_pass=replace(configs.one_pass_config(192), dk_rs=True))
+
+
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (100, 0), (50, 70)], ids=["full", "causal", "local", "window"])
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(333, 461), (500, 300)])
 @pytest.mark.parametrize("ds_bufs", [1, 2])

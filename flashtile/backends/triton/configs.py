@@ -803,7 +803,10 @@ class OnePassConfig:
     order of dQ's product before dK's (``dq_first``), release of each dQ staging buffer as soon as it is read
     (``release_each``) and walk begun at each CTA's key block (``rotate``); at 192/128, CTAs of 96 keys on
     three consumer warpgroups (``keys96``: kernels/bwd_sm90_wide96.py, FA4's tile; :func:`one_pass_config` gives it
-    its registers) and its dS buffers (``ds_bufs``: 1 or 2)."""
+    its registers) and its dS buffers (``ds_bufs``: 1 or 2). At head dims 64 and 128 (kernels/bwd_sm90_ws.py)
+    ``dq_first`` too, dK's product with dS^T from registers (``dk_rs``, FA3's), issued before dS^T is stored
+    unless ``dq_first``, and at 128-row steps (head dim 64) dQ split between the consumers by rows, not columns
+    (``dq_rows``, FA3's: products of N = 64, not 32)."""
     stages: int
     consumer_regs: int = ONE_PASS_CONSUMER_REGS
     maxnreg: int = ONE_PASS_MAXNREG
@@ -812,6 +815,8 @@ class OnePassConfig:
     rotate: bool = False
     keys96: bool = False
     ds_bufs: int = 1
+    dk_rs: bool = False
+    dq_rows: bool = False
 
 
 def one_pass_config(head_dim: int, keys96: bool = False) -> OnePassConfig:

@@ -477,6 +477,13 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
         raise ValueError(f"one_pass: 96-key CTAs take calls at head dims 192/128 with no feature but "
                          f"{sorted(configs.ONE_PASS_96_FEATURES)}, not all of {sorted(configs.ONE_PASS_96_APART)}, "
                          f"got {head_dim}/{head_dim_v} with {sorted(features)}")
+    if one_pass is not None and one_pass.dk_rs and configs.one_pass_wide(head_dim, head_dim_v):
+        raise ValueError(f"one_pass: dk_rs is a knob of the one-pass kernel at head dims 64 and 128 "
+                         f"(kernels/bwd_sm90_ws.py), got head dims {head_dim}/{head_dim_v}")
+    if one_pass is not None and one_pass.dq_rows and (configs.one_pass_wide(head_dim, head_dim_v)
+                                                      or configs.one_pass_rows(head_dim, features) != 128):
+        raise ValueError(f"one_pass: dq_rows splits 128-row steps (head dim 64 without softcap or packed "
+                         f"sequences), got head dims {head_dim}/{head_dim_v} with {sorted(features)}")
     cfg = config or bwd_config(max(head_dim, head_dim_v), q.dtype, q.device, head_dim_v,
                                row_keys(seqlen_k, args.window_left, args.window_right), features)
     varlen = args.varlen
@@ -641,7 +648,8 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
     or 192, and at 256 (configs.one_pass_wide). dK and dV go into ``dk``/``dv``, dQ (scaled) is added into the
     zeroed float32 ``dq_acc`` (q's shape); ``features``: the call's, as :func:`backward` found them; ``key``: the
     backward's launch key (which holds no lengths: they are dynamic arguments); ``tiles``: the kernel's knobs (the
-    wide kernel's alone take ``dq_first``, ``release_each`` and ``rotate``; ``keys96`` runs
+    wide kernel's alone take ``release_each`` and ``rotate``, the one at 64/128 alone ``dk_rs`` and ``dq_rows``;
+    ``keys96`` runs
     kernels/bwd_sm90_wide96.py instead)."""
     varlen = args.varlen
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, head_dim_v = _shape(q, k, v, args)
@@ -657,7 +665,8 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
         # The wide kernel's score tiles are small: it takes ALiBi exactly, with no linear form; it reads v and dO
         # past their first 128 columns as a tail.
         own = (dict(V_TAIL=head_dim_v - 128, DQ_FIRST=tiles.dq_first, RELEASE_EACH=tiles.release_each,
-                    ROTATE=tiles.rotate) if wide else dict(ALIBI_LINEAR=alibi is not None and args.window_right == 0))
+                    ROTATE=tiles.rotate) if wide else dict(ALIBI_LINEAR=alibi is not None and args.window_right == 0,
+                                                           DQ_FIRST=tiles.dq_first, DK_RS=tiles.dk_rs))
         sequences = dict(IS_VARLEN=varlen, HAS_SEQUSED=args.seqused_k is not None)
         if tiles.keys96:
             # 96-key CTAs (kernels/bwd_sm90_wide96.py): values of 128, none of the 64-key switches.
@@ -701,10 +710,11 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
                                   v_tail_desc=v_tail, do_desc=do_main, do_tail_desc=do_tail, dq_desc=dq_main,
                                   dq_tail_desc=dq_tail, **tensors), static)
         return
-    # Each consumer owns half the CTA's keys and adds half of dQ's columns.
+    # Each consumer owns half the CTA's keys and adds half of dQ's columns (dq_rows: half its rows).
+    dq_desc = _tma_desc(dq_acc, rows // 2, head_dim) if tiles.dq_rows else _tma_desc(dq_acc, rows, head_dim // 2)
     _BWD_WS(key, grid, dict(q_desc=_tma_desc(q, rows), k_desc=_tma_desc(k, cta_keys // 2),
-                            v_desc=_tma_desc(v, cta_keys // 2), do_desc=_tma_desc(dout, rows),
-                            dq_desc=_tma_desc(dq_acc, rows, head_dim // 2), **tensors), static)
+                            v_desc=_tma_desc(v, cta_keys // 2), do_desc=_tma_desc(dout, rows), dq_desc=dq_desc,
+                            **tensors), static)
 
 
 _SUM_BLOCK_M = 64

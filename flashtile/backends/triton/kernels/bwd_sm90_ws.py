@@ -18,6 +18,12 @@ Per step (64 queries), each consumer:
     wait for the other consumer's half -> issue dQ[:, half] = dS K[:, half]; wait for all three
     stage dQ (float32, scaled) in shared memory for the reducer
 
+Tuning variants (configs.OnePassConfig, launch.backward's ``one_pass``; off by default, FA3's choices):
+``DQ_FIRST`` issues dQ's product before dK's and stages dQ while dK's runs (Q's slot then goes back after the
+staging); ``DK_RS`` takes dK's product with dS^T from registers, as dV's takes P^T (16 KB less wgmma operand traffic
+a CTA step at 128, 32 KB at 64), issued before dS^T is stored unless ``DQ_FIRST``; at 128-row steps (head dim 64) a
+``dq_desc`` of half the rows and all the columns has the consumers split dQ by rows (products of N = 64, not 32).
+
 dS^T and the staging tiles are double-buffered, so a consumer never waits on the reduce of the step it just
 staged. Everything a consumer stores or reads goes through mbarriers: ``ds_ready`` (both halves of dS^T are
 in place; count 2), ``dq_full``/``dq_empty`` (a staging buffer is filled / has been read by the reduce),
@@ -152,9 +158,42 @@ def _alibi_linear(s_t, lse2, offs_m, offs_n, first_key, diag, slope2):
 
 
 @gluon.jit
+def _dq_product(ds_smem, k_smem, buf, zero, dq_zero, WG: gl.constexpr):
+    """Issue consumer ``WG``'s part of dQ = dS K over both consumers' keys (``ds_smem``'s halves of buffer ``buf``,
+    the keys x queries dS^T): with ``dq_zero`` all the rows and half the columns, dQ[:, half] = dS K[:, half]
+    (products of N = HEAD_DIM / 2), or half the rows and all the columns, dQ[half] = dS[half] K (N = HEAD_DIM, FA3's
+    split at 128-row steps)."""
+    DQ_M: gl.constexpr = dq_zero.shape[0]
+    DQ_N: gl.constexpr = dq_zero.shape[1]
+    BLOCK_M: gl.constexpr = ds_smem.shape[2]
+    if DQ_M == BLOCK_M:
+        dq = warpgroup_mma(ds_smem.index(buf * 2).permute((1, 0)), _tile(k_smem, zero).slice(WG * DQ_N, DQ_N, 1),
+                           dq_zero, use_acc=False, is_async=True)
+        dq = warpgroup_mma(ds_smem.index(buf * 2 + 1).permute((1, 0)),
+                           _tile(k_smem, 1 + zero).slice(WG * DQ_N, DQ_N, 1), dq, is_async=True)
+    else:
+        dq = warpgroup_mma(ds_smem.index(buf * 2).slice(WG * DQ_M, DQ_M, 1).permute((1, 0)), _tile(k_smem, zero),
+                           dq_zero, use_acc=False, is_async=True)
+        dq = warpgroup_mma(ds_smem.index(buf * 2 + 1).slice(WG * DQ_M, DQ_M, 1).permute((1, 0)),
+                           _tile(k_smem, 1 + zero), dq, is_async=True)
+    return dq
+
+
+@gluon.jit
+def _stage_dq(dq_smem, dq, dq_full, dq_empty, buf, buf_phase, WG: gl.constexpr):
+    """Stage consumer ``WG``'s half of a step's dQ (float32, scaled) in its staging buffer ``buf`` once the reduce of
+    two steps back has read it, and tell the reducer (``dq_full``)."""
+    mbarrier.wait(dq_empty.index(buf), buf_phase ^ 1)
+    dq_smem.index(buf * 2 + WG).reshape(dq.shape).store(dq)
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(dq_full.index(buf), count=1)
+
+
+@gluon.jit
 def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
               FAST_TANH: gl.constexpr, ALIBI: gl.constexpr, ALIBI_LINEAR: gl.constexpr, IS_VARLEN: gl.constexpr,
-              HAS_SEQUSED: gl.constexpr, STAGES: gl.constexpr):
+              HAS_SEQUSED: gl.constexpr, STAGES: gl.constexpr, DQ_FIRST: gl.constexpr, DK_RS: gl.constexpr):
     (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_ready, q_ready,
      do_ready, q_empty, ds_ready, dq_full, dq_empty, tail_ready, DK, DV, ALIBI_SLOPES, stride_alibi_b, qk_scale,
      softcap2, softmax_scale, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh) = args
@@ -162,13 +201,16 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
-    HALF_D: gl.constexpr = HEAD_DIM // 2
     dtype: gl.constexpr = q_desc.dtype
+    # This consumer's part of a step's dQ, as its staging buffer has it: all the rows and half the columns, or
+    # (DQ_ROWS) half the rows and all the columns.
+    DQ_M: gl.constexpr = dq_smem.shape[2]
+    DQ_N: gl.constexpr = dq_smem.shape[4]
     # Accumulator layouts of one warpgroup: the transposed scores (keys x queries), dK/dV (keys x head dim),
-    # dQ's half (queries x half the head dim); P^T as the register operand of the dV product.
+    # dQ's part (queries x columns); P^T as the register operand of the dV product.
     st_layout: gl.constexpr = wgmma_layout(BLOCK_M, 4)
     acc_layout: gl.constexpr = wgmma_layout(HEAD_DIM, 4)
-    dq_layout: gl.constexpr = wgmma_layout(HALF_D, 4)
+    dq_layout: gl.constexpr = wgmma_layout(DQ_N, 4)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     keys_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
     queries_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
@@ -184,7 +226,7 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
     st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
-    dq_zero = gl.zeros([BLOCK_M, HALF_D], gl.float32, dq_layout)
+    dq_zero = gl.zeros([DQ_M, DQ_N], gl.float32, dq_layout)
     mbarrier.wait(kv_ready, 0)
     if IS_VARLEN:
         if first_key + BLOCK_N > seqlen_k:
@@ -249,28 +291,41 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
         ds_t = p_t * (dp_t - delta[None, :])
         if SOFTCAP:
             ds_t = ds_t * w16.to(gl.float32)
-        # This consumer's half of dS^T goes to shared memory: dK's operand here, dQ's in both consumers.
+        ds16 = ds_t.to(dtype)
+        if DK_RS:
+            # dS^T as dK's register operand, as P^T is dV's (FA3's): not read back from shared memory.
+            ds_op = gl.convert_layout(ds16, op_layout)
+            if not DQ_FIRST:
+                # Issued before dS^T is stored, under the store and the hand-over.
+                dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+        # This consumer's half of dS^T goes to shared memory: dK's operand here (without DK_RS), dQ's in both
+        # consumers.
         ds_own = ds_smem.index(buf * 2 + WG)
-        ds_own.store(ds_t.to(dtype))
+        ds_own.store(ds16)
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(ds_ready.index(buf), count=1)
-        dk = warpgroup_mma(ds_own, q, dk, is_async=True)
-        # dQ[:, half] = dS K[:, half], over both consumers' keys.
+        if not DK_RS and not DQ_FIRST:
+            dk = warpgroup_mma(ds_own, q, dk, is_async=True)
+        # This consumer's part of dQ = dS K, over both consumers' keys.
         mbarrier.wait(ds_ready.index(buf), buf_phase)
-        dq = warpgroup_mma(ds_smem.index(buf * 2).permute((1, 0)),
-                           _tile(k_smem, zero).slice(WG * HALF_D, HALF_D, 1), dq_zero, use_acc=False, is_async=True)
-        dq = warpgroup_mma(ds_smem.index(buf * 2 + 1).permute((1, 0)),
-                           _tile(k_smem, 1 + zero).slice(WG * HALF_D, HALF_D, 1), dq, is_async=True)
-        dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
-        # Both consumers release the Q/dO slot; the producer refills it.
-        mbarrier.arrive(q_empty.index(slot), count=1)
-        # Stage dQ's half once the reduce of two steps back has read this buffer.
-        mbarrier.wait(dq_empty.index(buf), buf_phase ^ 1)
-        dq_smem.index(buf * 2 + WG).reshape([BLOCK_M, HALF_D]).store(dq * softmax_scale)
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(dq_full.index(buf), count=1)
+        dq = _dq_product(ds_smem, k_smem, buf, zero, dq_zero, WG)
+        if DQ_FIRST:
+            # FA3's order: dK's product after dQ's, and dQ staged for the reducer while dK's runs.
+            if DK_RS:
+                dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+            else:
+                dk = warpgroup_mma(ds_own, q, dk, is_async=True)
+            dq, dv = warpgroup_mma_wait(1, deps=(dq, dv))
+            _stage_dq(dq_smem, dq * softmax_scale, dq_full, dq_empty, buf, buf_phase, WG)
+            dk = warpgroup_mma_wait(0, deps=(dk, ))
+            # Both consumers release the Q/dO slot (dK's product read Q last); the producer refills it.
+            mbarrier.arrive(q_empty.index(slot), count=1)
+        else:
+            dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
+            # Both consumers release the Q/dO slot; the producer refills it.
+            mbarrier.arrive(q_empty.index(slot), count=1)
+            _stage_dq(dq_smem, dq * softmax_scale, dq_full, dq_empty, buf, buf_phase, WG)
 
     store_dkdv(dk * softmax_scale, dv, first_key, k_start, seqlen_k, key_rows, DK, DV, off_b, off_hk, stride_dkb,
                stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, HAS_SEQUSED)
@@ -316,7 +371,11 @@ def _reducer(args, walk, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_V
     q_desc, k_desc, dq_desc, dq_smem, dq_full, dq_empty = args
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
-    HALF_D: gl.constexpr = dq_desc.block_type.shape[3]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    # Consumer w's part starts w * DQ_M rows down when the consumers split the rows, w * DQ_N columns across when
+    # they split the columns.
+    DQ_M: gl.constexpr = dq_desc.block_type.shape[1]
+    DQ_N: gl.constexpr = dq_desc.block_type.shape[3]
     off_hk = gl.program_id(1)
     seq, lo, _, _, n_q, n_it = _walk(walk, q_desc, k_desc, BLOCK_M, 2 * BLOCK_N, MASK_LEFT, MASK_RIGHT, IS_VARLEN,
                                      HAS_SEQUSED)
@@ -325,11 +384,12 @@ def _reducer(args, walk, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_V
     for it in range(n_it):
         buf = it % 2
         off_h, row = _query_block(it, n_q, lo, off_hk, group, BLOCK_M)
-        # Both halves staged: add them into dQ's float32 buffer (rows past the tensor are clipped; rows past a
+        # Both parts staged: add them into dQ's float32 buffer (rows past the tensor are clipped; rows past a
         # packed sequence, the next one's, get zeros added), and hand the buffer back once the reduce has read it.
         mbarrier.wait(dq_full.index(buf), (it // 2) & 1)
         for w in gl.static_range(2):
-            _reduce_add(dq_desc, [tma_b, q_start + row, off_h, w * HALF_D], dq_smem.index(buf * 2 + w))
+            _reduce_add(dq_desc, [tma_b, q_start + row + w * (BLOCK_M - DQ_M), off_h, w * (HEAD_DIM - DQ_N)],
+                        dq_smem.index(buf * 2 + w))
         tma.store_wait(0)
         mbarrier.arrive(dq_empty.index(buf), count=1)
 
@@ -341,12 +401,14 @@ def attn_bwd_sm90_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE2, DEL
                      stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group, MASK_LEFT: gl.constexpr,
                      MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, FAST_TANH: gl.constexpr, ALIBI: gl.constexpr,
                      ALIBI_LINEAR: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
-                     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, DQ_FIRST: gl.constexpr, DK_RS: gl.constexpr,
+                     num_warps: gl.constexpr):
     """``q_desc``/``do_desc``: TMA descriptors of ``(batch, seqlen, heads, HEAD_DIM)`` q and dO with ``[1, 64, 1,
     HEAD_DIM]`` tiles, ``k_desc``/``v_desc`` of k and v with ``[1, 64, 1, HEAD_DIM]`` (one consumer's keys),
-    ``dq_desc`` of the zeroed float32 dQ buffer with ``[1, 64, 1, HEAD_DIM / 2]`` (one consumer's half); one CTA per (128 keys, KV
-    head, batch row). ``qk_scale``/``softcap2`` as common.scores takes them; LSE2 and DELTA are
-    bwd_preprocess's. dQ arrives in its buffer scaled, to be cast."""
+    ``dq_desc`` of the zeroed float32 dQ buffer with one consumer's part of a step's dQ as its tile, ``[1, BLOCK_M,
+    1, HEAD_DIM / 2]`` (half the columns) or, at 128-row steps, ``[1, 64, 1, HEAD_DIM]`` (half the rows: products of
+    N = HEAD_DIM, not HEAD_DIM / 2); one CTA per (128 keys, KV head, batch row). ``qk_scale``/``softcap2`` as
+    common.scores takes them; LSE2 and DELTA are bwd_preprocess's. dQ arrives in its buffer scaled, to be cast."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -354,15 +416,18 @@ def attn_bwd_sm90_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE2, DEL
     dtype: gl.constexpr = q_desc.dtype
     gl.static_assert(num_warps == 4, "the default partition is consumer 0, one warpgroup")
     gl.static_assert(BLOCK_N == 64, "a consumer warpgroup owns 64 keys")
-    gl.static_assert(dq_desc.block_type.shape[3] == HALF_D, "a consumer adds half of dQ's columns")
+    DQ_M: gl.constexpr = dq_desc.block_type.shape[1]
+    DQ_N: gl.constexpr = dq_desc.block_type.shape[3]
+    gl.static_assert((DQ_M == BLOCK_M and DQ_N == HALF_D) or (DQ_M == 64 and 2 * DQ_M == BLOCK_M and DQ_N == HEAD_DIM),
+                     "a consumer adds half of dQ's columns, or at 128-row steps half its rows")
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, 1, HEAD_DIM], do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [2, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
-    # dS^T halves (keys x queries) and dQ staging halves (queries x half the head dim), two steps of each.
+    # dS^T halves (keys x queries) and the consumers' dQ staging parts, two steps of each.
     ds_smem = gl.allocate_shared_memory(dtype, [4, BLOCK_N, BLOCK_M],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
-    dq_smem = gl.allocate_shared_memory(gl.float32, [4, 1, BLOCK_M, 1, HALF_D], dq_desc.layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [4, 1, DQ_M, 1, DQ_N], dq_desc.layout)
     # Each ring slot's rows: their lse (log2 units) and delta.
     rows_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     kv_ready = barrier(1)
@@ -382,9 +447,9 @@ def attn_bwd_sm90_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE2, DEL
                 do_ready, q_empty, LSE2, DELTA, stride_lse_b, stride_lse_h)
     reducer = (q_desc, k_desc, dq_desc, dq_smem, dq_full, dq_empty)
     gl.warp_specialize([(_consumer, (consumer, walk, 0, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI,
-                                     ALIBI_LINEAR, IS_VARLEN, HAS_SEQUSED, STAGES)),
+                                     ALIBI_LINEAR, IS_VARLEN, HAS_SEQUSED, STAGES, DQ_FIRST, DK_RS)),
                         (_consumer, (consumer, walk, 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI,
-                                     ALIBI_LINEAR, IS_VARLEN, HAS_SEQUSED, STAGES)),
+                                     ALIBI_LINEAR, IS_VARLEN, HAS_SEQUSED, STAGES, DQ_FIRST, DK_RS)),
                         (_producer, (producer, walk, MASK_LEFT, MASK_RIGHT, IS_VARLEN, HAS_SEQUSED, STAGES)),
                         (_reducer, (reducer, walk, MASK_LEFT, MASK_RIGHT, IS_VARLEN, HAS_SEQUSED))], [4, 1, 1],
                        [CONSUMER_REGS, 24, 24])

@@ -155,6 +155,14 @@ def _slot(c, STAGES: gl.constexpr):
 
 
 @gluon.jit
+def _next_slot(s, ph, STAGES: gl.constexpr):
+    """The (slot, phase) of the ring position after slot ``s`` at phase ``ph``: a key loop carries these instead
+    of dividing its position by ``STAGES`` each block."""
+    wrap = s == STAGES - 1
+    return gl.where(wrap, 0, s + 1), gl.where(wrap, ph ^ 1, ph)
+
+
+@gluon.jit
 def _take_turn(turn, c, WG: gl.constexpr, PINGPONG: gl.constexpr):
     """With ``PINGPONG``, wait for consumer ``WG``'s turn at ring position ``c``: the other consumer has issued
     its matmuls of position ``c - 1`` (consumer 0) or ``c`` (consumer 1). ``turn.index(w)``'s phase ``c``
@@ -341,8 +349,9 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
                                                     block_scale, softcap2, slope2, window_left, window_right,
                                                     MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX, P_SHIFT, EXP2_EMU)
                 for j in range(jb + 1, je):
-                    s, ph = _slot(base + j, STAGES)
-                    prev, ph_prev = _slot(base + j - 1, STAGES)
+                    # Block j's slot follows block j - 1's (carried: no division by STAGES a block).
+                    prev, ph_prev = s, ph
+                    s, ph = _next_slot(s, ph, STAGES)
                     start_n = lo + j * BLOCK_N
                     block_scale = _block_scale(score_scale, descales, off_b, off_hk, start_n, K_BLOCKS)
                     # S_j = Q K_j^T and O += P_{j-1} V_{j-1} both go to the tensor cores (with PINGPONG P is made
@@ -373,12 +382,12 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
                     # Every S of this tile has been read: the one Q buffer is free (the producer may load the
                     # next tile's Q under the last PV product and the store).
                     mbarrier.arrive(q_empty.index(qb), count=1)
-                last, ph_last = _slot(base + je - 1, STAGES)
-                mbarrier.wait(v_ready.index(last), ph_last)
-                acc, pv = _pv_mma(_p_operand(p, p_layout, dtype, True), _v_operand(v_smem, last, FP8), acc,
+                # The last block's PV product (s, ph: block je - 1's slot).
+                mbarrier.wait(v_ready.index(s), ph)
+                acc, pv = _pv_mma(_p_operand(p, p_layout, dtype, True), _v_operand(v_smem, s, FP8), acc,
                                   pv_zero, TWO_LEVEL)
                 acc = _pv_done(acc, pv, TWO_LEVEL)
-                mbarrier.arrive(v_empty.index(last), count=1)
+                mbarrier.arrive(v_empty.index(s), count=1)
             elif Q_BUFFERS == 1:
                 # No key block of this tile for these rows: Q is not read.
                 mbarrier.arrive(q_empty.index(qb), count=1)

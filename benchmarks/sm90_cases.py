@@ -40,6 +40,11 @@ def case(which: str, causal: bool, softcap: bool, window: bool = False, tiles: d
         dims, keys, slots = (re.findall(rf"-{c}(\d+)", which) for c in "dns")
         return _fwd_ws_launch_case(causal, softcap, window, int(dims[0]), int(keys[0]) if keys else 128,
                                    int(slots[0]) if slots else 2, "-sink" in which, "-alibi" in which, emu)
+    if which.startswith("fwd-d"):
+        # fwd-d<head dim>[-n<keys a block>][-s<slots>][-sink]: kernels/fwd_sm90.py through launch._forward_sm90.
+        dims, keys, slots = (re.findall(rf"-{c}(\d+)", which) for c in "dns")
+        return _fwd_ws_launch_case(causal, softcap, window, int(dims[0]), int(keys[0]) if keys else 64,
+                                   int(slots[0]) if slots else 2, "-sink" in which, "-alibi" in which, emu, "gluon")
     if which.startswith("fwd-fp8"):
         # fwd-fp8[-d64|-d256][-blocks][-varlen]: head dim (128 without), per-block Q/K descales, packed sequences.
         dims = re.findall(r"-d(\d+)", which)
@@ -139,10 +144,11 @@ def _fwd_ws_case(causal: bool, softcap: bool, window: bool, block_n: int = 64, s
 
 
 def _fwd_ws_launch_case(causal: bool, softcap: bool, window: bool, head_dim: int, block_n: int, stages: int,
-                        sink: bool, alibi: bool = False, exp2_emu: int = 0):
+                        sink: bool, alibi: bool = False, exp2_emu: int = 0, kernel_kind: str = "gluon-ws"):
     """The warp-specialized forward launcher's own arguments (launch._forward_sm90_ws) for a 2 x 4096 bf16 call of
     16 query and 16 KV heads at ``head_dim`` (192: DeepSeek's 192/128, values of 128), the tile's ``stages`` slots of
-    ``block_n`` keys and its ``exp2_emu``, caught at its launch."""
+    ``block_n`` keys and its ``exp2_emu``, caught at its launch; ``kernel_kind`` "gluon": the one-warpgroup kernel's
+    (launch._forward_sm90, 64-row tiles)."""
     from flashtile.backends import AttnArgs, present_features
     from flashtile.backends.triton import configs
 
@@ -153,16 +159,20 @@ def _fwd_ws_launch_case(causal: bool, softcap: bool, window: bool, head_dim: int
                     window_right=0 if causal else -1, softcap=30.0 if softcap else 0.0,
                     sink=torch.empty(q.shape[2]) if sink else None,
                     alibi_slopes=torch.empty(2, q.shape[2]) if alibi else None)
-    cfg = configs.TileConfig(64, block_n, 4, stages, kernel="gluon-ws", exp2_emu=exp2_emu)
+    cfg = configs.TileConfig(64, block_n, 4, stages, kernel=kernel_kind, exp2_emu=exp2_emu)
     caught = {}
-    kernel = launch._FWD_SM90_WS
-    launch._FWD_SM90_WS = lambda key, grid, dynamic, static, **_: caught.update(dynamic, **static())
+    name, launcher = ("_FWD_SM90_WS", launch._forward_sm90_ws) if kernel_kind == "gluon-ws" else ("_FWD_SM90",
+                                                                                                   launch._forward_sm90)
+    kernel = getattr(launch, name)
+    setattr(launch, name, lambda key, grid, dynamic, static, **_: caught.update(dynamic, **static()))
     try:
-        launch._forward_sm90_ws(q, k, v, torch.empty(*q.shape[:3], head_dim_v, dtype=q.dtype), lse, args, cfg,
-                                (2, 4096, 4096, 1), frozenset(present_features(args, head_dim, head_dim_v)))
+        launcher(q, k, v, torch.empty(*q.shape[:3], head_dim_v, dtype=q.dtype), lse, args, cfg, (2, 4096, 4096, 1),
+                 frozenset(present_features(args, head_dim, head_dim_v)))
     finally:
-        launch._FWD_SM90_WS = kernel
-    options = dict(num_warps=caught.pop("num_warps"), maxnreg=caught.pop("maxnreg"))
+        setattr(launch, name, kernel)
+    options = dict(num_warps=caught.pop("num_warps"))
+    if "maxnreg" in caught:
+        options["maxnreg"] = caught.pop("maxnreg")
     constexprs = {p.name: caught.pop(p.name) for p in kernel.fn.params if p.is_constexpr and p.name in caught}
     return kernel.fn, caught, dict(constexprs, num_warps=options["num_warps"]), options
 

@@ -21,6 +21,8 @@ Triton's wheel ships, so kernels can be checked for register pressure before a G
     python benchmarks/sm90_compile.py fwd-ws-d256-n64[-sink] [causal] [softcap]  # head dim 256, 64-key slots
     python benchmarks/sm90_compile.py fwd-ws-d192[-n64][-s3][-sink][-alibi] [causal] [softcap]  # 192/128 (q, k as
                                         # 128 + 64 columns), two 128-key slots unless -n / -s say otherwise
+    python benchmarks/sm90_compile.py fwd-d128[-n128][-s1][-sink] [causal] [softcap]  # kernels/fwd_sm90.py (one
+                                        # warpgroup, 64-row tiles) through its launcher: 64-key blocks, two slots
     python benchmarks/sm90_compile.py fwd-fp8[-d64|-d256][-blocks][-varlen] [causal] [softcap] [window]
                                         # kernels/fwd_sm90_fp8.py; -varlen through its launcher's own arguments
 

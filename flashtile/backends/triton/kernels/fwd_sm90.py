@@ -144,7 +144,26 @@ def _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n, start_n, masked, seq
         s, _ = scores(qk, offs_m[:, None], offs_n[None, :], start_n, seqlen_q, seqlen_k, qk_scale, softcap2, slope2,
                       0, 0, 0, window_left, window_right, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, True, ALIBI, "")
         p, alpha, m_new = _softmax_step(qk, s, m_i, qk_scale, SOFTCAP or ALIBI, FIXED_MAX, P_LOG2, EXP2_EMU)
-    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_i * gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout),
+                                                    assert_trivial=True)[:, None] + _row_parts(p)
+
+
+@gluon.jit
+def _row_parts(p):
+    """Each thread's own share of ``p``'s row sums, ``[BLOCK_M, 8]``: column ``8 g + c`` adds into part ``c`` (the
+    wgmma accumulator gives a thread every ``g`` of its ``c``), so no shuffles; :func:`store_rows` adds the parts
+    up once a tile (FlashAttention-3 reduces the row sum across threads only at the end too)."""
+    return gl.sum(gl.reshape(p, [p.shape[0], p.shape[1] // 8, 8]), 1)
+
+
+@gluon.jit
+def row_parts_start(l_i, s_zero):
+    """Row sums ``l_i`` (``[BLOCK_M]``, in ``s_zero``'s row layout) as :func:`_row_parts`' running parts: part 0
+    holds the row's sum, the others 0 (``s_zero``: zeros in the scores' layout)."""
+    zero = _row_parts(s_zero)
+    parts = gl.arange(0, 8, layout=gl.SliceLayout(0, zero.type.layout))
+    rows = gl.convert_layout(l_i, gl.SliceLayout(1, zero.type.layout), assert_trivial=True)
+    return gl.where(parts[None, :] == 0, rows[:, None], zero)
 
 
 @gluon.jit
@@ -229,10 +248,11 @@ def row_start(SINK, row_max, ALIBI_SLOPES, stride_alibi_b, off_b, off_h, BLOCK_M
 def store_rows(acc, m_i, l_i, offs_m, O, LSE, off_b, off_h, first_row, q_start, seqlen_q, stride_ob, stride_om,
                stride_oh, stride_lse_b, stride_lse_h, dtype: gl.constexpr):
     """Divide O by each row's sum and store it (as ``dtype``) and the rows' lse: rows ``first_row..`` of a
-    sequence whose row 0 is row ``q_start`` of O (``offs_m``: the rows in ``m_i``'s layout). A row that saw
-    no key has l = 0: its output is 0 and its lse is -inf."""
+    sequence whose row 0 is row ``q_start`` of O (``offs_m``: the rows in ``m_i``'s layout; ``l_i``: the sums'
+    parts, :func:`_row_parts`). A row that saw no key has l = 0: its output is 0 and its lse is -inf."""
     BLOCK_M: gl.constexpr = acc.shape[0]
     rows_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    l_i = gl.convert_layout(gl.sum(l_i, 1), m_i.type.layout)
     seen = l_i > 0.0
     l_safe = gl.where(seen, l_i, 1.0)
     acc = acc / gl.convert_layout(l_safe, rows_o)[:, None]
@@ -357,6 +377,7 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, qk_s
                                  HAS_SINK, FIXED_MAX, ALIBI)
     acc = gl.zeros([BLOCK_M, HEAD_DIM_V], gl.float32, o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    l_i = row_parts_start(l_i, s_zero)
     mbarrier.wait(q_bar, 0)
     q = q_smem.reshape([BLOCK_M, HEAD_DIM])
     q_tail = q_tail_smem.reshape([BLOCK_M, q_tail_smem.shape[3]])

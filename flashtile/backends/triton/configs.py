@@ -299,15 +299,16 @@ GLUON_WS_D64 = _FWD_SM90_GLUON_WS_D64
 # exp2_emu (one exp2 of P in every n on the FMA pipe, kernels/common.exp2_split) is 0 in every warp-specialized row
 # until a GPU A/B sets it (benchmarks/gluon_ws_heads.py --dims 64 128 --exp2-emu 8 16 32). sm_90 ptxas, an unmasked
 # 128-key block of one consumer warp (its softmax path and the loop's common code; benchmarks/sm90_compile.py
-# fwd-ws-d64[-emu<n>], fwd-ws-d128[-emu<n>]; no spills in any key loop), instructions / MUFU.EX2 / FFMA:
+# fwd-ws-d64[-emu<n>], fwd-ws-d128[-emu<n>]; no spills in any key loop), instructions / MUFU.EX2 / FFMA (the loop
+# carrying its ring slot and the row sums kept per thread, wip-fwd-alu; 420 / 461 at n = 0 before):
 #   n     d64            d128
-#   0     420 / 66 / 66  461 / 66 / 66
-#   32    437 / 64 / 72
-#   16    453 / 62 / 78  494 / 62 / 78
-#   8     483 / 58 / 90  526 / 58 / 90
-#   2     677 / 34 / 162 718 / 34 / 162
+#   0     407 / 66 / 68  445 / 66 / 68
+#   32    424 / 64 / 74
+#   16    440 / 62 / 80  478 / 62 / 80
+#   8     470 / 58 / 92  508 / 58 / 92
+#   2     662 / 34 / 164 702 / 34 / 164
 # An emulated exp2 costs 8 more issue slots and saves 8 cycles of the warp's MUFU time (16 ex2 a clock an SM). Two
-# consumer warps share a scheduler: at d64 a block's 2 x 420 issue cycles sit under 2 x 66 x 8 = 1056 of MUFU and
+# consumer warps share a scheduler: at d64 a block's 2 x 407 issue cycles sit under 2 x 66 x 8 = 1056 of MUFU and
 # 1024 of tensor cores, so n = 16-32 moves the bound to the tensor cores (at most 3% by this count) and n <= 8 to
 # issue; at d128 the tensor cores (2048) bound it already.
 

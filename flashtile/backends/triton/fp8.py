@@ -57,8 +57,10 @@ FP8_PINGPONG = {64: False, 128: True, 256: True}
 # By head dim: one exp2 of P in every n on the FMA pipe instead of the MUFU (kernels/fwd_sm90_ws.py EXP2_EMU; 0: none),
 # off until a GPU A/B weighs it (benchmarks/gluon_ws_heads.py --fp8 --dims 128 --exp2-emu 8 16 32). sm_90 ptxas, d128,
 # an unmasked block of one consumer warp (benchmarks/sm90_compile.py fwd-fp8[-emu<n>]; no spills), instructions /
-# MUFU.EX2 / FFMA: n=0 517 / 66 / 66, 16: 550 / 62 / 78, 8: 582 / 58 / 90, 2: 774 / 34 / 162. Each emulated exp2
-# takes 8 issue slots more and 8 MUFU cycles less: with the issue (2 warps x 517) level with the MUFU (2 x 528) and the
+# MUFU.EX2 / FFMA: n=0 501 / 66 / 68, 16: 534 / 62 / 80, 8: 566 / 58 / 92, 2: 758 / 34 / 164 (n=0 517 before the
+# loop carried its ring slot and kept its row sums per thread). 64 of the 501 turn P's accumulator layout into the
+# e4m3 operand's (16 SHFL.IDX, 16 SEL, 32 PRMT): see docs/design.md. Each emulated exp2
+# takes 8 issue slots more and 8 MUFU cycles less: with the issue (2 warps x 501) level with the MUFU (2 x 528) and the
 # tensor cores (1024 a block), it can pay only where the MUFU's latency, not its rate, holds the softmax back.
 FP8_EXP2_EMU = {64: 0, 128: 0, 256: 0}
 QUERY_ROWS = 64

@@ -145,23 +145,34 @@ def _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n, start_n, masked, seq
                       0, 0, 0, window_left, window_right, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, True, ALIBI, "")
         p, alpha, m_new = _softmax_step(qk, s, m_i, qk_scale, SOFTCAP or ALIBI, FIXED_MAX, P_LOG2, EXP2_EMU)
     return p, alpha, m_new, l_i * gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout),
-                                                    assert_trivial=True)[:, None] + _row_parts(p)
+                                                    assert_trivial=True)[:, None] + _row_parts(p, l_i.shape[1])
 
 
 @gluon.jit
-def _row_parts(p):
-    """Each thread's own share of ``p``'s row sums, ``[BLOCK_M, 8]``: column ``8 g + c`` adds into part ``c`` (the
-    wgmma accumulator gives a thread every ``g`` of its ``c``), so no shuffles; :func:`store_rows` adds the parts
-    up once a tile (FlashAttention-3 reduces the row sum across threads only at the end too)."""
-    return gl.sum(gl.reshape(p, [p.shape[0], p.shape[1] // 8, 8]), 1)
+def _row_parts(p, PARTS: gl.constexpr):
+    """``p``'s row sums in ``PARTS`` parts a row, ``[BLOCK_M, PARTS]``. 8: each thread's own share, column ``8 g + c``
+    adding into part ``c`` (the wgmma accumulator gives a thread every ``g`` of its ``c``), so no shuffles;
+    :func:`store_rows` adds the parts up once a tile (FlashAttention-3 reduces the row sum across threads only at
+    the end too). 1: summed across the row's threads each block (2 registers a thread, not 4)."""
+    if PARTS == 1:
+        return gl.sum(p, 1)[:, None]
+    else:
+        return gl.sum(gl.reshape(p, [p.shape[0], p.shape[1] // PARTS, PARTS]), 1)
+
+
+@gluon.constexpr_function
+def row_parts(ALIBI):
+    """The row sums' parts a row (:func:`_row_parts`): 8, but 1 with ALiBi, whose linear bias already spills
+    registers in the key loop (two more a thread would add to its spills)."""
+    return 1 if ALIBI else 8
 
 
 @gluon.jit
-def row_parts_start(l_i, s_zero):
-    """Row sums ``l_i`` (``[BLOCK_M]``, in ``s_zero``'s row layout) as :func:`_row_parts`' running parts: part 0
+def row_parts_start(l_i, s_zero, PARTS: gl.constexpr):
+    """Row sums ``l_i`` (``[BLOCK_M]``, in ``s_zero``'s row layout) as :func:`_row_parts`' running ``PARTS``: part 0
     holds the row's sum, the others 0 (``s_zero``: zeros in the scores' layout)."""
-    zero = _row_parts(s_zero)
-    parts = gl.arange(0, 8, layout=gl.SliceLayout(0, zero.type.layout))
+    zero = _row_parts(s_zero, PARTS)
+    parts = gl.arange(0, PARTS, layout=gl.SliceLayout(0, zero.type.layout))
     rows = gl.convert_layout(l_i, gl.SliceLayout(1, zero.type.layout), assert_trivial=True)
     return gl.where(parts[None, :] == 0, rows[:, None], zero)
 
@@ -377,7 +388,7 @@ def attn_fwd_sm90(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, qk_s
                                  HAS_SINK, FIXED_MAX, ALIBI)
     acc = gl.zeros([BLOCK_M, HEAD_DIM_V], gl.float32, o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    l_i = row_parts_start(l_i, s_zero)
+    l_i = row_parts_start(l_i, s_zero, row_parts(ALIBI))
     mbarrier.wait(q_bar, 0)
     q = q_smem.reshape([BLOCK_M, HEAD_DIM])
     q_tail = q_tail_smem.reshape([BLOCK_M, q_tail_smem.shape[3]])

@@ -46,8 +46,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .common import kv_range, packed_vt_start, sequence
-from .fwd_sm90 import (_load_qk, _scale_tile, _scores_mma, _softmax_block, _tile, row_parts_start, row_start,
-                       store_rows, wgmma_layout)
+from .fwd_sm90 import (_load_qk, _scale_tile, _scores_mma, _softmax_block, _tile, row_parts, row_parts_start,
+                       row_start, store_rows, wgmma_layout)
 
 # P (in [0, 1]) times 448, e4m3's largest finite value, spans the format's range before the FP8 cast. The
 # factor rides in the exp2's row term (exp2(s - m + log2 448)), so l sums the scaled P too and O / l takes it
@@ -319,7 +319,7 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
             acc = gl.zeros([BLOCK_M, HEAD_DIM_V], gl.float32, o_layout)
             pv_zero = gl.zeros([BLOCK_M, HEAD_DIM_V], gl.float32, o_layout)
             s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-            l_i = row_parts_start(l_i, s_zero)
+            l_i = row_parts_start(l_i, s_zero, row_parts(ALIBI))
             qb = i % Q_BUFFERS
             mbarrier.wait(q_ready.index(qb * 2 + WG), (i // Q_BUFFERS) & 1)
             q = q_smem.index(qb * 2 + WG).reshape([BLOCK_M, HEAD_DIM])

@@ -262,10 +262,17 @@ def _pv_mma(p, v, acc, pv_zero, TWO_LEVEL: gl.constexpr):
 
 
 @gluon.jit
-def _pv_done(acc, pv, TWO_LEVEL: gl.constexpr):
-    """Wait for the PV product :func:`_pv_mma` issued; O with it."""
+def _pv_done(acc, pv, alpha_pv, TWO_LEVEL: gl.constexpr, FIXED_MAX: gl.constexpr):
+    """Wait for the PV product :func:`_pv_mma` issued; O with it. ``TWO_LEVEL``: O (the blocks before P's, under
+    the row max before P's) moves to P's max as P V joins it, ``acc * alpha_pv + pv``, one FMA an element
+    (``alpha_pv``: the rescale factor P's block came with; ``FIXED_MAX``: none). Plain: the wgmma has added P V
+    into O, which the caller rescales for the next block."""
     if TWO_LEVEL:
-        return acc + warpgroup_mma_wait(0, deps=(pv, ))
+        pv = warpgroup_mma_wait(0, deps=(pv, ))
+        if FIXED_MAX:
+            return acc + pv
+        else:
+            return acc * gl.convert_layout(alpha_pv, gl.SliceLayout(1, acc.type.layout))[:, None] + pv
     else:
         return warpgroup_mma_wait(0, deps=(acc, ))
 
@@ -349,6 +356,8 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
                                                     (start_n < full_lo) | (start_n >= full_hi), seqlen_q, seqlen_k,
                                                     block_scale, softcap2, slope2, window_left, window_right,
                                                     MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX, P_SHIFT, EXP2_EMU)
+                # The factor that moves O to the max of the block whose P V joins it next (TWO_LEVEL; O is 0 here).
+                alpha_pv = alpha
                 for j in range(jb + 1, je):
                     # Block j's slot follows block j - 1's (carried: no division by STAGES a block).
                     prev, ph_prev = s, ph
@@ -374,9 +383,12 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
                                                         seqlen_k, block_scale, softcap2, slope2, window_left,
                                                         window_right, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
                                                         FIXED_MAX, P_SHIFT, EXP2_EMU)
-                    acc = _pv_done(acc, pv, TWO_LEVEL)
+                    acc = _pv_done(acc, pv, alpha_pv, TWO_LEVEL, FIXED_MAX)
                     mbarrier.arrive(v_empty.index(prev), count=1)
-                    if not FIXED_MAX:
+                    if TWO_LEVEL:
+                        # O holds blocks up to j - 1 under their max: block j's P V joins it with this block's factor.
+                        alpha_pv = alpha
+                    elif not FIXED_MAX:
                         # O now holds blocks up to j - 1 under the old row max: move it to the new one.
                         acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
                 if Q_BUFFERS == 1:
@@ -387,7 +399,7 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
                 mbarrier.wait(v_ready.index(s), ph)
                 acc, pv = _pv_mma(_p_operand(p, p_layout, dtype, True), _v_operand(v_smem, s, FP8), acc,
                                   pv_zero, TWO_LEVEL)
-                acc = _pv_done(acc, pv, TWO_LEVEL)
+                acc = _pv_done(acc, pv, alpha_pv, TWO_LEVEL, FIXED_MAX)
                 mbarrier.arrive(v_empty.index(s), count=1)
             elif Q_BUFFERS == 1:
                 # No key block of this tile for these rows: Q is not read.

@@ -110,7 +110,8 @@ def _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n, start_n, masked, seq
                    slope2, window_left, window_right, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, FIXED_MAX: gl.constexpr, P_LOG2: gl.constexpr = 0.0,
                    EXP2_EMU: gl.constexpr = 0):
-    """The online softmax of key block ``start_n``: ``(p, alpha, m_new, l_new)``; ``masked`` (uniform
+    """The online softmax of key block ``start_n``: ``(p, alpha, m_new, l_new)``, ``l_i`` and ``l_new`` the row
+    sums in :func:`_row_parts`' parts; ``masked`` (uniform
     across the program) says whether the block straddles a window edge or the sequence end. ``P_LOG2``
     (without ALiBi): p, and so l, come out times ``2**P_LOG2`` (see softmax_step). ``EXP2_EMU``: a share of p's
     exp2s on the FMA pipe (common.exp2_split).

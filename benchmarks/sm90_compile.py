@@ -2,7 +2,8 @@
 spills, shared memory and SASS instruction counts, in all and for each warp-specialized partition (the code
 between two ``setmaxnreg``s: the consumers' loops are the ones with HGMMAs, QGMMAs on FP8), and for each of its key
 loops by kind (a key block's instructions for one warp: matmuls by shape, MUFU.EX2, float ops, loads, stores,
-barriers). Uses the ptxas and cuobjdump that
+barriers; ``taken``: along the path with every forward branch inside the loop taken, a forward kernel's unmasked
+block, the steady state the masked blocks' code would otherwise hide). Uses the ptxas and cuobjdump that
 Triton's wheel ships, so kernels can be checked for register pressure before a GPU run.
 
     python benchmarks/sm90_compile.py dkdv [causal] [softcap]          # kernels/bwd_sm90.py
@@ -122,10 +123,23 @@ def _loop_counts(body: list) -> dict:
     return counts
 
 
+def _taken_path(body: list) -> list:
+    """A key loop's ``body`` less the code its forward branches inside the loop jump over: the path with every such
+    branch taken, the unmasked block's in the forward kernels (their masked softmax falls through first)."""
+    address = [int(re.match(r"\s+/\*([0-9a-f]+)\*/", line).group(1), 16) for line in body]
+    skipped = set()
+    for i, line in enumerate(body):
+        target = re.search(r"@!?U?P\w+ BRA (?:\S+ )?0x([0-9a-f]+)", line)
+        if target and address[i] < int(target.group(1), 16) <= address[-1]:
+            skipped.update(j for j in range(i + 1, len(body)) if address[j] < int(target.group(1), 16))
+    return [line for j, line in enumerate(body) if j not in skipped]
+
+
 def _regions(insts: list) -> list:
     """Instruction counts between consecutive ``USETMAXREG``s (a warp-specialized partition's code);
     ``loop_stl``/``loop_ldl``: the spills inside its key loops (:func:`_key_loops`); ``loops``: each key loop's
-    counts by kind (:func:`_loop_counts`), keyed by its first address."""
+    counts by kind (:func:`_loop_counts`), keyed by its first address, ``taken`` those of its path with every
+    in-loop forward branch taken (:func:`_taken_path`: a forward kernel's unmasked block)."""
     loops = _key_loops(insts)
     regions, current = [], None
     for line in insts:
@@ -145,7 +159,8 @@ def _regions(insts: list) -> list:
                     current["loop_ldl"] += "LDL" in line
                     current["loops"].setdefault(f"{lo:x}", []).append(line)
     for region in regions:
-        region["loops"] = {at: _loop_counts(body) for at, body in region["loops"].items()}
+        region["loops"] = {at: dict(_loop_counts(body), taken=_loop_counts(_taken_path(body)))
+                           for at, body in region["loops"].items()}
     return [r for r in regions if r["hgmma"] or r["qgmma"]]
 
 

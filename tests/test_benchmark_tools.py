@@ -141,6 +141,35 @@ def test_sm90_forward_cases_take_exp2_emu(monkeypatch, which, exp2_emu):
     assert "EXP2_EMU" in fn.arg_names and constexprs["EXP2_EMU"] == exp2_emu
 
 
+@pytest.mark.parametrize("which, block_n, stages", [("fwd-d128", 64, 2), ("fwd-d64-n128-s1", 128, 1)])
+def test_sm90_one_warpgroup_forward_case(monkeypatch, which, block_n, stages):
+    """``fwd-d<dim>[-n<keys>][-s<slots>]``: kernels/fwd_sm90.py's arguments caught at launch._forward_sm90's launch
+    (64-row tiles, the asked key block and ring), nothing launched."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from sm90_cases import case
+
+    fn, args, constexprs, options = case(which, True, False)
+    assert fn.__name__ == "attn_fwd_sm90" and set(args) | set(constexprs) == set(fn.arg_names)
+    assert tuple(args["q_desc"].block_shape)[1] == 64 and tuple(args["k_desc"].block_shape)[1] == block_n
+    assert constexprs["V_STAGES"] == stages and constexprs["MASK_RIGHT"] and options == dict(num_warps=4)
+
+
+def test_sm90_compile_taken_path(monkeypatch):
+    """``taken``: a key loop's code less what its forward branches inside the loop jump over (the masked softmax the
+    forward kernels put first); branches out of the loop (the waits' retries) and back (the loop's) keep all."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from sm90_compile import _loop_counts, _taken_path
+
+    # 0x20 skips the masked block (0x30-0x50, which jumps over the unmasked one to the join at 0x70).
+    ops = ["FMNMX R1, R2, R3", "@!P0 BRA 0x1f00", "@!P1 BRA 0x60", "FSEL R4, R5, RZ, P2", "ISETP.GE.AND P2, PT, R4",
+           "BRA 0x70", "FFMA R1, R2, R3, R4", "MUFU.EX2 R1, R2", "@P3 BRA 0x0"]
+    body = [f"        /*{16 * i:04x}*/                   {op} ;" for i, op in enumerate(ops)]
+    assert [line.split("*/")[1].split()[0] for line in _taken_path(body)] == ["FMNMX", "@!P0", "@!P1", "FFMA",
+                                                                             "MUFU.EX2", "@P3"]
+    counts = _loop_counts(_taken_path(body))
+    assert counts["n"] == 6 and counts["ex2"] == 1 and counts["ffma"] == 1 and counts["branch"] == 3
+
+
 def test_sm90_wide_case_takes_one_pass_knobs(monkeypatch):
     """sm90_compile.py's ``knob=value`` arguments reach the wide kernel through the launcher: its constexprs and
     compile options are the knobs given, the rest its head dim's defaults."""

@@ -48,10 +48,10 @@ def case(which: str, causal: bool, softcap: bool, window: bool = False, tiles: d
             return _fwd_fp8_varlen_case(causal, softcap, window, head_dim, blocks)
         return _fwd_fp8_case(causal, softcap, window, head_dim, blocks, emu)
     if which.startswith("quant"):
-        # quant[-d64|-d256][-g<query heads a KV head>][-amax][-varlen]: the FP8 quantizer's cast launch (-amax: its
-        # first, v's block amaxes), head dim 128 and MHA without.
+        # quant[-d64|-d256][-g<query heads a KV head>][-v][-varlen]: the FP8 quantizer's launch of q's and k's
+        # rotation and cast with v's block amaxes (-v: its second, v's cast), head dim 128 and MHA without.
         dims, groups = re.findall(r"-d(\d+)", which), re.findall(r"-g(\d+)", which)
-        return _quant_case(int(dims[0]) if dims else 128, int(groups[0]) if groups else 1, "-amax" in which,
+        return _quant_case(int(dims[0]) if dims else 128, int(groups[0]) if groups else 1, bool(re.search(r"-v(-|$)", which)),
                            "-varlen" in which)
     if which.startswith("fused-d"):
         # fused-d64 / fused-d128: kernels/bwd_sm90_ws.py through the launcher's own arguments (128-row steps at 64).
@@ -227,9 +227,9 @@ def _fwd_fp8_varlen_case(causal: bool, softcap: bool, window: bool, head_dim: in
     return kernel.fn, caught, dict(constexprs, num_warps=options["num_warps"]), options
 
 
-def _quant_case(head_dim: int, group: int, first: bool, varlen: bool):
+def _quant_case(head_dim: int, group: int, v_cast: bool, varlen: bool):
     """The FP8 quantizer's launcher (quant.quantize, block scales and the rotation) on bf16 q, k, v of 2 x 4096 tokens
-    (packed: sequences of 4096 and 4000), 16 query heads, caught at its second launch (``first``: its first):
+    (packed: sequences of 4096 and 4000), 16 query heads, caught at its first launch (``v_cast``: its second):
     ``(kernel, runtime args, constexprs, options)``."""
     from flashtile.backends.triton import quant
 
@@ -249,7 +249,7 @@ def _quant_case(head_dim: int, group: int, first: bool, varlen: bool):
         quant.quantize(q, k, v, **extra)
     finally:
         quant._QUANT = kernel
-    args = caught[0 if first else 1]
+    args = caught[1 if v_cast else 0]
     options = dict(num_warps=args.pop("num_warps"), num_stages=args.pop("num_stages"), maxnreg=args.pop("maxnreg"))
     constexprs = {name: args.pop(name) for name in _constexpr_names(kernel.fn)}
     return kernel.fn, args, constexprs, options

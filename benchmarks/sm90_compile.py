@@ -23,9 +23,9 @@ Triton's wheel ships, so kernels can be checked for register pressure before a G
                                         # 128 + 64 columns), two 128-key slots unless -n / -s say otherwise
     python benchmarks/sm90_compile.py fwd-fp8[-d64|-d256][-blocks][-varlen] [causal] [softcap] [window]
                                         # kernels/fwd_sm90_fp8.py; -varlen through its launcher's own arguments
-    python benchmarks/sm90_compile.py quant[-d64|-d256][-g<group>][-amax][-varlen]
-                                        # kernels/quant_fp8.py (Triton), its cast launch through quant.quantize
-                                        # (-amax: its first, v's block amaxes); with an opcode histogram
+    python benchmarks/sm90_compile.py quant[-d64|-d256][-g<group>][-v][-varlen]
+                                        # kernels/quant_fp8.py (Triton) through quant.quantize: its launch of q's
+                                        # and k's rotation and cast (-v: v's cast); with an opcode histogram
 
 ``window``: a left bound (the kernel's MASK_LEFT; the fused and forward kernels). ``-emu<n>`` on the ``fwd-ws-d*`` and
 ``fwd-fp8`` cases: one exp2 of P in every n on the FMA pipe (the forward's EXP2_EMU), e.g. ``fwd-ws-d64-emu16``.

@@ -276,11 +276,12 @@ def test_gluon_ws_heads_times_deepseeks_192_128_rows(monkeypatch):
 
 
 @pytest.mark.parametrize("which, head_dim, group, qk_mode, v_mode", [
-    ("quant", 128, 1, "compute", "reduce"), ("quant-d256-g4", 256, 4, "compute", "reduce"),
-    ("quant-d64-amax", 64, 1, "skip", "amax"), ("quant-varlen", 128, 1, "compute", "reduce")])
+    ("quant", 128, 1, "compute", "amax"), ("quant-d256-g4", 256, 4, "compute", "amax"),
+    ("quant-d64-v", 64, 1, "skip", "reduce"), ("quant-varlen", 128, 1, "compute", "amax")])
 def test_sm90_quant_case_catches_the_quantizers_launch(monkeypatch, which, head_dim, group, qk_mode, v_mode):
-    """``quant[-d<dim>][-g<group>][-amax][-varlen]``: the FP8 quantizer's launch through quant.quantize on CPU tensors
-    (its second launch, or its first with -amax): every kernel argument, the head dim, GQA group and modes asked."""
+    """``quant[-d<dim>][-g<group>][-v][-varlen]``: the FP8 quantizer's launch through quant.quantize on CPU tensors
+    (its first launch, q's and k's cast with v's block amaxes, or with -v its second, v's cast): every kernel
+    argument, the head dim, GQA group and modes asked."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     # The GPU's launch (e4m3 outputs, the FMA division), caught before it runs.
     monkeypatch.setenv("TRITON_INTERPRET", "0")

@@ -33,14 +33,17 @@ from .kernels.quant_fp8 import quantize_fp8
 # a floor of ~80 us (256 MB read with v's amax pass, 96 MB written, at 4.3 TB/s). Compiled for sm_90 (ptxas, triton
 # 3.6, `python benchmarks/sm90_compile.py quant[-d64|-d256][-g4][-v]`), MHA / group 4:
 #   d    warps, registers  used, spills         shared (stages)   programs an SM   before: used, shared
-#   64   8, 64             64 / 64, 0 / 5 STL   64 KB (3)         3                64, 24 KB, 4 an SM (1 STL at g4)
-#   128  16, 128           127 / 127, 0         144 KB (3)        1                63, 64 KB, 2 an SM
-#   256  16, 128           127 / 128, 0         192 KB (1)        1                124, 192 KB, 1 an SM
-# d256 has no room for a second stage's 64 KB tile; its gain is the matrix read once a program. Its offsets are
-# 32-bit from each block's first row: 64-bit ones spilled 56 values in the block loop (46 at 32 warps, 64 registers).
+#   64   8, 64             64 / 64, 0 / 2 STL   56 KB (3)         4                64, 24 KB, 4 an SM (1 STL at g4)
+#   128  16, 128           96 / 96, 0           152 KB (4)        1                63, 64 KB, 2 an SM
+#   256  16, 128           128 / 125, 0         128 KB (1)        1                124, 192 KB, 1 an SM
+# The rotation is two products of half the head dim (kernels/quant_fp8._block_values: Sylvester's structure), half
+# the FLOPs and half the matrix: d128 HGMMA.64x32x16, d256 HGMMA.64x64x16 (was 64x64x16, 64x128x16) plus one FADD an
+# element. d256 has no room for a second stage's 64 KB tile; its gain is the halved product and the matrix read
+# once a program. Offsets are 32-bit from each block's first row: 64-bit ones spilled 56 values in d256's block
+# loop (46 at 32 warps of 64 registers).
 _WARPS = {64: 8, 128: 16, 256: 16}
 _MAXNREG = {64: 64, 128: 128, 256: 128}
-_STAGES = {64: 3, 128: 3, 256: 1}
+_STAGES = {64: 3, 128: 4, 256: 1}
 # At most _MAX_TILES blocks a program, and as many as keep _PROGRAMS_PER_SM programs an SM in the grid (the last
 # wave's imbalance, and short sequences' parallelism).
 _MAX_TILES = 8

@@ -8,8 +8,9 @@ copied into shared memory while one is rotated and cast; v's cast loads its next
 (:func:`_cast_v_blocks`). What a launch does with q and k (``QK_MODE``) and with v (``V_MODE``): ``"amax"`` writes each block's
 amax and stores nothing else, ``"compute"`` writes the descale ``amax / 448`` and casts, ``"given"`` reads the
 descale and casts, ``"reduce"`` (v only) takes its descale from the "amax" launch's block amaxes and casts,
-``"skip"`` does nothing. The rotation of a whole ``(BLOCK, HEAD_DIM)`` tile is one ``tl.dot`` with the +-1
-matrix ``diag(signs) H`` (loaded once a program), scaled by ``1 / sqrt(HEAD_DIM)`` in fp32; a one-head block
+``"skip"`` does nothing. The rotation of a ``(BLOCK, HEAD_DIM)`` tile by the +-1 matrix ``diag(signs) H`` is two
+``tl.dot``s of half its width with two quadrants of the matrix (loaded once a program; :func:`_block_values`),
+scaled by ``1 / sqrt(HEAD_DIM)`` in fp32; a one-head block
 (k, MHA's q) is read once: its amax and its cast come from the same registers. The query heads of a GQA group
 are read twice (their amax, then the cast). v is stored transposed, ``(batch, nheads_kv,
 HEAD_DIM, seqlen_k)`` (packed: ``(nheads_kv, HEAD_DIM, columns)``, sequence b's keys from column
@@ -28,34 +29,58 @@ MIN_FAST_DESCALE = tl.constexpr(2.0 ** -64)
 
 
 @triton.jit
-def _load_block(X, rows, row_ok, stride_xm, HEAD_DIM: tl.constexpr):
-    """The ``(BLOCK, HEAD_DIM)`` rows ``rows`` of X in its dtype, 0 where not ``row_ok``; ``rows`` count from X's
+def _load_block(X, rows, row_ok, stride_xm, COLS: tl.constexpr):
+    """The ``(BLOCK, COLS)`` rows ``rows`` of X in its dtype, 0 where not ``row_ok``; ``rows`` count from X's
     block (32-bit offsets: a block loop's offsets stay in registers, not spilled as 64-bit pointers)."""
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, COLS)
     return tl.load(X + rows[:, None] * stride_xm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
 
 
 @triton.jit
 def _block_values(X, r, rows, row_ok, stride_xm, inv_sqrt_d,
                   HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    """The ``(BLOCK, HEAD_DIM)`` fp32 values of ``rows`` of X (rotated by ``r`` with ``ROTATE``), 0 where not
-    ``row_ok``."""
-    x = _load_block(X, rows, row_ok, stride_xm, HEAD_DIM)
+    """The fp32 values of ``rows`` of X (rotated with ``ROTATE`` by ``r``, :func:`_rotation`'s quadrants), 0 where
+    not ``row_ok``, as their two ``(BLOCK, HEAD_DIM // 2)`` column halves.
+
+    ``R = diag(signs) H`` with Sylvester's ``H = [[H', H'], [H', -H']]``: R's right half is its left half with the
+    bottom quadrant negated, so ``x R = [a + b, a - b]`` with ``a = x_lo R_top``, ``b = x_hi R_bottom``: two
+    products of half the width, half the dense product's FLOPs and half its matrix in shared memory."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    x_lo = _load_block(X, rows, row_ok, stride_xm, HALF)
+    x_hi = _load_block(X + HALF, rows, row_ok, stride_xm, HALF)
     if ROTATE:
-        # r holds +-1 in x's dtype (exact): the dot sums signed inputs in fp32, then one scale makes it orthonormal.
-        return tl.dot(x, r, input_precision=INPUT_PRECISION) * inv_sqrt_d
-    return x.to(tl.float32)
+        r_top, r_bottom = r
+        # r holds +-1 in x's dtype (exact): the dots sum signed inputs in fp32, then one scale makes it orthonormal.
+        a = tl.dot(x_lo, r_top, input_precision=INPUT_PRECISION)
+        b = tl.dot(x_hi, r_bottom, input_precision=INPUT_PRECISION)
+        return (a + b) * inv_sqrt_d, (a - b) * inv_sqrt_d
+    return x_lo.to(tl.float32), x_hi.to(tl.float32)
 
 
 @triton.jit
-def _store_block(X8, y, descale, rows, store_ok, stride_8m, stride_8d, HEAD_DIM: tl.constexpr,
+def _halves_amax(y_lo, y_hi):
+    """The largest magnitude in a block's two column halves."""
+    return tl.maximum(tl.max(tl.abs(y_lo)), tl.max(tl.abs(y_hi)))
+
+
+@triton.jit
+def _store_halves(X8, y_lo, y_hi, descale, rows, store_ok, stride_8m, stride_8d, HEAD_DIM: tl.constexpr,
+                  TRANSPOSED: tl.constexpr, FMA: tl.constexpr):
+    """:func:`_store_block` of a block's two column halves (:func:`_block_values`)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    _store_block(X8, y_lo, descale, rows, store_ok, stride_8m, stride_8d, HALF, TRANSPOSED, FMA)
+    _store_block(X8 + HALF * stride_8d, y_hi, descale, rows, store_ok, stride_8m, stride_8d, HALF, TRANSPOSED, FMA)
+
+
+@triton.jit
+def _store_block(X8, y, descale, rows, store_ok, stride_8m, stride_8d, COLS: tl.constexpr,
                  TRANSPOSED: tl.constexpr, FMA: tl.constexpr):
     """``y / descale``, saturated and cast, into the rows ``rows`` of X8 where ``store_ok`` (element ``(m, d)`` at
     ``X8 + m * stride_8m + d * stride_8d``; ``TRANSPOSED``: ``stride_8m`` is 1, and the tile is written as
-    ``(HEAD_DIM, BLOCK)``)."""
+    ``(COLS, BLOCK)``); ``rows`` count from X8's block, as :func:`_load_block`'s."""
     # Saturate: e4m3 has no infinity, and a value past 448 would become NaN.
     y8 = tl.minimum(tl.maximum(_divide(y, descale, FMA), -FP8_MAX), FP8_MAX).to(X8.dtype.element_ty)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, COLS)
     if TRANSPOSED:
         # Keys along the fastest dim of the stored tile: each VT8 row is one contiguous run of BLOCK bytes.
         tl.store(X8 + offs_d[:, None] * stride_8d + rows[None, :], tl.trans(y8), mask=store_ok[None, :])
@@ -113,11 +138,14 @@ def _reduced_descale(AMAX, n_blocks, BLOCK: tl.constexpr):
 
 @triton.jit
 def _rotation(R, HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr):
-    """The ``(HEAD_DIM, HEAD_DIM)`` +-1 matrix at R with ``ROTATE`` (R itself without), loaded once a program."""
+    """With ``ROTATE``, the top and bottom quadrants of the left half of the ``(HEAD_DIM, HEAD_DIM)`` +-1 matrix at
+    R (what :func:`_block_values` multiplies by), loaded once a program; R itself without."""
     r = R
     if ROTATE:
-        offs_d = tl.arange(0, HEAD_DIM)
-        r = tl.load(R + offs_d[:, None] * HEAD_DIM + offs_d[None, :])
+        HALF: tl.constexpr = HEAD_DIM // 2
+        offs = tl.arange(0, HALF)
+        top = R + offs[:, None] * HEAD_DIM + offs[None, :]
+        r = (tl.load(top), tl.load(top + HALF * HEAD_DIM))
     return r
 
 
@@ -142,17 +170,17 @@ def _quantize_block(X, X8, DESCALE, r, row0, n_rows, n_stored, heads, stride_xm,
                     stride_8h, stride_8d, inv_sqrt_d, HEAD_DIM, ROTATE, TRANSPOSED, INPUT_PRECISION, FMA)
     elif heads == 1:
         # One head: its amax and its cast from the same registers, one read of the block.
-        y = _block_values(X, r, rows, row_ok, stride_xm, inv_sqrt_d, HEAD_DIM, ROTATE, INPUT_PRECISION)
-        descale = _block_scale(DESCALE, tl.max(tl.abs(y)), MODE)
+        y_lo, y_hi = _block_values(X, r, rows, row_ok, stride_xm, inv_sqrt_d, HEAD_DIM, ROTATE, INPUT_PRECISION)
+        descale = _block_scale(DESCALE, _halves_amax(y_lo, y_hi), MODE)
         if MODE == "compute":
-            _store_block(X8, y, descale, rows, store_ok, stride_8m, stride_8d, HEAD_DIM, TRANSPOSED, FMA)
+            _store_halves(X8, y_lo, y_hi, descale, rows, store_ok, stride_8m, stride_8d, HEAD_DIM, TRANSPOSED, FMA)
     else:
         # A GQA group shares the scale: every head's amax first, then every head's cast (a second read).
         amax = 0.0
         for h in range(heads):
-            y = _block_values(X + h * stride_xh, r, rows, row_ok, stride_xm, inv_sqrt_d, HEAD_DIM, ROTATE,
-                              INPUT_PRECISION)
-            amax = tl.maximum(amax, tl.max(tl.abs(y)))
+            y_lo, y_hi = _block_values(X + h * stride_xh, r, rows, row_ok, stride_xm, inv_sqrt_d, HEAD_DIM, ROTATE,
+                                       INPUT_PRECISION)
+            amax = tl.maximum(amax, _halves_amax(y_lo, y_hi))
         descale = _block_scale(DESCALE, amax, MODE)
         if MODE == "compute":
             _cast_block(X, X8, descale, r, rows, row_ok, store_ok, heads, stride_xm, stride_xh, stride_8m,
@@ -165,10 +193,10 @@ def _cast_block(X, X8, descale, r, rows, row_ok, store_ok, heads, stride_xm, str
                 INPUT_PRECISION: tl.constexpr, FMA: tl.constexpr):
     """Each head's (rotated) rows ``rows`` of X, divided by ``descale``, saturated and cast into X8."""
     for h in range(heads):
-        y = _block_values(X + h * stride_xh, r, rows, row_ok, stride_xm, inv_sqrt_d, HEAD_DIM, ROTATE,
-                          INPUT_PRECISION)
-        _store_block(X8 + h * stride_8h, y, descale, rows, store_ok, stride_8m, stride_8d, HEAD_DIM, TRANSPOSED,
-                     FMA)
+        y_lo, y_hi = _block_values(X + h * stride_xh, r, rows, row_ok, stride_xm, inv_sqrt_d, HEAD_DIM, ROTATE,
+                                   INPUT_PRECISION)
+        _store_halves(X8 + h * stride_8h, y_lo, y_hi, descale, rows, store_ok, stride_8m, stride_8d, HEAD_DIM,
+                      TRANSPOSED, FMA)
 
 
 @triton.jit

@@ -51,7 +51,8 @@ def case(which: str, causal: bool, softcap: bool, window: bool = False, tiles: d
         # quant[-d64|-d256][-g<query heads a KV head>][-v][-varlen]: the FP8 quantizer's launch of q's and k's
         # rotation and cast with v's block amaxes (-v: its second, v's cast), head dim 128 and MHA without.
         dims, groups = re.findall(r"-d(\d+)", which), re.findall(r"-g(\d+)", which)
-        return _quant_case(int(dims[0]) if dims else 128, int(groups[0]) if groups else 1, bool(re.search(r"-v(-|$)", which)),
+        v_cast = bool(re.search(r"-v(-|$)", which))
+        return _quant_case(int(dims[0]) if dims else 128, int(groups[0]) if groups else 1, v_cast,
                            "-varlen" in which)
     if which.startswith("fused-d"):
         # fused-d64 / fused-d128: kernels/bwd_sm90_ws.py through the launcher's own arguments (128-row steps at 64).

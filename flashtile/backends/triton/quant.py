@@ -111,7 +111,8 @@ def quantize(q, k, v, block_quant: bool = True, incoherent: bool = True, seed: i
             return dict(zip(_STRIDES, strides), nheads_kv=nheads_kv, group=nheads // nheads_kv,
                         inv_sqrt_d=1.0 / math.sqrt(head_dim), HEAD_DIM=head_dim, BLOCK=QUANT_BLOCK,
                         ROTATE=incoherent, QK_MODE=qk_mode, V_MODE=v_mode, VARLEN=varlen,
-                        STAGES=_STAGES[head_dim], INPUT_PRECISION=input_precision(q.dtype), FMA=not interpreter_enabled(),
+                        STAGES=_STAGES[head_dim], INPUT_PRECISION=input_precision(q.dtype),
+                        FMA=not interpreter_enabled(),
                         num_warps=warps, num_stages=1, maxnreg=maxnreg)
 
         key = (layouts, tuple((t.shape, t.stride()) for t in targets), v_amax.stride(), q.device, grid, incoherent,

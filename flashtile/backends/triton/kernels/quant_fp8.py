@@ -1,21 +1,20 @@
 """The FP8 quantizer: 16-bit q, k, v -> e4m3 with descales (the statement of what it computes is
 ``flashtile/backends/torch_fp8.py``).
 
-Program ``(p, b, head)`` takes ``tiles`` blocks of ``BLOCK`` rows of one sequence in turn: heads ``[0,
-nheads_kv)`` are q's, each the query heads of one KV group (they share a block's scale), then k's heads, then v's
-(v's alone when q and k are skipped). Its block loop is software-pipelined (``STAGES``): the next blocks' tiles are
-copied into shared memory while one is rotated and cast; v's cast loads its next block into registers instead
-(:func:`_cast_v_blocks`). What a launch does with q and k (``QK_MODE``) and with v (``V_MODE``): ``"amax"`` writes each block's
-amax and stores nothing else, ``"compute"`` writes the descale ``amax / 448`` and casts, ``"given"`` reads the
-descale and casts, ``"reduce"`` (v only) takes its descale from the "amax" launch's block amaxes and casts,
-``"skip"`` does nothing. The rotation of a ``(BLOCK, HEAD_DIM)`` tile by the +-1 matrix ``diag(signs) H`` is two
-``tl.dot``s of half its width with two quadrants of the matrix (loaded once a program; :func:`_block_values`),
-scaled by ``1 / sqrt(HEAD_DIM)`` in fp32; a one-head block
-(k, MHA's q) is read once: its amax and its cast come from the same registers. The query heads of a GQA group
-are read twice (their amax, then the cast). v is stored transposed, ``(batch, nheads_kv,
-HEAD_DIM, seqlen_k)`` (packed: ``(nheads_kv, HEAD_DIM, columns)``, sequence b's keys from column
-``common.packed_vt_start``), the layout of the FP8 PV product: the tile is transposed in registers so that each
-row of VT8 (consecutive keys) is written contiguously.
+Program ``(p, b, head)`` takes ``tiles`` blocks of ``BLOCK`` rows of one sequence in turn: heads ``[0, nheads_kv)``
+are q's, each the query heads of one KV group (they share a block's scale), then k's heads, then v's (v's alone when
+q and k are skipped). Its block loop is software-pipelined (``STAGES``): the next blocks' tiles are copied into
+shared memory while one is rotated and cast; v's cast loads its next block into registers instead
+(:func:`_cast_v_blocks`). What a launch does with q and k (``QK_MODE``) and with v (``V_MODE``): ``"amax"`` writes
+each block's amax and stores nothing else, ``"compute"`` writes the descale ``amax / 448`` and casts, ``"given"``
+reads the descale and casts, ``"reduce"`` (v only) takes its descale from the "amax" launch's block amaxes and
+casts, ``"skip"`` does nothing. The rotation of a ``(BLOCK, HEAD_DIM)`` tile by the +-1 matrix ``diag(signs) H`` is
+two ``tl.dot``s of half its width with two quadrants of the matrix (loaded once a program; :func:`_block_values`),
+scaled by ``1 / sqrt(HEAD_DIM)`` in fp32; a one-head block (k, MHA's q) is read once: its amax and its cast come
+from the same registers. The query heads of a GQA group are read twice (their amax, then the cast). v is stored
+transposed, ``(batch, nheads_kv, HEAD_DIM, seqlen_k)`` (packed: ``(nheads_kv, HEAD_DIM, columns)``, sequence b's
+keys from column ``common.packed_vt_start``), the layout of the FP8 PV product: the tile is transposed in registers
+so that each row of VT8 (consecutive keys) is written contiguously.
 """
 import triton
 import triton.language as tl

@@ -49,12 +49,13 @@ _STAGES = {64: 3, 128: 4, 256: 1}
 _MAX_TILES = 8
 _PROGRAMS_PER_SM = 8
 # The second launch (v's cast, transposed): registers only bound its programs an SM (16 / 32 / 64 KB of shared
-# memory for the transpose at d64 / 128 / 256); 63 / 64 / 125 registers used, no spills, 4 / 2 / 1 programs an SM.
+# memory for the transpose at d64 / 128 / 256); 79 / 64 / 125 registers used, no spills (d64 spilled 4 values under
+# 64), 3 / 2 / 1 programs an SM.
 # Each program loads its next block into registers while it casts one: the pipeliner's copies into shared memory
 # would leave an unswizzled tile that the transpose reads 2 bytes at a time (64 LDS.U16 a thread, 8-way bank
 # conflicts) instead of the LDSM.16.MT88 transposing loads of the layout change from registers.
 _V_WARPS = {64: 8, 128: 16, 256: 16}
-_V_MAXNREG = {64: 64, 128: 64, 256: 128}
+_V_MAXNREG = {64: 80, 128: 64, 256: 128}
 # Triton's own launch path binds the kernel's ~50 arguments on every call (tens of microseconds of host time a
 # launch, twice a quantize): the shapes' static arguments are worked out once per layout instead.
 _QUANT = CachedLaunch(quantize_fp8, ("Q", "K", "V", "Q8", "K8", "VT8", "Q_DESCALE", "K_DESCALE", "V_DESCALE", "V_AMAX",

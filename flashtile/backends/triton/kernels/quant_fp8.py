@@ -58,8 +58,9 @@ def _block_values(X, r, rows, row_ok, stride_xm, inv_sqrt_d,
 
 @triton.jit
 def _halves_amax(y_lo, y_hi):
-    """The largest magnitude in a block's two column halves."""
-    return tl.maximum(tl.max(tl.abs(y_lo)), tl.max(tl.abs(y_hi)))
+    """The largest magnitude in a block's two column halves (one reduction across the warps, not two: the halves
+    share a layout)."""
+    return tl.max(tl.maximum(tl.abs(y_lo), tl.abs(y_hi)))
 
 
 @triton.jit

@@ -23,8 +23,8 @@ from .kernels.quant_fp8 import quantize_fp8
 
 # The first launch (q's and k's rotation and cast, v's block amaxes): warps and registers a thread by head dim. A
 # program takes several blocks of one (batch row, tensor, head) in turn (_tiles), in a loop Triton's pipeliner
-# splits into _STAGES stages: each block's tile is copied into shared memory (cp.async, LDGSTS.128) two blocks
-# ahead of its rotation, so a program's loads run under its own wgmma, amax reductions, cast and stores, and the +-1
+# splits into _STAGES stages: each block's tile is copied into shared memory (cp.async, LDGSTS.128) up to
+# _STAGES - 1 blocks ahead of its rotation, so a program's loads run under its own wgmma, amax reductions, cast and stores, and the +-1
 # matrix is read once a program, not once a block (at d256 it is 128 KB, twice the tile). Two stages do not
 # overlap: the pipeliner issues the next block's copy at the end of the iteration and waits for it at the top.
 # Before (one block a program, one stage), the serial chain load -> rotate -> amax -> cast -> store of each block
@@ -33,14 +33,15 @@ from .kernels.quant_fp8 import quantize_fp8
 # a floor of ~80 us (256 MB read with v's amax pass, 96 MB written, at 4.3 TB/s). Compiled for sm_90 (ptxas, triton
 # 3.6, `python benchmarks/sm90_compile.py quant[-d64|-d256][-g4][-v]`), MHA / group 4:
 #   d    warps, registers  used, spills         shared (stages)   programs an SM   before: used, shared
-#   64   8, 64             64 / 64, 0 / 2 STL   56 KB (3)         4                64, 24 KB, 4 an SM (1 STL at g4)
+#   64   8, 64             64 / 64, 0           56 KB (3)         4                64, 24 KB, 4 an SM (1 STL at g4)
 #   128  16, 128           96 / 96, 0           152 KB (4)        1                63, 64 KB, 2 an SM
-#   256  16, 128           128 / 125, 0         128 KB (1)        1                124, 192 KB, 1 an SM
+#   256  16, 128           128 / 110, 0         128 KB (1)        1                124, 192 KB, 1 an SM
 # The rotation is two products of half the head dim (kernels/quant_fp8._block_values: Sylvester's structure), half
-# the FLOPs and half the matrix: d128 HGMMA.64x32x16, d256 HGMMA.64x64x16 (was 64x64x16, 64x128x16) plus one FADD an
-# element. d256 has no room for a second stage's 64 KB tile; its gain is the halved product and the matrix read
+# the FLOPs and half the matrix: d128 HGMMA.64x32x16 (was 64x64x16), d256 HGMMA.64x64x16 (was 64x128x16), plus
+# one FADD an element. d256 has no room for a second stage's 64 KB tile; its gain is the halved product and the matrix read
 # once a program. Offsets are 32-bit from each block's first row: 64-bit ones spilled 56 values in d256's block
-# loop (46 at 32 warps of 64 registers).
+# loop (46 at 32 warps of 64 registers). Not yet timed on a GPU; the other d128 candidate: 2 stages under 64
+# registers (64 used, no spills, 88 KB: two programs an SM, each one's compute under the other's loads).
 _WARPS = {64: 8, 128: 16, 256: 16}
 _MAXNREG = {64: 64, 128: 128, 256: 128}
 _STAGES = {64: 3, 128: 4, 256: 1}

@@ -267,7 +267,7 @@ def quantize_fp8(Q, K, V, Q8, K8, VT8, Q_DESCALE, K_DESCALE, V_DESCALE, V_AMAX, 
                  V_MODE: tl.constexpr, VARLEN: tl.constexpr, STAGES: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                  FMA: tl.constexpr):
     """Program ``(p, b, head)`` takes blocks ``[p * tiles, (p + 1) * tiles)`` of sequence ``b``, one after the
-    other (the next block's load in flight while one is rotated and cast: ``STAGES`` 2); heads ``[0, nheads_kv)``
+    other (with ``STAGES`` > 2, the next blocks' tiles copied while one is rotated and cast); heads ``[0, nheads_kv)``
     are q's KV groups, ``[nheads_kv, 2 nheads_kv)`` k's heads and ``[2 nheads_kv, 3 nheads_kv)`` v's (with
     ``QK_MODE`` "skip" the grid holds v's programs only, from head 0). Descales are indexed ``(b, kv_head,
     block)`` by their strides (a per-tensor descale comes with a block stride of 0); q's query heads

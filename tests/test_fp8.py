@@ -142,7 +142,7 @@ def test_quantize_kernel_block_loop(monkeypatch, rng, tiles):
     registers), however many it takes: dense and packed, blocks and per-tensor scales, each as the twin, with
     programs that end inside a sequence, past it, and loops cut short by its end."""
     from flashtile.backends.triton import quant
-    monkeypatch.setattr(quant, "_tiles", lambda blocks, rows, device: tiles)
+    monkeypatch.setattr(quant, "_tiles", lambda blocks, rows, programs_per_sm, device: tiles)
     dtype = torch.bfloat16 if HAS_CUDA else torch.float16
     q = torch.randn(2, 1100, 4, 128, generator=rng).to(DEVICE, dtype)
     k, v = ((torch.randn(2, 517, 2, 128, generator=rng) * 3).to(DEVICE, dtype) for _ in range(2))

@@ -46,9 +46,13 @@ _WARPS = {64: 8, 128: 16, 256: 16}
 _MAXNREG = {64: 64, 128: 128, 256: 128}
 _STAGES = {64: 3, 128: 4, 256: 1}
 # At most _MAX_TILES blocks a program, and as many as keep _PROGRAMS_PER_SM programs an SM in the grid (the last
-# wave's imbalance, and short sequences' parallelism).
-_MAX_TILES = 8
-_PROGRAMS_PER_SM = 8
+# wave's imbalance, and short sequences' parallelism). With one program an SM (d128, d256), each program's start
+# (the matrix's load from L2, then the first copies) runs under nothing else: longer programs pay it less often.
+# The FP8 bench's shapes take 8 blocks a program at d128 and 4 at d256 (16k tokens, 2048 wide, 132 SMs); v's cast
+# (_V_PROGRAMS_PER_SM: its next block prefetched in registers, one program an SM at d256) 4 and 2.
+_MAX_TILES = 16
+_PROGRAMS_PER_SM = 4
+_V_PROGRAMS_PER_SM = 2
 # The second launch (v's cast, transposed): registers only bound its programs an SM (16 / 32 / 64 KB of shared
 # memory for the transpose at d64 / 128 / 256); 79 / 64 / 125 registers used, no spills (d64 spilled 4 values under
 # 64), 3 / 2 / 1 programs an SM.
@@ -103,7 +107,8 @@ def quantize(q, k, v, block_quant: bool = True, incoherent: bool = True, seed: i
         # q's, k's and v's programs; v's alone when q and k are skipped, under their own warps and registers.
         v_only = qk_mode == "skip"
         heads = (1 if v_only else 3) * nheads_kv
-        tiles = _tiles(max(blocks_q, blocks_k), batch * heads, q.device)
+        tiles = _tiles(max(blocks_q, blocks_k), batch * heads, _V_PROGRAMS_PER_SM if v_only else _PROGRAMS_PER_SM,
+                       q.device)
         grid = (cdiv(max(blocks_q, blocks_k), tiles), batch, heads)
         warps, maxnreg = (_V_WARPS if v_only else _WARPS)[head_dim], (_V_MAXNREG if v_only else _MAXNREG)[head_dim]
 
@@ -138,15 +143,15 @@ def quantize(q, k, v, block_quant: bool = True, incoherent: bool = True, seed: i
     return (*_cast(q8, k8, v8_t), *per_tensor)
 
 
-def _tiles(blocks: int, rows: int, device) -> int:
-    """Blocks a program takes in turn (its next block's load in flight while it rotates and casts one): the most,
-    up to :data:`_MAX_TILES`, that leave :data:`_PROGRAMS_PER_SM` programs an SM for ``blocks`` blocks of each of
+def _tiles(blocks: int, rows: int, programs_per_sm: int, device) -> int:
+    """Blocks a program takes in turn (its next blocks' loads in flight while it rotates and casts one): the most,
+    up to :data:`_MAX_TILES`, that leave ``programs_per_sm`` programs an SM for ``blocks`` blocks of each of
     ``rows`` (batch row, tensor, KV head) rows of programs. Under the interpreter, 2 (its tests' lengths take a
     loop of several blocks too)."""
     if interpreter_enabled():
         return 2
     tiles = 1
-    while tiles < _MAX_TILES and cdiv(blocks, 2 * tiles) * rows >= _PROGRAMS_PER_SM * sm_count(device):
+    while tiles < _MAX_TILES and cdiv(blocks, 2 * tiles) * rows >= programs_per_sm * sm_count(device):
         tiles *= 2
     return tiles
 

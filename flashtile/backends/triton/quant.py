@@ -40,7 +40,8 @@ from .kernels.quant_fp8 import quantize_fp8
 # the FLOPs and half the matrix: d128 HGMMA.64x32x16 (was 64x64x16), d256 HGMMA.64x64x16 (was 64x128x16), plus
 # one FADD an element. d256 has no room for a second stage's 64 KB tile; its gain is the halved product and the matrix read
 # once a program. Offsets are 32-bit from each block's first row: 64-bit ones spilled 56 values in d256's block
-# loop (46 at 32 warps of 64 registers). Not yet timed on a GPU; the other d128 candidate: 2 stages under 64
+# loop (46 at 32 warps of 64 registers). A GQA group's loops over its heads (its amax, then its cast) are pipelined
+# the same way (64 LDGSTS.128 at d128 group 4, 152 KB; d64 group 4 spills 4 values). Not yet timed on a GPU; the other d128 candidate: 2 stages under 64
 # registers (64 used, no spills, 88 KB: two programs an SM, each one's compute under the other's loads).
 _WARPS = {64: 8, 128: 16, 256: 16}
 _MAXNREG = {64: 64, 128: 128, 256: 128}

@@ -152,13 +152,14 @@ def _rotation(R, HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr):
 @triton.jit
 def _quantize_block(X, X8, DESCALE, r, row0, n_rows, n_stored, heads, stride_xm, stride_xh, stride_8m, stride_8h,
                     stride_8d, inv_sqrt_d, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROTATE: tl.constexpr,
-                    MODE: tl.constexpr, TRANSPOSED: tl.constexpr, INPUT_PRECISION: tl.constexpr, FMA: tl.constexpr):
+                    MODE: tl.constexpr, TRANSPOSED: tl.constexpr, INPUT_PRECISION: tl.constexpr, FMA: tl.constexpr,
+                    STAGES: tl.constexpr):
     """Quantize rows ``row0 : min(row0 + BLOCK, n_rows)`` of ``heads`` heads of X (row ``m`` of head ``h`` at
     ``X + m * stride_xm + h * stride_xh``, unit column stride) into X8 (head ``h`` at ``X8 + h * stride_8h``,
     see :func:`_store_block`), rotated by ``r`` (:func:`_rotation`) with ``ROTATE``, all under the one descale at
     ``DESCALE``: read with ``MODE`` "given"; else the heads' amax is taken first and written ("amax", which stores
     nothing else), or its descale ("compute"). Rows up to ``n_stored`` (at least ``n_rows``) are stored, those
-    past ``n_rows`` as 0."""
+    past ``n_rows`` as 0. A GQA group's loops over its heads are pipelined into ``STAGES`` stages."""
     # The block's own row offsets from pointers moved to its first row.
     X += tl.cast(row0, tl.int64) * stride_xm
     X8 += tl.cast(row0, tl.int64) * stride_8m
@@ -167,7 +168,7 @@ def _quantize_block(X, X8, DESCALE, r, row0, n_rows, n_stored, heads, stride_xm,
     store_ok = rows < n_stored - row0
     if MODE == "given":
         _cast_block(X, X8, tl.load(DESCALE), r, rows, row_ok, store_ok, heads, stride_xm, stride_xh, stride_8m,
-                    stride_8h, stride_8d, inv_sqrt_d, HEAD_DIM, ROTATE, TRANSPOSED, INPUT_PRECISION, FMA)
+                    stride_8h, stride_8d, inv_sqrt_d, HEAD_DIM, ROTATE, TRANSPOSED, INPUT_PRECISION, FMA, STAGES)
     elif heads == 1:
         # One head: its amax and its cast from the same registers, one read of the block.
         y_lo, y_hi = _block_values(X, r, rows, row_ok, stride_xm, inv_sqrt_d, HEAD_DIM, ROTATE, INPUT_PRECISION)
@@ -177,22 +178,23 @@ def _quantize_block(X, X8, DESCALE, r, row0, n_rows, n_stored, heads, stride_xm,
     else:
         # A GQA group shares the scale: every head's amax first, then every head's cast (a second read).
         amax = 0.0
-        for h in range(heads):
+        for h in tl.range(heads, num_stages=STAGES):
             y_lo, y_hi = _block_values(X + h * stride_xh, r, rows, row_ok, stride_xm, inv_sqrt_d, HEAD_DIM, ROTATE,
                                        INPUT_PRECISION)
             amax = tl.maximum(amax, _halves_amax(y_lo, y_hi))
         descale = _block_scale(DESCALE, amax, MODE)
         if MODE == "compute":
             _cast_block(X, X8, descale, r, rows, row_ok, store_ok, heads, stride_xm, stride_xh, stride_8m,
-                        stride_8h, stride_8d, inv_sqrt_d, HEAD_DIM, ROTATE, TRANSPOSED, INPUT_PRECISION, FMA)
+                        stride_8h, stride_8d, inv_sqrt_d, HEAD_DIM, ROTATE, TRANSPOSED, INPUT_PRECISION, FMA, STAGES)
 
 
 @triton.jit
 def _cast_block(X, X8, descale, r, rows, row_ok, store_ok, heads, stride_xm, stride_xh, stride_8m, stride_8h,
                 stride_8d, inv_sqrt_d, HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr, TRANSPOSED: tl.constexpr,
-                INPUT_PRECISION: tl.constexpr, FMA: tl.constexpr):
-    """Each head's (rotated) rows ``rows`` of X, divided by ``descale``, saturated and cast into X8."""
-    for h in range(heads):
+                INPUT_PRECISION: tl.constexpr, FMA: tl.constexpr, STAGES: tl.constexpr):
+    """Each head's (rotated) rows ``rows`` of X, divided by ``descale``, saturated and cast into X8 (a loop of
+    ``STAGES`` pipelined stages)."""
+    for h in tl.range(heads, num_stages=STAGES):
         y_lo, y_hi = _block_values(X + h * stride_xh, r, rows, row_ok, stride_xm, inv_sqrt_d, HEAD_DIM, ROTATE,
                                    INPUT_PRECISION)
         _store_halves(X8 + h * stride_8h, y_lo, y_hi, descale, rows, store_ok, stride_8m, stride_8d, HEAD_DIM,
@@ -311,7 +313,8 @@ def quantize_fp8(Q, K, V, Q8, K8, VT8, Q_DESCALE, K_DESCALE, V_DESCALE, V_AMAX, 
                 _quantize_block(Q + off_b * stride_qb + q_head * stride_qh + q_start.to(tl.int64) * stride_qm,
                                 q8 + q_start.to(tl.int64) * stride_q8m, q_descale + blk * stride_qdm, r, blk * BLOCK,
                                 seqlen_q, seqlen_q, group, stride_qm, stride_qh, stride_q8m, stride_q8h, 1,
-                                inv_sqrt_d, HEAD_DIM, BLOCK, ROTATE, QK_MODE, False, INPUT_PRECISION, FMA)
+                                inv_sqrt_d, HEAD_DIM, BLOCK, ROTATE, QK_MODE, False, INPUT_PRECISION, FMA,
+                                STAGES)
             if VARLEN:
                 for blk in range(tl.maximum(blk0, end_q), tl.minimum(blk0 + tiles, blocks_q)):
                     _past_block_scale(q_descale + blk * stride_qdm, QK_MODE)
@@ -331,7 +334,7 @@ def quantize_fp8(Q, K, V, Q8, K8, VT8, Q_DESCALE, K_DESCALE, V_DESCALE, V_AMAX, 
                 _quantize_block(K + off_b * stride_kb + head_kv * stride_kh + k_start.to(tl.int64) * stride_km,
                                 k8 + k_start.to(tl.int64) * stride_k8m, k_descale + blk * stride_kdm, r, blk * BLOCK,
                                 seqlen_k, seqlen_k, 1, stride_km, 0, stride_k8m, 0, 1, inv_sqrt_d, HEAD_DIM, BLOCK,
-                                ROTATE, QK_MODE, False, INPUT_PRECISION, FMA)
+                                ROTATE, QK_MODE, False, INPUT_PRECISION, FMA, STAGES)
             if VARLEN:
                 for blk in range(tl.maximum(blk0, end_k), tl.minimum(blk0 + tiles, blocks_k)):
                     _past_block_scale(k_descale + blk * stride_kdm, QK_MODE)
@@ -367,7 +370,7 @@ def quantize_fp8(Q, K, V, Q8, K8, VT8, Q_DESCALE, K_DESCALE, V_DESCALE, V_AMAX, 
             for blk in tl.range(blk0, end_k, num_stages=STAGES if V_MODE == "amax" else 1):
                 _quantize_block(v, vt8, v_descale + blk * stride_vdm, R, blk * BLOCK, seqlen_k, v_stored, 1,
                                 stride_vm, 0, 1, 0, stride_vtd, inv_sqrt_d, HEAD_DIM, BLOCK, False, V_MODE, True,
-                                INPUT_PRECISION, FMA)
+                                INPUT_PRECISION, FMA, 1)
         if VARLEN:
             for blk in range(tl.maximum(blk0, end_k), tl.minimum(blk0 + tiles, blocks_k)):
                 _past_block_scale(v_descale + blk * stride_vdm, V_MODE)

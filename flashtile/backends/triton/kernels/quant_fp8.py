@@ -290,7 +290,11 @@ def quantize_fp8(Q, K, V, Q8, K8, VT8, Q_DESCALE, K_DESCALE, V_DESCALE, V_AMAX, 
     off_b = tl.program_id(1)
     head = tl.program_id(2)
     if QK_MODE == "skip":
-        head += 2 * nheads_kv
+        # v's programs alone, in the reverse of the order in which the launch before (its amaxes, the last of its
+        # programs) read v: the blocks it read last, still in L2, are read first.
+        blk0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * tiles
+        off_b = tl.num_programs(1) - 1 - off_b
+        head = tl.num_programs(2) - 1 - head + 2 * nheads_kv
     # The grid's bounds: blocks of the longest sequence (varlen) or of every one.
     blocks_q = tl.cdiv(tl.maximum(seqlen_q, 1), BLOCK)
     blocks_k = tl.cdiv(tl.maximum(seqlen_k, 1), BLOCK)

@@ -4,7 +4,7 @@
 (varlen) q, k, v, in two launches. Block scales (the default): the first computes q's scales (per block, over the
 query heads of a KV group) and k's, casts both, and takes v's amax per block (v's one scale per (batch row, KV
 head) needs all of them before any row is cast); the second reduces them to v's descale in each program and casts
-v. Per-tensor scales (``block_quant=False``, the ablation): the first writes every block's amax, the host reduces
+v, its programs in the reverse order (v's blocks read last by the first launch are still in L2). Per-tensor scales (``block_quant=False``, the ablation): the first writes every block's amax, the host reduces
 them per (batch row, KV head), the second casts all three with those descales.
 """
 from __future__ import annotations

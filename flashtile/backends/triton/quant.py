@@ -2,10 +2,11 @@
 
 :func:`quantize` makes what :func:`flashtile.backends.torch_fp8.quantize` makes (its twin), for dense or packed
 (varlen) q, k, v, in two launches. Block scales (the default): the first computes q's scales (per block, over the
-query heads of a KV group) and k's, casts both, and takes v's amax per block (v's one scale per (batch row, KV
-head) needs all of them before any row is cast); the second reduces them to v's descale in each program and casts
-v, its programs in the reverse order (v's blocks read last by the first launch are still in L2). Per-tensor scales (``block_quant=False``, the ablation): the first writes every block's amax, the host reduces
-them per (batch row, KV head), the second casts all three with those descales.
+query heads of a KV group) and k's, casts both, and takes v's amax per block (v's one scale per (batch row, KV head)
+needs all of them before any row is cast); the second reduces them to v's descale in each program and casts v, its
+programs in the reverse order (v's blocks read last by the first launch are still in L2). Per-tensor scales
+(``block_quant=False``, the ablation): the first writes every block's amax, the host reduces them per (batch row, KV
+head), the second casts all three with those descales.
 """
 from __future__ import annotations
 
@@ -22,27 +23,28 @@ from .host import bsh_strides, cdiv, input_precision, on_device, tma_rows, unit_
 from .kernels.quant_fp8 import quantize_fp8
 
 # The first launch (q's and k's rotation and cast, v's block amaxes): warps and registers a thread by head dim. A
-# program takes several blocks of one (batch row, tensor, head) in turn (_tiles), in a loop Triton's pipeliner
-# splits into _STAGES stages: each block's tile is copied into shared memory (cp.async, LDGSTS.128) up to
-# _STAGES - 1 blocks ahead of its rotation, so a program's loads run under its own wgmma, amax reductions, cast and stores, and the +-1
-# matrix is read once a program, not once a block (at d256 it is 128 KB, twice the tile). Two stages do not
-# overlap: the pipeliner issues the next block's copy at the end of the iteration and waits for it at the top.
-# Before (one block a program, one stage), the serial chain load -> rotate -> amax -> cast -> store of each block
-# left the SM's memory pipe idle between its programs' loads: a quantize of the FP8 bench's inputs (16k tokens,
-# 2048 wide) took 181 us at d128 and 227 us at d256 (H200, results/h200-fp8-side-2026-11-27-02dd45f.json) against
-# a floor of ~80 us (256 MB read with v's amax pass, 96 MB written, at 4.3 TB/s). Compiled for sm_90 (ptxas, triton
-# 3.6, `python benchmarks/sm90_compile.py quant[-d64|-d256][-g4][-v]`), MHA / group 4:
+# program takes several blocks of one (batch row, tensor, head) in turn (_tiles), in a loop Triton's pipeliner splits
+# into _STAGES stages: each block's tile is copied into shared memory (cp.async, LDGSTS.128) up to _STAGES - 1 blocks
+# ahead of its rotation, so a program's loads run under its own wgmma, amax reductions, cast and stores, and the +-1
+# matrix is read once a program, not once a block (at d256 it was 128 KB a block, twice the tile). Two stages do not overlap:
+# the pipeliner issues the next block's copy at the end of the iteration and waits for it at the top. Before (one
+# block a program, one stage), the serial chain load -> rotate -> amax -> cast -> store of each block left the SM's
+# memory pipe idle between its programs' loads: a quantize of the FP8 bench's inputs (16k tokens, 2048 wide) took 181
+# us at d128 and 227 us at d256 (H200, results/h200-fp8-side-2026-11-27-02dd45f.json) against a floor of ~80 us (256
+# MB read with v's amax pass, 96 MB written, at 4.3 TB/s). Compiled for sm_90 (ptxas, triton 3.6, `python
+# benchmarks/sm90_compile.py quant[-d64|-d256][-g4][-v]`), MHA / group 4:
 #   d    warps, registers  used, spills         shared (stages)   programs an SM   before: used, shared
 #   64   8, 64             64 / 64, 0           56 KB (3)         4                64, 24 KB, 4 an SM (1 STL at g4)
 #   128  16, 128           96 / 96, 0           152 KB (4)        1                63, 64 KB, 2 an SM
 #   256  16, 128           128 / 110, 0         128 KB (1)        1                124, 192 KB, 1 an SM
-# The rotation is two products of half the head dim (kernels/quant_fp8._block_values: Sylvester's structure), half
-# the FLOPs and half the matrix: d128 HGMMA.64x32x16 (was 64x64x16), d256 HGMMA.64x64x16 (was 64x128x16), plus
-# one FADD an element. d256 has no room for a second stage's 64 KB tile; its gain is the halved product and the matrix read
-# once a program. Offsets are 32-bit from each block's first row: 64-bit ones spilled 56 values in d256's block
-# loop (46 at 32 warps of 64 registers). A GQA group's loops over its heads (its amax, then its cast) are pipelined
-# the same way (64 LDGSTS.128 at d128 group 4, 152 KB; d64 group 4 spills 4 values). Not yet timed on a GPU; the other d128 candidate: 2 stages under 64
-# registers (64 used, no spills, 88 KB: two programs an SM, each one's compute under the other's loads).
+# The rotation is two products of half the head dim (kernels/quant_fp8._block_values: Sylvester's structure), half the
+# FLOPs and half the matrix: d128 HGMMA.64x32x16 (was 64x64x16), d256 HGMMA.64x64x16 (was 64x128x16), plus one FADD an
+# element. d256 has no room for a second stage's 64 KB tile; its gain is the halved product and the matrix read once a
+# program. Offsets are 32-bit from each block's first row: 64-bit ones spilled 56 values in d256's block loop (46 at
+# 32 warps of 64 registers). A GQA group's loops over its heads (its amax, then its cast) are pipelined the same way
+# (64 LDGSTS.128 at d128 group 4, 152 KB; d64 group 4 spills 4 values). Not yet timed on a GPU; the other d128
+# candidate: 2 stages under 64 registers (64 used, no spills, 88 KB: two programs an SM, each one's compute under the
+# other's loads).
 _WARPS = {64: 8, 128: 16, 256: 16}
 _MAXNREG = {64: 64, 128: 128, 256: 128}
 _STAGES = {64: 3, 128: 4, 256: 1}

@@ -26,12 +26,12 @@ from .kernels.quant_fp8 import quantize_fp8
 # program takes several blocks of one (batch row, tensor, head) in turn (_tiles), in a loop Triton's pipeliner splits
 # into _STAGES stages: each block's tile is copied into shared memory (cp.async, LDGSTS.128) up to _STAGES - 1 blocks
 # ahead of its rotation, so a program's loads run under its own wgmma, amax reductions, cast and stores, and the +-1
-# matrix is read once a program, not once a block (at d256 it was 128 KB a block, twice the tile). Two stages do not overlap:
-# the pipeliner issues the next block's copy at the end of the iteration and waits for it at the top. Before (one
-# block a program, one stage), the serial chain load -> rotate -> amax -> cast -> store of each block left the SM's
-# memory pipe idle between its programs' loads: a quantize of the FP8 bench's inputs (16k tokens, 2048 wide) took 181
-# us at d128 and 227 us at d256 (H200, results/h200-fp8-side-2026-11-27-02dd45f.json) against a floor of ~80 us (256
-# MB read with v's amax pass, 96 MB written, at 4.3 TB/s). Compiled for sm_90 (ptxas, triton 3.6, `python
+# matrix is read once a program, not once a block (at d256 it was 128 KB a block, twice the tile). Two stages do not
+# overlap: the pipeliner issues the next block's copy at the end of the iteration and waits for it at the top. Before
+# (one block a program, one stage), the serial chain load -> rotate -> amax -> cast -> store of each block left the
+# SM's memory pipe idle between its programs' loads: a quantize of the FP8 bench's inputs (16k tokens, 2048 wide) took
+# 181 us at d128 and 227 us at d256 (H200, results/h200-fp8-side-2026-11-27-02dd45f.json) against a floor of ~80 us
+# (256 MB read with v's amax pass, 96 MB written, at 4.3 TB/s). Compiled for sm_90 (ptxas, triton 3.6, `python
 # benchmarks/sm90_compile.py quant[-d64|-d256][-g4][-v]`), MHA / group 4:
 #   d    warps, registers  used, spills         shared (stages)   programs an SM   before: used, shared
 #   64   8, 64             64 / 64, 0           56 KB (3)         4                64, 24 KB, 4 an SM (1 STL at g4)

@@ -6,7 +6,7 @@ query heads of a KV group) and k's, casts both, and takes v's amax per block (v'
 needs all of them before any row is cast); the second reduces them to v's descale in each program and casts v, its
 programs in the reverse order (v's blocks read last by the first launch are still in L2). Per-tensor scales
 (``block_quant=False``, the ablation): the first writes every block's amax, the host reduces them per (batch row, KV
-head), the second casts all three with those descales.
+head), the second casts q and k with those descales and a third v.
 """
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ def quantize(q, k, v, block_quant: bool = True, incoherent: bool = True, seed: i
     def launch(targets, qk_mode: str, v_mode: str):
         # q's, k's and v's programs; v's alone when q and k are skipped, under their own warps and registers.
         v_only = qk_mode == "skip"
-        heads = (1 if v_only else 3) * nheads_kv
+        heads = (1 if v_only else 2 if v_mode == "skip" else 3) * nheads_kv
         tiles = _tiles(max(blocks_q, blocks_k), batch * heads, _V_PROGRAMS_PER_SM if v_only else _PROGRAMS_PER_SM,
                        q.device)
         grid = (cdiv(max(blocks_q, blocks_k), tiles), batch, heads)
@@ -142,7 +142,9 @@ def quantize(q, k, v, block_quant: bool = True, incoherent: bool = True, seed: i
         per_tensor = [descale_of(amax.amax(dim=2)) for amax in (q_descale, k_descale, v_amax)]
         expanded = [d[:, :, None].expand(-1, -1, blocks)
                     for d, blocks in zip(per_tensor, (blocks_q, blocks_k, blocks_k))]
-        launch(expanded, "given", "given")
+        # q and k, then v under its own warps and registers (one launch of all three spilled at d64 and d256).
+        launch(expanded, "given", "skip")
+        launch(expanded, "skip", "given")
     return (*_cast(q8, k8, v8_t), *per_tensor)
 
 

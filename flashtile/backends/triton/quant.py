@@ -56,6 +56,9 @@ _STAGES = {64: 3, 128: 4, 256: 1}
 _MAX_TILES = 16
 _PROGRAMS_PER_SM = 4
 _V_PROGRAMS_PER_SM = 2
+# The first launch's registers where a program takes one block (no stages): 64 / 64 / 128 used, no spills, 20 / 48 /
+# 128 KB; 4 / 2 / 1 programs an SM, as before the block loop.
+_ONE_BLOCK_MAXNREG = {64: 64, 128: 64, 256: 128}
 # The second launch (v's cast, transposed): registers only bound its programs an SM (16 / 32 / 64 KB of shared
 # memory for the transpose at d64 / 128 / 256); 79 / 64 / 125 registers used, no spills (d64 spilled 4 values under
 # 64), 3 / 2 / 1 programs an SM.
@@ -114,6 +117,11 @@ def quantize(q, k, v, block_quant: bool = True, incoherent: bool = True, seed: i
                        q.device)
         grid = (cdiv(max(blocks_q, blocks_k), tiles), batch, heads)
         warps, maxnreg = (_V_WARPS if v_only else _WARPS)[head_dim], (_V_MAXNREG if v_only else _MAXNREG)[head_dim]
+        stages = _STAGES[head_dim]
+        if tiles == 1 and not v_only:
+            # One block a program (a short input): nothing to overlap inside it, so no stages, and the registers
+            # that let two programs an SM overlap each other's instead.
+            stages, maxnreg = 1, _ONE_BLOCK_MAXNREG[head_dim]
 
         def static():
             strides = (*(stride for t in (q, k, v, q8, k8) for stride in bsh_strides(t, varlen)), *vt_strides,
@@ -121,12 +129,12 @@ def quantize(q, k, v, block_quant: bool = True, incoherent: bool = True, seed: i
             return dict(zip(_STRIDES, strides), nheads_kv=nheads_kv, group=nheads // nheads_kv,
                         inv_sqrt_d=1.0 / math.sqrt(head_dim), HEAD_DIM=head_dim, BLOCK=QUANT_BLOCK,
                         ROTATE=incoherent, QK_MODE=qk_mode, V_MODE=v_mode, VARLEN=varlen,
-                        STAGES=_STAGES[head_dim], INPUT_PRECISION=input_precision(q.dtype),
+                        STAGES=stages, INPUT_PRECISION=input_precision(q.dtype),
                         FMA=not interpreter_enabled(),
                         num_warps=warps, num_stages=1, maxnreg=maxnreg)
 
         key = (layouts, tuple((t.shape, t.stride()) for t in targets), v_amax.stride(), q.device, grid, incoherent,
-               qk_mode, v_mode, varlen)
+               qk_mode, v_mode, varlen, stages)
         _QUANT(key, grid, (q, k, v, q8, k8, v8_t, *targets, v_amax, rotation, cu_seqlens_q if varlen else q,
                            cu_seqlens_k if varlen else q, seqlen_q, seqlen_k, q.shape[0], k.shape[0], tiles), static)
 

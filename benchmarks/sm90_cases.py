@@ -52,6 +52,13 @@ def case(which: str, causal: bool, softcap: bool, window: bool = False, tiles: d
         if which.endswith("-varlen"):
             return _fwd_fp8_varlen_case(causal, softcap, window, head_dim, blocks)
         return _fwd_fp8_case(causal, softcap, window, head_dim, blocks, emu)
+    if which.startswith("quant"):
+        # quant[-d64|-d256][-g<query heads a KV head>][-v][-varlen]: the FP8 quantizer's launch of q's and k's
+        # rotation and cast with v's block amaxes (-v: its second, v's cast), head dim 128 and MHA without.
+        dims, groups = re.findall(r"-d(\d+)", which), re.findall(r"-g(\d+)", which)
+        v_cast = bool(re.search(r"-v(-|$)", which))
+        return _quant_case(int(dims[0]) if dims else 128, int(groups[0]) if groups else 1, v_cast,
+                           "-varlen" in which)
     if which.startswith("fused-d"):
         # fused-d64 / fused-d128: kernels/bwd_sm90_ws.py through the launcher's own arguments (128-row steps at 64).
         dim = int(re.findall(r"-d(\d+)", which)[0])
@@ -229,3 +236,42 @@ def _fwd_fp8_varlen_case(causal: bool, softcap: bool, window: bool, head_dim: in
     options = dict(num_warps=caught.pop("num_warps"), maxnreg=caught.pop("maxnreg"))
     constexprs = {p.name: caught.pop(p.name) for p in kernel.fn.params if p.is_constexpr and p.name in caught}
     return kernel.fn, caught, dict(constexprs, num_warps=options["num_warps"]), options
+
+
+def _quant_case(head_dim: int, group: int, v_cast: bool, varlen: bool):
+    """The FP8 quantizer's launcher (quant.quantize, block scales and the rotation) on bf16 q, k, v of 2 x 4096 tokens
+    (packed: sequences of 4096 and 4000), 16 query heads, caught at its first launch (``v_cast``: its second):
+    ``(kernel, runtime args, constexprs, options)``."""
+    from flashtile.backends.triton import quant
+
+    lengths = (4096, 4000) if varlen else (4096, 4096)
+    q, k, _ = _inputs(D=head_dim, Hk=16 // group)
+    v = torch.empty_like(k)
+    extra = {}
+    if varlen:
+        cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32)
+        q, k, v = (t.flatten(0, 1)[:sum(lengths)] for t in (q, k, v))
+        extra = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=lengths[0], max_seqlen_k=lengths[0])
+    caught = []
+    kernel = quant._QUANT
+    quant._QUANT = lambda key, grid, dynamic, static: caught.append(
+        dict(zip(kernel.dynamic_names, dynamic), **static()))
+    try:
+        quant.quantize(q, k, v, **extra)
+    finally:
+        quant._QUANT = kernel
+    args = caught[1 if v_cast else 0]
+    options = dict(num_warps=args.pop("num_warps"), num_stages=args.pop("num_stages"), maxnreg=args.pop("maxnreg"))
+    constexprs = {name: args.pop(name) for name in _constexpr_names(kernel.fn)}
+    return kernel.fn, args, constexprs, options
+
+
+def _constexpr_names(fn) -> list:
+    """The ``tl.constexpr`` parameters of Triton kernel ``fn`` (a JIT function, or the interpreter's wrapper of one)."""
+    import inspect
+
+    import triton.language as tl
+
+    if hasattr(fn, "params"):
+        return [p.name for p in fn.params if p.is_constexpr]
+    return [name for name, p in inspect.signature(fn.fn).parameters.items() if p.annotation is tl.constexpr]

@@ -26,6 +26,9 @@ Triton's wheel ships, so kernels can be checked for register pressure before a G
                                         # warpgroup, 64-row tiles) through its launcher: 64-key blocks, two slots
     python benchmarks/sm90_compile.py fwd-fp8[-d64|-d256][-blocks][-varlen] [causal] [softcap] [window]
                                         # kernels/fwd_sm90_fp8.py; -varlen through its launcher's own arguments
+    python benchmarks/sm90_compile.py quant[-d64|-d256][-g<group>][-v][-varlen]
+                                        # kernels/quant_fp8.py (Triton) through quant.quantize: its launch of q's
+                                        # and k's rotation and cast (-v: v's cast); with an opcode histogram
 
 ``window``: a left bound (the kernel's MASK_LEFT; the fused and forward kernels). ``-emu<n>`` on the ``fwd-ws-d*`` and
 ``fwd-fp8`` cases: one exp2 of P in every n on the FMA pipe (the forward's EXP2_EMU), e.g. ``fwd-ws-d64-emu16``.
@@ -42,8 +45,9 @@ import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
-from triton.runtime.jit import mangle_type
+from triton.compiler import ASTSource, make_backend
+from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
+from triton.runtime.jit import create_function_from_signature, mangle_type
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -56,6 +60,17 @@ def compile_gluon(fn, args: dict, constexprs: dict, **options):
     src = GluonASTSource(fn, signature, constexprs={(list(fn.arg_names).index(k), ): v
                                                      for k, v in constexprs.items()})
     return triton.compile(src, target=TARGET, options=options)
+
+
+def compile_triton(fn, args: dict, constexprs: dict, **options):
+    """Triton kernel ``fn`` compiled for sm_90 as its JIT specializes a launch with ``args`` (CPU tensors stand in:
+    16-byte aligned pointers and ints divisible by 16 take ``tt.divisibility``, ints equal to 1 become constants, as
+    on the GPU, so loads and stores vectorize as they would there) and ``constexprs``."""
+    backend = make_backend(TARGET)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, _ = binder(**args, **constexprs)
+    _, signature, constants, attrs = fn._pack_args(backend, {}, bound, specialization, backend.parse_options({}))
+    return triton.compile(ASTSource(fn, signature, constants, attrs), target=TARGET, options=options)
 
 
 def report(kernel, name: str) -> dict:
@@ -80,9 +95,22 @@ def report(kernel, name: str) -> dict:
                hgmma=sum("HGMMA" in line for line in insts),
                qgmma=sum("QGMMA" in line for line in insts), ptx_lines=ptx.count("\n"))
     print(out)
-    for region in _regions(insts):
+    regions = _regions(insts)
+    for region in regions:
         print("  ", region)
+    if not regions:
+        # No warp-specialized partitions (a plain Triton kernel): its opcodes, memory ones with their widths.
+        print("   opcodes", _opcodes(insts))
     return out
+
+
+def _opcodes(insts: list) -> dict:
+    """Static counts of ``insts``' opcodes, most frequent first (``LDG.E.128`` and ``STG.E.U8`` apart)."""
+    counts = {}
+    for line in insts:
+        op = re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?(\S+)", line).group(1).rstrip(";")
+        counts[op] = counts.get(op, 0) + 1
+    return dict(sorted(counts.items(), key=lambda item: -item[1]))
 
 
 def _key_loops(insts: list) -> list:
@@ -178,6 +206,7 @@ if __name__ == "__main__":
     # knob=value: a configs.OnePassConfig field of the one-pass cases (ints; 0/1 for the switches).
     tiles = {name: int(value) for name, value in (arg.split("=") for arg in sys.argv[2:] if "=" in arg)}
     fn, args, constexprs, options = case(which, causal, softcap, window, tiles)
-    k = compile_gluon(fn, args, constexprs, **options)
+    compile_kernel = compile_gluon if isinstance(fn, GluonJITFunction) else compile_triton
+    k = compile_kernel(fn, args, constexprs, **options)
     report(k, f"{which} causal={causal} softcap={softcap} window={window} {tiles or ''}")
     print("setmaxnreg", _setmaxnreg(k))

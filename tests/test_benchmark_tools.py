@@ -302,3 +302,22 @@ def test_gluon_ws_heads_times_deepseeks_192_128_rows(monkeypatch):
     assert tiles["gluon"] == configs._FWD_SM90_GLUON and tiles["ws"] == configs._FWD_SM90_GLUON_WS_D192
     assert [(t.BLOCK_N, t.num_stages, t.kernel) for t in tiles.values()][2:] == [(64, 2, "gluon-ws"),
                                                                                   (64, 3, "gluon-ws")]
+
+
+@pytest.mark.parametrize("which, head_dim, group, qk_mode, v_mode", [
+    ("quant", 128, 1, "compute", "amax"), ("quant-d256-g4", 256, 4, "compute", "amax"),
+    ("quant-d64-v", 64, 1, "skip", "reduce"), ("quant-varlen", 128, 1, "compute", "amax")])
+def test_sm90_quant_case_catches_the_quantizers_launch(monkeypatch, which, head_dim, group, qk_mode, v_mode):
+    """``quant[-d<dim>][-g<group>][-v][-varlen]``: the FP8 quantizer's launch through quant.quantize on CPU tensors
+    (its first launch, q's and k's cast with v's block amaxes, or with -v its second, v's cast): every kernel
+    argument, the head dim, GQA group and modes asked."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    # The GPU's launch (e4m3 outputs, the FMA division), caught before it runs.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    from sm90_cases import case
+
+    fn, args, constexprs, options = case(which, False, False)
+    assert getattr(fn, "__name__", getattr(fn, "fn", fn).__name__) == "quantize_fp8" and set(args) | set(constexprs) == set(fn.arg_names)
+    assert (constexprs["HEAD_DIM"], args["group"], constexprs["QK_MODE"], constexprs["V_MODE"]) == (
+        head_dim, group, qk_mode, v_mode)
+    assert constexprs["VARLEN"] == ("varlen" in which) and constexprs["FMA"] and options["num_stages"] == 1

@@ -136,6 +136,28 @@ def test_quantize_varlen_kernel_matches_twin(rng):
         _assert_same_quantization(ours, twin)
 
 
+@pytest.mark.parametrize("tiles", [1, 3, 8])
+def test_quantize_kernel_block_loop(monkeypatch, rng, tiles):
+    """A program's loop over several blocks (pipelined copies of q's and k's tiles, v's next block prefetched into
+    registers), however many it takes: dense and packed, blocks and per-tensor scales, each as the twin, with
+    programs that end inside a sequence, past it, and loops cut short by its end."""
+    from flashtile.backends.triton import quant
+    monkeypatch.setattr(quant, "_tiles", lambda blocks, rows, programs_per_sm, device: tiles)
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float16
+    q = torch.randn(2, 1100, 4, 128, generator=rng).to(DEVICE, dtype)
+    k, v = ((torch.randn(2, 517, 2, 128, generator=rng) * 3).to(DEVICE, dtype) for _ in range(2))
+    for block_quant in (True, False):
+        _assert_same_quantization(quant.quantize(q, k, v, block_quant, True, seed=4),
+                                  torch_fp8.quantize(q, k, v, block_quant, True, seed=4))
+    lengths_q, lengths_k = [300, 5, 1100], [129, 517, 1]
+    cu_q, cu_k = testing.cu_seqlens_of(lengths_q, DEVICE), testing.cu_seqlens_of(lengths_k, DEVICE)
+    q, k, v = (x.flatten(0, 1)[:sum(lengths)] for x, lengths in ((q, lengths_q), (k, lengths_k), (v, lengths_k)))
+    args = AttnArgs(softmax_scale=0.125, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=1100, max_seqlen_k=517)
+    for block_quant in (True, False):
+        _assert_same_quantization(quant.quantize(q, k, v, block_quant, True, 0, cu_q, cu_k, 1100, 517),
+                                  torch_fp8.quantize_varlen(q, k, v, args, block_quant, True, 0))
+
+
 def _owned_columns(cu: list, width: int) -> torch.Tensor:
     """The packed V^T columns that hold keys of well-formed offsets ``cu`` (pack_v_t's layout)."""
     owned = torch.zeros(width, dtype=torch.bool)
@@ -1236,3 +1258,30 @@ def test_fa3_descale_shapes_route(monkeypatch, rng, shapes, reason):
     assert not fake.calls and any(reason in text for text in fallbacks), fallbacks
     with _strict(), pytest.raises(flashtile.FallbackError, match="v_descale|q_descale"):
         flashtile.flash_attn_func(q8, k8, v8, **kwargs)
+
+
+def test_bench_fp8_narrowed_by_the_cli(monkeypatch, capsys):
+    """``--suite fp8 --headdims --seqlens --only``: run's head dims, seqlens and kinds of cells; other kinds or a
+    D/DV head dim are refused, naming the option."""
+    from flashtile import cli
+    from flashtile.bench import fp8 as bench_fp8
+    from flashtile.tools import flatten
+
+    def narrowed(*words):
+        args = cli.build_parser().parse_args(["bench", "--suite", "fp8", *words])
+        for name in ("headdims", "seqlens", "only"):
+            setattr(args, name, flatten(getattr(args, name)))
+        return bench_fp8._narrowed(args)
+
+    assert narrowed() == {}
+    assert narrowed("--only", "forward", "--headdims", "128", "256", "--seqlens", "16384") == dict(
+        head_dims=(128, 256), seqlens=(16384, ), kinds=("forward", ))
+    for words, message in ((("--only", "fwd"), "--only takes forward varlen decode"),
+                           (("--headdims", "192/128"), "one head dim")):
+        with pytest.raises(SystemExit):
+            narrowed(*words)
+        assert message in capsys.readouterr().err
+    calls = []
+    monkeypatch.setattr(bench_fp8, "forward_cell", lambda **kwargs: calls.append(kwargs) or {"status": "ok"})
+    rows = bench_fp8.run(torch.device("cpu"), None, head_dims=(64,), seqlens=(256,), kinds=("forward",))
+    assert rows["varlen"] == rows["decode"] == [] and [c["causal"] for c in calls] == [False, True]

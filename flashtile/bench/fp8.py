@@ -23,7 +23,10 @@ bf16 cache and on the same keys and values in an e4m3 cache with per-KV-head des
 CUDA graph and replayed; checked first against fp32 attention on the dequantized cache. Bandwidth = the K and V
 bytes a step reads over its time.
 
-Writes ``<out>/<gpu>-fp8-<date>.json`` and prints a Markdown table.
+Writes ``<out>/<gpu>-fp8-<date>.json`` and prints a Markdown table. ``--headdims`` and ``--seqlens`` narrow the
+forward cells' grid (and the packed cells' head dims); ``--only forward varlen decode`` picks the kinds of cells, e.g.
+the quantize kernel's time at the bench's widest shapes alone:
+``python -m flashtile bench --suite fp8 --only forward --headdims 128 256 --seqlens 16384``.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ TOKENS, WIDTH = 16384, 2048
 HEAD_DIMS = (128, 256)
 SEQLENS = (4096, 8192, 16384)
 DECODE_SHAPES = ((16, 32768), (1, 131072))
+KINDS = ("forward", "varlen", "decode")
 # Packed sequences of 16384 tokens in all, starting off 16-token boundaries (packed V^T's alignment path).
 VARLEN_LENGTHS = (3000, 5000, 1000, 4000, 3384)
 DECODE_HEADS = (32, 8, 128)
@@ -214,19 +218,20 @@ def decode_cell(batch: int, cache_len: int, timer, device, graphs: bool) -> dict
 
 
 def run(device, timer, head_dims=HEAD_DIMS, seqlens=SEQLENS, decode_shapes=DECODE_SHAPES, graphs=True,
-        on_row=None, tokens=TOKENS, width=WIDTH, varlen_lengths=VARLEN_LENGTHS) -> dict:
-    """Every cell; ``on_row(kind, row)`` after each. A cell that raises is recorded with its error."""
+        on_row=None, tokens=TOKENS, width=WIDTH, varlen_lengths=VARLEN_LENGTHS, kinds=KINDS) -> dict:
+    """Every cell of ``kinds`` (of :data:`KINDS`); ``on_row(kind, row)`` after each. A cell that raises is recorded
+    with its error."""
     rows = {"forward": [], "varlen": [], "decode": []}
     for head_dim in head_dims:
-        for seqlen in seqlens:
+        for seqlen in seqlens if "forward" in kinds else ():
             for causal in (False, True):
                 cell = dict(batch=max(1, tokens // seqlen), seqlen=seqlen, nheads=max(1, width // head_dim),
                             head_dim=head_dim, causal=causal)
                 rows["forward"].append(_guarded(forward_cell, cell, timer, device, on_row, "forward"))
-        for causal in (False, True):
+        for causal in (False, True) if "varlen" in kinds else ():
             cell = dict(lengths=varlen_lengths, nheads=max(1, width // head_dim), head_dim=head_dim, causal=causal)
             rows["varlen"].append(_guarded(varlen_cell, cell, timer, device, on_row, "varlen"))
-    for batch, cache_len in decode_shapes:
+    for batch, cache_len in decode_shapes if "decode" in kinds else ():
         rows["decode"].append(_guarded(decode_cell, dict(batch=batch, cache_len=cache_len, graphs=graphs), timer,
                                        device, on_row, "decode"))
     return rows
@@ -288,6 +293,23 @@ def markdown(rows: dict, gpu: str) -> str:
                       decode_table(rows["decode"])])
 
 
+def _narrowed(args) -> dict:
+    """``run``'s arguments from ``--headdims``, ``--seqlens`` and ``--only`` (kinds of cells), where given."""
+    kwargs = {}
+    if getattr(args, "headdims", None):
+        if any(d != dv for d, dv in args.headdims):
+            args.parser.error(f"--suite fp8 takes one head dim for q, k and v, got {args.headdims}")
+        kwargs["head_dims"] = tuple(d for d, _ in args.headdims)
+    if getattr(args, "seqlens", None):
+        kwargs["seqlens"] = tuple(args.seqlens)
+    if getattr(args, "only", None):
+        unknown = sorted(set(args.only) - set(KINDS))
+        if unknown:
+            args.parser.error(f"--suite fp8 --only takes {' '.join(KINDS)}, got {' '.join(unknown)}")
+        kwargs["kinds"] = tuple(args.only)
+    return kwargs
+
+
 def main_with_args(args) -> int:
     """``--suite fp8``: the GPU run (on CPU: a smoke run of tiny shapes through the torch FP8 math)."""
     cuda = torch.cuda.is_available() and args.device != "cpu"
@@ -299,6 +321,7 @@ def main_with_args(args) -> int:
         timer, gpu = common.cpu_timer(runs=1), "cpu"
         kwargs = dict(head_dims=(64,), seqlens=(256,), decode_shapes=((2, 512),), graphs=False, tokens=256, width=128,
                       varlen_lengths=(100, 29, 127))
+    kwargs.update(_narrowed(args))
     started = time.perf_counter()
     rows = run(device, timer, on_row=lambda kind, row: common.log(f"fp8 {kind}: {row.get('status')}"), **kwargs)
     payload = {"schema": "flashtile.bench.fp8/1", "gpu": gpu, "env": common.base_env(),

@@ -636,7 +636,7 @@ def test_wide_warp_specialized_forward_walks_many_tiles_per_cta(rng, monkeypatch
 
 
 def test_d192_keeps_the_64x64_tile_while_its_warp_specialized_row_is_off(rng, monkeypatch):
-    """Switched off (GLUON_WS_D192 None, the table's value until its A/B), long 192/128 rows run the 64x64 tile."""
+    """Switched off (GLUON_WS_D192 None), long 192/128 rows run the 64x64 tile."""
     monkeypatch.setattr(configs, "GLUON_WS_FULL_KEYS", WS_FLOORS[False])
     monkeypatch.setattr(configs, "GLUON_WS_D192", None)
     launched = spy_ws_launches(monkeypatch)

@@ -6,7 +6,7 @@
 - :func:`attention`: both on a 2-D DeviceMesh (``"ulysses"`` x ``"ring"``).
 - :func:`ring_attention_varlen`: packed documents (global ``cu_seqlens``), contiguous token shards.
 - :func:`exit_rank`: the clean end of a spawned rank (after ``destroy_process_group``).
-- :func:`set_nccl_priority`: the ring's transfers on NCCL streams of high priority (opt-in; off until measured).
+- :func:`set_nccl_priority`: the ring's transfers on NCCL streams of high priority (opt-in; no gain measured on 4 H200s).
 - :func:`set_transport`: the ring's transfers on the GPUs' copy engines instead of NCCL (opt-in; until measured).
 
 See docs/distributed.md.

@@ -22,7 +22,7 @@ import flashtile
 from flashtile import testing
 from flashtile.dispatch import force_backend
 from flashtile.distributed import (attention, exit_rank, ring_attention, ring_attention_varlen, set_nccl_priority,
-                                   set_transport, shard, ulysses_attention, unshard)
+                                   shard, ulysses_attention, unshard)
 from flashtile.distributed.blocks import visible_blocks
 from flashtile.distributed.sharding import segments
 
@@ -35,10 +35,10 @@ SEQLEN = {2: 24, 4: 40, 8: 48}
 
 def case(kind, world, *, balance="zigzag", causal=True, window=(-1, -1), nheads_kv=HEADS, dtype=torch.float32,
          seqlen=None, batch=1, sink=False, softcap=0.0, backend="torch", device="cpu", nheads=HEADS, headdim=HEADDIM,
-         docs=None, mesh=None, one_pass=False, dkv="float32", nccl_priority="default", transport="nccl", seed=None):
-    """A case of ``kind`` on ``world`` ranks; ``dkv``: the ring's ``dkv_transfer``; ``nccl_priority``, ``transport``:
-    its transfers' stream priority and transport (the inputs stay those of the case with the defaults); ``seed``: of
-    the inputs (None: from the name; two cases with one seed and shapes have the same inputs)."""
+         docs=None, mesh=None, one_pass=False, dkv="float32", nccl_priority="default", seed=None):
+    """A case of ``kind`` on ``world`` ranks; ``dkv``: the ring's ``dkv_transfer``; ``nccl_priority``: its transfers'
+    stream priority (the inputs stay those of the case at the default priority); ``seed``: of the inputs (None: from
+    the name; two cases with one seed and shapes have the same inputs)."""
     mesh = mesh or ((2, world // 2) if kind == "hybrid" else None)  # ("ulysses", "ring") sizes
     name = f"{kind}-P{world}-{balance}-{'causal' if causal else 'full'}-w{window[0]}_{window[1]}-kv{nheads_kv}" \
            f"-{str(dtype)[6:]}-b{batch}{'-sink' if sink else ''}{'-softcap' if softcap else ''}-{backend}-{device}" \
@@ -48,14 +48,12 @@ def case(kind, world, *, balance="zigzag", causal=True, window=(-1, -1), nheads_
     seed = sum(map(ord, name)) if seed is None else seed
     if nccl_priority != "default":
         name += f"-nccl_{nccl_priority}"
-    if transport != "nccl":
-        name += f"-transport_{transport}"
     seqlen = seqlen or SEQLEN[world]
     docs = docs or DOCS[world]
     return dict(name=name, kind=kind, world=world, balance=balance, causal=causal, window=window, nheads=nheads,
                 nheads_kv=nheads_kv, headdim=headdim, dtype=dtype, seqlen=seqlen, batch=batch, sink=sink,
                 softcap=softcap, backend=backend, device=device, docs=docs, mesh=mesh, one_pass=one_pass, dkv=dkv,
-                nccl_priority=nccl_priority, transport=transport, seed=seed)
+                nccl_priority=nccl_priority, seed=seed)
 
 
 def dkv_study(seeds=(0,), tokens_per_rank=256, headdim=64):
@@ -131,14 +129,6 @@ GPU_CASES = [
     case("varlen", 2, docs=(700, 1, 1500, 391, 1408), nccl_priority="high", **GPU),
     case("ring", 4, seqlen=4 * 1000, nheads_kv=2, nccl_priority="high", **GPU),
     case("hybrid", 4, seqlen=4 * 1000, nheads_kv=2, nccl_priority="high", **GPU),
-    # The ring's transfers on the copy engines (set_transport): on the default group, a packed sequence, the dK/dV sums
-    # in bf16 (messages of two sizes in one direction), and the hybrid's ring groups (symmetric memory of sub-groups).
-    case("ring", 2, seqlen=2 * 1000, nheads_kv=2, transport="copy_engine", **GPU),
-    case("ring", 2, seqlen=1904, causal=False, balance="contiguous", transport="copy_engine", **GPU),
-    case("varlen", 2, docs=(700, 1, 1500, 391, 1408), transport="copy_engine", **GPU),
-    case("ring", 2, seqlen=2 * 2000, nheads_kv=8, dkv="input", seed=47, transport="copy_engine", **GPU),
-    case("ring", 4, seqlen=4 * 1000, nheads_kv=2, transport="copy_engine", **GPU),
-    case("hybrid", 4, seqlen=4 * 1000, nheads_kv=2, transport="copy_engine", **GPU),
 ]
 
 
@@ -186,7 +176,6 @@ def _run_case(c, meshes):
     local_sink = sink.clone().requires_grad_() if sink is not None else None
     lse = None
     set_nccl_priority(c["nccl_priority"])
-    set_transport(c["transport"])
     with force_backend(c["backend"]):
         if kind == "ring":
             out, lse = ring_attention(*local, sink=local_sink, balance=balance, return_lse=True, **ring_options)
@@ -198,7 +187,6 @@ def _run_case(c, meshes):
             out, lse = ring_attention_varlen(*local, cu_seqlens(c, q.device), max(c["docs"]), sink=local_sink,
                                              return_lse=True, **ring_options)
         set_nccl_priority("default")  # read when the call is planned: its backward keeps the call's priority
-        set_transport("nccl")  # and its transport
         out.backward(shard(dout, where, dim, sharding))
     results = {"out": out}
     if lse is not None:
@@ -239,11 +227,6 @@ def _bad_calls(rank, world):
         "mesh": lambda: attention(y, y, y, object()),
         # Each rank its own way of sending the dK/dV sums: the receive buffers would not match the sends.
         "dkv-transfer": lambda: ring_attention(y, y, y, dkv_transfer=("float32", "input")[rank % 2]),
-        # The copy-engine transport on CPU tensors: refused on every rank (never NCCL or gloo instead).
-        "transport-cpu": lambda: _with_transport("copy_engine", lambda: ring_attention(y, y, y)),
-        # Each rank its own transport: the ranks would wait for each other forever.
-        "transport-mixed": lambda: _with_transport(("nccl", "copy_engine")[rank % 2], lambda: ring_attention_varlen(
-            y[0], y[0], y[0], torch.tensor([0, 8 * world], dtype=torch.int32), 8 * world)),
     }
     if os.environ.get("TRITON_INTERPRET") == "1":
         # One rank alone refuses: strict mode on rank 0 only, every rank's blocks falling back (CPU tensors' preferred
@@ -261,14 +244,6 @@ def _bad_calls(rank, world):
         flat = init_device_mesh("cpu", (4,), mesh_dim_names=("ring",))
         calls["mesh-1d"] = lambda: attention(y, y, y, flat)
     return {name: _expect_error(call) for name, call in calls.items()}
-
-
-def _with_transport(name, call):
-    set_transport(name)
-    try:
-        call()
-    finally:
-        set_transport("nccl")
 
 
 def _one_rank_check(group, what, values, device, refused=None):
@@ -395,8 +370,8 @@ _REFERENCES = {}
 
 def references(c) -> tuple:
     """``(hi, lo)``: the reference results of a case's inputs (on the CPU), kept for the cases that share them (the
-    same inputs with the dK/dV sums sent either way, or the transfers at another priority or by another transport)."""
-    key = c["name"].replace("-dkv_input", "").replace("-nccl_high", "").replace("-transport_copy_engine", "")
+    same inputs with the dK/dV sums sent either way, or the transfers at another priority)."""
+    key = c["name"].replace("-dkv_input", "").replace("-nccl_high", "")
     if key not in _REFERENCES:
         q, k, v, dout, sink = inputs(c)
         if sink is not None:
@@ -454,10 +429,6 @@ def test_bad_input_fails_on_every_rank(world):
     assert errors[0]["alibi"].startswith("NotImplementedError") and "mesh_dim_names" in errors[0]["mesh"]
     assert all("cu_seqlens_crc32" in per_rank["offsets"] for per_rank in errors), errors[0]["offsets"]
     assert "dkv_transfer=0" in errors[0]["dkv-transfer"] and "dkv_transfer=1" in errors[0]["dkv-transfer"]
-    assert all(per_rank["transport-cpu"].startswith("ValueError: set_transport('copy_engine')")
-               and "need CUDA tensors, got tensors on cpu" in per_rank["transport-cpu"] for per_rank in errors)
-    assert all("transport=0" in per_rank["transport-mixed"] and "transport=1" in per_rank["transport-mixed"]
-               for per_rank in errors), errors[0]["transport-mixed"]
     for name in ("strict-one-rank", "strict-one-rank-varlen"):
         if name in errors[0]:
             assert errors[0][name].startswith("FallbackError: flashtile strict mode"), errors[0][name]
@@ -651,79 +622,14 @@ def test_high_priority_groups_are_made_once_per_group(monkeypatch):
     assert kwargs["pg_options"].is_high_priority_stream
 
 
-# The ring's transfer settings: their setter, where they are kept, their default and the error's start.
-_SETTINGS = {"nccl_priority": (set_nccl_priority, "_nccl_priority", "default",
-                               "priority must be one of ('default', 'high')"),
-             "transport": (set_transport, "_transport", "nccl", "transport must be one of ('nccl', 'copy_engine')")}
-
-
-@pytest.mark.parametrize("setting", sorted(_SETTINGS))
-@pytest.mark.parametrize("bad", ["HIGH", "NCCL", None, 1])
-def test_ring_settings_check_their_value(setting, bad, monkeypatch):
+@pytest.mark.parametrize("bad", ["low", "HIGH", None, 1])
+def test_set_nccl_priority_checks_its_value(bad, monkeypatch):
     from flashtile.distributed import comm
 
-    setter, kept, default, message = _SETTINGS[setting]
-    monkeypatch.setattr(comm, kept, [default])
-    with pytest.raises(ValueError, match=re.escape(f"{message}, got {bad!r}")):
-        setter(bad)
-    assert getattr(comm, kept) == [default]
-
-
-def _transport_pairs(cases):
-    """``(NCCL case, copy-engine case)``: each case of the ring's transfers on the copy engines beside the case of the
-    same inputs through NCCL."""
-    by_name = {c["name"]: c for c in cases}
-    return [(by_name[c["name"].replace("-transport_copy_engine", "")], c) for c in cases
-            if c["transport"] == "copy_engine" and c["name"].replace("-transport_copy_engine", "") in by_name]
-
-
-@pytest.mark.parametrize("pair", [pytest.param(p, marks=_gpus(p[0]["world"])) for p in _transport_pairs(GPU_CASES)],
-                         ids=[p[1]["name"] for p in _transport_pairs(GPU_CASES)])
-def test_copy_engine_transport_matches_nccl(pair):
-    """The same inputs with the ring's transfers on the copy engines and through NCCL: the same bytes arrive, so out
-    and lse are bit for bit NCCL's; the gradients equal to the rounding of the backward's atomic adds (their order
-    varies from run to run). test_matches_reference holds each to the reference. The calls are named by transport."""
-    results = run_world(pair[0]["world"], "cuda")[0]
-    nccl, ours = (results[c["name"]] for c in pair)
-    assert ours.keys() == nccl.keys()
-    for name in ours:
-        if name in ("out", "lse"):
-            assert torch.equal(ours[name], nccl[name]), name
-        else:
-            torch.testing.assert_close(ours[name], nccl[name], atol=1e-2, rtol=0, msg=name)
-    assert any(name.endswith(" transport=copy_engine]") for name in results["kernels"]), sorted(results["kernels"])
-
-
-def test_copy_engine_transport_routes_the_ring(monkeypatch):
-    """With set_transport("copy_engine") a ring over CUDA tensors sends through the group's copy-engine channel (made
-    at the first transfer, not when planned), and says so in its name; over CPU tensors it refuses with a ValueError
-    (never NCCL or gloo instead); a ring of one rank sends nothing either way."""
-    from flashtile.distributed import comm, copy_engine
-
-    fake = _FakeDist()
-    monkeypatch.setattr(comm, "dist", fake)
-    monkeypatch.setattr(comm, "_transport", ["nccl"])
-    channels = []
-
-    class _Channel:
-        def __init__(self, group, device):
-            channels.append((group, device))
-
-        @staticmethod
-        def start(tensors, reverse):
-            return ("received", reverse), [], tensors
-
-    monkeypatch.setattr(copy_engine, "channel", _Channel)
-    group, cuda, kv = _FakeGroup(1, 3, 5, 7), torch.device("cuda", 0), (torch.ones(2),)
-    set_transport("copy_engine")
-    assert comm.transport() == "copy_engine"
-    ring = comm.Ring(group, cuda)
-    assert ring.note == " transport=copy_engine" and channels == []
-    assert ring.start(kv, reverse=True)[0] == ("received", True) and channels == [(group, cuda)] and fake.ops == []
-    with pytest.raises(ValueError, match=re.escape("need CUDA tensors, got tensors on cpu")):
-        comm.Ring(group, torch.device("cpu"))
-    alone = comm.Ring(_FakeGroup(5), torch.device("cpu"))
-    assert alone.note == "" and alone.start(kv) == (kv, [], ()) and len(channels) == 1
+    monkeypatch.setattr(comm, "_nccl_priority", ["default"])
+    with pytest.raises(ValueError, match=re.escape(f"priority must be one of ('default', 'high'), got {bad!r}")):
+        set_nccl_priority(bad)
+    assert comm.nccl_priority() == "default"
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
@@ -990,16 +896,6 @@ def test_bench_smoke(tmp_path, monkeypatch):
     assert row["N"] == 64 and row["max_err"] < 1e-5 and row["ring_ms"] > 0 and row["nccl_priority"] == "high", row
 
 
-def test_bench_transport_needs_cuda(capsys):
-    """--transport copy_engine on --device cpu: refused when the arguments are read, naming both."""
-    from flashtile.distributed.bench import parse
-
-    assert parse(["--device", "cuda", "--transport", "copy_engine"]).transport == "copy_engine"
-    with pytest.raises(SystemExit):
-        parse(["--device", "cpu", "--transport", "copy_engine"])
-    assert "it needs --device cuda, got --device cpu" in capsys.readouterr().err
-
-
 def test_bench_breakdown_splits_the_span():
     """--trace's breakdown: overlapping kernels count once, attention first, then other compute, then NCCL alone."""
     from flashtile.distributed.bench import breakdown_ms
@@ -1008,11 +904,6 @@ def test_bench_breakdown_splits_the_span():
                ("elementwise_add", 4500, 5500), ("bwd_preprocess", 8000, 9000), ("attn_bwd_sm90_ws", 9000, 10000)]
     got = breakdown_ms(kernels)
     assert got == {"span": 10.0, "attention": 6.0, "other": 1.5, "nccl_exposed": 0.5, "idle": 2.0, "nccl": 5.0}, got
-    # The copy-engine transport's transfers are memcpys: counted as NCCL's kernels are.
-    copies = [("attn_fwd_sm90_ws", 0, 4000), ("Memcpy PtoP (Device -> Device)", 1000, 5000),
-              ("Memcpy DtoD (Device -> Device)", 5000, 5500)]
-    got = breakdown_ms(copies)
-    assert got == {"span": 5.5, "attention": 4.0, "other": 0.0, "nccl_exposed": 1.5, "idle": 0.0, "nccl": 4.5}, got
     assert breakdown_ms([]) == {}
 
 

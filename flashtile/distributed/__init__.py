@@ -7,11 +7,10 @@
 - :func:`ring_attention_varlen`: packed documents (global ``cu_seqlens``), contiguous token shards.
 - :func:`exit_rank`: the clean end of a spawned rank (after ``destroy_process_group``).
 - :func:`set_nccl_priority`: the ring's transfers on NCCL streams of high priority (opt-in; no gain measured on 4 H200s).
-- :func:`set_transport`: the ring's transfers on the GPUs' copy engines instead of NCCL (opt-in; until measured).
 
 See docs/distributed.md.
 """
-from .comm import exit_rank, nccl_priority, set_nccl_priority, set_transport, transport
+from .comm import exit_rank, nccl_priority, set_nccl_priority
 from .hybrid import attention
 from .ring import ring_attention
 from .sharding import shard, unshard
@@ -19,4 +18,4 @@ from .ulysses import ulysses_attention
 from .varlen import ring_attention_varlen
 
 __all__ = ["attention", "exit_rank", "nccl_priority", "ring_attention", "ring_attention_varlen", "set_nccl_priority",
-           "set_transport", "shard", "transport", "ulysses_attention", "unshard"]
+           "shard", "ulysses_attention", "unshard"]

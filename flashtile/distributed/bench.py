@@ -23,8 +23,6 @@ checks 16 rows spread over the sequence against a float32 reference.
 hybrid's ``dkv_transfer``; every row records it).
 ``--nccl-priority high`` runs the ring's transfers (the ring's and the hybrid's) on NCCL streams of high
 priority (:func:`set_nccl_priority`); each row names the priority it ran with.
-``--transport copy_engine`` moves the ring's transfers (the ring's and the hybrid's) on the GPUs' copy engines
-(:func:`set_transport`; CUDA only); each row names the transport it ran with.
 Without ``RANK`` in the environment it spawns ``--gpus`` processes itself. ``--device cpu`` runs a
 smoke test on gloo (tiny sizes; torch's context_parallel is CUDA-only there).
 """
@@ -42,9 +40,8 @@ import torch
 import torch.distributed as dist
 
 from ..interface import flash_attn_func
-from . import (attention, exit_rank, ring_attention, set_nccl_priority, set_transport, shard, ulysses_attention,
-               unshard)
-from .comm import NCCL_PRIORITIES, TRANSPORTS
+from . import attention, exit_rank, ring_attention, set_nccl_priority, shard, ulysses_attention, unshard
+from .comm import NCCL_PRIORITIES
 from .options import DKV_TRANSFERS
 
 METHODS = ("ring", "ulysses", "hybrid", "torch_cp")
@@ -70,9 +67,6 @@ def parse(argv=None):
                              "inputs' dtype")
     parser.add_argument("--nccl-priority", default="default", choices=NCCL_PRIORITIES,
                         help="the CUDA stream priority of the ring's transfers (ring and hybrid; set_nccl_priority)")
-    parser.add_argument("--transport", default="nccl", choices=TRANSPORTS,
-                        help="how the ring's transfers travel (ring and hybrid; set_transport): NCCL, or the GPUs' copy "
-                             "engines (CUDA only)")
     parser.add_argument("--trace", default=None, metavar="DIR",
                         help="after timing, run each method once more under torch.profiler: a chrome trace per rank "
                              "in DIR and, per method, where rank 0's time went (attention kernels, NCCL, other "
@@ -80,9 +74,6 @@ def parse(argv=None):
     parser.add_argument("--out", default=None,
                         help="JSON result path (default: benchmarks/results/cp-<P>x<gpu>-<date>.json)")
     options = parser.parse_args(argv)
-    if options.transport == "copy_engine" and options.device != "cuda":
-        parser.error(f"--transport copy_engine copies between GPUs' memory: it needs --device cuda, got --device "
-                     f"{options.device}")
     options.argv = list(sys.argv[1:] if argv is None else argv)  # for the result file's command
     return options
 
@@ -147,13 +138,11 @@ def breakdown_ms(kernels) -> dict:
     kernels: the span from the first start to the last end; the time an attention kernel runs; the time other
     compute kernels run with no attention kernel; NCCL with no compute kernel beside it; no kernel at all (these
     four add up to the span); and every NCCL kernel's time, overlapped or not (bytes / it: the bandwidth had).
-    A memcpy counts as NCCL does (the copy-engine transport's transfers: ``set_transport("copy_engine")``).
     ``{}`` without kernels."""
     kinds = {"attention": [], "other": [], "nccl": []}
     for name, start, end in kernels:
         name = name.lower()
-        transfer = "nccl" in name or name.startswith("memcpy")
-        kind = "nccl" if transfer else "attention" if name.startswith(ATTENTION_KERNELS) else "other"
+        kind = "nccl" if "nccl" in name else "attention" if name.startswith(ATTENTION_KERNELS) else "other"
         kinds[kind].append((start, end))
     spans = [s for group in kinds.values() for s in group]
     if not spans:
@@ -263,8 +252,7 @@ def run(options) -> list:
             dout = torch.randn(1, n, nheads, options.headdim, device=device, dtype=dtype, generator=generator)
             row = dict(world=world, tokens_per_gpu=tokens, N=n, nheads=nheads, nheads_kv=nheads_kv,
                        headdim=options.headdim, dtype=str(dtype).replace("torch.", ""), causal=True,
-                       dkv_transfer=options.dkv_transfer, nccl_priority=options.nccl_priority,
-                       transport=options.transport)
+                       dkv_transfer=options.dkv_transfer, nccl_priority=options.nccl_priority)
             leaves = [x.clone().requires_grad_() for x in (q, k, v)]
 
             def one_gpu():
@@ -361,7 +349,7 @@ def run_long(options) -> list:
     dist.all_reduce(sampled)
     row = dict(world=world, tokens_per_gpu=options.long, N=n, nheads=nheads, nheads_kv=nheads_kv,
                headdim=options.headdim, dkv_transfer=options.dkv_transfer,
-               nccl_priority=options.nccl_priority, transport=options.transport, ring_ms=ms, ring_mem_gb=mem,
+               nccl_priority=options.nccl_priority, ring_ms=ms, ring_mem_gb=mem,
                sampled_rows=rows)
     if rank == 0:
         q, k, v = full
@@ -388,8 +376,7 @@ def _line(row, methods) -> str:
     cells = [f"P={row['world']} {row['nheads']}/{row['nheads_kv']} {row['tokens_per_gpu']:>6}/gpu "
              f"T1={row['flashtile_1gpu_ms']:.1f}ms" + _breakdown(row.get("flashtile_1gpu_breakdown_ms"))
              + (f" dkv_transfer={row['dkv_transfer']}" if row["dkv_transfer"] != "float32" else "")
-             + (f" nccl={row['nccl_priority']}" if row["nccl_priority"] != "default" else "")
-             + (f" transport={row['transport']}" if row["transport"] != "nccl" else "")]
+             + (f" nccl={row['nccl_priority']}" if row["nccl_priority"] != "default" else "")]
     for name in methods:
         if row.get(f"{name}_status") == "ok":
             cells.append(f"{name} {row[f'{name}_ms']:.1f}ms eff {row[f'{name}_efficiency']:.2f} "
@@ -404,7 +391,6 @@ def _main_rank(options):
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
     set_nccl_priority(options.nccl_priority)
-    set_transport(options.transport)
     rows = run_long(options) if options.long else run(options)
     if dist.get_rank() == 0:
         from ..bench import common

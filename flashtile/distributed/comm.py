@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 
 from ..dispatch import FallbackError
-from . import copy_engine
 
 
 # The kinds of error a rank may refuse a call with, as the shape check shares them (0: none; the last: any other).
@@ -88,27 +87,6 @@ def nccl_priority() -> str:
     return _nccl_priority[0]
 
 
-# How the ring's transfers travel: "nccl" (send/receive kernels) or "copy_engine" (set_transport).
-TRANSPORTS = ("nccl", "copy_engine")
-_transport = ["nccl"]
-
-
-def set_transport(transport: str) -> None:
-    """Move the ring's K/V and dK/dV transfers with ``transport``: ``"nccl"`` (batched isend/irecv: NCCL's kernels,
-    which run only as the attention kernels' CTAs leave SMs) or ``"copy_engine"`` (copies between the ranks' GPU
-    memory on the copy engines, which take no SM: :mod:`.copy_engine`; CUDA tensors on GPUs that are peers, and
-    a PyTorch with symmetric memory; a ring call on other tensors raises ValueError). Opt-in until measured
-    (docs/distributed.md); ring_attention, ring_attention_varlen and the hybrid's ring read it at each call."""
-    if not isinstance(transport, str) or transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-    _transport[0] = transport
-
-
-def transport() -> str:
-    """The transport :func:`set_transport` set (``"nccl"`` unless set)."""
-    return _transport[0]
-
-
 # The groups of high-priority NCCL streams, by the user's group they stand for (one each, made once).
 _HIGH_PRIORITY_GROUPS: dict = {}
 
@@ -144,9 +122,9 @@ def _through_nccl(group, device: torch.device) -> bool:
 
 
 class Ring:
-    """The ring of ``group``: every rank sends to the next rank and receives from the previous one, with the
-    transport set by :func:`set_transport` when the call was planned: on NCCL streams of the priority set by
-    :func:`set_nccl_priority`, or on the copy engines (``device``: where the tensors are)."""
+    """The ring of ``group``: every rank sends to the next rank and receives from the previous one, on NCCL
+    streams of the priority set by :func:`set_nccl_priority` when the call was planned (``device``: where the
+    tensors are)."""
 
     def __init__(self, group, device: torch.device):
         self.group = dist.group.WORLD if group is None else group
@@ -155,17 +133,10 @@ class Ring:
         # Point-to-point operations name their peers by global rank (so any group of the same ranks carries them).
         self.next = dist.get_global_rank(self.group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.size)
-        self.copy_engine = transport() == "copy_engine" and self.size > 1
-        if self.copy_engine and device.type != "cuda":
-            raise ValueError(f"set_transport('copy_engine'): the ring's copy-engine transfers copy between GPUs' "
-                             f"memory, so they need CUDA tensors, got tensors on {device}; call "
-                             f"set_transport('nccl') for these")
-        self.device = device
-        high = nccl_priority() == "high" and self.size > 1 and not self.copy_engine
+        high = nccl_priority() == "high" and self.size > 1
         applied = high and _through_nccl(self.group, device)
-        # What the profiler names add (RingRun): the transport or priority asked for and whether it applies here.
-        self.note = " transport=copy_engine" if self.copy_engine else "" if not high else " nccl=high" if applied \
-            else " nccl=high (no-op: not NCCL)"
+        # What the profiler names add (RingRun): the priority asked for and whether it applies here.
+        self.note = "" if not high else " nccl=high" if applied else " nccl=high (no-op: not NCCL)"
         # The group the transfers go through: the high-priority one is made at the first start(), after the ranks
         # have compared shapes (so that every rank of the group reaches its creation).
         self.p2p = None if applied else self.group
@@ -181,8 +152,6 @@ class Ring:
         tensors: they must live until sent)."""
         if self.size == 1:
             return tensors, [], ()
-        if self.copy_engine:
-            return copy_engine.channel(self.group, self.device).start(tensors, reverse)
         if self.p2p is None:
             self.p2p = high_priority_group(self.group)
         to, source = (self.prev, self.next) if reverse else (self.next, self.prev)

@@ -16,7 +16,7 @@ from .. import validation
 from ..dispatch import recall, remember, state_key
 from ..interface import _SCALARS, _layouts, _plain_window
 from .blocks import visible_blocks
-from .comm import TRANSPORTS, Ring, check_same_across, nccl_priority, transport
+from .comm import Ring, check_same_across, nccl_priority
 from .engine import BlockCall, RingFunction, RingRun, plan_block
 from .options import DKV_TRANSFERS, block_options, check_dkv_transfer, dkv_dtype, mask_name, refuse_alibi, shapes
 from .sharding import check_balance, group_size_rank, segments
@@ -67,10 +67,9 @@ def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, win
             error = run.refusal()
     except Exception as planning:  # noqa: BLE001 -- raised by check_same_across, after every rank has compared
         error = planning
-    # The ranks must agree on how the sums travel too (the receive buffers are sized by it), and by which transport
-    # (a rank on NCCL and one on the copy engines would wait for each other forever).
-    check_same_across(group, "ring_attention", dict(shapes(q, k, v), dkv_transfer=DKV_TRANSFERS.index(dkv_transfer),
-                                                    transport=TRANSPORTS.index(transport())), q.device, refused=error)
+    # The ranks must agree on how the sums travel too (the receive buffers are sized by it).
+    check_same_across(group, "ring_attention", dict(shapes(q, k, v), dkv_transfer=DKV_TRANSFERS.index(dkv_transfer)),
+                      q.device, refused=error)
     run.record()
     if not known and key is not None and all(call.plan.fallback_reason is None for calls in run.steps
                                              for call in calls):
@@ -82,8 +81,8 @@ def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, win
 def _signature(q, k, v, sink, options: dict, balance, dkv_transfer: str, group, world: int, rank: int):
     """The key under which a call's :class:`RingRun` is kept for the calls like it (see flashtile.interface's
     ``_signature``): the shards' shapes, dtypes and devices, the options with their types, the sink's layout,
-    the group, this rank's place in it, the transfers' stream priority and transport and the dispatch state; None
-    for a call planned afresh."""
+    the group, this rank's place in it, the transfers' stream priority and the dispatch state; None for a call
+    planned afresh."""
     sink_layout = _layouts((sink,), strides=True)
     scalars = tuple(options[name] for name in ("causal", "softmax_scale", "softcap", "deterministic"))
     types = tuple(map(type, scalars))
@@ -92,7 +91,7 @@ def _signature(q, k, v, sink, options: dict, balance, dkv_transfer: str, group, 
     group = dist.group.WORLD if group is None else group
     key = ("ring_attention", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
            scalars, types, options["window_size"], sink_layout, balance, dkv_transfer, group, world, rank,
-           nccl_priority(), transport(), state_key())
+           nccl_priority(), state_key())
     try:
         hash(key)
     except TypeError:  # a balance or group that cannot be a key: validated and planned afresh

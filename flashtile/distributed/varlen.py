@@ -16,7 +16,7 @@ import torch
 
 from .. import validation
 from .blocks import visible_blocks
-from .comm import TRANSPORTS, Ring, check_same_across, transport
+from .comm import Ring, check_same_across
 from .engine import BlockCall, RingFunction, RingRun, plan_block
 from .options import DKV_TRANSFERS, block_options, check_dkv_transfer, dkv_dtype, mask_name, refuse_alibi
 from .sharding import group_size_rank
@@ -132,7 +132,7 @@ def ring_attention_varlen(q, k, v, cu_seqlens, max_seqlen, group=None, *, causal
     check_same_across(group, "ring_attention_varlen",
                       dict(tokens_q=tokens, tokens_k=k.shape[0], nheads=q.shape[1], nheads_kv=k.shape[1],
                            headdim=q.shape[2], headdim_v=v.shape[2], cu_seqlens_crc32=offsets,
-                           dkv_transfer=DKV_TRANSFERS.index(dkv_transfer), transport=TRANSPORTS.index(transport())),
+                           dkv_transfer=DKV_TRANSFERS.index(dkv_transfer)),
                       q.device, refused=error)
     run.record()
     out, lse = RingFunction.apply(q, k, v, sink, run)

@@ -9,7 +9,7 @@ The pair is what ``deterministic=True`` runs. ``varlen``: packed sequences (16 l
 the features, through ``flash_attn_varlen_func``'s backward. ``ab``: the one-pass kernel against an earlier
 version of kernels/bwd_sm90_ws.py (the file at ``OLD``, e.g. from ``git show REV:path``), whole backwards in
 alternating rounds. ``knobs``: the kernel at head dims ``D`` with each of configs.OnePassConfig's knobs of
-bwd_sm90_ws.py (KNOBS; dq_rows at 64 only) against its default, the backward alone on the suite's dense shapes
+bwd_sm90_ws.py (KNOBS; dq_rows at 64 only) against every knob off ("default"), the backward alone on the suite's dense shapes
 (16384 tokens, 2048 // D heads, N 1k/4k/16k, full and causal), alternating rounds; every variant's dQ, dK, dV
 compared with the default's first. Results: BENCHMARKS.md, results/h200-bwd-one-pass-*.json.
 """
@@ -59,8 +59,8 @@ def backward(t, one_pass):
     return grads
 
 
-# The knobs of kernels/bwd_sm90_ws.py (configs.OnePassConfig fields over the head dim's defaults); dq_rows at head
-# dim 64 alone (128-row steps).
+# The knobs of kernels/bwd_sm90_ws.py (configs.OnePassConfig fields over the head dim's with every knob off,
+# "default"); dq_rows at head dim 64 alone (128-row steps).
 KNOBS = {"default": {}, "dq_first": dict(dq_first=True), "dk_rs": dict(dk_rs=True),
          "both": dict(dq_first=True, dk_rs=True), "dq_rows": dict(dq_rows=True),
          "fa3": dict(dq_first=True, dk_rs=True, dq_rows=True)}
@@ -239,7 +239,8 @@ if __name__ == "__main__":
         options = dict(a.split("=") for a in sys.argv[1:] if "=" in a)
         res["knobs"] = []
         for D in (int(d) for d in options.get("D", "128,64").split(",")):
-            tiles = {name: replace(launch.configs.one_pass_config(D), **knobs) for name, knobs in KNOBS.items()
+            off = replace(launch.configs.one_pass_config(D), dq_first=False, dk_rs=False, dq_rows=False)
+            tiles = {name: replace(off, **knobs) for name, knobs in KNOBS.items()
                      if D == 64 or "dq_rows" not in knobs}
             for S in (1024, 4096, 16384):
                 for window in ((-1, -1), (-1, 0)):

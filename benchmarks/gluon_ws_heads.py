@@ -1,6 +1,6 @@
 """The warp-specialized Hopper forward at head dims 64, 256 and 192/128 (configs.GLUON_WS_D64 / GLUON_WS_D256 /
-GLUON_WS_D192) against the kernel each head dim ran before it, in one run: evidence for those config rows; and its
-exp2 emulation (TileConfig.exp2_emu, fp8.FP8_EXP2_EMU: one exp2 of P in every n on the FMA pipe) on and off.
+GLUON_WS_D192) against the kernel each head dim ran before it, in one run: evidence for those config rows; with
+``--fp8`` the FP8 forward. Run on two package trees (benchmarks/ab_trees.sh) it compares two versions of a kernel.
 
 Through ``launch.forward(config=...)``, bf16, the headline's shapes (B = 16384 // N, H = 2048 // d; N 1k/4k/16k,
 full and causal; at 192/128 DeepSeek's: values of 128, H = 16, B = 8192 // N, so 2 x 4096 and 1 x 16384); variants
@@ -16,11 +16,9 @@ by head dim:
          ws      configs._FWD_SM90_GLUON_WS_D192: two 128-key slots each of K and V, one Q buffer (213 KB)
          ws-n64  the same with 64-key slots and two Q buffers (181 KB)
          ws-n64-s3  64-key slots, three of them (222 KB)
-  d=128  ws      configs._FWD_SM90_GLUON_WS (the emulation's baseline)
-  any    ws-emu<n>  the head dim's ws tile with exp2_emu=n, for each n of --exp2-emu (d=64 then runs ws first,
-                    not triton and ws-s4)
-  --fp8  fp8, fp8-emu<n>: the FP8 forward (fp8.attention on inputs quantized beforehand, as the FP8 bench's
-         fp8_kernel) with fp8.FP8_EXP2_EMU as it is and at n; its outputs checked by RMSE (bench.fp8's limit)
+  d=128  ws      configs._FWD_SM90_GLUON_WS
+  --fp8  fp8     the FP8 forward (fp8.attention on inputs quantized beforehand, as the FP8 bench's fp8_kernel); its
+                 outputs checked by RMSE (bench.fp8's limit)
 
 Each variant's out and lse on the first two heads of batch row 0 are held to the tolerance rule against float32
 attention before any timing (a wrong or failing variant is reported, not timed); then ``triton.testing.do_bench``
@@ -30,8 +28,7 @@ against the first variant.
     python benchmarks/gluon_ws_heads.py [--dims 64 256 192] [--seqlens 1024 4096 16384] [--rounds 2]
         -> $OUT (default /tmp)/h200-gluon-ws-heads-<date>.json
     python benchmarks/gluon_ws_heads.py --dims 192 --seqlens 4096 16384    # issue 46's 192/128 rows
-    python benchmarks/gluon_ws_heads.py --dims 64 128 --exp2-emu 8 16 --seqlens 4096 16384    # exp2 on FMA, bf16
-    python benchmarks/gluon_ws_heads.py --fp8 --dims 128 --exp2-emu 8 16 --seqlens 4096 16384  # and FP8
+    bash benchmarks/ab_trees.sh /tmp/base benchmarks/gluon_ws_heads.py 2 --fp8 --dims 64 128 256 --seqlens 4096 16384
 """
 import argparse
 import dataclasses
@@ -65,17 +62,10 @@ def shape(head_dim: int, seqlen: int) -> tuple:
     return TOKENS // seqlen, WIDTH // head_dim, head_dim
 
 
-def variants(head_dim: int, seqlen: int, causal: bool, exp2_emu: tuple = ()) -> dict:
-    """name -> tile, the kernel the head dim ran before first; then the ws tile with each ``exp2_emu``."""
-    tiles = _tiles(head_dim, seqlen, causal, bool(exp2_emu))
-    return {**tiles, **{f"ws-emu{n}": dataclasses.replace(tiles["ws"], exp2_emu=n) for n in exp2_emu}}
-
-
-def _tiles(head_dim: int, seqlen: int, causal: bool, emu: bool) -> dict:
+def variants(head_dim: int, seqlen: int, causal: bool) -> dict:
+    """name -> tile, the kernel the head dim ran before first."""
     if head_dim == 128:
         return {"ws": configs._FWD_SM90_GLUON_WS}
-    if head_dim == 64 and emu:
-        return {"ws": configs._FWD_SM90_GLUON_WS_D64}
     if head_dim == 64:
         ws = configs._FWD_SM90_GLUON_WS_D64
         before = configs.fwd_config(64, torch.bfloat16, torch.device("cuda"), seqlen, -1, 0 if causal else -1)
@@ -102,24 +92,7 @@ def wrong(out, lse, ref_hi, ref_lo, fp8_out: bool = False) -> str:
     return ""
 
 
-def fp8_calls(q, k, v, attn, head_dim: int, exp2_emu: tuple) -> dict:
-    """name -> a call of the FP8 forward on q, k, v quantized once, at fp8.FP8_EXP2_EMU's value and at each
-    ``exp2_emu`` (set around the call: the launcher keys its kernel by it)."""
-    quantized = quant.quantize(q, k, v)
-
-    def call(n):
-        saved = fp8.FP8_EXP2_EMU[head_dim]
-        fp8.FP8_EXP2_EMU[head_dim] = saved if n is None else n
-        try:
-            return fp8_api.attention(*quantized, attn, v_transposed=True)
-        finally:
-            fp8.FP8_EXP2_EMU[head_dim] = saved
-
-    return {"fp8": lambda: call(None), **{f"fp8-emu{n}": lambda n=n: call(n) for n in exp2_emu}}
-
-
-def one_shape(head_dim: int, seqlen: int, causal: bool, rounds: int, exp2_emu: tuple = (),
-              use_fp8: bool = False) -> dict:
+def one_shape(head_dim: int, seqlen: int, causal: bool, rounds: int, use_fp8: bool = False) -> dict:
     batch, nheads, head_dim_v = shape(head_dim, seqlen)
     q, k, v = make_qkv(batch, seqlen, seqlen, nheads, nheads, head_dim, torch.bfloat16, "cuda", requires_grad=False)
     v = v[..., :head_dim_v].contiguous()
@@ -130,11 +103,11 @@ def one_shape(head_dim: int, seqlen: int, causal: bool, rounds: int, exp2_emu: t
     row = dict(d=head_dim, dv=head_dim_v, N=seqlen, B=batch, H=nheads, causal=causal, notes=[], tiles={}, ms={},
                tflops={})
     if use_fp8:
-        calls = fp8_calls(q, k, v, attn, head_dim, exp2_emu)
-        emus = dict(fp8=fp8.FP8_EXP2_EMU[head_dim], **{f"fp8-emu{n}": n for n in exp2_emu})
-        row["tiles"] = {name: dict(fp8_tile=fp8.FP8_TILES[head_dim], exp2_emu=emus[name]) for name in calls}
+        quantized = quant.quantize(q, k, v)
+        calls = {"fp8": lambda: fp8_api.attention(*quantized, attn, v_transposed=True)}
+        row["tiles"] = {"fp8": dict(fp8_tile=fp8.FP8_TILES[head_dim])}
     else:
-        tiles = variants(head_dim, seqlen, causal, exp2_emu)
+        tiles = variants(head_dim, seqlen, causal)
         row["tiles"] = {name: dataclasses.asdict(cfg) for name, cfg in tiles.items()}
         calls = {name: lambda cfg=cfg: launch.forward(q, k, v, attn, config=cfg) for name, cfg in tiles.items()}
     runs = {}
@@ -175,18 +148,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dims", type=int, nargs="+", default=[64, 256], choices=[64, 128, 256, 192],
                         help="q/k head dims (192: values of 128)")
-    parser.add_argument("--exp2-emu", type=int, nargs="*", default=[],
-                        help="add the ws tile (--fp8: the FP8 forward) with one exp2 in every n on the FMA pipe")
     parser.add_argument("--fp8", action="store_true", help="the FP8 forward (head dims 64, 128, 256) instead")
     parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds a variant")
     args = parser.parse_args()
     rows = []
     for head_dim, seqlen, causal in itertools.product(args.dims, args.seqlens, (False, True)):
-        rows.append(one_shape(head_dim, seqlen, causal, args.rounds, tuple(args.exp2_emu), args.fp8))
+        rows.append(one_shape(head_dim, seqlen, causal, args.rounds, args.fp8))
         print(line(rows[-1]), flush=True)
         torch.cuda.empty_cache()
-    name = "gluon-ws-heads" + ("-fp8" if args.fp8 else "") + ("-exp2-emu" if args.exp2_emu else "")
+    name = "gluon-ws-heads" + ("-fp8" if args.fp8 else "")
     print(save_results(name, rows, " ".join(sys.argv), rounds=args.rounds))
 
 

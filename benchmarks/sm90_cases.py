@@ -32,26 +32,23 @@ def case(which: str, causal: bool, softcap: bool, window: bool = False, tiles: d
         return attn_bwd_dkdv_sm90, args, dict(common, STAGES=2, num_warps=4), dict(num_warps=4)
     if which == "fwd-ws":
         return _fwd_ws_case(causal, softcap, window)
-    # -emu<n>: one exp2 of P in every n on the FMA pipe (the forward's EXP2_EMU; 0 without).
-    emu = re.findall(r"-emu(\d+)", which)
-    emu = int(emu[0]) if emu else 0
     if which.startswith("fwd-ws-d"):
         # fwd-ws-d<head dim>[-n<keys a slot>][-s<slots>][-sink][-alibi]: launch._forward_sm90_ws's own arguments.
         dims, keys, slots = (re.findall(rf"-{c}(\d+)", which) for c in "dns")
         return _fwd_ws_launch_case(causal, softcap, window, int(dims[0]), int(keys[0]) if keys else 128,
-                                   int(slots[0]) if slots else 2, "-sink" in which, "-alibi" in which, emu)
+                                   int(slots[0]) if slots else 2, "-sink" in which, "-alibi" in which)
     if which.startswith("fwd-d"):
         # fwd-d<head dim>[-n<keys a block>][-s<slots>][-sink]: kernels/fwd_sm90.py through launch._forward_sm90.
         dims, keys, slots = (re.findall(rf"-{c}(\d+)", which) for c in "dns")
         return _fwd_ws_launch_case(causal, softcap, window, int(dims[0]), int(keys[0]) if keys else 64,
-                                   int(slots[0]) if slots else 2, "-sink" in which, "-alibi" in which, emu, "gluon")
+                                   int(slots[0]) if slots else 2, "-sink" in which, "-alibi" in which, "gluon")
     if which.startswith("fwd-fp8"):
         # fwd-fp8[-d64|-d256][-blocks][-varlen]: head dim (128 without), per-block Q/K descales, packed sequences.
         dims = re.findall(r"-d(\d+)", which)
         head_dim, blocks = int(dims[0]) if dims else 128, "-blocks" in which
         if which.endswith("-varlen"):
             return _fwd_fp8_varlen_case(causal, softcap, window, head_dim, blocks)
-        return _fwd_fp8_case(causal, softcap, window, head_dim, blocks, emu)
+        return _fwd_fp8_case(causal, softcap, window, head_dim, blocks)
     if which.startswith("quant"):
         # quant[-d64|-d256][-g<query heads a KV head>][-v][-varlen]: the FP8 quantizer's launch of q's and k's
         # rotation and cast with v's block amaxes (-v: its second, v's cast), head dim 128 and MHA without.
@@ -102,7 +99,7 @@ def _one_pass_case(causal: bool, softcap: bool, alibi: bool, varlen: bool, windo
         features = frozenset(present_features(args, d, dv))
         launch._backward_sm90_ws(q, k, v, dout, torch.empty(q.shape, dtype=torch.float32), k, v, lse, lse, args,
                                  features, None,
-                                 replace(launch.configs.one_pass_config(d, bool(tiles.get("keys96"))), **tiles))
+                                 replace(launch.configs.one_pass_config(d, bool(tiles.get("keys96")), features), **tiles))
     finally:
         setattr(launch, name, kernel)
     # The GPU's bf16 calls take the fast tanh (host.fast_tanh: CUDA tensors only).
@@ -146,15 +143,15 @@ def _fwd_ws_case(causal: bool, softcap: bool, window: bool, block_n: int = 64, s
                 seqlen_q=4096, seqlen_k=4096, group=1, nheads=16, num_tiles=1024)
     constexprs = dict(MASK_LEFT=window, MASK_RIGHT=causal, SOFTCAP=softcap, ALIBI=False, HAS_SINK=False,
                       FIXED_MAX=softcap, FOLD_SCALE=softcap, STAGES=stages, CONSUMER_REGS=240, TAIL=False,
-                      EXP2_EMU=0, num_warps=4)
+                      num_warps=4)
     return attn_fwd_sm90_ws, args, constexprs, dict(num_warps=4, maxnreg=168)
 
 
 def _fwd_ws_launch_case(causal: bool, softcap: bool, window: bool, head_dim: int, block_n: int, stages: int,
-                        sink: bool, alibi: bool = False, exp2_emu: int = 0, kernel_kind: str = "gluon-ws"):
+                        sink: bool, alibi: bool = False, kernel_kind: str = "gluon-ws"):
     """The warp-specialized forward launcher's own arguments (launch._forward_sm90_ws) for a 2 x 4096 bf16 call of
     16 query and 16 KV heads at ``head_dim`` (192: DeepSeek's 192/128, values of 128), the tile's ``stages`` slots of
-    ``block_n`` keys and its ``exp2_emu``, caught at its launch; ``kernel_kind`` "gluon": the one-warpgroup kernel's
+    ``block_n`` keys, caught at its launch; ``kernel_kind`` "gluon": the one-warpgroup kernel's
     (launch._forward_sm90, 64-row tiles)."""
     from flashtile.backends import AttnArgs, present_features
     from flashtile.backends.triton import configs
@@ -166,7 +163,7 @@ def _fwd_ws_launch_case(causal: bool, softcap: bool, window: bool, head_dim: int
                     window_right=0 if causal else -1, softcap=30.0 if softcap else 0.0,
                     sink=torch.empty(q.shape[2]) if sink else None,
                     alibi_slopes=torch.empty(2, q.shape[2]) if alibi else None)
-    cfg = configs.TileConfig(64, block_n, 4, stages, kernel=kernel_kind, exp2_emu=exp2_emu)
+    cfg = configs.TileConfig(64, block_n, 4, stages, kernel=kernel_kind)
     caught = {}
     name, launcher = ("_FWD_SM90_WS", launch._forward_sm90_ws) if kernel_kind == "gluon-ws" else ("_FWD_SM90",
                                                                                                    launch._forward_sm90)
@@ -184,7 +181,7 @@ def _fwd_ws_launch_case(causal: bool, softcap: bool, window: bool, head_dim: int
     return kernel.fn, caught, dict(constexprs, num_warps=options["num_warps"]), options
 
 
-def _fwd_fp8_case(causal: bool, softcap: bool, window: bool, head_dim: int, blocks: bool, exp2_emu: int = 0):
+def _fwd_fp8_case(causal: bool, softcap: bool, window: bool, head_dim: int, blocks: bool):
     from flashtile.backends.triton import fp8
     q, k, lse = _inputs(D=head_dim, dtype=torch.float8_e4m3fn)
     v_t = k.permute(0, 2, 3, 1).contiguous()
@@ -199,8 +196,7 @@ def _fwd_fp8_case(causal: bool, softcap: bool, window: bool, head_dim: int, bloc
     _, stages, two_level = fp8.FP8_TILES[head_dim]
     constexprs = dict(MASK_LEFT=window, MASK_RIGHT=causal, SOFTCAP=softcap, K_BLOCKS=blocks, TWO_LEVEL=two_level,
                       STAGES=stages,
-                      CONSUMER_REGS=fp8.CONSUMER_REGS, PINGPONG=fp8.FP8_PINGPONG[head_dim], EXP2_EMU=exp2_emu,
-                      num_warps=4)
+                      CONSUMER_REGS=fp8.CONSUMER_REGS, PINGPONG=fp8.FP8_PINGPONG[head_dim], num_warps=4)
     return fp8.attn_fwd_sm90_fp8, args, constexprs, dict(num_warps=4, maxnreg=fp8.MAXNREG)
 
 

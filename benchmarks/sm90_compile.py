@@ -30,8 +30,7 @@ Triton's wheel ships, so kernels can be checked for register pressure before a G
                                         # kernels/quant_fp8.py (Triton) through quant.quantize: its launch of q's
                                         # and k's rotation and cast (-v: v's cast); with an opcode histogram
 
-``window``: a left bound (the kernel's MASK_LEFT; the fused and forward kernels). ``-emu<n>`` on the ``fwd-ws-d*`` and
-``fwd-fp8`` cases: one exp2 of P in every n on the FMA pipe (the forward's EXP2_EMU), e.g. ``fwd-ws-d64-emu16``.
+``window``: a left bound (the kernel's MASK_LEFT; the fused and forward kernels).
 
 The one-pass kernel's spills quoted in BENCHMARKS.md and kernels/bwd_sm90_ws.py come from the partitions'
 STL/LDL counts here; ``loop_stl``/``loop_ldl``: those inside a partition's key loops (its innermost loops that hold

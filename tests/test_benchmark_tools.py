@@ -129,18 +129,6 @@ def test_sm90_case_of_the_wide_warp_specialized_forwards(monkeypatch, causal, so
     assert options == dict(num_warps=4, maxnreg=168)
 
 
-@pytest.mark.parametrize("which, exp2_emu", [("fwd-ws-d64", 0), ("fwd-ws-d64-emu8", 8), ("fwd-ws-d128-emu16", 16),
-                                             ("fwd-fp8", 0), ("fwd-fp8-emu4", 4)])
-def test_sm90_forward_cases_take_exp2_emu(monkeypatch, which, exp2_emu):
-    """``-emu<n>``: the warp-specialized forwards' EXP2_EMU (through the bf16 launcher's tile, or the FP8 case's
-    constexprs), 0 without."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    from sm90_cases import case
-
-    fn, _, constexprs, _ = case(which, False, False)
-    assert "EXP2_EMU" in fn.arg_names and constexprs["EXP2_EMU"] == exp2_emu
-
-
 @pytest.mark.parametrize("which, block_n, stages", [("fwd-d128", 64, 2), ("fwd-d64-n128-s1", 128, 1)])
 def test_sm90_one_warpgroup_forward_case(monkeypatch, which, block_n, stages):
     """``fwd-d<dim>[-n<keys>][-s<slots>]``: kernels/fwd_sm90.py's arguments caught at launch._forward_sm90's launch
@@ -188,8 +176,8 @@ def test_sm90_wide_case_takes_one_pass_knobs(monkeypatch):
 @pytest.mark.parametrize("head_dim, rows", [(64, 128), (128, 64)])
 def test_sm90_fused_case_takes_one_pass_knobs(monkeypatch, head_dim, rows):
     """``fused-d64``/``fused-d128``: kernels/bwd_sm90_ws.py through the launcher, its query steps (128 rows at 64),
-    the CTA's two 64-key halves and dQ's column halves; ``dq_first``/``dk_rs`` reach its constexprs (off by
-    default), ``dq_rows`` its dQ tile (half the rows at 64)."""
+    the CTA's two 64-key halves and dQ's halves (at 64 by rows: configs.ONE_PASS_DQ_ROWS; at 128 by columns);
+    ``dq_first``/``dk_rs`` reach its constexprs (off by default), ``dq_rows=0`` gives 64's dQ column halves."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     from sm90_cases import case
 
@@ -197,14 +185,14 @@ def test_sm90_fused_case_takes_one_pass_knobs(monkeypatch, head_dim, rows):
     assert fn.__name__ == "attn_bwd_sm90_ws" and set(args) | set(base) == set(fn.arg_names)
     tiles = {name: tuple(args[name].block_shape) for name in args if name.endswith("_desc")}
     assert tiles == {"q_desc": (1, rows, 1, head_dim), "k_desc": (1, 64, 1, head_dim), "v_desc": (1, 64, 1, head_dim),
-                     "do_desc": (1, rows, 1, head_dim), "dq_desc": (1, rows, 1, head_dim // 2)}
+                     "do_desc": (1, rows, 1, head_dim), "dq_desc": (1, 64, 1, 64)}
     assert (base["DQ_FIRST"], base["DK_RS"]) == (False, False) and options == dict(num_warps=4, maxnreg=168)
     _, _, knobs, _ = case(f"fused-d{head_dim}", True, False, tiles=dict(dq_first=1, dk_rs=1))
     assert (knobs["DQ_FIRST"], knobs["DK_RS"]) == (1, 1)
     if head_dim == 64:
-        # dq_rows: each consumer adds half of dQ's rows, all its columns.
-        _, split, _, _ = case("fused-d64", True, False, tiles=dict(dq_rows=1))
-        assert tuple(split["dq_desc"].block_shape) == (1, 64, 1, 64)
+        # Without dq_rows each consumer adds half of dQ's columns, all its rows.
+        _, split, _, _ = case("fused-d64", True, False, tiles=dict(dq_rows=0))
+        assert tuple(split["dq_desc"].block_shape) == (1, 128, 1, 32)
 
 
 def test_sm90_wide96_case_catches_the_launchers_arguments(monkeypatch):

@@ -251,12 +251,12 @@ WS_CASE_IDS = [f"{variant}-d{head_dim}" for variant, head_dim in WS_CASES]
 
 
 def variant_configs(monkeypatch, variant: str) -> None:
-    """Make every one-pass call at head dims 64 and 128 run with ``variant``'s knobs."""
+    """Make every one-pass call at head dims 64 and 128 run with ``variant``'s knobs (over the default's)."""
     from dataclasses import replace
 
     default = configs.one_pass_config
-    monkeypatch.setattr(configs, "one_pass_config",
-                        lambda head_dim, keys96=False: replace(default(head_dim, keys96), **WS_VARIANTS[variant]))
+    monkeypatch.setattr(configs, "one_pass_config", lambda head_dim, keys96=False, features=frozenset(): replace(
+        default(head_dim, keys96, features), **WS_VARIANTS[variant]))
 
 
 @pytest.mark.parametrize("variant, head_dim", WS_CASES, ids=WS_CASE_IDS)
@@ -378,8 +378,8 @@ def test_wide96_varlen(rng, monkeypatch, options, keys, seqused, nheads, nheads_
     from dataclasses import replace
 
     one_pass_config = configs.one_pass_config
-    monkeypatch.setattr(configs, "one_pass_config", lambda head_dim, keys96=False: replace(
-        one_pass_config(head_dim, keys96), **(dict(ds_bufs=ds_bufs) if keys96 else {})))
+    monkeypatch.setattr(configs, "one_pass_config", lambda head_dim, keys96=False, features=frozenset(): replace(
+        one_pass_config(head_dim, keys96, features), **(dict(ds_bufs=ds_bufs) if keys96 else {})))
     options = dict(options)
     if options.pop("sink", False):
         options["sink"] = torch.randn(nheads, generator=rng).to("cuda").requires_grad_()

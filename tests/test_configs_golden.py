@@ -39,8 +39,7 @@ FEATURES = (frozenset(), frozenset({"window"}), frozenset({"softcap"}), frozense
 def encode(value):
     """A JSON-able, order-stable form of a config function's result or a module value."""
     if isinstance(value, configs.TileConfig):
-        emu = f" exp2_emu{value.exp2_emu}" if value.exp2_emu else ""
-        return f"{value.BLOCK_M}x{value.BLOCK_N} w{value.num_warps} s{value.num_stages} {value.kernel}{emu}"
+        return f"{value.BLOCK_M}x{value.BLOCK_N} w{value.num_warps} s{value.num_stages} {value.kernel}"
     if isinstance(value, configs.BwdConfig):
         return {"dkdv": encode(value.dkdv), "dq": encode(value.dq)}
     if isinstance(value, (frozenset, set)):

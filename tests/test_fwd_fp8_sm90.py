@@ -173,21 +173,6 @@ def test_fp8_two_level_d128(rng, monkeypatch, seqlen, mode):
 
 
 @hopper
-@pytest.mark.parametrize("exp2_emu", [1, 4], ids=["emu1", "emu4"])
-@pytest.mark.parametrize("mode", ["full", "causal", "causal-softcap"])
-@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1000, 129), (1000, 1000), (4133, 4133)])
-def test_fp8_exp2_emulation_d128(rng, monkeypatch, exp2_emu, mode, seqlen_q, seqlen_k):
-    """One exp2 of P in every ``exp2_emu`` on the FMA pipe (fp8.FP8_EXP2_EMU; 1: all of them), P's 448 scale in its
-    argument (x up to log2 448): the same bounds as without; rows that see no key (1000 causal queries on 129 keys)
-    still come out 0 with lse -inf."""
-    monkeypatch.setitem(fp8.FP8_EXP2_EMU, 128, exp2_emu)
-    options = MODES[mode]
-    inputs, deq = fp8_inputs(rng, 2, seqlen_q, seqlen_k, 8, 2, 128)
-    out, lse = run(inputs, seqlen_q, **options)
-    check(out, lse, deq, **options)
-
-
-@hopper
 def test_fp8_broadcast_descales(rng):
     """Descales given as one value expanded over (batch, KV head) (strides 0), as FA3's callers pass them."""
     inputs, _ = fp8_inputs(rng, 2, 300, 300, 8, 2, 128)

@@ -17,8 +17,6 @@ hold NaN in every row past ``cu_seqlens[-1]`` and in the keys ``seqused_k`` leav
 values: a tile that reads them must hide them. KV caches (chunked prefill through ``flash_attn_with_kvcache``)
 hold infinities past each row's keys and before its left padding.
 """
-import dataclasses
-
 import pytest
 import torch
 
@@ -477,55 +475,6 @@ def test_warp_specialized_forward_at_head_dim_64_walks_many_tiles_per_cta(rng, m
     seqlen = WS_FLOORS[causal] + 65
     check_ws_d64(rng, ws_d64, 1, seqlen if causal else 777, seqlen, 6, 3, causal=causal,
                  **feature_options(rng, 6, sink=True))
-
-
-# The warp-specialized tiles of d=64 and d=128 (configs' names), each switched on with exp2_emu below.
-WS_TILES = {64: "_FWD_SM90_GLUON_WS_D64", 128: "_FWD_SM90_GLUON_WS"}
-# One exp2 of P in every n on the FMA pipe: 1 takes every one there (the polynomial alone), 4 mixes it with the
-# MUFU's within a thread's registers.
-EXP2_EMU = pytest.mark.parametrize("exp2_emu", [1, 4], ids=["emu1", "emu4"])
-
-
-def switch_on_exp2_emu(monkeypatch, head_dim: int, exp2_emu: int) -> tuple:
-    """The warp-specialized tile of ``head_dim`` (64 or 128) with ``exp2_emu``, switched on at the ws_rows floors;
-    returns it and its launches (:func:`spy_ws_launches`)."""
-    cfg = dataclasses.replace(getattr(configs, WS_TILES[head_dim]), exp2_emu=exp2_emu)
-    monkeypatch.setattr(configs, WS_TILES[head_dim], cfg)
-    if head_dim == 64:
-        monkeypatch.setattr(configs, "GLUON_WS_D64", cfg)
-    return cfg, spy_ws_launches(monkeypatch)
-
-
-@pytest.mark.usefixtures("ws_rows")
-@EXP2_EMU
-@pytest.mark.parametrize("head_dim", [64, 128], ids=["d64", "d128"])
-@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal", WS_SHAPES)
-def test_warp_specialized_forward_with_exp2_emulation(rng, monkeypatch, exp2_emu, head_dim, batch, seqlen_q,
-                                                      seqlen_k, nheads, nheads_kv, causal):
-    """A share of P's exp2s on the FMA pipe (TileConfig.exp2_emu): out, lse and the gradients against the reference
-    under the same rule as without; rows that see no key still come out 0 with lse -inf (exp2(-inf) exactly 0)."""
-    cfg, launched = switch_on_exp2_emu(monkeypatch, head_dim, exp2_emu)
-    ours = check(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, torch.bfloat16, WS, head_dims=(head_dim, head_dim),
-                 causal=causal)
-    assert launched == [(head_dim, cfg)], launched
-    assert_rows_see_none(ours, seqlen_q, seqlen_k, causal)
-
-
-@pytest.mark.usefixtures("ws_rows")
-@pytest.mark.parametrize("head_dim", [64, 128], ids=["d64", "d128"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dtype, softcap, alibi, sink", [
-    (torch.float16, False, False, False),
-    (torch.bfloat16, True, False, True),  # bf16 softcap 30: the row max held fixed (FIXED_MAX's exp2)
-    (torch.float16, True, False, False),  # a running max
-    (torch.bfloat16, False, True, False),  # ALiBi's linear blocks at 128 keys (their own exp2)
-], ids=["fp16", "softcap-fixed-max-sink", "softcap-fp16", "alibi"])
-def test_warp_specialized_forward_with_exp2_emulation_and_features(rng, monkeypatch, head_dim, causal, dtype, softcap,
-                                                                   alibi, sink):
-    cfg, launched = switch_on_exp2_emu(monkeypatch, head_dim, 4)
-    check(rng, 1, 1037, 1100, 4, 2, dtype, WS, head_dims=(head_dim, head_dim), causal=causal,
-          **feature_options(rng, 4, softcap, alibi, sink))
-    assert launched == [(head_dim, cfg)], launched
 
 
 def test_head_dim_64_keeps_the_triton_kernel_while_its_warp_specialized_row_is_off(rng, monkeypatch):

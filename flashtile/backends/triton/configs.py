@@ -20,16 +20,13 @@ class TileConfig:
     kernel: ``"triton"`` (kernels/fwd.py), ``"gluon"`` (the Hopper kernel in kernels/fwd_sm90.py),
     ``"gluon-slim"`` (that kernel with Q in shared memory and one key slot: see gluon_ring) or
     ``"gluon-ws"`` (the warp-specialized one in kernels/fwd_sm90_ws.py). ``heads``: KV heads a program of the
-    KV-cache kernel (kernels/decode.py ``HEADS``; 1 for every other kernel). ``exp2_emu``: the warp-specialized
-    forward computes one exp2 of P in every ``exp2_emu`` on the FMA pipe instead of the MUFU (its ``EXP2_EMU``;
-    0, every other kernel: none)."""
+    KV-cache kernel (kernels/decode.py ``HEADS``; 1 for every other kernel)."""
     BLOCK_M: int
     BLOCK_N: int
     num_warps: int
     num_stages: int
     kernel: str = "triton"
     heads: int = 1
-    exp2_emu: int = 0
 
 
 @dataclass(frozen=True)
@@ -296,21 +293,6 @@ GLUON_WS_FEATURES = frozenset({"sink", "softcap", "alibi"})
 # (S_j's 128 registers, P_{j-1}'s 64 in flight and O's 32 exceed 240). FA3's 192 keys are no power of two for Gluon.
 _FWD_SM90_GLUON_WS_D64 = TileConfig(64, 128, 4, 2, kernel="gluon-ws")
 GLUON_WS_D64 = _FWD_SM90_GLUON_WS_D64
-# exp2_emu (one exp2 of P in every n on the FMA pipe, kernels/common.exp2_split) is 0 in every warp-specialized row
-# until a GPU A/B sets it (benchmarks/gluon_ws_heads.py --dims 64 128 --exp2-emu 8 16 32). sm_90 ptxas, an unmasked
-# 128-key block of one consumer warp (its softmax path and the loop's common code; benchmarks/sm90_compile.py
-# fwd-ws-d64[-emu<n>], fwd-ws-d128[-emu<n>]; no spills in any key loop), instructions / MUFU.EX2 / FFMA (the loop
-# carrying its ring slot and the row sums kept per thread, wip-fwd-alu; 420 / 461 at n = 0 before):
-#   n     d64            d128
-#   0     407 / 66 / 68  445 / 66 / 68
-#   32    424 / 64 / 74
-#   16    440 / 62 / 80  478 / 62 / 80
-#   8     470 / 58 / 92  508 / 58 / 92
-#   2     662 / 34 / 164 702 / 34 / 164
-# An emulated exp2 costs 8 more issue slots and saves 8 cycles of the warp's MUFU time (16 ex2 a clock an SM). Two
-# consumer warps share a scheduler: at d64 a block's 2 x 407 issue cycles sit under 2 x 66 x 8 = 1056 of MUFU and
-# 1024 of tensor cores, so n = 16-32 moves the bound to the tensor cores (at most 3% by this count) and n <= 8 to
-# issue; at d128 the tensor cores (2048) bound it already.
 
 
 def ws_ctas(causal: bool, tiles: int, sms: int) -> int:
@@ -820,11 +802,26 @@ class OnePassConfig:
     dq_rows: bool = False
 
 
-def one_pass_config(head_dim: int, keys96: bool = False) -> OnePassConfig:
-    """The one-pass backward's knobs at this head dim (``keys96``: the 96-key variant's at 192/128)."""
+# ONE_PASS_DQ_ROWS: calls of 128-row steps (head dim 64, no softcap, not packed) split dQ by rows (dq_rows).
+# H200, bf16, the backward alone, 16384 tokens, 32 heads, d64, knob off / on, TFLOP/s, 3 interleaved rounds, each
+# variant's dQ, dK, dV compared with the default's first (benchmarks/bwd_ws.py knobs,
+# results/h200-bwd-one-pass-knobs-2026-11-28-cf3c2dd.json):
+#   rows                evidence
+#   16 x 1024  full     317 / 324 (1.02x)     causal 217 / 218
+#   4 x 4096   full     407 / 406             causal 357 / 356
+#   1 x 16384  full     440 / 448 (1.02x)     causal 429 / 443 (1.03x)
+# dq_first and dk_rs stay off (same run): at d64 dq_first 0.96-0.99x, dk_rs 0.98-1.00x; at d128 dk_rs 0.95-0.99x,
+# both 0.98-1.01x, dq_first 1.00-1.01x.
+ONE_PASS_DQ_ROWS = True
+
+
+def one_pass_config(head_dim: int, keys96: bool = False, features: frozenset = frozenset()) -> OnePassConfig:
+    """The one-pass backward's knobs at this head dim (``keys96``: the 96-key variant's at 192/128) for a call of
+    ``features`` (whose steps of 128 rows take ``dq_rows``: ONE_PASS_DQ_ROWS)."""
     if keys96:
         return OnePassConfig(2, ONE_PASS_96_CONSUMER_REGS, ONE_PASS_96_MAXNREG, keys96=True)
-    return OnePassConfig(one_pass_stages(head_dim))
+    return OnePassConfig(one_pass_stages(head_dim),
+                         dq_rows=ONE_PASS_DQ_ROWS and one_pass_rows(head_dim, features) == 128)
 
 
 def one_pass_96_takes(head_dim: int, head_dim_v: int, features: frozenset) -> bool:

@@ -54,15 +54,6 @@ FP8_TILES = {64: (128, 4, True), 128: (128, 4, False), 256: (64, 2, False)}
 # shapes, one round (results/h200-fp8-fwd-2026-11-27-02dd45f.json): turns on / off 0.96-1.06x (d128 16k full 829 /
 # 784 TF/s, d256 8k causal 752 / 785), 7 of 12 ahead; the kernel 1.01-1.07x 5d069c2's and 1.07-1.49x bf16.
 FP8_PINGPONG = {64: False, 128: True, 256: True}
-# By head dim: one exp2 of P in every n on the FMA pipe instead of the MUFU (kernels/fwd_sm90_ws.py EXP2_EMU; 0: none),
-# off until a GPU A/B weighs it (benchmarks/gluon_ws_heads.py --fp8 --dims 128 --exp2-emu 8 16 32). sm_90 ptxas, d128,
-# an unmasked block of one consumer warp (benchmarks/sm90_compile.py fwd-fp8[-emu<n>]; no spills), instructions /
-# MUFU.EX2 / FFMA: n=0 501 / 66 / 68, 16: 534 / 62 / 80, 8: 566 / 58 / 92, 2: 758 / 34 / 164 (n=0 517 before the
-# loop carried its ring slot and kept its row sums per thread). 64 of the 501 turn P's accumulator layout into the
-# e4m3 operand's (16 SHFL.IDX, 16 SEL, 32 PRMT): see docs/design.md. Each emulated exp2
-# takes 8 issue slots more and 8 MUFU cycles less: with the issue (2 warps x 501) level with the MUFU (2 x 528) and the
-# tensor cores (1024 a block), it can pay only where the MUFU's latency, not its rate, holds the softmax back.
-FP8_EXP2_EMU = {64: 0, 128: 0, 256: 0}
 QUERY_ROWS = 64
 # The consumers' registers after ``setmaxnreg`` and the cap the kernel is compiled under, as for the bf16
 # warp-specialized forward (launch._WS_CONSUMER_REGS): 2 x 4 warps at 240 and the producer warp at 24.
@@ -222,12 +213,11 @@ def forward_fp8_sm90(q, k, v_t, q_descale, k_descale, v_descale, out, lse, args:
                     nheads=nheads, num_tiles=tiles, MASK_LEFT=args.window_left >= 0, MASK_RIGHT=causal,
                     SOFTCAP=args.softcap > 0, K_BLOCKS=k_descale.dim() == 3, TWO_LEVEL=two_level, STAGES=stages,
                     CONSUMER_REGS=CONSUMER_REGS, PINGPONG=FP8_PINGPONG[head_dim], IS_VARLEN=varlen,
-                    HAS_SEQUSED=args.seqused_k is not None, EXP2_EMU=FP8_EXP2_EMU[head_dim], num_warps=4,
-                    maxnreg=MAXNREG)
+                    HAS_SEQUSED=args.seqused_k is not None, num_warps=4, maxnreg=MAXNREG)
 
     key = (tuple((t.shape, t.stride()) for t in (q, k, v_t, q_descale, k_descale, v_descale, out, lse)), q.device,
            args.window_left, args.window_right, args.softcap > 0, ctas, FP8_TILES[head_dim], FP8_PINGPONG[head_dim],
-           FP8_EXP2_EMU[head_dim], varlen, args.seqused_k is not None, batch, seqlen_q, seqlen_k)
+           varlen, args.seqused_k is not None, batch, seqlen_q, seqlen_k)
     with on_device(q):
         _FWD_FP8(key, (ctas, ), dict(**descriptors(q, k, v_t, head_dim), O=out, LSE=lse, Q_DESCALE=q_descale,
                                      K_DESCALE=k_descale, V_DESCALE=v_descale, qk_scale=qk_scale,

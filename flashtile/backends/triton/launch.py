@@ -393,7 +393,7 @@ def _forward_sm90_ws(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, featu
                     num_tiles=tiles, MASK_LEFT=args.window_left >= 0, MASK_RIGHT=causal, SOFTCAP=args.softcap > 0,
                     ALIBI=alibi is not None, HAS_SINK=args.sink is not None, FIXED_MAX=row_max is not None,
                     FOLD_SCALE=fold, STAGES=cfg.num_stages, CONSUMER_REGS=_WS_CONSUMER_REGS,
-                    TAIL=q_tail is not None, EXP2_EMU=cfg.exp2_emu, num_warps=cfg.num_warps, maxnreg=_WS_MAXNREG)
+                    TAIL=q_tail is not None, num_warps=cfg.num_warps, maxnreg=_WS_MAXNREG)
 
     q_desc, k_desc, q_tail, k_tail = _qk_descs(q, k, cfg)
     key = (_layout_key(q, k, v, out, lse), q.device, _args_key(args), cfg, ctas, row_max is not None, fold)
@@ -520,7 +520,8 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
         raise ValueError(f"one_pass: this call (head dims {head_dim}/{head_dim_v}, {q.dtype}, batch {batch}, "
                          f"{nheads_kv} KV heads, {seqlen_k} keys, features {sorted(features)}) does not take the "
                          f"one-pass backward, got one_pass={one_pass}")
-    tiles = one_pass or configs.one_pass_config(head_dim, configs.one_pass_keys96(head_dim, head_dim_v, features))
+    tiles = one_pass or configs.one_pass_config(head_dim, configs.one_pass_keys96(head_dim, head_dim_v, features),
+                                                features)
     one_pass, cfg, splits, alongside = plan.one_pass, plan.cfg, kv_splits or plan.parts, plan.alongside
     dq_acc = (dq_out if own_sum else empty(q.shape, torch.float32, q.device)) if one_pass else None
     # Split key blocks store float32 partial sums: one partial head per (KV head, part).

@@ -10,8 +10,6 @@ on the window's edges and the sequence boundary.
 Scores are kept in log2 units (``qk_scale = softmax_scale * log2(e)``) so the softmax can use
 ``exp2``; every additive term (ALiBi slope, bias, sink) is scaled by ``log2(e)`` to match.
 """
-import struct
-
 import triton
 import triton.language as tl
 
@@ -409,24 +407,23 @@ def scores(qk, offs_q, offs_k, key0, seqlen_q, seqlen_k, qk_scale, softcap2, slo
 
 
 @triton.jit
-def softmax_step(qk, s, m_i, qk_scale, MODIFIED: tl.constexpr, P_LOG2: tl.constexpr = 0.0,
-                 EXP2_EMU: tl.constexpr = 0):
+def softmax_step(qk, s, m_i, qk_scale, MODIFIED: tl.constexpr, P_LOG2: tl.constexpr = 0.0):
     """One key block of the online softmax: ``(p, alpha, m_new)``, the block's probabilities under the
     new running row max and the factor that rescales what was accumulated under the old one.
 
     With ``MODIFIED`` ``s`` holds the finished log2 scores (masked pairs ``-inf``); otherwise the
     scores are ``qk * qk_scale``, scaled here inside the max and the exp2 (one FMA per element).
     ``P_LOG2``: p comes out times ``2**P_LOG2`` (an FP8 operand's range) from the row term the exp2 subtracts
-    anyway, so the scale costs no multiply an element. ``EXP2_EMU``: p's exp2 through :func:`exp2_split`."""
+    anyway, so the scale costs no multiply an element."""
     if MODIFIED:
         m_ij = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no key yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN.
         m_ij_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-        p = exp2_split(s - shift_max(m_ij_safe, P_LOG2)[:, None], EXP2_EMU)
+        p = tl.math.exp2(s - shift_max(m_ij_safe, P_LOG2)[:, None])
         alpha = tl.math.exp2(m_i - m_ij_safe)
     else:
         m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = exp2_split(qk * qk_scale - shift_max(m_ij, P_LOG2)[:, None], EXP2_EMU)
+        p = tl.math.exp2(qk * qk_scale - shift_max(m_ij, P_LOG2)[:, None])
         alpha = tl.math.exp2(m_i - m_ij)
     return p, alpha, m_ij
 
@@ -438,83 +435,6 @@ def shift_max(m, P_LOG2: tl.constexpr):
         return m - P_LOG2
     else:
         return m
-
-
-# exp2 on the FMA pipe (FlashAttention-4's trick): 2^x = 2^k * 2^f, k = round(x), f = x - k in [-1/2, 1/2], 2^f by a
-# cubic. The MUFU takes 16 ex2 a clock an SM, the FMA pipe 128 instructions: at head dim 64 (FP8: 128) the exp2s
-# alone take as long as the matmuls, and a share of them computed on the FMA pipe (9 instructions each) shortens that.
-# EXP2_C1..C3: 2^f ~ 1 + f (C1 + f (C2 + f C3)), a minimax fit of the relative error on [-1/2, 1/2] with the constant
-# held at 1 (integers come out exact: a row's max gives 1, as ex2 does); at most 1.02e-4 in float32 arithmetic,
-# against the 2^-9 of P's rounding to bf16 (2^-11 fp16).
-EXP2_C1 = tl.constexpr(0.6932829022407532)
-EXP2_C2 = tl.constexpr(0.2422109991312027)
-EXP2_C3 = tl.constexpr(0.05500893294811249)
-# x + 1.5 * 2^23 rounds x (|x| < 2^22) to the integer k and holds k in the sum's low mantissa bits.
-ROUND_MAGIC = tl.constexpr(12582912.0)
-# Inputs are clamped here: -inf and anything below give k = -127, whose 2^k has all exponent bits zero, so exactly 0.
-EXP2_MIN = tl.constexpr(-127.0)
-
-
-@triton.jit
-def exp2_poly(x):
-    """exp2 of float32 ``x`` on the FMA pipe, in Triton ops: the steps of :func:`exp2_split`'s PTX (which the
-    kernels run; this one runs in the interpreter and checks the math). NaN stays NaN; results below 2^-126 may
-    come out subnormal here where the PTX flushes them to 0."""
-    x = tl.maximum(x, EXP2_MIN, propagate_nan=tl.PropagateNan.ALL)
-    t = x + ROUND_MAGIC
-    f = x - (t - ROUND_MAGIC)
-    p = tl.fma(tl.fma(tl.fma(f, EXP2_C3, EXP2_C2), f, EXP2_C1), f, 1.0)
-    # k << 23 puts k in the exponent field (the sum's high bits shift out); adding 127 << 23 makes 2^k a float.
-    scale = ((t.to(tl.int32, bitcast=True) << 23) + 0x3F800000).to(tl.float32, bitcast=True)
-    return p * scale
-
-
-def _ptx_float(value: float) -> str:
-    """A float32 immediate in PTX's hex form."""
-    return "0f%08X" % struct.unpack("<I", struct.pack("<f", value))[0]
-
-
-# exp2_poly's steps in PTX on scoped registers, around the input operand (exp2_split_asm puts it between the two):
-# the clamp, the rounding sum t, f = x - k, the cubic, 2^k from t's bits, and the product (flushing subnormals).
-_EXP2_POLY_HEAD = tl.constexpr("{\n.reg .b32 x, t, f, p, s;\nmax.ftz.NaN.f32 x, ")
-_EXP2_POLY_TAIL = tl.constexpr("\n".join([
-    f", {_ptx_float(EXP2_MIN.value)};",
-    f"add.rn.f32 t, x, {_ptx_float(ROUND_MAGIC.value)};",
-    f"sub.rn.f32 f, t, {_ptx_float(ROUND_MAGIC.value)};",
-    "sub.rn.f32 f, x, f;",
-    f"fma.rn.f32 p, f, {_ptx_float(EXP2_C3.value)}, {_ptx_float(EXP2_C2.value)};",
-    f"fma.rn.f32 p, p, f, {_ptx_float(EXP2_C1.value)};",
-    "fma.rn.f32 p, p, f, 0f3F800000;",
-    "shl.b32 s, t, 23;",
-    "add.s32 s, s, 0x3F800000;",
-    "mul.rn.ftz.f32 $0, p, s;",
-    "}"]))
-
-
-@triton.constexpr_function
-def exp2_split_asm(n):
-    """PTX of one :func:`exp2_split` call on ``n`` float32 values (``$0..`` out, ``$n..`` in): the first through
-    :func:`exp2_poly`'s steps, the others through the MUFU (``ex2.approx.ftz``)."""
-    mufu = "".join(f"\nex2.approx.ftz.f32 ${i}, ${n + i};" for i in range(1, n))
-    return _EXP2_POLY_HEAD.value + f"${n}" + _EXP2_POLY_TAIL.value + mufu
-
-
-@triton.constexpr_function
-def exp2_split_constraints(n):
-    """The inline asm's constraints for ``n`` float32 outputs and inputs."""
-    return ",".join(["=f"] * n + ["f"] * n)
-
-
-@triton.jit
-def exp2_split(x, EXP2_EMU: tl.constexpr):
-    """exp2 of float32 ``x``, with ``EXP2_EMU`` = n > 0 one element in every n of a thread's registers on the FMA pipe
-    (:func:`exp2_poly`) and the others on the MUFU; 0: ``tl.math.exp2``. The asm takes n adjacent registers of the
-    thread as they are, whatever the layout: no data moves between threads."""
-    if EXP2_EMU == 0:
-        return tl.math.exp2(x)
-    else:
-        return tl.inline_asm_elementwise(exp2_split_asm(EXP2_EMU), exp2_split_constraints(EXP2_EMU), [x],
-                                         dtype=tl.float32, is_pure=True, pack=EXP2_EMU)
 
 
 @triton.jit

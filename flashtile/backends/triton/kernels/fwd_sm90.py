@@ -33,7 +33,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .common import LOG2E, cache_sequence, exp2_split, kv_range, scores, sequence, shift_max, softmax_step
+from .common import LOG2E, cache_sequence, kv_range, scores, sequence, shift_max, softmax_step
 
 LN2 = gl.constexpr(0.6931471805599453)
 
@@ -108,13 +108,11 @@ def _scale_tile(tile, scale, num_warps: gl.constexpr):
 @gluon.jit
 def _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n, start_n, masked, seqlen_q, seqlen_k, qk_scale, softcap2,
                    slope2, window_left, window_right, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, FIXED_MAX: gl.constexpr, P_LOG2: gl.constexpr = 0.0,
-                   EXP2_EMU: gl.constexpr = 0):
+                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, FIXED_MAX: gl.constexpr, P_LOG2: gl.constexpr = 0.0):
     """The online softmax of key block ``start_n``: ``(p, alpha, m_new, l_new)``, ``l_i`` and ``l_new`` the row
     sums in :func:`_row_parts`' parts; ``masked`` (uniform
     across the program) says whether the block straddles a window edge or the sequence end. ``P_LOG2``
-    (without ALiBi): p, and so l, come out times ``2**P_LOG2`` (see softmax_step). ``EXP2_EMU``: a share of p's
-    exp2s on the FMA pipe (common.exp2_split).
+    (without ALiBi): p, and so l, come out times ``2**P_LOG2`` (see softmax_step).
 
     ``FIXED_MAX``: softcap bounds the scores (``|s| <= softcap2``), so every row keeps the launcher's
     fixed max ``m_i`` (``fixed_row_max``): no max, no rescale."""
@@ -133,18 +131,18 @@ def _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n, start_n, masked, seq
         linear = left or (start_n >= first_row + BLOCK_M - 1 + diag)
     if linear and not masked:
         p, alpha, m_new = _alibi_linear_step(qk, m_i, offs_m, start_n, seqlen_q, seqlen_k, qk_scale, slope2,
-                                             left, window_left, window_right, False, MASK_LEFT, MASK_RIGHT, EXP2_EMU)
+                                             left, window_left, window_right, False, MASK_LEFT, MASK_RIGHT)
     elif linear:
         p, alpha, m_new = _alibi_linear_step(qk, m_i, offs_m, start_n, seqlen_q, seqlen_k, qk_scale, slope2,
-                                             left, window_left, window_right, True, MASK_LEFT, MASK_RIGHT, EXP2_EMU)
+                                             left, window_left, window_right, True, MASK_LEFT, MASK_RIGHT)
     elif masked or LINEAR:
         s, _ = scores(qk, offs_m[:, None], offs_n[None, :], start_n, seqlen_q, seqlen_k, qk_scale, softcap2, slope2,
                       0, 0, 0, window_left, window_right, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, True, ALIBI, "")
-        p, alpha, m_new = _softmax_step(qk, s, m_i, qk_scale, True, FIXED_MAX, P_LOG2, EXP2_EMU)
+        p, alpha, m_new = _softmax_step(qk, s, m_i, qk_scale, True, FIXED_MAX, P_LOG2)
     else:
         s, _ = scores(qk, offs_m[:, None], offs_n[None, :], start_n, seqlen_q, seqlen_k, qk_scale, softcap2, slope2,
                       0, 0, 0, window_left, window_right, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, True, ALIBI, "")
-        p, alpha, m_new = _softmax_step(qk, s, m_i, qk_scale, SOFTCAP or ALIBI, FIXED_MAX, P_LOG2, EXP2_EMU)
+        p, alpha, m_new = _softmax_step(qk, s, m_i, qk_scale, SOFTCAP or ALIBI, FIXED_MAX, P_LOG2)
     return p, alpha, m_new, l_i * gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout),
                                                     assert_trivial=True)[:, None] + _row_parts(p, l_i.shape[1])
 
@@ -180,8 +178,7 @@ def row_parts_start(l_i, s_zero, PARTS: gl.constexpr):
 
 @gluon.jit
 def _alibi_linear_step(qk, m_i, offs_m, start_n, seqlen_q, seqlen_k, qk_scale, slope2, left, window_left,
-                       window_right, MASK: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-                       EXP2_EMU: gl.constexpr = 0):
+                       window_right, MASK: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
     """The online softmax of an ALiBi block whose visible keys all lie left (``left``) or right of their
     rows' diagonal keys; ``MASK``: the block straddles a window edge or the sequence end.
 
@@ -202,9 +199,9 @@ def _alibi_linear_step(qk, m_i, offs_m, start_n, seqlen_q, seqlen_k, qk_scale, s
         # exp2(0) = 1, which bf16 holds exactly (under the bound it is rounded like the others).
         keep = _visible(qk, offs_m, start_n, seqlen_q, seqlen_k, window_left, window_right, MASK_LEFT, MASK_RIGHT)
         s = gl.where(keep, s_raw * qk_scale + lane_term + b[:, None], float("-inf"))
-        return softmax_step(qk, s, m_i, qk_scale, True, 0.0, EXP2_EMU)
+        return softmax_step(qk, s, m_i, qk_scale, True)
     m_new = gl.maximum(m_i, gl.max(s_raw, 1) * qk_scale + b + gl.maximum(6.0 * ss, 0.0))
-    p = exp2_split(s_raw * qk_scale + (lane_term + (b - m_new)[:, None]), EXP2_EMU)
+    p = gl.exp2(s_raw * qk_scale + (lane_term + (b - m_new)[:, None]))
     return p, gl.exp2(m_i - m_new), m_new
 
 
@@ -280,14 +277,14 @@ def store_rows(acc, m_i, l_i, offs_m, O, LSE, off_b, off_h, first_row, q_start, 
 
 @gluon.jit
 def _softmax_step(qk, s, m_i, qk_scale, MODIFIED: gl.constexpr, FIXED_MAX: gl.constexpr,
-                  P_LOG2: gl.constexpr = 0.0, EXP2_EMU: gl.constexpr = 0):
+                  P_LOG2: gl.constexpr = 0.0):
     """``softmax_step``, or with ``FIXED_MAX`` the probabilities against the row max ``m_i`` held fixed."""
     if FIXED_MAX:
-        p = exp2_split(s - shift_max(m_i, P_LOG2)[:, None], EXP2_EMU)
+        p = gl.exp2(s - shift_max(m_i, P_LOG2)[:, None])
         alpha = gl.full_like(m_i, 1.0)
         m_new = m_i
     else:
-        p, alpha, m_new = softmax_step(qk, s, m_i, qk_scale, MODIFIED, P_LOG2, EXP2_EMU)
+        p, alpha, m_new = softmax_step(qk, s, m_i, qk_scale, MODIFIED, P_LOG2)
     return p, alpha, m_new
 
 

@@ -37,7 +37,7 @@ def attn_fwd_sm90_fp8(q_desc, k_desc, vt_desc, O, LSE, Q_DESCALE, K_DESCALE, V_D
                       SEQUSED_K, ERR, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                       K_BLOCKS: gl.constexpr, TWO_LEVEL: gl.constexpr, STAGES: gl.constexpr,
                       CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr,
-                      HAS_SEQUSED: gl.constexpr, EXP2_EMU: gl.constexpr, num_warps: gl.constexpr):
+                      HAS_SEQUSED: gl.constexpr, num_warps: gl.constexpr):
     """``q_desc``/``k_desc``: TMA descriptors of the FP8 ``(batch, seqlen, heads, headdim)`` inputs with
     ``[1, 64, 1, HEAD_DIM]`` (one consumer's rows) and ``[1, BLOCK_N, 1, HEAD_DIM]`` tiles; ``vt_desc``: of
     V^T ``(batch, heads_kv, headdim, seqlen_k)`` with ``[1, 1, HEAD_DIM, BLOCK_N]`` tiles. ``O``: bf16
@@ -52,8 +52,7 @@ def attn_fwd_sm90_fp8(q_desc, k_desc, vt_desc, O, LSE, Q_DESCALE, K_DESCALE, V_D
     tokens, heads, d)`` (``stride_ob`` 0), LSE ``(heads, tokens)`` (``stride_lse_b`` 0); sequence b's rows from
     ``CU_SEQLENS_Q``/``CU_SEQLENS_K`` (int32, batch + 1) and its used keys from ``SEQUSED_K`` (``HAS_SEQUSED``),
     ``seqlen_q``/``seqlen_k`` the longest, ``batch`` the sequences, descales per sequence with blocks counted from
-    its start; bad offsets are clamped into the tensors and noted in ``ERR`` (flashtile/device_errors.py).
-    ``EXP2_EMU``: n > 0 takes one exp2 of P in every n on the FMA pipe (common.exp2_split)."""
+    its start; bad offsets are clamped into the tensors and noted in ``ERR`` (flashtile/device_errors.py)."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
     gl.static_assert(vt_desc.block_type.shape[2] == HEAD_DIM, "V^T tiles are [1, 1, HEAD_DIM, BLOCK_N]")
@@ -67,4 +66,4 @@ def attn_fwd_sm90_fp8(q_desc, k_desc, vt_desc, O, LSE, Q_DESCALE, K_DESCALE, V_D
                    window_right, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k,
                    group, nheads, num_tiles, descales, (CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K, ERR), (None, None),
                    MASK_LEFT, MASK_RIGHT, SOFTCAP, False, False, False, False, STAGES, CONSUMER_REGS, True, K_BLOCKS,
-                   TWO_LEVEL, PINGPONG, IS_VARLEN, HAS_SEQUSED, False, EXP2_EMU, num_warps)
+                   TWO_LEVEL, PINGPONG, IS_VARLEN, HAS_SEQUSED, False, num_warps)

@@ -281,8 +281,7 @@ def _pv_done(acc, pv, alpha_pv, TWO_LEVEL: gl.constexpr, FIXED_MAX: gl.constexpr
 def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
               ALIBI: gl.constexpr, HAS_SINK: gl.constexpr, FIXED_MAX: gl.constexpr, FOLD_SCALE: gl.constexpr,
               STAGES: gl.constexpr, FP8: gl.constexpr, K_BLOCKS: gl.constexpr, TWO_LEVEL: gl.constexpr,
-              PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr, TAIL: gl.constexpr,
-              EXP2_EMU: gl.constexpr):
+              PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr, TAIL: gl.constexpr):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, O,
      LSE, SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, row_max, window_left, window_right, stride_ob,
      stride_om, stride_oh, stride_lse_b, stride_lse_h, max_seqlen_q, max_seqlen_k, nheads, group, num_tiles, descales,
@@ -355,7 +354,7 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
                 p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n + jb * BLOCK_N, start_n,
                                                     (start_n < full_lo) | (start_n >= full_hi), seqlen_q, seqlen_k,
                                                     block_scale, softcap2, slope2, window_left, window_right,
-                                                    MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX, P_SHIFT, EXP2_EMU)
+                                                    MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX, P_SHIFT)
                 # The factor that moves O to the max of the block whose P V joins it next (TWO_LEVEL; O is 0 here).
                 alpha_pv = alpha
                 for j in range(jb + 1, je):
@@ -382,7 +381,7 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
                                                         start_n, (start_n < full_lo) | (start_n >= full_hi), seqlen_q,
                                                         seqlen_k, block_scale, softcap2, slope2, window_left,
                                                         window_right, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
-                                                        FIXED_MAX, P_SHIFT, EXP2_EMU)
+                                                        FIXED_MAX, P_SHIFT)
                     acc = _pv_done(acc, pv, alpha_pv, TWO_LEVEL, FIXED_MAX)
                     mbarrier.arrive(v_empty.index(prev), count=1)
                     if TWO_LEVEL:
@@ -507,15 +506,13 @@ def attn_fwd_sm90_ws(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, S
                      stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group, nheads, num_tiles,
                      MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                      HAS_SINK: gl.constexpr, FIXED_MAX: gl.constexpr, FOLD_SCALE: gl.constexpr, STAGES: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr, TAIL: gl.constexpr, EXP2_EMU: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     CONSUMER_REGS: gl.constexpr, TAIL: gl.constexpr, num_warps: gl.constexpr):
     """``q_desc``/``k_desc``/``v_desc``: TMA descriptors of the ``(batch, seqlen, heads, headdim)`` inputs with
     ``[1, 64, 1, HEAD_DIM]`` (Q: one consumer's rows), ``[1, BLOCK_N, 1, HEAD_DIM]`` and ``[1, BLOCK_N, 1,
     HEAD_DIM_V]`` tiles, HEAD_DIM 64, 128 or 256 (v's alike); with ``TAIL`` q and k of head dim 192 come in two
     parts, as fwd_sm90 reads them: ``q_desc``/``k_desc`` their first 128 columns, ``q_tail_desc``/``k_tail_desc``
     the last 64 (None without ``TAIL``), and v has 128. ``num_tiles``: batch x heads x 128-row query blocks,
-    walked by ``grid`` CTAs. ``EXP2_EMU``: n > 0 takes one exp2 of P in every n on the FMA pipe
-    (common.exp2_split), 0 none."""
+    walked by ``grid`` CTAs."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM_V: gl.constexpr = v_desc.block_type.shape[3]
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM_V], v_desc.layout)
@@ -525,7 +522,7 @@ def attn_fwd_sm90_ws(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, S
                    row_max, window_left, window_right, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h,
                    seqlen_q, seqlen_k, group, nheads, num_tiles, descales, (O, O, O, O), (q_tail_desc, k_tail_desc),
                    MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_SINK, FIXED_MAX, FOLD_SCALE, STAGES, CONSUMER_REGS, False,
-                   False, False, False, False, False, TAIL, EXP2_EMU, num_warps)
+                   False, False, False, False, False, TAIL, num_warps)
 
 
 @gluon.jit
@@ -536,15 +533,14 @@ def run_partitions(q_desc, k_desc, v_desc, v_smem, O, LSE, SINK, ALIBI_SLOPES, s
                    FIXED_MAX: gl.constexpr, FOLD_SCALE: gl.constexpr, STAGES: gl.constexpr,
                    CONSUMER_REGS: gl.constexpr, FP8: gl.constexpr, K_BLOCKS: gl.constexpr, TWO_LEVEL: gl.constexpr,
                    PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr, TAIL: gl.constexpr,
-                   EXP2_EMU: gl.constexpr, num_warps: gl.constexpr):
+                   num_warps: gl.constexpr):
     """The CTA's shared memory, barriers and partitions, around the V ring ``v_smem`` the kernel allocated
     (its layout is the kernel's: V's rows, or with ``FP8`` V^T's). ``K_BLOCKS``, ``TWO_LEVEL``: FP8's per-block K
     descales and block-wise float32 sum of O (:func:`_block_scale`, :func:`_pv_mma`); ``PINGPONG``: the consumers
     take turns issuing their matmuls (:func:`_take_turn`). ``IS_VARLEN`` (FP8 only; 16-bit packed sequences run
     fwd_sm90.py): ``seqs`` holds ``(CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K, ERR)``, ``seqlen_q``/``seqlen_k`` are the
     longest lengths and ``off_b`` of a tile a sequence (:func:`_tile_sequence`). ``TAIL``: ``tail_descs`` holds the
-    descriptors of q's and k's last columns (192 = 128 + 64), which get rings of their own beside Q's and K's.
-    ``EXP2_EMU``: the consumers take one exp2 of P in every ``EXP2_EMU`` on the FMA pipe (0: none)."""
+    descriptors of q's and k's last columns (192 = 128 + 64), which get rings of their own beside Q's and K's."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
@@ -598,10 +594,8 @@ def run_partitions(q_desc, k_desc, v_desc, v_smem, O, LSE, SINK, ALIBI_SLOPES, s
             stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, group, num_tiles,
             descales, seqs, v_landed, tails)
     gl.warp_specialize([(_consumer, (args, 0, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_SINK, FIXED_MAX, FOLD_SCALE,
-                                     STAGES, FP8, K_BLOCKS, TWO_LEVEL, PINGPONG, IS_VARLEN, HAS_SEQUSED, TAIL,
-                                     EXP2_EMU)),
+                                     STAGES, FP8, K_BLOCKS, TWO_LEVEL, PINGPONG, IS_VARLEN, HAS_SEQUSED, TAIL)),
                         (_consumer, (args, 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_SINK, FIXED_MAX, FOLD_SCALE,
-                                     STAGES, FP8, K_BLOCKS, TWO_LEVEL, PINGPONG, IS_VARLEN, HAS_SEQUSED, TAIL,
-                                     EXP2_EMU)),
+                                     STAGES, FP8, K_BLOCKS, TWO_LEVEL, PINGPONG, IS_VARLEN, HAS_SEQUSED, TAIL)),
                         (_producer, (args, MASK_LEFT, MASK_RIGHT, STAGES, FP8, IS_VARLEN, HAS_SEQUSED, TAIL))],
                        [4, 1], [CONSUMER_REGS, 24])

@@ -321,6 +321,17 @@ def test_quantizer_division_is_correctly_rounded(rng):
         torch.testing.assert_close(out, expected, rtol=2.0 ** -23, atol=0)
 
 
+def test_twin_descale_is_correctly_rounded(rng):
+    """The twin's ``amax / 448`` is IEEE division on every device, as the kernel's (quant_fp8._descale_of): the
+    quotient rounded once from float64 (exact for float32 operands). A CUDA tensor divided by a Python number is
+    multiplied by the rounded reciprocal instead, one ulp off for some amaxes; on bf16 inputs whose amax makes
+    448 / amax a power of two every quotient sits on the e4m3 grid's ties, and that ulp moved them."""
+    amax = torch.cat([torch.randn(4096, generator=rng).abs() * 100, torch.tensor([13.125, 14.0, 7.0, 0.0])])
+    amax = amax.to(torch.bfloat16).float().to(DEVICE)
+    expected = torch.where(amax > 0, (amax.double() / 448).float(), torch.ones_like(amax))
+    assert torch.equal(torch_fp8.descale_of(amax), expected)
+
+
 def test_quantize_saturates_and_scales(rng):
     """amax maps to 448 (e4m3's largest value); an all-zero block gets descale 1, never a division by 0."""
     x = torch.randn(1, 200, 2, 64, generator=rng)

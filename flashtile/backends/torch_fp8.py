@@ -82,8 +82,10 @@ def to_fp8(x: torch.Tensor) -> torch.Tensor:
 
 
 def descale_of(amax: torch.Tensor) -> torch.Tensor:
-    """``amax / 448``, 1 where ``amax`` is 0 (an all-zero block: no division by 0)."""
-    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    """``amax / 448`` correctly rounded, as the quantize kernel's, 1 where ``amax`` is 0 (an all-zero block: no
+    division by 0). The divisor is a tensor: CUDA tensors divided by a Python number are multiplied by its rounded
+    reciprocal, one ulp off for some amaxes, which moves quotients that sit on e4m3 rounding ties."""
+    return torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
 
 
 def _blocks(seqlen: int) -> int:

@@ -122,7 +122,7 @@ def _block_scale(DESCALE, amax, MODE: tl.constexpr):
 
 @triton.jit
 def _descale_of(amax):
-    """``amax / 448`` correctly rounded (torch's division), 1 for an all-zero block."""
+    """``amax / 448`` correctly rounded (IEEE division, as the twin's descale_of), 1 for an all-zero block."""
     return tl.where(amax > 0.0, tl.math.div_rn(amax, FP8_MAX), 1.0)
 
 

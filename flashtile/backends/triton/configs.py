@@ -20,13 +20,16 @@ class TileConfig:
     kernel: ``"triton"`` (kernels/fwd.py), ``"gluon"`` (the Hopper kernel in kernels/fwd_sm90.py),
     ``"gluon-slim"`` (that kernel with Q in shared memory and one key slot: see gluon_ring) or
     ``"gluon-ws"`` (the warp-specialized one in kernels/fwd_sm90_ws.py). ``heads``: KV heads a program of the
-    KV-cache kernel (kernels/decode.py ``HEADS``; 1 for every other kernel)."""
+    KV-cache kernel (kernels/decode.py ``HEADS``; 1 for every other kernel). ``consumers``: the warp-specialized
+    forward's consumer warpgroups of BLOCK_M rows each, 2 or 3 (its ``CONSUMERS``: a CTA's tile is consumers x
+    BLOCK_M rows; 2 for every other kernel, which ignores it)."""
     BLOCK_M: int
     BLOCK_N: int
     num_warps: int
     num_stages: int
     kernel: str = "triton"
     heads: int = 1
+    consumers: int = 2
 
 
 @dataclass(frozen=True)

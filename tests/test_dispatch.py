@@ -260,6 +260,30 @@ def test_head_dim_64_takes_the_warp_specialized_forward_once_switched_on(monkeyp
         configs._FWD_SM90_GLUON
 
 
+@pytest.mark.parametrize("seqlen_k, causal, features, tile", [
+    (4096, False, (), "_FWD_SM90_GLUON_WS_D64_C3"), (8192, True, ("sink",), "_FWD_SM90_GLUON_WS_D64_C3"),
+    (4096, False, ("softcap",), "_FWD_SM90_GLUON_WS_D64_C3"), (4096, False, ("alibi",), "_FWD_SM90_GLUON_WS_D64"),
+    (8192, True, ("alibi", "sink"), "_FWD_SM90_GLUON_WS_D64"), (4095, False, (), None), (8192, True, ("window",), None),
+])
+def test_head_dim_64_three_consumers_once_switched_on(monkeypatch, seqlen_k, causal, features, tile):
+    """GLUON_WS_D64 set to the three-consumer tile (off in the table): it takes the rows the two-consumer tile takes,
+    but ALiBi, whose linear bias spills in three consumers' 160 registers, keeps two consumers."""
+    from flashtile.backends.triton import configs
+    monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(configs, "GLUON_WS_D64", configs._FWD_SM90_GLUON_WS_D64_C3)
+    window = (100, 0) if "window" in features else (-1, 0 if causal else -1)
+    cfg = configs.gluon_fwd_config(64, 64, torch.bfloat16, torch.device("cuda", 0), 1 << 22, seqlen_k, *window,
+                                   frozenset(features), 30.0 if "softcap" in features else 0.0)
+    assert cfg == (getattr(configs, tile) if tile else None)
+    assert configs._FWD_SM90_GLUON_WS_D64_C3.consumers == 3 and configs._FWD_SM90_GLUON_WS_D64.consumers == 2
+
+
+def test_head_dim_64_three_consumers_are_off_in_the_table():
+    """No dispatch row runs three consumers until a GPU A/B says so."""
+    from flashtile.backends.triton import configs
+    assert configs.GLUON_WS_D64 is configs._FWD_SM90_GLUON_WS_D64 and configs.GLUON_WS_D64.consumers == 2
+
+
 @pytest.mark.parametrize("switch", [False, True])
 @pytest.mark.parametrize("seqlen_k, window, features, takes_ws", [
     (4096, (-1, -1), (), True), (4100, (-1, -1), ("sink",), True), (16384, (-1, -1), ("softcap",), True),

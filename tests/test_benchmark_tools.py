@@ -147,7 +147,8 @@ def test_sm90_case_of_the_d64_warp_specialized_forward(monkeypatch, which, block
     assert args["num_tiles"] == -(-4096 // (64 * consumers)) * 16 * 2
     assert constexprs["CONSUMERS"] == consumers and constexprs["CONSUMER_REGS"] == regs[0]
     assert options == dict(num_warps=4, maxnreg=regs[1])
-    assert tuple(args["q_desc"].block_shape) == (1, 64, 1, 64) and tuple(args["k_desc"].block_shape) == (1, block_n, 1, 64)
+    assert tuple(args["q_desc"].block_shape) == (1, 64, 1, 64)
+    assert tuple(args["k_desc"].block_shape) == (1, block_n, 1, 64)
     assert constexprs["MASK_RIGHT"] == causal and constexprs["HAS_SINK"] == which.endswith("-sink")
 
 

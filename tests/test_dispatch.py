@@ -310,18 +310,19 @@ def test_d256_takes_the_warp_specialized_tile_only_when_switched_on(monkeypatch,
 
 @pytest.mark.parametrize("tile, head_dim, head_dim_v, q_buffers", [
     ("_FWD_SM90_GLUON_WS", 128, 128, 2), ("_FWD_SM90_GLUON_WS_D256", 256, 256, 1),
-    ("_FWD_SM90_GLUON_WS_D192", 192, 128, 1),
+    ("_FWD_SM90_GLUON_WS_D192", 192, 128, 1), ("_FWD_SM90_GLUON_WS_D64", 64, 64, 2),
+    ("_FWD_SM90_GLUON_WS_D64_C3", 64, 64, 2),  # three consumers: buffers of 192 rows
 ])
 def test_ws_tiles_fit_shared_memory(tile, head_dim, head_dim_v, q_buffers):
-    """The warp-specialized forward's 16-bit plans: Q buffers of 128 rows (two, or one where two would not fit beside
-    the K and V rings: fwd_sm90_ws.q_buffers) and the rings, within the CTA's 227 KB."""
+    """The warp-specialized forward's 16-bit plans: Q buffers of every consumer's 64 rows (two, or one where two would
+    not fit beside the K and V rings: fwd_sm90_ws.q_buffers) and the rings, within the CTA's 227 KB."""
     from flashtile.backends.triton import configs
     from flashtile.backends.triton.kernels import fwd_sm90_ws
     cfg = getattr(configs, tile)
     ring = cfg.num_stages * cfg.BLOCK_N * (head_dim + head_dim_v) * 2
-    buffers = fwd_sm90_ws.q_buffers(cfg.BLOCK_M, head_dim, 16, ring)
+    buffers = fwd_sm90_ws.q_buffers(cfg.BLOCK_M, head_dim, 16, ring, cfg.consumers)
     assert buffers == q_buffers
-    assert buffers * 2 * cfg.BLOCK_M * head_dim * 2 + ring + 1024 <= 227 * 1024
+    assert buffers * cfg.consumers * cfg.BLOCK_M * head_dim * 2 + ring + 1024 <= 227 * 1024
 
 
 @pytest.mark.parametrize("switch", [False, True], ids=["off", "on"])

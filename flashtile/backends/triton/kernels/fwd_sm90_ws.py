@@ -26,6 +26,13 @@ full rows or causal (the masks are fwd_sm90's, windows included, but the dispatc
 tiles); softcap (``FIXED_MAX``, ``FOLD_SCALE``: as in fwd_sm90, each consumer folds the scale into its own Q rows),
 ALiBi and a sink; no packed sequences or KV cache (the launcher takes fwd_sm90 for those).
 
+``CONSUMERS`` = 3 (16-bit; configs.TileConfig.consumers, FlashAttention-3's 192-row tiles at head dim 64) adds
+consumer 2, rows 128..191: tiles of 192 rows, each K/V slot read by three consumers before its refill (``empty``
+counts 3), so a third less K/V traffic and ring bookkeeping a row. Four warpgroups share 64K registers: the
+consumers take 160 (consumer 0, the one the kernel starts as, 168) and the producer 24. S_j (64 registers at 128
+keys), P_{j-1} in flight and O (32 each at head dim 64) then fill a consumer, so P is made the 16-bit operand as its
+softmax ends (``P_AT_SOFTMAX``), not carried in float32 until its PV product.
+
 ``FP8`` (kernels/fwd_sm90_fp8.py's entry) runs the same partitions on float8_e4m3fn Q, K and V^T: the scores
 take the descales (:func:`_tile_scales`, :func:`_block_scale`), P enters the PV wgmma as e4m3 scaled by
 448 (``P_LOG2``: from the exp2, no multiply), V^T's slots are read K-major (:func:`_v_operand`), and O may be summed in

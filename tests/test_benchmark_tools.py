@@ -133,6 +133,7 @@ def test_sm90_case_of_the_wide_warp_specialized_forwards(monkeypatch, causal, so
     ("fwd-ws-d64", 128, 2, (240, 168)),
     ("fwd-ws-d64-c3", 128, 3, (160, 128)),  # 16 warps (the producer's padded to a warpgroup) of 128 registers
     ("fwd-ws-d64-c3-n64-sink", 64, 3, (160, 128)),
+    ("fwd-ws-d64-c3-pp", 128, 3, (160, 128)),
 ])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_sm90_case_of_the_d64_warp_specialized_forward(monkeypatch, which, block_n, consumers, regs, causal):
@@ -150,6 +151,7 @@ def test_sm90_case_of_the_d64_warp_specialized_forward(monkeypatch, which, block
     assert tuple(args["q_desc"].block_shape) == (1, 64, 1, 64)
     assert tuple(args["k_desc"].block_shape) == (1, block_n, 1, 64)
     assert constexprs["MASK_RIGHT"] == causal and constexprs["HAS_SINK"] == which.endswith("-sink")
+    assert constexprs["PINGPONG"] == which.endswith("-pp")
 
 
 def test_warp_specialized_forward_refuses_other_consumer_counts(monkeypatch):
@@ -333,11 +335,11 @@ def test_gluon_ws_heads_times_three_consumers_at_head_dim_64(monkeypatch):
 
     monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
     tiles = gluon_ws_heads.variants(64, 16384, False)
-    assert list(tiles) == ["triton", "ws", "ws-s4", "ws-c3", "ws-c3-n64"]
+    assert list(tiles) == ["triton", "ws", "ws-s4", "ws-c3", "ws-c3-n64", "ws-c3-pp"]
     assert tiles["triton"].kernel == "triton" and tiles["ws"] == configs._FWD_SM90_GLUON_WS_D64
     assert tiles["ws-c3"] == configs._FWD_SM90_GLUON_WS_D64_C3
-    assert [(t.BLOCK_N, t.num_stages, t.consumers) for t in tiles.values()][1:] == [(128, 2, 2), (128, 4, 2),
-                                                                                  (128, 2, 3), (64, 2, 3)]
+    assert [(t.BLOCK_N, t.num_stages, t.consumers, t.pingpong) for t in tiles.values()][1:] == [
+        (128, 2, 2, False), (128, 4, 2, False), (128, 2, 3, False), (64, 2, 3, False), (128, 2, 3, True)]
 
 
 @pytest.mark.parametrize("which, head_dim, group, qk_mode, v_mode", [

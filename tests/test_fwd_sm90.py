@@ -482,11 +482,13 @@ def test_warp_specialized_forward_at_head_dim_64_walks_many_tiles_per_cta(rng, m
                  **feature_options(rng, 6, sink=True))
 
 
-# Three consumer warpgroups (configs._FWD_SM90_GLUON_WS_D64_C3, off in the table): CTAs of 192 rows, and the same
-# with 64-key slots. 1037 rows end 77 rows into a tile (consumer 1 holds 13, consumer 2 none), 1100 end 140 in
+# Three consumer warpgroups (configs._FWD_SM90_GLUON_WS_D64_C3, off in the table): CTAs of 192 rows, the same with
+# 64-key slots, and with the consumers taking turns at the tensor cores (pingpong: 0, 1, 2, 0, ... at every ring
+# position, read or not). 1037 rows end 77 rows into a tile (consumer 1 holds 13, consumer 2 none), 1100 end 140 in
 # (consumer 2 holds 12).
 C3_TILES = {"c3": configs._FWD_SM90_GLUON_WS_D64_C3,
-            "c3-n64": dataclasses.replace(configs._FWD_SM90_GLUON_WS_D64_C3, BLOCK_N=64)}
+            "c3-n64": dataclasses.replace(configs._FWD_SM90_GLUON_WS_D64_C3, BLOCK_N=64),
+            "c3-pp": dataclasses.replace(configs._FWD_SM90_GLUON_WS_D64_C3, pingpong=True)}
 
 
 @pytest.fixture(params=list(C3_TILES))

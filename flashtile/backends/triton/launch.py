@@ -398,7 +398,8 @@ def _forward_sm90_ws(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, featu
                     num_tiles=tiles, MASK_LEFT=args.window_left >= 0, MASK_RIGHT=causal, SOFTCAP=args.softcap > 0,
                     ALIBI=alibi is not None, HAS_SINK=args.sink is not None, FIXED_MAX=row_max is not None,
                     FOLD_SCALE=fold, STAGES=cfg.num_stages, CONSUMER_REGS=consumer_regs,
-                    TAIL=q_tail is not None, CONSUMERS=cfg.consumers, num_warps=cfg.num_warps, maxnreg=maxnreg)
+                    TAIL=q_tail is not None, CONSUMERS=cfg.consumers, PINGPONG=cfg.pingpong, num_warps=cfg.num_warps,
+                    maxnreg=maxnreg)
 
     q_desc, k_desc, q_tail, k_tail = _qk_descs(q, k, cfg)
     key = (_layout_key(q, k, v, out, lse), q.device, _args_key(args), cfg, ctas, row_max is not None, fold)

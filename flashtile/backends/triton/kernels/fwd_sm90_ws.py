@@ -45,7 +45,9 @@ softmax then runs under the other's matmuls instead of both softmaxes leaving th
 at FP8's doubled matmul rate the softmax takes about as long as a consumer's two matmuls, so that overlap,
 not either one alone, sets the time a key block. P is converted to the operand before the turn is taken, so
 the turn is held only while the wgmmas are issued. Both consumers take a turn at every ring position of the
-tile, read or released unread, so their counts of turns stay equal.
+tile, read or released unread, so their counts of turns stay equal. Three 16-bit consumers (the 16-bit entry's
+``PINGPONG``, TileConfig.pingpong) pass the turn round: 0, 1, 2, 0, ... (FlashAttention-3 orders its three
+warpgroups so at head dim 64).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -172,23 +174,24 @@ def _next_slot(s, ph, STAGES: gl.constexpr):
 
 @gluon.jit
 def _take_turn(turn, c, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """With ``PINGPONG``, wait for consumer ``WG``'s turn at ring position ``c``: the other consumer has issued
-    its matmuls of position ``c - 1`` (consumer 0) or ``c`` (consumer 1). ``turn.index(w)``'s phase ``c``
-    completes when consumer ``w`` may go at ``c`` (consumer 1 completes consumer 0's phase 0 at the start)."""
+    """With ``PINGPONG``, wait for consumer ``WG``'s turn at ring position ``c``: the consumer before it has issued
+    its matmuls of position ``c - 1`` (consumer 0, after the last consumer) or ``c`` (the others).
+    ``turn.index(w)``'s phase ``c`` completes when consumer ``w`` may go at ``c`` (the last consumer completes
+    consumer 0's phase 0 at the start)."""
     if PINGPONG:
         mbarrier.wait(turn.index(WG), c & 1)
 
 
 @gluon.jit
-def _pass_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """With ``PINGPONG``, hand the tensor cores to the other consumer (its next turn)."""
+def _pass_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr):
+    """With ``PINGPONG``, hand the tensor cores to the next of ``CONSUMERS`` consumers (its next turn)."""
     if PINGPONG:
-        mbarrier.arrive(turn.index(1 - WG), count=1)
+        mbarrier.arrive(turn.index((WG + 1) % CONSUMERS), count=1)
 
 
 @gluon.jit
 def _release_unread(k_ready, k_empty, v_ready, v_empty, turn, c, STAGES: gl.constexpr, WG: gl.constexpr,
-                    PINGPONG: gl.constexpr):
+                    PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr):
     """Release ring position ``c`` without reading it: wait until it has landed (its slot's earlier use is
     over), then count this consumer's release of K and V; its turn is taken and passed on unused."""
     s, ph = _slot(c, STAGES)
@@ -197,7 +200,7 @@ def _release_unread(k_ready, k_empty, v_ready, v_empty, turn, c, STAGES: gl.cons
     mbarrier.wait(v_ready.index(s), ph)
     mbarrier.arrive(v_empty.index(s), count=1)
     _take_turn(turn, c, WG, PINGPONG)
-    _pass_turn(turn, WG, PINGPONG)
+    _pass_turn(turn, WG, PINGPONG, CONSUMERS)
 
 
 @gluon.jit
@@ -314,7 +317,7 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
     # product is issued).
     P_AT_SOFTMAX: gl.constexpr = CONSUMERS == 3
     num_m = gl.cdiv(max_seqlen_q, CONSUMERS * BLOCK_M)
-    if PINGPONG and WG == 1:
+    if PINGPONG and WG == CONSUMERS - 1:
         # Consumer 0 takes the first turn.
         mbarrier.arrive(turn.index(0), count=1)
     base = 0
@@ -329,7 +332,8 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
                                                                  window_right, BLOCK_M, BLOCK_N, MASK_LEFT,
                                                                  MASK_RIGHT, CONSUMERS)
             for j in range(0, jb):
-                _release_unread(k_ready, k_empty, v_ready, v_empty, turn, base + j, STAGES, WG, PINGPONG)
+                _release_unread(k_ready, k_empty, v_ready, v_empty, turn, base + j, STAGES, WG, PINGPONG,
+                                CONSUMERS)
 
             offs_m = first_row + gl.arange(0, BLOCK_M, layout=rows_s)
             offs_n = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -361,7 +365,7 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
                 mbarrier.wait(k_ready.index(s), ph)
                 _take_turn(turn, base + jb, WG, PINGPONG)
                 qk = _scores_mma(q, q_tail, k_smem, k_tail_smem, s, s_zero, TAIL)
-                _pass_turn(turn, WG, PINGPONG)
+                _pass_turn(turn, WG, PINGPONG, CONSUMERS)
                 qk = warpgroup_mma_wait(0, deps=(qk, ))
                 mbarrier.arrive(k_empty.index(s), count=1)
                 p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n + jb * BLOCK_N, start_n,
@@ -379,7 +383,7 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
                     block_scale = _block_scale(score_scale, descales, off_b, off_hk, start_n, K_BLOCKS)
                     # S_j = Q K_j^T and O += P_{j-1} V_{j-1} both go to the tensor cores (with PINGPONG P is made
                     # the operand before the turn is taken, so the turn is held only while they are issued)...
-                    p = _p_operand(p, p_layout, dtype, PINGPONG)
+                    p = _p_operand(p, p_layout, dtype, PINGPONG and not P_AT_SOFTMAX)
                     mbarrier.wait(k_ready.index(s), ph)
                     _take_turn(turn, base + j, WG, PINGPONG)
                     qk = _scores_mma(q, q_tail, k_smem, k_tail_smem, s, s_zero, TAIL)
@@ -387,7 +391,7 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
                     acc, pv = _pv_mma(_p_operand(p, p_layout, dtype, not (PINGPONG or P_AT_SOFTMAX)),
                                       _v_operand(v_smem, prev, FP8),
                                       acc, pv_zero, TWO_LEVEL)
-                    _pass_turn(turn, WG, PINGPONG)
+                    _pass_turn(turn, WG, PINGPONG, CONSUMERS)
                     # ...S_j is waited for alone (wgmma groups retire in order), and K_j's slot released.
                     qk = warpgroup_mma_wait(1, deps=(qk, ))
                     mbarrier.arrive(k_empty.index(s), count=1)
@@ -424,7 +428,8 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
                 # loop's branch cost FP8 d256 4% at 16k).
                 mbarrier.arrive(q_empty.index(qb), count=1)
             for j in range(je, n):
-                _release_unread(k_ready, k_empty, v_ready, v_empty, turn, base + j, STAGES, WG, PINGPONG)
+                _release_unread(k_ready, k_empty, v_ready, v_empty, turn, base + j, STAGES, WG, PINGPONG,
+                                CONSUMERS)
             base += n
             i += 1
 
@@ -524,13 +529,14 @@ def attn_fwd_sm90_ws(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, S
                      MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                      HAS_SINK: gl.constexpr, FIXED_MAX: gl.constexpr, FOLD_SCALE: gl.constexpr, STAGES: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr, TAIL: gl.constexpr, CONSUMERS: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     PINGPONG: gl.constexpr, num_warps: gl.constexpr):
     """``q_desc``/``k_desc``/``v_desc``: TMA descriptors of the ``(batch, seqlen, heads, headdim)`` inputs with
     ``[1, 64, 1, HEAD_DIM]`` (Q: one consumer's rows), ``[1, BLOCK_N, 1, HEAD_DIM]`` and ``[1, BLOCK_N, 1,
     HEAD_DIM_V]`` tiles, HEAD_DIM 64, 128 or 256 (v's alike); with ``TAIL`` q and k of head dim 192 come in two
     parts, as fwd_sm90 reads them: ``q_desc``/``k_desc`` their first 128 columns, ``q_tail_desc``/``k_tail_desc``
-    the last 64 (None without ``TAIL``), and v has 128. ``CONSUMERS``: 2 or 3 consumer warpgroups of 64 rows;
-    ``num_tiles``: batch x heads x query blocks of ``CONSUMERS x 64`` rows, walked by ``grid`` CTAs."""
+    the last 64 (None without ``TAIL``), and v has 128. ``CONSUMERS``: 2 or 3 consumer warpgroups of 64 rows
+    (``PINGPONG``: taking turns at the tensor cores); ``num_tiles``: batch x heads x query blocks of ``CONSUMERS x 64``
+    rows, walked by ``grid`` CTAs."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM_V: gl.constexpr = v_desc.block_type.shape[3]
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM_V], v_desc.layout)
@@ -540,7 +546,7 @@ def attn_fwd_sm90_ws(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, S
                    row_max, window_left, window_right, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h,
                    seqlen_q, seqlen_k, group, nheads, num_tiles, descales, (O, O, O, O), (q_tail_desc, k_tail_desc),
                    MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_SINK, FIXED_MAX, FOLD_SCALE, STAGES, CONSUMER_REGS, False,
-                   False, False, False, False, False, TAIL, CONSUMERS, num_warps)
+                   False, False, PINGPONG, False, False, TAIL, CONSUMERS, num_warps)
 
 
 @gluon.jit
@@ -559,7 +565,7 @@ def run_partitions(q_desc, k_desc, v_desc, v_smem, O, LSE, SINK, ALIBI_SLOPES, s
     fwd_sm90.py): ``seqs`` holds ``(CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K, ERR)``, ``seqlen_q``/``seqlen_k`` are the
     longest lengths and ``off_b`` of a tile a sequence (:func:`_tile_sequence`). ``TAIL``: ``tail_descs`` holds the
     descriptors of q's and k's last columns (192 = 128 + 64), which get rings of their own beside Q's and K's.
-    ``CONSUMERS``: 2 or 3 consumer warpgroups (3: 16-bit, no ``PINGPONG``)."""
+    ``CONSUMERS``: 2 or 3 consumer warpgroups (3: 16-bit)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
@@ -571,8 +577,8 @@ def run_partitions(q_desc, k_desc, v_desc, v_smem, O, LSE, SINK, ALIBI_SLOPES, s
     gl.static_assert(not (FP8 and FOLD_SCALE), "FP8 Q cannot take the scale: it is applied to the scores")
     gl.static_assert(FP8 or not IS_VARLEN, "the keys past a packed sequence are zeroed in V^T's layout (FP8's)")
     gl.static_assert(CONSUMERS == 2 or CONSUMERS == 3, "two or three consumer warpgroups")
-    # FP8's Q descales come a DESCALE_BLOCK (two consumers' rows) at a time; the turns pass between two.
-    gl.static_assert(CONSUMERS == 2 or not (FP8 or PINGPONG), "three consumers: 16-bit, no PINGPONG")
+    # FP8's Q descales come a DESCALE_BLOCK (two consumers' rows) at a time.
+    gl.static_assert(CONSUMERS == 2 or not FP8, "three consumers: 16-bit")
     # One or two Q buffers (this tile's and the next's) of every consumer's rows, and the K ring (V's is
     # given, with as many slots).
     Q_BUFFERS: gl.constexpr = q_buffers(BLOCK_M, HEAD_DIM + TAIL_DIM, dtype.primitive_bitwidth,
@@ -594,7 +600,7 @@ def run_partitions(q_desc, k_desc, v_desc, v_smem, O, LSE, SINK, ALIBI_SLOPES, s
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     # A packed sequence's last V^T block lands here first, for the producer to zero the keys past the sequence.
     v_landed = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for b in gl.static_range(CONSUMERS * Q_BUFFERS):
@@ -608,7 +614,7 @@ def run_partitions(q_desc, k_desc, v_desc, v_smem, O, LSE, SINK, ALIBI_SLOPES, s
         mbarrier.init(k_empty.index(b), count=CONSUMERS)
         mbarrier.init(v_empty.index(b), count=CONSUMERS)
     if PINGPONG:
-        for w in gl.static_range(2):
+        for w in gl.static_range(CONSUMERS):
             mbarrier.init(turn.index(w), count=1)
     if IS_VARLEN:
         mbarrier.init(v_landed, count=1)

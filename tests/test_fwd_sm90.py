@@ -501,12 +501,12 @@ def ws_d64_c3(request, monkeypatch) -> tuple:
 
 
 @pytest.mark.usefixtures("ws_rows")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal", WS_SHAPES + [
     pytest.param(1, 300, 4100, 2, 2, False, id="partial-block"),  # a partial last key block
     pytest.param(2, 1100, 1100, 4, 2, True, id="causal-1100"),  # consumer 2's last 12 rows
     pytest.param(1, 1100, 1037, 4, 4, True, id="causal-1100-rows-see-none"),  # the first 63 rows see no key
 ])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_three_consumers_at_head_dim_64(rng, ws_d64_c3, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal):
     """Awkward lengths on three consumers of 64 rows (its floors lowered): out, lse and the gradients against the
     reference, and rows before the first key 0 with lse -inf."""
@@ -539,16 +539,17 @@ def test_three_consumers_leave_alibi_to_two(rng, ws_d64_c3, causal):
 
 
 @pytest.mark.parametrize("tile", [configs._FWD_SM90_GLUON_WS_D64, *C3_TILES.values()], ids=["c2", *C3_TILES])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("seqlens, options", [
-    ((1037, 1300), dict(window_size=(300, 0))),  # a left edge per consumer: each skips the blocks left of its rows
-    ((1100, 1000), dict(window_size=(257, 33))),  # two-sided, fewer keys
-    ((900, 1100), dict(window_size=(700, -1))),  # a left bound alone
-    ((1100, 1100), dict(causal=True, alibi=True)),
-    ((1037, 1300), dict(alibi=True, sink=True)),
-    ((1100, 1000), dict(window_size=(300, 0), softcap=True, sink=True)),
-], ids=["window", "two-sided-window", "left-window", "causal-alibi", "full-alibi-sink", "window-softcap-sink"])
-def test_three_consumers_run_what_the_dispatcher_keeps_from_them(rng, monkeypatch, tile, dtype, seqlens, options):
+@pytest.mark.parametrize("seqlens, options, dtype", [
+    # A left edge per consumer: each skips the blocks left of its rows.
+    ((1037, 1300), dict(window_size=(300, 0)), torch.bfloat16),
+    ((1100, 1000), dict(window_size=(257, 33)), torch.float16),  # two-sided, fewer keys
+    ((900, 1100), dict(window_size=(700, -1)), torch.bfloat16),  # a left bound alone
+    ((1100, 1100), dict(causal=True, alibi=True), torch.bfloat16),
+    ((1037, 1300), dict(alibi=True, sink=True), torch.float16),
+    ((1100, 1000), dict(window_size=(300, 0), softcap=True, sink=True), torch.bfloat16),
+], ids=["window", "two-sided-window-fp16", "left-window", "causal-alibi", "full-alibi-sink-fp16",
+        "window-softcap-sink"])
+def test_three_consumers_run_what_the_dispatcher_keeps_from_them(rng, monkeypatch, tile, seqlens, options, dtype):
     """Windows and ALiBi never reach the three-consumer tile through the dispatcher, but the kernel takes them (each
     consumer's block range from its own rows, the linear ALiBi bias): through launch.forward's config, out and lse
     against the reference; two consumers (c2) alike, the control."""

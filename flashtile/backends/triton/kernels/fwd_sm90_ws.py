@@ -389,8 +389,7 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
                     qk = _scores_mma(q, q_tail, k_smem, k_tail_smem, s, s_zero, TAIL)
                     mbarrier.wait(v_ready.index(prev), ph_prev)
                     acc, pv = _pv_mma(_p_operand(p, p_layout, dtype, not (PINGPONG or P_AT_SOFTMAX)),
-                                      _v_operand(v_smem, prev, FP8),
-                                      acc, pv_zero, TWO_LEVEL)
+                                      _v_operand(v_smem, prev, FP8), acc, pv_zero, TWO_LEVEL)
                     _pass_turn(turn, WG, PINGPONG, CONSUMERS)
                     # ...S_j is waited for alone (wgmma groups retire in order), and K_j's slot released.
                     qk = warpgroup_mma_wait(1, deps=(qk, ))

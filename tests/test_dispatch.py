@@ -1,5 +1,6 @@
 """The backend registry: explain() reports, strict mode, disabled backends, profiler names and
 per-kernel counts. CPU-only rules are skipped on a GPU machine and the other way round."""
+import dataclasses
 import functools
 import math
 import warnings
@@ -374,6 +375,25 @@ def test_d192_warp_specialized_forward_is_named(monkeypatch, switch, causal):
     expected = "gluon-sm90-ws d=192 {} headdim_v BM=64 BN=128" if switch else "gluon-sm90 d=192 {} headdim_v BM=64 BN=64"
     assert name == f"flashtile.fwd[{expected.format(mask)}]", name
     assert tiles["fwd"]["kernel"] == ("gluon-ws" if switch else "gluon")
+
+
+@pytest.mark.parametrize("tile, named", [("_FWD_SM90_GLUON_WS_D64", ""), ("_FWD_SM90_GLUON_WS_D64_C3", " consumers=3")])
+def test_d64_warp_specialized_forward_names_its_consumers(monkeypatch, tile, named):
+    """describe() names three consumer warpgroups (and their turns) where GLUON_WS_D64 runs them, so a profile of the
+    switched-on row tells them from the two-consumer tile."""
+    from flashtile.backends import AttentionCall
+    from flashtile.backends import triton as triton_backend
+    from flashtile.backends.triton import configs
+    monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)
+    monkeypatch.setattr(configs, "GLUON_WS_D64", getattr(configs, tile))
+    call = AttentionCall(torch.device("cuda", 0), torch.bfloat16, 1, 16384, 16384, 32, 32, 64, True, (),
+                         window=(-1, 0))
+    name, _, tiles = triton_backend.describe(call)
+    assert name == f"flashtile.fwd[gluon-sm90-ws d=64 causal{named} BM=64 BN=128]", name
+    assert tiles["fwd"]["consumers"] == getattr(configs, tile).consumers
+    monkeypatch.setattr(configs, "GLUON_WS_D64", dataclasses.replace(getattr(configs, tile), pingpong=True))
+    assert triton_backend.describe(call)[0] == f"flashtile.fwd[gluon-sm90-ws d=64 causal{named} pingpong BM=64 BN=128]"
 
 
 def test_small_calls_keep_the_triton_kernel_for_its_cheaper_launch(monkeypatch):

@@ -309,11 +309,11 @@ GLUON_WS_D64 = _FWD_SM90_GLUON_WS_D64
 #   2 consumers   0/0 98.7 KB 407  0/0 408          -                -                -        -
 #   3 consumers   1/0 115.1 KB 405 6/0 411-442      0/0 358-389      11/3 368-395     2/0      135/11 858-894
 # (two Q buffers of 3 x 64 rows and two slots; 3 consumers carry P_{j-1} as the bf16 operand, kernels/fwd_sm90_ws.py's
-# P_AT_SOFTMAX; 24 HGMMAs a consumer a block either way); 64-key slots (ws-c3-n64): 0 spills in every case, ALiBi
-# and windows too, 82.3 KB, 254 SASS a 64-key block; turns at the tensor cores (ws-c3-pp, pingpong=True: 0, 1, 2, 0, ..., FA3's scheduler barrier at
-# three warpgroups; two bf16 consumers' turns measured 0.97-1.04x, docs/design.md): 0 loop spills, 413-450. At d=128
-# three consumers spill 54-58 stores a key loop (O's 64 registers beside S's 64 and P's 32 fill 160; 229.8 KB):
-# FlashAttention-3 keeps 128 rows there too.
+# P_AT_SOFTMAX; 24 HGMMAs a consumer a block either way). 64-key slots (ws-c3-n64): 0 spills in every case, ALiBi and
+# windows too, 82.3 KB, 254 SASS a 64-key block. Turns at the tensor cores (ws-c3-pp, pingpong=True: 0, 1, 2, 0, ...,
+# FA3's scheduler barrier at three warpgroups; two bf16 consumers' turns measured 0.97-1.04x, docs/design.md): 0 loop
+# spills, 413-450. At d=128 three consumers spill 54-58 stores a key loop (O's 64 registers beside S's 64 and P's 32
+# fill 160; 229.8 KB): FlashAttention-3 keeps 128 rows there too.
 _FWD_SM90_GLUON_WS_D64_C3 = TileConfig(64, 128, 4, 2, kernel="gluon-ws", consumers=3)
 
 

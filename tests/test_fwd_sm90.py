@@ -531,9 +531,10 @@ def test_three_consumers_at_head_dim_64_with_features(rng, ws_d64_c3, causal, dt
 
 @pytest.mark.usefixtures("ws_rows")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_three_consumers_leave_alibi_to_two(rng, ws_d64_c3, causal):
+def test_three_consumers_leave_alibi_to_two(rng, monkeypatch, causal):
     """Switched on, ALiBi (whose linear bias spills in 160 registers) runs two consumers' tile."""
-    launched, _ = ws_d64_c3
+    monkeypatch.setattr(configs, "GLUON_WS_D64", configs._FWD_SM90_GLUON_WS_D64_C3)
+    launched = spy_ws_launches(monkeypatch)
     check_ws_d64(rng, launched, 2, 900, 1100, 4, 2, torch.bfloat16, configs._FWD_SM90_GLUON_WS_D64, causal=causal,
                  **feature_options(rng, 4, alibi=True, sink=True))
 

@@ -556,6 +556,7 @@ def test_three_consumers_run_what_the_dispatcher_keeps_from_them(rng, monkeypatc
     against the reference; two consumers (c2) alike, the control."""
     launched = spy_ws_launches(monkeypatch)
     q, k, v = make_qkv(2, *seqlens, 4, 2, 64, dtype, "cuda", generator=rng)
+    options = dict(options)  # the parametrized dict is shared by every tile's run
     features = feature_options(rng, 4, options.pop("softcap", False), options.pop("alibi", False),
                                options.pop("sink", False))
     options.update(features)

@@ -9,6 +9,10 @@ by head dim:
   d=64   triton  configs.fwd_config's Triton tile
          ws      configs._FWD_SM90_GLUON_WS_D64: 2 x 64-row consumers, two slots of 128 keys (98.7 KB)
          ws-s4   the same with four slots (164.3 KB)
+         ws-c3   configs._FWD_SM90_GLUON_WS_D64_C3: 3 x 64-row consumers (192-row CTAs), two 128-key slots (115.1 KB)
+         ws-c3-n64  the same with 64-key slots (82.3 KB)
+         ws-c3-pp   ws-c3 with the consumers taking turns at the tensor cores, 0, 1, 2, 0, ... (FA3's scheduler
+                    barrier at three warpgroups)
   d=256  gluon   configs._FWD_SM90_GLUON_D256: one warpgroup, 64x64, one K and one V slot
          ws      configs._FWD_SM90_GLUON_WS_D256: two 64-key slots each of K and V, one Q buffer (197 KB)
          ws-n32  the same with 32-key slots and two Q buffers (197 KB)
@@ -28,6 +32,8 @@ against the first variant.
     python benchmarks/gluon_ws_heads.py [--dims 64 256 192] [--seqlens 1024 4096 16384] [--rounds 2]
         -> $OUT (default /tmp)/h200-gluon-ws-heads-<date>.json
     python benchmarks/gluon_ws_heads.py --dims 192 --seqlens 4096 16384    # issue 46's 192/128 rows
+    python benchmarks/gluon_ws_heads.py --dims 64 --seqlens 4096 16384 --rounds 2   # issue 46's d=64 rows: 2 or 3
+                                                                                     # consumer warpgroups
     bash benchmarks/ab_trees.sh /tmp/base benchmarks/gluon_ws_heads.py 2 --fp8 --dims 64 128 256 --seqlens 4096 16384
 """
 import argparse
@@ -69,7 +75,9 @@ def variants(head_dim: int, seqlen: int, causal: bool) -> dict:
     if head_dim == 64:
         ws = configs._FWD_SM90_GLUON_WS_D64
         before = configs.fwd_config(64, torch.bfloat16, torch.device("cuda"), seqlen, -1, 0 if causal else -1)
-        return {"triton": before, "ws": ws, "ws-s4": dataclasses.replace(ws, num_stages=4)}
+        c3 = configs._FWD_SM90_GLUON_WS_D64_C3
+        return {"triton": before, "ws": ws, "ws-s4": dataclasses.replace(ws, num_stages=4), "ws-c3": c3,
+                "ws-c3-n64": dataclasses.replace(c3, BLOCK_N=64), "ws-c3-pp": dataclasses.replace(c3, pingpong=True)}
     if head_dim == 192:
         ws = configs._FWD_SM90_GLUON_WS_D192
         return {"gluon": configs._FWD_SM90_GLUON, "ws": ws, "ws-n64": dataclasses.replace(ws, BLOCK_N=64),

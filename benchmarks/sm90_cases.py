@@ -33,10 +33,12 @@ def case(which: str, causal: bool, softcap: bool, window: bool = False, tiles: d
     if which == "fwd-ws":
         return _fwd_ws_case(causal, softcap, window)
     if which.startswith("fwd-ws-d"):
-        # fwd-ws-d<head dim>[-n<keys a slot>][-s<slots>][-sink][-alibi]: launch._forward_sm90_ws's own arguments.
-        dims, keys, slots = (re.findall(rf"-{c}(\d+)", which) for c in "dns")
+        # fwd-ws-d<head dim>[-n<keys a slot>][-s<slots>][-c<consumers>][-pp][-sink][-alibi]: launch._forward_sm90_ws's
+        # own arguments (-pp: the consumers take turns, TileConfig.pingpong).
+        dims, keys, slots, consumers = (re.findall(rf"-{c}(\d+)", which) for c in "dnsc")
         return _fwd_ws_launch_case(causal, softcap, window, int(dims[0]), int(keys[0]) if keys else 128,
-                                   int(slots[0]) if slots else 2, "-sink" in which, "-alibi" in which)
+                                   int(slots[0]) if slots else 2, "-sink" in which, "-alibi" in which,
+                                   consumers=int(consumers[0]) if consumers else 2, pingpong="-pp" in which)
     if which.startswith("fwd-d"):
         # fwd-d<head dim>[-n<keys a block>][-s<slots>][-sink]: kernels/fwd_sm90.py through launch._forward_sm90.
         dims, keys, slots = (re.findall(rf"-{c}(\d+)", which) for c in "dns")
@@ -143,16 +145,17 @@ def _fwd_ws_case(causal: bool, softcap: bool, window: bool, block_n: int = 64, s
                 seqlen_q=4096, seqlen_k=4096, group=1, nheads=16, num_tiles=1024)
     constexprs = dict(MASK_LEFT=window, MASK_RIGHT=causal, SOFTCAP=softcap, ALIBI=False, HAS_SINK=False,
                       FIXED_MAX=softcap, FOLD_SCALE=softcap, STAGES=stages, CONSUMER_REGS=240, TAIL=False,
-                      num_warps=4)
+                      CONSUMERS=2, PINGPONG=False, num_warps=4)
     return attn_fwd_sm90_ws, args, constexprs, dict(num_warps=4, maxnreg=168)
 
 
 def _fwd_ws_launch_case(causal: bool, softcap: bool, window: bool, head_dim: int, block_n: int, stages: int,
-                        sink: bool, alibi: bool = False, kernel_kind: str = "gluon-ws"):
+                        sink: bool, alibi: bool = False, kernel_kind: str = "gluon-ws", consumers: int = 2,
+                        pingpong: bool = False):
     """The warp-specialized forward launcher's own arguments (launch._forward_sm90_ws) for a 2 x 4096 bf16 call of
     16 query and 16 KV heads at ``head_dim`` (192: DeepSeek's 192/128, values of 128), the tile's ``stages`` slots of
-    ``block_n`` keys, caught at its launch; ``kernel_kind`` "gluon": the one-warpgroup kernel's
-    (launch._forward_sm90, 64-row tiles)."""
+    ``block_n`` keys and ``consumers`` warpgroups of 64 rows (``pingpong``: taking turns), caught at its launch;
+    ``kernel_kind`` "gluon": the one-warpgroup kernel's (launch._forward_sm90, 64-row tiles)."""
     from flashtile.backends import AttnArgs, present_features
     from flashtile.backends.triton import configs
 
@@ -163,7 +166,7 @@ def _fwd_ws_launch_case(causal: bool, softcap: bool, window: bool, head_dim: int
                     window_right=0 if causal else -1, softcap=30.0 if softcap else 0.0,
                     sink=torch.empty(q.shape[2]) if sink else None,
                     alibi_slopes=torch.empty(2, q.shape[2]) if alibi else None)
-    cfg = configs.TileConfig(64, block_n, 4, stages, kernel=kernel_kind)
+    cfg = configs.TileConfig(64, block_n, 4, stages, kernel=kernel_kind, consumers=consumers, pingpong=pingpong)
     caught = {}
     name, launcher = ("_FWD_SM90_WS", launch._forward_sm90_ws) if kernel_kind == "gluon-ws" else ("_FWD_SM90",
                                                                                                    launch._forward_sm90)

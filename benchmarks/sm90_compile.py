@@ -16,9 +16,10 @@ Triton's wheel ships, so kernels can be checked for register pressure before a G
                                         # own arguments; knobs: configs.OnePassConfig's (stages=1 dq_first=1 ...;
                                         # keys96=1: bwd_sm90_wide96.py, dense or -varlen)
     python benchmarks/sm90_compile.py fwd-ws [causal] [softcap] [window]  # kernels/fwd_sm90_ws.py, 64-key slots
-    python benchmarks/sm90_compile.py fwd-ws-d64[-n256][-s3][-sink] [causal] [softcap] [window]  # that kernel
-                                        # at head dim 64 (-d128 too), through its launcher: two slots of 128 keys
-                                        # unless -n<keys> / -s<slots> say otherwise
+    python benchmarks/sm90_compile.py fwd-ws-d64[-n256][-s3][-c3][-pp][-sink] [causal] [softcap] [window]  #
+                                        # that kernel at head dim 64 (-d128 too), through its launcher: two consumer
+                                        # warpgroups over two slots of 128 keys unless -c<consumers> / -n<keys> /
+                                        # -s<slots> say otherwise; -pp: the consumers take turns (pingpong)
     python benchmarks/sm90_compile.py fwd-ws-d256-n64[-sink] [causal] [softcap]  # head dim 256, 64-key slots
     python benchmarks/sm90_compile.py fwd-ws-d192[-n64][-s3][-sink][-alibi] [causal] [softcap]  # 192/128 (q, k as
                                         # 128 + 64 columns), two 128-key slots unless -n / -s say otherwise

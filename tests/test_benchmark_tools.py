@@ -129,6 +129,40 @@ def test_sm90_case_of_the_wide_warp_specialized_forwards(monkeypatch, causal, so
     assert options == dict(num_warps=4, maxnreg=168)
 
 
+@pytest.mark.parametrize("which, block_n, consumers, regs", [
+    ("fwd-ws-d64", 128, 2, (240, 168)),
+    ("fwd-ws-d64-c3", 128, 3, (160, 128)),  # 16 warps (the producer's padded to a warpgroup) of 128 registers
+    ("fwd-ws-d64-c3-n64-sink", 64, 3, (160, 128)),
+    ("fwd-ws-d64-c3-pp", 128, 3, (160, 128)),
+])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sm90_case_of_the_d64_warp_specialized_forward(monkeypatch, which, block_n, consumers, regs, causal):
+    """``fwd-ws-d64[-c3]``: launch._forward_sm90_ws's arguments for 2 or 3 consumer warpgroups of 64 rows: the CTA's
+    tiles of consumers x 64 rows counted over 2 x 4096 rows of 16 heads, the consumers' registers and the cap the
+    kernel is compiled under (launch._WS_REGS), one consumer's Q rows a descriptor; nothing launches."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from sm90_cases import case
+
+    fn, args, constexprs, options = case(which, causal, False)
+    assert set(args) | set(constexprs) == set(fn.arg_names)
+    assert args["num_tiles"] == -(-4096 // (64 * consumers)) * 16 * 2
+    assert constexprs["CONSUMERS"] == consumers and constexprs["CONSUMER_REGS"] == regs[0]
+    assert options == dict(num_warps=4, maxnreg=regs[1])
+    assert tuple(args["q_desc"].block_shape) == (1, 64, 1, 64)
+    assert tuple(args["k_desc"].block_shape) == (1, block_n, 1, 64)
+    assert constexprs["MASK_RIGHT"] == causal and constexprs["HAS_SINK"] == which.endswith("-sink")
+    assert constexprs["PINGPONG"] == which.endswith("-pp")
+
+
+def test_warp_specialized_forward_refuses_other_consumer_counts(monkeypatch):
+    """A tile of 4 consumer warpgroups (no register split for it) is a ValueError naming the field, not a launch."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from sm90_cases import case
+
+    with pytest.raises(ValueError, match="consumers=4"):
+        case("fwd-ws-d64-c4", False, False)
+
+
 @pytest.mark.parametrize("which, block_n, stages", [("fwd-d128", 64, 2), ("fwd-d64-n128-s1", 128, 1)])
 def test_sm90_one_warpgroup_forward_case(monkeypatch, which, block_n, stages):
     """``fwd-d<dim>[-n<keys>][-s<slots>]``: kernels/fwd_sm90.py's arguments caught at launch._forward_sm90's launch
@@ -290,6 +324,22 @@ def test_gluon_ws_heads_times_deepseeks_192_128_rows(monkeypatch):
     assert tiles["gluon"] == configs._FWD_SM90_GLUON and tiles["ws"] == configs._FWD_SM90_GLUON_WS_D192
     assert [(t.BLOCK_N, t.num_stages, t.kernel) for t in tiles.values()][2:] == [(64, 2, "gluon-ws"),
                                                                                   (64, 3, "gluon-ws")]
+
+
+def test_gluon_ws_heads_times_three_consumers_at_head_dim_64(monkeypatch):
+    """gluon_ws_heads.py --dims 64: the Triton tile first, then the two-consumer tiles (configs.GLUON_WS_D64's row and
+    four slots) and the three-consumer ones (128- and 64-key slots) for the lead's A/B."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import gluon_ws_heads
+    from flashtile.backends.triton import configs
+
+    monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
+    tiles = gluon_ws_heads.variants(64, 16384, False)
+    assert list(tiles) == ["triton", "ws", "ws-s4", "ws-c3", "ws-c3-n64", "ws-c3-pp"]
+    assert tiles["triton"].kernel == "triton" and tiles["ws"] == configs._FWD_SM90_GLUON_WS_D64
+    assert tiles["ws-c3"] == configs._FWD_SM90_GLUON_WS_D64_C3
+    assert [(t.BLOCK_N, t.num_stages, t.consumers, t.pingpong) for t in tiles.values()][1:] == [
+        (128, 2, 2, False), (128, 4, 2, False), (128, 2, 3, False), (64, 2, 3, False), (128, 2, 3, True)]
 
 
 @pytest.mark.parametrize("which, head_dim, group, qk_mode, v_mode", [

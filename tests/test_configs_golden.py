@@ -39,7 +39,10 @@ FEATURES = (frozenset(), frozenset({"window"}), frozenset({"softcap"}), frozense
 def encode(value):
     """A JSON-able, order-stable form of a config function's result or a module value."""
     if isinstance(value, configs.TileConfig):
-        return f"{value.BLOCK_M}x{value.BLOCK_N} w{value.num_warps} s{value.num_stages} {value.kernel}"
+        consumers = f" c{value.consumers}" if value.consumers != 2 else ""
+        turns = " pingpong" if value.pingpong else ""
+        return (f"{value.BLOCK_M}x{value.BLOCK_N} w{value.num_warps} s{value.num_stages} {value.kernel}{consumers}"
+                f"{turns}")
     if isinstance(value, configs.BwdConfig):
         return {"dkdv": encode(value.dkdv), "dq": encode(value.dq)}
     if isinstance(value, (frozenset, set)):

@@ -1,5 +1,6 @@
 """The backend registry: explain() reports, strict mode, disabled backends, profiler names and
 per-kernel counts. CPU-only rules are skipped on a GPU machine and the other way round."""
+import dataclasses
 import functools
 import math
 import warnings
@@ -260,6 +261,30 @@ def test_head_dim_64_takes_the_warp_specialized_forward_once_switched_on(monkeyp
         configs._FWD_SM90_GLUON
 
 
+@pytest.mark.parametrize("seqlen_k, causal, features, tile", [
+    (4096, False, (), "_FWD_SM90_GLUON_WS_D64_C3"), (8192, True, ("sink",), "_FWD_SM90_GLUON_WS_D64_C3"),
+    (4096, False, ("softcap",), "_FWD_SM90_GLUON_WS_D64_C3"), (4096, False, ("alibi",), "_FWD_SM90_GLUON_WS_D64"),
+    (8192, True, ("alibi", "sink"), "_FWD_SM90_GLUON_WS_D64"), (4095, False, (), None), (8192, True, ("window",), None),
+])
+def test_head_dim_64_three_consumers_once_switched_on(monkeypatch, seqlen_k, causal, features, tile):
+    """GLUON_WS_D64 set to the three-consumer tile (off in the table): it takes the rows the two-consumer tile takes,
+    but ALiBi, whose linear bias spills in three consumers' 160 registers, keeps two consumers."""
+    from flashtile.backends.triton import configs
+    monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(configs, "GLUON_WS_D64", configs._FWD_SM90_GLUON_WS_D64_C3)
+    window = (100, 0) if "window" in features else (-1, 0 if causal else -1)
+    cfg = configs.gluon_fwd_config(64, 64, torch.bfloat16, torch.device("cuda", 0), 1 << 22, seqlen_k, *window,
+                                   frozenset(features), 30.0 if "softcap" in features else 0.0)
+    assert cfg == (getattr(configs, tile) if tile else None)
+    assert configs._FWD_SM90_GLUON_WS_D64_C3.consumers == 3 and configs._FWD_SM90_GLUON_WS_D64.consumers == 2
+
+
+def test_head_dim_64_three_consumers_are_off_in_the_table():
+    """No dispatch row runs three consumers until a GPU A/B says so."""
+    from flashtile.backends.triton import configs
+    assert configs.GLUON_WS_D64 is configs._FWD_SM90_GLUON_WS_D64 and configs.GLUON_WS_D64.consumers == 2
+
+
 @pytest.mark.parametrize("switch", [False, True])
 @pytest.mark.parametrize("seqlen_k, window, features, takes_ws", [
     (4096, (-1, -1), (), True), (4100, (-1, -1), ("sink",), True), (16384, (-1, -1), ("softcap",), True),
@@ -286,18 +311,19 @@ def test_d256_takes_the_warp_specialized_tile_only_when_switched_on(monkeypatch,
 
 @pytest.mark.parametrize("tile, head_dim, head_dim_v, q_buffers", [
     ("_FWD_SM90_GLUON_WS", 128, 128, 2), ("_FWD_SM90_GLUON_WS_D256", 256, 256, 1),
-    ("_FWD_SM90_GLUON_WS_D192", 192, 128, 1),
+    ("_FWD_SM90_GLUON_WS_D192", 192, 128, 1), ("_FWD_SM90_GLUON_WS_D64", 64, 64, 2),
+    ("_FWD_SM90_GLUON_WS_D64_C3", 64, 64, 2),  # three consumers: buffers of 192 rows
 ])
 def test_ws_tiles_fit_shared_memory(tile, head_dim, head_dim_v, q_buffers):
-    """The warp-specialized forward's 16-bit plans: Q buffers of 128 rows (two, or one where two would not fit beside
-    the K and V rings: fwd_sm90_ws.q_buffers) and the rings, within the CTA's 227 KB."""
+    """The warp-specialized forward's 16-bit plans: Q buffers of every consumer's 64 rows (two, or one where two would
+    not fit beside the K and V rings: fwd_sm90_ws.q_buffers) and the rings, within the CTA's 227 KB."""
     from flashtile.backends.triton import configs
     from flashtile.backends.triton.kernels import fwd_sm90_ws
     cfg = getattr(configs, tile)
     ring = cfg.num_stages * cfg.BLOCK_N * (head_dim + head_dim_v) * 2
-    buffers = fwd_sm90_ws.q_buffers(cfg.BLOCK_M, head_dim, 16, ring)
+    buffers = fwd_sm90_ws.q_buffers(cfg.BLOCK_M, head_dim, 16, ring, cfg.consumers)
     assert buffers == q_buffers
-    assert buffers * 2 * cfg.BLOCK_M * head_dim * 2 + ring + 1024 <= 227 * 1024
+    assert buffers * cfg.consumers * cfg.BLOCK_M * head_dim * 2 + ring + 1024 <= 227 * 1024
 
 
 @pytest.mark.parametrize("switch", [False, True], ids=["off", "on"])
@@ -349,6 +375,25 @@ def test_d192_warp_specialized_forward_is_named(monkeypatch, switch, causal):
     expected = "gluon-sm90-ws d=192 {} headdim_v BM=64 BN=128" if switch else "gluon-sm90 d=192 {} headdim_v BM=64 BN=64"
     assert name == f"flashtile.fwd[{expected.format(mask)}]", name
     assert tiles["fwd"]["kernel"] == ("gluon-ws" if switch else "gluon")
+
+
+@pytest.mark.parametrize("tile, named", [("_FWD_SM90_GLUON_WS_D64", ""), ("_FWD_SM90_GLUON_WS_D64_C3", " consumers=3")])
+def test_d64_warp_specialized_forward_names_its_consumers(monkeypatch, tile, named):
+    """describe() names three consumer warpgroups (and their turns) where GLUON_WS_D64 runs them, so a profile of the
+    switched-on row tells them from the two-consumer tile."""
+    from flashtile.backends import AttentionCall
+    from flashtile.backends import triton as triton_backend
+    from flashtile.backends.triton import configs
+    monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)
+    monkeypatch.setattr(configs, "GLUON_WS_D64", getattr(configs, tile))
+    call = AttentionCall(torch.device("cuda", 0), torch.bfloat16, 1, 16384, 16384, 32, 32, 64, True, (),
+                         window=(-1, 0))
+    name, _, tiles = triton_backend.describe(call)
+    assert name == f"flashtile.fwd[gluon-sm90-ws d=64 causal{named} BM=64 BN=128]", name
+    assert tiles["fwd"]["consumers"] == getattr(configs, tile).consumers
+    monkeypatch.setattr(configs, "GLUON_WS_D64", dataclasses.replace(getattr(configs, tile), pingpong=True))
+    assert triton_backend.describe(call)[0] == f"flashtile.fwd[gluon-sm90-ws d=64 causal{named} pingpong BM=64 BN=128]"
 
 
 def test_small_calls_keep_the_triton_kernel_for_its_cheaper_launch(monkeypatch):

@@ -17,11 +17,13 @@ hold NaN in every row past ``cu_seqlens[-1]`` and in the keys ``seqused_k`` leav
 values: a tile that reads them must hide them. KV caches (chunked prefill through ``flash_attn_with_kvcache``)
 hold infinities past each row's keys and before its left padding.
 """
+import dataclasses
+
 import pytest
 import torch
 
 import flashtile
-from flashtile import testing
+from flashtile import testing, validation
 from flashtile.backends import AttnArgs
 from flashtile.backends.triton import configs, launch
 from flashtile.testing import ATOL, assert_close_to_ref, assert_results_close, attention_ref, make_qkv
@@ -429,12 +431,15 @@ def switch_on_wide_ws(monkeypatch, head_dims: tuple) -> list:
     return spy_ws_launches(monkeypatch)
 
 
-def check_ws_d64(rng, launched, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype=torch.bfloat16, **options):
+def check_ws_d64(rng, launched, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype=torch.bfloat16, tile=None,
+                 **options):
     """:func:`check` at head dim 64 on the warp-specialized kernel: its name in the kernel counter and one launch of
-    the d=64 tile."""
-    ours = check(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, WS, head_dims=(64, 64), **options)
+    ``tile`` (the d=64 tile, configs._FWD_SM90_GLUON_WS_D64, unless given)."""
+    tile = tile or configs._FWD_SM90_GLUON_WS_D64
+    ours = check(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, f"gluon-sm90-ws BN={tile.BLOCK_N}",
+                 head_dims=(64, 64), **options)
     assert any("fwd[gluon-sm90-ws d=64 " in name for name in flashtile.stats()["kernels"]), flashtile.stats()
-    assert launched == [(64, configs._FWD_SM90_GLUON_WS_D64)], launched
+    assert launched == [(64, tile)], launched
     return ours
 
 
@@ -475,6 +480,123 @@ def test_warp_specialized_forward_at_head_dim_64_walks_many_tiles_per_cta(rng, m
     seqlen = WS_FLOORS[causal] + 65
     check_ws_d64(rng, ws_d64, 1, seqlen if causal else 777, seqlen, 6, 3, causal=causal,
                  **feature_options(rng, 6, sink=True))
+
+
+# Three consumer warpgroups (configs._FWD_SM90_GLUON_WS_D64_C3, off in the table): CTAs of 192 rows, the same with
+# 64-key slots, and with the consumers taking turns at the tensor cores (pingpong: 0, 1, 2, 0, ... at every ring
+# position, read or not). 1037 rows end 77 rows into a tile (consumer 1 holds 13, consumer 2 none), 1100 end 140 in
+# (consumer 2 holds 12).
+C3_TILES = {"c3": configs._FWD_SM90_GLUON_WS_D64_C3,
+            "c3-n64": dataclasses.replace(configs._FWD_SM90_GLUON_WS_D64_C3, BLOCK_N=64),
+            "c3-pp": dataclasses.replace(configs._FWD_SM90_GLUON_WS_D64_C3, pingpong=True)}
+
+
+@pytest.fixture(params=list(C3_TILES))
+def ws_d64_c3(request, monkeypatch) -> tuple:
+    """A three-consumer tile switched on at d=64 (GLUON_WS_D64); returns its launches (:func:`spy_ws_launches`) and
+    the tile."""
+    tile = C3_TILES[request.param]
+    monkeypatch.setattr(configs, "GLUON_WS_D64", tile)
+    return spy_ws_launches(monkeypatch), tile
+
+
+@pytest.mark.usefixtures("ws_rows")
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal", WS_SHAPES + [
+    pytest.param(1, 300, 4100, 2, 2, False, id="partial-block"),  # a partial last key block
+    pytest.param(2, 1100, 1100, 4, 2, True, id="causal-1100"),  # consumer 2's last 12 rows
+    pytest.param(1, 1100, 1037, 4, 4, True, id="causal-1100-rows-see-none"),  # the first 63 rows see no key
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_three_consumers_at_head_dim_64(rng, ws_d64_c3, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal):
+    """Awkward lengths on three consumers of 64 rows (its floors lowered): out, lse and the gradients against the
+    reference, and rows before the first key 0 with lse -inf."""
+    launched, tile = ws_d64_c3
+    ours = check_ws_d64(rng, launched, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, tile, causal=causal)
+    assert_rows_see_none(ours, seqlen_q, seqlen_k, causal)
+
+
+@pytest.mark.usefixtures("ws_rows")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype, softcap, sink", [
+    (torch.bfloat16, False, True),
+    (torch.bfloat16, True, False),  # bf16 softcap 30: the row max held fixed, the scale folded into each consumer's Q
+    (torch.float16, True, False),  # fp16: a running max
+    (torch.float16, True, True),
+], ids=["sink", "softcap-fixed-max", "softcap-fp16", "softcap-sink-fp16"])
+def test_three_consumers_at_head_dim_64_with_features(rng, ws_d64_c3, causal, dtype, softcap, sink):
+    launched, tile = ws_d64_c3
+    check_ws_d64(rng, launched, 2, 900, 1100, 4, 2, dtype, tile, causal=causal,
+                 **feature_options(rng, 4, softcap, False, sink))
+
+
+@pytest.mark.usefixtures("ws_rows")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_three_consumers_leave_alibi_to_two(rng, monkeypatch, causal):
+    """Switched on, ALiBi (whose linear bias spills in 160 registers) runs two consumers' tile."""
+    monkeypatch.setattr(configs, "GLUON_WS_D64", configs._FWD_SM90_GLUON_WS_D64_C3)
+    launched = spy_ws_launches(monkeypatch)
+    check_ws_d64(rng, launched, 2, 900, 1100, 4, 2, torch.bfloat16, configs._FWD_SM90_GLUON_WS_D64, causal=causal,
+                 **feature_options(rng, 4, alibi=True, sink=True))
+
+
+@pytest.mark.parametrize("tile", [configs._FWD_SM90_GLUON_WS_D64, *C3_TILES.values()], ids=["c2", *C3_TILES])
+@pytest.mark.parametrize("seqlens, options, dtype", [
+    # A left edge per consumer: each skips the blocks left of its rows.
+    ((1037, 1300), dict(window_size=(300, 0)), torch.bfloat16),
+    ((1100, 1000), dict(window_size=(257, 33)), torch.float16),  # two-sided, fewer keys
+    ((900, 1100), dict(window_size=(700, -1)), torch.bfloat16),  # a left bound alone
+    ((1100, 1100), dict(causal=True, alibi=True), torch.bfloat16),
+    ((1037, 1300), dict(alibi=True, sink=True), torch.float16),
+    ((1100, 1000), dict(window_size=(300, 0), softcap=True, sink=True), torch.bfloat16),
+], ids=["window", "two-sided-window-fp16", "left-window", "causal-alibi", "full-alibi-sink-fp16",
+        "window-softcap-sink"])
+def test_three_consumers_run_what_the_dispatcher_keeps_from_them(rng, monkeypatch, tile, seqlens, options, dtype):
+    """Windows and ALiBi never reach the three-consumer tile through the dispatcher, but the kernel takes them (each
+    consumer's block range from its own rows, the linear ALiBi bias): through launch.forward's config, out and lse
+    against the reference; two consumers (c2) alike, the control."""
+    launched = spy_ws_launches(monkeypatch)
+    q, k, v = make_qkv(2, *seqlens, 4, 2, 64, dtype, "cuda", generator=rng)
+    options = dict(options)  # the parametrized dict is shared by every tile's run
+    features = feature_options(rng, 4, options.pop("softcap", False), options.pop("alibi", False),
+                               options.pop("sink", False))
+    options.update(features)
+    args = validation.attn_args(q, k, v, **options)
+    out, lse = launch.forward(q, k, v, args, config=tile)
+    assert launched == [(64, tile)], launched
+    dout = torch.randn_like(q)
+    ref_hi, ref_lo = (reference_results(q, k, v, dout, hi=hi, **options) for hi in (True, False))
+    assert_results_close({"out": out, "lse": lse}, *({n: r[n] for n in ("out", "lse")} for r in (ref_hi, ref_lo)),
+                         dtype)
+
+
+@pytest.mark.usefixtures("ws_rows")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@WALK_FEATURES
+def test_three_consumers_walk_many_tiles_per_cta(rng, monkeypatch, ws_d64_c3, causal, features):
+    """Three CTAs walk every 192-row tile (persistent): three consumers carry ring positions and the Q buffers'
+    phases across tiles of other lengths, heads and rows (softcap: each folds the scale into its Q rows, which the
+    next tile's TMA overwrites)."""
+    monkeypatch.setattr(configs, "ws_ctas", lambda causal, tiles, sms: min(tiles, 3))
+    launched, tile = ws_d64_c3
+    check_ws_d64(rng, launched, 2, 777, 777 if causal else 1500, 6, 3, torch.bfloat16, tile, causal=causal,
+                 **feature_options(rng, 6, **features))
+
+
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal, dtype", [
+    (2, 4100, 4100, 4, 4, False, torch.bfloat16),  # the full floor and 4 keys: a partial last key block
+    (1, 4100, 4100, 8, 2, False, torch.float16),  # GQA 4
+    (1, 8191, 8195, 4, 2, True, torch.bfloat16),  # causal at the floor: more keys, the diagonal moves right
+    (1, 8200, 8192, 4, 4, True, torch.float16),  # fewer keys: the first 8 rows see none
+], ids=["full", "full-gqa-fp16", "causal-gqa", "causal-rows-see-none-fp16"])
+def test_three_consumers_at_head_dim_64_at_its_floors(rng, monkeypatch, ws_d64_c3, batch, seqlen_q, seqlen_k, nheads,
+                                                     nheads_kv, causal, dtype):
+    """At the real floors (GLUON_WS_FULL_KEYS / GLUON_WS_CAUSAL_KEYS): long rows, CTAs walking tiles round robin
+    (full) or one a tile, longest first (causal)."""
+    monkeypatch.setattr(configs, "GLUON_WS_FULL_KEYS", WS_FLOORS[False])
+    monkeypatch.setattr(configs, "GLUON_WS_CAUSAL_KEYS", WS_FLOORS[True])
+    launched, tile = ws_d64_c3
+    ours = check_ws_d64(rng, launched, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype, tile, causal=causal)
+    assert_rows_see_none(ours, seqlen_q, seqlen_k, causal)
 
 
 def test_head_dim_64_keeps_the_triton_kernel_while_its_warp_specialized_row_is_off(rng, monkeypatch):

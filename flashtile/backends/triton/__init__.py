@@ -130,7 +130,10 @@ def describe(call: AttentionCall):
     # The Gluon kernel needs TMA-readable inputs; a call whose strides are not takes the Triton one
     # and says so (a recorded fallback).
     kernel = _KERNEL_LABELS[fwd.kernel]
-    fwd_name = f"flashtile.fwd[{kernel} d={call.headdim} {mask}{extras} BM={fwd.BLOCK_M} BN={fwd.BLOCK_N}]"
+    # The warp-specialized forward's consumer warpgroups and turns, where not its two without turns.
+    consumers = (f" consumers={fwd.consumers}" if fwd.consumers != 2 else "") + (" pingpong" if fwd.pingpong else "")
+    fwd_name = (f"flashtile.fwd[{kernel} d={call.headdim} {mask}{extras}{consumers} BM={fwd.BLOCK_M} "
+                f"BN={fwd.BLOCK_N}]")
     return fwd_name, bwd_name, {"fwd": vars(fwd), **bwd_tiles}
 
 

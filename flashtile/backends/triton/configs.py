@@ -20,13 +20,18 @@ class TileConfig:
     kernel: ``"triton"`` (kernels/fwd.py), ``"gluon"`` (the Hopper kernel in kernels/fwd_sm90.py),
     ``"gluon-slim"`` (that kernel with Q in shared memory and one key slot: see gluon_ring) or
     ``"gluon-ws"`` (the warp-specialized one in kernels/fwd_sm90_ws.py). ``heads``: KV heads a program of the
-    KV-cache kernel (kernels/decode.py ``HEADS``; 1 for every other kernel)."""
+    KV-cache kernel (kernels/decode.py ``HEADS``; 1 for every other kernel). ``consumers``: the warp-specialized
+    forward's consumer warpgroups of BLOCK_M rows each, 2 or 3 (its ``CONSUMERS``: a CTA's tile is consumers x
+    BLOCK_M rows; 2 for every other kernel, which ignores it); ``pingpong``: its 16-bit consumers take turns issuing
+    their matmuls (its ``PINGPONG``; False for every other kernel)."""
     BLOCK_M: int
     BLOCK_N: int
     num_warps: int
     num_stages: int
     kernel: str = "triton"
     heads: int = 1
+    consumers: int = 2
+    pingpong: bool = False
 
 
 @dataclass(frozen=True)
@@ -293,6 +298,23 @@ GLUON_WS_FEATURES = frozenset({"sink", "softcap", "alibi"})
 # (S_j's 128 registers, P_{j-1}'s 64 in flight and O's 32 exceed 240). FA3's 192 keys are no power of two for Gluon.
 _FWD_SM90_GLUON_WS_D64 = TileConfig(64, 128, 4, 2, kernel="gluon-ws")
 GLUON_WS_D64 = _FWD_SM90_GLUON_WS_D64
+# _FWD_SM90_GLUON_WS_D64_C3, d=64: the same kernel with THREE consumer warpgroups (CTAs of 192 rows, FlashAttention-3's
+# kBlockM at d=64) sharing each 128-key K/V slot: a third less K/V TMA traffic and ring bookkeeping a row, and three
+# softmaxes for the schedulers to interleave. Registers: 3 x 4 warps at 160 (consumer 0 168) and the producer at 24
+# under maxnreg 128 (launch._WS_REGS). Off until a GPU A/B (benchmarks/gluon_ws_heads.py --dims 64 --seqlens 4096 16384,
+# variant ws-c3): to switch it on, GLUON_WS_D64 = _FWD_SM90_GLUON_WS_D64_C3 (ALiBi keeps two consumers: its linear
+# bias spills in 160 registers). sm_90 ptxas (benchmarks/sm90_compile.py fwd-ws-d64[-c3][-sink|-alibi] [causal]
+# [softcap]), spill stores in all / in a consumer's key loop, shared memory, SASS a warp on the unmasked 128-key block:
+#   tile          full             causal           softcap          causal softcap   sink     ALiBi
+#   2 consumers   0/0 98.7 KB 407  0/0 408          -                -                -        -
+#   3 consumers   1/0 115.1 KB 405 6/0 411-442      0/0 358-389      11/3 368-395     2/0      135/11 858-894
+# (two Q buffers of 3 x 64 rows and two slots; 3 consumers carry P_{j-1} as the bf16 operand, kernels/fwd_sm90_ws.py's
+# P_AT_SOFTMAX; 24 HGMMAs a consumer a block either way). 64-key slots (ws-c3-n64): 0 spills in every case, ALiBi and
+# windows too, 82.3 KB, 254 SASS a 64-key block. Turns at the tensor cores (ws-c3-pp, pingpong=True: 0, 1, 2, 0, ...,
+# FA3's scheduler barrier at three warpgroups; two bf16 consumers' turns measured 0.97-1.04x, docs/design.md): 0 loop
+# spills, 413-450. At d=128 three consumers spill 54-58 stores a key loop (O's 64 registers beside S's 64 and P's 32
+# fill 160; 229.8 KB): FlashAttention-3 keeps 128 rows there too.
+_FWD_SM90_GLUON_WS_D64_C3 = TileConfig(64, 128, 4, 2, kernel="gluon-ws", consumers=3)
 
 
 def ws_ctas(causal: bool, tiles: int, sms: int) -> int:
@@ -442,6 +464,9 @@ def gluon_fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device:
     if head_dim == 64:
         if short_causal and not features:
             return _FWD_SM90_GLUON
+        if ws and "alibi" in features and GLUON_WS_D64 is not None and GLUON_WS_D64.consumers == 3:
+            # ALiBi's linear bias spills in three consumers' 160 registers: two consumers run it.
+            return _FWD_SM90_GLUON_WS_D64
         return GLUON_WS_D64 if ws else None
     if head_dim == 256 and ws and features <= GLUON_WS_D256_FEATURES and GLUON_WS_D256 is not None:
         return GLUON_WS_D256

@@ -56,7 +56,7 @@ FP8_TILES = {64: (128, 4, True), 128: (128, 4, False), 256: (64, 2, False)}
 FP8_PINGPONG = {64: False, 128: True, 256: True}
 QUERY_ROWS = 64
 # The consumers' registers after ``setmaxnreg`` and the cap the kernel is compiled under, as for the bf16
-# warp-specialized forward (launch._WS_CONSUMER_REGS): 2 x 4 warps at 240 and the producer warp at 24.
+# warp-specialized forward (launch._WS_REGS): 2 x 4 warps at 240 and the producer warp at 24.
 CONSUMER_REGS = 240
 MAXNREG = 168
 

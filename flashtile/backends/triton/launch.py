@@ -367,20 +367,25 @@ def _forward_sm90(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, features
 _FWD_SM90_WS = CachedLaunch(attn_fwd_sm90_ws, ("q_desc", "k_desc", "v_desc", "q_tail_desc", "k_tail_desc", "O", "LSE",
                                                "SINK", "ALIBI_SLOPES", "qk_scale", "softcap2", "row_max"))
 # The consumers' registers after ``setmaxnreg``, and the cap the kernel is compiled under (what each warp
-# holds before the partitions resize): 2 x 4 consumer warps at 240 and the producer warp at 24 fit the
-# SM's 64K registers.
-_WS_CONSUMER_REGS = 240
-_WS_MAXNREG = 168
+# holds before the partitions resize), by consumer warpgroups (TileConfig.consumers): 2 x 4 consumer warps at 240
+# and the producer warp at 24 fit the SM's 64K registers; 3 x 4 at 160 beside it, 16 warps (the producer's
+# padded to a warpgroup) of 128 (FlashAttention-3's split at three warpgroups: 160 and 32).
+_WS_REGS = {2: (240, 168), 3: (160, 128)}
 
 
 def _forward_sm90_ws(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, features: frozenset):
     """Launch the warp-specialized Hopper forward (kernels/fwd_sm90_ws.py) on dense ``(batch, seqlen, heads, d)``
     inputs, d = 64, 128 or 256 for q, k and v alike (the descriptors read whole rows), or 192 for q and k with 128 for
-    v (q and k read as 128 + 64 columns: :func:`_qk_descs`); ``shape``: ``(batch, seqlen_q, seqlen_k, group)``."""
+    v (q and k read as 128 + 64 columns: :func:`_qk_descs`); ``shape``: ``(batch, seqlen_q, seqlen_k, group)``. A CTA's
+    tile is ``cfg.consumers`` warpgroups of ``cfg.BLOCK_M`` rows."""
+    if cfg.consumers not in _WS_REGS:
+        raise ValueError(f"config: the warp-specialized forward runs 2 or 3 consumer warpgroups, got "
+                         f"consumers={cfg.consumers}")
     batch, seqlen_q, seqlen_k, group = shape
     nheads = q.shape[2]
     causal = args.window_right >= 0
-    tiles = cdiv(seqlen_q, 2 * cfg.BLOCK_M) * nheads * batch
+    tiles = cdiv(seqlen_q, cfg.consumers * cfg.BLOCK_M) * nheads * batch
+    consumer_regs, maxnreg = _WS_REGS[cfg.consumers]
     ctas = configs.ws_ctas(causal, tiles, configs.sm_count(q.device))
     alibi = args.alibi_slopes  # (batch, nheads), maybe broadcast
     qk_scale, softcap2, row_max, fold = _score_constants(args, q.dtype, features)
@@ -392,8 +397,9 @@ def _forward_sm90_ws(q, k, v, out, lse, args: AttnArgs, cfg, shape: tuple, featu
                     stride_lse_h=stride_lse_h, seqlen_q=seqlen_q, seqlen_k=seqlen_k, group=group, nheads=nheads,
                     num_tiles=tiles, MASK_LEFT=args.window_left >= 0, MASK_RIGHT=causal, SOFTCAP=args.softcap > 0,
                     ALIBI=alibi is not None, HAS_SINK=args.sink is not None, FIXED_MAX=row_max is not None,
-                    FOLD_SCALE=fold, STAGES=cfg.num_stages, CONSUMER_REGS=_WS_CONSUMER_REGS,
-                    TAIL=q_tail is not None, num_warps=cfg.num_warps, maxnreg=_WS_MAXNREG)
+                    FOLD_SCALE=fold, STAGES=cfg.num_stages, CONSUMER_REGS=consumer_regs,
+                    TAIL=q_tail is not None, CONSUMERS=cfg.consumers, PINGPONG=cfg.pingpong, num_warps=cfg.num_warps,
+                    maxnreg=maxnreg)
 
     q_desc, k_desc, q_tail, k_tail = _qk_descs(q, k, cfg)
     key = (_layout_key(q, k, v, out, lse), q.device, _args_key(args), cfg, ctas, row_max is not None, fold)

@@ -66,4 +66,4 @@ def attn_fwd_sm90_fp8(q_desc, k_desc, vt_desc, O, LSE, Q_DESCALE, K_DESCALE, V_D
                    window_right, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k,
                    group, nheads, num_tiles, descales, (CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K, ERR), (None, None),
                    MASK_LEFT, MASK_RIGHT, SOFTCAP, False, False, False, False, STAGES, CONSUMER_REGS, True, K_BLOCKS,
-                   TWO_LEVEL, PINGPONG, IS_VARLEN, HAS_SEQUSED, False, num_warps)
+                   TWO_LEVEL, PINGPONG, IS_VARLEN, HAS_SEQUSED, False, 2, num_warps)

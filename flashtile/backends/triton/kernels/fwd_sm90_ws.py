@@ -26,6 +26,13 @@ full rows or causal (the masks are fwd_sm90's, windows included, but the dispatc
 tiles); softcap (``FIXED_MAX``, ``FOLD_SCALE``: as in fwd_sm90, each consumer folds the scale into its own Q rows),
 ALiBi and a sink; no packed sequences or KV cache (the launcher takes fwd_sm90 for those).
 
+``CONSUMERS`` = 3 (16-bit; configs.TileConfig.consumers, FlashAttention-3's 192-row tiles at head dim 64) adds
+consumer 2, rows 128..191: tiles of 192 rows, each K/V slot read by three consumers before its refill (``empty``
+counts 3), so a third less K/V traffic and ring bookkeeping a row. Four warpgroups share 64K registers: the
+consumers take 160 (consumer 0, the one the kernel starts as, 168) and the producer 24. S_j (64 registers at 128
+keys), P_{j-1} in flight and O (32 each at head dim 64) then fill a consumer, so P is made the 16-bit operand as its
+softmax ends (``P_AT_SOFTMAX``), not carried in float32 until its PV product.
+
 ``FP8`` (kernels/fwd_sm90_fp8.py's entry) runs the same partitions on float8_e4m3fn Q, K and V^T: the scores
 take the descales (:func:`_tile_scales`, :func:`_block_scale`), P enters the PV wgmma as e4m3 scaled by
 448 (``P_LOG2``: from the exp2, no multiply), V^T's slots are read K-major (:func:`_v_operand`), and O may be summed in
@@ -38,7 +45,9 @@ softmax then runs under the other's matmuls instead of both softmaxes leaving th
 at FP8's doubled matmul rate the softmax takes about as long as a consumer's two matmuls, so that overlap,
 not either one alone, sets the time a key block. P is converted to the operand before the turn is taken, so
 the turn is held only while the wgmmas are issued. Both consumers take a turn at every ring position of the
-tile, read or released unread, so their counts of turns stay equal.
+tile, read or released unread, so their counts of turns stay equal. Three 16-bit consumers (the 16-bit entry's
+``PINGPONG``, TileConfig.pingpong) pass the turn round: 0, 1, 2, 0, ... (FlashAttention-3 orders its three
+warpgroups so at head dim 64).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -66,11 +75,11 @@ def operand_width(dtype):
 
 
 @gluon.constexpr_function
-def q_buffers(block_m, head_dim, q_bits, ring_bytes):
-    """Q buffers of two consumers' ``block_m x head_dim`` rows: two (this tile's and the next's) when they fit
-    beside the K and V rings' ``ring_bytes``, else one. 16-bit d256 with two 64-key slots: two would take
+def q_buffers(block_m, head_dim, q_bits, ring_bytes, consumers):
+    """Q buffers of ``consumers`` consumers' ``block_m x head_dim`` rows: two (this tile's and the next's) when they
+    fit beside the K and V rings' ``ring_bytes``, else one. 16-bit d256 with two 64-key slots: two would take
     128 KB beside the rings' 128 KB; one leaves 192 KB."""
-    one = 2 * block_m * head_dim * q_bits // 8
+    one = consumers * block_m * head_dim * q_bits // 8
     return 2 if 2 * one + ring_bytes <= SMEM_BYTES.value else 1
 
 
@@ -133,11 +142,12 @@ def _zero_keys(tile, keys):
 
 @gluon.jit
 def _blocks(start_m, wg, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: gl.constexpr,
-            BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
-    """The tile's first key ``lo`` and block count ``n`` (what the producer loads), and consumer ``wg``'s
-    blocks ``[jb, je)`` of them, its first row and its own unmasked run ``[full_lo, full_hi)``."""
-    first = start_m * 2 * BLOCK_M
-    lo, _, _, hi = kv_range(first, first + 2 * BLOCK_M - 1, seqlen_q, seqlen_k, window_left, window_right,
+            BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, CONSUMERS: gl.constexpr):
+    """The tile's first key ``lo`` and block count ``n`` (what the producer loads: every key some row of the
+    ``CONSUMERS x BLOCK_M`` rows sees), and consumer ``wg``'s blocks ``[jb, je)`` of them, its first row and its
+    own unmasked run ``[full_lo, full_hi)``."""
+    first = start_m * CONSUMERS * BLOCK_M
+    lo, _, _, hi = kv_range(first, first + CONSUMERS * BLOCK_M - 1, seqlen_q, seqlen_k, window_left, window_right,
                             BLOCK_N, MASK_LEFT, MASK_RIGHT)
     n = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
     row = first + wg * BLOCK_M
@@ -164,23 +174,24 @@ def _next_slot(s, ph, STAGES: gl.constexpr):
 
 @gluon.jit
 def _take_turn(turn, c, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """With ``PINGPONG``, wait for consumer ``WG``'s turn at ring position ``c``: the other consumer has issued
-    its matmuls of position ``c - 1`` (consumer 0) or ``c`` (consumer 1). ``turn.index(w)``'s phase ``c``
-    completes when consumer ``w`` may go at ``c`` (consumer 1 completes consumer 0's phase 0 at the start)."""
+    """With ``PINGPONG``, wait for consumer ``WG``'s turn at ring position ``c``: the consumer before it has issued
+    its matmuls of position ``c - 1`` (consumer 0, after the last consumer) or ``c`` (the others).
+    ``turn.index(w)``'s phase ``c`` completes when consumer ``w`` may go at ``c`` (the last consumer completes
+    consumer 0's phase 0 at the start)."""
     if PINGPONG:
         mbarrier.wait(turn.index(WG), c & 1)
 
 
 @gluon.jit
-def _pass_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """With ``PINGPONG``, hand the tensor cores to the other consumer (its next turn)."""
+def _pass_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr):
+    """With ``PINGPONG``, hand the tensor cores to the next of ``CONSUMERS`` consumers (its next turn)."""
     if PINGPONG:
-        mbarrier.arrive(turn.index(1 - WG), count=1)
+        mbarrier.arrive(turn.index((WG + 1) % CONSUMERS), count=1)
 
 
 @gluon.jit
 def _release_unread(k_ready, k_empty, v_ready, v_empty, turn, c, STAGES: gl.constexpr, WG: gl.constexpr,
-                    PINGPONG: gl.constexpr):
+                    PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr):
     """Release ring position ``c`` without reading it: wait until it has landed (its slot's earlier use is
     over), then count this consumer's release of K and V; its turn is taken and passed on unused."""
     s, ph = _slot(c, STAGES)
@@ -189,7 +200,7 @@ def _release_unread(k_ready, k_empty, v_ready, v_empty, turn, c, STAGES: gl.cons
     mbarrier.wait(v_ready.index(s), ph)
     mbarrier.arrive(v_empty.index(s), count=1)
     _take_turn(turn, c, WG, PINGPONG)
-    _pass_turn(turn, WG, PINGPONG)
+    _pass_turn(turn, WG, PINGPONG, CONSUMERS)
 
 
 @gluon.jit
@@ -281,7 +292,8 @@ def _pv_done(acc, pv, alpha_pv, TWO_LEVEL: gl.constexpr, FIXED_MAX: gl.constexpr
 def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
               ALIBI: gl.constexpr, HAS_SINK: gl.constexpr, FIXED_MAX: gl.constexpr, FOLD_SCALE: gl.constexpr,
               STAGES: gl.constexpr, FP8: gl.constexpr, K_BLOCKS: gl.constexpr, TWO_LEVEL: gl.constexpr,
-              PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr, TAIL: gl.constexpr):
+              PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr, TAIL: gl.constexpr,
+              CONSUMERS: gl.constexpr):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, O,
      LSE, SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, row_max, window_left, window_right, stride_ob,
      stride_om, stride_oh, stride_lse_b, stride_lse_h, max_seqlen_q, max_seqlen_k, nheads, group, num_tiles, descales,
@@ -299,9 +311,13 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     P_SHIFT: gl.constexpr = p_log2(FP8)
-    Q_BUFFERS: gl.constexpr = q_smem.shape[0] // 2
-    num_m = gl.cdiv(max_seqlen_q, 2 * BLOCK_M)
-    if PINGPONG and WG == 1:
+    Q_BUFFERS: gl.constexpr = q_smem.shape[0] // CONSUMERS
+    # Three consumers' 160 registers cannot carry P_{j-1} in float32 (64 a thread) beside S_j's 64 and O's 32:
+    # they make P the 16-bit operand as its softmax ends (else PINGPONG does before its turn, the rest as the PV
+    # product is issued).
+    P_AT_SOFTMAX: gl.constexpr = CONSUMERS == 3
+    num_m = gl.cdiv(max_seqlen_q, CONSUMERS * BLOCK_M)
+    if PINGPONG and WG == CONSUMERS - 1:
         # Consumer 0 takes the first turn.
         mbarrier.arrive(turn.index(0), count=1)
     base = 0
@@ -311,12 +327,13 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
         _, q_start, seqlen_q, _, _, seqlen_k = _tile_sequence(off_b, max_seqlen_q, max_seqlen_k, seqs, q_desc,
                                                               k_desc, IS_VARLEN, HAS_SEQUSED, False)
         # A tile past its packed sequence's rows has nothing to load or store: the producer skips it too.
-        if start_m * 2 * BLOCK_M < seqlen_q:
+        if start_m * CONSUMERS * BLOCK_M < seqlen_q:
             lo, n, jb, je, first_row, full_lo, full_hi = _blocks(start_m, WG, seqlen_q, seqlen_k, window_left,
                                                                  window_right, BLOCK_M, BLOCK_N, MASK_LEFT,
-                                                                 MASK_RIGHT)
+                                                                 MASK_RIGHT, CONSUMERS)
             for j in range(0, jb):
-                _release_unread(k_ready, k_empty, v_ready, v_empty, turn, base + j, STAGES, WG, PINGPONG)
+                _release_unread(k_ready, k_empty, v_ready, v_empty, turn, base + j, STAGES, WG, PINGPONG,
+                                CONSUMERS)
 
             offs_m = first_row + gl.arange(0, BLOCK_M, layout=rows_s)
             offs_n = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -327,11 +344,11 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
             s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
             l_i = row_parts_start(l_i, s_zero, row_parts(ALIBI))
             qb = i % Q_BUFFERS
-            mbarrier.wait(q_ready.index(qb * 2 + WG), (i // Q_BUFFERS) & 1)
-            q = q_smem.index(qb * 2 + WG).reshape([BLOCK_M, HEAD_DIM])
+            mbarrier.wait(q_ready.index(qb * CONSUMERS + WG), (i // Q_BUFFERS) & 1)
+            q = q_smem.index(qb * CONSUMERS + WG).reshape([BLOCK_M, HEAD_DIM])
             q_tail = q
             if TAIL:
-                q_tail = q_tail_smem.index(qb * 2 + WG).reshape([BLOCK_M, q_tail_smem.shape[4]])
+                q_tail = q_tail_smem.index(qb * CONSUMERS + WG).reshape([BLOCK_M, q_tail_smem.shape[4]])
             off_hk = off_h // group
             score_scale, out_scale = _tile_scales(descales, off_b, off_hk, start_m, qk_scale, FP8, K_BLOCKS)
             if FOLD_SCALE:
@@ -348,13 +365,14 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
                 mbarrier.wait(k_ready.index(s), ph)
                 _take_turn(turn, base + jb, WG, PINGPONG)
                 qk = _scores_mma(q, q_tail, k_smem, k_tail_smem, s, s_zero, TAIL)
-                _pass_turn(turn, WG, PINGPONG)
+                _pass_turn(turn, WG, PINGPONG, CONSUMERS)
                 qk = warpgroup_mma_wait(0, deps=(qk, ))
                 mbarrier.arrive(k_empty.index(s), count=1)
                 p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, first_row, offs_m, offs_n + jb * BLOCK_N, start_n,
                                                     (start_n < full_lo) | (start_n >= full_hi), seqlen_q, seqlen_k,
                                                     block_scale, softcap2, slope2, window_left, window_right,
                                                     MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, FIXED_MAX, P_SHIFT)
+                p = _p_operand(p, p_layout, dtype, P_AT_SOFTMAX)
                 # The factor that moves O to the max of the block whose P V joins it next (TWO_LEVEL; O is 0 here).
                 alpha_pv = alpha
                 for j in range(jb + 1, je):
@@ -365,14 +383,14 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
                     block_scale = _block_scale(score_scale, descales, off_b, off_hk, start_n, K_BLOCKS)
                     # S_j = Q K_j^T and O += P_{j-1} V_{j-1} both go to the tensor cores (with PINGPONG P is made
                     # the operand before the turn is taken, so the turn is held only while they are issued)...
-                    p = _p_operand(p, p_layout, dtype, PINGPONG)
+                    p = _p_operand(p, p_layout, dtype, PINGPONG and not P_AT_SOFTMAX)
                     mbarrier.wait(k_ready.index(s), ph)
                     _take_turn(turn, base + j, WG, PINGPONG)
                     qk = _scores_mma(q, q_tail, k_smem, k_tail_smem, s, s_zero, TAIL)
                     mbarrier.wait(v_ready.index(prev), ph_prev)
-                    acc, pv = _pv_mma(_p_operand(p, p_layout, dtype, not PINGPONG), _v_operand(v_smem, prev, FP8),
-                                      acc, pv_zero, TWO_LEVEL)
-                    _pass_turn(turn, WG, PINGPONG)
+                    acc, pv = _pv_mma(_p_operand(p, p_layout, dtype, not (PINGPONG or P_AT_SOFTMAX)),
+                                      _v_operand(v_smem, prev, FP8), acc, pv_zero, TWO_LEVEL)
+                    _pass_turn(turn, WG, PINGPONG, CONSUMERS)
                     # ...S_j is waited for alone (wgmma groups retire in order), and K_j's slot released.
                     qk = warpgroup_mma_wait(1, deps=(qk, ))
                     mbarrier.arrive(k_empty.index(s), count=1)
@@ -382,6 +400,7 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
                                                         seqlen_k, block_scale, softcap2, slope2, window_left,
                                                         window_right, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
                                                         FIXED_MAX, P_SHIFT)
+                    p = _p_operand(p, p_layout, dtype, P_AT_SOFTMAX)
                     acc = _pv_done(acc, pv, alpha_pv, TWO_LEVEL, FIXED_MAX)
                     mbarrier.arrive(v_empty.index(prev), count=1)
                     if TWO_LEVEL:
@@ -396,7 +415,7 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
                     mbarrier.arrive(q_empty.index(qb), count=1)
                 # The last block's PV product (s, ph: block je - 1's slot).
                 mbarrier.wait(v_ready.index(s), ph)
-                acc, pv = _pv_mma(_p_operand(p, p_layout, dtype, True), _v_operand(v_smem, s, FP8), acc,
+                acc, pv = _pv_mma(_p_operand(p, p_layout, dtype, not P_AT_SOFTMAX), _v_operand(v_smem, s, FP8), acc,
                                   pv_zero, TWO_LEVEL)
                 acc = _pv_done(acc, pv, alpha_pv, TWO_LEVEL, FIXED_MAX)
                 mbarrier.arrive(v_empty.index(s), count=1)
@@ -408,7 +427,8 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
                 # loop's branch cost FP8 d256 4% at 16k).
                 mbarrier.arrive(q_empty.index(qb), count=1)
             for j in range(je, n):
-                _release_unread(k_ready, k_empty, v_ready, v_empty, turn, base + j, STAGES, WG, PINGPONG)
+                _release_unread(k_ready, k_empty, v_ready, v_empty, turn, base + j, STAGES, WG, PINGPONG,
+                                CONSUMERS)
             base += n
             i += 1
 
@@ -444,16 +464,16 @@ def _load_rows(desc, tail_desc, bar, ring, tail_ring, slot, off_b, row, off_h, T
 
 @gluon.jit
 def _producer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr,
-              IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr, TAIL: gl.constexpr):
+              IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr, TAIL: gl.constexpr, CONSUMERS: gl.constexpr):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, O,
      LSE, SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, row_max, window_left, window_right, stride_ob,
      stride_om, stride_oh, stride_lse_b, stride_lse_h, max_seqlen_q, max_seqlen_k, nheads, group, num_tiles, descales,
      seqs, v_landed, tails) = args
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
-    Q_BUFFERS: gl.constexpr = q_smem.shape[0] // 2
+    Q_BUFFERS: gl.constexpr = q_smem.shape[0] // CONSUMERS
     q_tail_desc, k_tail_desc, q_tail_smem, k_tail_smem = tails
-    num_m = gl.cdiv(max_seqlen_q, 2 * BLOCK_M)
+    num_m = gl.cdiv(max_seqlen_q, CONSUMERS * BLOCK_M)
     c = 0
     i = 0
     tails = 0
@@ -464,18 +484,19 @@ def _producer(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: g
         tma_b, q_start, seqlen_q, k_start, v_start, seqlen_k = _tile_sequence(off_b, max_seqlen_q, max_seqlen_k,
                                                                               seqs, q_desc, k_desc, IS_VARLEN,
                                                                               HAS_SEQUSED, True)
-        if start_m * 2 * BLOCK_M < seqlen_q:
+        if start_m * CONSUMERS * BLOCK_M < seqlen_q:
             lo, n, _, _, _, _, _ = _blocks(start_m, 0, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M,
-                                           BLOCK_N, MASK_LEFT, MASK_RIGHT)
-            # Q of both consumers' rows into the buffer the tile before last (one buffer: the last tile) has
+                                           BLOCK_N, MASK_LEFT, MASK_RIGHT, CONSUMERS)
+            # Q of every consumer's rows into the buffer the tile before last (one buffer: the last tile) has
             # released (rows past the tensor arrive as zeros; a packed sequence's next rows are never stored).
             qb = i % Q_BUFFERS
             mbarrier.wait(q_empty.index(qb), ((i // Q_BUFFERS) & 1) ^ 1)
-            for w in gl.static_range(2):
-                _load_rows(q_desc, q_tail_desc, q_ready.index(qb * 2 + w), q_smem, q_tail_smem, qb * 2 + w, tma_b,
-                           q_start + start_m * 2 * BLOCK_M + w * BLOCK_M, off_h, TAIL)
+            for w in gl.static_range(CONSUMERS):
+                _load_rows(q_desc, q_tail_desc, q_ready.index(qb * CONSUMERS + w), q_smem, q_tail_smem,
+                           qb * CONSUMERS + w, tma_b, q_start + start_m * CONSUMERS * BLOCK_M + w * BLOCK_M, off_h,
+                           TAIL)
             for j in range(n):
-                # Each slot is refilled once both consumers have released its last use (the first pass waits
+                # Each slot is refilled once every consumer has released its last use (the first pass waits
                 # on the phase before the barrier's first, which counts as done).
                 s, ph = _slot(c, STAGES)
                 row = lo + j * BLOCK_N
@@ -506,13 +527,15 @@ def attn_fwd_sm90_ws(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, S
                      stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, group, nheads, num_tiles,
                      MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                      HAS_SINK: gl.constexpr, FIXED_MAX: gl.constexpr, FOLD_SCALE: gl.constexpr, STAGES: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr, TAIL: gl.constexpr, num_warps: gl.constexpr):
+                     CONSUMER_REGS: gl.constexpr, TAIL: gl.constexpr, CONSUMERS: gl.constexpr,
+                     PINGPONG: gl.constexpr, num_warps: gl.constexpr):
     """``q_desc``/``k_desc``/``v_desc``: TMA descriptors of the ``(batch, seqlen, heads, headdim)`` inputs with
     ``[1, 64, 1, HEAD_DIM]`` (Q: one consumer's rows), ``[1, BLOCK_N, 1, HEAD_DIM]`` and ``[1, BLOCK_N, 1,
     HEAD_DIM_V]`` tiles, HEAD_DIM 64, 128 or 256 (v's alike); with ``TAIL`` q and k of head dim 192 come in two
     parts, as fwd_sm90 reads them: ``q_desc``/``k_desc`` their first 128 columns, ``q_tail_desc``/``k_tail_desc``
-    the last 64 (None without ``TAIL``), and v has 128. ``num_tiles``: batch x heads x 128-row query blocks,
-    walked by ``grid`` CTAs."""
+    the last 64 (None without ``TAIL``), and v has 128. ``CONSUMERS``: 2 or 3 consumer warpgroups of 64 rows
+    (``PINGPONG``: taking turns at the tensor cores); ``num_tiles``: batch x heads x query blocks of ``CONSUMERS x 64``
+    rows, walked by ``grid`` CTAs."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM_V: gl.constexpr = v_desc.block_type.shape[3]
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM_V], v_desc.layout)
@@ -522,7 +545,7 @@ def attn_fwd_sm90_ws(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, O, LSE, S
                    row_max, window_left, window_right, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h,
                    seqlen_q, seqlen_k, group, nheads, num_tiles, descales, (O, O, O, O), (q_tail_desc, k_tail_desc),
                    MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_SINK, FIXED_MAX, FOLD_SCALE, STAGES, CONSUMER_REGS, False,
-                   False, False, False, False, False, TAIL, num_warps)
+                   False, False, PINGPONG, False, False, TAIL, CONSUMERS, num_warps)
 
 
 @gluon.jit
@@ -533,14 +556,15 @@ def run_partitions(q_desc, k_desc, v_desc, v_smem, O, LSE, SINK, ALIBI_SLOPES, s
                    FIXED_MAX: gl.constexpr, FOLD_SCALE: gl.constexpr, STAGES: gl.constexpr,
                    CONSUMER_REGS: gl.constexpr, FP8: gl.constexpr, K_BLOCKS: gl.constexpr, TWO_LEVEL: gl.constexpr,
                    PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr, TAIL: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   CONSUMERS: gl.constexpr, num_warps: gl.constexpr):
     """The CTA's shared memory, barriers and partitions, around the V ring ``v_smem`` the kernel allocated
     (its layout is the kernel's: V's rows, or with ``FP8`` V^T's). ``K_BLOCKS``, ``TWO_LEVEL``: FP8's per-block K
     descales and block-wise float32 sum of O (:func:`_block_scale`, :func:`_pv_mma`); ``PINGPONG``: the consumers
     take turns issuing their matmuls (:func:`_take_turn`). ``IS_VARLEN`` (FP8 only; 16-bit packed sequences run
     fwd_sm90.py): ``seqs`` holds ``(CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K, ERR)``, ``seqlen_q``/``seqlen_k`` are the
     longest lengths and ``off_b`` of a tile a sequence (:func:`_tile_sequence`). ``TAIL``: ``tail_descs`` holds the
-    descriptors of q's and k's last columns (192 = 128 + 64), which get rings of their own beside Q's and K's."""
+    descriptors of q's and k's last columns (192 = 128 + 64), which get rings of their own beside Q's and K's.
+    ``CONSUMERS``: 2 or 3 consumer warpgroups (3: 16-bit)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
@@ -551,41 +575,45 @@ def run_partitions(q_desc, k_desc, v_desc, v_smem, O, LSE, SINK, ALIBI_SLOPES, s
     gl.static_assert(num_warps == 4, "the default partition is consumer 0, one warpgroup")
     gl.static_assert(not (FP8 and FOLD_SCALE), "FP8 Q cannot take the scale: it is applied to the scores")
     gl.static_assert(FP8 or not IS_VARLEN, "the keys past a packed sequence are zeroed in V^T's layout (FP8's)")
-    # One or two Q buffers (this tile's and the next's) of two consumers' rows each, and the K ring (V's is
+    gl.static_assert(CONSUMERS == 2 or CONSUMERS == 3, "two or three consumer warpgroups")
+    # FP8's Q descales come a DESCALE_BLOCK (two consumers' rows) at a time.
+    gl.static_assert(CONSUMERS == 2 or not FP8, "three consumers: 16-bit")
+    # One or two Q buffers (this tile's and the next's) of every consumer's rows, and the K ring (V's is
     # given, with as many slots).
     Q_BUFFERS: gl.constexpr = q_buffers(BLOCK_M, HEAD_DIM + TAIL_DIM, dtype.primitive_bitwidth,
                                         STAGES * BLOCK_N * (HEAD_DIM + TAIL_DIM + HEAD_DIM_V)
-                                        * dtype.primitive_bitwidth // 8)
-    q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFFERS, 1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
+                                        * dtype.primitive_bitwidth // 8, CONSUMERS)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS * Q_BUFFERS, 1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
     if TAIL:
-        q_tail_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFFERS, 1, BLOCK_M, 1, TAIL_DIM], q_tail_desc.layout)
+        q_tail_smem = gl.allocate_shared_memory(dtype, [CONSUMERS * Q_BUFFERS, 1, BLOCK_M, 1, TAIL_DIM],
+                                                q_tail_desc.layout)
         k_tail_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, TAIL_DIM], k_tail_desc.layout)
         tails = (q_tail_desc, k_tail_desc, q_tail_smem, k_tail_smem)
     else:
         # No tail (nothing more for the partitions to capture).
         tails = (None, None, None, None)
-    q_ready = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS * Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     # A packed sequence's last V^T block lands here first, for the producer to zero the keys past the sequence.
     v_landed = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for b in gl.static_range(2 * Q_BUFFERS):
+    for b in gl.static_range(CONSUMERS * Q_BUFFERS):
         mbarrier.init(q_ready.index(b), count=1)
     for b in gl.static_range(Q_BUFFERS):
-        mbarrier.init(q_empty.index(b), count=2)
+        mbarrier.init(q_empty.index(b), count=CONSUMERS)
     for b in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(b), count=1)
         mbarrier.init(v_ready.index(b), count=1)
-        # Both consumers release every slot, read or not.
-        mbarrier.init(k_empty.index(b), count=2)
-        mbarrier.init(v_empty.index(b), count=2)
+        # Every consumer releases every slot, read or not.
+        mbarrier.init(k_empty.index(b), count=CONSUMERS)
+        mbarrier.init(v_empty.index(b), count=CONSUMERS)
     if PINGPONG:
-        for w in gl.static_range(2):
+        for w in gl.static_range(CONSUMERS):
             mbarrier.init(turn.index(w), count=1)
     if IS_VARLEN:
         mbarrier.init(v_landed, count=1)
@@ -593,9 +621,28 @@ def run_partitions(q_desc, k_desc, v_desc, v_smem, O, LSE, SINK, ALIBI_SLOPES, s
             turn, O, LSE, SINK, ALIBI_SLOPES, stride_alibi_b, qk_scale, softcap2, row_max, window_left, window_right,
             stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, group, num_tiles,
             descales, seqs, v_landed, tails)
-    gl.warp_specialize([(_consumer, (args, 0, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_SINK, FIXED_MAX, FOLD_SCALE,
-                                     STAGES, FP8, K_BLOCKS, TWO_LEVEL, PINGPONG, IS_VARLEN, HAS_SEQUSED, TAIL)),
-                        (_consumer, (args, 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_SINK, FIXED_MAX, FOLD_SCALE,
-                                     STAGES, FP8, K_BLOCKS, TWO_LEVEL, PINGPONG, IS_VARLEN, HAS_SEQUSED, TAIL)),
-                        (_producer, (args, MASK_LEFT, MASK_RIGHT, STAGES, FP8, IS_VARLEN, HAS_SEQUSED, TAIL))],
-                       [4, 1], [CONSUMER_REGS, 24])
+    if CONSUMERS == 3:
+        # Four warpgroups (the producer's padded to one) in 64K registers: three consumers at 160 (the one the
+        # kernel runs as, consumer 0, keeps what the others leave: 168) and the producer at 24.
+        gl.warp_specialize([(_consumer, (args, 0, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_SINK, FIXED_MAX,
+                                         FOLD_SCALE, STAGES, FP8, K_BLOCKS, TWO_LEVEL, PINGPONG, IS_VARLEN,
+                                         HAS_SEQUSED, TAIL, CONSUMERS)),
+                            (_consumer, (args, 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_SINK, FIXED_MAX,
+                                         FOLD_SCALE, STAGES, FP8, K_BLOCKS, TWO_LEVEL, PINGPONG, IS_VARLEN,
+                                         HAS_SEQUSED, TAIL, CONSUMERS)),
+                            (_consumer, (args, 2, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_SINK, FIXED_MAX,
+                                         FOLD_SCALE, STAGES, FP8, K_BLOCKS, TWO_LEVEL, PINGPONG, IS_VARLEN,
+                                         HAS_SEQUSED, TAIL, CONSUMERS)),
+                            (_producer, (args, MASK_LEFT, MASK_RIGHT, STAGES, FP8, IS_VARLEN, HAS_SEQUSED, TAIL,
+                                         CONSUMERS))],
+                           [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+    else:
+        gl.warp_specialize([(_consumer, (args, 0, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_SINK, FIXED_MAX,
+                                         FOLD_SCALE, STAGES, FP8, K_BLOCKS, TWO_LEVEL, PINGPONG, IS_VARLEN,
+                                         HAS_SEQUSED, TAIL, CONSUMERS)),
+                            (_consumer, (args, 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_SINK, FIXED_MAX,
+                                         FOLD_SCALE, STAGES, FP8, K_BLOCKS, TWO_LEVEL, PINGPONG, IS_VARLEN,
+                                         HAS_SEQUSED, TAIL, CONSUMERS)),
+                            (_producer, (args, MASK_LEFT, MASK_RIGHT, STAGES, FP8, IS_VARLEN, HAS_SEQUSED, TAIL,
+                                         CONSUMERS))],
+                           [4, 1], [CONSUMER_REGS, 24])

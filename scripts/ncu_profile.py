@@ -169,9 +169,9 @@ def parse_case(text: str) -> Case:
 # ---------------------------------------------------------------- the child: one call under the profiler
 
 
-def make_call(case: Case):
-    """Inputs on the GPU and a function making the case's call once (its outputs allocated by the call, the
-    backward's gradients once here)."""
+def make_call(case: Case, device: str = "cuda", dtype=None):
+    """Inputs (bf16 unless ``dtype``) and a function making the case's call once (its outputs allocated by the
+    call, the backward's gradients once here)."""
     import torch
 
     import flashtile
@@ -181,12 +181,12 @@ def make_call(case: Case):
     from flashtile.backends.torch_fp8 import FP8_MAX, to_fp8
     from flashtile.testing import make_qkv, random_like
 
-    bf16 = torch.bfloat16
+    dtype = dtype or torch.bfloat16
     if case.kind.startswith("decode"):
-        q = torch.randn(case.batch, 1, case.nheads, case.head_dim, device="cuda", dtype=bf16)
-        k, v = (torch.randn(case.batch, case.seqlen_k, case.nheads_kv, case.head_dim, device="cuda", dtype=bf16)
+        q = torch.randn(case.batch, 1, case.nheads, case.head_dim, device=device, dtype=dtype)
+        k, v = (torch.randn(case.batch, case.seqlen_k, case.nheads_kv, case.head_dim, device=device, dtype=dtype)
                 for _ in range(2))
-        seqlens = torch.full((case.batch,), case.seqlen_k, dtype=torch.int32, device="cuda")
+        seqlens = torch.full((case.batch,), case.seqlen_k, dtype=torch.int32, device=device)
         if case.kind == "decode":
             return lambda: flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=True)
         # Per-KV-head descales: each head's amax over the cache mapped to e4m3's largest value (as the FP8 suite).
@@ -194,8 +194,8 @@ def make_call(case: Case):
         k8, v8 = to_fp8(k.float() / k_descale[:, None]), to_fp8(v.float() / v_descale[:, None])
         return lambda: flashtile.flash_attn_with_kvcache(q, k8, v8, cache_seqlens=seqlens, causal=True,
                                                          k_descale=k_descale, v_descale=v_descale)
-    q, k, v = make_qkv(case.batch, case.seqlen_q, case.seqlen_k, case.nheads, case.nheads_kv, case.head_dim, bf16,
-                       "cuda", requires_grad=False)
+    q, k, v = make_qkv(case.batch, case.seqlen_q, case.seqlen_k, case.nheads, case.nheads_kv, case.head_dim, dtype,
+                       device, requires_grad=False)
     v = v[..., :case.head_dim_v].contiguous()
     args = validation.attn_args(q, k, v, causal=case.causal)
     if case.kind == "fwd":
@@ -641,24 +641,24 @@ def main(argv=None) -> int:
     env = {**common.base_env(), "ncu": ncu_version(ncu), "ncu_path": ncu, "sections": list(SECTIONS),
            "clock_control": "none", "source": args.source, "kernel_filter": args.kernel, "note": WS_NOTE}
     commit = (env["git_commit"] or "nocommit")[:7]
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    stem = common.unique_stem(args.out, f"ncu-{env['date']}-{commit}")
-    results, failures = [], []
+    out = Path(args.out).resolve()  # the child runs in the repository root: its paths must not be relative
+    out.mkdir(parents=True, exist_ok=True)
+    stem = common.unique_stem(out, f"ncu-{env['date']}-{commit}")
+    results, failures, path = [], [], None
     for case in cases:
         try:
-            result = run_case(ncu, case, stem, args)
+            results.append(run_case(ncu, case, stem, args))
+            print_case(case, results[-1])
         except ProfileError as error:
             failures.append({"case": case.text, "error": str(error)})
             print(f"ncu_profile: {case.text}: {error}", file=sys.stderr)
             if not results:
                 # Nothing worked yet: a missing counter access fails every case alike.
                 return 1
-            continue
-        results.append(result)
-        print_case(case, result)
-    gpu = next((r["child"].get("gpu") for r in results if r["child"].get("gpu")), "unknown GPU")
-    path = stem.with_name(f"{common.gpu_slug(gpu)}-{stem.name}.json")
-    common.write_json(path, {"meta": {**env, "gpu": gpu}, "cases": results, "failures": failures})
+        # Written after every case: a run stopped by a time limit keeps the cases done.
+        gpu = results[0]["child"].get("gpu", "unknown GPU")
+        path = stem.with_name(f"{common.gpu_slug(gpu)}-{stem.name}.json")
+        common.write_json(path, {"meta": {**env, "gpu": gpu}, "cases": results, "failures": failures})
     print(f"\nwrote {path}")
     return 1 if failures else 0
 

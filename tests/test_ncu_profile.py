@@ -235,3 +235,24 @@ def test_no_ncu(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(ncu_profile, "find_ncu", lambda: None)
     assert ncu_profile.main(["fwd:d64:16k", "--out", str(tmp_path)]) == 1
     assert capsys.readouterr().err.count("\n") == 1
+
+
+@pytest.mark.parametrize("kind, head_dim, causal", [("fwd", 64, True), ("bwd", 64, False), ("fwd-fp8", 64, True),
+                                                     ("decode", 128, False), ("decode-fp8", 128, False)])
+def test_each_kind_makes_its_call(kind, head_dim, causal, device):
+    """The calls the child profiles, at an awkward small shape in fp16 (on CPU through the interpreter): they run
+    and write finite outputs (the backward: the gradients held in its closure)."""
+    import torch
+
+    case = ncu_profile.Case("t", kind, 2, 1 if kind.startswith("decode") else 37, 65, 4, 2 if kind.startswith(
+        "decode") else 4, head_dim, head_dim, causal)
+    call = ncu_profile.make_call(case, device=device, dtype=torch.float16)
+    with torch.no_grad():
+        result = call()
+    if kind == "bwd":
+        grads = [cell.cell_contents for cell in call.__closure__ if isinstance(cell.cell_contents, torch.Tensor)]
+        assert grads and all(torch.isfinite(g.float()).all() for g in grads)
+        return
+    out = result[0] if isinstance(result, tuple) else result
+    expected_rows = 1 if kind.startswith("decode") else 37
+    assert out.shape == (2, expected_rows, 4, head_dim) and torch.isfinite(out.float()).all()

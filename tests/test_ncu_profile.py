@@ -256,3 +256,8 @@ def test_each_kind_makes_its_call(kind, head_dim, causal, device):
     out = result[0] if isinstance(result, tuple) else result
     expected_rows = 1 if kind.startswith("decode") else 37
     assert out.shape == (2, expected_rows, 4, head_dim) and torch.isfinite(out.float()).all()
+
+
+def test_documented():
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert "scripts/ncu_profile.py" in text and all(kind in text for kind in ncu_profile.KINDS)

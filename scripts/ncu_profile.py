@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import glob
 import json
 import os
 import re
@@ -237,9 +238,12 @@ def run_child(case: Case, warmup: int, meta_path: Path) -> None:
 
 
 def find_ncu() -> str | None:
-    """``$NCU``, ``ncu`` on the PATH, or ``$CUDA_HOME/bin/ncu`` (default /usr/local/cuda): the first that exists."""
+    """``$NCU``, ``ncu`` on the PATH, ``$CUDA_HOME/bin/ncu`` (default /usr/local/cuda), then the newest of the
+    usual install places (/usr/local/cuda-*/bin, /opt/nvidia/nsight-compute/*): the first that runs."""
     cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-    for candidate in (os.environ.get("NCU"), shutil.which("ncu"), os.path.join(cuda_home, "bin", "ncu")):
+    installed = sorted(glob.glob("/usr/local/cuda-*/bin/ncu")) + sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"))
+    for candidate in (os.environ.get("NCU"), shutil.which("ncu"), os.path.join(cuda_home, "bin", "ncu"),
+                      *reversed(installed)):
         if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
             return candidate
     return None
@@ -259,7 +263,8 @@ def profile_command(ncu: str, case: Case, report: Path, meta: Path, *, warmup: i
 
 
 def import_command(ncu: str, report: Path, page: str) -> list[str]:
-    """Reads ``page`` (``raw``: every metric by ID, in base units; ``source``: the SASS with its samples) of a report."""
+    """The command printing ``page`` of a report as CSV (``raw``: every metric by ID, in base units; ``source``:
+    the SASS with its samples)."""
     extra = ["--print-units", "base"] if page == "raw" else ["--print-source", "sass"]
     return [ncu, "--import", str(report), "--page", page, "--csv", *extra]
 
@@ -538,6 +543,11 @@ class ProfileError(Exception):
     """ncu ran but produced nothing to read: the message is the reason, one line."""
 
 
+def _run(cmd: list, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``cmd``'s exit status and output (undecodable bytes replaced), run in the repository root."""
+    return subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=timeout, cwd=ROOT)
+
+
 def _reason(log: str) -> str:
     """What ncu's output says went wrong: its first error (or its no-kernel warning) and the child's last line
     (a Python error's message), in one line."""
@@ -554,14 +564,14 @@ def run_case(ncu: str, case: Case, stem: Path, args) -> dict:
     cmd = profile_command(ncu, case, report, meta, warmup=args.warmup, source=args.source, kernel=args.kernel)
     common.log(f"ncu_profile: profiling {case.describe()}:\n  {' '.join(cmd)}")
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
+        done = _run(cmd, args.timeout)
         status, log = f"exit {done.returncode}", done.stdout + done.stderr
     except subprocess.TimeoutExpired:
         status, log = "timed out", f"==ERROR== ncu ran past --timeout {args.timeout} s"
     log_path.write_text(log)
     if status != "exit 0" or not report.is_file():
         raise ProfileError(f"ncu {status}, no usable report: {_reason(log)} (log: {log_path})")
-    raw = subprocess.run(import_command(ncu, report, "raw"), capture_output=True, text=True, timeout=300)
+    raw = _run(import_command(ncu, report, "raw"))
     kernels = parse_raw(raw.stdout)
     if not kernels:
         raise ProfileError(f"the report's raw page holds no kernel: {_reason(raw.stdout + raw.stderr)}")
@@ -578,7 +588,7 @@ def run_case(ncu: str, case: Case, stem: Path, args) -> dict:
     result["tflops"] = None if case.cache_bytes else common.tflops(case.flops, main["duration_ms"])
     result["gbps"] = common.gbps(case.cache_bytes, main["duration_ms"]) if case.cache_bytes else None
     if args.source:
-        page = subprocess.run(import_command(ncu, report, "source"), capture_output=True, text=True, timeout=300)
+        page = _run(import_command(ncu, report, "source"))
         blocks = parse_source(page.stdout)
         name = main["kernel"] if main["kernel"] in blocks else next(iter(blocks), main["kernel"])
         result["source"] = {name: blocks.get(name, [])}
@@ -604,7 +614,7 @@ def print_case(case: Case, result: dict) -> None:
 
 def ncu_version(ncu: str) -> str:
     try:
-        out = subprocess.run([ncu, "--version"], capture_output=True, text=True, timeout=60).stdout
+        out = _run([ncu, "--version"], 60).stdout
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     lines = [line.strip() for line in out.splitlines() if line.strip()]

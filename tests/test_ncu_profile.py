@@ -15,8 +15,11 @@ ncu_profile = importlib.util.module_from_spec(_spec)
 sys.modules["ncu_profile"] = ncu_profile  # dataclasses look their module up there
 _spec.loader.exec_module(ncu_profile)
 
-LAUNCH = '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC"'
-METRICS = ["gpu__time_duration.sum", "launch__registers_per_thread", "sm__warps_active.avg.pct_of_peak_sustained_active",
+# ncu's own launch columns, as its raw page prints them ahead of the metric IDs.
+LAUNCH = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",'
+          '"Device","CC"')
+METRICS = ["gpu__time_duration.sum", "launch__registers_per_thread",
+           "sm__warps_active.avg.pct_of_peak_sustained_active",
            "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
            "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active",
            "sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active",

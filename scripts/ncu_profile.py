@@ -18,7 +18,7 @@ is DeepSeek's 192/128 (values of 128, 16 heads, ``B = 8192 // N``). Decode: GQA 
 suite. Lengths take a ``k`` (x 1024). The inputs are bf16 and fresh standard-normal.
 
 Each case runs in a child process of its own under ``ncu --clock-control none`` (the clocks left alone), which
-profiles the kernels of ONE call: the child makes the call ``--warmup`` times (compiles, autotuning and the first
+profiles the kernels of ONE call: the child makes the call ``--warmup`` times (the compiles and the first
 launches stay outside), then brackets one more call with ``cudaProfilerStart``/``Stop`` (``--profile-from-start
 off``). Every kernel of that call is profiled (``--kernel`` narrows them by a regex of their names) with the
 sections SpeedOfLight, ComputeWorkloadAnalysis, WarpStateStats, SchedulerStats, Occupancy, LaunchStats,
@@ -44,7 +44,8 @@ Output: one table a case on stdout, and under ``--out`` (default ``flashtile-res
 ``.ncu-rep`` (open it in Nsight Compute's GUI) and ncu's log. If ncu is missing or collects nothing (no
 counter access: ERR_NVGPUCTRPERM, a sandbox without the GPU's performance counters) the run exits 1 with the
 reason in one line and prints no table; a case that fails after another worked is reported and the others go on.
-Environment: ``NCU`` (the ncu binary; default: PATH, then ``$CUDA_HOME/bin/ncu``).
+Environment: ``NCU`` (the ncu binary; default: PATH, ``$CUDA_HOME/bin/ncu``, then the newest of
+/usr/local/cuda-*/bin/ncu and /opt/nvidia/nsight-compute/*/ncu).
 """
 from __future__ import annotations
 

@@ -596,21 +596,32 @@ def run_case(ncu: str, case: Case, stem: Path, args) -> dict:
     return result
 
 
-def print_case(case: Case, result: dict) -> None:
-    print(f"\n## {case.text}: {case.describe()}")
+def case_text(case: Case, result: dict) -> str:
+    """A case's Markdown: what ran, the kernels' table and, with ``--source``, the hottest SASS instructions."""
+    parts = [f"## {case.text}: {case.describe()}\n"]
     planned = result["child"].get("planned")
     if planned:
-        print(f"flashtile ran: {', '.join(planned)}")
-    print(f"{len(result['kernels'])} kernel(s) profiled; TFLOP/s and GB/s are the longest kernel's. {WS_NOTE}.\n")
-    print(case_table(case, result["kernels"]))
+        parts.append(f"flashtile ran: {', '.join(planned)}")
+    parts += [f"{len(result['kernels'])} kernel(s) profiled; TFLOP/s and GB/s are the longest kernel's. {WS_NOTE}.\n",
+              case_table(case, result["kernels"])]
     for name, rows in result.get("source", {}).items():
         if not any(r["samples"] for r in rows):
-            print(f"\n(no warp-state samples on the source page of {name}: its columns were not recognised; "
-                  f"read {result['report']} in Nsight Compute)")
+            parts.append(f"\n(no warp-state samples on the source page of {name}: its columns were not recognised; "
+                         f"read {result['report']} in Nsight Compute)")
             continue
-        print(f"\nHottest SASS instructions of {name} (share of all samples; reasons: share of that "
-              "instruction's samples):\n")
-        print(source_table(rows))
+        parts += [f"\nHottest SASS instructions of {name} (share of all samples; reasons: share of that "
+                  "instruction's samples):\n", source_table(rows)]
+    return "\n".join(parts) + "\n"
+
+
+def unique_name(out: Path, name: str) -> str:
+    """``name``, or ``name-2``, ``name-3``... when a file under ``out`` holds it: a run never overwrites another's
+    reports."""
+    n, unique = 1, name
+    while any(out.glob(f"*{unique}*")):
+        n += 1
+        unique = f"{name}-{n}"
+    return unique
 
 
 def ncu_version(ncu: str) -> str:
@@ -654,14 +665,16 @@ def main(argv=None) -> int:
     commit = (env["git_commit"] or "nocommit")[:7]
     out = Path(args.out).resolve()  # the child runs in the repository root: its paths must not be relative
     out.mkdir(parents=True, exist_ok=True)
-    stem = common.unique_stem(out, f"ncu-{env['date']}-{commit}")
-    results, failures, path = [], [], None
+    stem = out / unique_name(out, f"ncu-{env['date']}-{commit}")
+    results, failures, texts, path = [], [], [], None
     for case in cases:
         try:
             results.append(run_case(ncu, case, stem, args))
-            print_case(case, results[-1])
+            texts.append(case_text(case, results[-1]))
+            print("\n" + texts[-1], flush=True)
         except ProfileError as error:
             failures.append({"case": case.text, "error": str(error)})
+            texts.append(f"## {case.text}: FAILED\n\n{error}\n")
             print(f"ncu_profile: {case.text}: {error}", file=sys.stderr)
             if not results:
                 # Nothing worked yet: a missing counter access fails every case alike.
@@ -670,7 +683,9 @@ def main(argv=None) -> int:
         gpu = results[0]["child"].get("gpu", "unknown GPU")
         path = stem.with_name(f"{common.gpu_slug(gpu)}-{stem.name}.json")
         common.write_json(path, {"meta": {**env, "gpu": gpu}, "cases": results, "failures": failures})
-    print(f"\nwrote {path}")
+        title = f"# ncu profile: {gpu}, {env['ncu']}, commit {commit}, {env['date']}\n\n"
+        path.with_suffix(".md").write_text(title + "\n".join(texts))
+    print(f"\nwrote {path} and {path.with_suffix('.md').name}")
     return 1 if failures else 0
 
 

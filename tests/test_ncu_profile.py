@@ -222,6 +222,11 @@ def test_run_against_a_profile(tmp_path, monkeypatch, capsys):
     assert case["tflops"] == pytest.approx(case["flops"] / 1.25e-3 / 1e12)
     assert case["kernels"][0]["metrics"]["launch__registers_per_thread"] == 168
     assert case["source"]["attn_bwd_sm90_ws"][0]["samples"] == 1200 and result["failures"] == []
+    assert "gmma 38%" in path.with_suffix(".md").read_text()  # the tables as a file too
+    # A second run into the same directory keeps the first's files.
+    assert ncu_profile.main(["fwd:d64:1k", "--out", str(out)]) == 0
+    assert len(list(out.glob("*.json"))) == 2 and len(list(out.glob("*.md"))) == 2
+    assert len(list(out.glob("*.ncu-rep"))) == 2
 
 
 def test_no_counters_is_one_line_and_no_table(tmp_path, monkeypatch, capsys):

@@ -2,7 +2,7 @@
 duration, TFLOP/s, tensor and XU (MUFU) pipe use, issue-slot use, warp cycles per issued instruction, the top
 stall reasons with their shares, registers, occupancy and DRAM throughput of every kernel the call launches.
 
-    python scripts/ncu_profile.py CASE [CASE ...] [--out DIR] [--source] [--kernel REGEX] [--warmup N]
+    python scripts/ncu_profile.py CASE [CASE ...] [--out DIR] [--source] [--kernel REGEX] [--metrics IDS]
     python scripts/ncu_profile.py fwd:d64:16k fwd:d128:16k fwd-fp8:d128:16k bwd:d128:16k --out $OUT
 
 A CASE is ``KIND:SHAPE[:causal]``:
@@ -22,8 +22,10 @@ profiles the kernels of ONE call: the child makes the call ``--warmup`` times (t
 launches stay outside), then brackets one more call with ``cudaProfilerStart``/``Stop`` (``--profile-from-start
 off``). Every kernel of that call is profiled (``--kernel`` narrows them by a regex of their names) with the
 sections SpeedOfLight, ComputeWorkloadAnalysis, WarpStateStats, SchedulerStats, Occupancy, LaunchStats,
-InstructionStats and MemoryWorkloadAnalysis; the metrics are read back by their IDs from the report's raw page
-(``ncu --import R --page raw --csv --print-units base``) and the ones below chosen from them:
+InstructionStats and MemoryWorkloadAnalysis, which collect the metrics this ncu knows for this GPU (Hopper's
+``gmma`` stall among them; an explicit list would fail on a name a version lacks: ``--metrics`` adds names). The
+metrics are read back by their IDs from the report's raw page (``ncu --import R --page raw --csv --print-units
+base``) and the ones below chosen from them:
 
 - duration ``gpu__time_duration.sum``; TFLOP/s of the longest kernel at the project's FLOP count (forward
   ``4 * B * H * N * N * d``, halved when causal; backward 2.5x); decode: GB/s of the K and V bytes a step reads;
@@ -251,14 +253,17 @@ def find_ncu() -> str | None:
 
 
 def profile_command(ncu: str, case: Case, report: Path, meta: Path, *, warmup: int = 3, source: bool = False,
-                    kernel: str | None = None, python: str = sys.executable) -> list[str]:
-    """The ncu command line that profiles ``case``'s call in a child process into ``report`` (a .ncu-rep)."""
+                    kernel: str | None = None, metrics: str | None = None, python: str = sys.executable) -> list[str]:
+    """The ncu command line that profiles ``case``'s call in a child process into ``report`` (a .ncu-rep);
+    ``metrics``: more metric IDs (comma-separated) on top of the sections'."""
     cmd = [ncu, "--clock-control", "none", "--target-processes", "all", "--profile-from-start", "off",
            "--launch-count", str(MAX_KERNELS), "--export", str(report), "--force-overwrite"]
     if kernel:
         cmd += ["--kernel-name", f"regex:{kernel}"]
     for section in SECTIONS + (("SourceCounters",) if source else ()):
         cmd += ["--section", section]
+    if metrics:
+        cmd += ["--metrics", metrics]
     return cmd + [python, str(Path(__file__).resolve()), "--child", case.text, "--warmup", str(warmup),
                   "--meta", str(meta)]
 
@@ -562,7 +567,8 @@ def _reason(log: str) -> str:
 def run_case(ncu: str, case: Case, stem: Path, args) -> dict:
     """Profile one case; its result (kernels longest first, their summaries and metrics, the source rows)."""
     report, meta, log_path = (Path(f"{stem}-{case.slug}{suffix}") for suffix in (".ncu-rep", ".meta.json", ".log"))
-    cmd = profile_command(ncu, case, report, meta, warmup=args.warmup, source=args.source, kernel=args.kernel)
+    cmd = profile_command(ncu, case, report, meta, warmup=args.warmup, source=args.source, kernel=args.kernel,
+                          metrics=args.metrics)
     common.log(f"ncu_profile: profiling {case.describe()}:\n  {' '.join(cmd)}")
     try:
         done = _run(cmd, args.timeout)
@@ -643,6 +649,8 @@ def main(argv=None) -> int:
     parser.add_argument("--source", action="store_true",
                         help="also sample warp states at every SASS instruction; print the 20 hottest")
     parser.add_argument("--kernel", help="profile only the kernels whose names match this regex")
+    parser.add_argument("--metrics", help="more metric IDs to collect, comma-separated (kept in the JSON; a name "
+                                          "this ncu does not know fails the run: `ncu --query-metrics` lists them)")
     parser.add_argument("--warmup", type=int, default=3, help="calls before the profiled one")
     parser.add_argument("--timeout", type=int, default=600, help="seconds for one case's ncu run")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

@@ -104,8 +104,11 @@ def test_profile_command():
     child = cmd[cmd.index(sys.executable):]
     assert child[1].endswith("scripts/ncu_profile.py")
     assert child[2:] == ["--child", "fwd:d128:16k:causal", "--warmup", "5", "--meta", "/o/m.json"]
-    narrowed = ncu_profile.profile_command("ncu", case, Path("r"), Path("m"), source=True, kernel="attn_fwd")
+    narrowed = ncu_profile.profile_command("ncu", case, Path("r"), Path("m"), source=True, kernel="attn_fwd",
+                                           metrics="sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active")
     assert narrowed[narrowed.index("--kernel-name") + 1] == "regex:attn_fwd"
+    assert narrowed[narrowed.index("--metrics") + 1] == "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active"
+    assert "--metrics" not in cmd
     assert [narrowed[i + 1] for i, w in enumerate(narrowed) if w == "--section"][-1] == "SourceCounters"
     assert ncu_profile.import_command("ncu", Path("r.ncu-rep"), "raw") == [
         "ncu", "--import", "r.ncu-rep", "--page", "raw", "--csv", "--print-units", "base"]

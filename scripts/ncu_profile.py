@@ -641,9 +641,7 @@ def ncu_version(ncu: str) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="Cases: " + ", ".join(KINDS) + " (see the module docstring)")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("cases", nargs="+", metavar="CASE", help="KIND:dD:N[:causal] or decode[-fp8]:BxL")
     parser.add_argument("--out", default=common.DEFAULT_OUT, help="where the JSON, reports and logs go")
     parser.add_argument("--source", action="store_true",
@@ -665,8 +663,8 @@ def main(argv=None) -> int:
         return 0
     ncu = find_ncu()
     if ncu is None:
-        print("ncu_profile: ncu not found ($NCU, PATH, $CUDA_HOME/bin/ncu): install Nsight Compute or set NCU",
-              file=sys.stderr)
+        print("ncu_profile: ncu not found ($NCU, PATH, $CUDA_HOME/bin, /usr/local/cuda-*/bin, "
+              "/opt/nvidia/nsight-compute/*): install Nsight Compute or set NCU", file=sys.stderr)
         return 1
     env = {**common.base_env(), "ncu": ncu_version(ncu), "ncu_path": ncu, "sections": list(SECTIONS),
            "clock_control": "none", "source": args.source, "kernel_filter": args.kernel, "note": WS_NOTE}

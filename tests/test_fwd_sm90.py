@@ -406,8 +406,8 @@ def spy_ws_launches(monkeypatch) -> list:
 
 @pytest.fixture
 def ws_d64(monkeypatch):
-    """The warp-specialized forward switched on at head dim 64 (configs.GLUON_WS_D64), at its
-    own key floors; returns the head dims of its launches (:func:`spy_ws_launches`), so a call that
+    """The two-consumer warp-specialized tile at head dim 64 (configs._FWD_SM90_GLUON_WS_D64, the one ALiBi keeps) as
+    configs.GLUON_WS_D64, at its own key floors; returns the head dims of its launches (:func:`spy_ws_launches`), so a call that
     silently ran another kernel fails."""
     monkeypatch.setattr(configs, "GLUON_WS_D64", configs._FWD_SM90_GLUON_WS_D64)
     monkeypatch.setattr(configs, "GLUON_WS_FULL_KEYS", WS_FLOORS[False])
@@ -482,7 +482,7 @@ def test_warp_specialized_forward_at_head_dim_64_walks_many_tiles_per_cta(rng, m
                  **feature_options(rng, 6, sink=True))
 
 
-# Three consumer warpgroups (configs._FWD_SM90_GLUON_WS_D64_C3, off in the table): CTAs of 192 rows, the same with
+# Three consumer warpgroups (configs._FWD_SM90_GLUON_WS_D64_C3, GLUON_WS_D64's row): CTAs of 192 rows, the same with
 # 64-key slots, and with the consumers taking turns at the tensor cores (pingpong: 0, 1, 2, 0, ... at every ring
 # position, read or not). 1037 rows end 77 rows into a tile (consumer 1 holds 13, consumer 2 none), 1100 end 140 in
 # (consumer 2 holds 12).

@@ -285,8 +285,8 @@ _FWD_SM90_GLUON_WS = TileConfig(64, 128, 4, 2, kernel="gluon-ws")
 GLUON_WS_FULL_KEYS = 4096
 GLUON_WS_CAUSAL_KEYS = 8192
 GLUON_WS_FEATURES = frozenset({"sink", "softcap", "alibi"})
-# GLUON_WS_D64, d=64, 16-bit: the warp-specialized forward's tile for the rows and features it takes at d=128 (the same
-# floors), else the Triton kernel; None: off. H200, bf16, B = 16384 // N, 32 heads, fwd TFLOP/s, Triton table tile /
+# _FWD_SM90_GLUON_WS_D64, d=64, 16-bit: the warp-specialized forward's two-consumer tile for the rows and features it
+# takes at d=128 (the same floors), else the Triton kernel (GLUON_WS_D64 None: off). H200, bf16, B = 16384 // N, 32 heads, fwd TFLOP/s, Triton table tile /
 # 64x128 s2 / 64x128 s4, median of 2 interleaved rounds (benchmarks/gluon_ws_heads.py at 0259788,
 # results/h200-gluon-ws-heads-2026-11-28-0259788.json; a first run of the e02143e tree beside it):
 #   rows                               evidence
@@ -297,13 +297,17 @@ GLUON_WS_FEATURES = frozenset({"sink", "softcap", "alibi"})
 # consumer: 64x128 s2 0 STL in every case, 98.7 KB, 24 HGMMAs a consumer; s4 0 STL, 164.3 KB; 64x256 s2 225-271 STL
 # (S_j's 128 registers, P_{j-1}'s 64 in flight and O's 32 exceed 240). FA3's 192 keys are no power of two for Gluon.
 _FWD_SM90_GLUON_WS_D64 = TileConfig(64, 128, 4, 2, kernel="gluon-ws")
-GLUON_WS_D64 = _FWD_SM90_GLUON_WS_D64
 # _FWD_SM90_GLUON_WS_D64_C3, d=64: the same kernel with THREE consumer warpgroups (CTAs of 192 rows, FlashAttention-3's
 # kBlockM at d=64) sharing each 128-key K/V slot: a third less K/V TMA traffic and ring bookkeeping a row, and three
 # softmaxes for the schedulers to interleave. Registers: 3 x 4 warps at 160 (consumer 0 168) and the producer at 24
-# under maxnreg 128 (launch._WS_REGS). Off until a GPU A/B (benchmarks/gluon_ws_heads.py --dims 64 --seqlens 4096 16384,
-# variant ws-c3): to switch it on, GLUON_WS_D64 = _FWD_SM90_GLUON_WS_D64_C3 (ALiBi keeps two consumers: its linear
-# bias spills in 160 registers). sm_90 ptxas (benchmarks/sm90_compile.py fwd-ws-d64[-c3][-sink|-alibi] [causal]
+# under maxnreg 128 (launch._WS_REGS). ON (GLUON_WS_D64); ALiBi keeps two consumers (its linear bias spills in 160
+# registers). H200, bf16, 32 heads, fwd TFLOP/s, 2 consumers / 3 consumers / 3 with 64-key slots / 3 taking turns,
+# median of 2 interleaved rounds (benchmarks/gluon_ws_heads.py --dims 64 at 18f7d93,
+# results/h200-gluon-ws-heads-c3-2026-11-28-18f7d93.json):
+#   full 4x4096 / 1x16384        449/482/398/472, 459/511/426/491 (+7%, +11%)
+#   causal 1x16384               445/465/416/455 (+5%)
+#   causal 4x4096 (under the causal floor: not taken)  365/368/341/360; the Triton tile 383
+# sm_90 ptxas (benchmarks/sm90_compile.py fwd-ws-d64[-c3][-sink|-alibi] [causal]
 # [softcap]), spill stores in all / in a consumer's key loop, shared memory, SASS a warp on the unmasked 128-key block:
 #   tile          full             causal           softcap          causal softcap   sink     ALiBi
 #   2 consumers   0/0 98.7 KB 407  0/0 408          -                -                -        -
@@ -315,6 +319,7 @@ GLUON_WS_D64 = _FWD_SM90_GLUON_WS_D64
 # spills, 413-450. At d=128 three consumers spill 54-58 stores a key loop (O's 64 registers beside S's 64 and P's 32
 # fill 160; 229.8 KB): FlashAttention-3 keeps 128 rows there too.
 _FWD_SM90_GLUON_WS_D64_C3 = TileConfig(64, 128, 4, 2, kernel="gluon-ws", consumers=3)
+GLUON_WS_D64 = _FWD_SM90_GLUON_WS_D64_C3
 
 
 def ws_ctas(causal: bool, tiles: int, sms: int) -> int:

@@ -97,6 +97,9 @@ def fp8():
                                           k_descale=descale, v_descale=descale)
 
 
+WS_HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))
+
+
 def warp_specialized(small: bool):
     """The one-pass backward (d128 MHA bf16 with CTAs enough to fill the GPU; the wide kernel at 192/128 dense
     and packed, 192/192 packed and 256 dense, GQA) and the warp-specialized forward.
@@ -113,10 +116,10 @@ def warp_specialized(small: bool):
     varlen_fwd_bwd([200, 7, 300] if small else [1100, 7, 2100, 900], nheads, 192, causal=True)
     varlen_fwd_bwd([200, 7, 300] if small else [1100, 7, 2100, 900], nheads, 192, headdim_v=128, causal=True)
     fwd_bwd(batch, keys - 37, keys, nheads, nheads // 2, 256, causal=True)
-    # The warp-specialized forward at head dims 64, 128, 256 and 192/128: keys from GLUON_WS_FULL_KEYS on,
-    # (rows x keys) from GLUON_MIN_PAIRS on.
-    for head_dim, head_dim_v in ((64, 64), (128, 128), (256, 256), (192, 128)):
-        q = randn(1, 256 if small else 2304, 2 if small else 4, head_dim)
+    # The warp-specialized forward at head dims 64 (three consumers), 128, 256 and 192/128: keys from
+    # GLUON_WS_FULL_KEYS on, rows x keys x (d + dv) from GLUON_MIN_PAIRS x 256 on (d=64: twice the rows).
+    for head_dim, head_dim_v in WS_HEAD_DIMS:
+        q = randn(1, 256 if small else (4608 if head_dim == 64 else 2304), 2 if small else 4, head_dim)
         k = randn(1, configs.GLUON_WS_FULL_KEYS + 77, 2 if small else 4, head_dim)
         v = randn(1, configs.GLUON_WS_FULL_KEYS + 77, 2 if small else 4, head_dim_v)
         flashtile.flash_attn_func(q, k, v)
@@ -156,8 +159,10 @@ def main(mode: str) -> int:
     kernels = flashtile.stats()["kernels"]
     for name, count in sorted(kernels.items()):
         print(f"  {count} x {name}")
-    wanted = (["one-pass", "gluon-sm90-ws", "gluon-sm90-wide"] if mode == "ws"
+    wanted = (["one-pass", "gluon-sm90-wide"] if mode == "ws"
               else ["triton", "gluon", "one-pass", "gluon-sm90-wide", "decode", " fp8 ", "fp8_cache"])
+    # Every warp-specialized forward, by head dim (a call under the kernel's floors would run another one).
+    wanted += [f"gluon-sm90-ws d={d} " for d, _ in WS_HEAD_DIMS]
     missing = [w for w in wanted if not any(w in name for name in kernels)]
     status = 0
     if missing:

@@ -286,9 +286,10 @@ GLUON_WS_FULL_KEYS = 4096
 GLUON_WS_CAUSAL_KEYS = 8192
 GLUON_WS_FEATURES = frozenset({"sink", "softcap", "alibi"})
 # _FWD_SM90_GLUON_WS_D64, d=64, 16-bit: the warp-specialized forward's two-consumer tile for the rows and features it
-# takes at d=128 (the same floors), else the Triton kernel (GLUON_WS_D64 None: off). H200, bf16, B = 16384 // N, 32 heads, fwd TFLOP/s, Triton table tile /
-# 64x128 s2 / 64x128 s4, median of 2 interleaved rounds (benchmarks/gluon_ws_heads.py at 0259788,
-# results/h200-gluon-ws-heads-2026-11-28-0259788.json; a first run of the e02143e tree beside it):
+# takes at d=128 (the same floors), else the Triton kernel (GLUON_WS_D64 None: off). H200, bf16, B = 16384 // N,
+# 32 heads, fwd TFLOP/s, Triton table tile / 64x128 s2 / 64x128 s4, median of 2 interleaved rounds
+# (benchmarks/gluon_ws_heads.py at 0259788, results/h200-gluon-ws-heads-2026-11-28-0259788.json; a first run of the
+# e02143e tree beside it):
 #   rows                               evidence
 #   full 4x4096 / 1x16384              389/431/393, 436/446/443 (+2-11%; first run 427/441, 442/458)
 #   causal 1x16384                     429/442/437 (+3%; first run 423/445)

@@ -9,7 +9,7 @@ The pair is what ``deterministic=True`` runs. ``varlen``: packed sequences (16 l
 the features, through ``flash_attn_varlen_func``'s backward. ``ab``: the one-pass kernel against an earlier
 version of kernels/bwd_sm90_ws.py (the file at ``OLD``, e.g. from ``git show REV:path``), whole backwards in
 alternating rounds. ``knobs``: the kernel at head dims ``D`` with each of configs.OnePassConfig's knobs of
-bwd_sm90_ws.py (KNOBS; dq_rows at 64 only) against every knob off ("default"), the backward alone on the suite's dense shapes
+bwd_sm90_ws.py (KNOBS; dq_rows at 64 only, s_ahead at 128 only) against every knob off ("default"), the backward alone on the suite's dense shapes
 (16384 tokens, 2048 // D heads, N 1k/4k/16k, full and causal), alternating rounds; every variant's dQ, dK, dV
 compared with the default's first. Results: BENCHMARKS.md, results/h200-bwd-one-pass-*.json.
 """
@@ -60,10 +60,16 @@ def backward(t, one_pass):
 
 
 # The knobs of kernels/bwd_sm90_ws.py (configs.OnePassConfig fields over the head dim's with every knob off,
-# "default"); dq_rows at head dim 64 alone (128-row steps).
+# "default"); dq_rows at head dim 64 alone (128-row steps), s_ahead at 128 alone.
 KNOBS = {"default": {}, "dq_first": dict(dq_first=True), "dk_rs": dict(dk_rs=True),
          "both": dict(dq_first=True, dk_rs=True), "dq_rows": dict(dq_rows=True),
-         "fa3": dict(dq_first=True, dk_rs=True, dq_rows=True)}
+         "fa3": dict(dq_first=True, dk_rs=True, dq_rows=True), "s_ahead": dict(s_ahead=True),
+         "s_ahead_dq_first": dict(s_ahead=True, dq_first=True)}
+
+
+def knob_applies(knobs: dict, head_dim: int) -> bool:
+    """Whether the launcher takes ``knobs`` at ``head_dim``: dq_rows at 64 alone, s_ahead at 128 alone."""
+    return (head_dim == 64 or "dq_rows" not in knobs) and (head_dim == 128 or "s_ahead" not in knobs)
 
 
 def one_pass_backward(t, tiles):
@@ -240,8 +246,7 @@ if __name__ == "__main__":
         res["knobs"] = []
         for D in (int(d) for d in options.get("D", "128,64").split(",")):
             off = replace(launch.configs.one_pass_config(D), dq_first=False, dk_rs=False, dq_rows=False)
-            tiles = {name: replace(off, **knobs) for name, knobs in KNOBS.items()
-                     if D == 64 or "dq_rows" not in knobs}
+            tiles = {name: replace(off, **knobs) for name, knobs in KNOBS.items() if knob_applies(knobs, D)}
             for S in (1024, 4096, 16384):
                 for window in ((-1, -1), (-1, 0)):
                     B, H = 16384 // S, 2048 // D

@@ -59,9 +59,10 @@ def case(which: str, causal: bool, softcap: bool, window: bool = False, tiles: d
         return _quant_case(int(dims[0]) if dims else 128, int(groups[0]) if groups else 1, v_cast,
                            "-varlen" in which)
     if which.startswith("fused-d"):
-        # fused-d64 / fused-d128: kernels/bwd_sm90_ws.py through the launcher's own arguments (128-row steps at 64).
+        # fused-d64 / fused-d128[-alibi|-varlen]: kernels/bwd_sm90_ws.py through the launcher's own arguments
+        # (128-row steps at 64).
         dim = int(re.findall(r"-d(\d+)", which)[0])
-        return _one_pass_case(causal, softcap, False, False, window, (dim, dim), tiles or {})
+        return _one_pass_case(causal, softcap, "-alibi" in which, "-varlen" in which, window, (dim, dim), tiles or {})
     if which in ("fused", "fused-alibi", "fused-varlen"):
         return _fused_case(causal, softcap, which == "fused-alibi", which == "fused-varlen", window)
     if which.startswith("wide"):
@@ -131,7 +132,8 @@ def _fused_case(causal: bool, softcap: bool, alibi: bool = False, varlen: bool =
                 seqlen_k=4096, group=1)
     constexprs = dict(MASK_LEFT=window, MASK_RIGHT=causal, SOFTCAP=softcap, FAST_TANH=True, ALIBI=alibi, STAGES=2,
                       ALIBI_LINEAR=alibi and causal, IS_VARLEN=varlen, HAS_SEQUSED=varlen,
-                      CONSUMER_REGS=240, DQ_FIRST=False, DK_RS=False, num_warps=4)
+                      CONSUMER_REGS=240, DQ_FIRST=False, DK_RS=False, S_AHEAD=False,
+                      num_warps=4)
     return attn_bwd_sm90_ws, args, constexprs, dict(num_warps=4, maxnreg=168)
 
 

@@ -9,8 +9,8 @@ Triton's wheel ships, so kernels can be checked for register pressure before a G
     python benchmarks/sm90_compile.py dkdv [causal] [softcap]          # kernels/bwd_sm90.py
     python benchmarks/sm90_compile.py fused [causal] [softcap] [window] # kernels/bwd_sm90_ws.py, dense
     python benchmarks/sm90_compile.py fused-alibi|fused-varlen [causal] [softcap] [window]
-    python benchmarks/sm90_compile.py fused-d64|fused-d128 [causal] [softcap] [knob=value ...]  # the same kernel
-                                        # through its launcher (head dim 64: 128-row steps)
+    python benchmarks/sm90_compile.py fused-d64|fused-d128[-alibi|-varlen] [causal] [softcap] [knob=value ...]
+                                        # the same kernel through its launcher (head dim 64: 128-row steps)
     python benchmarks/sm90_compile.py wide[-alibi|-varlen][-v192] [causal] [softcap] [window] [knob=value ...]
                                         # bwd_sm90_wide.py, 192/128 (192/192 with -v192), through the launcher's
                                         # own arguments; knobs: configs.OnePassConfig's (stages=1 dq_first=1 ...;

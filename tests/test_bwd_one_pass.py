@@ -240,13 +240,16 @@ def test_wide_variants(rng, variant, causal, head_dim, head_dim_v):
 
 
 # The knobs of the kernel at head dims 64 and 128 (kernels/bwd_sm90_ws.py; configs.OnePassConfig fields over the head
-# dim's): FA3's order (dQ's product before dK's, dQ staged under dK's), dK's product from registers, both, and at
-# head dim 64's 128-row steps dQ split by rows, alone and with the other two (FA3's plan).
+# dim's): FA3's order (dQ's product before dK's, dQ staged under dK's), dK's product from registers, both, at head
+# dim 64's 128-row steps dQ split by rows, alone and with the other two (FA3's plan), and at 128 the next step's S^T
+# issued before this step's products are waited on, alone and with FA3's order.
 WS_VARIANTS = {"dq_first": dict(dq_first=True), "dk_rs": dict(dk_rs=True), "both": dict(dq_first=True, dk_rs=True),
-               "dq_rows": dict(dq_rows=True), "fa3": dict(dq_first=True, dk_rs=True, dq_rows=True)}
-# (variant, head dim): dq_rows at head dim 64 only.
+               "dq_rows": dict(dq_rows=True), "fa3": dict(dq_first=True, dk_rs=True, dq_rows=True),
+               "s_ahead": dict(s_ahead=True), "s_ahead-dq_first": dict(s_ahead=True, dq_first=True)}
+# (variant, head dim): dq_rows at head dim 64 only, s_ahead at 128 only.
 WS_CASES = [(variant, head_dim) for head_dim in (64, 128) for variant in WS_VARIANTS
-            if head_dim == 64 or "dq_rows" not in WS_VARIANTS[variant]]
+            if (head_dim == 64 or "dq_rows" not in WS_VARIANTS[variant])
+            and (head_dim == 128 or "s_ahead" not in WS_VARIANTS[variant])]
 WS_CASE_IDS = [f"{variant}-d{head_dim}" for variant, head_dim in WS_CASES]
 
 
@@ -307,6 +310,38 @@ def test_dq_rows_is_refused_on_64_row_steps(rng, head_dim, options):
     with pytest.raises(ValueError, match="dq_rows"):
         launch.backward(torch.randn_like(out), q, k, v, out, lse, args, *grads,
                         one_pass=replace(configs.one_pass_config(head_dim), dq_rows=True))
+
+
+@pytest.mark.parametrize("variant", ["s_ahead", "s_ahead-dq_first"])
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal",
+                         [(2, 4200, 4200, 2, 2, True), (1, 2048, 2048, 4, 1, False), (1, 1, 1, 1, 1, False),
+                          (1, 63, 65, 2, 2, False), (1, 129, 64, 2, 1, True)],
+                         ids=["long-causal", "2k-gqa-4", "one-row", "63x65", "129x64-causal"])
+def test_s_ahead(rng, monkeypatch, variant, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal):
+    """s_ahead (each step's S^T computed under the previous step's last products; the first before the loop, and
+    one after the last step onto a slot nobody reads): walks of one step, of a partial one, and of many (4200 rows:
+    the ring's slots and phases wrap), GQA; out, lse and every gradient to the tolerance rule."""
+    variant_configs(monkeypatch, variant)
+    run(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal=causal)
+
+
+@pytest.mark.parametrize("head_dim, knobs", [(64, dict(s_ahead=True)), (128, dict(s_ahead=True, dk_rs=True))],
+                         ids=["d64", "d128-dk_rs"])
+def test_s_ahead_is_refused_where_it_serializes(rng, head_dim, knobs):
+    """s_ahead at head dim 64, or with dk_rs, does not fit the registers (ptxas would serialize every wgmma): refused,
+    not run without it."""
+    from dataclasses import replace
+
+    from flashtile.backends import AttnArgs
+    from flashtile.backends.triton import launch
+
+    q, k, v = make_qkv(1, 200, 200, 2, 2, head_dim, torch.bfloat16, "cuda", generator=rng)
+    args = AttnArgs(softmax_scale=head_dim ** -0.5)
+    out, lse = launch.forward(q, k, v, args)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    with pytest.raises(ValueError, match="s_ahead"):
+        launch.backward(torch.randn_like(out), q, k, v, out, lse, args, *grads,
+                        one_pass=replace(configs.one_pass_config(head_dim), **knobs))
 
 
 def test_dk_rs_is_refused_on_wide_heads(rng):

@@ -819,8 +819,9 @@ class OnePassConfig:
     three consumer warpgroups (``keys96``: kernels/bwd_sm90_wide96.py, FA4's tile; :func:`one_pass_config` gives it
     its registers) and its dS buffers (``ds_bufs``: 1 or 2). At head dims 64 and 128 (kernels/bwd_sm90_ws.py)
     ``dq_first`` too, dK's product with dS^T from registers (``dk_rs``, FA3's), issued before dS^T is stored
-    unless ``dq_first``, and at 128-row steps (head dim 64) dQ split between the consumers by rows, not columns
-    (``dq_rows``, FA3's: products of N = 64, not 32)."""
+    unless ``dq_first``, at 128-row steps (head dim 64) dQ split between the consumers by rows, not columns
+    (``dq_rows``, FA3's: products of N = 64, not 32), and at head dim 128 the next step's S^T issued before this
+    step's dQ, dK and dV products are waited on (``s_ahead``: it runs while dQ is staged)."""
     stages: int
     consumer_regs: int = ONE_PASS_CONSUMER_REGS
     maxnreg: int = ONE_PASS_MAXNREG
@@ -831,6 +832,7 @@ class OnePassConfig:
     ds_bufs: int = 1
     dk_rs: bool = False
     dq_rows: bool = False
+    s_ahead: bool = False
 
 
 # ONE_PASS_DQ_ROWS: calls of 128-row steps (head dim 64, no softcap, not packed) split dQ by rows (dq_rows).

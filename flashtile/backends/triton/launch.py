@@ -486,6 +486,11 @@ def backward(dout, q, k, v, out, lse, args: AttnArgs, dq, dk, dv, dsink=None, db
     if one_pass is not None and one_pass.dk_rs and configs.one_pass_wide(head_dim, head_dim_v):
         raise ValueError(f"one_pass: dk_rs is a knob of the one-pass kernel at head dims 64 and 128 "
                          f"(kernels/bwd_sm90_ws.py), got head dims {head_dim}/{head_dim_v}")
+    if one_pass is not None and one_pass.s_ahead and ((head_dim, head_dim_v) != (128, 128) or one_pass.dk_rs):
+        # The next step's S^T held beside dQ, dK and dV does not fit the registers at 64 (128-row steps: 64 a thread)
+        # or beside dk_rs's operand: ptxas would serialize every wgmma (C7512).
+        raise ValueError(f"one_pass: s_ahead is a knob of the one-pass kernel at head dim 128 without dk_rs "
+                         f"(kernels/bwd_sm90_ws.py), got head dims {head_dim}/{head_dim_v}, dk_rs={one_pass.dk_rs}")
     if one_pass is not None and one_pass.dq_rows and (configs.one_pass_wide(head_dim, head_dim_v)
                                                       or configs.one_pass_rows(head_dim, features) != 128):
         raise ValueError(f"one_pass: dq_rows splits 128-row steps (head dim 64 without softcap or packed "
@@ -655,9 +660,8 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
     or 192, and at 256 (configs.one_pass_wide). dK and dV go into ``dk``/``dv``, dQ (scaled) is added into the
     zeroed float32 ``dq_acc`` (q's shape); ``features``: the call's, as :func:`backward` found them; ``key``: the
     backward's launch key (which holds no lengths: they are dynamic arguments); ``tiles``: the kernel's knobs (the
-    wide kernel's alone take ``release_each`` and ``rotate``, the one at 64/128 alone ``dk_rs`` and ``dq_rows``;
-    ``keys96`` runs
-    kernels/bwd_sm90_wide96.py instead)."""
+    wide kernel's alone take ``release_each`` and ``rotate``, the one at 64/128 alone ``dk_rs``, ``dq_rows`` and
+    ``s_ahead``; ``keys96`` runs kernels/bwd_sm90_wide96.py instead)."""
     varlen = args.varlen
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, head_dim_v = _shape(q, k, v, args)
     wide = configs.one_pass_wide(head_dim, head_dim_v)
@@ -673,7 +677,8 @@ def _backward_sm90_ws(q, k, v, dout, dq_acc, dk, dv, lse2, delta, args: AttnArgs
         # past their first 128 columns as a tail.
         own = (dict(V_TAIL=head_dim_v - 128, DQ_FIRST=tiles.dq_first, RELEASE_EACH=tiles.release_each,
                     ROTATE=tiles.rotate) if wide else dict(ALIBI_LINEAR=alibi is not None and args.window_right == 0,
-                                                           DQ_FIRST=tiles.dq_first, DK_RS=tiles.dk_rs))
+                                                           DQ_FIRST=tiles.dq_first, DK_RS=tiles.dk_rs,
+                                                           S_AHEAD=tiles.s_ahead))
         sequences = dict(IS_VARLEN=varlen, HAS_SEQUSED=args.seqused_k is not None)
         if tiles.keys96:
             # 96-key CTAs (kernels/bwd_sm90_wide96.py): values of 128, none of the 64-key switches.

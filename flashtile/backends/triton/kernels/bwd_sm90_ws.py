@@ -23,6 +23,10 @@ Tuning variants (configs.OnePassConfig, launch.backward's ``one_pass``; off by d
 staging); ``DK_RS`` takes dK's product with dS^T from registers, as dV's takes P^T (16 KB less wgmma operand traffic
 a CTA step at 128, 32 KB at 64), issued before dS^T is stored unless ``DQ_FIRST``; at 128-row steps (head dim 64) a
 ``dq_desc`` of half the rows and all the columns has the consumers split dQ by rows (products of N = 64, not 32).
+``S_AHEAD`` (head dim 128, not with ``DK_RS``) issues the next step's S^T after this step's last product and before
+waiting on them, so that the tensor cores run it while dQ is staged, and waits on it before the step ends (a product
+in flight across the loop's back edge has ptxas serialize every wgmma, C7514); the step then issues dP^T alone and
+starts its exponentials at once.
 
 dS^T and the staging tiles are double-buffered, so a consumer never waits on the reduce of the step it just
 staged. Everything a consumer stores or reads goes through mbarriers: ``ds_ready`` (both halves of dS^T are
@@ -191,9 +195,53 @@ def _stage_dq(dq_smem, dq, dq_full, dq_empty, buf, buf_phase, WG: gl.constexpr):
 
 
 @gluon.jit
+def _zero_step_tail(do_ready, tail_ready, q, do, slot, phase, row, seqlen_q, n_tail, WG: gl.constexpr,
+                    IS_VARLEN: gl.constexpr):
+    """Packed sequences: before a step's products read its Q and dO (slot ``slot``, ``phase``), the rows past its
+    sequence's queries (the next sequence's) are zeroed by consumer 0, so that not even an infinity there meets
+    this one's zero probabilities, and consumer 1 waits for it (``tail_ready``, whose phases ``n_tail`` counts;
+    returned, counted on)."""
+    if IS_VARLEN:
+        if row + q.shape[0] > seqlen_q:
+            if WG == 0:
+                mbarrier.wait(do_ready.index(slot), phase)
+                _zero_tail(q, seqlen_q - row, 4)
+                _zero_tail(do, seqlen_q - row, 4)
+                mbarrier.arrive(tail_ready, count=1)
+            else:
+                mbarrier.wait(tail_ready, n_tail & 1)
+            n_tail += 1
+    return n_tail
+
+
+@gluon.jit
+def _ready_step(q_ready, do_ready, tail_ready, q_smem, do_smem, it, n_it, n_q, lo, off_hk, group, seqlen_q, n_tail,
+                BLOCK_M: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """``S_AHEAD``: wait until step ``it``'s Q can be read by its S^T product, if it is a step of the walk (``n_it``
+    steps); returns :func:`_zero_step_tail`'s count."""
+    if it < n_it:
+        slot = it % STAGES
+        phase = (it // STAGES) & 1
+        mbarrier.wait(q_ready.index(slot), phase)
+        _, row = _query_block(it, n_q, lo, off_hk, group, BLOCK_M)
+        n_tail = _zero_step_tail(do_ready, tail_ready, _tile(q_smem, slot), _tile(do_smem, slot), slot, phase, row,
+                                 seqlen_q, n_tail, WG, IS_VARLEN)
+    return n_tail
+
+
+@gluon.jit
+def _next_scores(k_smem, q_smem, kv, slot, st_zero):
+    """Issue a step's S^T = K Q^T (this consumer's keys, ``k_smem`` index ``kv``; the Q of ring slot ``slot``) into a
+    fresh accumulator like ``st_zero``."""
+    return warpgroup_mma(_tile(k_smem, kv), _tile(q_smem, slot).permute((1, 0)), st_zero, use_acc=False,
+                         is_async=True)
+
+
+@gluon.jit
 def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
               FAST_TANH: gl.constexpr, ALIBI: gl.constexpr, ALIBI_LINEAR: gl.constexpr, IS_VARLEN: gl.constexpr,
-              HAS_SEQUSED: gl.constexpr, STAGES: gl.constexpr, DQ_FIRST: gl.constexpr, DK_RS: gl.constexpr):
+              HAS_SEQUSED: gl.constexpr, STAGES: gl.constexpr, DQ_FIRST: gl.constexpr, DK_RS: gl.constexpr,
+              S_AHEAD: gl.constexpr):
     (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_ready, q_ready,
      do_ready, q_empty, ds_ready, dq_full, dq_empty, tail_ready, DK, DV, ALIBI_SLOPES, stride_alibi_b, qk_scale,
      softcap2, softmax_scale, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh) = args
@@ -214,6 +262,8 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     keys_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
     queries_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+    # Products issued after this step's own, left in flight when those are waited on: the next step's S^T.
+    NEXT: gl.constexpr = 1 if S_AHEAD else 0
 
     off_hk = gl.program_id(1)
     off_b = gl.program_id(2)
@@ -237,6 +287,12 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
             _zero_tail(_tile(k_smem, WG), seqlen_k - first_key, 4)
             _zero_tail(_tile(v_smem, WG), seqlen_k - first_key, 4)
     n_tail = 0
+    if S_AHEAD:
+        # The first step's S^T, here; each step computes the next one's under its own last products.
+        n_tail = _ready_step(q_ready, do_ready, tail_ready, q_smem, do_smem, 0, n_it, n_q, lo, off_hk, group,
+                             seqlen_q, n_tail, BLOCK_M, STAGES, WG, IS_VARLEN)
+        qk_t = _next_scores(k_smem, q_smem, WG, opaque_zero(n_it), st_zero)
+        qk_t = warpgroup_mma_wait(0, deps=(qk_t, ))
     for it in range(n_it):
         slot, phase, buf, buf_phase, off_h, row, slope2 = consumer_step(it, it, n_q, lo, off_hk, group, ALIBI_SLOPES,
                                                                         off_b * stride_alibi_b, BLOCK_M, STAGES, ALIBI)
@@ -249,24 +305,18 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
         v = _tile(v_smem, WG + zero)
         q = _tile(q_smem, slot)
         do = _tile(do_smem, slot)
-        # S^T and dP^T go to the tensor cores together; S^T is waited for alone.
-        mbarrier.wait(q_ready.index(slot), phase)
-        if IS_VARLEN:
-            if row + BLOCK_M > seqlen_q:
-                # The rows past this sequence's queries are the next sequence's: consumer 0 zeroes them, so that
-                # not even an infinity there meets this one's zero probabilities, and consumer 1 waits for it.
-                if WG == 0:
-                    mbarrier.wait(do_ready.index(slot), phase)
-                    _zero_tail(q, seqlen_q - row, 4)
-                    _zero_tail(do, seqlen_q - row, 4)
-                    mbarrier.arrive(tail_ready, count=1)
-                else:
-                    mbarrier.wait(tail_ready, n_tail & 1)
-                n_tail += 1
-        qk_t = warpgroup_mma(k, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-        mbarrier.wait(do_ready.index(slot), phase)
-        dp_t = warpgroup_mma(v, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-        qk_t = warpgroup_mma_wait(1, deps=(qk_t, ))
+        if not S_AHEAD:
+            # S^T and dP^T go to the tensor cores together; S^T is waited for alone.
+            mbarrier.wait(q_ready.index(slot), phase)
+            n_tail = _zero_step_tail(do_ready, tail_ready, q, do, slot, phase, row, seqlen_q, n_tail, WG, IS_VARLEN)
+            qk_t = warpgroup_mma(k, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            mbarrier.wait(do_ready.index(slot), phase)
+            dp_t = warpgroup_mma(v, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            qk_t = warpgroup_mma_wait(1, deps=(qk_t, ))
+        else:
+            # S^T is in place since the last step; dP^T runs under the exponentials.
+            mbarrier.wait(do_ready.index(slot), phase)
+            dp_t = warpgroup_mma(v, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         # The exponentials run under the dP^T product; blocks straddling a window edge zero the pairs they do
         # not see afterwards.
         s_t, t_t = scores(qk_t, offs_m[None, :], offs_n[:, None], first_key, seqlen_q, seqlen_k, qk_scale,
@@ -307,6 +357,10 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
         mbarrier.arrive(ds_ready.index(buf), count=1)
         if not DK_RS and not DQ_FIRST:
             dk = warpgroup_mma(ds_own, q, dk, is_async=True)
+        if S_AHEAD:
+            # The next step's Q in place before this one's last products are issued.
+            n_tail = _ready_step(q_ready, do_ready, tail_ready, q_smem, do_smem, it + 1, n_it, n_q, lo, off_hk, group,
+                                 seqlen_q, n_tail, BLOCK_M, STAGES, WG, IS_VARLEN)
         # This consumer's part of dQ = dS K, over both consumers' keys.
         mbarrier.wait(ds_ready.index(buf), buf_phase)
         dq = _dq_product(ds_smem, k_smem, buf, zero, dq_zero, WG)
@@ -316,16 +370,26 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
                 dk = warpgroup_mma(ds_op, q, dk, is_async=True)
             else:
                 dk = warpgroup_mma(ds_own, q, dk, is_async=True)
-            dq, dv = warpgroup_mma_wait(1, deps=(dq, dv))
+        if S_AHEAD:
+            # The next step's S^T goes to the tensor cores before this step's products are waited on, to run
+            # while dQ is staged. After the last step it reads a slot nobody writes (a product issued under a
+            # branch would serialize every wgmma).
+            qk_next = _next_scores(k_smem, q_smem, WG + zero, zero + (it + 1) % STAGES, st_zero)
+        if DQ_FIRST:
+            dq, dv = warpgroup_mma_wait(1 + NEXT, deps=(dq, dv))
             _stage_dq(dq_smem, dq * softmax_scale, dq_full, dq_empty, buf, buf_phase, WG)
-            dk = warpgroup_mma_wait(0, deps=(dk, ))
+            dk = warpgroup_mma_wait(NEXT, deps=(dk, ))
             # Both consumers release the Q/dO slot (dK's product read Q last); the producer refills it.
             mbarrier.arrive(q_empty.index(slot), count=1)
         else:
-            dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
+            dq, dk, dv = warpgroup_mma_wait(NEXT, deps=(dq, dk, dv))
             # Both consumers release the Q/dO slot; the producer refills it.
             mbarrier.arrive(q_empty.index(slot), count=1)
             _stage_dq(dq_smem, dq * softmax_scale, dq_full, dq_empty, buf, buf_phase, WG)
+        if S_AHEAD:
+            # Waited on within the step: a product in flight across the loop's back edge, its registers read in
+            # the next step, would have ptxas serialize every wgmma (C7514).
+            qk_t = warpgroup_mma_wait(0, deps=(qk_next, ))
 
     store_dkdv(dk * softmax_scale, dv, first_key, k_start, seqlen_k, key_rows, DK, DV, off_b, off_hk, stride_dkb,
                stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, HAS_SEQUSED)
@@ -402,7 +466,7 @@ def attn_bwd_sm90_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE2, DEL
                      MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, FAST_TANH: gl.constexpr, ALIBI: gl.constexpr,
                      ALIBI_LINEAR: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
                      STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, DQ_FIRST: gl.constexpr, DK_RS: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     S_AHEAD: gl.constexpr, num_warps: gl.constexpr):
     """``q_desc``/``do_desc``: TMA descriptors of ``(batch, seqlen, heads, HEAD_DIM)`` q and dO with ``[1, 64, 1,
     HEAD_DIM]`` tiles, ``k_desc``/``v_desc`` of k and v with ``[1, 64, 1, HEAD_DIM]`` (one consumer's keys),
     ``dq_desc`` of the zeroed float32 dQ buffer with one consumer's part of a step's dQ as its tile, ``[1, BLOCK_M,
@@ -447,9 +511,9 @@ def attn_bwd_sm90_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE2, DEL
                 do_ready, q_empty, LSE2, DELTA, stride_lse_b, stride_lse_h)
     reducer = (q_desc, k_desc, dq_desc, dq_smem, dq_full, dq_empty)
     gl.warp_specialize([(_consumer, (consumer, walk, 0, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI,
-                                     ALIBI_LINEAR, IS_VARLEN, HAS_SEQUSED, STAGES, DQ_FIRST, DK_RS)),
+                                     ALIBI_LINEAR, IS_VARLEN, HAS_SEQUSED, STAGES, DQ_FIRST, DK_RS, S_AHEAD)),
                         (_consumer, (consumer, walk, 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, FAST_TANH, ALIBI,
-                                     ALIBI_LINEAR, IS_VARLEN, HAS_SEQUSED, STAGES, DQ_FIRST, DK_RS)),
+                                     ALIBI_LINEAR, IS_VARLEN, HAS_SEQUSED, STAGES, DQ_FIRST, DK_RS, S_AHEAD)),
                         (_producer, (producer, walk, MASK_LEFT, MASK_RIGHT, IS_VARLEN, HAS_SEQUSED, STAGES)),
                         (_reducer, (reducer, walk, MASK_LEFT, MASK_RIGHT, IS_VARLEN, HAS_SEQUSED))], [4, 1, 1],
                        [CONSUMER_REGS, 24, 24])

@@ -372,8 +372,8 @@ def _consumer(args, walk, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT:
                 dk = warpgroup_mma(ds_own, q, dk, is_async=True)
         if S_AHEAD:
             # The next step's S^T goes to the tensor cores before this step's products are waited on, to run
-            # while dQ is staged. After the last step it reads a slot nobody writes (a product issued under a
-            # branch would serialize every wgmma).
+            # while dQ is staged. After the last step it reads a slot nobody writes, its result unused (Gluon
+            # does not merge a product in flight with a plain tensor across a branch).
             qk_next = _next_scores(k_smem, q_smem, WG + zero, zero + (it + 1) % STAGES, st_zero)
         if DQ_FIRST:
             dq, dv = warpgroup_mma_wait(1 + NEXT, deps=(dq, dv))

@@ -21,8 +21,8 @@ by head dim:
          ws-n64  the same with 64-key slots and two Q buffers (181 KB)
          ws-n64-s3  64-key slots, three of them (222 KB)
   d=128  ws      configs._FWD_SM90_GLUON_WS
-  --fp8  fp8     the FP8 forward on inputs quantized beforehand (fp8.forward_fp8_sm90, the launcher under the FP8 bench's
-                 fp8_kernel, out and lse allocated each call), its outputs checked by RMSE (bench.fp8's limit)
+  --fp8  fp8     the FP8 forward on inputs quantized beforehand (fp8.forward_fp8_sm90, the launcher under the FP8
+                 bench's fp8_kernel, out and lse allocated each call), its outputs checked by RMSE (bench.fp8's limit)
          fp8-c3  fp8.FP8_CANDIDATES["c3"]: three consumer warpgroups (192-row tiles); d64 one-level 128-key slots, d128
                  64-key slots with turns
          fp8-n128  fp8.FP8_CANDIDATES["n128"]: d256 with two 128-key slots and turns (FlashAttention-3's FP8 tile)

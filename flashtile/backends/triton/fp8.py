@@ -253,7 +253,7 @@ def forward_fp8_sm90(q, k, v_t, q_descale, k_descale, v_descale, out, lse, args:
            args.window_left, args.window_right, args.softcap > 0, ctas, tile, varlen, args.seqused_k is not None,
            batch, seqlen_q, seqlen_k)
     with on_device(q):
-        _FWD_FP8(key, (ctas, ), dict(**descriptors(q, k, v_t, head_dim, tile.block_n), O=out, LSE=lse, Q_DESCALE=q_descale,
-                                     K_DESCALE=k_descale, V_DESCALE=v_descale, qk_scale=qk_scale,
+        _FWD_FP8(key, (ctas, ), dict(**descriptors(q, k, v_t, head_dim, tile.block_n), O=out, LSE=lse,
+                                     Q_DESCALE=q_descale, K_DESCALE=k_descale, V_DESCALE=v_descale, qk_scale=qk_scale,
                                      softcap2=softcap2, **_sequence_tensors(q, args),
                                      ERR=device_errors.record(q.device)), static)

@@ -14,10 +14,13 @@ with GQA 8/2, plus the long rows the dispatcher sends here (8k-16k).
 """
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from flashtile import testing
 from flashtile.backends import AttnArgs
 from flashtile.backends.triton import fp8
+from flashtile.backends.triton.kernels.common import row_block
 from flashtile.fp8 import kernel_v_layout
 
 hopper = pytest.mark.skipif(not testing.HOPPER, reason="the FP8 Gluon forward runs on sm_90 only")
@@ -301,6 +304,37 @@ def test_fp8_tile_consumers_checked():
                              fp8.Fp8Tile(128, 2, False, False, 4))
     assert {tile.consumers for tiles in fp8.FP8_CANDIDATES.values() for tile in tiles.values()} <= {2, 3}
     assert all(set(tiles) <= set(fp8.FP8_TILES) for tiles in fp8.FP8_CANDIDATES.values())
+
+
+@triton.jit
+def _row_block_probe(ROWS, OUT, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(OUT + offs, row_block(tl.load(ROWS + offs), tl.load(ROWS + N + offs), fp8.DESCALE_BLOCK))
+
+
+@pytest.mark.parametrize("consumers", [2, 3])
+def test_each_consumer_reads_a_q_descale_block_inside_the_tensor(device, consumers):
+    """The Q descale block a consumer reads (kernels/common.row_block of its first row, as the kernel's three
+    consumers do): its own rows' block while they lie inside the ``seqlen_q`` rows, and never past the
+    ``cdiv(seqlen_q, 128)`` blocks of the descale tensor: a 192-row tile's last consumers may start past the end
+    (1 row: rows 64 and 128; 193 rows: 256 and 320, block 2 of 2). Every tile of every length up to 4 tiles of 192."""
+    rows, lengths = [], []
+    for seqlen_q in range(1, 4 * 192 + 2):
+        for start_m in range(-(-seqlen_q // (consumers * 64))):
+            for wg in range(consumers):
+                rows.append(start_m * consumers * 64 + wg * 64)
+                lengths.append(seqlen_q)
+    n = triton.next_power_of_2(len(rows))
+    pad = n - len(rows)
+    first = torch.tensor(rows + [0] * pad, dtype=torch.int32)
+    seqlen = torch.tensor(lengths + [1] * pad, dtype=torch.int32)
+    out = torch.full((n, ), -1, dtype=torch.int32, device=device)
+    _row_block_probe[(1, )](torch.cat([first, seqlen]).to(device), out, N=n)
+    block, first, seqlen = out.cpu()[:len(rows)], first[:len(rows)], seqlen[:len(rows)]
+    blocks = (seqlen + fp8.DESCALE_BLOCK - 1) // fp8.DESCALE_BLOCK
+    assert bool(((block >= 0) & (block < blocks)).all()), "a descale block past the tensor"
+    inside = first < seqlen
+    assert torch.equal(block[inside], first[inside] // fp8.DESCALE_BLOCK)
 
 
 def test_fp8_no_keys(device):

@@ -55,7 +55,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .common import kv_range, packed_vt_start, sequence
+from .common import kv_range, packed_vt_start, row_block, sequence
 from .fwd_sm90 import (_load_qk, _scale_tile, _scores_mma, _softmax_block, _tile, row_parts, row_parts_start,
                        row_start, store_rows, wgmma_layout)
 
@@ -355,10 +355,11 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
             if TAIL:
                 q_tail = q_tail_smem.index(qb * CONSUMERS + WG).reshape([BLOCK_M, q_tail_smem.shape[4]])
             off_hk = off_h // group
-            # The DESCALE_BLOCK of Q rows that holds this consumer's 64: two consumers' tile is one, three's spans two.
+            # The DESCALE_BLOCK of Q rows that holds this consumer's 64: two consumers' tile is one, three's spans two
+            # (the last tile's consumers past the rows take the last block: Q's descales have no block past it).
             q_block = start_m
             if CONSUMERS * BLOCK_M != DESCALE_BLOCK:
-                q_block = first_row // DESCALE_BLOCK
+                q_block = row_block(first_row, max_seqlen_q, DESCALE_BLOCK)
             score_scale, out_scale = _tile_scales(descales, off_b, off_hk, q_block, qk_scale, FP8, K_BLOCKS)
             if FOLD_SCALE:
                 # Softcap's scale (at most 1) into this consumer's Q rows: the tanh then takes q . k as it is.

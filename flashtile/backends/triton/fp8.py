@@ -83,8 +83,9 @@ def fp8_tile(head_dim: int) -> Fp8Tile:
 #         64-key slots (turns on): 325 a block (650 a 128 keys against 501), no spills; with 128-key slots 20 STL a
 #         block and ptxas waits for each wgmma (S_j no longer under P_{j-1} V): not a candidate.
 #   n128  d256 with two 128-key slots, turns on (FA3's FP8 d256 tile, 128 x 128): 580 a 128-key block (2 x 397
-#         at 64 keys), 2 scalar STL and LDL in the loop, 197 KB. d128 with 256-key slots (FA3's is 224) spills 20 STL
-#         and serializes its wgmmas: not a candidate.
+#         at 64 keys), 2 scalar STL and LDL in the loop, 197 KB; with per-block K descales (quant.quantize's default,
+#         so the A/B's) 3 STL a consumer's full-row loop, 17 and 30 its causal loops (the default d256 tile: 0).
+#         d128 with 256-key slots (FA3's is 224) spills 20 STL and serializes its wgmmas: not a candidate.
 FP8_CANDIDATES = {"c3": {64: Fp8Tile(128, 4, False, False, 3), 128: Fp8Tile(64, 4, False, True, 3)},
                   "n128": {256: Fp8Tile(128, 2, False, True)}}
 

@@ -21,8 +21,11 @@ by head dim:
          ws-n64  the same with 64-key slots and two Q buffers (181 KB)
          ws-n64-s3  64-key slots, three of them (222 KB)
   d=128  ws      configs._FWD_SM90_GLUON_WS
-  --fp8  fp8     the FP8 forward (fp8.attention on inputs quantized beforehand, as the FP8 bench's fp8_kernel); its
-                 outputs checked by RMSE (bench.fp8's limit)
+  --fp8  fp8     the FP8 forward on inputs quantized beforehand (fp8.forward_fp8_sm90, the launcher under the FP8
+                 bench's fp8_kernel, out and lse allocated each call), its outputs checked by RMSE (bench.fp8's limit)
+         fp8-c3  fp8.FP8_CANDIDATES["c3"]: three consumer warpgroups (192-row tiles); d64 one-level 128-key slots, d128
+                 64-key slots with turns
+         fp8-n128  fp8.FP8_CANDIDATES["n128"]: d256 with two 128-key slots and turns (FlashAttention-3's FP8 tile)
 
 Each variant's out and lse on the first two heads of batch row 0 are held to the tolerance rule against float32
 attention before any timing (a wrong or failing variant is reported, not timed); then ``triton.testing.do_bench``
@@ -34,6 +37,8 @@ against the first variant.
     python benchmarks/gluon_ws_heads.py --dims 192 --seqlens 4096 16384    # issue 46's 192/128 rows
     python benchmarks/gluon_ws_heads.py --dims 64 --seqlens 4096 16384 --rounds 2   # issue 46's d=64 rows: 2 or 3
                                                                                      # consumer warpgroups
+    python benchmarks/gluon_ws_heads.py --fp8 --dims 64 128 256 --seqlens 4096 16384 --rounds 2  # issue 45: the FP8
+                                                                                     # candidates against the default
     bash benchmarks/ab_trees.sh /tmp/base benchmarks/gluon_ws_heads.py 2 --fp8 --dims 64 128 256 --seqlens 4096 16384
 """
 import argparse
@@ -47,7 +52,6 @@ import torch
 import triton
 
 from flashtile import validation
-from flashtile import fp8 as fp8_api
 from flashtile.backends.triton import configs, fp8, launch, quant
 from flashtile.bench import common
 from flashtile.bench.fp8 import FP8_RMSE_LIMIT
@@ -86,6 +90,24 @@ def variants(head_dim: int, seqlen: int, causal: bool) -> dict:
     return {"gluon": configs._FWD_SM90_GLUON_D256, "ws": ws, "ws-n32": dataclasses.replace(ws, BLOCK_N=32)}
 
 
+def fp8_variants(head_dim: int) -> dict:
+    """name -> fp8.Fp8Tile of an --fp8 run: the head dim's own first (None: the launcher's default, so a package tree
+    without Fp8Tile runs it too), then fp8.FP8_CANDIDATES' rows at ``head_dim``."""
+    candidates = getattr(fp8, "FP8_CANDIDATES", {})
+    return {"fp8": None, **{f"fp8-{name}": tiles[head_dim] for name, tiles in candidates.items() if head_dim in tiles}}
+
+
+def fp8_call(quantized: tuple, attn, tile) -> tuple:
+    """``(out, lse)`` of the FP8 kernel on ``quantized`` (quant.quantize's six tensors) on ``tile`` (None: the head
+    dim's own), out and lse allocated as the API does."""
+    q8, k8, v_t, q_descale, k_descale, v_descale = quantized
+    out = torch.empty(q8.shape, dtype=torch.bfloat16, device=q8.device)
+    lse = torch.empty(q8.shape[0], q8.shape[2], q8.shape[1], dtype=torch.float32, device=q8.device)
+    fp8.forward_fp8_sm90(q8, k8, v_t, q_descale, k_descale, v_descale, out, lse, attn,
+                         **({} if tile is None else dict(tile=tile)))
+    return out, lse
+
+
 def wrong(out, lse, ref_hi, ref_lo, fp8_out: bool = False) -> str:
     """'' when the first heads of batch row 0 pass the tolerance rule (``fp8_out``: the FP8 bench's RMSE limit on
     out), else why not."""
@@ -112,8 +134,10 @@ def one_shape(head_dim: int, seqlen: int, causal: bool, rounds: int, use_fp8: bo
                tflops={})
     if use_fp8:
         quantized = quant.quantize(q, k, v)
-        calls = {"fp8": lambda: fp8_api.attention(*quantized, attn, v_transposed=True)}
-        row["tiles"] = {"fp8": dict(fp8_tile=fp8.FP8_TILES[head_dim])}
+        tiles = fp8_variants(head_dim)
+        row["tiles"] = {name: dict(fp8_tile=fp8.FP8_TILES[head_dim] if tile is None else tile._asdict())
+                        for name, tile in tiles.items()}
+        calls = {name: lambda tile=tile: fp8_call(quantized, attn, tile) for name, tile in tiles.items()}
     else:
         tiles = variants(head_dim, seqlen, causal)
         row["tiles"] = {name: dataclasses.asdict(cfg) for name, cfg in tiles.items()}

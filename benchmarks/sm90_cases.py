@@ -45,12 +45,16 @@ def case(which: str, causal: bool, softcap: bool, window: bool = False, tiles: d
         return _fwd_ws_launch_case(causal, softcap, window, int(dims[0]), int(keys[0]) if keys else 64,
                                    int(slots[0]) if slots else 2, "-sink" in which, "-alibi" in which, "gluon")
     if which.startswith("fwd-fp8"):
-        # fwd-fp8[-d64|-d256][-blocks][-varlen]: head dim (128 without), per-block Q/K descales, packed sequences.
+        # fwd-fp8[-d64|-d256][-blocks][-varlen] [knob=value ...]: head dim (128 without), per-block Q/K descales,
+        # packed sequences; knobs: fp8.Fp8Tile's fields over the head dim's tile (block_n=256 consumers=3 ...).
+        from flashtile.backends.triton import fp8
         dims = re.findall(r"-d(\d+)", which)
         head_dim, blocks = int(dims[0]) if dims else 128, "-blocks" in which
+        tile = fp8.fp8_tile(head_dim)
+        tile = tile._replace(**{name: type(getattr(tile, name))(value) for name, value in (tiles or {}).items()})
         if which.endswith("-varlen"):
-            return _fwd_fp8_varlen_case(causal, softcap, window, head_dim, blocks)
-        return _fwd_fp8_case(causal, softcap, window, head_dim, blocks)
+            return _fwd_fp8_varlen_case(causal, softcap, window, head_dim, blocks, tile)
+        return _fwd_fp8_case(causal, softcap, window, head_dim, blocks, tile)
     if which.startswith("quant"):
         # quant[-d64|-d256][-g<query heads a KV head>][-v][-varlen]: the FP8 quantizer's launch of q's and k's
         # rotation and cast with v's block amaxes (-v: its second, v's cast), head dim 128 and MHA without.
@@ -186,26 +190,27 @@ def _fwd_ws_launch_case(causal: bool, softcap: bool, window: bool, head_dim: int
     return kernel.fn, caught, dict(constexprs, num_warps=options["num_warps"]), options
 
 
-def _fwd_fp8_case(causal: bool, softcap: bool, window: bool, head_dim: int, blocks: bool):
+def _fwd_fp8_case(causal: bool, softcap: bool, window: bool, head_dim: int, blocks: bool, tile):
+    """The FP8 kernel's arguments for a 2 x 4096 call of 16 heads on ``tile`` (fp8.Fp8Tile)."""
     from flashtile.backends.triton import fp8
     q, k, lse = _inputs(D=head_dim, dtype=torch.float8_e4m3fn)
     v_t = k.permute(0, 2, 3, 1).contiguous()
     out = torch.empty(q.shape, dtype=torch.bfloat16)
     scale = torch.empty(q.shape[0], k.shape[2], dtype=torch.float32)
-    args = dict(**fp8.descriptors(q, k, v_t, head_dim), O=out, LSE=lse, Q_DESCALE=scale, K_DESCALE=scale,
+    args = dict(**fp8.descriptors(q, k, v_t, head_dim, tile.block_n), O=out, LSE=lse, Q_DESCALE=scale, K_DESCALE=scale,
                 V_DESCALE=scale, stride_qds_b=16, stride_qds_h=1, stride_qds_m=int(blocks), stride_kds_b=16, stride_kds_h=1,
                 stride_kds_n=int(blocks), stride_vds_b=16, stride_vds_h=1, qk_scale=0.1, softcap2=1.0, window_left=1024 if window else -1,
                 window_right=0 if causal else -1, stride_ob=out.stride(0), stride_om=out.stride(1),
                 stride_oh=out.stride(2), stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1), seqlen_q=4096,
                 seqlen_k=4096, group=1, nheads=16, num_tiles=1024)
-    _, stages, two_level = fp8.FP8_TILES[head_dim]
-    constexprs = dict(MASK_LEFT=window, MASK_RIGHT=causal, SOFTCAP=softcap, K_BLOCKS=blocks, TWO_LEVEL=two_level,
-                      STAGES=stages,
-                      CONSUMER_REGS=fp8.CONSUMER_REGS, PINGPONG=fp8.FP8_PINGPONG[head_dim], num_warps=4)
-    return fp8.attn_fwd_sm90_fp8, args, constexprs, dict(num_warps=4, maxnreg=fp8.MAXNREG)
+    consumer_regs, maxnreg = launch._WS_REGS[tile.consumers]
+    constexprs = dict(MASK_LEFT=window, MASK_RIGHT=causal, SOFTCAP=softcap, K_BLOCKS=blocks,
+                      TWO_LEVEL=tile.two_level, STAGES=tile.stages, CONSUMER_REGS=consumer_regs,
+                      PINGPONG=tile.pingpong, CONSUMERS=tile.consumers, num_warps=4)
+    return fp8.attn_fwd_sm90_fp8, args, constexprs, dict(num_warps=4, maxnreg=maxnreg)
 
 
-def _fwd_fp8_varlen_case(causal: bool, softcap: bool, window: bool, head_dim: int, blocks: bool):
+def _fwd_fp8_varlen_case(causal: bool, softcap: bool, window: bool, head_dim: int, blocks: bool, tile):
     """The FP8 launcher's own arguments (fp8.forward_fp8_sm90) for packed sequences of 4096 and 4000 query and key
     tokens with seqused_k, 16 query and 4 KV heads, caught at its launch."""
     from flashtile.backends import AttnArgs
@@ -231,7 +236,7 @@ def _fwd_fp8_varlen_case(causal: bool, softcap: bool, window: bool, head_dim: in
     # The tail fill is its own (Triton) kernel: not compiled here.
     fp8._fill_tail = lambda *_, **__: None
     try:
-        fp8.forward_fp8_sm90(q, k, v_t, q_descale, k_descale, torch.empty(2, 4), out, lse, args)
+        fp8.forward_fp8_sm90(q, k, v_t, q_descale, k_descale, torch.empty(2, 4), out, lse, args, tile)
     finally:
         fp8._FWD_FP8, fp8._fill_tail = kernel, fill_tail
     options = dict(num_warps=caught.pop("num_warps"), maxnreg=caught.pop("maxnreg"))

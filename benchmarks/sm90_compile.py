@@ -25,8 +25,9 @@ Triton's wheel ships, so kernels can be checked for register pressure before a G
                                         # 128 + 64 columns), two 128-key slots unless -n / -s say otherwise
     python benchmarks/sm90_compile.py fwd-d128[-n128][-s1][-sink] [causal] [softcap]  # kernels/fwd_sm90.py (one
                                         # warpgroup, 64-row tiles) through its launcher: 64-key blocks, two slots
-    python benchmarks/sm90_compile.py fwd-fp8[-d64|-d256][-blocks][-varlen] [causal] [softcap] [window]
-                                        # kernels/fwd_sm90_fp8.py; -varlen through its launcher's own arguments
+    python benchmarks/sm90_compile.py fwd-fp8[-d64|-d256][-blocks][-varlen] [causal] [softcap] [window] [knob=value ...]
+                                        # kernels/fwd_sm90_fp8.py; -varlen through its launcher's own arguments;
+                                        # knobs: fp8.Fp8Tile's (consumers=3 block_n=256 stages=2 pingpong=0 ...)
     python benchmarks/sm90_compile.py quant[-d64|-d256][-g<group>][-v][-varlen]
                                         # kernels/quant_fp8.py (Triton) through quant.quantize: its launch of q's
                                         # and k's rotation and cast (-v: v's cast); with an opcode histogram
@@ -203,7 +204,8 @@ if __name__ == "__main__":
     window = "window" in sys.argv
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from sm90_cases import case  # noqa: E402
-    # knob=value: a configs.OnePassConfig field of the one-pass cases (ints; 0/1 for the switches).
+    # knob=value: a configs.OnePassConfig field of the one-pass cases, an fp8.Fp8Tile one of fwd-fp8 (ints; 0/1 for
+    # the switches).
     tiles = {name: int(value) for name, value in (arg.split("=") for arg in sys.argv[2:] if "=" in arg)}
     fn, args, constexprs, options = case(which, causal, softcap, window, tiles)
     compile_kernel = compile_gluon if isinstance(fn, GluonJITFunction) else compile_triton

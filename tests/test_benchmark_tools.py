@@ -311,6 +311,34 @@ def test_sm90_fp8_varlen_case_catches_the_launchers_arguments(monkeypatch, causa
     assert options == dict(num_warps=4, maxnreg=168)
 
 
+@pytest.mark.parametrize("which", ["fwd-fp8-d64", "fwd-fp8-blocks-varlen"])
+def test_sm90_fp8_case_takes_tile_knobs(monkeypatch, which):
+    """fwd-fp8 knob=value: fp8.Fp8Tile's fields over the head dim's tile, dense and through the launcher (varlen):
+    three consumers at 160 registers (cap 128), 64-key blocks in the K and V^T descriptors, 192-row tiles."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from sm90_cases import case
+
+    fn, args, constexprs, options = case(which, True, False, tiles=dict(consumers=3, two_level=0, block_n=64))
+    assert constexprs["CONSUMERS"] == 3 and constexprs["CONSUMER_REGS"] == 160 and options["maxnreg"] == 128
+    assert constexprs["TWO_LEVEL"] is False
+    assert args["k_desc"].block_shape[1] == 64 and args["vt_desc"].block_shape[3] == 64
+    if which.endswith("-varlen"):
+        assert set(args) | set(constexprs) == set(fn.arg_names)
+        assert args["num_tiles"] == 2 * 16 * -(-4096 // 192)
+
+
+def test_gluon_ws_heads_times_the_fp8_candidates(monkeypatch):
+    """gluon_ws_heads.py --fp8: the head dim's own tile first (the launcher's default), then fp8.FP8_CANDIDATES' rows
+    at that head dim, for the lead's A/B."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import gluon_ws_heads
+    from flashtile.backends.triton import fp8
+
+    assert gluon_ws_heads.fp8_variants(64) == {"fp8": None, "fp8-c3": fp8.FP8_CANDIDATES["c3"][64]}
+    assert list(gluon_ws_heads.fp8_variants(256)) == ["fp8", "fp8-n128"]
+    assert gluon_ws_heads.fp8_variants(128)["fp8-c3"].consumers == 3
+
+
 def test_gluon_ws_heads_times_deepseeks_192_128_rows(monkeypatch):
     """gluon_ws_heads.py --dims 192: DeepSeek's rows (16 heads, values of 128; 2 x 4096 and 1 x 16384) and the kernel
     192/128 ran before (the 64x64 tile) first, then the warp-specialized tile of configs.GLUON_WS_D192's row and its

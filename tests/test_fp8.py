@@ -591,6 +591,9 @@ def test_each_quantization_alone(rng, part):
 
 pytestmark_kernel = pytest.mark.skipif(not (HAS_CUDA and testing.HOPPER and _kernel_module() is not None),
                                        reason="needs a Hopper GPU and the Gluon FP8 kernel (backends/triton/fp8.py)")
+# The kernel's FP8_CANDIDATES tiles (off by default), by name and head dim.
+KERNEL_CANDIDATES = [(name, head_dim) for name, tiles in getattr(_kernel_module(), "FP8_CANDIDATES", {}).items()
+                     for head_dim in tiles]
 
 
 @pytest.mark.cuda
@@ -713,6 +716,24 @@ def test_kernel_varlen_fp8_func(rng, lengths_q, lengths_k, mode, block_quant, he
     """flash_attn_varlen_fp8_func on the GPU runs the Gluon FP8 kernel on the packed sequences (named in stats, no
     fallback, strict mode) and matches the torch FP8 math on the same quantized inputs (the call's own
     quantizer), out within P's rounding and the lse to 1e-3 per 64 of head dim; rows past the last sequence 0."""
+    _check_varlen_kernel(rng, lengths_q, lengths_k, mode, block_quant, head_dim)
+
+
+@pytest.mark.cuda
+@pytestmark_kernel
+@pytest.mark.parametrize("name,head_dim", KERNEL_CANDIDATES)
+@pytest.mark.parametrize("lengths_q,lengths_k", VARLEN_LENGTHS)
+@pytest.mark.parametrize("mode", ["full", "causal", "window-both"])
+def test_kernel_varlen_fp8_candidate_tiles(monkeypatch, rng, name, head_dim, lengths_q, lengths_k, mode):
+    """The kernel's FP8_CANDIDATES tiles (off by default: forced here as the head dim's tile) on packed sequences
+    with per-block descales: each sequence's 192-row tiles of three consumers read their rows' descale blocks."""
+    kernel = _kernel_module()
+    monkeypatch.setattr(kernel, "fp8_tile", lambda d: kernel.FP8_CANDIDATES[name][d])
+    _check_varlen_kernel(rng, lengths_q, lengths_k, mode, True, head_dim)
+
+
+def _check_varlen_kernel(rng, lengths_q, lengths_k, mode, block_quant, head_dim):
+    """flash_attn_varlen_fp8_func's kernel run against the torch FP8 math (test_kernel_varlen_fp8_func's checks)."""
     (q, k, v), (cu_q, cu_k), api, args = _varlen_case(rng, lengths_q, lengths_k, head_dim, mode)
     flashtile.reset_stats()
     with _strict():

@@ -14,10 +14,13 @@ with GQA 8/2, plus the long rows the dispatcher sends here (8k-16k).
 """
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from flashtile import testing
 from flashtile.backends import AttnArgs
 from flashtile.backends.triton import fp8
+from flashtile.backends.triton.kernels.common import row_block
 from flashtile.fp8 import kernel_v_layout
 
 hopper = pytest.mark.skipif(not testing.HOPPER, reason="the FP8 Gluon forward runs on sm_90 only")
@@ -74,8 +77,9 @@ def fp8_inputs(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, q_bl
                                                          dequantize(v8, v_ds))
 
 
-def run(inputs, seqlen_q, causal=False, window=(-1, -1), softcap=0.0):
-    """``forward_fp8_sm90`` into NaN-poisoned out and lse; returns them."""
+def run(inputs, seqlen_q, causal=False, window=(-1, -1), softcap=0.0, tile=None):
+    """``forward_fp8_sm90`` into NaN-poisoned out and lse (on ``tile``, an fp8.Fp8Tile, else the head dim's own);
+    returns them."""
     q8, k8, v_t, q_ds, k_ds, v_ds = inputs
     batch, _, nheads, head_dim = q8.shape
     out = torch.full((batch, seqlen_q, nheads, head_dim), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -84,7 +88,7 @@ def run(inputs, seqlen_q, causal=False, window=(-1, -1), softcap=0.0):
     args = AttnArgs(softmax_scale=head_dim ** -0.5, causal=causal, window_left=left,
                     window_right=0 if causal else right, softcap=softcap)
     assert fp8.fp8_sm90_supported(args, head_dim) is None
-    fp8.forward_fp8_sm90(q8, k8, v_t, q_ds, k_ds, v_ds, out, lse, args)
+    fp8.forward_fp8_sm90(q8, k8, v_t, q_ds, k_ds, v_ds, out, lse, args, tile)
     return out, lse
 
 
@@ -114,6 +118,9 @@ def check(out, lse, deq, causal=False, window=(-1, -1), softcap=0.0):
 
 MODES = {"full": {}, "causal": dict(causal=True), "window": dict(window=(256, 0)), "softcap": dict(softcap=30.0),
          "causal-softcap": dict(causal=True, softcap=30.0)}
+# fp8.FP8_CANDIDATES' tiles (off by default), each forced by name and head dim.
+CANDIDATES = [pytest.param(name, head_dim, id=f"{name}-d{head_dim}") for name, tiles in fp8.FP8_CANDIDATES.items()
+              for head_dim in tiles]
 
 
 @hopper
@@ -141,6 +148,20 @@ def test_fp8_forward_long(rng, head_dim, batch, seqlen, nheads, nheads_kv, mode)
     check(out, lse, deq, **options)
 
 
+def block_scaled(rng, seqlen_q, seqlen_k, head_dim, q_blocks, k_blocks):
+    """Batch 2, GQA 8/2 inputs scaled by a different factor per 128-row block of q and k, quantized with per-block
+    descales where asked: ``(kernel inputs, dequantized q, k, v)`` as :func:`fp8_inputs` gives them."""
+    q, k, v = testing.make_qkv(2, seqlen_q, seqlen_k, 8, 2, head_dim, torch.float32, "cuda", requires_grad=False,
+                               generator=rng)
+    for t in (q, k):
+        blocks = 2.0 ** (torch.rand(-(-t.shape[1] // fp8.DESCALE_BLOCK), generator=rng) * 2 - 1)
+        t.mul_(blocks.repeat_interleave(fp8.DESCALE_BLOCK)[:t.shape[1]].to("cuda")[None, :, None, None])
+    (q8, q_ds), (k8, k_ds), (v8, v_ds) = (quantize(t, 2, blocks) for t, blocks in
+                                          ((q, q_blocks), (k, k_blocks), (v, False)))
+    return (q8, k8, kernel_v_layout(v8), q_ds, k_ds, v_ds), (dequantize(q8, q_ds), dequantize(k8, k_ds),
+                                                             dequantize(v8, v_ds))
+
+
 @hopper
 @pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("mode", ["causal", "softcap"])
@@ -150,15 +171,66 @@ def test_fp8_block_descales(rng, head_dim, mode, q_blocks, k_blocks, seqlen_q, s
     """Per-block descales of Q and K (block quantization): a tile's rows and each key block read their own. The
     inputs are scaled by a different factor per 128-row block, so a block that read another's descale would fail."""
     options = MODES[mode]
-    q, k, v = testing.make_qkv(2, seqlen_q, seqlen_k, 8, 2, head_dim, torch.float32, "cuda", requires_grad=False,
-                               generator=rng)
-    for t in (q, k):
-        blocks = 2.0 ** (torch.rand(-(-t.shape[1] // fp8.DESCALE_BLOCK), generator=rng) * 2 - 1)
-        t.mul_(blocks.repeat_interleave(fp8.DESCALE_BLOCK)[:t.shape[1]].to("cuda")[None, :, None, None])
-    (q8, q_ds), (k8, k_ds), (v8, v_ds) = (quantize(t, 2, blocks) for t, blocks in
-                                          ((q, q_blocks), (k, k_blocks), (v, False)))
-    out, lse = run((q8, k8, kernel_v_layout(v8), q_ds, k_ds, v_ds), seqlen_q, **options)
-    check(out, lse, (dequantize(q8, q_ds), dequantize(k8, k_ds), dequantize(v8, v_ds)), **options)
+    inputs, deq = block_scaled(rng, seqlen_q, seqlen_k, head_dim, q_blocks, k_blocks)
+    out, lse = run(inputs, seqlen_q, **options)
+    check(out, lse, deq, **options)
+
+
+@hopper
+@pytest.mark.parametrize("name,head_dim", CANDIDATES)
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 63), (63, 129), (129, 1000), (1000, 129), (193, 385),
+                                                (4133, 4133)])
+def test_fp8_candidate_tiles(rng, name, head_dim, mode, seqlen_q, seqlen_k):
+    """fp8.FP8_CANDIDATES' tiles forced: every mode at awkward lengths, batch 2, GQA 8/2 (193 rows: one past a
+    three-consumer tile of 192; 1000 causal queries on 129 keys: rows that see no key)."""
+    options = MODES[mode]
+    inputs, deq = fp8_inputs(rng, 2, seqlen_q, seqlen_k, 8, 2, head_dim)
+    out, lse = run(inputs, seqlen_q, **options, tile=fp8.FP8_CANDIDATES[name][head_dim])
+    check(out, lse, deq, **options)
+
+
+@hopper
+@pytest.mark.parametrize("name,head_dim", CANDIDATES)
+@pytest.mark.parametrize("batch,seqlen,nheads,nheads_kv,mode", [(1, 16384, 2, 1, "causal"), (1, 8192, 2, 2, "full"),
+                                                                (2, 4096, 2, 2, "full")])
+def test_fp8_candidate_tiles_long(rng, name, head_dim, batch, seqlen, nheads, nheads_kv, mode):
+    """The candidates at the lengths the dispatcher sends to this kernel (4k-16k keys)."""
+    options = MODES[mode]
+    inputs, deq = fp8_inputs(rng, batch, seqlen, seqlen, nheads, nheads_kv, head_dim)
+    out, lse = run(inputs, seqlen, **options, tile=fp8.FP8_CANDIDATES[name][head_dim])
+    check(out, lse, deq, **options)
+
+
+# Each candidate at each length: one parameter, so the default run (tests/conftest.py's covering set) keeps them all.
+CANDIDATE_BLOCK_LENGTHS = [
+    pytest.param(name, head_dim, seqlen_q, seqlen_k, id=f"{name}-d{head_dim}-{seqlen_q}x{seqlen_k}")
+    for name, tiles in fp8.FP8_CANDIDATES.items() for head_dim in tiles
+    for seqlen_q, seqlen_k in [(64, 300), (129, 1000), (193, 385), (4133, 4133)]]
+
+
+@hopper
+@pytest.mark.parametrize("name,head_dim,seqlen_q,seqlen_k", CANDIDATE_BLOCK_LENGTHS)
+def test_fp8_candidate_block_descales(rng, name, head_dim, seqlen_q, seqlen_k):
+    """Per-block Q and K descales on the candidates: a three-consumer tile of 192 rows spans two Q descale blocks,
+    its third consumer's rows in the second; 64 and 193 rows: the last tile's later consumers start past the rows
+    and read the last block (kernels/common.row_block; under compute-sanitizer memcheck, nothing past the tensor)."""
+    inputs, deq = block_scaled(rng, seqlen_q, seqlen_k, head_dim, True, True)
+    out, lse = run(inputs, seqlen_q, causal=True, tile=fp8.FP8_CANDIDATES[name][head_dim])
+    check(out, lse, deq, causal=True)
+
+
+@hopper
+@pytest.mark.parametrize("name,head_dim", CANDIDATES)
+@pytest.mark.parametrize("mode", ["full", "causal"])
+def test_fp8_candidate_repeatable(rng, name, head_dim, mode):
+    """A candidate gives the same bits run to run (no race between the producer's refills and the consumers')."""
+    inputs, _ = fp8_inputs(rng, 2, 2000, 2000, 8, 2, head_dim)
+    tile = fp8.FP8_CANDIDATES[name][head_dim]
+    first = run(inputs, 2000, **MODES[mode], tile=tile)
+    for _ in range(3):
+        again = run(inputs, 2000, **MODES[mode], tile=tile)
+        assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
 
 
 @hopper
@@ -224,6 +296,52 @@ def test_fp8_supported_reasons():
     dense_used = AttnArgs(softmax_scale=0.1, seqused_k=cu[:1])
     assert "seqused_k without packed sequences" in fp8.fp8_sm90_supported(dense_used, 128)
     assert "ALiBi" in fp8.fp8_sm90_supported(AttnArgs(softmax_scale=0.1, alibi_slopes=torch.ones(1, 2)), 128)
+
+
+def test_fp8_tile_consumers_checked():
+    """A tile of a consumer count the kernel lacks is refused, naming the tile (no GPU needed: refused before the
+    launch); the candidates' consumers all run."""
+    fp8_type = torch.float8_e4m3fn
+    q, k = torch.zeros(1, 64, 2, 128, dtype=fp8_type), torch.zeros(1, 64, 1, 128, dtype=fp8_type)
+    v_t = torch.zeros(1, 1, 128, 64, dtype=fp8_type)
+    scale = torch.ones(1, 1)
+    out, lse = torch.empty(1, 64, 2, 128, dtype=torch.bfloat16), torch.empty(1, 2, 64)
+    with pytest.raises(ValueError, match="consumers must be one of"):
+        fp8.forward_fp8_sm90(q, k, v_t, scale, scale, scale, out, lse, AttnArgs(softmax_scale=0.1),
+                             fp8.Fp8Tile(128, 2, False, False, 4))
+    assert {tile.consumers for tiles in fp8.FP8_CANDIDATES.values() for tile in tiles.values()} <= {2, 3}
+    assert all(set(tiles) <= set(fp8.FP8_TILES) for tiles in fp8.FP8_CANDIDATES.values())
+
+
+@triton.jit
+def _row_block_probe(ROWS, OUT, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(OUT + offs, row_block(tl.load(ROWS + offs), tl.load(ROWS + N + offs), fp8.DESCALE_BLOCK))
+
+
+@pytest.mark.parametrize("consumers", [2, 3])
+def test_each_consumer_reads_a_q_descale_block_inside_the_tensor(device, consumers):
+    """The Q descale block a consumer reads (kernels/common.row_block of its first row, as the kernel's three
+    consumers do): its own rows' block while they lie inside the ``seqlen_q`` rows, and never past the
+    ``cdiv(seqlen_q, 128)`` blocks of the descale tensor: a 192-row tile's last consumers may start past the end
+    (1 row: rows 64 and 128; 193 rows: 256 and 320, block 2 of 2). Every tile of every length up to 4 tiles of 192."""
+    rows, lengths = [], []
+    for seqlen_q in range(1, 4 * 192 + 2):
+        for start_m in range(-(-seqlen_q // (consumers * 64))):
+            for wg in range(consumers):
+                rows.append(start_m * consumers * 64 + wg * 64)
+                lengths.append(seqlen_q)
+    n = triton.next_power_of_2(len(rows))
+    pad = n - len(rows)
+    first = torch.tensor(rows + [0] * pad, dtype=torch.int32)
+    seqlen = torch.tensor(lengths + [1] * pad, dtype=torch.int32)
+    out = torch.full((n, ), -1, dtype=torch.int32, device=device)
+    _row_block_probe[(1, )](torch.cat([first, seqlen]).to(device), out, N=n)
+    block, first, seqlen = out.cpu()[:len(rows)], first[:len(rows)], seqlen[:len(rows)]
+    blocks = (seqlen + fp8.DESCALE_BLOCK - 1) // fp8.DESCALE_BLOCK
+    assert bool(((block >= 0) & (block < blocks)).all()), "a descale block past the tensor"
+    inside = first < seqlen
+    assert torch.equal(block[inside], first[inside] // fp8.DESCALE_BLOCK)
 
 
 def test_fp8_no_keys(device):

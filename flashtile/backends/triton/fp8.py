@@ -3,6 +3,7 @@ descriptors and grid. The API layer quantizes and validates; this launches on wh
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 from triton.experimental.gluon import language as gl
@@ -14,7 +15,7 @@ from ..torch_fp8 import packed_vt_width
 from . import configs
 from .fastlaunch import CachedLaunch
 from .host import bsh_strides, cdiv, lse_strides, on_device
-from .launch import _fill_tail, _sequence_tensors
+from .launch import _WS_REGS, _fill_tail, _sequence_tensors
 from .kernels.common import LOG2E
 from .kernels.fwd_sm90_fp8 import attn_fwd_sm90_fp8
 from .kernels.fwd_sm90_ws import DESCALE_BLOCK as _DESCALE_BLOCK
@@ -55,10 +56,40 @@ FP8_TILES = {64: (128, 4, True), 128: (128, 4, False), 256: (64, 2, False)}
 # 784 TF/s, d256 8k causal 752 / 785), 7 of 12 ahead; the kernel 1.01-1.07x 5d069c2's and 1.07-1.49x bf16.
 FP8_PINGPONG = {64: False, 128: True, 256: True}
 QUERY_ROWS = 64
-# The consumers' registers after ``setmaxnreg`` and the cap the kernel is compiled under, as for the bf16
-# warp-specialized forward (launch._WS_REGS): 2 x 4 warps at 240 and the producer warp at 24.
-CONSUMER_REGS = 240
-MAXNREG = 168
+
+
+class Fp8Tile(NamedTuple):
+    """One FP8 kernel tile: ``block_n`` keys a K/V slot, ``stages`` slots, ``two_level`` (O summed in float32 a key
+    block at a time), ``pingpong`` (the consumers take turns at the tensor cores), ``consumers`` warpgroups of
+    QUERY_ROWS query rows (2 or 3; their registers as the bf16 warp-specialized forward's, launch._WS_REGS)."""
+    block_n: int
+    stages: int
+    two_level: bool
+    pingpong: bool
+    consumers: int = 2
+
+
+def fp8_tile(head_dim: int) -> Fp8Tile:
+    """The tile the kernel runs at ``head_dim``: FP8_TILES' and FP8_PINGPONG's rows, two consumers."""
+    return Fp8Tile(*FP8_TILES[head_dim], FP8_PINGPONG[head_dim])
+
+
+# Tiles that may overlap the exponentials with the FP8 products better (Nsight Compute, d128 16k: tensor pipe 44%,
+# MUFU 46%, their sum about one), off until a GPU A/B (benchmarks/gluon_ws_heads.py --fp8 times each beside
+# fp8_tile's; forward_fp8_sm90(tile=...) runs one). sm_90 ptxas (`python benchmarks/sm90_compile.py fwd-fp8[-d64|
+# -d256] knob=value`), SASS of an unmasked key block per consumer warp, spills in the key loop:
+#   c3    three consumers, 192-row tiles at 160 registers (FA3's FP8 d64 tile is 192 x 160). d64 one-level, four
+#         128-key slots: 464 a block, no spills (two consumers' default: 460); two-level spills 22 STL. d128 with
+#         64-key slots (turns on): 325 a block (650 a 128 keys against 501), no spills; with 128-key slots 20 STL a
+#         block and ptxas waits for each wgmma (S_j no longer under P_{j-1} V): not a candidate.
+#   n128  d256 with two 128-key slots, turns on (FA3's FP8 d256 tile, 128 x 128): 580 a 128-key block (2 x 397
+#         at 64 keys), 2 scalar STL and LDL in the loop, 197 KB; with per-block K descales (quant.quantize's default,
+#         so the A/B's) 3 STL a consumer's full-row loop, 17 and 30 its causal loops (the default d256 tile: 0).
+#         d128 with 256-key slots (FA3's is 224) spills 20 STL and serializes its wgmmas: not a candidate.
+FP8_CANDIDATES = {"c3": {64: Fp8Tile(128, 4, False, False, 3), 128: Fp8Tile(64, 4, False, True, 3)},
+                  "n128": {256: Fp8Tile(128, 2, False, True)}}
+
+
 
 
 def fp8_sm90_supported(args: AttnArgs, head_dim: int) -> str | None:
@@ -88,10 +119,9 @@ def _desc(t: torch.Tensor, tile: tuple) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(tile), _fp8_layout(tile))
 
 
-def descriptors(q: torch.Tensor, k: torch.Tensor, v_t: torch.Tensor, head_dim: int) -> dict:
-    """The kernel's TMA descriptors: Q in one consumer's rows, K in key blocks, V^T in key blocks of every
-    head-dim row."""
-    block_n = FP8_TILES[head_dim][0]
+def descriptors(q: torch.Tensor, k: torch.Tensor, v_t: torch.Tensor, head_dim: int, block_n: int) -> dict:
+    """The kernel's TMA descriptors: Q in one consumer's rows, K in blocks of ``block_n`` keys, V^T in such key
+    blocks of every head-dim row."""
     return dict(q_desc=_desc(q, (1, QUERY_ROWS, 1, head_dim)), k_desc=_desc(k, (1, block_n, 1, head_dim)),
                 vt_desc=_desc(v_t, (1, 1, head_dim, block_n)))
 
@@ -130,7 +160,8 @@ def _sizes(q, k, args: AttnArgs) -> tuple:
     return q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]
 
 
-def forward_fp8_sm90(q, k, v_t, q_descale, k_descale, v_descale, out, lse, args: AttnArgs) -> None:
+def forward_fp8_sm90(q, k, v_t, q_descale, k_descale, v_descale, out, lse, args: AttnArgs,
+                     tile: Fp8Tile | None = None) -> None:
     """FP8 attention forward on Hopper into ``out`` and ``lse``.
 
     q: float8_e4m3fn (batch, seqlen_q, nheads, d); k: float8_e4m3fn (batch, seqlen_k, nheads_kv, d);
@@ -152,7 +183,8 @@ def forward_fp8_sm90(q, k, v_t, q_descale, k_descale, v_descale, out, lse, args:
     past ``cu_seqlens_q[-1]`` are written as 0 (lse -inf); any offsets keep every read and write inside the
     tensors, bad ones noted in the device error record.
     ``args``: causal/window, softcap and softmax_scale are read; ``fp8_sm90_supported(args, d)`` must be None.
-    d = 64, 128 or 256 (FP8_TILES)."""
+    d = 64, 128 or 256 (FP8_TILES). ``tile``: the head dim's (:func:`fp8_tile`) unless given (an A/B of
+    FP8_CANDIDATES' rows)."""
     varlen = args.varlen
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim = _sizes(q, k, args)
     reason = fp8_sm90_supported(args, head_dim)
@@ -192,9 +224,12 @@ def forward_fp8_sm90(q, k, v_t, q_descale, k_descale, v_descale, out, lse, args:
     if out.stride(-1) != 1 or lse.stride(-1) != 1:
         raise ValueError(f"internal: out and lse need unit stride on their last dim, got {out.stride()} and "
                          f"{lse.stride()}")
-    block_n, stages, two_level = FP8_TILES[head_dim]
+    tile = fp8_tile(head_dim) if tile is None else tile
+    if tile.consumers not in _WS_REGS:
+        raise ValueError(f"tile: consumers must be one of {sorted(_WS_REGS)}, got {tile}")
+    consumer_regs, maxnreg = _WS_REGS[tile.consumers]
     causal = args.window_right >= 0
-    tiles = cdiv(seqlen_q, 2 * QUERY_ROWS) * nheads * batch
+    tiles = cdiv(seqlen_q, tile.consumers * QUERY_ROWS) * nheads * batch
     # Packed sequences: a CTA per tile, as for causal rows; the tiles past a short sequence's rows end at once.
     ctas = configs.ws_ctas(causal or varlen, tiles, configs.sm_count(q.device))
     qk_scale, softcap2 = _score_scale(args)
@@ -211,15 +246,15 @@ def forward_fp8_sm90(q, k, v_t, q_descale, k_descale, v_descale, out, lse, args:
                     stride_om=stride_om, stride_oh=stride_oh, stride_lse_b=stride_lse_b,
                     stride_lse_h=stride_lse_h, seqlen_q=seqlen_q, seqlen_k=seqlen_k, group=nheads // nheads_kv,
                     nheads=nheads, num_tiles=tiles, MASK_LEFT=args.window_left >= 0, MASK_RIGHT=causal,
-                    SOFTCAP=args.softcap > 0, K_BLOCKS=k_descale.dim() == 3, TWO_LEVEL=two_level, STAGES=stages,
-                    CONSUMER_REGS=CONSUMER_REGS, PINGPONG=FP8_PINGPONG[head_dim], IS_VARLEN=varlen,
-                    HAS_SEQUSED=args.seqused_k is not None, num_warps=4, maxnreg=MAXNREG)
+                    SOFTCAP=args.softcap > 0, K_BLOCKS=k_descale.dim() == 3, TWO_LEVEL=tile.two_level,
+                    STAGES=tile.stages, CONSUMER_REGS=consumer_regs, PINGPONG=tile.pingpong, IS_VARLEN=varlen,
+                    HAS_SEQUSED=args.seqused_k is not None, CONSUMERS=tile.consumers, num_warps=4, maxnreg=maxnreg)
 
     key = (tuple((t.shape, t.stride()) for t in (q, k, v_t, q_descale, k_descale, v_descale, out, lse)), q.device,
-           args.window_left, args.window_right, args.softcap > 0, ctas, FP8_TILES[head_dim], FP8_PINGPONG[head_dim],
-           varlen, args.seqused_k is not None, batch, seqlen_q, seqlen_k)
+           args.window_left, args.window_right, args.softcap > 0, ctas, tile, varlen, args.seqused_k is not None,
+           batch, seqlen_q, seqlen_k)
     with on_device(q):
-        _FWD_FP8(key, (ctas, ), dict(**descriptors(q, k, v_t, head_dim), O=out, LSE=lse, Q_DESCALE=q_descale,
-                                     K_DESCALE=k_descale, V_DESCALE=v_descale, qk_scale=qk_scale,
+        _FWD_FP8(key, (ctas, ), dict(**descriptors(q, k, v_t, head_dim, tile.block_n), O=out, LSE=lse,
+                                     Q_DESCALE=q_descale, K_DESCALE=k_descale, V_DESCALE=v_descale, qk_scale=qk_scale,
                                      softcap2=softcap2, **_sequence_tensors(q, args),
                                      ERR=device_errors.record(q.device)), static)

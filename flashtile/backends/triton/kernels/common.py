@@ -54,6 +54,14 @@ def packed_vt_start(k_start, off_b):
 
 
 @triton.jit
+def row_block(row, rows, BLOCK: tl.constexpr):
+    """The block of ``BLOCK`` rows that holds ``row``, at most the last of ``rows`` rows' ``cdiv(rows, BLOCK)``
+    blocks (``rows`` >= 1): a tile's rows past the end (never stored) take that block, not one past a tensor of
+    ``cdiv(rows, BLOCK)`` blocks."""
+    return tl.minimum(row, rows - 1) // BLOCK
+
+
+@triton.jit
 def packed_span(CU_SEQLENS, off_b, total, ERR, ARGUMENT: tl.constexpr, RECORD: tl.constexpr):
     """``(start, end)`` of sequence ``off_b`` of a packed tensor of ``total`` rows, from its offsets: any
     offset below 0, decreasing or past ``total`` is recorded and clamped, so the span lies inside the tensor

@@ -2,7 +2,7 @@
 with float8_e4m3fn Q, K and V and its ``FP8`` switch on.
 
 Per 128-row tile, as there: a producer warp streams K_j and V_j through the TMA, two consumer warpgroups of
-64 query rows each run
+64 query rows (three over 192 rows with fp8.Fp8Tile.consumers = 3, off by default) each run
 
     S = Q8 K8^T                  FP8 wgmma, float32 scores
     s = S * q_descale * k_descale * softmax_scale * log2(e)     (or through softcap's tanh)
@@ -37,7 +37,7 @@ def attn_fwd_sm90_fp8(q_desc, k_desc, vt_desc, O, LSE, Q_DESCALE, K_DESCALE, V_D
                       SEQUSED_K, ERR, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                       K_BLOCKS: gl.constexpr, TWO_LEVEL: gl.constexpr, STAGES: gl.constexpr,
                       CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr,
-                      HAS_SEQUSED: gl.constexpr, num_warps: gl.constexpr):
+                      HAS_SEQUSED: gl.constexpr, CONSUMERS: gl.constexpr, num_warps: gl.constexpr):
     """``q_desc``/``k_desc``: TMA descriptors of the FP8 ``(batch, seqlen, heads, headdim)`` inputs with
     ``[1, 64, 1, HEAD_DIM]`` (one consumer's rows) and ``[1, BLOCK_N, 1, HEAD_DIM]`` tiles; ``vt_desc``: of
     V^T ``(batch, heads_kv, headdim, seqlen_k)`` with ``[1, 1, HEAD_DIM, BLOCK_N]`` tiles. ``O``: bf16
@@ -46,7 +46,9 @@ def attn_fwd_sm90_fp8(q_desc, k_desc, vt_desc, O, LSE, Q_DESCALE, K_DESCALE, V_D
     (``stride_qds_m``/``stride_kds_n``: the block strides, 0 without blocks; ``K_BLOCKS``: K's are per block, read
     per key block); ``qk_scale``: ``softmax_scale * log2(e)``, or ``softmax_scale / softcap`` with
     ``SOFTCAP`` (``softcap2 = softcap * log2(e)``); ``TWO_LEVEL``: O summed in float32 a key block at a time (each
-    block's P V in a zeroed accumulator) instead of on the tensor cores across all keys; ``num_tiles``: batch x heads x 128-row query blocks.
+    block's P V in a zeroed accumulator) instead of on the tensor cores across all keys; ``CONSUMERS``: 2 or 3
+    consumer warpgroups of 64 rows (fp8.Fp8Tile); ``num_tiles``: batch x heads x query blocks of ``CONSUMERS x 64``
+    rows.
 
     ``IS_VARLEN``: packed sequences, ``(1, tokens, heads, d)`` q and k, V^T ``(1, heads_kv, d, tokens_k)``, O ``(1,
     tokens, heads, d)`` (``stride_ob`` 0), LSE ``(heads, tokens)`` (``stride_lse_b`` 0); sequence b's rows from
@@ -57,7 +59,7 @@ def attn_fwd_sm90_fp8(q_desc, k_desc, vt_desc, O, LSE, Q_DESCALE, K_DESCALE, V_D
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
     gl.static_assert(vt_desc.block_type.shape[2] == HEAD_DIM, "V^T tiles are [1, 1, HEAD_DIM, BLOCK_N]")
     gl.static_assert(vt_desc.block_type.shape[3] == BLOCK_N, "V^T tiles are [1, 1, HEAD_DIM, BLOCK_N]")
-    gl.static_assert(2 * q_desc.block_type.shape[1] == DESCALE_BLOCK, "a CTA's tile of Q rows is one descale block")
+    gl.static_assert(DESCALE_BLOCK % q_desc.block_type.shape[1] == 0, "a consumer's Q rows share one descale")
     vt_smem = gl.allocate_shared_memory(vt_desc.dtype, [STAGES, 1, 1, HEAD_DIM, BLOCK_N], vt_desc.layout)
     descales = (Q_DESCALE, stride_qds_b, stride_qds_h, stride_qds_m, K_DESCALE, stride_kds_b, stride_kds_h,
                 stride_kds_n, V_DESCALE, stride_vds_b, stride_vds_h)
@@ -66,4 +68,4 @@ def attn_fwd_sm90_fp8(q_desc, k_desc, vt_desc, O, LSE, Q_DESCALE, K_DESCALE, V_D
                    window_right, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k,
                    group, nheads, num_tiles, descales, (CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K, ERR), (None, None),
                    MASK_LEFT, MASK_RIGHT, SOFTCAP, False, False, False, False, STAGES, CONSUMER_REGS, True, K_BLOCKS,
-                   TWO_LEVEL, PINGPONG, IS_VARLEN, HAS_SEQUSED, False, 2, num_warps)
+                   TWO_LEVEL, PINGPONG, IS_VARLEN, HAS_SEQUSED, False, CONSUMERS, num_warps)

@@ -26,12 +26,13 @@ full rows or causal (the masks are fwd_sm90's, windows included, but the dispatc
 tiles); softcap (``FIXED_MAX``, ``FOLD_SCALE``: as in fwd_sm90, each consumer folds the scale into its own Q rows),
 ALiBi and a sink; no packed sequences or KV cache (the launcher takes fwd_sm90 for those).
 
-``CONSUMERS`` = 3 (16-bit; configs.TileConfig.consumers, FlashAttention-3's 192-row tiles at head dim 64) adds
-consumer 2, rows 128..191: tiles of 192 rows, each K/V slot read by three consumers before its refill (``empty``
-counts 3), so a third less K/V traffic and ring bookkeeping a row. Four warpgroups share 64K registers: the
-consumers take 160 (consumer 0, the one the kernel starts as, 168) and the producer 24. S_j (64 registers at 128
-keys), P_{j-1} in flight and O (32 each at head dim 64) then fill a consumer, so P is made the 16-bit operand as its
-softmax ends (``P_AT_SOFTMAX``), not carried in float32 until its PV product.
+``CONSUMERS`` = 3 (configs.TileConfig.consumers, FlashAttention-3's 192-row tiles at head dim 64; with ``FP8``
+fp8.Fp8Tile.consumers) adds consumer 2, rows 128..191: tiles of 192 rows, each K/V slot read by three consumers
+before its refill (``empty`` counts 3), so a third less K/V traffic and ring bookkeeping a row. Four warpgroups
+share 64K registers: the consumers take 160 (consumer 0, the one the kernel starts as, 168) and the producer 24.
+S_j (64 registers at 128 keys), P_{j-1} in flight and O (32 each at head dim 64; FP8 d128: O 64, P 16) then fill a
+consumer, so P is made the 16-bit (or e4m3) operand as its softmax ends (``P_AT_SOFTMAX``), not carried in
+float32 until its PV product.
 
 ``FP8`` (kernels/fwd_sm90_fp8.py's entry) runs the same partitions on float8_e4m3fn Q, K and V^T: the scores
 take the descales (:func:`_tile_scales`, :func:`_block_scale`), P enters the PV wgmma as e4m3 scaled by
@@ -54,7 +55,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .common import kv_range, packed_vt_start, sequence
+from .common import kv_range, packed_vt_start, row_block, sequence
 from .fwd_sm90 import (_load_qk, _scale_tile, _scores_mma, _softmax_block, _tile, row_parts, row_parts_start,
                        row_start, store_rows, wgmma_layout)
 
@@ -204,16 +205,17 @@ def _release_unread(k_ready, k_empty, v_ready, v_empty, turn, c, STAGES: gl.cons
 
 
 @gluon.jit
-def _tile_scales(descales, off_b, off_hk, start_m, qk_scale, FP8: gl.constexpr, K_BLOCKS: gl.constexpr):
-    """The tile's score scale and output scale. With ``FP8`` ``descales`` holds the pointer and (batch, KV head,
-    block) strides of Q's, K's and V's float32 descales (a block stride 0: one per batch row and KV head): Q K^T
-    of the FP8 inputs times the descales of Q's tile ``start_m`` and of K is the dequantized product (K's per
-    key block, with ``K_BLOCKS``, in :func:`_block_scale`), and O takes ``v_descale`` (P's 448 cancels in O / l)."""
+def _tile_scales(descales, off_b, off_hk, q_block, qk_scale, FP8: gl.constexpr, K_BLOCKS: gl.constexpr):
+    """The consumer's score scale and output scale. With ``FP8`` ``descales`` holds the pointer and (batch, KV
+    head, block) strides of Q's, K's and V's float32 descales (a block stride 0: one per batch row and KV head): Q
+    K^T of the FP8 inputs times the descales of Q's block ``q_block`` (the DESCALE_BLOCK that holds the consumer's
+    rows) and of K is the dequantized product (K's per key block, with ``K_BLOCKS``, in :func:`_block_scale`), and
+    O takes ``v_descale`` (P's 448 cancels in O / l)."""
     if FP8:
         (Q_DESCALE, stride_qds_b, stride_qds_h, stride_qds_m, K_DESCALE, stride_kds_b, stride_kds_h, _, V_DESCALE,
          stride_vds_b, stride_vds_h) = descales
         score_scale = qk_scale * gl.load(Q_DESCALE + off_b * stride_qds_b + off_hk * stride_qds_h
-                                         + start_m * stride_qds_m)
+                                         + q_block * stride_qds_m)
         if not K_BLOCKS:
             score_scale = score_scale * gl.load(K_DESCALE + off_b * stride_kds_b + off_hk * stride_kds_h)
         v_ds = gl.load(V_DESCALE + off_b * stride_vds_b + off_hk * stride_vds_h)
@@ -312,10 +314,13 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     P_SHIFT: gl.constexpr = p_log2(FP8)
     Q_BUFFERS: gl.constexpr = q_smem.shape[0] // CONSUMERS
-    # Three consumers' 160 registers cannot carry P_{j-1} in float32 (64 a thread) beside S_j's 64 and O's 32:
-    # they make P the 16-bit operand as its softmax ends (else PINGPONG does before its turn, the rest as the PV
-    # product is issued).
-    P_AT_SOFTMAX: gl.constexpr = CONSUMERS == 3
+    # Three 16-bit consumers' 160 registers cannot carry P_{j-1} in float32 (64 a thread) beside S_j's 64 and O's
+    # 32: they make P the 16-bit operand as its softmax ends. FP8 P carried from one block to the next as e4m3 would
+    # take a register a byte (64, repacked by 128 PRMTs a block, and spilled): three FP8 consumers carry it in
+    # float32 and make it the operand at the top of the next block, before S_j's registers are taken, as PINGPONG
+    # does before its turn (the rest as the PV product is issued).
+    P_AT_SOFTMAX: gl.constexpr = CONSUMERS == 3 and not FP8
+    P_AT_TOP: gl.constexpr = PINGPONG or (CONSUMERS == 3 and FP8)
     num_m = gl.cdiv(max_seqlen_q, CONSUMERS * BLOCK_M)
     if PINGPONG and WG == CONSUMERS - 1:
         # Consumer 0 takes the first turn.
@@ -350,7 +355,12 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
             if TAIL:
                 q_tail = q_tail_smem.index(qb * CONSUMERS + WG).reshape([BLOCK_M, q_tail_smem.shape[4]])
             off_hk = off_h // group
-            score_scale, out_scale = _tile_scales(descales, off_b, off_hk, start_m, qk_scale, FP8, K_BLOCKS)
+            # The DESCALE_BLOCK of Q rows that holds this consumer's 64: two consumers' tile is one, three's spans two
+            # (the last tile's consumers past the rows take the last block: Q's descales have no block past it).
+            q_block = start_m
+            if CONSUMERS * BLOCK_M != DESCALE_BLOCK:
+                q_block = row_block(first_row, max_seqlen_q, DESCALE_BLOCK)
+            score_scale, out_scale = _tile_scales(descales, off_b, off_hk, q_block, qk_scale, FP8, K_BLOCKS)
             if FOLD_SCALE:
                 # Softcap's scale (at most 1) into this consumer's Q rows: the tanh then takes q . k as it is.
                 _scale_tile(q, qk_scale, 4)
@@ -383,12 +393,12 @@ def _consumer(args, WG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.co
                     block_scale = _block_scale(score_scale, descales, off_b, off_hk, start_n, K_BLOCKS)
                     # S_j = Q K_j^T and O += P_{j-1} V_{j-1} both go to the tensor cores (with PINGPONG P is made
                     # the operand before the turn is taken, so the turn is held only while they are issued)...
-                    p = _p_operand(p, p_layout, dtype, PINGPONG and not P_AT_SOFTMAX)
+                    p = _p_operand(p, p_layout, dtype, P_AT_TOP and not P_AT_SOFTMAX)
                     mbarrier.wait(k_ready.index(s), ph)
                     _take_turn(turn, base + j, WG, PINGPONG)
                     qk = _scores_mma(q, q_tail, k_smem, k_tail_smem, s, s_zero, TAIL)
                     mbarrier.wait(v_ready.index(prev), ph_prev)
-                    acc, pv = _pv_mma(_p_operand(p, p_layout, dtype, not (PINGPONG or P_AT_SOFTMAX)),
+                    acc, pv = _pv_mma(_p_operand(p, p_layout, dtype, not (P_AT_TOP or P_AT_SOFTMAX)),
                                       _v_operand(v_smem, prev, FP8), acc, pv_zero, TWO_LEVEL)
                     _pass_turn(turn, WG, PINGPONG, CONSUMERS)
                     # ...S_j is waited for alone (wgmma groups retire in order), and K_j's slot released.
@@ -564,7 +574,7 @@ def run_partitions(q_desc, k_desc, v_desc, v_smem, O, LSE, SINK, ALIBI_SLOPES, s
     fwd_sm90.py): ``seqs`` holds ``(CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K, ERR)``, ``seqlen_q``/``seqlen_k`` are the
     longest lengths and ``off_b`` of a tile a sequence (:func:`_tile_sequence`). ``TAIL``: ``tail_descs`` holds the
     descriptors of q's and k's last columns (192 = 128 + 64), which get rings of their own beside Q's and K's.
-    ``CONSUMERS``: 2 or 3 consumer warpgroups (3: 16-bit)."""
+    ``CONSUMERS``: 2 or 3 consumer warpgroups."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
@@ -576,8 +586,8 @@ def run_partitions(q_desc, k_desc, v_desc, v_smem, O, LSE, SINK, ALIBI_SLOPES, s
     gl.static_assert(not (FP8 and FOLD_SCALE), "FP8 Q cannot take the scale: it is applied to the scores")
     gl.static_assert(FP8 or not IS_VARLEN, "the keys past a packed sequence are zeroed in V^T's layout (FP8's)")
     gl.static_assert(CONSUMERS == 2 or CONSUMERS == 3, "two or three consumer warpgroups")
-    # FP8's Q descales come a DESCALE_BLOCK (two consumers' rows) at a time.
-    gl.static_assert(CONSUMERS == 2 or not FP8, "three consumers: 16-bit")
+    # FP8's Q descales come a DESCALE_BLOCK at a time: each consumer's rows must lie in one.
+    gl.static_assert(not FP8 or DESCALE_BLOCK % BLOCK_M == 0, "a consumer's Q rows share one descale")
     # One or two Q buffers (this tile's and the next's) of every consumer's rows, and the K ring (V's is
     # given, with as many slots).
     Q_BUFFERS: gl.constexpr = q_buffers(BLOCK_M, HEAD_DIM + TAIL_DIM, dtype.primitive_bitwidth,

@@ -245,7 +245,8 @@ if __name__ == "__main__":
         options = dict(a.split("=") for a in sys.argv[1:] if "=" in a)
         res["knobs"] = []
         for D in (int(d) for d in options.get("D", "128,64").split(",")):
-            off = replace(launch.configs.one_pass_config(D), dq_first=False, dk_rs=False, dq_rows=False)
+            off = replace(launch.configs.one_pass_config(D), dq_first=False, dk_rs=False, dq_rows=False,
+                          s_ahead=False)
             tiles = {name: replace(off, **knobs) for name, knobs in KNOBS.items() if knob_applies(knobs, D)}
             for S in (1024, 4096, 16384):
                 for window in ((-1, -1), (-1, 0)):

@@ -211,8 +211,8 @@ def test_sm90_wide_case_takes_one_pass_knobs(monkeypatch):
 def test_sm90_fused_case_takes_one_pass_knobs(monkeypatch, head_dim, rows):
     """``fused-d64``/``fused-d128``: kernels/bwd_sm90_ws.py through the launcher, its query steps (128 rows at 64),
     the CTA's two 64-key halves and dQ's halves (at 64 by rows: configs.ONE_PASS_DQ_ROWS; at 128 by columns);
-    ``dq_first``/``dk_rs``/``s_ahead`` reach its constexprs (off by default), ``dq_rows=0`` gives 64's dQ column
-    halves."""
+    ``dq_first``/``dk_rs``/``s_ahead`` reach its constexprs (off by default, but ``s_ahead`` at 128:
+    configs.ONE_PASS_S_AHEAD), ``dq_rows=0`` gives 64's dQ column halves."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     from sm90_cases import case
 
@@ -221,7 +221,7 @@ def test_sm90_fused_case_takes_one_pass_knobs(monkeypatch, head_dim, rows):
     tiles = {name: tuple(args[name].block_shape) for name in args if name.endswith("_desc")}
     assert tiles == {"q_desc": (1, rows, 1, head_dim), "k_desc": (1, 64, 1, head_dim), "v_desc": (1, 64, 1, head_dim),
                      "do_desc": (1, rows, 1, head_dim), "dq_desc": (1, 64, 1, 64)}
-    assert (base["DQ_FIRST"], base["DK_RS"], base["S_AHEAD"]) == (False, False, False)
+    assert (base["DQ_FIRST"], base["DK_RS"], base["S_AHEAD"]) == (False, False, head_dim == 128)
     assert options == dict(num_warps=4, maxnreg=168)
     _, _, knobs, _ = case(f"fused-d{head_dim}", True, False, tiles=dict(dq_first=1, dk_rs=1, s_ahead=1))
     assert (knobs["DQ_FIRST"], knobs["DK_RS"], knobs["S_AHEAD"]) == (1, 1, 1)

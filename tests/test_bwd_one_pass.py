@@ -243,13 +243,16 @@ def test_wide_variants(rng, variant, causal, head_dim, head_dim_v):
 # dim's): FA3's order (dQ's product before dK's, dQ staged under dK's), dK's product from registers, both, at head
 # dim 64's 128-row steps dQ split by rows, alone and with the other two (FA3's plan), and at 128 the next step's S^T
 # issued before this step's products are waited on, alone and with FA3's order.
-WS_VARIANTS = {"dq_first": dict(dq_first=True), "dk_rs": dict(dk_rs=True), "both": dict(dq_first=True, dk_rs=True),
-               "dq_rows": dict(dq_rows=True), "fa3": dict(dq_first=True, dk_rs=True, dq_rows=True),
-               "s_ahead": dict(s_ahead=True), "s_ahead-dq_first": dict(s_ahead=True, dq_first=True)}
+# dK's product from registers does not take s_ahead (head dim 128's default): those variants turn it off.
+WS_VARIANTS = {"dq_first": dict(dq_first=True), "dk_rs": dict(dk_rs=True, s_ahead=False),
+               "both": dict(dq_first=True, dk_rs=True, s_ahead=False), "dq_rows": dict(dq_rows=True),
+               "fa3": dict(dq_first=True, dk_rs=True, dq_rows=True, s_ahead=False),
+               "s_ahead": dict(s_ahead=True), "s_ahead-dq_first": dict(s_ahead=True, dq_first=True),
+               "no-s_ahead": dict(s_ahead=False)}
 # (variant, head dim): dq_rows at head dim 64 only, s_ahead at 128 only.
 WS_CASES = [(variant, head_dim) for head_dim in (64, 128) for variant in WS_VARIANTS
             if (head_dim == 64 or "dq_rows" not in WS_VARIANTS[variant])
-            and (head_dim == 128 or "s_ahead" not in WS_VARIANTS[variant])]
+            and (head_dim == 128 or not WS_VARIANTS[variant].get("s_ahead")) and variant != "no-s_ahead"]
 WS_CASE_IDS = [f"{variant}-d{head_dim}" for variant, head_dim in WS_CASES]
 
 
@@ -312,7 +315,7 @@ def test_dq_rows_is_refused_on_64_row_steps(rng, head_dim, options):
                         one_pass=replace(configs.one_pass_config(head_dim), dq_rows=True))
 
 
-@pytest.mark.parametrize("variant", ["default", "s_ahead", "s_ahead-dq_first"])
+@pytest.mark.parametrize("variant", ["no-s_ahead", "s_ahead", "s_ahead-dq_first"])
 @pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal",
                          [(2, 4200, 4200, 2, 2, True), (1, 2048, 2048, 4, 1, False), (1, 1, 1, 1, 1, False),
                           (1, 63, 65, 2, 2, False), (1, 129, 64, 2, 1, True)],
@@ -320,10 +323,9 @@ def test_dq_rows_is_refused_on_64_row_steps(rng, head_dim, options):
 def test_s_ahead(rng, monkeypatch, variant, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal):
     """s_ahead (each step's S^T computed under the previous step's last products; the first before the loop, and
     one after the last step onto a slot nobody reads): walks of one step, of a partial one, and of many (4200 rows:
-    the ring's slots and phases wrap), GQA; out, lse and every gradient to the tolerance rule. ``default`` (no knob)
-    on the same shapes tells a fault of the knob from one of the kernel."""
-    if variant != "default":
-        variant_configs(monkeypatch, variant)
+    the ring's slots and phases wrap), GQA; out, lse and every gradient to the tolerance rule. ``no-s_ahead`` on the
+    same shapes tells a fault of the knob (on by default: configs.ONE_PASS_S_AHEAD) from one of the kernel."""
+    variant_configs(monkeypatch, variant)
     run(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal=causal)
 
 

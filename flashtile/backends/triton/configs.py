@@ -846,15 +846,30 @@ class OnePassConfig:
 # dq_first and dk_rs stay off (same run): at d64 dq_first 0.96-0.99x, dk_rs 0.98-1.00x; at d128 dk_rs 0.95-0.99x,
 # both 0.98-1.01x, dq_first 1.00-1.01x.
 ONE_PASS_DQ_ROWS = True
+# ONE_PASS_S_AHEAD: head dim 128 issues the next step's S^T under this step's last products (s_ahead). sm_90 ptxas
+# (`python benchmarks/sm90_compile.py fused-d128[-alibi|-varlen] [causal] [softcap] [window] s_ahead=1`): no spills
+# in the key loops with every feature (ALiBi's one STL/LDL a step goes), a causal step 597 -> 612 instructions.
+# H200, bf16, the backward alone, 16384 tokens, 16 heads, d128, knob off / on, TFLOP/s, 3 interleaved rounds, each
+# variant's dQ, dK, dV compared with the default's first (benchmarks/bwd_ws.py knobs,
+# results/h200-bwd-one-pass-knobs-2026-11-28-aa81f72.json):
+#   rows                evidence
+#   16 x 1024  full     360 / 366 (1.02x)     causal 249 / 251 (1.01x)
+#   4 x 4096   full     479 / 487 (1.02x)     causal 400 / 407 (1.02x)
+#   1 x 16384  full     516 / 522 (1.01x)     causal 499 / 506 (1.02x)
+# ds_named_barrier (both consumers meet on dS at one named barrier, FA3's) lost in the same run: 0.96-0.97x at d128,
+# 0.97-1.00x of dq_rows at d64 (tried, not kept: docs/design.md).
+ONE_PASS_S_AHEAD = True
 
 
 def one_pass_config(head_dim: int, keys96: bool = False, features: frozenset = frozenset()) -> OnePassConfig:
     """The one-pass backward's knobs at this head dim (``keys96``: the 96-key variant's at 192/128) for a call of
-    ``features`` (whose steps of 128 rows take ``dq_rows``: ONE_PASS_DQ_ROWS)."""
+    ``features`` (whose steps of 128 rows take ``dq_rows``: ONE_PASS_DQ_ROWS; head dim 128 ``s_ahead``:
+    ONE_PASS_S_AHEAD)."""
     if keys96:
         return OnePassConfig(2, ONE_PASS_96_CONSUMER_REGS, ONE_PASS_96_MAXNREG, keys96=True)
     return OnePassConfig(one_pass_stages(head_dim),
-                         dq_rows=ONE_PASS_DQ_ROWS and one_pass_rows(head_dim, features) == 128)
+                         dq_rows=ONE_PASS_DQ_ROWS and one_pass_rows(head_dim, features) == 128,
+                         s_ahead=ONE_PASS_S_AHEAD and head_dim == 128)
 
 
 def one_pass_96_takes(head_dim: int, head_dim_v: int, features: frozenset) -> bool:

@@ -135,7 +135,7 @@ def one_shape(head_dim: int, seqlen: int, causal: bool, rounds: int, use_fp8: bo
     if use_fp8:
         quantized = quant.quantize(q, k, v)
         tiles = fp8_variants(head_dim)
-        row["tiles"] = {name: dict(fp8_tile=fp8.FP8_TILES[head_dim] if tile is None else tile._asdict())
+        row["tiles"] = {name: (fp8.fp8_tile(head_dim, attn) if tile is None else tile)._asdict()
                         for name, tile in tiles.items()}
         calls = {name: lambda tile=tile: fp8_call(quantized, attn, tile) for name, tile in tiles.items()}
     else:

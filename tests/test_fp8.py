@@ -591,7 +591,26 @@ def test_each_quantization_alone(rng, part):
 
 pytestmark_kernel = pytest.mark.skipif(not (HAS_CUDA and testing.HOPPER and _kernel_module() is not None),
                                        reason="needs a Hopper GPU and the Gluon FP8 kernel (backends/triton/fp8.py)")
-# The kernel's FP8_CANDIDATES tiles (off by default), by name and head dim.
+@pytest.mark.skipif(_kernel_module() is None, reason="the Gluon FP8 kernel module does not import here")
+def test_kernel_tile_of_a_call():
+    """fp8_tile: a d256 call without a mask, softcap or packed sequences takes FP8_PLAIN_TILES' 128-key tile; causal,
+    windowed, softcapped and packed calls, and the other head dims, keep FP8_TILES' rows (CPU: no launch)."""
+    kernel = _kernel_module()
+    plain = AttnArgs(softmax_scale=1.0)
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    others = [AttnArgs(softmax_scale=1.0, causal=True, window_right=0), AttnArgs(softmax_scale=1.0, window_left=64),
+              AttnArgs(softmax_scale=1.0, window_right=64), AttnArgs(softmax_scale=1.0, softcap=30.0),
+              AttnArgs(softmax_scale=1.0, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=5, max_seqlen_k=5)]
+    assert kernel.fp8_tile(256, plain) == kernel.FP8_CANDIDATES["n128"][256] == (128, 2, False, True, 2)
+    assert kernel.fp8_tile(256) == (64, 2, False, True, 2)
+    for args in others:
+        assert kernel.fp8_tile(256, args) == kernel.fp8_tile(256), args
+    for head_dim in (64, 128):
+        assert kernel.fp8_tile(head_dim, plain) == kernel.fp8_tile(head_dim) == (
+            *kernel.FP8_TILES[head_dim], kernel.FP8_PINGPONG[head_dim], 2)
+
+
+# The kernel's FP8_CANDIDATES tiles (n128 runs plain d256 calls: FP8_PLAIN_TILES; c3 is off), by name and head dim.
 KERNEL_CANDIDATES = [(name, head_dim) for name, tiles in getattr(_kernel_module(), "FP8_CANDIDATES", {}).items()
                      for head_dim in tiles]
 
@@ -725,10 +744,10 @@ def test_kernel_varlen_fp8_func(rng, lengths_q, lengths_k, mode, block_quant, he
 @pytest.mark.parametrize("lengths_q,lengths_k", VARLEN_LENGTHS)
 @pytest.mark.parametrize("mode", ["full", "causal", "window-both"])
 def test_kernel_varlen_fp8_candidate_tiles(monkeypatch, rng, name, head_dim, lengths_q, lengths_k, mode):
-    """The kernel's FP8_CANDIDATES tiles (off by default: forced here as the head dim's tile) on packed sequences
+    """The kernel's FP8_CANDIDATES tiles (forced here as the head dim's tile, packed calls' too) on packed sequences
     with per-block descales: each sequence's 192-row tiles of three consumers read their rows' descale blocks."""
     kernel = _kernel_module()
-    monkeypatch.setattr(kernel, "fp8_tile", lambda d: kernel.FP8_CANDIDATES[name][d])
+    monkeypatch.setattr(kernel, "fp8_tile", lambda d, args=None: kernel.FP8_CANDIDATES[name][d])
     _check_varlen_kernel(rng, lengths_q, lengths_k, mode, True, head_dim)
 
 

@@ -118,7 +118,8 @@ def check(out, lse, deq, causal=False, window=(-1, -1), softcap=0.0):
 
 MODES = {"full": {}, "causal": dict(causal=True), "window": dict(window=(256, 0)), "softcap": dict(softcap=30.0),
          "causal-softcap": dict(causal=True, softcap=30.0)}
-# fp8.FP8_CANDIDATES' tiles (off by default), each forced by name and head dim.
+# fp8.FP8_CANDIDATES' tiles (n128 runs plain d256 calls: fp8.FP8_PLAIN_TILES; c3 is off), each forced by name
+# and head dim.
 CANDIDATES = [pytest.param(name, head_dim, id=f"{name}-d{head_dim}") for name, tiles in fp8.FP8_CANDIDATES.items()
               for head_dim in tiles]
 

@@ -69,13 +69,18 @@ class Fp8Tile(NamedTuple):
     consumers: int = 2
 
 
-def fp8_tile(head_dim: int) -> Fp8Tile:
-    """The tile the kernel runs at ``head_dim``: FP8_TILES' and FP8_PINGPONG's rows, two consumers."""
+def fp8_tile(head_dim: int, args: AttnArgs | None = None) -> Fp8Tile:
+    """The tile the kernel runs at ``head_dim``: FP8_TILES' and FP8_PINGPONG's rows, two consumers; a call (``args``)
+    without a mask, softcap or packed sequences takes FP8_PLAIN_TILES' row where its head dim has one."""
+    plain = (args is not None and args.window_left < 0 and args.window_right < 0 and args.softcap == 0
+             and not args.varlen)
+    if plain and head_dim in FP8_PLAIN_TILES:
+        return FP8_PLAIN_TILES[head_dim]
     return Fp8Tile(*FP8_TILES[head_dim], FP8_PINGPONG[head_dim])
 
 
 # Tiles that may overlap the exponentials with the FP8 products better (Nsight Compute, d128 16k: tensor pipe 44%,
-# MUFU 46%, their sum about one), off until a GPU A/B (benchmarks/gluon_ws_heads.py --fp8 times each beside
+# MUFU 46%, their sum about one), chosen by a GPU A/B (benchmarks/gluon_ws_heads.py --fp8 times each beside
 # fp8_tile's; forward_fp8_sm90(tile=...) runs one). sm_90 ptxas (`python benchmarks/sm90_compile.py fwd-fp8[-d64|
 # -d256] knob=value`), SASS of an unmasked key block per consumer warp, spills in the key loop:
 #   c3    three consumers, 192-row tiles at 160 registers (FA3's FP8 d64 tile is 192 x 160). d64 one-level, four
@@ -86,8 +91,18 @@ def fp8_tile(head_dim: int) -> Fp8Tile:
 #         at 64 keys), 2 scalar STL and LDL in the loop, 197 KB; with per-block K descales (quant.quantize's default,
 #         so the A/B's) 3 STL a consumer's full-row loop, 17 and 30 its causal loops (the default d256 tile: 0).
 #         d128 with 256-key slots (FA3's is 224) spills 20 STL and serializes its wgmmas: not a candidate.
+# H200, bf16 inputs quantized beforehand, FP8 kernel TFLOP/s, default / candidate, 2 interleaved rounds, outputs
+# checked first (`python benchmarks/gluon_ws_heads.py --fp8 --dims 128 256 --seqlens 4096 16384`,
+# results/h200-gluon-ws-heads-fp8-2026-11-28-aa81f72.json):
+#   c3    d128 4x4096 full 725 / 706, causal 559 / 546; 1x16384 full 825 / 788, causal 783 / 726 (0.93-0.98x): off
+#   n128  d256 4x4096 full 854 / 940, causal 677 / 273; 1x16384 full 969 / 1064, causal 925 / 952: plain calls
+#         (FP8_PLAIN_TILES), where its loops keep their 3 STL; causal ones keep the default tile
 FP8_CANDIDATES = {"c3": {64: Fp8Tile(128, 4, False, False, 3), 128: Fp8Tile(64, 4, False, True, 3)},
                   "n128": {256: Fp8Tile(128, 2, False, True)}}
+# FP8_PLAIN_TILES: calls with no mask, no softcap and no packed sequences, by head dim (fp8_tile). d256: n128 above,
+# 1.10x at 4k and 16k. Softcap (2-5 STL a consumer's loop) and packed sequences (6, 13 with softcap) spill more and
+# were not measured: they keep FP8_TILES' row.
+FP8_PLAIN_TILES = {256: FP8_CANDIDATES["n128"][256]}
 
 
 
@@ -183,7 +198,7 @@ def forward_fp8_sm90(q, k, v_t, q_descale, k_descale, v_descale, out, lse, args:
     past ``cu_seqlens_q[-1]`` are written as 0 (lse -inf); any offsets keep every read and write inside the
     tensors, bad ones noted in the device error record.
     ``args``: causal/window, softcap and softmax_scale are read; ``fp8_sm90_supported(args, d)`` must be None.
-    d = 64, 128 or 256 (FP8_TILES). ``tile``: the head dim's (:func:`fp8_tile`) unless given (an A/B of
+    d = 64, 128 or 256 (FP8_TILES). ``tile``: the call's (:func:`fp8_tile`) unless given (an A/B of
     FP8_CANDIDATES' rows)."""
     varlen = args.varlen
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim = _sizes(q, k, args)
@@ -224,7 +239,7 @@ def forward_fp8_sm90(q, k, v_t, q_descale, k_descale, v_descale, out, lse, args:
     if out.stride(-1) != 1 or lse.stride(-1) != 1:
         raise ValueError(f"internal: out and lse need unit stride on their last dim, got {out.stride()} and "
                          f"{lse.stride()}")
-    tile = fp8_tile(head_dim) if tile is None else tile
+    tile = fp8_tile(head_dim, args) if tile is None else tile
     if tile.consumers not in _WS_REGS:
         raise ValueError(f"tile: consumers must be one of {sorted(_WS_REGS)}, got {tile}")
     consumer_regs, maxnreg = _WS_REGS[tile.consumers]

@@ -79,11 +79,14 @@ def families():
 
 
 def fp8():
-    """The fused FP8 quantize and the Gluon FP8 forward, dense and packed (sequences starting off 16-key
-    boundaries: packed V^T's gaps, rows past the last sequence), and decode steps on an e4m3 cache (two KV heads a
-    program, split-KV) with appends."""
+    """The fused FP8 quantize and the Gluon FP8 forward, dense (d128 causal, d256 full) and packed (sequences
+    starting off 16-key boundaries: packed V^T's gaps, rows past the last sequence), and decode steps on an e4m3
+    cache (two KV heads a program, split-KV) with appends."""
     q, k, v = (randn(2, 1100, 4, 128) for _ in range(3))
     flashtile.flash_attn_fp8_func(q, k, v, causal=True)
+    # d256 without a mask: two 128-key slots (fp8.FP8_PLAIN_TILES), the last key block partial.
+    q, k, v = (randn(2, 1100, 2, 256) for _ in range(3))
+    flashtile.flash_attn_fp8_func(q, k, v)
     lengths = [300, 7, 1000, 77]
     cu = int32([0] + torch.tensor(lengths).cumsum(0).tolist())
     q, k, v = (randn(sum(lengths) + 5, 4, 128) for _ in range(3))

@@ -247,22 +247,21 @@ def test_wide_variants(rng, variant, causal, head_dim, head_dim_v):
 WS_VARIANTS = {"dq_first": dict(dq_first=True), "dk_rs": dict(dk_rs=True, s_ahead=False),
                "both": dict(dq_first=True, dk_rs=True, s_ahead=False), "dq_rows": dict(dq_rows=True),
                "fa3": dict(dq_first=True, dk_rs=True, dq_rows=True, s_ahead=False),
-               "s_ahead": dict(s_ahead=True), "s_ahead-dq_first": dict(s_ahead=True, dq_first=True),
-               "no-s_ahead": dict(s_ahead=False)}
+               "s_ahead": dict(s_ahead=True), "s_ahead-dq_first": dict(s_ahead=True, dq_first=True)}
 # (variant, head dim): dq_rows at head dim 64 only, s_ahead at 128 only.
 WS_CASES = [(variant, head_dim) for head_dim in (64, 128) for variant in WS_VARIANTS
             if (head_dim == 64 or "dq_rows" not in WS_VARIANTS[variant])
-            and (head_dim == 128 or not WS_VARIANTS[variant].get("s_ahead")) and variant != "no-s_ahead"]
+            and (head_dim == 128 or not WS_VARIANTS[variant].get("s_ahead"))]
 WS_CASE_IDS = [f"{variant}-d{head_dim}" for variant, head_dim in WS_CASES]
 
 
-def variant_configs(monkeypatch, variant: str) -> None:
-    """Make every one-pass call at head dims 64 and 128 run with ``variant``'s knobs (over the default's)."""
+def variant_configs(monkeypatch, knobs: dict) -> None:
+    """Make every one-pass call at head dims 64 and 128 run with ``knobs`` (OnePassConfig fields over the default's)."""
     from dataclasses import replace
 
     default = configs.one_pass_config
     monkeypatch.setattr(configs, "one_pass_config", lambda head_dim, keys96=False, features=frozenset(): replace(
-        default(head_dim, keys96, features), **WS_VARIANTS[variant]))
+        default(head_dim, keys96, features), **knobs))
 
 
 @pytest.mark.parametrize("variant, head_dim", WS_CASES, ids=WS_CASE_IDS)
@@ -272,7 +271,7 @@ def variant_configs(monkeypatch, variant: str) -> None:
 def test_ws_variants(rng, monkeypatch, variant, head_dim, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal):
     """The knobs through the public API (d64: 128-row steps): out, lse and every gradient to the tolerance rule on
     partial blocks, rows that see no key, GQA groups of 1 to 4."""
-    variant_configs(monkeypatch, variant)
+    variant_configs(monkeypatch, WS_VARIANTS[variant])
     run(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal=causal, head_dim=head_dim,
         kernel="one-pass BM128" if head_dim == 64 else ONE_PASS)
 
@@ -287,7 +286,7 @@ def test_ws_variants_features(rng, monkeypatch, variant, head_dim, options):
     rows_split = "dq_rows" in WS_VARIANTS[variant]
     if rows_split and "softcap" in options:
         pytest.skip("softcap takes 64-row steps, which dq_rows does not split")
-    variant_configs(monkeypatch, variant)
+    variant_configs(monkeypatch, WS_VARIANTS[variant])
     options = dict(options)
     if options.pop("alibi", False):
         options["alibi_slopes"] = (2.0 ** (-8.0 * torch.arange(1, 5) / 4)).to("cuda")
@@ -315,7 +314,12 @@ def test_dq_rows_is_refused_on_64_row_steps(rng, head_dim, options):
                         one_pass=replace(configs.one_pass_config(head_dim), dq_rows=True))
 
 
-@pytest.mark.parametrize("variant", ["no-s_ahead", "s_ahead", "s_ahead-dq_first"])
+# test_s_ahead's variants: the knob on, with FA3's order, and off (on by default at 128: configs.ONE_PASS_S_AHEAD).
+S_AHEAD_VARIANTS = {"no-s_ahead": dict(s_ahead=False), "s_ahead": WS_VARIANTS["s_ahead"],
+                    "s_ahead-dq_first": WS_VARIANTS["s_ahead-dq_first"]}
+
+
+@pytest.mark.parametrize("variant", list(S_AHEAD_VARIANTS))
 @pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal",
                          [(2, 4200, 4200, 2, 2, True), (1, 2048, 2048, 4, 1, False), (1, 1, 1, 1, 1, False),
                           (1, 63, 65, 2, 2, False), (1, 129, 64, 2, 1, True)],
@@ -325,7 +329,7 @@ def test_s_ahead(rng, monkeypatch, variant, batch, seqlen_q, seqlen_k, nheads, n
     one after the last step onto a slot nobody reads): walks of one step, of a partial one, and of many (4200 rows:
     the ring's slots and phases wrap), GQA; out, lse and every gradient to the tolerance rule. ``no-s_ahead`` on the
     same shapes tells a fault of the knob (on by default: configs.ONE_PASS_S_AHEAD) from one of the kernel."""
-    variant_configs(monkeypatch, variant)
+    variant_configs(monkeypatch, S_AHEAD_VARIANTS[variant])
     run(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal=causal)
 
 
